@@ -1,0 +1,224 @@
+"""The frozen configuration tree: what the model is (ModelConfig) and how the engine runs it (EngineConfig).
+
+Both are built once (from a Hugging Face config.json / a preset, and from CLI flags or LLM keyword arguments)
+and never mutated. Values derived at run time (number of KV pages, EOS ids, ...) live in runtime state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+# Published Qwen3-MoE configs (Hugging Face config.json of the releases); weights come from --load-format dummy.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1, hidden_act="silu",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-235b-a22b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1, hidden_act="silu",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+}
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that Moebius cannot serve."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of a Qwen3-MoE model (the fields of `Qwen3MoeConfig` that the math uses)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP layers
+    moe_intermediate_size: int  # one expert
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
+        """Build from a config.json dict; raise ConfigError naming what is unsupported."""
+        archs = hf.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
+                f"Moebius serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"unsupported hidden_act {act!r}; Qwen3-MoE uses 'silu'")
+        # transformers 4.x writes rope_theta/rope_scaling, 5.x writes rope_parameters.
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
+        if kind != "default":
+            raise ConfigError(f"unsupported rope scaling {kind!r}; only plain RoPE (rope_scaling = null) is supported")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        if hf.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention (use_sliding_window = true) is not supported")
+        layers = hf["num_hidden_layers"]
+        if num_layers is not None:
+            if not 1 <= num_layers <= layers:
+                raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
+            layers = num_layers
+        heads = hf["num_attention_heads"]
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+        cfg = cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf.get("intermediate_size", 0),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+            num_experts=num_experts,
+            top_k=hf.get("num_experts_per_tok", 1),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+        )
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_path(cls, path: str, num_layers: int | None = None) -> ModelConfig:
+        return cls.from_hf(read_hf_config(path), num_layers)
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                              f"{self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even for RoPE")
+        if any(self.is_moe_layer(i) for i in range(self.num_layers)):
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("moe_intermediate_size must be positive for MoE layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Same rule as transformers' Qwen3MoeDecoderLayer."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """config.json of a local model directory, or a clear error."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path {path!r} is not a directory (nor a preset: {', '.join(sorted(PRESETS))})")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(f"{path!r} has no config.json; is it a Hugging Face model directory?")
+    with open(cfg_file) as f:
+        return json.load(f)
+
+
+def _flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine flag. CLI flags are these names with dashes; LLM(...) takes them as keyword arguments."""
+
+    model: str | None = _flag(None, "local Hugging Face model directory, or a preset name "
+                              f"({', '.join(sorted(PRESETS))}) with --load-format dummy; "
+                              "default: the small built-in model (random weights, meaningless text)")
+    tokenizer: str | None = _flag(None, "directory with tokenizer.json (default: the model directory)")
+    load_format: str = _flag("auto", "auto: safetensors from the model directory; dummy: random weights of the "
+                             "right shapes created on the device", ("auto", "safetensors", "dummy"))
+    num_layers: int | None = _flag(None, "keep only the first N decoder layers (for benchmarking cut shapes)")
+    dtype: str = _flag("auto", "weight/activation/KV dtype; auto = bfloat16 on GPU, float32 on CPU",
+                       ("auto", "bfloat16", "float16", "float32"))
+    device: str = _flag("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
+    seed: int = _flag(0, "engine seed: dummy weights and the seeds of requests that give none")
+    block_size: int = _flag(16, "tokens per KV-cache page")
+    max_model_len: int | None = _flag(None, "longest sequence (prompt + output); default: the model's "
+                                      "max_position_embeddings")
+    max_num_batched_tokens: int = _flag(2048, "token budget of one step (prefill chunks + decodes)")
+    max_running_requests: int = _flag(256, "most requests decoding at once on a rank")
+    max_total_tokens: int | None = _flag(None, "KV-cache capacity in tokens per rank; default: from --mem-fraction "
+                                         "on GPU, 65536 on CPU")
+    mem_fraction: float = _flag(0.85, "fraction of GPU memory for the unified buffer (weights + KV cache)")
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_running_requests <= 0:
+            raise ConfigError(f"max_running_requests must be positive, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.block_size:
+            raise ConfigError(f"max_total_tokens {self.max_total_tokens} is smaller than one block "
+                              f"({self.block_size} tokens)")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(names)}")
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            if f.name in kwargs and choices and kwargs[f.name] not in choices:
+                raise ConfigError(f"{f.name}={kwargs[f.name]!r} is not one of {list(choices)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
+            group.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                               help=f"{f.metadata['help']} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,227 @@
+"""The front end of the engine: validates and tokenizes requests, assigns seeds, builds each step's plan, drives
+the ranks, and assembles their token deltas into per-request outputs (text, timings, n samples).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
+from moebius.engine.request import RequestSpec
+from moebius.engine.worker import StepPlan, TokenDelta, Worker, WorkerSpec
+from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
+from moebius.outputs import CompletionOutput, RequestOutput
+from moebius.sampling_params import SamplingParams
+from moebius.tokenizer import IncrementalDetokenizer, Tokenizer, load_generation_eos
+
+log = logging.getLogger("moebius")
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Sample:
+    """Front-end state of one sample (one rank-side request)."""
+
+    out: CompletionOutput
+    detok: IncrementalDetokenizer | None
+
+
+@dataclass
+class _FrontRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[_Sample]
+    prompt_logits: torch.Tensor | None = None
+    updated: bool = False
+    children: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.samples)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.out for s in self.samples],
+                             self.finished, self.arrival_time, self.prompt_logits)
+
+
+def _child_seed(seed: int, index: int) -> int:
+    return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index) & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What the flags name: the model config, where weights come from, and the tokenizer."""
+
+    config: ModelConfig
+    checkpoint: str | None
+    tokenizer: Tokenizer | None
+    tokenizer_dir: str | None
+    builtin_tokenizer: bool
+    eos_token_ids: tuple[int, ...]
+    is_builtin: bool
+
+
+def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
+    name = ecfg.model
+    if name is None:
+        tok = Tokenizer.builtin()
+        return ResolvedModel(ModelConfig.from_hf(builtin_hf_config(), ecfg.num_layers), None, tok, None, True,
+                             tok.eos_token_ids, True)
+    if name in PRESETS and not os.path.isdir(name):
+        if ecfg.load_format != "dummy":
+            raise ConfigError(f"preset {name!r} has no weights on disk; pass --load-format dummy")
+        tok = Tokenizer.from_dir(ecfg.tokenizer) if ecfg.tokenizer else Tokenizer.builtin()
+        return ResolvedModel(ModelConfig.from_hf(PRESETS[name], ecfg.num_layers), None, tok, ecfg.tokenizer,
+                             ecfg.tokenizer is None, tok.eos_token_ids, False)
+    hf = read_hf_config(name)
+    cfg = ModelConfig.from_hf(hf, ecfg.num_layers)
+    tok_dir = ecfg.tokenizer or (name if os.path.isfile(os.path.join(name, "tokenizer.json")) else None)
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
+    eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
+    checkpoint = None if ecfg.load_format == "dummy" else name
+    return ResolvedModel(cfg, checkpoint, tok, tok_dir, False, eos, False)
+
+
+class EngineCore:
+    def __init__(self, ecfg: EngineConfig) -> None:
+        self.config = ecfg
+        resolved = resolve_model(ecfg)
+        self.model_config = cfg = resolved.config
+        self.tokenizer = resolved.tokenizer
+        if resolved.is_builtin:
+            log.warning(BUILTIN_NOTICE)
+        device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = ecfg.dtype if ecfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        self.max_model_len = ecfg.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                              f"{cfg.max_position_embeddings}")
+        self.worker = Worker(WorkerSpec(
+            engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
+            eos_token_ids=resolved.eos_token_ids, tokenizer_dir=resolved.tokenizer_dir,
+            use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len))
+        self.device, self.dtype = device, dtype
+        self.eos_token_ids = resolved.eos_token_ids
+        self._rng = random.Random(ecfg.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, _FrontRequest] = {}
+        self._child_to_parent: dict[str, tuple[_FrontRequest, int]] = {}
+        self._pending = StepPlan()
+
+    # ---- requests ----
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (the model directory has no tokenizer.json); "
+                                 "pass token ids or --tokenizer")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("prompt is empty after tokenization")
+            return prompt, ids
+        if not isinstance(prompt, list | tuple):
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty (no token ids)")
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {V})")
+        return None, ids
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Check one request without admitting it; returns (prompt text, prompt token ids)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        limit = min(self.max_model_len, self.worker.kv_capacity)
+        if len(ids) >= limit:
+            what = "max_model_len" if limit == self.max_model_len else "KV-cache capacity"
+            raise ValueError(f"prompt has {len(ids)} tokens; the {what} is {limit} tokens, which leaves no room "
+                             f"for output")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
+        return text, ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    validated: tuple[str | None, list[int]] | None = None) -> str:
+        params = params if params is not None else SamplingParams()
+        text, ids = validated or self.validate(prompt, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        limit = min(self.max_model_len, self.worker.kv_capacity)
+        fr = _FrontRequest(rid, text, ids, params, time.perf_counter(), [])
+        for i in range(params.n):
+            child = rid if params.n == 1 else f"{rid}#{i}"
+            detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                     if self.tokenizer is not None else None)
+            fr.samples.append(_Sample(CompletionOutput(i, [], "", None), detok))
+            fr.children.append(child)
+            self._child_to_parent[child] = (fr, i)
+            self._pending.new.append(RequestSpec(child, ids, params, _child_seed(base_seed, i), limit))
+        self._requests[rid] = fr
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        fr = self._requests.get(request_id)
+        if fr is None or fr.finished:
+            return
+        self._pending.aborts += fr.children
+
+    def has_unfinished(self) -> bool:
+        return any(not fr.finished for fr in self._requests.values())
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        plan, self._pending = self._pending, StepPlan()
+        deltas = self.worker.step(plan)
+        now = time.perf_counter()
+        touched: dict[str, _FrontRequest] = {}
+        for d in deltas:
+            self._apply(d, now, touched)
+        outs = [fr.output() for fr in touched.values()]
+        for fr in touched.values():
+            if fr.finished:
+                del self._requests[fr.request_id]
+                for c in fr.children:
+                    del self._child_to_parent[c]
+        return outs
+
+    def _apply(self, d: TokenDelta, now: float, touched: dict[str, _FrontRequest]) -> None:
+        fr, i = self._child_to_parent[d.request_id]
+        s = fr.samples[i]
+        out = s.out
+        out.token_ids += d.new_token_ids
+        out.token_times += [now] * len(d.new_token_ids)
+        if s.detok is not None:
+            out.text += "".join(s.detok.append(t) for t in d.new_token_ids)
+        if d.finish_reason is not None:
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+            if s.detok is not None:
+                out.text += s.detok.finish()
+            if isinstance(d.stop_reason, str):
+                cut = out.text.find(d.stop_reason)
+                if cut >= 0:
+                    out.text = out.text[: cut + (len(d.stop_reason) if fr.params.include_stop_str_in_output else 0)]
+        if d.prompt_logits is not None and i == 0:
+            fr.prompt_logits = d.prompt_logits
+        touched[fr.request_id] = fr
+
+    def kv_stats(self) -> dict[str, int]:
+        a = self.worker.allocator
+        return {"free_tokens": a.free_tokens, "total_tokens": a.total_tokens}

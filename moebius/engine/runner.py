@@ -1,0 +1,139 @@
+"""Runs one scheduled batch through the model on a rank: metadata into the static buffers, forward, sample.
+
+Host work is O(batch): one pass over the scheduled chunks builds flat index arrays; everything per token or per
+layer is done in batched device ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moebius.config import ModelConfig
+from moebius.engine.scheduler import ScheduledChunk
+from moebius.layers.attention import AttentionMetadata
+from moebius.layers.sampler import SamplingBatch, sample
+from moebius.memory.umm import MemoryPlan, UnifiedMemory
+from moebius.model import qwen3_moe
+from moebius.model.qwen3_moe import ModelWeights
+from moebius.parallel.dispatch import Communicator
+
+
+@dataclass
+class StaticBuffers:
+    """Per-mode batch metadata at fixed addresses (views of the unified buffer), so graphs can replay them."""
+
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+    slot_mapping: torch.Tensor  # [max_tokens] int64
+    token_seq: torch.Tensor  # [max_tokens] int64
+    token_qpos: torch.Tensor  # [max_tokens] int64
+    query_start_loc: torch.Tensor  # [max_seqs + 1] int64
+    seq_lens: torch.Tensor  # [max_seqs] int64
+    block_tables: torch.Tensor  # [max_seqs, max_pages] int32
+
+    FIELDS = (("input_ids", 0), ("positions", 0), ("slot_mapping", 0), ("token_seq", 0), ("token_qpos", 0),
+              ("query_start_loc", 1), ("seq_lens", 2))
+
+    @staticmethod
+    def plan(plan: MemoryPlan, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> None:
+        for name, kind in StaticBuffers.FIELDS:
+            n = (max_tokens, max_seqs + 1, max_seqs)[kind]
+            plan.add(f"{prefix}.{name}", (n,), torch.int64)
+        plan.add(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
+
+    @staticmethod
+    def build(umm: UnifiedMemory, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> StaticBuffers:
+        views = {}
+        for name, kind in StaticBuffers.FIELDS:
+            n = (max_tokens, max_seqs + 1, max_seqs)[kind]
+            views[name] = umm.view(f"{prefix}.{name}", (n,), torch.int64)
+        views["block_tables"] = umm.view(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
+        return StaticBuffers(**views)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor], comm: Communicator,
+                 bufs: StaticBuffers, block_size: int, device: torch.device) -> None:
+        self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
+        self.bufs, self.block_size, self.device = bufs, block_size, device
+
+    def _metadata(self, batch: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
+        bs, buf = self.block_size, self.bufs
+        B = len(batch)
+        lens = np.fromiter((c.num_tokens for c in batch), dtype=np.int64, count=B)
+        starts = np.fromiter((c.start for c in batch), dtype=np.int64, count=B)
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        T = int(qsl[-1])
+        token_seq = np.repeat(np.arange(B, dtype=np.int64), lens)
+        token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
+        positions = starts[token_seq] + token_qpos
+        ids = np.fromiter((t for c in batch for t in c.req.tokens(c.start, c.start + c.num_tokens)),
+                          dtype=np.int64, count=T)
+        max_pages = max(len(c.req.pages) for c in batch)
+        table = np.zeros((B, max_pages), dtype=np.int32)
+        for b, c in enumerate(batch):
+            table[b, : len(c.req.pages)] = c.req.pages
+        slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = starts + lens
+
+        def put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+            view = dst[: src.shape[0]] if src.ndim == 1 else dst[: src.shape[0], : src.shape[1]]
+            view.copy_(torch.from_numpy(src), non_blocking=True)
+            return view
+
+        meta = AttentionMetadata(
+            positions=put(buf.positions, positions), slot_mapping=put(buf.slot_mapping, slots),
+            query_start_loc=put(buf.query_start_loc, qsl), seq_lens=put(buf.seq_lens, seq_lens),
+            block_tables=put(buf.block_tables, table), token_seq=put(buf.token_seq, token_seq),
+            token_qpos=put(buf.token_qpos, token_qpos), max_query_len=int(lens.max()),
+            max_seq_len=int(seq_lens.max()), block_size=bs)
+        return put(buf.input_ids, ids), meta
+
+    def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]]
+                ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """Run the batch; return the sampled token of each sampling chunk (in batch order) and, for chunks that
+        asked for prompt logits, their [n, V] float32 logits keyed by batch index.
+
+        stop_masks: (sampling-row, token ids) whose logits are forbidden this step (min_tokens).
+        """
+        ids, meta = self._metadata(batch)
+        hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
+        qsl = meta.query_start_loc.tolist()
+        rows = [qsl[b + 1] - 1 for b, c in enumerate(batch) if c.samples]
+        prompt_logits: dict[int, torch.Tensor] = {}
+        for b, c in enumerate(batch):
+            if c.req.wants_prompt_logits:
+                # positions not collected yet (a preempted request recomputes ones it already has)
+                lo = max(c.start, sum(x.shape[0] for x in c.req.prompt_logits))
+                hi = min(c.start + c.num_tokens, c.req.num_prompt)
+                if hi > lo:
+                    h = hidden[qsl[b] + lo - c.start: qsl[b] + hi - c.start]
+                    prompt_logits[b] = qwen3_moe.logits(h, self.weights).float().cpu()
+        if not rows:
+            return [], prompt_logits
+        logits = qwen3_moe.logits(hidden[rows], self.weights).float()
+        for row, banned in stop_masks:
+            logits[row, banned] = float("-inf")
+        reqs = [c.req for c in batch if c.samples]
+        sb = self._sampling_batch(reqs)
+        return sample(logits, sb).tolist(), prompt_logits
+
+    def _sampling_batch(self, reqs: list) -> SamplingBatch:
+        V = self.cfg.vocab_size
+        temp = [r.params.temperature for r in reqs]
+        top_k = [r.params.top_k if r.params.top_k > 0 else V for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+
+        def dev(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        return SamplingBatch(
+            temperature=dev(temp, torch.float32), top_k=dev(top_k, torch.int64), top_p=dev(top_p, torch.float32),
+            seeds=dev([r.spec.seed for r in reqs], torch.int64),
+            steps=dev([len(r.output_token_ids) for r in reqs], torch.int64),
+            all_greedy=all(t == 0 for t in temp), any_top_k=any(k < V for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p))

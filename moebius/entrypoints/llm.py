@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model=..., **engine_flags).generate(prompts, SamplingParams(...))`, plus a step-level
+interface (add_request / step / abort / has_unfinished) for drivers that interleave their own work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore, Prompt
+from moebius.outputs import RequestOutput
+from moebius.sampling_params import SamplingParams
+
+
+class LLM:
+    """A Moebius engine in this process. Every engine flag (see `moebius generate --help`) is a keyword argument,
+    with underscores for dashes: `LLM(model=path, dtype="float32", device="cpu", block_size=16)`."""
+
+    def __init__(self, model: str | None = None, **engine_flags: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_flags)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    # ---- batch API ----
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. A bad prompt raises before any is admitted."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text, or a list of token ids)
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                checked.append(self.engine.validate(p, sp))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.add_request(p, sp, validated=c) for p, sp, c in zip(prompts, params, checked, strict=True)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template (the model directory has no tokenizer.json)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]  # type: ignore
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    # ---- step-level API ----
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Admit one request (ValueError for bad input; nothing else is affected); returns its id."""
+        return self.engine.add_request(prompt, sampling_params, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; outputs of the requests that got tokens or finished in it."""
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def kv_stats(self) -> dict[str, int]:
+        return self.engine.kv_stats()

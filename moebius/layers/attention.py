@@ -1,0 +1,58 @@
+"""Paged causal attention with GQA over a flat batch of variable-length chunks (prefill chunks and decodes mixed).
+
+This is the torch reference path (CPU and tests); it reads the block tables directly. Fast kernels will share
+`AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch: B sequences contributing T new tokens in total (the tokens of sequence b are contiguous)."""
+
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, page * block_size + offset where each new token's K/V is written
+    query_start_loc: torch.Tensor  # [B + 1] int64, prefix sums of new tokens per sequence
+    seq_lens: torch.Tensor  # [B] int64, tokens in each sequence's KV after this step
+    block_tables: torch.Tensor  # [B, max_pages] int32, page ids of each sequence (padding is page 0)
+    token_seq: torch.Tensor  # [T] int64, sequence index of each new token
+    token_qpos: torch.Tensor  # [T] int64, index of each new token within its sequence's chunk
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store this step's keys/values in their pages. cache: [pages, 2, block_size, kv_heads, head_dim]."""
+    page = meta.slot_mapping // meta.block_size
+    off = meta.slot_mapping % meta.block_size
+    cache[page, 0, off] = k_THd
+    cache[page, 1, off] = v_THd
+
+
+def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d]."""
+    T, H, d = q_THd.shape
+    B, L, Q = meta.seq_lens.shape[0], meta.max_seq_len, meta.max_query_len
+    kvh = cache.shape[3]
+    g = H // kvh
+    j = torch.arange(L, device=q_THd.device)
+    pages = meta.block_tables[:, j // meta.block_size].long()  # [B, L]
+    kv = cache[pages, :, j % meta.block_size]  # [B, L, 2, kvh, d]
+    k_BLhd, v_BLhd = kv[:, :, 0], kv[:, :, 1]
+    q_BQHd = q_THd.new_zeros(B, Q, H, d)
+    q_BQHd[meta.token_seq, meta.token_qpos] = q_THd
+    q_len = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    qpos_BQ = (meta.seq_lens - q_len)[:, None] + torch.arange(Q, device=q_THd.device)[None, :]
+    mask_BQL = j[None, None, :] <= qpos_BQ[:, :, None]
+    q5 = q_BQHd.view(B, Q, kvh, g, d)
+    scores = torch.einsum("bqhgd,blhd->bhgql", q5, k_BLhd).float() * scale
+    scores.masked_fill_(~mask_BQL[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q_THd.dtype)
+    out = torch.einsum("bhgql,blhd->bqhgd", probs, v_BLhd).reshape(B, Q, H, d)
+    return out[meta.token_seq, meta.token_qpos]

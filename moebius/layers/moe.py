@@ -1,0 +1,56 @@
+"""MoE math: top-k softmax router and SwiGLU experts over a routed batch (torch reference path)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, K] (in x's dtype) and expert ids [T, K], as transformers' Qwen3MoeTopKRouter."""
+    probs = torch.softmax(F.linear(x_TD, gate_ED).float(), dim=-1)
+    w_TK, ids_TK = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+    return w_TK.to(x_TD.dtype), ids_TK
+
+
+def swiglu(h_TF2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where the last dim stacks [gate | up]."""
+    gate, up = h_TF2.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
+    return F.linear(swiglu(F.linear(x_TD, w13_FD)), w2_DF)
+
+
+def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
+            w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
+    """sum_k w_tk * expert_{id_tk}(x_t) over the (token, k) pairs whose expert is local.
+
+    Local experts are ids first_expert .. first_expert + E_local - 1; other pairs contribute nothing (they are
+    computed on the rank that owns the expert). Pairs are sorted by expert so each expert runs one matmul.
+    """
+    E = w13_EFD.shape[0]
+    y_TD = torch.zeros_like(x_TD)
+    local_TK = ids_TK - first_expert
+    flat = local_TK.flatten()
+    valid = (flat >= 0) & (flat < E)
+    pair = torch.nonzero(valid).flatten()
+    if pair.numel() == 0:
+        return y_TD
+    order = pair[torch.argsort(flat[pair], stable=True)]
+    counts = torch.bincount(flat[order], minlength=E).tolist()
+    tok = order // ids_TK.shape[1]
+    weight = w_TK.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = slice(start, start + n)
+        h = dense_mlp(x_TD[tok[sel]], w13_EFD[e], w2_EDF[e])
+        y_TD.index_add_(0, tok[sel], h * weight[sel, None])
+        start += n
+    return y_TD

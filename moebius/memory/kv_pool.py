@@ -1,0 +1,75 @@
+"""Paged KV cache: an allocator of page ids, and a pool that owns each layer's page bytes.
+
+The allocator knows nothing about bytes; the pool knows nothing about requests. A page id names the same page in
+every layer (page p of layer i lives in layer i's slot), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebius.memory.umm import UnifiedMemory
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Free list of page ids 0..num_pages-1. Allocation order is deterministic (lowest ids first after reset)."""
+
+    def __init__(self, num_pages: int, block_size: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"the KV pool has no pages (num_pages={num_pages}); give more memory")
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() from the end gives the lowest id
+        self._used = bytearray(num_pages)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.num_free * self.block_size
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_pages * self.block_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._used[p] = 1
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if not self._used[p]:
+                raise RuntimeError(f"KV page {p} freed twice")
+            self._used[p] = 0
+        self._free.extend(reversed(pages))
+
+
+class KVPool:
+    """Per-layer KV views [num_pages, 2 (K, V), block_size, kv_heads, head_dim] inside the layer slots.
+
+    A page is contiguous (K then V of its block_size tokens), so moving a page is one contiguous copy.
+    """
+
+    def __init__(self, umm: UnifiedMemory, slots: list[int], offset: int, num_pages: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        shape = (num_pages, 2, block_size, num_kv_heads, head_dim)
+        self.layers = [umm.slot_view(s, offset, shape, dtype) for s in slots]
+        self.num_pages = num_pages
+        self.block_size = block_size
+
+    @staticmethod
+    def page_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize

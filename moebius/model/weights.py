@@ -1,0 +1,151 @@
+"""Where each weight of a layout lives in the unified buffer, and how it is cut from the checkpoint's full tensor.
+
+`weight_specs` lists every view of one layout: dense parts (attention, norms, router, embeddings, dense MLPs) as
+named regions, expert weights at the head of their layer slot. A region's name encodes its shard, so layouts with
+the same shard (e.g. P = 1) share one copy. The cut is the layout's sharding function (parallel/layout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moebius.config import ModelConfig
+from moebius.memory.umm import MemoryPlan, UnifiedMemory
+from moebius.model.qwen3_moe import AttnWeights, DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moebius.parallel.layout import Layout
+
+# fetch(hf_name, full_shape) -> the checkpoint tensor, checked against the shape
+Fetch = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # region name (dense parts) or a descriptive name (slot parts)
+    shape: tuple[int, ...]
+    load: Callable[[Fetch], torch.Tensor] | None  # None: computed, not loaded (the RoPE table)
+    init: str = "normal"  # dummy weights: "normal" or "ones"
+    slot: int | None = None  # expert weights: layer slot and byte offset in it
+    offset: int = 0
+
+
+def _attn_tag(lay: Layout) -> str:
+    """Names an attention shard by the heads it holds, so layouts holding the same heads share the region."""
+    return f"q{lay.q_heads.start}-{lay.q_heads.stop}.kv{lay.kv_heads.start}-{lay.kv_heads.stop}"
+
+
+def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
+    D, d = cfg.hidden_size, cfg.head_dim
+    p = f"model.layers.{i}."
+    qh, kvh, tag = lay.q_heads, lay.kv_heads, _attn_tag(lay)
+    rows = (len(qh) + 2 * len(kvh)) * d
+
+    def qkv(kind: str) -> Callable[[Fetch], torch.Tensor]:
+        def load(fetch: Fetch) -> torch.Tensor:
+            shape = (lambda n: (n, D)) if kind == "weight" else (lambda n: (n,))
+            q = fetch(p + f"self_attn.q_proj.{kind}", shape(cfg.q_size))
+            k = fetch(p + f"self_attn.k_proj.{kind}", shape(cfg.kv_size))
+            v = fetch(p + f"self_attn.v_proj.{kind}", shape(cfg.kv_size))
+            return torch.cat([lay.shard_heads(q, qh, cfg.num_heads), lay.shard_heads(k, kvh, cfg.num_kv_heads),
+                              lay.shard_heads(v, kvh, cfg.num_kv_heads)])
+        return load
+
+    specs = [
+        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,)), "ones"),
+        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,)),
+                  "ones"),
+        ParamSpec(p + f"qkv.{tag}", (rows, D), qkv("weight")),
+        ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * d),
+                  lambda f: f(p + "self_attn.o_proj.weight", (D, cfg.q_size))[:, qh.start * d: qh.stop * d]),
+        ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,)), "ones"),
+        ParamSpec(p + "k_norm", (d,), lambda f: f(p + "self_attn.k_norm.weight", (d,)), "ones"),
+    ]
+    if cfg.attention_bias:
+        specs.append(ParamSpec(p + f"qkv_bias.{tag}", (rows,), qkv("bias")))
+    if not cfg.is_moe_layer(i):
+        I, It = cfg.intermediate_size, lay.dense_inter
+        specs += [
+            ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_rows(torch.cat(
+                [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]), parts=2)),
+            ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
+                      lambda f: lay.shard_cols(f(p + "mlp.down_proj.weight", (D, I)))),
+        ]
+        return specs
+    E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
+    local = range(lay.first_expert, lay.first_expert + El)
+
+    def expert(fetch: Fetch, e: int, which: str) -> torch.Tensor:
+        """One expert's [gate|up] rows [2I, D] or down [D, I], from per-expert or fused (transformers 5) tensors."""
+        try:
+            if which == "w13":
+                return torch.cat([fetch(p + f"mlp.experts.{e}.gate_proj.weight", (I, D)),
+                                  fetch(p + f"mlp.experts.{e}.up_proj.weight", (I, D))])
+            return fetch(p + f"mlp.experts.{e}.down_proj.weight", (D, I))
+        except KeyError as missing:
+            try:
+                if which == "w13":
+                    return fetch(p + "mlp.experts.gate_up_proj", (E, 2 * I, D))[e]
+                return fetch(p + "mlp.experts.down_proj", (E, D, I))[e]
+            except KeyError:
+                raise missing from None  # name the per-expert tensor (the usual format) as the missing one
+
+    slot = lay.slot_of(i)
+    w13_bytes = El * 2 * Il * D * elt
+    specs += [
+        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
+        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D),
+                  lambda f: torch.stack([lay.shard_rows(expert(f, e, "w13"), parts=2) for e in local]), slot=slot),
+        ParamSpec(p + "mlp.experts.w2", (El, D, Il),
+                  lambda f: torch.stack([lay.shard_cols(expert(f, e, "w2")) for e in local]), slot=slot,
+                  offset=w13_bytes),
+    ]
+    return specs
+
+
+def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
+    V, D = cfg.vocab_size, cfg.hidden_size
+    embed = ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))
+    head = ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D)))
+    specs = [embed] + ([] if cfg.tie_word_embeddings else [head])
+    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,)), "ones"))
+    specs.append(ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None))
+    for i in range(cfg.num_layers):
+        specs += _layer_specs(cfg, lay, i, elt)
+    return specs
+
+
+def plan_weights(plan: MemoryPlan, cfg: ModelConfig, layouts: list[Layout], dtype: torch.dtype) -> None:
+    """Reserve the dense regions of every layout (shared where the shard is the same)."""
+    for lay in layouts:
+        for s in weight_specs(cfg, lay, dtype.itemsize):
+            if s.slot is None and s.name not in plan.regions:
+                plan.add(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
+
+
+def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
+    if s.slot is not None:
+        return umm.slot_view(s.slot, s.offset, s.shape, dtype)
+    return umm.view(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
+
+
+def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
+    """The layout's weight views over the buffer (contents are whatever was loaded there)."""
+    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        tag = _attn_tag(lay)
+        attn = AttnWeights(views[p + f"qkv.{tag}"], views.get(p + f"qkv_bias.{tag}"), views[p + f"o_proj.{tag}"],
+                           views[p + "q_norm"], views[p + "k_norm"])
+        if cfg.is_moe_layer(i):
+            mlp: MoEWeights | DenseWeights = MoEWeights(views[p + "mlp.gate"], views[p + "mlp.experts.w13"],
+                                                        views[p + "mlp.experts.w2"], lay.first_expert)
+        else:
+            mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
+                               views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
+        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
+    embed = views["model.embed_tokens"]
+    head = embed if cfg.tie_word_embeddings else views["lm_head"]
+    return ModelWeights(embed, head, views["model.norm"], views["rope"], layers)
