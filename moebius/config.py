@@ -182,6 +182,8 @@ class EngineConfig:
     max_total_tokens: int | None = _flag(None, "KV-cache capacity in tokens per rank; default: from --mem-fraction "
                                          "on GPU, 65536 on CPU")
     mem_fraction: float = _flag(0.85, "fraction of GPU memory for the unified buffer (weights + KV cache)")
+    cpu_threads: int = _flag(1, "torch threads per rank when running on CPU (the CPU path serves tests and demos; "
+                             "one thread per rank avoids oversubscribing small machines)")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -217,7 +219,7 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
             group.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                               help=f"{f.metadata['help']} (default: {f.default})")
+                               help=f.metadata["help"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -70,6 +70,8 @@ class Worker:
         ecfg, cfg = spec.engine, spec.model
         self.spec = spec
         self.device = torch.device(spec.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(ecfg.cpu_threads)
         self.dtype = getattr(torch, spec.dtype)
         check_shapes(cfg, spec.world_size)
         self.layout = Layout(cfg, spec.mode, spec.rank, spec.world_size)

@@ -1,0 +1,139 @@
+"""The `moebius` command line: `moebius generate` runs prompts offline and writes JSONL results."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from moebius.config import ConfigError, EngineConfig
+from moebius.sampling_params import SamplingParams
+
+SAMPLING_FLAGS: list[tuple[str, type, Any, str]] = [
+    ("max_tokens", int, 64, "most tokens to generate per prompt"),
+    ("min_tokens", int, 0, "generate at least this many tokens before EOS / stop tokens may end a request"),
+    ("temperature", float, 0.0, "0 = greedy; higher = more random"),
+    ("top_p", float, 1.0, "nucleus sampling: keep the smallest set of tokens with this total probability"),
+    ("top_k", int, -1, "keep only the k most likely tokens (-1 = all)"),
+    ("n", int, 1, "samples per prompt"),
+    ("sampling_seed", int, None, "seed of every request (reproducible sampling); default: drawn from --seed"),
+]
+
+EXAMPLE_JSONL = ('{"prompt": "Hello"}  or  {"prompt_token_ids": [1, 2, 3]}  or  '
+                 '{"messages": [{"role": "user", "content": "Hi"}]}, optionally with sampling keys such as '
+                 '"max_tokens" or "temperature"')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moebius", description="Moebius: MoE serving that switches live between "
+                                     "tensor and expert parallelism.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="run prompts offline and write JSONL results",
+                         description="Generate completions for prompts given as arguments or in a JSONL file. "
+                         "With no --model, runs the small built-in model (random weights: its text is meaningless).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    io = gen.add_argument_group("input and output")
+    io.add_argument("prompts", nargs="*", help="prompts (text); default: one demo prompt when no --input is given")
+    io.add_argument("--input", "-i", help=f"JSONL file of prompts, one object per line: {EXAMPLE_JSONL}")
+    io.add_argument("--output", "-o", help="write JSONL results here (default: standard output)")
+    io.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    io.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    samp = gen.add_argument_group("sampling (defaults for every prompt)")
+    for name, kind, default, text in SAMPLING_FLAGS:
+        samp.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default, help=text)
+    samp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    samp.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    EngineConfig.add_cli_args(gen)
+    return parser
+
+
+def _sampling(args: argparse.Namespace, overrides: dict[str, Any]) -> SamplingParams:
+    base: dict[str, Any] = {name: getattr(args, name) for name, *_ in SAMPLING_FLAGS}
+    base["seed"] = base.pop("sampling_seed")
+    base.update(stop=args.stop, ignore_eos=args.ignore_eos)
+    fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown sampling key(s) {unknown}")
+    return SamplingParams(**{**base, **overrides})
+
+
+def _read_prompts(args: argparse.Namespace) -> list[tuple[Any, dict[str, Any]]]:
+    """(prompt or messages, sampling overrides) per request."""
+    items: list[tuple[Any, dict[str, Any]]] = [(p, {}) for p in args.prompts]
+    if args.input:
+        with open(args.input) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.input}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{args.input}:{n}: expected an object like {EXAMPLE_JSONL}")
+                keys = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
+                if len(keys) != 1:
+                    raise ValueError(f"{args.input}:{n}: give exactly one of prompt, prompt_token_ids, messages")
+                items.append((("messages", obj.pop("messages")) if keys[0] == "messages" else obj.pop(keys[0]), obj))
+    if not items:
+        items = [("The quick brown fox", {})]
+    return items
+
+
+def generate(args: argparse.Namespace) -> int:
+    from moebius.entrypoints.llm import LLM
+
+    items = _read_prompts(args)
+    llm = LLM(**dataclasses.asdict(EngineConfig.from_cli_args(args)))
+    tok = llm.tokenizer
+    prompts, params = [], []
+    for prompt, overrides in items:
+        if isinstance(prompt, tuple) or (args.chat and isinstance(prompt, str)):
+            messages = prompt[1] if isinstance(prompt, tuple) else [{"role": "user", "content": prompt}]
+            if tok is None:
+                raise ValueError("chat prompts need a tokenizer with a chat template")
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        prompts.append(prompt)
+        params.append(_sampling(args, overrides))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        for i, out in enumerate(outs):
+            rec = {"index": i, "prompt": out.prompt, "num_prompt_tokens": out.num_prompt_tokens,
+                   "ttft_s": out.ttft,
+                   "outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                               for o in out.outputs]}
+            sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    total = sum(o.num_output_tokens for o in outs)
+    print(f"{len(outs)} requests, {total} output tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)",
+          file=sys.stderr)
+    if llm.config.model is None:
+        from moebius.model.builtin import BUILTIN_NOTICE
+        print(BUILTIN_NOTICE, file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return generate(args)
+    except (ValueError, ConfigError, FileNotFoundError, TypeError) as e:
+        print(f"moebius: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
