@@ -182,6 +182,10 @@ class EngineConfig:
     max_total_tokens: int | None = _flag(None, "KV-cache capacity in tokens per rank; default: from --mem-fraction "
                                          "on GPU, 65536 on CPU")
     mem_fraction: float = _flag(0.85, "fraction of GPU memory for the unified buffer (weights + KV cache)")
+    num_ranks: int = _flag(1, "ranks (one process per GPU) serving the model together on this machine; under "
+                           "torchrun the world size is taken from the environment instead")
+    mode: str = _flag("tp", "parallel layout: tp (tensor parallel attention and experts) or ep (data-parallel "
+                      "attention, expert-parallel experts)", ("tp", "ep"))
     cpu_threads: int = _flag(1, "torch threads per rank when running on CPU (the CPU path serves tests and demos; "
                              "one thread per rank avoids oversubscribing small machines)")
 
@@ -195,6 +199,8 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < self.block_size:
             raise ConfigError(f"max_total_tokens {self.max_total_tokens} is smaller than one block "
                               f"({self.block_size} tokens)")
+        if self.num_ranks < 1:
+            raise ConfigError(f"num_ranks must be >= 1, got {self.num_ranks}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if self.max_model_len is not None and self.max_model_len <= 0:

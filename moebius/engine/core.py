@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
+from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, torchrun_env
 from moebius.engine.request import RequestSpec
-from moebius.engine.worker import StepPlan, TokenDelta, Worker, WorkerSpec
+from moebius.engine.worker import StepPlan, TokenDelta, WorkerSpec
 from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
 from moebius.outputs import CompletionOutput, RequestOutput
+from moebius.parallel.layout import check_shapes
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import IncrementalDetokenizer, Tokenizer, load_generation_eos
 
@@ -107,10 +109,24 @@ class EngineCore:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"{cfg.max_position_embeddings}")
-        self.worker = Worker(WorkerSpec(
+        spec = WorkerSpec(
             engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
             eos_token_ids=resolved.eos_token_ids, tokenizer_dir=resolved.tokenizer_dir,
-            use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len))
+            use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len, mode=ecfg.mode)
+        env = torchrun_env()
+        self.world_size = env[1] if env else ecfg.num_ranks
+        check_shapes(cfg, self.world_size)
+        if env and env[1] > 1:
+            self.ranks: LocalRanks | SpawnedRanks | TorchrunRanks = TorchrunRanks(spec)
+        elif self.world_size > 1:
+            self.ranks = SpawnedRanks(spec, self.world_size)
+        else:
+            self.ranks = LocalRanks(spec)
+        self.kv_capacity = self.ranks.kv_capacity
+        self.mode = ecfg.mode
+        self._kv_stats: list[dict[str, int]] = []
+        self._owner: dict[str, int] = {}  # rank-side request id -> owning rank (EP)
+        self._load = [[0, 0] for _ in range(self.world_size)]  # per rank: live requests, tokens (EP placement)
         self.device, self.dtype = device, dtype
         self.eos_token_ids = resolved.eos_token_ids
         self._rng = random.Random(ecfg.seed)
@@ -147,7 +163,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        limit = min(self.max_model_len, self.worker.kv_capacity)
+        limit = min(self.max_model_len, self.kv_capacity)
         if len(ids) >= limit:
             what = "max_model_len" if limit == self.max_model_len else "KV-cache capacity"
             raise ValueError(f"prompt has {len(ids)} tokens; the {what} is {limit} tokens, which leaves no room "
@@ -164,7 +180,7 @@ class EngineCore:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        limit = min(self.max_model_len, self.worker.kv_capacity)
+        limit = min(self.max_model_len, self.kv_capacity)
         fr = _FrontRequest(rid, text, ids, params, time.perf_counter(), [])
         for i in range(params.n):
             child = rid if params.n == 1 else f"{rid}#{i}"
@@ -174,8 +190,19 @@ class EngineCore:
             fr.children.append(child)
             self._child_to_parent[child] = (fr, i)
             self._pending.new.append(RequestSpec(child, ids, params, _child_seed(base_seed, i), limit))
+            self._pending.owners.append(self._place(child, len(ids) + (params.max_tokens or 0)))
         self._requests[rid] = fr
         return rid
+
+    def _place(self, child: str, tokens: int) -> int:
+        """EP: the least-loaded rank (fewest live requests, then fewest tokens); TP: every rank (0 recorded)."""
+        if self.mode != "ep":
+            return 0
+        rank = min(range(self.world_size), key=lambda r: (self._load[r][0], self._load[r][1], r))
+        self._owner[child] = rank
+        self._load[rank][0] += 1
+        self._load[rank][1] += tokens
+        return rank
 
     def abort(self, request_id: str) -> None:
         fr = self._requests.get(request_id)
@@ -189,10 +216,11 @@ class EngineCore:
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         plan, self._pending = self._pending, StepPlan()
-        deltas = self.worker.step(plan)
+        result = self.ranks.step(plan)
+        self._kv_stats = result.kv
         now = time.perf_counter()
         touched: dict[str, _FrontRequest] = {}
-        for d in deltas:
+        for d in result.deltas:
             self._apply(d, now, touched)
         outs = [fr.output() for fr in touched.values()]
         for fr in touched.values():
@@ -200,7 +228,14 @@ class EngineCore:
                 del self._requests[fr.request_id]
                 for c in fr.children:
                     del self._child_to_parent[c]
+                    self._release(c, fr)
         return outs
+
+    def _release(self, child: str, fr: _FrontRequest) -> None:
+        rank = self._owner.pop(child, None)
+        if rank is not None:
+            self._load[rank][0] -= 1
+            self._load[rank][1] -= len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
 
     def _apply(self, d: TokenDelta, now: float, touched: dict[str, _FrontRequest]) -> None:
         fr, i = self._child_to_parent[d.request_id]
@@ -222,6 +257,11 @@ class EngineCore:
             fr.prompt_logits = d.prompt_logits
         touched[fr.request_id] = fr
 
-    def kv_stats(self) -> dict[str, int]:
-        a = self.worker.allocator
-        return {"free_tokens": a.free_tokens, "total_tokens": a.total_tokens}
+    def kv_stats(self) -> dict[str, object]:
+        """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step)."""
+        per_rank = self._kv_stats or [{"free_tokens": self.kv_capacity, "total_tokens": self.kv_capacity}]
+        return {"free_tokens": sum(r["free_tokens"] for r in per_rank),
+                "total_tokens": sum(r["total_tokens"] for r in per_rank), "per_rank": per_rank}
+
+    def close(self) -> None:
+        self.ranks.close()

@@ -73,7 +73,7 @@ class ModelRunner:
         positions = starts[token_seq] + token_qpos
         ids = np.fromiter((t for c in batch for t in c.req.tokens(c.start, c.start + c.num_tokens)),
                           dtype=np.int64, count=T)
-        max_pages = max(len(c.req.pages) for c in batch)
+        max_pages = max((len(c.req.pages) for c in batch), default=1)
         table = np.zeros((B, max_pages), dtype=np.int32)
         for b, c in enumerate(batch):
             table[b, : len(c.req.pages)] = c.req.pages
@@ -89,8 +89,8 @@ class ModelRunner:
             positions=put(buf.positions, positions), slot_mapping=put(buf.slot_mapping, slots),
             query_start_loc=put(buf.query_start_loc, qsl), seq_lens=put(buf.seq_lens, seq_lens),
             block_tables=put(buf.block_tables, table), token_seq=put(buf.token_seq, token_seq),
-            token_qpos=put(buf.token_qpos, token_qpos), max_query_len=int(lens.max()),
-            max_seq_len=int(seq_lens.max()), block_size=bs)
+            token_qpos=put(buf.token_qpos, token_qpos), max_query_len=int(lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)), block_size=bs)
         return put(buf.input_ids, ids), meta
 
     def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]]

@@ -17,9 +17,10 @@ from moebius.engine.runner import ModelRunner, StaticBuffers
 from moebius.engine.scheduler import Scheduler, StopChecker
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
-from moebius.model.loader import Checkpoint, fill_rope, load_checkpoint, load_dummy
+from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.model.weights import build_weights, plan_weights, weight_specs
-from moebius.parallel.dispatch import LocalComm
+from moebius.parallel.dispatch import Communicator, EPComm, LocalComm, TPComm
+from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.parallel.layout import Layout, check_shapes
 from moebius.tokenizer import Tokenizer
 
@@ -33,6 +34,7 @@ class StepPlan:
     """What rank 0 tells every rank before a step: requests to admit and requests to abort."""
 
     new: list[RequestSpec] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)  # rank owning each new request (EP); ignored in TP
     aborts: list[str] = field(default_factory=list)
 
 
@@ -65,10 +67,19 @@ class WorkerSpec:
     mode: str = "tp"
 
 
+def make_comm(layout: Layout, groups: Groups) -> Communicator:
+    if groups.world_size == 1:
+        return LocalComm()
+    if layout.mode == "tp":
+        return TPComm(groups.device)
+    return EPComm(groups.device, groups.world_size, layout.num_local_experts)
+
+
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, groups: Groups | None = None) -> None:
         ecfg, cfg = spec.engine, spec.model
         self.spec = spec
+        self.groups = groups or Groups(0, 1, None, None)
         self.device = torch.device(spec.device)
         if self.device.type == "cpu":
             torch.set_num_threads(ecfg.cpu_threads)
@@ -89,12 +100,8 @@ class Worker:
         plan.add_slots(cfg.num_layers + 1, expert_bytes + num_pages * page_bytes)
         self.umm = UnifiedMemory(plan, self.device)
 
-        specs = weight_specs(cfg, lay, elt)
-        if spec.checkpoint is None:
-            load_dummy(self.umm, specs, self.dtype, ecfg.seed)
-        else:
-            load_checkpoint(self.umm, specs, Checkpoint(spec.checkpoint), self.dtype)
-        fill_rope(self.umm, specs, cfg)
+        ckpt = DummyCheckpoint(ecfg.seed, self.device) if spec.checkpoint is None else Checkpoint(spec.checkpoint)
+        load_weights(self.umm, weight_specs(cfg, lay, elt), ckpt, self.dtype, cfg)
         self.weights = build_weights(self.umm, cfg, lay, self.dtype)
         slots = [lay.slot_of(i) for i in range(cfg.num_layers)]
         self.kv_pool = KVPool(self.umm, slots, expert_bytes, num_pages, bs, lay.num_kv_heads, cfg.head_dim,
@@ -106,7 +113,8 @@ class Worker:
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
         bufs = StaticBuffers.build(self.umm, spec.mode, ecfg.max_num_batched_tokens, ecfg.max_running_requests,
                                    max_pages_per_seq)
-        self.runner = ModelRunner(cfg, self.weights, self.kv_pool.layers, LocalComm(), bufs, bs, self.device)
+        self.runner = ModelRunner(cfg, self.weights, self.kv_pool.layers, make_comm(lay, self.groups), bufs, bs,
+                                  self.device)
         log.info("rank %d: unified buffer %.1f MiB, %d KV pages of %d tokens", spec.rank,
                  plan.total_bytes / 2**20, num_pages, bs)
 
@@ -129,10 +137,13 @@ class Worker:
         return self.allocator.total_tokens
 
     def step(self, plan: StepPlan) -> list[TokenDelta]:
+        """Apply the plan and run one step; deltas of this rank's requests (in TP every rank reports all)."""
         sched = self.scheduler
         deltas: list[TokenDelta] = []
-        for spec in plan.new:
-            sched.add(Request(spec))
+        mine = self.layout.mode == "tp" or self.groups.world_size == 1
+        for i, spec in enumerate(plan.new):
+            if mine or plan.owners[i] == self.groups.rank:
+                sched.add(Request(spec))
         for rid in plan.aborts:
             req = sched.find(rid)
             if req is not None:
@@ -140,7 +151,11 @@ class Worker:
                 req.finish_reason = "abort"
                 deltas.append(TokenDelta(rid, [], "abort"))
         batch = sched.schedule()
-        if not batch:
+        if not mine:
+            # EP: attention is per rank, but every rank must join each layer's all-to-all while any rank has work.
+            if not any(n for (n,) in all_gather_ints([len(batch)], self.groups)):
+                return deltas
+        elif not batch:
             return deltas
         sampling = [c.req for c in batch if c.samples]
         stop_masks = [(row, self._banned(r)) for row, r in enumerate(sampling)

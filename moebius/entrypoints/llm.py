@@ -87,5 +87,16 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
-    def kv_stats(self) -> dict[str, int]:
+    def kv_stats(self) -> dict[str, object]:
+        """KV-cache tokens free / in total (summed over ranks, and "per_rank")."""
         return self.engine.kv_stats()
+
+    def close(self) -> None:
+        """Stop the rank processes (if any). The LLM is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -29,6 +29,8 @@ class AttentionMetadata:
 
 def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store this step's keys/values in their pages. cache: [pages, 2, block_size, kv_heads, head_dim]."""
+    if k_THd.shape[0] == 0:
+        return
     page = meta.slot_mapping // meta.block_size
     off = meta.slot_mapping % meta.block_size
     cache[page, 0, off] = k_THd
@@ -38,6 +40,8 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d]."""
     T, H, d = q_THd.shape
+    if T == 0:  # a rank with no requests this step (EP) still runs the layer for its collectives
+        return q_THd.new_zeros(0, H, d)
     B, L, Q = meta.seq_lens.shape[0], meta.max_seq_len, meta.max_query_len
     kvh = cache.shape[3]
     g = H // kvh

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import zlib
 
 import torch
 from safetensors import safe_open
@@ -54,41 +55,44 @@ class Checkpoint:
         return t
 
 
-def load_checkpoint(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint, dtype: torch.dtype) -> None:
-    used: set[str] = set()
+class DummyCheckpoint:
+    """Random weights of any asked-for shape, generated on the device from (seed, tensor name).
+
+    Every rank draws the same full tensor for a name and cuts its own shard, so all layouts of all ranks see one
+    consistent model. Norm weights are ones.
+    """
+
+    def __init__(self, seed: int, device: torch.device, std: float = 0.02) -> None:
+        self.seed, self.device, self.std = seed, device, std
+        self.path = "<dummy>"
+        self._gen = torch.Generator(device=device)
+
+    def __contains__(self, name: str) -> bool:
+        return True
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=self.device)
+        self._gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        return torch.randn(shape, generator=self._gen, device=self.device) * self.std
+
+
+def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | DummyCheckpoint,
+                 dtype: torch.dtype, cfg: ModelConfig) -> None:
+    """Cut every view's shard from the checkpoint's full tensors (names checked, shapes checked), then RoPE."""
 
     def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in ckpt:
             raise KeyError(name)
-        used.add(name)
         return ckpt.get(name, shape)
 
     for s in specs:
-        if s.load is None:
+        view = spec_view(umm, s, torch.float32 if s.load is None else dtype)
+        if s.load is None:  # the RoPE table
+            view.copy_(rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, umm.device))
             continue
         try:
             t = s.load(fetch)
         except KeyError as e:
             raise ConfigError(f"checkpoint {ckpt.path!r} is missing tensor {e.args[0]}") from None
-        spec_view(umm, s, dtype).copy_(t)
-
-
-def load_dummy(umm: UnifiedMemory, specs: list[ParamSpec], dtype: torch.dtype, seed: int, std: float = 0.02) -> None:
-    """Random weights generated directly on the device (deterministic for a seed and device type)."""
-    gen = torch.Generator(device=umm.device)
-    gen.manual_seed(seed)
-    for s in specs:
-        if s.load is None:
-            continue
-        view = spec_view(umm, s, dtype)
-        if s.init == "ones":
-            view.fill_(1.0)
-        else:
-            view.normal_(0.0, std, generator=gen)
-
-
-def fill_rope(umm: UnifiedMemory, specs: list[ParamSpec], cfg: ModelConfig) -> None:
-    for s in specs:
-        if s.name == "rope":
-            spec_view(umm, s, torch.float32).copy_(
-                rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, umm.device))
+        view.copy_(t)

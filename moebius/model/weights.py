@@ -26,7 +26,6 @@ class ParamSpec:
     name: str  # region name (dense parts) or a descriptive name (slot parts)
     shape: tuple[int, ...]
     load: Callable[[Fetch], torch.Tensor] | None  # None: computed, not loaded (the RoPE table)
-    init: str = "normal"  # dummy weights: "normal" or "ones"
     slot: int | None = None  # expert weights: layer slot and byte offset in it
     offset: int = 0
 
@@ -53,14 +52,13 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
         return load
 
     specs = [
-        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,)), "ones"),
-        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,)),
-                  "ones"),
+        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,))),
+        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,))),
         ParamSpec(p + f"qkv.{tag}", (rows, D), qkv("weight")),
         ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * d),
                   lambda f: f(p + "self_attn.o_proj.weight", (D, cfg.q_size))[:, qh.start * d: qh.stop * d]),
-        ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,)), "ones"),
-        ParamSpec(p + "k_norm", (d,), lambda f: f(p + "self_attn.k_norm.weight", (d,)), "ones"),
+        ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,))),
+        ParamSpec(p + "k_norm", (d,), lambda f: f(p + "self_attn.k_norm.weight", (d,))),
     ]
     if cfg.attention_bias:
         specs.append(ParamSpec(p + f"qkv_bias.{tag}", (rows,), qkv("bias")))
@@ -109,7 +107,7 @@ def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
     embed = ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))
     head = ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D)))
     specs = [embed] + ([] if cfg.tie_word_embeddings else [head])
-    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,)), "ones"))
+    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,))))
     specs.append(ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None))
     for i in range(cfg.num_layers):
         specs += _layer_specs(cfg, lay, i, elt)

@@ -1,0 +1,254 @@
+"""Running the ranks: in this process (P = 1), as spawned processes on one machine (--num-ranks P), or under
+torchrun (env:// rendezvous, possibly across machines) with the front end in rank 0's process.
+
+Every step is lockstep: rank 0 broadcasts the StepPlan (JSON on the CPU group), every rank runs `Worker.step`,
+and rank 0 gathers the token deltas and KV statistics. The front end only ever talks to rank 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import os
+import socket
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from moebius.engine.request import RequestSpec
+from moebius.engine.worker import StepPlan, TokenDelta, Worker, WorkerSpec
+from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups
+from moebius.sampling_params import SamplingParams
+
+log = logging.getLogger("moebius")
+
+# ---- JSON forms of the control messages ----
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+
+
+def plan_to_json(plan: StepPlan) -> dict[str, Any]:
+    new = [dict(request_id=s.request_id, prompt_token_ids=s.prompt_token_ids, seed=s.seed,
+                max_total_len=s.max_total_len, params={k: getattr(s.params, k) for k in _PARAM_FIELDS})
+           for s in plan.new]
+    return dict(new=new, owners=plan.owners, aborts=plan.aborts)
+
+
+def plan_from_json(msg: dict[str, Any]) -> StepPlan:
+    new = [RequestSpec(d["request_id"], d["prompt_token_ids"], SamplingParams(**d["params"]), d["seed"],
+                       d["max_total_len"]) for d in msg["new"]]
+    return StepPlan(new, msg["owners"], msg["aborts"])
+
+
+def _tensor_to_json(t: torch.Tensor | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    a = t.float().contiguous().numpy()
+    return dict(shape=list(a.shape), data=base64.b64encode(a.tobytes()).decode())
+
+
+def _tensor_from_json(d: dict[str, Any] | None) -> torch.Tensor | None:
+    if d is None:
+        return None
+    a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).reshape(d["shape"])
+    return torch.from_numpy(a.copy())
+
+
+def delta_to_json(d: TokenDelta) -> dict[str, Any]:
+    return dict(request_id=d.request_id, new_token_ids=d.new_token_ids, finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason, prompt_logits=_tensor_to_json(d.prompt_logits))
+
+
+def delta_from_json(m: dict[str, Any]) -> TokenDelta:
+    return TokenDelta(m["request_id"], m["new_token_ids"], m["finish_reason"], m["stop_reason"],
+                      _tensor_from_json(m["prompt_logits"]))
+
+
+@dataclasses.dataclass
+class StepResult:
+    deltas: list[TokenDelta]
+    kv: list[dict[str, int]]  # per rank: free_tokens, total_tokens
+
+
+def _kv(worker: Worker) -> dict[str, int]:
+    a = worker.allocator
+    return {"free_tokens": a.free_tokens, "total_tokens": a.total_tokens}
+
+
+def rank_step(worker: Worker, groups: Groups, plan: StepPlan | None) -> tuple[bool, StepResult | None]:
+    """One lockstep iteration on any rank. `plan` matters on rank 0 only, where None means shut down.
+    Returns (still running, the gathered result on rank 0 / None elsewhere)."""
+    msg = broadcast_json(None if plan is None else plan_to_json(plan), groups)
+    if msg is None:
+        return False, None
+    deltas = worker.step(plan_from_json(msg))
+    # In TP every rank computed the same tokens; rank 0's copy is the one reported.
+    report = {"deltas": [delta_to_json(d) for d in deltas] if worker.layout.mode == "ep" or groups.rank == 0
+              else [], "kv": _kv(worker)}
+    gathered = gather_json(report, groups)
+    if gathered is None:
+        return True, None
+    return True, StepResult([delta_from_json(d) for r in gathered for d in r["deltas"]], [r["kv"] for r in gathered])
+
+
+def _start_rank(spec: WorkerSpec, groups: Groups) -> tuple[Worker | None, list[str]]:
+    """Build this rank's worker; all ranks learn whether every rank succeeded (errors listed on rank 0)."""
+    worker, error = None, None
+    try:
+        worker = Worker(spec, groups)
+    except Exception as e:  # reported to the front end, which raises it there
+        error = f"rank {groups.rank}: {type(e).__name__}: {e}"
+        log.debug(traceback.format_exc())
+    errors = gather_json(error, groups)
+    errors = broadcast_json([e for e in errors if e] if errors is not None else None, groups)
+    return worker, errors
+
+
+def _rank_device(spec: WorkerSpec, local_rank: int) -> str:
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    return spec.device
+
+
+def _serve(worker: Worker, groups: Groups, conn: Connection | None) -> None:
+    """The step loop of a rank. Rank 0 relays plans from the front end's pipe and results back."""
+    running = True
+    while running:
+        plan = conn.recv() if conn is not None else None
+        running, result = rank_step(worker, groups, plan)
+        if conn is not None and running:
+            conn.send(("ok", result))
+
+
+def _rank_main(rank: int, world_size: int, spec: WorkerSpec, init_method: str | None,
+               conn: Connection | None) -> None:
+    """Entry of a rank process (spawned, or a torchrun rank other than 0)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank}: %(message)s")
+    local_rank = rank if init_method is not None else int(os.environ.get("LOCAL_RANK", 0))
+    spec = dataclasses.replace(spec, rank=rank, world_size=world_size, device=_rank_device(spec, local_rank))
+    groups = init_groups(rank, world_size, torch.device(spec.device), init_method)
+    worker, errors = _start_rank(spec, groups)
+    if conn is not None:
+        conn.send(("error", errors) if errors else ("ready", worker.kv_capacity if worker else 0))
+    if not errors:
+        assert worker is not None
+        _serve(worker, groups, conn)
+    torch.distributed.destroy_process_group()
+
+
+def serve_torchrun_rank(spec: WorkerSpec) -> None:
+    """A torchrun rank other than 0: join, build, follow rank 0's plans until it shuts down."""
+    rank, world, _ = torchrun_env() or (0, 1, 0)
+    _rank_main(rank, world, spec, None, None)
+
+
+class RankError(RuntimeError):
+    """A rank failed (at start-up or during a step)."""
+
+
+class LocalRanks:
+    """P = 1: the one rank lives in this process."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.worker = Worker(spec)
+        self.world_size = 1
+        self.kv_capacity = self.worker.kv_capacity
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return StepResult(self.worker.step(plan), [_kv(self.worker)])
+
+    def close(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SpawnedRanks:
+    """P rank processes on this machine (spawned), joined over a local TCP rendezvous; pipe to rank 0."""
+
+    def __init__(self, spec: WorkerSpec, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.world_size = world_size
+        self._conn, child = ctx.Pipe()
+        self._procs = [ctx.Process(target=_rank_main, args=(r, world_size, spec, init_method,
+                                                             child if r == 0 else None), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        kind, payload = self._recv()
+        if kind == "error":
+            self.close()
+            raise RankError("; ".join(payload))
+        self.kv_capacity = int(payload)
+
+    def _recv(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionError):
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self._conn.send(plan)
+        _, result = self._recv()
+        return result
+
+    def close(self) -> None:
+        if not self._procs:
+            return
+        try:
+            if self._procs[0].is_alive():
+                self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+
+
+class TorchrunRanks:
+    """Under torchrun: rank 0 lives in the front end's process; the other ranks run `serve_torchrun_rank`."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        rank, world, local = torchrun_env() or (0, 1, 0)
+        if rank != 0:
+            raise RankError("the front end runs on torchrun rank 0 only")
+        spec = dataclasses.replace(spec, rank=0, world_size=world, device=_rank_device(spec, local))
+        self.groups = init_groups(0, world, torch.device(spec.device), None)
+        self.world_size = world
+        worker, errors = _start_rank(spec, self.groups)
+        if errors:
+            raise RankError("; ".join(errors))
+        assert worker is not None
+        self.worker = worker
+        self.kv_capacity = worker.kv_capacity
+
+    def step(self, plan: StepPlan) -> StepResult:
+        _, result = rank_step(self.worker, self.groups, plan)
+        assert result is not None
+        return result
+
+    def close(self) -> None:
+        if self.worker is not None:
+            rank_step(self.worker, self.groups, None)
+            torch.distributed.destroy_process_group()
+            self.worker = None
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return None

@@ -1,0 +1,84 @@
+"""Process groups of the engine and the control-message transport between ranks.
+
+Each rank joins one device group (NCCL on GPU, gloo on CPU) for the model's collectives and one gloo group on the
+CPU for control messages. Control messages are JSON bytes in uint8 tensors: nothing that arrives over the wire is
+ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Groups:
+    rank: int
+    world_size: int
+    device: dist.ProcessGroup | None  # None when world_size == 1
+    cpu: dist.ProcessGroup | None
+
+
+def init_groups(rank: int, world_size: int, device: torch.device, init_method: str | None) -> Groups:
+    """Join the engine's process groups (init_method None: env:// as set by torchrun)."""
+    if world_size == 1:
+        return Groups(0, 1, None, None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                            **kwargs)
+    cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return Groups(rank, world_size, dist.group.WORLD, cpu)
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return json.loads(t.numpy().tobytes().decode())
+
+
+def broadcast_json(obj: Any, groups: Groups, src: int = 0) -> Any:
+    """Rank `src` sends `obj` (JSON-able); every rank returns it."""
+    if groups.world_size == 1:
+        return obj
+    size = torch.zeros(1, dtype=torch.int64)
+    payload = _encode(obj) if groups.rank == src else None
+    if payload is not None:
+        size[0] = payload.numel()
+    dist.broadcast(size, src, group=groups.cpu)
+    buf = payload if payload is not None else torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=groups.cpu)
+    return obj if groups.rank == src else _decode(buf)
+
+
+def gather_json(obj: Any, groups: Groups, dst: int = 0) -> list[Any] | None:
+    """Every rank sends `obj`; rank `dst` returns the list of all of them in rank order, others None."""
+    if groups.world_size == 1:
+        return [obj]
+    payload = _encode(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(groups.world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=groups.cpu)
+    longest = max(int(s[0]) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(groups.world_size)] if groups.rank == dst else None
+    dist.gather(padded, bufs, dst=dst, group=groups.cpu)
+    if bufs is None:
+        return None
+    return [_decode(b[: int(s[0])]) for b, s in zip(bufs, sizes, strict=True)]
+
+
+def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
+    """Small integer vectors from every rank (same length everywhere), on the CPU group."""
+    if groups.world_size == 1:
+        return [values]
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(groups.world_size)]
+    dist.all_gather(out, t, group=groups.cpu)
+    return [o.tolist() for o in out]
