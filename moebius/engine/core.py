@@ -131,6 +131,7 @@ class EngineCore:
         self.eos_token_ids = resolved.eos_token_ids
         self._rng = random.Random(ecfg.seed)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self._requests: dict[str, _FrontRequest] = {}
         self._child_to_parent: dict[str, tuple[_FrontRequest, int]] = {}
         self._pending = StepPlan()
@@ -189,7 +190,8 @@ class EngineCore:
             fr.samples.append(_Sample(CompletionOutput(i, [], "", None), detok))
             fr.children.append(child)
             self._child_to_parent[child] = (fr, i)
-            self._pending.new.append(RequestSpec(child, ids, params, _child_seed(base_seed, i), limit))
+            self._pending.new.append(RequestSpec(child, ids, params, _child_seed(base_seed, i), limit,
+                                                 next(self._arrivals)))
             self._pending.owners.append(self._place(child, len(ids) + (params.max_tokens or 0)))
         self._requests[rid] = fr
         return rid
@@ -223,13 +225,16 @@ class EngineCore:
         for d in result.deltas:
             self._apply(d, now, touched)
         outs = [fr.output() for fr in touched.values()]
+        self._retire(touched)
+        return outs
+
+    def _retire(self, touched: dict[str, _FrontRequest]) -> None:
         for fr in touched.values():
             if fr.finished:
                 del self._requests[fr.request_id]
                 for c in fr.children:
                     del self._child_to_parent[c]
                     self._release(c, fr)
-        return outs
 
     def _release(self, child: str, fr: _FrontRequest) -> None:
         rank = self._owner.pop(child, None)
@@ -256,6 +261,44 @@ class EngineCore:
         if d.prompt_logits is not None and i == 0:
             fr.prompt_logits = d.prompt_logits
         touched[fr.request_id] = fr
+
+    def switch_mode(self, target: str) -> dict[str, object]:
+        """Switch every rank to `target` ("tp" | "ep") between two steps, keeping every request in flight.
+        Returns the outcome: done (bool), reason when refused, and the time of each phase in ms."""
+        if target not in ("tp", "ep"):
+            raise ValueError(f"mode must be 'tp' or 'ep', got {target!r}")
+        plan, self._pending = self._pending, StepPlan()
+        plan.switch_to, plan.run = target, False
+        result = self.ranks.step(plan)
+        self._kv_stats = result.kv
+        outcome = dict(result.switch or {})
+        if outcome.get("done"):
+            self.mode = target
+            self._owner.clear()
+            self._load = [[0, 0] for _ in range(self.world_size)]
+            for child, rank in (outcome.pop("owners", None) or {}).items():
+                fr, _ = self._child_to_parent[child]
+                self._owner[child] = rank
+                self._load[rank][0] += 1
+                self._load[rank][1] += len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
+        else:
+            log.warning("switch to %s refused: %s", target, outcome.get("reason"))
+        touched: dict[str, _FrontRequest] = {}
+        for d in result.deltas:  # aborts applied before the switch
+            self._apply(d, time.perf_counter(), touched)
+        self._retire(touched)
+        return outcome
+
+    def query(self, what: str) -> list[object]:
+        """Per-rank diagnostics (e.g. "fingerprint": view addresses and weight/KV digests), without a step."""
+        plan, self._pending = self._pending, StepPlan()
+        plan.run, plan.query = False, what
+        result = self.ranks.step(plan)
+        touched: dict[str, _FrontRequest] = {}
+        for d in result.deltas:
+            self._apply(d, time.perf_counter(), touched)
+        self._retire(touched)
+        return result.query or []
 
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step)."""

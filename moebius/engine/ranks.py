@@ -7,7 +7,6 @@ and rank 0 gathers the token deltas and KV statistics. The front end only ever t
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 import os
@@ -16,67 +15,59 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 from moebius.engine.request import RequestSpec
 from moebius.engine.worker import StepPlan, TokenDelta, Worker, WorkerSpec
-from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups
-from moebius.sampling_params import SamplingParams
+from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups, tensor_from_json, tensor_to_json
 
 log = logging.getLogger("moebius")
 
 # ---- JSON forms of the control messages ----
-_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
-
-
 def plan_to_json(plan: StepPlan) -> dict[str, Any]:
-    new = [dict(request_id=s.request_id, prompt_token_ids=s.prompt_token_ids, seed=s.seed,
-                max_total_len=s.max_total_len, params={k: getattr(s.params, k) for k in _PARAM_FIELDS})
-           for s in plan.new]
-    return dict(new=new, owners=plan.owners, aborts=plan.aborts)
+    return dict(new=[spec.to_json() for spec in plan.new], owners=plan.owners, aborts=plan.aborts,
+                switch_to=plan.switch_to, run=plan.run, query=plan.query)
 
 
 def plan_from_json(msg: dict[str, Any]) -> StepPlan:
-    new = [RequestSpec(d["request_id"], d["prompt_token_ids"], SamplingParams(**d["params"]), d["seed"],
-                       d["max_total_len"]) for d in msg["new"]]
-    return StepPlan(new, msg["owners"], msg["aborts"])
-
-
-def _tensor_to_json(t: torch.Tensor | None) -> dict[str, Any] | None:
-    if t is None:
-        return None
-    a = t.float().contiguous().numpy()
-    return dict(shape=list(a.shape), data=base64.b64encode(a.tobytes()).decode())
-
-
-def _tensor_from_json(d: dict[str, Any] | None) -> torch.Tensor | None:
-    if d is None:
-        return None
-    a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).reshape(d["shape"])
-    return torch.from_numpy(a.copy())
+    return StepPlan([RequestSpec.from_json(d) for d in msg["new"]], msg["owners"], msg["aborts"], msg["switch_to"],
+                    msg["run"], msg["query"])
 
 
 def delta_to_json(d: TokenDelta) -> dict[str, Any]:
     return dict(request_id=d.request_id, new_token_ids=d.new_token_ids, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason, prompt_logits=_tensor_to_json(d.prompt_logits))
+                stop_reason=d.stop_reason, prompt_logits=tensor_to_json(d.prompt_logits))
 
 
 def delta_from_json(m: dict[str, Any]) -> TokenDelta:
     return TokenDelta(m["request_id"], m["new_token_ids"], m["finish_reason"], m["stop_reason"],
-                      _tensor_from_json(m["prompt_logits"]))
+                      tensor_from_json(m["prompt_logits"]))
 
 
 @dataclasses.dataclass
 class StepResult:
     deltas: list[TokenDelta]
     kv: list[dict[str, int]]  # per rank: free_tokens, total_tokens
+    switch: dict[str, Any] | None = None  # rank 0's switch outcome, when the plan asked for a switch
+    query: list[Any] | None = None  # per rank answers, when the plan asked a query
 
 
 def _kv(worker: Worker) -> dict[str, int]:
     a = worker.allocator
     return {"free_tokens": a.free_tokens, "total_tokens": a.total_tokens}
+
+
+def local_step(worker: Worker, plan: StepPlan) -> tuple[list[TokenDelta], dict[str, Any]]:
+    """Run a plan on this rank; returns the deltas it reports and its report (KV stats, switch outcome, query).
+
+    In TP every rank computes the same tokens and only rank 0 reports them; in EP each rank reports its own. Deltas
+    from before a switch (aborts) are reported by the old layout's rule, those of the step by the new one's."""
+    first = worker.mode == "ep" or worker.groups.rank == 0
+    before, after, outcome = worker.step(plan)
+    second = worker.mode == "ep" or worker.groups.rank == 0
+    report = {"kv": _kv(worker), "switch": outcome, "query": worker.query(plan.query) if plan.query else None}
+    return (before if first else []) + (after if second else []), report
 
 
 def rank_step(worker: Worker, groups: Groups, plan: StepPlan | None) -> tuple[bool, StepResult | None]:
@@ -85,14 +76,13 @@ def rank_step(worker: Worker, groups: Groups, plan: StepPlan | None) -> tuple[bo
     msg = broadcast_json(None if plan is None else plan_to_json(plan), groups)
     if msg is None:
         return False, None
-    deltas = worker.step(plan_from_json(msg))
-    # In TP every rank computed the same tokens; rank 0's copy is the one reported.
-    report = {"deltas": [delta_to_json(d) for d in deltas] if worker.layout.mode == "ep" or groups.rank == 0
-              else [], "kv": _kv(worker)}
+    deltas, report = local_step(worker, plan_from_json(msg))
+    report["deltas"] = [delta_to_json(d) for d in deltas]
     gathered = gather_json(report, groups)
     if gathered is None:
         return True, None
-    return True, StepResult([delta_from_json(d) for r in gathered for d in r["deltas"]], [r["kv"] for r in gathered])
+    return True, StepResult([delta_from_json(d) for r in gathered for d in r["deltas"]], [r["kv"] for r in gathered],
+                            gathered[0]["switch"], [r["query"] for r in gathered])
 
 
 def _start_rank(spec: WorkerSpec, groups: Groups) -> tuple[Worker | None, list[str]]:
@@ -160,7 +150,8 @@ class LocalRanks:
         self.kv_capacity = self.worker.kv_capacity
 
     def step(self, plan: StepPlan) -> StepResult:
-        return StepResult(self.worker.step(plan), [_kv(self.worker)])
+        deltas, report = local_step(self.worker, plan)
+        return StepResult(deltas, [report["kv"]], report["switch"], [report["query"]])
 
     def close(self) -> None:
         pass

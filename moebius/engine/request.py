@@ -5,10 +5,17 @@ Everything here is plain data so that a request can later move between ranks (la
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+
+from moebius.parallel.groups import tensor_from_json, tensor_to_json
 from moebius.sampling_params import SamplingParams
+
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
 
 
 class Status(enum.Enum):
@@ -26,6 +33,17 @@ class RequestSpec:
     params: SamplingParams
     seed: int  # resolved: the request's own or one drawn by the front end
     max_total_len: int  # prompt + output may not exceed this (context limit)
+    arrival: int = 0  # global admission order (assigned by the front end): the order of the TP request list
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, seed=self.seed,
+                    max_total_len=self.max_total_len, arrival=self.arrival,
+                    params={k: getattr(self.params, k) for k in _PARAM_FIELDS})
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> RequestSpec:
+        return RequestSpec(d["request_id"], d["prompt_token_ids"], SamplingParams(**d["params"]), d["seed"],
+                           d["max_total_len"], d["arrival"])
 
 
 @dataclass
@@ -38,8 +56,19 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_text: str = ""  # decoded output, kept only when there are stop strings
-    stop_ids_seen: int = 0  # output tokens already decoded into stop_text
-    prompt_logits: list = field(default_factory=list)  # chunks of [n, V] float32, when asked for
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything that moves with the request in a switch (pages do not: they are reallocated)."""
+        return dict(spec=self.spec.to_json(), output_token_ids=self.output_token_ids, num_computed=self.num_computed,
+                    status=self.status.value, stop_text=self.stop_text,
+                    prompt_logits=[tensor_to_json(t) for t in self.prompt_logits])
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Request:
+        return Request(RequestSpec.from_json(d["spec"]), d["output_token_ids"], d["num_computed"],
+                       status=Status(d["status"]), stop_text=d["stop_text"],
+                       prompt_logits=[tensor_from_json(t) for t in d["prompt_logits"]])
 
     @property
     def request_id(self) -> str:

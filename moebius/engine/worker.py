@@ -6,8 +6,10 @@ and runs one step. With one rank the front end calls `Worker.step` directly.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,10 +20,12 @@ from moebius.engine.scheduler import Scheduler, StopChecker
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
+from moebius.model.qwen3_moe import ModelWeights, MoEWeights
 from moebius.model.weights import build_weights, plan_weights, weight_specs
 from moebius.parallel.dispatch import Communicator, EPComm, LocalComm, TPComm
 from moebius.parallel.groups import Groups, all_gather_ints
-from moebius.parallel.layout import Layout, check_shapes
+from moebius.parallel.layout import MODES, Layout, check_shapes
+from moebius.switch.executor import Switcher
 from moebius.tokenizer import Tokenizer
 
 log = logging.getLogger("moebius")
@@ -31,11 +35,15 @@ CPU_DEFAULT_KV_TOKENS = 65536
 
 @dataclass
 class StepPlan:
-    """What rank 0 tells every rank before a step: requests to admit and requests to abort."""
+    """What rank 0 tells every rank before a step: requests to admit and abort, an optional layout switch (done
+    before the step), whether to run a forward step, and an optional query (diagnostics, answered per rank)."""
 
     new: list[RequestSpec] = field(default_factory=list)
     owners: list[int] = field(default_factory=list)  # rank owning each new request (EP); ignored in TP
     aborts: list[str] = field(default_factory=list)
+    switch_to: str | None = None
+    run: bool = True
+    query: str | None = None
 
 
 @dataclass
@@ -75,48 +83,75 @@ def make_comm(layout: Layout, groups: Groups) -> Communicator:
     return EPComm(groups.device, groups.world_size, layout.num_local_experts)
 
 
+@dataclass
+class ModeRuntime:
+    """Everything one layout needs to run, built once at start and kept resident (views over the same buffer)."""
+
+    layout: Layout
+    weights: ModelWeights
+    kv: KVPool
+    runner: ModelRunner
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, groups: Groups | None = None) -> None:
         ecfg, cfg = spec.engine, spec.model
-        self.spec = spec
+        self.spec, self.cfg = spec, cfg
         self.groups = groups or Groups(0, 1, None, None)
         self.device = torch.device(spec.device)
         if self.device.type == "cpu":
             torch.set_num_threads(ecfg.cpu_threads)
         self.dtype = getattr(torch, spec.dtype)
         check_shapes(cfg, spec.world_size)
-        self.layout = Layout(cfg, spec.mode, spec.rank, spec.world_size)
-        lay, bs = self.layout, ecfg.block_size
+        layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in MODES}
+        start, bs, elt = layouts[spec.mode], ecfg.block_size, self.dtype.itemsize
 
+        # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
         plan = MemoryPlan()
-        plan_weights(plan, cfg, [lay], self.dtype)
+        plan_weights(plan, cfg, list(layouts.values()), self.dtype)
         max_pages_per_seq = -(-spec.max_model_len // bs)
-        StaticBuffers.plan(plan, spec.mode, ecfg.max_num_batched_tokens, ecfg.max_running_requests,
-                           max_pages_per_seq)
-        elt = self.dtype.itemsize
-        expert_bytes = -(-lay.expert_bytes(elt) // 256) * 256
-        page_bytes = KVPool.page_bytes(bs, lay.num_kv_heads, cfg.head_dim, self.dtype)
-        num_pages = self._num_pages(plan.total_bytes, expert_bytes, page_bytes, cfg.num_layers + 1)
-        plan.add_slots(cfg.num_layers + 1, expert_bytes + num_pages * page_bytes)
+        buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq)
+        for m in MODES:
+            StaticBuffers.plan(plan, m, *buf_shape)
+        expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
+        page_bytes = {m: KVPool.page_bytes(bs, lay.num_kv_heads, cfg.head_dim, self.dtype)
+                      for m, lay in layouts.items()}
+        start_pages = self._num_pages(plan.total_bytes, expert_bytes, page_bytes[spec.mode], cfg.num_layers + 1)
+        kv_bytes = start_pages * page_bytes[spec.mode]
+        plan.add_slots(cfg.num_layers + 1, expert_bytes + kv_bytes)
         self.umm = UnifiedMemory(plan, self.device)
 
+        # Weights: dense parts of both layouts, experts in the start layout's slots.
         ckpt = DummyCheckpoint(ecfg.seed, self.device) if spec.checkpoint is None else Checkpoint(spec.checkpoint)
-        load_weights(self.umm, weight_specs(cfg, lay, elt), ckpt, self.dtype, cfg)
-        self.weights = build_weights(self.umm, cfg, lay, self.dtype)
-        slots = [lay.slot_of(i) for i in range(cfg.num_layers)]
-        self.kv_pool = KVPool(self.umm, slots, expert_bytes, num_pages, bs, lay.num_kv_heads, cfg.head_dim,
-                              self.dtype)
-        self.allocator = BlockAllocator(num_pages, bs)
+        specs = {m: weight_specs(cfg, lay, elt) for m, lay in layouts.items()}
+        other = [s for m in MODES if m != spec.mode for s in specs[m] if s.slot is None]
+        load_weights(self.umm, specs[spec.mode] + other, ckpt, self.dtype, cfg)
+
+        self.modes: dict[str, ModeRuntime] = {}
+        for m, lay in layouts.items():
+            weights = build_weights(self.umm, cfg, lay, self.dtype)
+            kv = KVPool(self.umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes,
+                        kv_bytes // page_bytes[m], bs, lay.num_kv_heads, cfg.head_dim, self.dtype)
+            runner = ModelRunner(cfg, weights, kv.layers, make_comm(lay, self.groups),
+                                 StaticBuffers.build(self.umm, m, *buf_shape), bs, self.device)
+            self.modes[m] = ModeRuntime(lay, weights, kv, runner)
+        self.mode = spec.mode
+        self.allocator = BlockAllocator(self.modes[self.mode].kv.num_pages, bs)
         self.scheduler = Scheduler(self.allocator, ecfg.max_running_requests, ecfg.max_num_batched_tokens)
         tokenizer = (Tokenizer.builtin() if spec.use_builtin_tokenizer
                      else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
-        bufs = StaticBuffers.build(self.umm, spec.mode, ecfg.max_num_batched_tokens, ecfg.max_running_requests,
-                                   max_pages_per_seq)
-        self.runner = ModelRunner(cfg, self.weights, self.kv_pool.layers, make_comm(lay, self.groups), bufs, bs,
-                                  self.device)
-        log.info("rank %d: unified buffer %.1f MiB, %d KV pages of %d tokens", spec.rank,
-                 plan.total_bytes / 2**20, num_pages, bs)
+        self.switcher = Switcher(self)
+        log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
+                 bs, {m: rt.kv.num_pages for m, rt in self.modes.items()})
+
+    @property
+    def layout(self) -> Layout:
+        return self.modes[self.mode].layout
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.modes[self.mode].runner
 
     def _num_pages(self, fixed_bytes: int, expert_bytes: int, page_bytes: int, num_slots: int) -> int:
         ecfg = self.spec.engine
@@ -134,12 +169,14 @@ class Worker:
 
     @property
     def kv_capacity(self) -> int:
-        return self.allocator.total_tokens
+        """KV tokens a rank can hold in the start layout (the front end's admission limit)."""
+        return self.modes[self.spec.mode].kv.num_pages * self.spec.engine.block_size
 
-    def step(self, plan: StepPlan) -> list[TokenDelta]:
-        """Apply the plan and run one step; deltas of this rank's requests (in TP every rank reports all)."""
+    def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
+        """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
+        the switch (aborts), those of the step, and the switch outcome (None when the plan did not switch)."""
         sched = self.scheduler
-        deltas: list[TokenDelta] = []
+        aborted: list[TokenDelta] = []
         mine = self.layout.mode == "tp" or self.groups.world_size == 1
         for i, spec in enumerate(plan.new):
             if mine or plan.owners[i] == self.groups.rank:
@@ -149,14 +186,26 @@ class Worker:
             if req is not None:
                 sched.finish(req)
                 req.finish_reason = "abort"
-                deltas.append(TokenDelta(rid, [], "abort"))
+                aborted.append(TokenDelta(rid, [], "abort"))
+        outcome = self.switcher.switch(plan.switch_to) if plan.switch_to else None
+        return aborted, self._forward_step() if plan.run else [], outcome
+
+    def query(self, what: str) -> Any:
+        """Diagnostics for tests and operators (JSON-able)."""
+        if what == "fingerprint":
+            return fingerprint(self)
+        raise ValueError(f"unknown query {what!r}")
+
+    def _forward_step(self) -> list[TokenDelta]:
+        sched = self.scheduler
         batch = sched.schedule()
-        if not mine:
+        if self.layout.mode == "ep" and self.groups.world_size > 1:
             # EP: attention is per rank, but every rank must join each layer's all-to-all while any rank has work.
             if not any(n for (n,) in all_gather_ints([len(batch)], self.groups)):
-                return deltas
+                return []
         elif not batch:
-            return deltas
+            return []
+        deltas: list[TokenDelta] = []
         sampling = [c.req for c in batch if c.samples]
         stop_masks = [(row, self._banned(r)) for row, r in enumerate(sampling)
                       if len(r.output_token_ids) < r.params.min_tokens]
@@ -186,3 +235,30 @@ class Worker:
         if not req.params.ignore_eos:
             banned |= self.stop.eos
         return sorted(banned)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def fingerprint(w: Worker) -> dict[str, Any]:
+    """Buffer address, every resident view's data_ptr, and digests of the active layout's expert weights and of
+    each live request's KV (by request, in token order, all local heads): what a switch must preserve."""
+    ptrs = [w.umm.buffer.data_ptr()]
+    for rt in w.modes.values():
+        for lw in rt.weights.layers:
+            ptrs += [lw.attn.qkv_QD.data_ptr(), lw.attn.o_DQ.data_ptr()]
+            if isinstance(lw.mlp, MoEWeights):
+                ptrs += [lw.mlp.w13_EFD.data_ptr(), lw.mlp.w2_EDF.data_ptr()]
+        ptrs += [t.data_ptr() for t in rt.kv.layers]
+        ptrs += [rt.runner.bufs.input_ids.data_ptr(), rt.runner.bufs.block_tables.data_ptr()]
+    rt = w.modes[w.mode]
+    experts = [_digest(torch.cat([lw.mlp.w13_EFD.flatten(), lw.mlp.w2_EDF.flatten()]))
+               for lw in rt.weights.layers if isinstance(lw.mlp, MoEWeights)]
+    bs = w.spec.engine.block_size
+    kv = {}
+    for r in w.scheduler.running:
+        slots = torch.arange(r.num_computed)
+        pages = torch.tensor(r.pages, dtype=torch.int64)[slots // bs]
+        kv[r.request_id] = _digest(torch.stack([c[pages, :, slots % bs] for c in rt.kv.layers]))
+    return {"mode": w.mode, "ptrs": ptrs, "experts": experts, "kv": kv}

@@ -87,6 +87,15 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
+    def switch_mode(self, mode: str) -> dict[str, object]:
+        """Switch live to "tp" or "ep" between two steps; requests in flight continue where they were.
+        Returns {"done": bool, "reason" (if refused), "requests_ms", "weights_ms", "kv_ms", "total_ms"}."""
+        return self.engine.switch_mode(mode)
+
+    @property
+    def mode(self) -> str:
+        return self.engine.mode
+
     def kv_stats(self) -> dict[str, object]:
         """KV-cache tokens free / in total (summed over ranks, and "per_rank")."""
         return self.engine.kv_stats()

@@ -7,10 +7,12 @@ ever unpickled.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -82,3 +84,33 @@ def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
     out = [torch.empty_like(t) for _ in range(groups.world_size)]
     dist.all_gather(out, t, group=groups.cpu)
     return [o.tolist() for o in out]
+
+
+def tensor_to_json(t: torch.Tensor | None) -> dict[str, Any] | None:
+    """A float tensor as JSON (float32 bytes, base64), for control messages that carry small tensors."""
+    if t is None:
+        return None
+    a = t.float().contiguous().numpy()
+    return dict(shape=list(a.shape), data=base64.b64encode(a.tobytes()).decode())
+
+
+def tensor_from_json(d: dict[str, Any] | None) -> torch.Tensor | None:
+    if d is None:
+        return None
+    a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).reshape(d["shape"])
+    return torch.from_numpy(a.copy())
+
+
+def all_gather_json(obj: Any, groups: Groups) -> list[Any]:
+    """Every rank sends `obj`; every rank returns the list of all of them in rank order."""
+    if groups.world_size == 1:
+        return [obj]
+    payload = _encode(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(groups.world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=groups.cpu)
+    longest = max(int(s[0]) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(groups.world_size)]
+    dist.all_gather(bufs, padded, group=groups.cpu)
+    return [_decode(b[: int(s[0])]) for b, s in zip(bufs, sizes, strict=True)]

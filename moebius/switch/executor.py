@@ -1,0 +1,169 @@
+"""Executing a live switch on one rank, between two steps: requests, then one ordered pass over the layers moving
+each layer's expert weights and KV pages together, then flipping the active runtime.
+
+EP -> TP runs layers in ascending order (TP layer i lands in slot i, whose EP content, layer i-1, already left);
+TP -> EP in descending order (EP layer i lands in slot i+1, whose TP content, layer i+1, already left). Nothing is
+recomputed; nothing of the model is held twice: the extra memory is the spare slot and one layer of staging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moebius.engine.request import Request, Status
+from moebius.memory.kv_pool import BlockAllocator
+from moebius.model.qwen3_moe import MoEWeights
+from moebius.parallel.groups import all_gather_json
+from moebius.parallel.layout import Layout
+from moebius.switch.plan import KVMove, LiveKV, ep_to_tp_pack, kv_ep_to_tp, kv_tp_to_ep, partition, tp_to_ep_unpack
+from moebius.switch.transport import CollectiveTransport
+
+if TYPE_CHECKING:
+    from moebius.engine.worker import Worker
+
+log = logging.getLogger("moebius")
+
+
+class Switcher:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        g = worker.groups
+        self.P, self.rank = g.world_size, g.rank
+        self.transport = CollectiveTransport(g.device)
+        self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
+
+    def _sync(self) -> None:
+        if self.w.device.type == "cuda":
+            torch.cuda.synchronize(self.w.device)
+
+    # ---- requests ----
+    def _global_requests(self) -> tuple[list[Request], list[Request], list[int], dict[str, list[int]]]:
+        """(running, waiting, owner of each running+waiting request after the switch, my source page tables)."""
+        w, sched = self.w, self.w.scheduler
+        my_pages = {r.request_id: list(r.pages) for r in sched.running}
+        if w.mode == "ep":  # EP -> TP: all-gather the metadata; everyone builds the same ordered list
+            mine = {"running": [r.to_json() for r in sched.running], "waiting": [r.to_json() for r in sched.waiting]}
+            everything = all_gather_json(mine, w.groups)
+            running = [(Request.from_json(d), s) for s, m in enumerate(everything) for d in m["running"]]
+            waiting = [(Request.from_json(d), s) for s, m in enumerate(everything) for d in m["waiting"]]
+            running.sort(key=lambda x: x[0].spec.arrival)
+            waiting.sort(key=lambda x: x[0].spec.arrival)
+            owners = [s for _, s in running] + [s for _, s in waiting]  # the EP source of each request
+            return [r for r, _ in running], [r for r, _ in waiting], owners, my_pages
+        running, waiting = list(sched.running), list(sched.waiting)  # TP: identical on every rank
+        owners = partition([r.num_tokens for r in running + waiting], self.P)
+        return running, waiting, owners, my_pages
+
+    def switch(self, target: str) -> dict[str, Any]:
+        w = self.w
+        src = w.mode
+        if target == src:
+            return {"done": False, "reason": f"already in {src}"}
+        t0 = time.perf_counter()
+        running, waiting, owners, my_pages = self._global_requests()
+        bs = w.spec.engine.block_size
+        dst_rt = w.modes[target]
+        # Capacity: the target must hold the live KV of every running request (plus its next token).
+        need = [0] * self.P
+        for r, o in zip(running, owners, strict=False):
+            need[o if target == "ep" else 0] += -(-r.num_tokens // bs)
+        have = dst_rt.kv.num_pages
+        if max(need) > have:
+            return {"done": False, "reason": f"{target} layout cannot hold the live KV: needs {max(need)} pages on a "
+                    f"rank, has {have}", "from": src, "to": target}
+
+        # Target page tables, allocated in the global order (identical on every rank in TP).
+        alloc = BlockAllocator(have, bs)
+        live: list[LiveKV] = []
+        for r, o in zip(running, owners, strict=False):
+            holds = target == "tp" or o == self.rank
+            dst_pages = alloc.allocate(-(-r.num_computed // bs)) if holds else []
+            src_pages = my_pages.get(r.request_id, [])
+            live.append(LiveKV(o, r.num_computed, src_pages, dst_pages))
+            r.pages = dst_pages
+        plan = (kv_ep_to_tp if target == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, bs)
+        self._sync()
+        t1 = time.perf_counter()
+        t_weights, t_kv = self._move_layers(src, target, plan)
+
+        # Flip: the target's requests, allocator and runtime become active.
+        sched = w.scheduler
+        keep = [i for i, o in enumerate(owners) if target == "tp" or o == self.rank]
+        n_run = len(running)
+        sched.running = [running[i] for i in keep if i < n_run]
+        sched.waiting = deque(waiting[i - n_run] for i in keep if i >= n_run)
+        for r in sched.running:
+            r.status = Status.RUNNING
+        for r in sched.waiting:
+            r.status, r.pages = Status.WAITING, []
+        sched.alloc = w.allocator = alloc
+        w.mode = target
+        t2 = time.perf_counter()
+        times = {"requests_ms": (t1 - t0) * 1e3, "weights_ms": t_weights * 1e3, "kv_ms": t_kv * 1e3,
+                 "total_ms": (t2 - t0) * 1e3}
+        log.info("rank %d: switched %s -> %s with %d running, %d waiting requests in %.1f ms (weights %.1f, KV %.1f)",
+                 self.rank, src, target, n_run, len(waiting), times["total_ms"], times["weights_ms"], times["kv_ms"])
+        out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
+        if target == "ep":
+            out["owners"] = {r.request_id: o for r, o in zip(running + waiting, owners, strict=True)}
+        return out
+
+    # ---- data plane ----
+    def _move_layers(self, src: str, dst: str, plan: KVMove) -> tuple[float, float]:
+        w = self.w
+        order = range(w.cfg.num_layers) if dst == "tp" else reversed(range(w.cfg.num_layers))
+        dev = w.device
+        to_dev = [(torch.from_numpy(s).to(dev), torch.from_numpy(r).to(dev))
+                  for s, r in zip(plan.send_slots, plan.recv_slots, strict=True)]
+        bs = w.spec.engine.block_size
+        t_weights = t_kv = 0.0
+        for i in order:
+            t = time.perf_counter()
+            src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
+            if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
+                self._move_experts(src_mlp, dst_mlp, dst)
+            self._sync()
+            t2 = time.perf_counter()
+            self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, to_dev, bs)
+            self._sync()
+            t_weights += t2 - t
+            t_kv += time.perf_counter() - t2
+        return t_weights, t_kv
+
+    def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str) -> None:
+        P = self.P
+        El = (src if target == "tp" else dst).w13_EFD.shape[0]
+        splits = [El] * P
+        if target == "tp":  # permute, then exchange straight into the TP views
+            s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P)
+            self.transport.all_to_all(dst.w13_EFD, s13, splits, splits)
+            self.transport.all_to_all(dst.w2_EDF, s2, splits, splits)
+        else:  # exchange the TP views' expert blocks, then interleave the shards into whole experts
+            r13, r2 = torch.empty_like(src.w13_EFD), torch.empty_like(src.w2_EDF)
+            self.transport.all_to_all(r13, src.w13_EFD, splits, splits)
+            self.transport.all_to_all(r2, src.w2_EDF, splits, splits)
+            tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
+
+    def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
+                 idx: list[tuple[torch.Tensor, torch.Tensor]], bs: int) -> None:
+        """src/dst caches [pages, 2, bs, heads, d]: gather by source slots, exchange, scatter by target slots."""
+        send_counts = [len(s) for s in plan.send_slots]
+        recv_counts = [len(r) for r in plan.recv_slots]
+        if not any(send_counts) and not any(recv_counts) and self.P == 1:
+            return
+        chunks = [src[s // bs, :, s % bs][:, :, h.start: h.stop]
+                  for (s, _), h in zip(idx, plan.send_heads, strict=True)]
+        width = len(plan.recv_heads[0])
+        send = torch.cat(chunks) if chunks else src.new_zeros(0, 2, width, src.shape[-1])
+        recv = src.new_empty((sum(recv_counts), 2, width, src.shape[-1]))
+        self.transport.all_to_all(recv, send, recv_counts, send_counts)
+        start = 0
+        for (_, r), h, n in zip(idx, plan.recv_heads, recv_counts, strict=True):
+            if n:
+                dst[r // bs, :, r % bs, h.start: h.stop] = recv[start: start + n]
+            start += n

@@ -1,0 +1,122 @@
+"""The switch plan, pure: which bytes each rank sends to each peer and where they land.
+
+Weights. EP rank r holds experts [r*El, (r+1)*El) whole: W13 (El, 2I, D), W2 (El, D, I). TP rank q holds rows
+q*I/P .. (q+1)*I/P of the gate and of the up projection of every expert, W13 (E, 2I/P, D), and the same columns of
+W2, (E, D, I/P). EP->TP is permute then exchange: rank r packs, for each peer q, its experts' q-th shards; the
+chunks from r land at experts r*El.. of q's TP view, which is exactly the all-to-all output order, so nothing is
+unpacked. TP->EP is exchange then permute: the chunk for peer r is the contiguous expert block r*El.. of the TP view
+(nothing packed); the received shards are interleaved into whole experts.
+
+KV. A request's tokens 0..n-1 sit in pages given by its page table; token t of a page table `pages` is slot
+pages[t // bs] * bs + t % bs. EP->TP: each rank sends, for each of its requests in the global order, every token's
+K/V restricted to peer q's TP heads; peer q scatters by the TP page tables (identical on every rank). TP->EP: each
+request gets a new owner (`partition`); the first rank holding each TP head shard sends it (replicas stay silent),
+the new owner scatters into its EP pages at that shard's heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moebius.parallel.layout import Layout
+
+
+# ---- weights ----
+def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send buffers [P * El, 2I/P, D] and [P * El, D, I/P]: peer q's chunk is rows q*El .. (q+1)*El."""
+    El, F, D = w13_EFD.shape
+    I = F // 2
+    s13 = w13_EFD.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4).reshape(P * El, 2 * I // P, D)
+    s2 = w2_EDF.view(El, D, P, I // P).permute(2, 0, 1, 3).reshape(P * El, D, I // P)
+    return s13, s2
+
+
+def tp_to_ep_unpack(r13: torch.Tensor, r2: torch.Tensor, P: int, out13_EFD: torch.Tensor,
+                    out2_EDF: torch.Tensor) -> None:
+    """Interleave received shards (chunk q = rows q*El..: shard q of my El experts) into whole experts."""
+    El, F, D = out13_EFD.shape
+    I = F // 2
+    out13_EFD.view(El, 2, P, I // P, D).copy_(r13.view(P, El, 2, I // P, D).permute(1, 2, 0, 3, 4))
+    out2_EDF.view(El, D, P, I // P).copy_(r2.view(P, El, D, I // P).permute(1, 2, 0, 3))
+
+
+# ---- requests ----
+def partition(lengths: list[int], P: int) -> list[int]:
+    """TP->EP owners: by decreasing length, each request to the least-loaded rank (requests, then tokens).
+    Deterministic (ties by index and rank), so every rank computes the same partition."""
+    load = [(0, 0)] * P
+    owner = [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(P), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] = (load[r][0] + 1, load[r][1] + lengths[i])
+    return owner
+
+
+# ---- KV ----
+def token_slots(pages: list[int], n: int, bs: int) -> np.ndarray:
+    """Cache slot of each of the first n tokens of a page table."""
+    t = np.arange(n, dtype=np.int64)
+    return np.asarray(pages, dtype=np.int64)[t // bs] * bs + t % bs
+
+
+@dataclass
+class KVMove:
+    """One rank's part of a KV migration (identical for every layer).
+
+    send_slots[q]: source-cache slots of the tokens sent to q, in order; send_heads[q]: source heads sent to q.
+    recv_slots[s]: destination-cache slots of the tokens received from s, in order; recv_heads[s]: destination
+    heads they fill.
+    """
+
+    send_slots: list[np.ndarray]
+    send_heads: list[range]
+    recv_slots: list[np.ndarray]
+    recv_heads: list[range]
+
+
+@dataclass
+class LiveKV:
+    """A request's KV as the plan sees it: its owner before the switch, KV tokens, page tables."""
+
+    owner: int  # EP owner (for EP->TP) or new EP owner (for TP->EP)
+    num_tokens: int
+    src_pages: list[int]  # page table in the source layout (meaningful on the ranks that hold it)
+    dst_pages: list[int]  # page table in the target layout (meaningful on the ranks that hold it)
+
+
+def kv_ep_to_tp(reqs: list[LiveKV], me: int, tp: list[Layout], bs: int) -> KVMove:
+    """EP->TP at rank `me`; reqs in the global order, tp[q] the TP layout of rank q."""
+    P = len(tp)
+    mine = [token_slots(r.src_pages, r.num_tokens, bs) for r in reqs if r.owner == me]
+    send = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+    recv = []
+    for s in range(P):
+        got = [token_slots(r.dst_pages, r.num_tokens, bs) for r in reqs if r.owner == s]
+        recv.append(np.concatenate(got) if got else np.zeros(0, np.int64))
+    all_heads = range(0, tp[me].num_kv_heads)  # a TP rank receives all of its (local) heads
+    return KVMove([send] * P, [tp[q].kv_heads for q in range(P)], recv, [all_heads] * P)
+
+
+def _is_primary(lay: Layout) -> bool:
+    """The lowest rank holding a TP KV-head shard sends it; replicas (KV heads < ranks) do not."""
+    rep = max(1, lay.world_size // lay.cfg.num_kv_heads)
+    return lay.rank % rep == 0
+
+
+def kv_tp_to_ep(reqs: list[LiveKV], me: int, tp: list[Layout], bs: int) -> KVMove:
+    """TP->EP at rank `me`; reqs in the global order with their new owners."""
+    P = len(tp)
+    empty = np.zeros(0, np.int64)
+    local_heads = range(0, tp[me].num_kv_heads)
+    send = []
+    for s in range(P):
+        got = [token_slots(r.src_pages, r.num_tokens, bs) for r in reqs if r.owner == s]
+        send.append(np.concatenate(got) if got and _is_primary(tp[me]) else empty)
+    mine = [token_slots(r.dst_pages, r.num_tokens, bs) for r in reqs if r.owner == me]
+    mine_slots = np.concatenate(mine) if mine else empty
+    recv = [mine_slots if _is_primary(tp[q]) else empty for q in range(P)]
+    return KVMove(send, [local_heads] * P, recv, [tp[q].kv_heads for q in range(P)])
