@@ -186,6 +186,9 @@ class EngineConfig:
                            "torchrun the world size is taken from the environment instead")
     mode: str = _flag("tp", "parallel layout: tp (tensor parallel attention and experts) or ep (data-parallel "
                       "attention, expert-parallel experts)", ("tp", "ep"))
+    disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
+                                     "graphs captured at start for both layouts")
+    cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
     cpu_threads: int = _flag(1, "torch threads per rank when running on CPU (the CPU path serves tests and demos; "
                              "one thread per rank avoids oversubscribing small machines)")
 
@@ -223,6 +226,9 @@ class EngineConfig:
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            if str(f.type) == "bool":
+                group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
+                continue
             kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
             group.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                help=f.metadata["help"])

@@ -289,10 +289,11 @@ class EngineCore:
         self._retire(touched)
         return outcome
 
-    def query(self, what: str) -> list[object]:
-        """Per-rank diagnostics (e.g. "fingerprint": view addresses and weight/KV digests), without a step."""
+    def query(self, name: str, **args: object) -> list[object]:
+        """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
+        "bench_decode" (batch, context, steps, warmup, graphs)."""
         plan, self._pending = self._pending, StepPlan()
-        plan.run, plan.query = False, what
+        plan.run, plan.query = False, {"name": name, **args}
         result = self.ranks.step(plan)
         touched: dict[str, _FrontRequest] = {}
         for d in result.deltas:

@@ -12,13 +12,14 @@ import numpy as np
 import torch
 
 from moebius.config import ModelConfig
+from moebius.engine.cuda_graphs import CudaGraphs
 from moebius.engine.scheduler import ScheduledChunk
-from moebius.layers.attention import AttentionMetadata
+from moebius.layers.attention import AttentionMetadata, num_splits_for
 from moebius.layers.sampler import SamplingBatch, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
-from moebius.parallel.dispatch import Communicator
+from moebius.parallel.dispatch import Communicator, EPComm
 
 
 @dataclass
@@ -54,74 +55,113 @@ class StaticBuffers:
         return StaticBuffers(**views)
 
 
+@dataclass
+class StepSync:
+    """What all ranks agreed on before a step: the largest local token count and whether every rank is decoding
+    only. In TP these are local facts; in EP they come from a small all-gather (ranks must run the same graph)."""
+
+    max_tokens: int
+    all_decode: bool
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor], comm: Communicator,
                  bufs: StaticBuffers, block_size: int, device: torch.device) -> None:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
         self.bufs, self.block_size, self.device = bufs, block_size, device
+        self.graphs: CudaGraphs | None = None
 
-    def _metadata(self, batch: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+        view = dst[: src.shape[0]] if src.ndim == 1 else dst[: src.shape[0], : src.shape[1]]
+        view.copy_(torch.from_numpy(src), non_blocking=True)
+        return view
+
+    def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None
+                  ) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Write the batch's metadata into the static buffers. pad_to (decode graphs): pad to that many one-token
+        rows that read and write only the reserved page 0."""
         bs, buf = self.block_size, self.bufs
         B = len(batch)
         lens = np.fromiter((c.num_tokens for c in batch), dtype=np.int64, count=B)
         starts = np.fromiter((c.start for c in batch), dtype=np.int64, count=B)
+        ids = np.fromiter((t for c in batch for t in c.req.tokens(c.start, c.start + c.num_tokens)),
+                          dtype=np.int64, count=int(lens.sum()))
+        width = buf.block_tables.shape[1] if pad_to else max((len(c.req.pages) for c in batch), default=1)
+        if pad_to:
+            extra = pad_to - B
+            lens = np.concatenate([lens, np.ones(extra, np.int64)])
+            starts = np.concatenate([starts, np.zeros(extra, np.int64)])
+            ids = np.concatenate([ids, np.zeros(extra, np.int64)])
+            B = pad_to
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
         T = int(qsl[-1])
         token_seq = np.repeat(np.arange(B, dtype=np.int64), lens)
         token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
         positions = starts[token_seq] + token_qpos
-        ids = np.fromiter((t for c in batch for t in c.req.tokens(c.start, c.start + c.num_tokens)),
-                          dtype=np.int64, count=T)
-        max_pages = max((len(c.req.pages) for c in batch), default=1)
-        table = np.zeros((B, max_pages), dtype=np.int32)
+        table = np.zeros((B, width), dtype=np.int32)
         for b, c in enumerate(batch):
             table[b, : len(c.req.pages)] = c.req.pages
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + lens
-
-        def put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
-            view = dst[: src.shape[0]] if src.ndim == 1 else dst[: src.shape[0], : src.shape[1]]
-            view.copy_(torch.from_numpy(src), non_blocking=True)
-            return view
-
+        put = self._put
         meta = AttentionMetadata(
             positions=put(buf.positions, positions), slot_mapping=put(buf.slot_mapping, slots),
             query_start_loc=put(buf.query_start_loc, qsl), seq_lens=put(buf.seq_lens, seq_lens),
             block_tables=put(buf.block_tables, table), token_seq=put(buf.token_seq, token_seq),
             token_qpos=put(buf.token_qpos, token_qpos), max_query_len=int(lens.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)), block_size=bs)
-        return put(buf.input_ids, ids), meta
+        return put(buf.input_ids, ids), meta, qsl
 
-    def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]]
+    def decode_metadata(self, b: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The static-buffer views a decode graph of bucket b reads (contents written before each replay)."""
+        buf = self.bufs
+        return buf.input_ids[:b], AttentionMetadata(
+            positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b], query_start_loc=buf.query_start_loc[:b + 1],
+            seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b], token_seq=buf.token_seq[:b],
+            token_qpos=buf.token_qpos[:b], max_query_len=1, max_seq_len=0, block_size=self.block_size,
+            num_splits=num_splits_for(b, self.kv[0].shape[3]) if self.device.type == "cuda" else 1)
+
+    def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [T, V] of every new token (used by decode graphs, where every row samples)."""
+        hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
+        return qwen3_moe.logits(hidden, self.weights)
+
+    def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync
                 ) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Run the batch; return the sampled token of each sampling chunk (in batch order) and, for chunks that
         asked for prompt logits, their [n, V] float32 logits keyed by batch index.
 
         stop_masks: (sampling-row, token ids) whose logits are forbidden this step (min_tokens).
         """
-        ids, meta = self._metadata(batch)
-        hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
-        qsl = meta.query_start_loc.tolist()
-        rows = [qsl[b + 1] - 1 for b, c in enumerate(batch) if c.samples]
+        bucket = self.graphs.bucket_for(sync.max_tokens) if self.graphs and sync.all_decode else None
         prompt_logits: dict[int, torch.Tensor] = {}
-        for b, c in enumerate(batch):
-            if c.req.wants_prompt_logits:
-                # positions not collected yet (a preempted request recomputes ones it already has)
-                lo = max(c.start, sum(x.shape[0] for x in c.req.prompt_logits))
-                hi = min(c.start + c.num_tokens, c.req.num_prompt)
-                if hi > lo:
-                    h = hidden[qsl[b] + lo - c.start: qsl[b] + hi - c.start]
-                    prompt_logits[b] = qwen3_moe.logits(h, self.weights).float().cpu()
-        if not rows:
-            return [], prompt_logits
-        logits = qwen3_moe.logits(hidden[rows], self.weights).float()
+        if bucket is not None:  # every rank decodes only: replay the bucket's graph
+            self._metadata(batch, pad_to=bucket)
+            logits = self.graphs.replay(bucket)[: len(batch)].float()
+        else:
+            if isinstance(self.comm, EPComm):
+                self.comm.capacity = sync.max_tokens
+            ids, meta, qsl = self._metadata(batch)
+            if meta.max_query_len == 1 and self.device.type == "cuda":
+                meta.num_splits = num_splits_for(len(batch), self.kv[0].shape[3])
+            hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
+            rows = [int(qsl[b + 1]) - 1 for b, c in enumerate(batch) if c.samples]
+            for b, c in enumerate(batch):
+                if c.req.wants_prompt_logits:
+                    # positions not collected yet (a preempted request recomputes ones it already has)
+                    lo = max(c.start, sum(x.shape[0] for x in c.req.prompt_logits))
+                    hi = min(c.start + c.num_tokens, c.req.num_prompt)
+                    if hi > lo:
+                        h = hidden[int(qsl[b]) + lo - c.start: int(qsl[b]) + hi - c.start]
+                        prompt_logits[b] = qwen3_moe.logits(h, self.weights).float().cpu()
+            if not rows:
+                return [], prompt_logits
+            logits = qwen3_moe.logits(hidden[rows], self.weights).float()
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")
         reqs = [c.req for c in batch if c.samples]
-        sb = self._sampling_batch(reqs)
-        return sample(logits, sb).tolist(), prompt_logits
-
+        return sample(logits, self._sampling_batch(reqs)).tolist(), prompt_logits
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size
         temp = [r.params.temperature for r in reqs]

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moebius.config import EngineConfig, ModelConfig
+from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
 from moebius.engine.request import Request, RequestSpec
-from moebius.engine.runner import ModelRunner, StaticBuffers
-from moebius.engine.scheduler import Scheduler, StopChecker
+from moebius.engine.runner import ModelRunner, StaticBuffers, StepSync
+from moebius.engine.scheduler import ScheduledChunk, Scheduler, StopChecker
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -25,6 +28,7 @@ from moebius.model.weights import build_weights, plan_weights, weight_specs
 from moebius.parallel.dispatch import Communicator, EPComm, LocalComm, TPComm
 from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.parallel.layout import MODES, Layout, check_shapes
+from moebius.sampling_params import SamplingParams
 from moebius.switch.executor import Switcher
 from moebius.tokenizer import Tokenizer
 
@@ -43,7 +47,7 @@ class StepPlan:
     aborts: list[str] = field(default_factory=list)
     switch_to: str | None = None
     run: bool = True
-    query: str | None = None
+    query: dict[str, Any] | None = None  # {"name": ..., **arguments}
 
 
 @dataclass
@@ -142,8 +146,27 @@ class Worker:
                      else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
         self.switcher = Switcher(self)
+        if self.device.type == "cuda" and not ecfg.disable_cuda_graph:
+            self._capture_graphs(min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens))
         log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
                  bs, {m: rt.kv.num_pages for m, rt in self.modes.items()})
+
+    def _capture_graphs(self, cap: int) -> None:
+        """Both modes' decode graphs, once, into one memory pool. Capture only records addresses: it needs no
+        switch, and its warm-up writes land in the reserved page 0 of either layout."""
+        pool = torch.cuda.graph_pool_handle()
+        for m in MODES:
+            rt = self.modes[m]
+            rt.runner.graphs = CudaGraphs(rt.runner, default_buckets(cap), pool)
+            secs = rt.runner.graphs.capture()
+            log.info("rank %d: captured %d %s decode graphs (batch <= %d) in %.1f s", self.spec.rank,
+                     len(rt.runner.graphs.buckets), m, cap, secs)
+
+    def destroy_graphs(self) -> None:
+        for rt in self.modes.values():
+            if rt.runner.graphs is not None:
+                rt.runner.graphs.destroy()
+                rt.runner.graphs = None
 
     @property
     def layout(self) -> Layout:
@@ -170,7 +193,7 @@ class Worker:
     @property
     def kv_capacity(self) -> int:
         """KV tokens a rank can hold in the start layout (the front end's admission limit)."""
-        return self.modes[self.spec.mode].kv.num_pages * self.spec.engine.block_size
+        return (self.modes[self.spec.mode].kv.num_pages - 1) * self.spec.engine.block_size
 
     def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
         """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
@@ -190,26 +213,82 @@ class Worker:
         outcome = self.switcher.switch(plan.switch_to) if plan.switch_to else None
         return aborted, self._forward_step() if plan.run else [], outcome
 
-    def query(self, what: str) -> Any:
-        """Diagnostics for tests and operators (JSON-able)."""
-        if what == "fingerprint":
+    def query(self, q: dict[str, Any]) -> Any:
+        """Diagnostics and benchmarks run inside a plan, on every rank (JSON-able answers)."""
+        if q["name"] == "fingerprint":
             return fingerprint(self)
-        raise ValueError(f"unknown query {what!r}")
+        if q["name"] == "memory":
+            return self.memory_report()
+        if q["name"] == "bench_decode":
+            return self.bench_decode(q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
+        raise ValueError(f"unknown query {q['name']!r}")
+
+    def memory_report(self) -> dict[str, Any]:
+        kv = sum(t.numel() * t.element_size() for t in self.modes[self.mode].kv.layers)
+        out: dict[str, Any] = {"umm_bytes": self.umm.plan.total_bytes, "kv_bytes": kv}
+        if self.device.type == "cuda":
+            out["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            out["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+            out["non_kv_bytes"] = out["peak_reserved"] - kv
+        return out
+
+    def bench_decode(self, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict[str, Any]:
+        """Time steady-state decode steps of `batch` requests (global) with `context` cached tokens each, through
+        the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
+        P, rank = self.groups.world_size, self.groups.rank
+        ep = self.mode == "ep" and P > 1
+        local = batch // P + (1 if rank < batch % P else 0) if ep else batch
+        bs = self.spec.engine.block_size
+        need = local * -(-(context + 1) // bs)
+        ok = need <= self.allocator.num_free and local <= self.spec.engine.max_num_batched_tokens
+        if P > 1 and not all(v for (v,) in all_gather_ints([int(ok)], self.groups)):
+            return {"error": "does not fit on every rank"}
+        if not ok:
+            return {"error": f"needs {need} KV pages, {self.allocator.num_free} free"}
+        chunks = []
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        for i in range(local):
+            req = Request(RequestSpec(f"bench{i}", [1] * (context + 1), params, i, context + 2))
+            req.pages, req.num_computed = self.allocator.allocate(-(-(context + 1) // bs)), context
+            chunks.append(ScheduledChunk(req, context, 1))
+        sync = StepSync(-(-batch // P) if ep else batch, True)
+        saved = self.runner.graphs
+        if not graphs:
+            self.runner.graphs = None
+        used_graph = self.runner.graphs is not None and self.runner.graphs.bucket_for(sync.max_tokens) is not None
+        times = []
+        try:
+            for _ in range(warmup + steps):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t = time.perf_counter()
+                self.runner.execute(chunks, [], sync)  # ends with the sampled tokens on the host: a full step
+                times.append(time.perf_counter() - t)
+        finally:
+            self.runner.graphs = saved
+            for c in chunks:
+                self.allocator.free(c.req.pages)
+        return {"step_ms": statistics.median(times[warmup:]) * 1e3, "local_batch": local, "cuda_graph": used_graph}
 
     def _forward_step(self) -> list[TokenDelta]:
         sched = self.scheduler
         batch = sched.schedule()
+        n_tokens = sum(c.num_tokens for c in batch)
+        decode = all(c.num_tokens == 1 and c.samples for c in batch)
         if self.layout.mode == "ep" and self.groups.world_size > 1:
-            # EP: attention is per rank, but every rank must join each layer's all-to-all while any rank has work.
-            if not any(n for (n,) in all_gather_ints([len(batch)], self.groups)):
-                return []
-        elif not batch:
+            # EP: attention is per rank, but every rank joins each layer's collectives while any rank has work,
+            # and all must agree on the dispatch size (and on the graph bucket).
+            everyone = all_gather_ints([n_tokens, int(decode)], self.groups)
+            sync = StepSync(max(n for n, _ in everyone), all(d for _, d in everyone))
+        else:
+            sync = StepSync(n_tokens, decode)
+        if sync.max_tokens == 0:
             return []
         deltas: list[TokenDelta] = []
         sampling = [c.req for c in batch if c.samples]
         stop_masks = [(row, self._banned(r)) for row, r in enumerate(sampling)
                       if len(r.output_token_ids) < r.params.min_tokens]
-        tokens, prompt_logits = self.runner.execute(batch, [(row, ids) for row, ids in stop_masks if ids])
+        tokens, prompt_logits = self.runner.execute(batch, [(row, ids) for row, ids in stop_masks if ids], sync)
         next_token = iter(tokens)
         for b, chunk in enumerate(batch):
             req = chunk.req

@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     samp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     samp.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     EngineConfig.add_cli_args(gen)
+    bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
+    from moebius.bench import sweep
+
+    sweep.add_parser(bench.add_subparsers(dest="bench", required=True))
     return parser
 
 
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "bench":
+            return args.func(args)
     except (ValueError, ConfigError, FileNotFoundError, TypeError) as e:
         print(f"moebius: error: {e}", file=sys.stderr)
         return 2

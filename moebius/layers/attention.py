@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moebius.kernels import triton_available
+
 
 @dataclass
 class AttentionMetadata:
@@ -25,6 +27,13 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    num_splits: int = 1  # decode on the GPU: KV splits of the flash-decoding kernel
+
+
+def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
+    """Decode on the GPU: KV splits so that batch x kv-heads x splits programs fill the GPU about twice."""
+    want = max(1, (2 * sms) // max(1, batch * kv_heads))
+    return min(32, 1 << (want - 1).bit_length())
 
 
 def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -38,7 +47,19 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d]."""
+    """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d].
+    The Triton kernel on the GPU, the torch reference elsewhere."""
+    if q_THd.is_cuda and triton_available():
+        from moebius.kernels.attention import paged_attention as fast
+
+        return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
+                    meta.num_splits)
+    return paged_attention_ref(q_THd, cache, meta, scale)
+
+
+def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+                        ) -> torch.Tensor:
+    """The torch reference: gathers each sequence's KV through its block table into a padded batch."""
     T, H, d = q_THd.shape
     if T == 0:  # a rank with no requests this step (EP) still runs the layer for its collectives
         return q_THd.new_zeros(0, H, d)

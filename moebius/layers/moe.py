@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moebius.kernels.moe import experts as fast_experts
+from moebius.kernels.moe import experts_dense, grouped_mm_available
+
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +31,17 @@ def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor) -> 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
             w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
+    """Grouped GEMMs on the GPU (bf16); a sync-free dense loop on the GPU in other dtypes; the torch reference on
+    the CPU."""
+    if x_TD.is_cuda:
+        if grouped_mm_available() and x_TD.dtype == torch.bfloat16:
+            return fast_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
+        return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
+    return experts_ref(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
+
+
+def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
+                w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
     """sum_k w_tk * expert_{id_tk}(x_t) over the (token, k) pairs whose expert is local.
 
     Local experts are ids first_expert .. first_expert + E_local - 1; other pairs contribute nothing (they are

@@ -16,14 +16,16 @@ class OutOfPages(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list of page ids 0..num_pages-1. Allocation order is deterministic (lowest ids first after reset)."""
+    """Free list of page ids 1..num_pages-1; page 0 is reserved as scratch (padding rows of a CUDA-graph batch
+    read and write it), so it is never handed out. Allocation order is deterministic (lowest ids first)."""
 
     def __init__(self, num_pages: int, block_size: int) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"the KV pool has no pages (num_pages={num_pages}); give more memory")
+        if num_pages <= 1:
+            raise ValueError(f"the KV pool has no usable pages (num_pages={num_pages}, page 0 is reserved); "
+                             "give it more memory")
         self.num_pages = num_pages
         self.block_size = block_size
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() from the end gives the lowest id
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() from the end gives the lowest id
         self._used = bytearray(num_pages)
 
     @property
@@ -35,8 +37,12 @@ class BlockAllocator:
         return self.num_free * self.block_size
 
     @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
     def total_tokens(self) -> int:
-        return self.num_pages * self.block_size
+        return self.usable_pages * self.block_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

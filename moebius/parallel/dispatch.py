@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -56,46 +55,47 @@ class TPComm:
         return self.reduce(y_TD)
 
 
-@dataclass
-class _EPHandle:
-    token: torch.Tensor  # [S] source token of each sent row
-    send: list[int]  # rows sent to each rank
-    recv: list[int]  # rows received from each rank
-    num_tokens: int
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    rs = getattr(dist, "reduce_scatter_single", None)  # newer torch; reduce_scatter_tensor before
+    (rs or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 class EPComm:
-    """EP: each token goes once to each rank owning one of its top-k experts (with its ids and weights); the
-    weighted expert outputs come back and are summed per token. Attention is data-parallel: `reduce` is identity.
+    """EP: tokens go to the ranks that own their experts, weighted expert outputs come back and are summed per
+    token. Attention is data-parallel, so `reduce` is the identity.
+
+    Dispatch is dense and fixed-size: every rank sends its `capacity` token rows (padded) once to every rank (an
+    all-gather) and the outputs return by reduce-scatter. Fixed sizes need no host-side split sizes, so the step can
+    be captured in a CUDA graph; a token is sent once per rank, never once per (token, expert) pair, and a rank
+    computes only the pairs of its own experts. All ranks must agree on `capacity` (the runner sets it each step to
+    the largest local token count, or the graph's bucket). With P = 2 and top-8 of 128 experts nearly every token
+    needs both ranks anyway; for larger P an exact per-destination exchange would send fewer bytes.
     """
 
     def __init__(self, group: dist.ProcessGroup, world_size: int, experts_per_rank: int) -> None:
         self.group, self.P, self.E_local = group, world_size, experts_per_rank
+        self.capacity = 0
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+    def _gather(self, t: torch.Tensor, fill: float) -> torch.Tensor:
+        C = self.capacity
+        padded = t.new_full((C, *t.shape[1:]), fill)
+        padded[: t.shape[0]] = t
+        out = t.new_empty((self.P * C, *t.shape[1:]))
+        ag = getattr(dist, "all_gather_single", None)  # newer torch; all_gather_into_tensor before
+        (ag or dist.all_gather_into_tensor)(out, padded, group=self.group)
         return out
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        T = x_TD.shape[0]
-        to_rank_TP = torch.zeros(T, self.P, dtype=torch.bool, device=x_TD.device)
-        to_rank_TP.scatter_(1, ids_TK // self.E_local, True)
-        rank_S, token_S = to_rank_TP.t().nonzero(as_tuple=True)  # grouped by destination rank
-        send_t = torch.bincount(rank_S, minlength=self.P)
-        recv_t = torch.empty_like(send_t)
-        dist.all_to_all_single(recv_t, send_t, group=self.group)
-        send, recv = send_t.tolist(), recv_t.tolist()
-        x = self._exchange(x_TD[token_S], send, recv)
-        w = self._exchange(w_TK[token_S], send, recv)
-        ids = self._exchange(ids_TK[token_S], send, recv)
-        return x, w, ids, _EPHandle(token_S, send, recv, T)
+        if x_TD.shape[0] > self.capacity:
+            raise RuntimeError(f"EP dispatch of {x_TD.shape[0]} tokens exceeds the agreed capacity {self.capacity}")
+        # padding rows get expert id -1: no rank owns it, so they cost no expert compute
+        return self._gather(x_TD, 0.0), self._gather(w_TK, 0.0), self._gather(ids_TK, -1), x_TD.shape[0]
 
     def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor:
-        back = self._exchange(y_TD, handle.recv, handle.send)
-        out = back.new_zeros((handle.num_tokens, back.shape[1]))
-        return out.index_add_(0, handle.token, back)
+        out = y_TD.new_empty((self.capacity, y_TD.shape[1]))
+        _reduce_scatter(out, y_TD, self.group)
+        return out[:handle]

@@ -72,13 +72,13 @@ class Switcher:
         need = [0] * self.P
         for r, o in zip(running, owners, strict=False):
             need[o if target == "ep" else 0] += -(-r.num_tokens // bs)
-        have = dst_rt.kv.num_pages
+        alloc = BlockAllocator(dst_rt.kv.num_pages, bs)
+        have = alloc.usable_pages
         if max(need) > have:
             return {"done": False, "reason": f"{target} layout cannot hold the live KV: needs {max(need)} pages on a "
                     f"rank, has {have}", "from": src, "to": target}
 
         # Target page tables, allocated in the global order (identical on every rank in TP).
-        alloc = BlockAllocator(have, bs)
         live: list[LiveKV] = []
         for r, o in zip(running, owners, strict=False):
             holds = target == "tp" or o == self.rank

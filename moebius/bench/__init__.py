@@ -1,0 +1,1 @@
+"""Benchmarks: decode sweep (TP vs EP against the floor), with JSON results and PNG plots."""

@@ -1,0 +1,211 @@
+"""`moebius bench sweep`: steady-state decode step latency of TP and EP over global batch sizes, against the floor.
+
+One dual-mode engine serves both layouts (it switches between them, so the sweep also times the weight-only
+switch). Each point times decode steps of `batch` requests holding `context` cached tokens through the real runner
+(CUDA graph when the per-rank batch has one, else eager), without prefill. Optionally a Hugging Face transformers
+baseline runs the same shape. Results: JSON (a list `points`, one per mode and batch) and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from moebius.bench.floor import decode_step_floor_ms
+from moebius.config import PRESETS, ModelConfig
+
+log = logging.getLogger("moebius")
+
+
+def _point(mode: str, batch: int, context: int, step_ms: float, floor_ms: float, graph: bool, **extra: Any
+           ) -> dict[str, Any]:
+    return dict(mode=mode, batch=batch, context_len=context, step_ms=step_ms, floor_ms=floor_ms,
+                ratio_to_floor=step_ms / floor_ms if floor_ms else None, tokens_per_s=batch / step_ms * 1e3,
+                cuda_graph=graph, **extra)
+
+
+def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
+    from moebius.entrypoints.llm import LLM
+
+    top = max(args.batches)
+    llm = LLM(model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
+              mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
+              max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
+              cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph)
+    out: dict[str, Any] = {"points": [], "switches": [], "memory": {}, "skipped": []}
+    try:
+        for mode in args.modes:
+            if llm.mode != mode:
+                res = llm.switch_mode(mode)
+                out["switches"].append(res)
+                log.info("switch to %s: %s", mode, res)
+            out["memory"][mode] = llm.engine.query("memory")
+            for b in args.batches:
+                res = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
+                                       warmup=args.warmup, graphs=True)
+                if any("error" in r for r in res):
+                    out["skipped"].append({"mode": mode, "batch": b, "why": [r.get("error") for r in res]})
+                    continue
+                step = max(r["step_ms"] for r in res)  # lockstep ranks: the step ends when the slowest does
+                extra: dict[str, Any] = {}
+                if b <= args.eager_up_to:
+                    eager = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
+                                             warmup=args.warmup, graphs=False)
+                    extra = {"eager_step_ms": max(r["step_ms"] for r in eager)}
+                    extra["graph_speedup"] = extra["eager_step_ms"] / step
+                floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len)
+                p = _point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
+                out["points"].append(p)
+                log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
+                         f" eager {extra['eager_step_ms']:.3f} ms" if extra else "")
+    finally:
+        llm.close()
+    return out
+
+
+def run_hf_baseline(args: argparse.Namespace, cfg_dict: dict[str, Any], cfg: ModelConfig) -> list[dict[str, Any]]:
+    """transformers' own Qwen3MoeForCausalLM (random bf16 weights) on one GPU: decode steps with a KV cache of
+    `context` tokens per request. Its tensor-parallel plan needs a torchrun launch per model, so this is the
+    single-GPU eager baseline a user gets from `transformers` out of the box."""
+    from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
+    hf_cfg.num_hidden_layers = cfg.num_layers
+    torch.manual_seed(0)
+    with torch.device("cuda:0"):
+        model = Qwen3MoeForCausalLM._from_config(hf_cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    points = []
+    for b in args.hf_batches:
+        try:
+            with torch.no_grad():
+                cache = DynamicCache()
+                ids = torch.randint(0, cfg.vocab_size, (b, args.context_len), device="cuda:0")
+                for s in range(0, args.context_len, 256):  # prefill in chunks to bound activation memory
+                    model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
+                nxt = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda:0")
+                times = []
+                for _ in range(args.warmup + max(3, args.steps // 2)):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+                    nxt = logits[:, -1].argmax(-1, keepdim=True)
+                    nxt.cpu()
+                    times.append(time.perf_counter() - t)
+            step = statistics.median(times[args.warmup:]) * 1e3
+            floor = decode_step_floor_ms(cfg, 1, "tp", b, args.context_len)
+            points.append(_point("hf-eager-1gpu", b, args.context_len, step, floor, False))
+            log.info("hf batch %d: %.3f ms", b, step)
+        except torch.cuda.OutOfMemoryError:
+            points.append({"mode": "hf-eager-1gpu", "batch": b, "error": "out of memory"})
+        finally:
+            cache = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    return points
+
+
+def crossover(points: list[dict[str, Any]]) -> int | None:
+    """Smallest batch from which EP's step is faster than TP's at every larger measured batch."""
+    tp = {p["batch"]: p["step_ms"] for p in points if p["mode"] == "tp"}
+    ep = {p["batch"]: p["step_ms"] for p in points if p["mode"] == "ep"}
+    common = sorted(set(tp) & set(ep))
+    best = None
+    for b in reversed(common):
+        if ep[b] < tp[b]:
+            best = b
+        else:
+            break
+    return best
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    modes = sorted({p["mode"] for p in result["points"] if "step_ms" in p})
+    for mode in modes:
+        pts = sorted((p for p in result["points"] if p["mode"] == mode and "step_ms" in p), key=lambda p: p["batch"])
+        ax.plot([p["batch"] for p in pts], [p["step_ms"] for p in pts], marker="o", label=mode)
+        if mode in ("tp", "ep"):
+            ax.plot([p["batch"] for p in pts], [p["floor_ms"] for p in pts], linestyle="--", alpha=0.6,
+                    label=f"{mode} floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global decode batch")
+    ax.set_ylabel("decode step (ms)")
+    ax.set_title(f"{result['preset']} on {result['num_gpus']}x {result['gpu']}, context {result['context_len']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="TP vs EP decode-step sweep over batch sizes against the floor",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", help="preset name or model directory")
+    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
+    p.add_argument("--num-layers", type=int, default=None, help="cut the model to its first N layers")
+    p.add_argument("--num-ranks", type=int, default=max(1, torch.cuda.device_count()), help="GPUs")
+    p.add_argument("--modes", nargs="+", default=["tp", "ep"], choices=["tp", "ep"])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[2 ** i for i in range(12)], help="global batch sizes, comma-separated")
+    p.add_argument("--context-len", type=int, default=1024, help="cached tokens per request")
+    p.add_argument("--steps", type=int, default=10, help="timed decode steps per point (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--eager-up-to", type=int, default=8, help="also time eager steps up to this batch")
+    p.add_argument("--mem-fraction", type=float, default=0.88)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--hf-baseline", action="store_true", help="also time transformers' own model on one GPU")
+    p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
+    p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.model in PRESETS:
+        cfg_dict = PRESETS[args.model]
+    else:
+        with open(os.path.join(args.model, "config.json")) as f:
+            cfg_dict = json.load(f)
+    cfg = ModelConfig.from_hf(cfg_dict, args.num_layers)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "preset": args.model, "num_layers": cfg.num_layers, "gpu": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() else "cpu", "num_gpus": args.num_ranks, "context_len": args.context_len,
+        "command": "moebius bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+    }
+    result.update(run_engine_sweep(args, cfg))
+    if args.hf_baseline:
+        result["points"] += run_hf_baseline(args, cfg_dict, cfg)
+    result["crossover_batch"] = crossover(result["points"])
+    result["wall_s"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        plot(result, os.path.splitext(args.output)[0] + ".png")
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
+    print(json.dumps({k: v for k, v in result.items() if k != "points"}, indent=1))
+    for p in result["points"]:
+        if "step_ms" in p:
+            print(f"{p['mode']:>14} {p['batch']:>5} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "
+                  f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s  graph={p['cuda_graph']}"
+                  + (f"  eager {p['eager_step_ms']:.3f} ms ({p['graph_speedup']:.1f}x)" if "eager_step_ms" in p
+                     else ""))
+    return 0

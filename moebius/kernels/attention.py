@@ -1,0 +1,118 @@
+"""Paged causal attention with GQA in Triton: one kernel for prefill chunks and decodes, reading block tables.
+
+A program handles BM query tokens of one sequence and all G query heads of one KV head (rows = token x head), and
+walks the sequence's KV in tiles of BN tokens gathered through the block table (online softmax). For decode, the
+KV range is split over NUM_SPLITS programs (flash-decoding) and a second kernel merges the partial results, so a
+small batch still fills the GPU. No host value is needed at launch beyond the grid, so it can run inside a CUDA
+graph. The torch reference is `moebius.layers.attention.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale,
+              stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
+              NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+              PAGE: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    mblk = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q0 = tl.load(QStart + b)
+    qlen = tl.load(QStart + b + 1) - q0
+    seq_len = tl.load(SeqLens + b)
+    m0 = mblk * BM
+    if m0 < qlen:
+        rows = tl.arange(0, BM * G)
+        tok = m0 + rows // G
+        head = kvh * G + rows % G
+        valid = tok < qlen
+        qpos = seq_len - qlen + tok
+        d = tl.arange(0, D)
+        q = tl.load(Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        kv_end = seq_len - qlen + tl.minimum(m0 + BM, qlen)  # causal: no row looks past this
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
+        lo = split * per_split
+        hi = tl.minimum(kv_end, lo + per_split)
+        m_i = tl.full([BM * G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM * G], tl.float32)
+        acc = tl.zeros([BM * G, D], tl.float32)
+        for start in range(lo, hi, BN):
+            j = start + tl.arange(0, BN)
+            jv = j < hi
+            page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
+            base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok + kvh * stride_hd
+            k = tl.load(Cache + base[:, None] + d[None, :], mask=jv[:, None], other=0.0)
+            v = tl.load(Cache + stride_kv + base[:, None] + d[None, :], mask=jv[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(Out + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=valid[:, None])
+        else:
+            # partials of token t, head h, split s at ((t * H + h) * NUM_SPLITS + s)
+            H = tl.num_programs(2) // NUM_SPLITS * G
+            idx = ((q0 + tok) * H + head) * NUM_SPLITS + split
+            tl.store(PartAcc + idx[:, None] * D + d[None, :], acc, mask=valid[:, None])
+            tl.store(PartML + idx * 2, m_i, mask=valid)
+            tl.store(PartML + idx * 2 + 1, l_i, mask=valid)
+
+
+@triton.jit
+def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    idx = (t * H + h) * NUM_SPLITS + s
+    m = tl.load(PartML + idx * 2)
+    l = tl.load(PartML + idx * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    L = tl.sum(l * w, 0)
+    d = tl.arange(0, D)
+    acc = tl.load(PartAcc + idx[:, None] * D + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(L > 0, L, 1.0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1
+                    ) -> torch.Tensor:
+    """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1)."""
+    T, H, D = q_THd.shape
+    B = seq_lens.shape[0]
+    kvh, page = cache.shape[3], cache.shape[2]
+    G = H // kvh
+    out = torch.empty_like(q_THd)
+    if T == 0:
+        return out
+    BM = max(1, (16 if max_query_len == 1 else 64) // G)
+    BN = 64 if D <= 128 else 32
+    grid = (B, triton.cdiv(max_query_len, BM), kvh * num_splits)
+    if num_splits > 1:
+        part_acc = torch.empty(T * H * num_splits, D, dtype=torch.float32, device=q_THd.device)
+        part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_THd.device)
+    else:
+        part_acc = part_ml = out
+    _attn_fwd[grid](q_THd, cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, scale,
+                    q_THd.stride(0), q_THd.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
+                    cache.stride(2), cache.stride(3), block_tables.stride(0),
+                    NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
+                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", num_warps=4)
+    if num_splits > 1:
+        _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D)
+    return out
