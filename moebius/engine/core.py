@@ -135,6 +135,7 @@ class EngineCore:
         self._requests: dict[str, _FrontRequest] = {}
         self._child_to_parent: dict[str, tuple[_FrontRequest, int]] = {}
         self._pending = StepPlan()
+        self._undelivered: list[RequestOutput] = []
 
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -224,7 +225,7 @@ class EngineCore:
         touched: dict[str, _FrontRequest] = {}
         for d in result.deltas:
             self._apply(d, now, touched)
-        outs = [fr.output() for fr in touched.values()]
+        outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
         self._retire(touched)
         return outs
 
@@ -283,10 +284,7 @@ class EngineCore:
                 self._load[rank][1] += len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
         else:
             log.warning("switch to %s refused: %s", target, outcome.get("reason"))
-        touched: dict[str, _FrontRequest] = {}
-        for d in result.deltas:  # aborts applied before the switch
-            self._apply(d, time.perf_counter(), touched)
-        self._retire(touched)
+        self._absorb(result.deltas)  # aborts applied before the switch
         return outcome
 
     def query(self, name: str, **args: object) -> list[object]:
@@ -295,11 +293,16 @@ class EngineCore:
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self.ranks.step(plan)
-        touched: dict[str, _FrontRequest] = {}
-        for d in result.deltas:
-            self._apply(d, time.perf_counter(), touched)
-        self._retire(touched)
+        self._absorb(result.deltas)
         return result.query or []
+
+    def _absorb(self, deltas: list[TokenDelta]) -> None:
+        """Deltas of a call that is not a step (aborts sent with a switch or query): the next step() returns them."""
+        touched: dict[str, _FrontRequest] = {}
+        for d in deltas:
+            self._apply(d, time.perf_counter(), touched)
+        self._undelivered += [fr.output() for fr in touched.values()]
+        self._retire(touched)
 
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step)."""

@@ -192,8 +192,9 @@ class Worker:
 
     @property
     def kv_capacity(self) -> int:
-        """KV tokens a rank can hold in the start layout (the front end's admission limit)."""
-        return (self.modes[self.spec.mode].kv.num_pages - 1) * self.spec.engine.block_size
+        """KV tokens one request may reach: what a rank holds in the smaller of the two layouts (the front end's
+        admission limit, so every admitted request fits in either layout after any switch)."""
+        return min(rt.kv.num_pages - 1 for rt in self.modes.values()) * self.spec.engine.block_size
 
     def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
         """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before

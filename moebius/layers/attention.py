@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from moebius.kernels import triton_available
+from moebius.layers.norm import rms_norm
+from moebius.layers.rotary import apply_rope
 
 
 @dataclass
@@ -44,6 +46,23 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
     off = meta.slot_mapping % meta.block_size
     cache[page, 0, off] = k_THd
     cache[page, 1, off] = v_THd
+
+
+def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
+                    cache: torch.Tensor, meta: AttentionMetadata, eps: float) -> torch.Tensor:
+    """Split the fused q|k|v projection into heads, RMS-normalise q and k per head, rotate them by position, and
+    store k and v in the paged cache. Returns q [T, H, d]. One Triton kernel on the GPU."""
+    kvh, d = cache.shape[3], cache.shape[4]
+    num_heads = qkv_TQ.shape[1] // d - 2 * kvh
+    if qkv_TQ.is_cuda and triton_available():
+        from moebius.kernels.fused import qk_norm_rope_kv as fast
+
+        return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps)
+    q, k, v = qkv_TQ.split([num_heads * d, kvh * d, kvh * d], dim=-1)
+    q = apply_rope(rms_norm(q.unflatten(-1, (-1, d)), q_norm, eps), meta.positions, rope)
+    k = apply_rope(rms_norm(k.unflatten(-1, (-1, d)), k_norm, eps), meta.positions, rope)
+    write_kv(cache, k, v.unflatten(-1, (-1, d)), meta)
+    return q
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

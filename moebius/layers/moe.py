@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moebius.kernels import triton_available
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
 
@@ -12,7 +13,13 @@ from moebius.kernels.moe import experts_dense, grouped_mm_available
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, K] (in x's dtype) and expert ids [T, K], as transformers' Qwen3MoeTopKRouter."""
-    probs = torch.softmax(F.linear(x_TD, gate_ED).float(), dim=-1)
+    logits = F.linear(x_TD, gate_ED)
+    if x_TD.is_cuda and triton_available():
+        from moebius.kernels.fused import topk_softmax
+
+        w_TK, ids_TK = topk_softmax(logits, top_k, norm_topk_prob)
+        return w_TK.to(x_TD.dtype), ids_TK
+    probs = torch.softmax(logits.float(), dim=-1)
     w_TK, ids_TK = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from moebius.kernels import triton_available
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise over the last dim; `weight` scales after the cast back (transformers' order of operations)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the residual stream's add and the next norm, fused on the GPU
+    (where `residual` is updated in place)."""
+    if x.is_cuda and triton_available():
+        from moebius.kernels.fused import add_rmsnorm
+
+        return add_rmsnorm(x, residual, weight, eps), residual
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ModelConfig
-from moebius.layers.attention import AttentionMetadata, paged_attention, write_kv
+from moebius.layers.attention import AttentionMetadata, paged_attention, qk_norm_rope_kv
 from moebius.layers.moe import dense_mlp, experts, route
-from moebius.layers.norm import rms_norm
-from moebius.layers.rotary import apply_rope
+from moebius.layers.norm import add_rms_norm, rms_norm
 from moebius.parallel.dispatch import Communicator
 
 
@@ -62,14 +61,9 @@ class ModelWeights:
 
 def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
               cfg: ModelConfig, rope: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    d = cfg.head_dim
-    kvh = cache.shape[3]
     qkv = F.linear(x_TD, w.qkv_QD, w.qkv_bias)
-    q, k, v = qkv.split([qkv.shape[1] - 2 * kvh * d, kvh * d, kvh * d], dim=-1)
-    q = apply_rope(rms_norm(q.unflatten(-1, (-1, d)), w.q_norm, cfg.rms_norm_eps), meta.positions, rope)
-    k = apply_rope(rms_norm(k.unflatten(-1, (-1, d)), w.k_norm, cfg.rms_norm_eps), meta.positions, rope)
-    write_kv(cache, k, v.unflatten(-1, (-1, d)), meta)
-    o = paged_attention(q, cache, meta, d ** -0.5)
+    q = qk_norm_rope_kv(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps)  # k, v go to the cache
+    o = paged_attention(q, cache, meta, cfg.head_dim ** -0.5)
     return comm.reduce(F.linear(o.flatten(1), w.o_DQ))
 
 
@@ -87,13 +81,16 @@ def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
             cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
-    """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer)."""
-    x = F.embedding(input_ids_T, weights.embed_VD)
-    for layer, cache in zip(weights.layers, kv, strict=True):
-        x = x + attention(rms_norm(x, layer.input_norm, cfg.rms_norm_eps), layer.attn, cache, meta, cfg,
-                          weights.rope, comm)
-        x = x + mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer.mlp, cfg, comm)
-    return rms_norm(x, weights.norm, cfg.rms_norm_eps)
+    """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer).
+    The residual stream is added to each sublayer's output together with the next norm (fused on the GPU)."""
+    residual = F.embedding(input_ids_T, weights.embed_VD)
+    h = rms_norm(residual, weights.layers[0].input_norm, cfg.rms_norm_eps)
+    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
+    for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
+        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, comm)
+        h, residual = add_rms_norm(a, residual, layer.post_norm, cfg.rms_norm_eps)
+        h, residual = add_rms_norm(mlp(h, layer.mlp, cfg, comm), residual, next_norm, cfg.rms_norm_eps)
+    return h
 
 
 def logits(hidden_TD: torch.Tensor, weights: ModelWeights) -> torch.Tensor:

@@ -77,6 +77,14 @@ class Switcher:
         if max(need) > have:
             return {"done": False, "reason": f"{target} layout cannot hold the live KV: needs {max(need)} pages on a "
                     f"rank, has {have}", "from": src, "to": target}
+        # ... and its batch slots: TP runs every request on every rank.
+        slots = self.w.spec.engine.max_running_requests
+        per_rank = [0] * self.P
+        for o in owners[: len(running)]:
+            per_rank[o if target == "ep" else 0] += 1
+        if max(per_rank) > slots:
+            return {"done": False, "reason": f"{target} layout cannot run {max(per_rank)} requests on a rank "
+                    f"(max_running_requests {slots})", "from": src, "to": target}
 
         # Target page tables, allocated in the global order (identical on every rank in TP).
         live: list[LiveKV] = []

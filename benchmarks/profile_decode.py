@@ -1,0 +1,27 @@
+"""Profile one decode step (graph replay and eager) of a preset on one GPU: top CUDA kernels by time.
+python3 benchmarks/profile_decode.py --num-layers 4 --batch 1 --context 512"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moebius import LLM
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="qwen3-30b-a3b")
+ap.add_argument("--num-layers", type=int, default=4)
+ap.add_argument("--batch", type=int, nargs="+", default=[1])
+ap.add_argument("--context", type=int, default=512)
+ap.add_argument("--mode", default="tp")
+a = ap.parse_args()
+llm = LLM(model=a.model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
+          max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode)
+for b in a.batch:
+    for graphs in (True, False):
+        llm.engine.query("bench_decode", batch=b, context=a.context, steps=3, warmup=2, graphs=graphs)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            r = llm.engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=0, graphs=graphs)
+        print(f"=== batch {b} graphs={graphs} {r}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+llm.close()

@@ -1,0 +1,119 @@
+"""Small fused kernels of the decoder layer (Triton). Each replaces a chain of torch ops that costs one launch per
+op; their references are the torch code in moebius.layers (norm.py, rotary.py, attention.py, moe.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm(X, R, W, Out, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(X + row * N + cols, mask=m, other=0.0)
+    if HAS_RES:  # residual += x, rounded to the storage dtype like the unfused add
+        x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(R + row * N + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / N
+    y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=m, other=0.0)
+    tl.store(Out + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=m)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(residual + x) (residual updated in place), or rms_norm(x) without a residual. x: [T, N]."""
+    out = torch.empty_like(x)
+    T, N = x.shape
+    if T:
+        _add_rmsnorm[(T,)](x, residual if residual is not None else x, weight, out, N, eps,
+                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=4)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, stride_t, stride_pg, stride_kv,
+                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    is_q = h < H
+    base = QKV + t * stride_t + h * D
+    x1 = tl.load(base + half).to(tl.float32)
+    x2 = tl.load(base + D // 2 + half).to(tl.float32)
+    var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D
+    r = tl.rsqrt(var + eps)
+    dt = QOut.dtype.element_ty
+    w1 = tl.where(is_q, tl.load(QN + half), tl.load(KN + half)).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(QN + D // 2 + half), tl.load(KN + D // 2 + half)).to(tl.float32)
+    n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    pos = tl.load(Pos + t)
+    cos = tl.load(Rope + pos * D + half).to(dt).to(tl.float32)
+    sin = tl.load(Rope + pos * D + D // 2 + half).to(dt).to(tl.float32)
+    o1 = (n1 * cos - n2 * sin).to(dt)
+    o2 = (n2 * cos + n1 * sin).to(dt)
+    if is_q:
+        qo = QOut + (t * H + h) * D
+        tl.store(qo + half, o1)
+        tl.store(qo + D // 2 + half, o2)
+    else:
+        kh = h - H
+        slot = tl.load(Slots + t)
+        dst = Cache + (slot // PAGE) * stride_pg + (slot % PAGE) * stride_tok + kh * stride_hd
+        tl.store(dst + half, o1)
+        tl.store(dst + D // 2 + half, o2)
+        v = QKV + t * stride_t + (H + KVH + kh) * D
+        tl.store(dst + stride_kv + half, tl.load(v + half))
+        tl.store(dst + stride_kv + D // 2 + half, tl.load(v + D // 2 + half))
+
+
+def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
+                    positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float
+                    ) -> torch.Tensor:
+    """From the fused qkv projection [T, (H + 2 kvH) d]: per-head RMSNorm of q and k, RoPE, k and v written into
+    the paged cache at `slots`; returns q [T, H, d]."""
+    T = qkv.shape[0]
+    kvh, D = cache.shape[3], cache.shape[4]
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _qk_norm_rope_kv[(T, num_heads + kvh)](
+            qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, num_heads, kvh, qkv.stride(0),
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D,
+            num_warps=1)
+    return q
+
+
+@triton.jit
+def _topk_softmax(Logits, W, Ids, E, K: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    m = e < E
+    x = tl.load(Logits + t * E + e, mask=m, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
+    total = 0.0
+    for k in tl.static_range(K):
+        i = tl.argmax(p, 0)
+        v = tl.max(p, 0)
+        tl.store(Ids + t * K + k, i.to(tl.int64))
+        tl.store(W + t * K + k, v)
+        total += v
+        p = tl.where(e == i, -1.0, p)
+    if NORM:
+        for k in tl.static_range(K):
+            tl.store(W + t * K + k, tl.load(W + t * K + k) / total)
+
+
+def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), top-k, optional renormalisation: (weights [T, K] float32, ids [T, K])."""
+    T, E = logits_TE.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
+    if T:
+        _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=4)
+    return w, ids
