@@ -106,3 +106,59 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
     with LLM(disable_cuda_graph=True, **kw) as llm:
         eager = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
     assert graph == eager
+
+
+def test_add_rmsnorm_matches_reference() -> None:
+    from moebius.kernels.fused import add_rmsnorm
+    from moebius.layers.norm import rms_norm
+
+    torch.manual_seed(0)
+    for n in (128, 2048, 4096):
+        x = torch.randn(37, n, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(37, n, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+        want_res = res + x
+        want = rms_norm(want_res, w, 1e-6)
+        got_res = res.clone()
+        got = add_rmsnorm(x, got_res, w, 1e-6)
+        assert torch.equal(got_res, want_res)
+        assert _rel(got, want) < 1e-2
+        assert _rel(add_rmsnorm(x, None, w, 1e-6), rms_norm(x, w, 1e-6)) < 1e-2
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(16, 2), (8, 4), (4, 1)])
+def test_qk_norm_rope_kv_matches_reference(heads: int, kv_heads: int) -> None:
+    from moebius.kernels.fused import qk_norm_rope_kv
+    from moebius.layers.norm import rms_norm
+    from moebius.layers.rotary import apply_rope, rope_table
+
+    torch.manual_seed(0)
+    d, bs, T = 128, 16, 45
+    rope = rope_table(d, 4096, 1e6, "cuda")
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
+    qn, kn = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    pos = torch.randint(0, 4096, (T,), device="cuda")
+    slots = torch.randperm(64 * bs, device="cuda")[:T]
+    cache = torch.full((64, 2, bs, kv_heads, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    q = qk_norm_rope_kv(qkv, qn, kn, rope, pos, slots, cache, heads, 1e-6)
+    rq, rk, rv = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q = apply_rope(rms_norm(rq.unflatten(-1, (-1, d)), qn.float(), 1e-6), pos, rope)
+    want_k = apply_rope(rms_norm(rk.unflatten(-1, (-1, d)), kn.float(), 1e-6), pos, rope)
+    assert _rel(q, want_q) < 1e-2
+    assert _rel(cache[slots // bs, 0, slots % bs], want_k) < 1e-2
+    assert torch.equal(cache[slots // bs, 1, slots % bs], rv.unflatten(-1, (-1, d)).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_topk_softmax_matches_reference(norm: bool) -> None:
+    from moebius.kernels.fused import topk_softmax
+
+    torch.manual_seed(0)
+    logits = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16) * 3
+    w, ids = topk_softmax(logits, 8, norm)
+    p = logits.float().softmax(-1)
+    rw, rids = p.topk(8, dim=-1)
+    if norm:
+        rw = rw / rw.sum(-1, keepdim=True)
+    assert torch.equal(ids, rids)
+    assert torch.allclose(w, rw, atol=1e-6)

@@ -21,12 +21,12 @@ log = logging.getLogger("moebius")
 
 
 def default_buckets(cap: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8 up to 64, then multiples of 32, up to cap."""
+    """1, 2, 4, then multiples of 8 up to 64, of 32 up to 256, of 256 beyond, up to cap."""
     out = [b for b in (1, 2, 4) if b <= cap]
     b = 8
     while b <= cap:
         out.append(b)
-        b += 8 if b < 64 else 32
+        b += 8 if b < 64 else 32 if b < 256 else 256
     if out[-1] != cap:
         out.append(cap)
     return out

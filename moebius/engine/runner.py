@@ -21,10 +21,19 @@ from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.dispatch import Communicator, EPComm
 
+_FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "query_start_loc", "seq_lens")
+
+
+def _field_sizes(max_tokens: int, max_seqs: int) -> list[int]:
+    return [max_tokens] * 5 + [max_seqs + 1, max_seqs]
+
 
 @dataclass
 class StaticBuffers:
-    """Per-mode batch metadata at fixed addresses (views of the unified buffer), so graphs can replay them."""
+    """Per-mode batch metadata at fixed addresses (views of the unified buffer), so graphs can replay them.
+
+    The int64 fields are slices of one region, mirrored by one pinned host buffer: a step writes the host mirror
+    and moves it with one copy (plus one for the block-table rows)."""
 
     input_ids: torch.Tensor  # [max_tokens] int64
     positions: torch.Tensor  # [max_tokens] int64
@@ -34,25 +43,46 @@ class StaticBuffers:
     query_start_loc: torch.Tensor  # [max_seqs + 1] int64
     seq_lens: torch.Tensor  # [max_seqs] int64
     block_tables: torch.Tensor  # [max_seqs, max_pages] int32
-
-    FIELDS = (("input_ids", 0), ("positions", 0), ("slot_mapping", 0), ("token_seq", 0), ("token_qpos", 0),
-              ("query_start_loc", 1), ("seq_lens", 2))
+    meta: torch.Tensor  # the int64 region holding the fields above, in order
+    host_meta: torch.Tensor  # its pinned host mirror
+    host_tables: torch.Tensor  # pinned host mirror of block_tables
 
     @staticmethod
     def plan(plan: MemoryPlan, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> None:
-        for name, kind in StaticBuffers.FIELDS:
-            n = (max_tokens, max_seqs + 1, max_seqs)[kind]
-            plan.add(f"{prefix}.{name}", (n,), torch.int64)
+        plan.add(f"{prefix}.meta", (sum(_field_sizes(max_tokens, max_seqs)),), torch.int64)
         plan.add(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
 
     @staticmethod
     def build(umm: UnifiedMemory, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> StaticBuffers:
-        views = {}
-        for name, kind in StaticBuffers.FIELDS:
-            n = (max_tokens, max_seqs + 1, max_seqs)[kind]
-            views[name] = umm.view(f"{prefix}.{name}", (n,), torch.int64)
-        views["block_tables"] = umm.view(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
-        return StaticBuffers(**views)
+        sizes = _field_sizes(max_tokens, max_seqs)
+        meta = umm.view(f"{prefix}.meta", (sum(sizes),), torch.int64)
+        views = dict(zip(_FIELDS, meta.split(sizes), strict=True))
+        tables = umm.view(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
+        pin = umm.device.type == "cuda"
+        return StaticBuffers(**views, block_tables=tables, meta=meta,
+                             host_meta=torch.zeros(meta.shape, dtype=torch.int64, pin_memory=pin),
+                             host_tables=torch.zeros(tables.shape, dtype=torch.int32, pin_memory=pin))
+
+    def upload(self, fields: dict[str, np.ndarray], table: np.ndarray) -> dict[str, torch.Tensor]:
+        """Write the step's fields into the host mirror, copy it over in one go; device views of the used parts."""
+        host = self.host_meta.numpy()
+        out, start, end = {}, 0, 0
+        for name in _FIELDS:
+            n = getattr(self, name).shape[0]
+            src = fields[name]
+            host[start: start + src.shape[0]] = src
+            end = start + src.shape[0]
+            out[name] = getattr(self, name)[: src.shape[0]]
+            start += n
+        self.meta[:end].copy_(self.host_meta[:end], non_blocking=True)
+        B, W = table.shape
+        self.host_tables.numpy()[:B, :W] = table
+        if W == self.block_tables.shape[1]:
+            self.block_tables[:B].copy_(self.host_tables[:B], non_blocking=True)
+        else:
+            self.block_tables[:B, :W].copy_(self.host_tables[:B, :W], non_blocking=True)
+        out["block_tables"] = self.block_tables[:B, :W]
+        return out
 
 
 @dataclass
@@ -70,11 +100,6 @@ class ModelRunner:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
         self.bufs, self.block_size, self.device = bufs, block_size, device
         self.graphs: CudaGraphs | None = None
-
-    def _put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
-        view = dst[: src.shape[0]] if src.ndim == 1 else dst[: src.shape[0], : src.shape[1]]
-        view.copy_(torch.from_numpy(src), non_blocking=True)
-        return view
 
     def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None
                   ) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
@@ -104,14 +129,14 @@ class ModelRunner:
             table[b, : len(c.req.pages)] = c.req.pages
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + lens
-        put = self._put
+        v = buf.upload(dict(input_ids=ids, positions=positions, slot_mapping=slots, token_seq=token_seq,
+                            token_qpos=token_qpos, query_start_loc=qsl, seq_lens=seq_lens), table)
         meta = AttentionMetadata(
-            positions=put(buf.positions, positions), slot_mapping=put(buf.slot_mapping, slots),
-            query_start_loc=put(buf.query_start_loc, qsl), seq_lens=put(buf.seq_lens, seq_lens),
-            block_tables=put(buf.block_tables, table), token_seq=put(buf.token_seq, token_seq),
-            token_qpos=put(buf.token_qpos, token_qpos), max_query_len=int(lens.max(initial=0)),
+            positions=v["positions"], slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
+            seq_lens=v["seq_lens"], block_tables=v["block_tables"], token_seq=v["token_seq"],
+            token_qpos=v["token_qpos"], max_query_len=int(lens.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)), block_size=bs)
-        return put(buf.input_ids, ids), meta, qsl
+        return v["input_ids"], meta, qsl
 
     def decode_metadata(self, b: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """The static-buffer views a decode graph of bucket b reads (contents written before each replay)."""
