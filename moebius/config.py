@@ -189,6 +189,8 @@ class EngineConfig:
     disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
                                      "graphs captured at start for both layouts")
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
+    moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
+                            "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
     cpu_threads: int = _flag(1, "torch threads per rank when running on CPU (the CPU path serves tests and demos; "
                              "one thread per rank avoids oversubscribing small machines)")
 

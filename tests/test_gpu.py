@@ -61,10 +61,16 @@ def test_paged_attention_matches_reference(heads: int, kv_heads: int, head_dim: 
         assert _rel(out, ref) < 1e-2, (kind, splits)
 
 
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("T", [1, 77, 600])
 @pytest.mark.parametrize("first_expert,local", [(0, 8), (8, 8), (0, 16)])
-def test_grouped_experts_match_reference(first_expert: int, local: int) -> None:
+def test_experts_match_reference(first_expert: int, local: int, T: int, backend: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from moebius.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe, "BACKEND", backend)
     torch.manual_seed(0)
-    T, K, D, I, E = 77, 4, 256, 128, 16
+    K, D, I, E = 4, 256, 192, 16
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
     w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
@@ -160,5 +166,6 @@ def test_topk_softmax_matches_reference(norm: bool) -> None:
     rw, rids = p.topk(8, dim=-1)
     if norm:
         rw = rw / rw.sum(-1, keepdim=True)
-    assert torch.equal(ids, rids)
+    # bf16 logits tie often: compare the chosen probabilities (order of equal ones may differ), then the weights
+    assert torch.equal(p.gather(1, ids), p.gather(1, rids))
     assert torch.allclose(w, rw, atol=1e-6)

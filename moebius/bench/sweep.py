@@ -40,7 +40,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
     llm = LLM(model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
               mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
               max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
-              cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph)
+              cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+              moe_kernel=args.moe_kernel)
     out: dict[str, Any] = {"points": [], "switches": [], "memory": {}, "skipped": []}
     try:
         for mode in args.modes:
@@ -170,6 +171,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mem-fraction", type=float, default=0.88)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--moe-kernel", default="triton", choices=["triton", "grouped_mm"])
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers' own model on one GPU")
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
     p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")

@@ -20,6 +20,7 @@ from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
 from moebius.engine.request import Request, RequestSpec
 from moebius.engine.runner import ModelRunner, StaticBuffers, StepSync
 from moebius.engine.scheduler import ScheduledChunk, Scheduler, StopChecker
+from moebius.kernels import moe as kmoe
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -105,6 +106,7 @@ class Worker:
         self.device = torch.device(spec.device)
         if self.device.type == "cpu":
             torch.set_num_threads(ecfg.cpu_threads)
+        kmoe.BACKEND = ecfg.moe_kernel
         self.dtype = getattr(torch, spec.dtype)
         check_shapes(cfg, spec.world_size)
         layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in MODES}
@@ -248,8 +250,11 @@ class Worker:
             return {"error": f"needs {need} KV pages, {self.allocator.num_free} free"}
         chunks = []
         params = SamplingParams(temperature=0.0, max_tokens=1)
+        V = self.cfg.vocab_size
         for i in range(local):
-            req = Request(RequestSpec(f"bench{i}", [1] * (context + 1), params, i, context + 2))
+            # distinct tokens per request, so the batch routes like real traffic (not all to the same experts)
+            ids = [(rank * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
+            req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
             req.pages, req.num_computed = self.allocator.allocate(-(-(context + 1) // bs)), context
             chunks.append(ScheduledChunk(req, context, 1))
         sync = StepSync(-(-batch // P) if ep else batch, True)

@@ -7,6 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Which GPU expert kernel serves bf16: "triton" (fused_moe.py) or "grouped_mm" (torch._grouped_mm, below).
+# Set once by the worker from --moe-kernel; a kernel choice, not layout state.
+BACKEND = "triton"
+
 
 def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moebius.kernels import moe as kmoe
 from moebius.kernels import triton_available
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
@@ -41,7 +42,11 @@ def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EF
     """Grouped GEMMs on the GPU (bf16); a sync-free dense loop on the GPU in other dtypes; the torch reference on
     the CPU."""
     if x_TD.is_cuda:
-        if grouped_mm_available() and x_TD.dtype == torch.bfloat16:
+        if x_TD.dtype == torch.bfloat16 and kmoe.BACKEND == "triton" and triton_available():
+            from moebius.kernels.fused_moe import fused_experts
+
+            return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
+        if x_TD.dtype == torch.bfloat16 and grouped_mm_available():
             return fast_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
         return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
     return experts_ref(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
