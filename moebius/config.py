@@ -186,6 +186,8 @@ class EngineConfig:
                            "torchrun the world size is taken from the environment instead")
     mode: str = _flag("tp", "parallel layout: tp (tensor parallel attention and experts) or ep (data-parallel "
                       "attention, expert-parallel experts)", ("tp", "ep"))
+    static_layout: bool = _flag(False, "hold only the --mode layout (no live switching): the fixed-layout engine "
+                                "the dual-layout one is compared against")
     disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
                                      "graphs captured at start for both layouts")
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")

@@ -73,6 +73,21 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
     return out
 
 
+def static_memory(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
+    """Peak memory per rank of an engine holding only `mode` (no switching), at the dual engine's KV capacity."""
+    from moebius.entrypoints.llm import LLM
+
+    top = max(args.batches)
+    with LLM(model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
+             mode=mode, static_layout=True, max_running_requests=top, max_num_batched_tokens=max(top, 2048),
+             max_model_len=args.context_len + 64, max_total_tokens=args.static_kv_tokens,
+             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+             moe_kernel=args.moe_kernel) as llm:
+        llm.engine.query("bench_decode", batch=min(top, 256), context=args.context_len, steps=2, warmup=1,
+                         graphs=True)
+        return llm.engine.query("memory")
+
+
 def run_hf_baseline(args: argparse.Namespace, cfg_dict: dict[str, Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     """transformers' own Qwen3MoeForCausalLM (random bf16 weights) on one GPU: decode steps with a KV cache of
     `context` tokens per request. Its tensor-parallel plan needs a torchrun launch per model, so this is the
@@ -172,6 +187,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--moe-kernel", default="triton", choices=["triton", "grouped_mm"])
+    p.add_argument("--compare-static", action="store_true",
+                   help="also start an EP-only engine with the same KV capacity and compare peak memory")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers' own model on one GPU")
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
     p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
@@ -192,6 +209,13 @@ def main(args: argparse.Namespace) -> int:
         "command": "moebius bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
     }
     result.update(run_engine_sweep(args, cfg))
+    if args.compare_static:
+        # the same KV capacity as the dual-layout engine, so the difference is what holding both layouts costs
+        args.static_kv_tokens = min(m["kv_tokens"] for m in result["memory"]["ep"])
+        result["memory"]["static_ep"] = static_memory(args, "ep")
+        dual = max(m["peak_reserved"] for m in result["memory"]["ep"])
+        static = max(m["peak_reserved"] for m in result["memory"]["static_ep"])
+        result["memory"]["dual_over_static_ep"] = dual / static
     if args.hf_baseline:
         result["points"] += run_hf_baseline(args, cfg_dict, cfg)
     result["crossover_batch"] = crossover(result["points"])

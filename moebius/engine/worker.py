@@ -109,7 +109,9 @@ class Worker:
         kmoe.BACKEND = ecfg.moe_kernel
         self.dtype = getattr(torch, spec.dtype)
         check_shapes(cfg, spec.world_size)
-        layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in MODES}
+        # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
+        held = (spec.mode,) if ecfg.static_layout else MODES
+        layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
         start, bs, elt = layouts[spec.mode], ecfg.block_size, self.dtype.itemsize
 
         # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
@@ -117,7 +119,7 @@ class Worker:
         plan_weights(plan, cfg, list(layouts.values()), self.dtype)
         max_pages_per_seq = -(-spec.max_model_len // bs)
         buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq)
-        for m in MODES:
+        for m in held:
             StaticBuffers.plan(plan, m, *buf_shape)
         expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
         page_bytes = {m: KVPool.page_bytes(bs, lay.num_kv_heads, cfg.head_dim, self.dtype)
@@ -130,7 +132,7 @@ class Worker:
         # Weights: dense parts of both layouts, experts in the start layout's slots.
         ckpt = DummyCheckpoint(ecfg.seed, self.device) if spec.checkpoint is None else Checkpoint(spec.checkpoint)
         specs = {m: weight_specs(cfg, lay, elt) for m, lay in layouts.items()}
-        other = [s for m in MODES if m != spec.mode for s in specs[m] if s.slot is None]
+        other = [s for m in held if m != spec.mode for s in specs[m] if s.slot is None]
         load_weights(self.umm, specs[spec.mode] + other, ckpt, self.dtype, cfg)
 
         self.modes: dict[str, ModeRuntime] = {}
@@ -157,8 +159,7 @@ class Worker:
         """Both modes' decode graphs, once, into one memory pool. Capture only records addresses: it needs no
         switch, and its warm-up writes land in the reserved page 0 of either layout."""
         pool = torch.cuda.graph_pool_handle()
-        for m in MODES:
-            rt = self.modes[m]
+        for m, rt in self.modes.items():
             rt.runner.graphs = CudaGraphs(rt.runner, default_buckets(cap), pool)
             secs = rt.runner.graphs.capture()
             log.info("rank %d: captured %d %s decode graphs (batch <= %d) in %.1f s", self.spec.rank,
@@ -228,7 +229,8 @@ class Worker:
 
     def memory_report(self) -> dict[str, Any]:
         kv = sum(t.numel() * t.element_size() for t in self.modes[self.mode].kv.layers)
-        out: dict[str, Any] = {"umm_bytes": self.umm.plan.total_bytes, "kv_bytes": kv}
+        out: dict[str, Any] = {"umm_bytes": self.umm.plan.total_bytes, "kv_bytes": kv,
+                               "kv_tokens": (self.modes[self.mode].kv.num_pages - 1) * self.spec.engine.block_size}
         if self.device.type == "cuda":
             out["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             out["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)

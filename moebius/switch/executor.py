@@ -64,6 +64,8 @@ class Switcher:
         src = w.mode
         if target == src:
             return {"done": False, "reason": f"already in {src}"}
+        if target not in w.modes:
+            return {"done": False, "reason": f"the engine holds only the {src} layout (--static-layout)"}
         t0 = time.perf_counter()
         running, waiting, owners, my_pages = self._global_requests()
         bs = w.spec.engine.block_size
