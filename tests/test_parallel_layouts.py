@@ -163,19 +163,27 @@ def deadline(seconds: int, what: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def no_leftover_processes() -> Iterator[None]:
-    """Every process started in the body is gone at its end (those still alive are killed, then reported)."""
+    """Every process started in the body is gone at its end: those still alive are killed, and reported unless the
+    body raised (its error is the one to see)."""
     before = set(multiprocessing.active_children())
-    try:
-        yield
-    finally:
+
+    def kill_new(wait: float = 10) -> list[int]:
         left = [p for p in multiprocessing.active_children() if p not in before]
         for p in left:
-            p.join(timeout=10)
+            p.join(timeout=wait)
         alive = [p for p in left if p.is_alive()]
         for p in alive:
             p.kill()
             p.join(timeout=10)
-        assert not alive, f"rank processes left running: {[p.pid for p in alive]}"
+        return [p.pid for p in alive if p.pid is not None]
+
+    try:
+        yield
+    except BaseException:
+        kill_new(wait=0)
+        raise
+    alive = kill_new()
+    assert not alive, f"rank processes left running: {alive}"
 
 
 class Engine:
@@ -469,12 +477,7 @@ def _rank_processes(llm: LLM) -> list[multiprocessing.Process]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [
-    1,
-    pytest.param(0, marks=pytest.mark.xfail(strict=True, raises=BrokenPipeError, reason=(
-        "engine bug: SpawnedRanks.step sends the plan with self._conn.send outside any error handling, so a dead "
-        "rank 0 surfaces as a raw BrokenPipeError instead of RankError"))),
-])
+@pytest.mark.parametrize("victim", [1, 0])
 def test_rank_killed_mid_run_raises_rank_error(ckpt_root: str, victim: int) -> None:
     """A rank process killed between steps: the next step raises RankError (no hang), close() leaves nothing."""
     path = _checkpoint(ckpt_root, "gqa8")
@@ -494,10 +497,6 @@ def test_rank_killed_mid_run_raises_rank_error(ckpt_root: str, victim: int) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
-    "engine bug: SpawnedRanks.__init__ keeps its copy of the child end of the pipe open while it waits for "
-    "rank 0's 'ready', so a rank 0 that dies during start-up (killed, segfault, OOM) never gives EOF and LLM(...) "
-    "blocks forever (and the other ranks are not stopped)"))
 def test_rank_dying_during_start_up_raises(ckpt_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 killed while the ranks start: the constructor raises RankError instead of hanging."""
     from moebius.engine import ranks
@@ -512,5 +511,5 @@ def test_rank_dying_during_start_up_raises(ckpt_root: str, monkeypatch: pytest.M
     monkeypatch.setattr(ranks.SpawnedRanks, "_recv", kill_rank0_then_recv)
     path = _checkpoint(ckpt_root, "gqa8")
     with no_leftover_processes():
-        with deadline(15, "a start-up whose rank 0 died"), pytest.raises(RankError):
+        with deadline(10, "a start-up whose rank 0 died"), pytest.raises(RankError):
             LLM(model=path, num_ranks=2, mode="tp", **ENGINE_KW)

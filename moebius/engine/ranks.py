@@ -176,9 +176,14 @@ class SpawnedRanks:
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
-        kind, payload = self._recv()
+        child.close()  # only rank 0 holds that end now, so its death reads as EOF here instead of a hang
+        try:
+            kind, payload = self._recv()
+        except RankError:
+            self._kill()  # the survivors wait in the rendezvous for a rank that is gone
+            raise
         if kind == "error":
-            self.close()
+            self.close()  # every rank saw the errors and is leaving on its own
             raise RankError("; ".join(payload))
         self.kv_capacity = int(payload)
 
@@ -190,9 +195,20 @@ class SpawnedRanks:
             raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
 
     def step(self, plan: StepPlan) -> StepResult:
-        self._conn.send(plan)
+        try:
+            self._conn.send(plan)
+        except (BrokenPipeError, ConnectionError, OSError):
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
         _, result = self._recv()
         return result
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = []
 
     def close(self) -> None:
         if not self._procs:
