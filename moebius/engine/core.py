@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
-from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, torchrun_env
+from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.engine.request import RequestSpec
 from moebius.engine.worker import StepPlan, TokenDelta, WorkerSpec
 from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
@@ -117,6 +117,9 @@ class EngineCore:
         self.world_size = env[1] if env else ecfg.num_ranks
         check_shapes(cfg, self.world_size)
         if env and env[1] > 1:
+            if env[0] != 0:  # a torchrun rank other than 0 follows rank 0's plans until it shuts down
+                serve_torchrun_rank(spec)
+                raise SystemExit(0)
             self.ranks: LocalRanks | SpawnedRanks | TorchrunRanks = TorchrunRanks(spec)
         elif self.world_size > 1:
             self.ranks = SpawnedRanks(spec, self.world_size)

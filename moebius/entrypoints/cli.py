@@ -107,6 +107,7 @@ def generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - start
+    llm.close()
     sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
         for i, out in enumerate(outs):
