@@ -31,7 +31,8 @@ def test_torchrun_two_ranks_match_single_process(mode: str, tmp_path: object) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_port()), "-m", "moebius.entrypoints.cli", "generate", "--mode", mode,
            "--max-tokens", "12", "--ignore-eos", "--no-progress", "--output", out, *PROMPTS]
-    subprocess.run(cmd, check=True, timeout=180, capture_output=True)
+    run = subprocess.run(cmd, timeout=180, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
     with open(out) as f:
         got = [json.loads(line)["outputs"][0]["token_ids"] for line in f]
     assert got == want

@@ -128,7 +128,16 @@ def _rank_main(rank: int, world_size: int, spec: WorkerSpec, init_method: str | 
     if not errors:
         assert worker is not None
         _serve(worker, groups, conn)
-    torch.distributed.destroy_process_group()
+        worker.destroy_graphs()
+    _leave(groups)
+
+
+def _leave(groups: Groups) -> None:
+    """Leave the process groups together: a rank tearing down its gloo pairs while a peer still uses them can abort
+    the peer ("terminate called without an active exception")."""
+    if groups.world_size > 1:
+        torch.distributed.barrier(group=groups.cpu)
+        torch.distributed.destroy_process_group()
 
 
 def serve_torchrun_rank(spec: WorkerSpec) -> None:
@@ -154,7 +163,7 @@ class LocalRanks:
         return StepResult(deltas, [report["kv"]], report["switch"], [report["query"]])
 
     def close(self) -> None:
-        pass
+        self.worker.destroy_graphs()
 
 
 def _free_port() -> int:
@@ -250,7 +259,8 @@ class TorchrunRanks:
     def close(self) -> None:
         if self.worker is not None:
             rank_step(self.worker, self.groups, None)
-            torch.distributed.destroy_process_group()
+            self.worker.destroy_graphs()
+            _leave(self.groups)
             self.worker = None
 
 

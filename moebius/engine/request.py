@@ -86,10 +86,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.spec.prompt_token_ids) + len(self.output_token_ids)
 
-    def token(self, i: int) -> int:
-        n = len(self.spec.prompt_token_ids)
-        return self.spec.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens(self, start: int, stop: int) -> list[int]:
         n = len(self.spec.prompt_token_ids)
         if stop <= n:

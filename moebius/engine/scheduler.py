@@ -84,9 +84,6 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def find(self, request_id: str) -> Request | None:
         for r in self.running:
             if r.request_id == request_id:

@@ -92,8 +92,3 @@ class UnifiedMemory:
             raise IndexError(f"slot {slot} out of range (have {self.plan.num_slots})")
         base = self.plan.slots_offset + slot * self.plan.slot_bytes
         return self._view(base + offset, shape, dtype, self.plan.slot_bytes - offset)
-
-    def slot_bytes(self, slot: int) -> torch.Tensor:
-        """The raw bytes of one slot (uint8)."""
-        base = self.plan.slots_offset + slot * self.plan.slot_bytes
-        return self.buffer[base: base + self.plan.slot_bytes]

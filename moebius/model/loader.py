@@ -39,9 +39,6 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def names(self) -> set[str]:
-        return set(self._where)
-
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name`; KeyError if absent, ConfigError naming it if its shape is not `shape`."""
         file = self._where[name]
