@@ -59,21 +59,35 @@ def broadcast_json(obj: Any, groups: Groups, src: int = 0) -> Any:
     return obj if groups.rank == src else _decode(buf)
 
 
+def _padded_payload(obj: Any, groups: Groups) -> tuple[torch.Tensor, list[int]]:
+    """`obj` encoded and padded to the longest payload of all ranks, and every rank's payload length."""
+    payload = _encode(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(groups.world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=groups.cpu)
+    lengths = [int(n[0]) for n in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    return padded, lengths
+
+
 def gather_json(obj: Any, groups: Groups, dst: int = 0) -> list[Any] | None:
     """Every rank sends `obj`; rank `dst` returns the list of all of them in rank order, others None."""
     if groups.world_size == 1:
         return [obj]
-    payload = _encode(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(groups.world_size)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=groups.cpu)
-    longest = max(int(s[0]) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(groups.world_size)] if groups.rank == dst else None
+    padded, lengths = _padded_payload(obj, groups)
+    bufs = [torch.empty_like(padded) for _ in lengths] if groups.rank == dst else None
     dist.gather(padded, bufs, dst=dst, group=groups.cpu)
-    if bufs is None:
-        return None
-    return [_decode(b[: int(s[0])]) for b, s in zip(bufs, sizes, strict=True)]
+    return None if bufs is None else [_decode(b[:n]) for b, n in zip(bufs, lengths, strict=True)]
+
+
+def all_gather_json(obj: Any, groups: Groups) -> list[Any]:
+    """Every rank sends `obj`; every rank returns the list of all of them in rank order."""
+    if groups.world_size == 1:
+        return [obj]
+    padded, lengths = _padded_payload(obj, groups)
+    bufs = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(bufs, padded, group=groups.cpu)
+    return [_decode(b[:n]) for b, n in zip(bufs, lengths, strict=True)]
 
 
 def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
@@ -99,18 +113,3 @@ def tensor_from_json(d: dict[str, Any] | None) -> torch.Tensor | None:
         return None
     a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.float32).reshape(d["shape"])
     return torch.from_numpy(a.copy())
-
-
-def all_gather_json(obj: Any, groups: Groups) -> list[Any]:
-    """Every rank sends `obj`; every rank returns the list of all of them in rank order."""
-    if groups.world_size == 1:
-        return [obj]
-    payload = _encode(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(groups.world_size)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=groups.cpu)
-    longest = max(int(s[0]) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(groups.world_size)]
-    dist.all_gather(bufs, padded, group=groups.cpu)
-    return [_decode(b[: int(s[0])]) for b, s in zip(bufs, sizes, strict=True)]
