@@ -46,7 +46,14 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
     try:
         for mode in args.modes:
             if llm.mode != mode:
+                # from the switch decision to the end of the first decode step in the new layout
+                t = time.perf_counter()
                 res = llm.switch_mode(mode)
+                first = llm.engine.query("bench_decode", batch=1, context=args.context_len, steps=1, warmup=0,
+                                         graphs=True)
+                res["switch_to_first_step_ms"] = (time.perf_counter() - t) * 1e3
+                res["first_step_ms"] = max(r["step_ms"] for r in first)
+                res["first_step_cuda_graph"] = all(r["cuda_graph"] for r in first)
                 out["switches"].append(res)
                 log.info("switch to %s: %s", mode, res)
             out["memory"][mode] = llm.engine.query("memory")
