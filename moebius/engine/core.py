@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -119,7 +120,11 @@ class EngineCore:
         if env and env[1] > 1:
             if env[0] != 0:  # a torchrun rank other than 0 follows rank 0's plans until it shuts down
                 serve_torchrun_rank(spec)
-                raise SystemExit(0)
+                # Skip interpreter teardown: C++ destructors of the communication threads can race rank 0's exit
+                # (it hosts the rendezvous store) and abort an otherwise finished rank.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             self.ranks: LocalRanks | SpawnedRanks | TorchrunRanks = TorchrunRanks(spec)
         elif self.world_size > 1:
             self.ranks = SpawnedRanks(spec, self.world_size)

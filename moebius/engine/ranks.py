@@ -8,6 +8,7 @@ and rank 0 gathers the token deltas and KV statistics. The front end only ever t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -138,6 +139,7 @@ def _leave(groups: Groups) -> None:
     if groups.world_size > 1:
         torch.distributed.barrier(group=groups.cpu)
         torch.distributed.destroy_process_group()
+        gc.collect()
 
 
 def serve_torchrun_rank(spec: WorkerSpec) -> None:
