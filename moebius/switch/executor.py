@@ -36,6 +36,9 @@ class Switcher:
         self.P, self.rank = g.world_size, g.rank
         self.transport = CollectiveTransport(g.device)
         self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
+        # Open the all-to-all paths now, so the first switch does not pay the communicator's connection set-up.
+        probe = torch.zeros(self.P, dtype=torch.uint8, device=worker.device)
+        self.transport.all_to_all(torch.empty_like(probe), probe, [1] * self.P, [1] * self.P)
 
     def _sync(self) -> None:
         if self.w.device.type == "cuda":
@@ -99,7 +102,8 @@ class Switcher:
         plan = (kv_ep_to_tp if target == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, bs)
         self._sync()
         t1 = time.perf_counter()
-        t_weights, t_kv = self._move_layers(src, target, plan)
+        # every rank knows every live request's KV length, so all agree whether there is KV to move
+        t_weights, t_kv = self._move_layers(src, target, plan, move_kv=any(x.num_tokens for x in live))
 
         # Flip: the target's requests, allocator and runtime become active.
         sched = w.scheduler
@@ -124,7 +128,7 @@ class Switcher:
         return out
 
     # ---- data plane ----
-    def _move_layers(self, src: str, dst: str, plan: KVMove) -> tuple[float, float]:
+    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool) -> tuple[float, float]:
         w = self.w
         order = range(w.cfg.num_layers) if dst == "tp" else reversed(range(w.cfg.num_layers))
         dev = w.device
@@ -139,8 +143,9 @@ class Switcher:
                 self._move_experts(src_mlp, dst_mlp, dst)
             self._sync()
             t2 = time.perf_counter()
-            self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, to_dev, bs)
-            self._sync()
+            if move_kv:
+                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, to_dev, bs)
+                self._sync()
             t_weights += t2 - t
             t_kv += time.perf_counter() - t2
         return t_weights, t_kv
@@ -164,8 +169,6 @@ class Switcher:
         """src/dst caches [pages, 2, bs, heads, d]: gather by source slots, exchange, scatter by target slots."""
         send_counts = [len(s) for s in plan.send_slots]
         recv_counts = [len(r) for r in plan.recv_slots]
-        if not any(send_counts) and not any(recv_counts) and self.P == 1:
-            return
         chunks = [src[s // bs, :, s % bs][:, :, h.start: h.stop]
                   for (s, _), h in zip(idx, plan.send_heads, strict=True)]
         width = len(plan.recv_heads[0])
