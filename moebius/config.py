@@ -193,6 +193,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
+    admin_port: int | None = _flag(None, "serve operator endpoints (POST /admin/switch, GET /admin/status) on this "
+                                   "port; 0 picks a free one")
+    admin_host: str = _flag("127.0.0.1", "address the admin endpoints bind to")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on the admin endpoints")
     cpu_threads: int = _flag(1, "torch threads per rank when running on CPU (the CPU path serves tests and demos; "
                              "one thread per rank avoids oversubscribing small machines)")
 

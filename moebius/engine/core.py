@@ -18,6 +18,7 @@ from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read
 from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.engine.request import RequestSpec
 from moebius.engine.worker import StepPlan, TokenDelta, WorkerSpec
+from moebius.entrypoints.admin import AdminServer
 from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
 from moebius.outputs import CompletionOutput, RequestOutput
 from moebius.parallel.layout import check_shapes
@@ -144,6 +145,8 @@ class EngineCore:
         self._child_to_parent: dict[str, tuple[_FrontRequest, int]] = {}
         self._pending = StepPlan()
         self._undelivered: list[RequestOutput] = []
+        self.admin = (AdminServer(self, ecfg.admin_host, ecfg.admin_port, ecfg.api_key)
+                      if ecfg.admin_port is not None else None)
 
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -226,6 +229,8 @@ class EngineCore:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        if self.admin is not None:
+            self.admin.poll()  # operator switches happen here, between two steps
         plan, self._pending = self._pending, StepPlan()
         result = self.ranks.step(plan)
         self._kv_stats = result.kv
@@ -319,4 +324,6 @@ class EngineCore:
                 "total_tokens": sum(r["total_tokens"] for r in per_rank), "per_rank": per_rank}
 
     def close(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
         self.ranks.close()

@@ -1,0 +1,112 @@
+"""Operator endpoints of a running engine (loopback by default, optional API key):
+
+    POST /admin/switch  {"mode": "tp" | "ep"}  -> the switch outcome (as LLM.switch_mode returns it)
+    GET  /admin/status                         -> {"mode": ..., "kv": ..., "unfinished": ...}
+
+A switch asked for here is carried out by the engine's own loop at its next step boundary (the HTTP thread never
+touches engine state), so it is the same operation as `LLM.switch_mode` between two `step()` calls. Bodies are JSON;
+nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moebius.engine.core import EngineCore
+
+log = logging.getLogger("moebius")
+
+
+class AdminServer:
+    def __init__(self, core: EngineCore, host: str, port: int, api_key: str | None, timeout_s: float = 600.0
+                 ) -> None:
+        self.core, self.api_key, self.timeout_s = core, api_key, timeout_s
+        self._jobs: queue.Queue[tuple[str, Future]] = queue.Queue()
+        self._status: dict[str, Any] = {}
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="moebius-admin", daemon=True)
+        self._thread.start()
+        log.info("admin endpoints on http://%s:%d/admin/ (switch, status)", host, self.port)
+
+    def poll(self) -> None:
+        """Run the switches asked for since the last step (called by the engine loop, between steps)."""
+        while True:
+            try:
+                mode, fut = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                fut.set_result(self.core.switch_mode(mode))
+            except Exception as e:  # reported to the caller; the engine goes on
+                fut.set_exception(e)
+        self._status = {"mode": self.core.mode, "kv": self.core.kv_stats(), "unfinished": self.core.has_unfinished()}
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("admin: " + fmt, *args)
+
+            def _reply(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _authorized(self) -> bool:
+                if server.api_key is None:
+                    return True
+                got = self.headers.get("Authorization", "")
+                if hmac.compare_digest(got.encode(), f"Bearer {server.api_key}".encode()):
+                    return True
+                self._reply(401, {"error": "missing or wrong API key (Authorization: Bearer <key>)"})
+                return False
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if not self._authorized():
+                    return
+                if self.path != "/admin/status":
+                    return self._reply(404, {"error": f"no such endpoint {self.path}"})
+                self._reply(200, server._status or {"mode": server.core.mode})
+
+            def do_POST(self) -> None:  # noqa: N802
+                if not self._authorized():
+                    return
+                if self.path != "/admin/switch":
+                    return self._reply(404, {"error": f"no such endpoint {self.path}"})
+                try:
+                    n = int(self.headers.get("Content-Length", "0"))
+                    body = json.loads(self.rfile.read(min(n, 1 << 16)) or b"{}")
+                    mode = body["mode"]
+                except (ValueError, KeyError, TypeError):
+                    return self._reply(400, {"error": 'expected a JSON body {"mode": "tp" | "ep"}'})
+                if mode not in ("tp", "ep"):
+                    return self._reply(400, {"error": f"mode must be 'tp' or 'ep', got {mode!r}"})
+                fut: Future = Future()
+                server._jobs.put((mode, fut))
+                try:
+                    self._reply(200, fut.result(timeout=server.timeout_s))
+                except TimeoutError:
+                    self._reply(503, {"error": "the engine did not reach a step boundary in time; the switch stays "
+                                      "queued"})
+                except Exception as e:
+                    self._reply(500, {"error": str(e)})
+
+        return Handler
