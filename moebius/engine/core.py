@@ -240,6 +240,8 @@ class EngineCore:
             self._apply(d, now, touched)
         outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
         self._retire(touched)
+        if self.admin is not None:
+            self.admin.publish()
         return outs
 
     def _retire(self, touched: dict[str, _FrontRequest]) -> None:

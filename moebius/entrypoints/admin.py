@@ -49,6 +49,9 @@ class AdminServer:
                 fut.set_result(self.core.switch_mode(mode))
             except Exception as e:  # reported to the caller; the engine goes on
                 fut.set_exception(e)
+
+    def publish(self) -> None:
+        """Snapshot what GET /admin/status reports (called by the engine loop after each step)."""
         self._status = {"mode": self.core.mode, "kv": self.core.kv_stats(), "unfinished": self.core.has_unfinished()}
 
     def close(self) -> None:
