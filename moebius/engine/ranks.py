@@ -96,6 +96,9 @@ def _start_rank(spec: WorkerSpec, groups: Groups) -> tuple[Worker | None, list[s
         log.debug(traceback.format_exc())
     errors = gather_json(error, groups)
     errors = broadcast_json([e for e in errors if e] if errors is not None else None, groups)
+    if not errors:
+        assert worker is not None
+        worker.prepare_runtime()
     return worker, errors
 
 
@@ -157,6 +160,7 @@ class LocalRanks:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.worker = Worker(spec)
+        self.worker.prepare_runtime()
         self.world_size = 1
         self.kv_capacity = self.worker.kv_capacity
 

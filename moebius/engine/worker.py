@@ -150,10 +150,17 @@ class Worker:
                      else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
         self.switcher = Switcher(self)
-        if self.device.type == "cuda" and not ecfg.disable_cuda_graph:
-            self._capture_graphs(min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens))
         log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
                  bs, {m: rt.kv.num_pages for m, rt in self.modes.items()})
+
+    def prepare_runtime(self) -> None:
+        """The start-up steps that run collectives (graph capture warms up NCCL, the switch paths are opened): every
+        rank calls this once all ranks are built, so a rank that failed to build cannot leave the others waiting."""
+        ecfg = self.spec.engine
+        if self.groups.world_size > 1:
+            self.switcher.open_paths()
+        if self.device.type == "cuda" and not ecfg.disable_cuda_graph:
+            self._capture_graphs(min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens))
 
     def _capture_graphs(self, cap: int) -> None:
         """Both modes' decode graphs, once, into one memory pool. Capture only records addresses: it needs no

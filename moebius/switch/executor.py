@@ -36,8 +36,11 @@ class Switcher:
         self.P, self.rank = g.world_size, g.rank
         self.transport = CollectiveTransport(g.device)
         self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
-        # Open the all-to-all paths now, so the first switch does not pay the communicator's connection set-up.
-        probe = torch.zeros(self.P, dtype=torch.uint8, device=worker.device)
+
+    def open_paths(self) -> None:
+        """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up.
+        A collective: every rank calls it, after all ranks were built."""
+        probe = torch.zeros(self.P, dtype=torch.uint8, device=self.w.device)
         self.transport.all_to_all(torch.empty_like(probe), probe, [1] * self.P, [1] * self.P)
 
     def _sync(self) -> None:
