@@ -88,6 +88,8 @@ def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: Attentio
     j = torch.arange(L, device=q_THd.device)
     pages = meta.block_tables[:, j // meta.block_size].long()  # [B, L]
     kv = cache[pages, :, j % meta.block_size]  # [B, L, 2, kvh, d]
+    # positions past a sequence's end hold whatever the page had: select them away (a 0 weight times NaN is NaN)
+    kv = torch.where((j[None, :] < meta.seq_lens[:, None])[:, :, None, None, None], kv, 0)
     k_BLhd, v_BLhd = kv[:, :, 0], kv[:, :, 1]
     q_BQHd = q_THd.new_zeros(B, Q, H, d)
     q_BQHd[meta.token_seq, meta.token_qpos] = q_THd

@@ -71,7 +71,9 @@ class UnifiedMemory:
     def __init__(self, plan: MemoryPlan, device: torch.device) -> None:
         self.plan = plan
         self.device = device
-        self.buffer = torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)
+        # Zeroed once: a KV page or a padding row is never read before it is written, but bytes that were never
+        # written must not hold NaN bit patterns (0 * NaN in a masked attention sum is NaN).
+        self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
         self.base_ptr = self.buffer.data_ptr()
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype, limit: int) -> torch.Tensor:
