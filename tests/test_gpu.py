@@ -108,6 +108,8 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
     kw = dict(num_ranks=num_ranks, max_total_tokens=8192, max_model_len=512, cuda_graph_max_bs=16, dtype="float32")
     # float32 keeps both runs' argmax stable (bf16 reductions in different kernels could flip near-ties)
     with LLM(**kw) as llm:
+        used = llm.engine.query("bench_decode", batch=2, context=8, steps=1, warmup=0, graphs=True)
+        assert all(r["cuda_graph"] for r in used)  # decode steps of this engine do replay graphs
         graph = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
     with LLM(disable_cuda_graph=True, **kw) as llm:
         eager = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
