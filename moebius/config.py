@@ -114,10 +114,6 @@ class ModelConfig:
         cfg.validate()
         return cfg
 
-    @classmethod
-    def from_path(cls, path: str, num_layers: int | None = None) -> ModelConfig:
-        return cls.from_hf(read_hf_config(path), num_layers)
-
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "

@@ -47,7 +47,6 @@ class _FrontRequest:
     arrival_time: float
     samples: list[_Sample]
     prompt_logits: torch.Tensor | None = None
-    updated: bool = False
     children: list[str] = field(default_factory=list)
 
     @property
