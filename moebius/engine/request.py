@@ -56,18 +56,20 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_text: str = ""  # decoded output, kept only when there are stop strings
+    stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
 
     def to_json(self) -> dict[str, Any]:
         """Everything that moves with the request in a switch (pages do not: they are reallocated)."""
         return dict(spec=self.spec.to_json(), output_token_ids=self.output_token_ids, num_computed=self.num_computed,
-                    status=self.status.value, stop_text=self.stop_text,
+                    status=self.status.value, stop_text=self.stop_text, stop_offsets=list(self.stop_offsets),
                     prompt_logits=[tensor_to_json(t) for t in self.prompt_logits])
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Request:
         return Request(RequestSpec.from_json(d["spec"]), d["output_token_ids"], d["num_computed"],
                        status=Status(d["status"]), stop_text=d["stop_text"],
+                       stop_offsets=tuple(d["stop_offsets"]),
                        prompt_logits=[tensor_from_json(t) for t in d["prompt_logits"]])
 
     @property

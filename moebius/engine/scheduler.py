@@ -55,9 +55,15 @@ class StopChecker:
         if self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
         p = req.params
-        # Decode the whole output: O(len) per token, but only for requests that use stop strings.
+        # Incremental decode over a short window (prefix/read offsets, as vLLM): a multi-byte character is appended
+        # only once complete, and each token costs O(window), not O(output).
         old_len = len(req.stop_text)
-        req.stop_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        ids, (pre, read) = req.output_token_ids, req.stop_offsets
+        before = self.tokenizer.decode(ids[pre:read], skip_special_tokens=p.skip_special_tokens)
+        after = self.tokenizer.decode(ids[pre:], skip_special_tokens=p.skip_special_tokens)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            req.stop_text += after[len(before):]
+            req.stop_offsets = (read, len(ids))
         longest = max(len(s) for s in p.stop_strings)
         tail_from = max(0, old_len - longest + 1)
         hits = [(i, s) for s in p.stop_strings if (i := req.stop_text.find(s, tail_from)) >= 0]
