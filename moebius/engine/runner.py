@@ -163,7 +163,7 @@ class ModelRunner:
         prompt_logits: dict[int, torch.Tensor] = {}
         if bucket is not None:  # every rank decodes only: replay the bucket's graph
             self._metadata(batch, pad_to=bucket)
-            logits = self.graphs.replay(bucket)[: len(batch)].float()
+            logits = self.graphs.replay(bucket)[: len(batch)]
         else:
             if isinstance(self.comm, EPComm):
                 self.comm.capacity = sync.max_tokens
@@ -182,11 +182,14 @@ class ModelRunner:
                         prompt_logits[b] = qwen3_moe.logits(h, self.weights).float().cpu()
             if not rows:
                 return [], prompt_logits
-            logits = qwen3_moe.logits(hidden[rows], self.weights).float()
+            logits = qwen3_moe.logits(hidden[rows], self.weights)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")
         reqs = [c.req for c in batch if c.samples]
+        if all(r.params.temperature == 0 for r in reqs):  # greedy batch: no sampling tensors to build and copy
+            return logits.argmax(dim=-1).tolist(), prompt_logits
         return sample(logits, self._sampling_batch(reqs)).tolist(), prompt_logits
+
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size
         temp = [r.params.temperature for r in reqs]
