@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import hf_model
 
 from moebius import LLM
 from moebius.config import ConfigError
@@ -103,19 +104,10 @@ def _checkpoint(root: str, name: str) -> str:
 
 
 @functools.cache
-def _hf_model(path: str) -> torch.nn.Module:
-    from transformers import Qwen3MoeForCausalLM
-
-    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                experts_implementation="eager")
-    return model.eval()
-
-
-@functools.cache
 def _hf_reference(path: str, prompt: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor, float]:
     """(N_OUT greedy tokens, prompt logits [len, V], smallest top-2 gap on the greedy path): a full forward pass
     per token in float32, no KV cache."""
-    model, seq, margin = _hf_model(path), list(prompt), float("inf")
+    model, seq, margin = hf_model(path), list(prompt), float("inf")
     prompt_logits = None
     with torch.no_grad():
         for _ in range(N_OUT):
