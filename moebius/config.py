@@ -186,6 +186,9 @@ class EngineConfig:
                                 "the dual-layout one is compared against")
     disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
                                      "graphs captured at start for both layouts")
+    disable_custom_all_reduce: bool = _flag(False, "TP all-reduces through NCCL only; by default activations up to "
+                                            "the step's token budget are summed through a symmetric-memory buffer "
+                                            "that peer GPUs read over NVLink (lower latency)")
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))

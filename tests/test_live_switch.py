@@ -120,9 +120,10 @@ JOBS = [
 SWITCHES = [1, 2, 4, 5, 8, 8, 11, 15, 19, 22]
 
 
-def drive(llm: LLM, jobs: list[Job], switch_steps: Sequence[int] = (), max_steps: int = 400
+def drive(llm: LLM, jobs: list[Job], switch_steps: Sequence[int] = (), max_steps: int = 400, deferred: bool = False
           ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run the script; returns the last RequestOutput of each job (by name) and the outcome of every switch."""
+    """Run the script; returns the last RequestOutput of each job (by name) and the outcome of every switch.
+    deferred: each switch rides on the next step's plan (engine.request_switch) instead of its own call."""
     switches = Counter(switch_steps)
     last_event = max([j.arrive for j in jobs] + [j.abort_at or 0 for j in jobs] + list(switches) + [0])
     rid: dict[str, str] = {}
@@ -134,21 +135,31 @@ def drive(llm: LLM, jobs: list[Job], switch_steps: Sequence[int] = (), max_steps
                 rid[j.name] = llm.add_request(list(j.prompt), j.params)
             if j.abort_at == i:
                 llm.abort(rid[j.name])
+        targets = []
         for _ in range(switches[i]):
-            target = "tp" if llm.mode == "ep" else "ep"
-            out = llm.switch_mode(target)
-            assert out.get("done") is True, f"switch to {target} before step {i} refused: {out}"
-            assert llm.mode == target
-            assert {"requests_ms", "weights_ms", "kv_ms", "total_ms"} <= out.keys(), out
-            outcomes.append(out)
+            targets.append("tp" if llm.mode == "ep" else "ep")
+            if deferred:
+                assert switches[i] == 1, "one deferred switch per step"
+                llm.engine.request_switch(targets[-1])
+            else:
+                outcomes.append(_checked(llm.switch_mode(targets[-1]), llm, targets[-1]))
         if i > last_event and not llm.has_unfinished():
             break
         for o in llm.step():
             outs[o.request_id] = o
+        if deferred and targets:
+            outcomes.append(_checked(llm.engine.last_switch, llm, targets[-1]))
     else:
         raise AssertionError(f"script did not finish in {max_steps} steps")
     names = {r: n for n, r in rid.items()}
     return {names[r]: o for r, o in outs.items()}, outcomes
+
+
+def _checked(out: dict[str, Any] | None, llm: LLM, target: str) -> dict[str, Any]:
+    assert out is not None and out.get("done") is True, f"switch to {target} refused: {out}"
+    assert llm.mode == target
+    assert {"requests_ms", "weights_ms", "kv_ms", "total_ms"} <= out.keys(), out
+    return out
 
 
 def assert_kv_free(llm: LLM, P: int) -> None:
@@ -199,6 +210,17 @@ def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int) -> 
     assert_kv_free(llm, P)
     assert llm.switch_mode("ep")["done"]
     assert_kv_free(llm, P)
+
+
+def test_switch_riding_on_the_next_step_changes_nothing(engines: Any, ckpt: Any) -> None:
+    """engine.request_switch: the switch travels in the same plan as the next step (one round trip from decision
+    to the first step in the new layout), with arrivals in that plan too; outputs are those of no switch."""
+    llm = engines(2)
+    ref, _ = drive(llm, JOBS)
+    got, outcomes = drive(llm, JOBS, sorted(set(SWITCHES)), deferred=True)
+    assert [o["to"] for o in outcomes] == ["tp", "ep"] * (len(outcomes) // 2) + ["tp"] * (len(outcomes) % 2)
+    check_against_reference(path_of(ckpt, 2), JOBS, got, ref)
+    assert_kv_free(llm, 2)
 
 
 def test_switch_to_the_current_mode_is_refused(engines: Any) -> None:

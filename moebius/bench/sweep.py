@@ -46,14 +46,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
     try:
         for mode in args.modes:
             if llm.mode != mode:
-                # from the switch decision to the end of the first decode step in the new layout
-                t = time.perf_counter()
-                res = llm.switch_mode(mode)
-                first = llm.engine.query("bench_decode", batch=1, context=args.context_len, steps=1, warmup=0,
-                                         graphs=True)
-                res["switch_to_first_step_ms"] = (time.perf_counter() - t) * 1e3
-                res["first_step_ms"] = max(r["step_ms"] for r in first)
-                res["first_step_cuda_graph"] = all(r["cuda_graph"] for r in first)
+                res = measure_switch(llm, mode, args.context_len)
                 out["switches"].append(res)
                 log.info("switch to %s: %s", mode, res)
             out["memory"][mode] = llm.engine.query("memory")
@@ -65,19 +58,50 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                     continue
                 step = max(r["step_ms"] for r in res)  # lockstep ranks: the step ends when the slowest does
                 extra: dict[str, Any] = {}
+                if all(r.get("replay_ms") for r in res):  # the graph alone: step_ms minus this is host work
+                    extra["graph_replay_ms"] = max(r["replay_ms"] for r in res)
                 if b <= args.eager_up_to:
                     eager = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
                                              warmup=args.warmup, graphs=False)
-                    extra = {"eager_step_ms": max(r["step_ms"] for r in eager)}
+                    extra["eager_step_ms"] = max(r["step_ms"] for r in eager)
                     extra["graph_speedup"] = extra["eager_step_ms"] / step
                 floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len)
                 p = _point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
                 out["points"].append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
-                         f" eager {extra['eager_step_ms']:.3f} ms" if extra else "")
+                         f" eager {extra['eager_step_ms']:.3f} ms" if "eager_step_ms" in extra else "")
     finally:
         llm.close()
     return out
+
+
+def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> dict[str, Any]:
+    """Switch with `batch` requests decoding, the way a serving loop does it: the decision rides on the next step's
+    plan (engine.request_switch), so one round trip to the ranks carries the switch and the first step in the new
+    layout. Reports that round trip (decision -> first step's tokens back), the transfer (total_ms), the steady
+    step time in the new layout at the same batch, and what is left over: the switch's own overhead."""
+    from moebius import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max(16, context_len - 64), ignore_eos=True)
+    ids = [llm.add_request([(i * 7919 + j * 31) % 251 + 1 for j in range(64)], sp) for i in range(batch)]
+    for _ in range(3):  # prefill, then decoding
+        llm.step()
+    t = time.perf_counter()
+    llm.engine.request_switch(target)
+    llm.step()
+    first = (time.perf_counter() - t) * 1e3
+    res = dict(llm.engine.last_switch or {})
+    steps = []
+    for _ in range(5):
+        t = time.perf_counter()
+        llm.step()
+        steps.append((time.perf_counter() - t) * 1e3)
+    for rid in ids:
+        llm.abort(rid)
+    llm.step()
+    res.update(batch=batch, switch_to_first_step_ms=first, next_step_ms=statistics.median(steps),
+               overhead_ms=first - res.get("total_ms", 0.0) - statistics.median(steps))
+    return res
 
 
 def static_memory(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:

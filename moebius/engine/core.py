@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
-from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
+from moebius.engine.ranks import (
+    LocalRanks,
+    SpawnedRanks,
+    StepResult,
+    TorchrunRanks,
+    serve_torchrun_rank,
+    torchrun_env,
+)
 from moebius.engine.request import RequestSpec
 from moebius.engine.worker import StepPlan, TokenDelta, WorkerSpec
 from moebius.entrypoints.admin import AdminServer
@@ -56,6 +63,11 @@ class _FrontRequest:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.out for s in self.samples],
                              self.finished, self.arrival_time, self.prompt_logits)
+
+
+def _check_mode(target: str) -> None:
+    if target not in ("tp", "ep"):
+        raise ValueError(f"mode must be 'tp' or 'ep', got {target!r}")
 
 
 def _child_seed(seed: int, index: int) -> int:
@@ -143,6 +155,7 @@ class EngineCore:
         self._requests: dict[str, _FrontRequest] = {}
         self._child_to_parent: dict[str, tuple[_FrontRequest, int]] = {}
         self._pending = StepPlan()
+        self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
         self.admin = (AdminServer(self, ecfg.admin_host, ecfg.admin_port, ecfg.api_key)
                       if ecfg.admin_port is not None else None)
@@ -233,6 +246,8 @@ class EngineCore:
         plan, self._pending = self._pending, StepPlan()
         result = self.ranks.step(plan)
         self._kv_stats = result.kv
+        if plan.switch_to is not None:
+            self.last_switch = self._switched(plan.switch_to, result)
         now = time.perf_counter()
         touched: dict[str, _FrontRequest] = {}
         for d in result.deltas:
@@ -280,12 +295,22 @@ class EngineCore:
     def switch_mode(self, target: str) -> dict[str, object]:
         """Switch every rank to `target` ("tp" | "ep") between two steps, keeping every request in flight.
         Returns the outcome: done (bool), reason when refused, and the time of each phase in ms."""
-        if target not in ("tp", "ep"):
-            raise ValueError(f"mode must be 'tp' or 'ep', got {target!r}")
+        _check_mode(target)
         plan, self._pending = self._pending, StepPlan()
         plan.switch_to, plan.run = target, False
         result = self.ranks.step(plan)
         self._kv_stats = result.kv
+        outcome = self._switched(target, result)
+        self._absorb(result.deltas)  # aborts applied before the switch
+        return outcome
+
+    def request_switch(self, target: str) -> None:
+        """Switch at the start of the next step(), in the same round trip to the ranks as that step (the lowest
+        latency from decision to the first step in the new layout). The outcome lands in `last_switch`."""
+        _check_mode(target)
+        self._pending.switch_to = target
+
+    def _switched(self, target: str, result: StepResult) -> dict[str, object]:
         outcome = dict(result.switch or {})
         if outcome.get("done"):
             self.mode = target
@@ -298,7 +323,6 @@ class EngineCore:
                 self._load[rank][1] += len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
         else:
             log.warning("switch to %s refused: %s", target, outcome.get("reason"))
-        self._absorb(result.deltas)  # aborts applied before the switch
         return outcome
 
     def query(self, name: str, **args: object) -> list[object]:

@@ -89,10 +89,13 @@ class Request:
         return len(self.spec.prompt_token_ids) + len(self.output_token_ids)
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        n = len(self.spec.prompt_token_ids)
+        prompt = self.spec.prompt_token_ids
+        n = len(prompt)
         if stop <= n:
-            return self.spec.prompt_token_ids[start:stop]
-        return (self.spec.prompt_token_ids + self.output_token_ids)[start:stop]
+            return prompt[start:stop]
+        if start >= n:  # decode: never copy the whole sequence for one token
+            return self.output_token_ids[start - n: stop - n]
+        return prompt[start:] + self.output_token_ids[: stop - n]
 
     @property
     def wants_prompt_logits(self) -> bool:

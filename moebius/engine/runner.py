@@ -7,6 +7,7 @@ layer is done in batched device ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -111,7 +112,11 @@ class ModelRunner:
         starts = np.fromiter((c.start for c in batch), dtype=np.int64, count=B)
         ids = np.fromiter((t for c in batch for t in c.req.tokens(c.start, c.start + c.num_tokens)),
                           dtype=np.int64, count=int(lens.sum()))
-        width = buf.block_tables.shape[1] if pad_to else max((len(c.req.pages) for c in batch), default=1)
+        n_pages = np.fromiter((len(c.req.pages) for c in batch), dtype=np.int64, count=B)
+        # only the used columns are written: attention reads a row no further than its sequence length, so a
+        # graph's full-width view never reaches the stale columns beyond
+        width = max(int(n_pages.max(initial=0)), 1)
+        real = B
         if pad_to:
             extra = pad_to - B
             lens = np.concatenate([lens, np.ones(extra, np.int64)])
@@ -125,8 +130,9 @@ class ModelRunner:
         token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
         positions = starts[token_seq] + token_qpos
         table = np.zeros((B, width), dtype=np.int32)
-        for b, c in enumerate(batch):
-            table[b, : len(c.req.pages)] = c.req.pages
+        # one vectorised fill (row-by-row assignment costs microseconds per request at large batches)
+        table[:real][np.arange(width) < n_pages[:, None]] = np.fromiter(
+            chain.from_iterable(c.req.pages for c in batch), dtype=np.int32, count=int(n_pages.sum()))
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + lens
         v = buf.upload(dict(input_ids=ids, positions=positions, slot_mapping=slots, token_seq=token_seq,

@@ -26,7 +26,14 @@ from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.model.qwen3_moe import ModelWeights, MoEWeights
 from moebius.model.weights import build_weights, plan_weights, weight_specs
-from moebius.parallel.dispatch import Communicator, EPComm, LocalComm, TPComm
+from moebius.parallel.dispatch import (
+    Communicator,
+    EPComm,
+    LocalComm,
+    SymmetricAllReduce,
+    TPComm,
+    symmetric_memory_available,
+)
 from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.sampling_params import SamplingParams
@@ -159,8 +166,19 @@ class Worker:
         ecfg = self.spec.engine
         if self.groups.world_size > 1:
             self.switcher.open_paths()
+            self._enable_symmetric_all_reduce()
         if self.device.type == "cuda" and not ecfg.disable_cuda_graph:
             self._capture_graphs(min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens))
+
+    def _enable_symmetric_all_reduce(self) -> None:
+        ecfg = self.spec.engine
+        if (self.device.type != "cuda" or ecfg.disable_custom_all_reduce or self.dtype != torch.bfloat16
+                or not symmetric_memory_available()):
+            return
+        for rt in self.modes.values():
+            if isinstance(rt.runner.comm, TPComm):
+                numel = ecfg.max_num_batched_tokens * self.cfg.hidden_size
+                rt.runner.comm.symmetric = SymmetricAllReduce(self.groups.device, numel, self.dtype, self.device)
 
     def _capture_graphs(self, cap: int) -> None:
         """Both modes' decode graphs, once, into one memory pool. Capture only records addresses: it needs no
@@ -279,11 +297,25 @@ class Worker:
                 t = time.perf_counter()
                 self.runner.execute(chunks, [], sync)  # ends with the sampled tokens on the host: a full step
                 times.append(time.perf_counter() - t)
+            replay_ms = self._time_replay(sync.max_tokens, steps) if used_graph else None
         finally:
             self.runner.graphs = saved
             for c in chunks:
                 self.allocator.free(c.req.pages)
-        return {"step_ms": statistics.median(times[warmup:]) * 1e3, "local_batch": local, "cuda_graph": used_graph}
+        return {"step_ms": statistics.median(times[warmup:]) * 1e3, "local_batch": local, "cuda_graph": used_graph,
+                "replay_ms": replay_ms}
+
+    def _time_replay(self, n: int, steps: int) -> float:
+        """GPU time of the decode graph alone (same metadata as the last step): step_ms minus this is host work."""
+        graphs = self.runner.graphs
+        b = graphs.bucket_for(n)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graphs.replay(b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
 
     def _forward_step(self) -> list[TokenDelta]:
         sched = self.scheduler

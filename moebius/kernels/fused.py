@@ -96,24 +96,30 @@ def _topk_softmax(Logits, W, Ids, E, K: tl.constexpr, NORM: tl.constexpr, BLOCK:
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(m, p, -1.0)
-    total = 0.0
+    scale = 1.0
+    if NORM:  # a first pass for the sum of the top k, so each weight is stored once, already in W's dtype
+        q = p
+        total = 0.0
+        for _ in tl.static_range(K):
+            i = tl.argmax(q, 0)
+            total += tl.max(q, 0)
+            q = tl.where(e == i, -1.0, q)
+        scale = 1.0 / total
     for k in tl.static_range(K):
         i = tl.argmax(p, 0)
         v = tl.max(p, 0)
         tl.store(Ids + t * K + k, i.to(tl.int64))
-        tl.store(W + t * K + k, v)
-        total += v
+        tl.store(W + t * K + k, (v * scale).to(W.dtype.element_ty))
         p = tl.where(e == i, -1.0, p)
-    if NORM:
-        for k in tl.static_range(K):
-            tl.store(W + t * K + k, tl.load(W + t * K + k) / total)
 
 
-def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts (float32), top-k, optional renormalisation: (weights [T, K] float32, ids [T, K])."""
+def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), top-k, optional renormalisation: (weights [T, K] in out_dtype, ids [T, K])."""
     T, E = logits_TE.shape
-    w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    w = torch.empty(T, top_k, dtype=out_dtype, device=logits_TE.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     if T:
-        _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=4)
+        # one warp per token: the top-k loop is a chain of small reductions, cheapest within a warp
+        _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=1)
     return w, ids

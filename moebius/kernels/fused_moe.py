@@ -1,47 +1,144 @@
-"""Fused MoE in Triton: (token, k) pairs grouped by expert into BM-row blocks; one kernel computes each block's
-gate and up projections with SwiGLU applied on the way out, a second the down projection scaled by the routing
-weight; a sum over k finishes. Each block reads only its expert's weights, so a decode batch that hits 8 experts
-reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair count), so it runs
-inside CUDA graphs. The torch reference is `moebius.layers.moe.experts_ref`.
+"""Fused MoE in Triton, four launches per layer at decode sizes: `_align` groups the (token, k) pairs by local
+expert into BM-row blocks (a counting sort; three passes over chunks for many pairs); `_gate_up_silu` computes each
+block's gate and up projections with SwiGLU applied on the way out; `_down` the down projection scaled by the
+routing weight, one row per pair; `_sum_k` adds each token's local pairs in float32. Each block reads only its
+expert's weights, so a decode batch that hits 8 experts reads 8 experts. Everything stays on the device (grid
+sizes are upper bounds fixed by the pair count), so it runs inside CUDA graphs. Block shapes per size come from
+`CONFIGS`. The torch reference is `moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 
-def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Group the pairs by local expert in blocks of BM rows. Returns (sorted pair ids [max_rows], padded with N;
-    expert of each block [max_blocks], E for unused blocks; max_blocks)."""
-    N = ids_TK.numel()
-    dev = ids_TK.device
-    local = ids_TK.flatten() - first_expert
-    valid = (local >= 0) & (local < E)
-    key = torch.where(valid, local, E)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:E] + BM - 1) // BM * BM
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(key, stable=True)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(N, device=dev)
-    first = torch.cumsum(counts, 0) - counts  # first sorted index of each key
-    starts = ends - padded
-    max_blocks = (N + E * (BM - 1)) // BM + 1
-    dest = torch.where(valid, starts[key.clamp(max=E - 1)] + rank - first[key], max_blocks * BM)
-    sorted_ids = torch.full((max_blocks * BM + 1,), N, dtype=torch.int64, device=dev)
-    sorted_ids.scatter_(0, dest, torch.arange(N, device=dev))
-    block_start = torch.arange(max_blocks, device=dev) * BM
-    block_expert = torch.searchsorted(ends, block_start, right=True)
-    return sorted_ids[: max_blocks * BM], block_expert, max_blocks
+@dataclass(frozen=True)
+class KernelConfig:
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    BM: int  # rows (pairs) per block: every block belongs to one expert
+    gate_up: KernelConfig
+    down: KernelConfig
+
+
+# (largest mean pairs per hit expert, config), measured on H200 for Qwen3-30B-A3B shards at decode sizes
+# (benchmarks/moe_tune.py; benchmarks/results/h200-moe-tune.json): few pairs per expert stream weights through
+# narrow column blocks; many pairs per expert need taller blocks so each weight tile is read fewer times.
+CONFIGS: list[tuple[float, MoEConfig]] = [
+    (2.5, MoEConfig(16, KernelConfig(32, 128, 4, 4), KernelConfig(128, 128, 4, 3))),
+    (12.0, MoEConfig(16, KernelConfig(64, 128, 4, 3), KernelConfig(128, 128, 4, 3))),
+    (24.0, MoEConfig(32, KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3))),
+    (96.0, MoEConfig(64, KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 8, 3))),
+    (float("inf"), MoEConfig(128, KernelConfig(64, 64, 8, 3), KernelConfig(128, 64, 8, 3))),
+]
+
+
+def pick_config(pairs_per_expert: float) -> MoEConfig:
+    return next(c for limit, c in CONFIGS if pairs_per_expert <= limit)
+
+
+def config_for(num_pairs: int, num_experts: int, num_ranks_sharing: int = 1) -> MoEConfig:
+    """num_pairs: all (token, k) pairs handed in; about 1/num_ranks_sharing of them are local (EP)."""
+    local = num_pairs / num_ranks_sharing
+    hit = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** local) if local else 1.0
+    return pick_config(local / max(hit, 1.0))
+
+
+@triton.jit
+def _local_keys(Ids, offs, N, first, E):
+    key = tl.load(Ids + offs, mask=offs < N, other=-1).to(tl.int32) - first
+    ok = (offs < N) & (key >= 0) & (key < E)
+    return tl.where(ok, key, 0), ok
+
+
+@triton.jit
+def _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM: tl.constexpr,
+                 CHUNK: tl.constexpr, MB: tl.constexpr):
+    """From per-expert pair counts [EB]: write BlockExpert and pad SortedIds with N; return each expert's first
+    row (a multiple of BM)."""
+    padded = tl.where(bins < E, (counts + BM - 1) // BM * BM, 0)
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    for b0 in range(0, max_blocks, MB):
+        b = b0 + tl.arange(0, MB)
+        start = b * BM
+        e = tl.sum(((ends[None, :] <= start[:, None]) & (bins < E)[None, :]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b, tl.where(start < total, e, E), mask=b < max_blocks)
+    for r0 in range(0, num_rows, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(SortedIds + r, N, mask=r < num_rows)
+    return ends - padded
+
+
+@triton.jit
+def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_blocks, BM: tl.constexpr,
+           EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr):
+    """All pairs in one program (N <= CHUNK). Pairs of local expert e get rows [start_e, start_e + count_e) of
+    SortedIds; unused rows hold N. BlockExpert[b] is the expert of rows [b*BM, (b+1)*BM), E past the last."""
+    bins = tl.arange(0, EB)
+    offs = tl.arange(0, CHUNK)
+    key, ok = _local_keys(Ids, offs, N, first, E)
+    starts = _plan_blocks(tl.histogram(key, EB, mask=ok), bins, E, BlockExpert, SortedIds, N, num_rows,
+                          max_blocks, BM, CHUNK, MB)
+    tl.store(Cursor + bins, starts)
+    tl.debug_barrier()  # cursors and padding are written before any pair claims a row
+    # rows within an expert are claimed in any order: each pair's result depends only on its own row
+    row = tl.atomic_add(Cursor + key, 1, mask=ok)
+    tl.store(SortedIds + row, offs, mask=ok)
+
+
+@triton.jit
+def _align_count(Ids, N, first, E, Partial, EB: tl.constexpr, CHUNK: tl.constexpr):
+    """Many chunks, first pass: each program counts its chunk's pairs per expert."""
+    c = tl.program_id(0)
+    key, ok = _local_keys(Ids, c * CHUNK + tl.arange(0, CHUNK), N, first, E)
+    tl.store(Partial + c * EB + tl.arange(0, EB), tl.histogram(key, EB, mask=ok))
+
+
+@triton.jit
+def _align_plan(Partial, num_chunks, E, Cursor, SortedIds, BlockExpert, N, num_rows, max_blocks,
+                BM: tl.constexpr, EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr):
+    """Second pass (one program): expert starts, blocks, padding, and each chunk's first row per expert."""
+    bins = tl.arange(0, EB)
+    counts = tl.zeros([EB], tl.int32)
+    for c0 in range(0, num_chunks, CB):
+        c = c0 + tl.arange(0, CB)
+        counts += tl.sum(tl.load(Partial + c[:, None] * EB + bins[None, :], mask=(c < num_chunks)[:, None],
+                                 other=0), axis=0)
+    run = _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM, CHUNK, MB)
+    for c0 in range(0, num_chunks, CB):
+        c = c0 + tl.arange(0, CB)
+        part = tl.load(Partial + c[:, None] * EB + bins[None, :], mask=(c < num_chunks)[:, None], other=0)
+        tl.store(Cursor + c[:, None] * EB + bins[None, :], run[None, :] + tl.cumsum(part, 0) - part,
+                 mask=(c < num_chunks)[:, None])
+        run += tl.sum(part, axis=0)
+
+
+@triton.jit
+def _align_scatter(Ids, N, first, E, Cursor, SortedIds, EB: tl.constexpr, CHUNK: tl.constexpr):
+    """Third pass: each chunk's pairs claim rows from the chunk's own cursors (no contention across programs)."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    key, ok = _local_keys(Ids, offs, N, first, E)
+    row = tl.atomic_add(Cursor + c * EB + key, 1, mask=ok)
+    tl.store(SortedIds + row, offs, mask=ok)
 
 
 @triton.jit
 def _gate_up_silu(X, W13, SortedIds, BlockExpert, Out, N, D, I, E, K_TOP: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr):
-    blk = tl.program_id(0)
-    nb = tl.program_id(1)
+    nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
+    blk = tl.program_id(1)
     e = tl.load(BlockExpert + blk)
     if e < E:  # blocks past the last expert's are padding
         rows = blk * BM + tl.arange(0, BM)
@@ -72,8 +169,8 @@ def _gate_up_silu(X, W13, SortedIds, BlockExpert, Out, N, D, I, E, K_TOP: tl.con
 @triton.jit
 def _down(H, W2, SortedIds, BlockExpert, RouteW, Out, N, D, I, E, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr):
-    blk = tl.program_id(0)
-    nb = tl.program_id(1)
+    nb = tl.program_id(0)
+    blk = tl.program_id(1)
     e = tl.load(BlockExpert + blk)
     if e < E:
         rows = blk * BM + tl.arange(0, BM)
@@ -96,22 +193,93 @@ def _down(H, W2, SortedIds, BlockExpert, RouteW, Out, N, D, I, E, BM: tl.constex
                  mask=ok[:, None] & nm[None, :])
 
 
-def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-                  w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
-    T, D = x_TD.shape
-    K = ids_TK.shape[1]
-    E, F, _ = w13_EFD.shape
+@triton.jit
+def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr):
+    """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = cols < D
+    acc = tl.zeros([BD], tl.float32)
+    for k in tl.static_range(K):
+        e = tl.load(Ids + t * K + k) - first
+        ok = (e >= 0) & (e < E)
+        acc += tl.load(Y + (t * K + k) * D + cols, mask=cm & ok, other=0.0).to(tl.float32)
+    tl.store(Out + t * D + cols, acc.to(Out.dtype.element_ty), mask=cm)
+
+
+def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sorted pair ids [max_blocks * BM] int32, N for unused rows; expert of each block [max_blocks] int32, E for
+    unused blocks; max_blocks). max_blocks bounds the blocks any routing of these pairs can need. One program when
+    the pairs fit one chunk; else count, plan and scatter passes over chunks (a single program's atomics would
+    wait on each other chunk after chunk)."""
+    N = ids_TK.numel()
+    max_blocks = (N + min(E, N) * (BM - 1)) // BM
+    dev = ids_TK.device
+    sorted_ids = torch.empty(max_blocks * BM, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    EB = triton.next_power_of_2(E + 1)
+    MB = max(16, min(64, 8192 // EB))
+    CHUNK = 1024
+    chunks = triton.cdiv(N, CHUNK)
+    if chunks == 1:
+        cursor = torch.empty(EB, dtype=torch.int32, device=dev)
+        _align[(1,)](ids_TK, N, first_expert, E, sorted_ids, block_expert, cursor, max_blocks * BM, max_blocks,
+                     BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8)
+    else:
+        partial = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
+        cursor = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
+        _align_count[(chunks,)](ids_TK, N, first_expert, E, partial, EB=EB, CHUNK=CHUNK, num_warps=8)
+        _align_plan[(1,)](partial, chunks, E, cursor, sorted_ids, block_expert, N, max_blocks * BM, max_blocks,
+                          BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, CB=max(1, min(16, 4096 // EB)), num_warps=8)
+        _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, EB=EB, CHUNK=CHUNK, num_warps=8)
+    return sorted_ids, block_expert, max_blocks
+
+
+def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+            max_blocks: int, K: int, BM: int, c: KernelConfig) -> torch.Tensor:
+    E, F, D = w13_EFD.shape
     I = F // 2
-    N = T * K
-    if N == 0:
-        return torch.zeros_like(x_TD)
-    BM = 16 if N <= 1024 else 64
-    sorted_ids, block_expert, max_blocks = align(ids_TK, first_expert, E, BM)
     h = torch.empty(max_blocks * BM, I, dtype=x_TD.dtype, device=x_TD.device)
-    BN, BK = 64, 128
-    _gate_up_silu[(max_blocks, triton.cdiv(I, BN))](x_TD, w13_EFD, sorted_ids, block_expert, h, N, D, I, E,
-                                                      K_TOP=K, BM=BM, BN=BN, BK=BK, num_warps=4)
-    out = torch.zeros(N, D, dtype=x_TD.dtype, device=x_TD.device)
-    _down[(max_blocks, triton.cdiv(D, BN))](h, w2_EDF, sorted_ids, block_expert, w_TK.reshape(-1).contiguous(), out,
-                                             N, D, I, E, BM=BM, BN=BN, BK=BK, num_warps=4)
-    return out.view(T, K, D).sum(1, dtype=torch.float32).to(x_TD.dtype)
+    _gate_up_silu[(triton.cdiv(I, c.BN), max_blocks)](
+        x_TD, w13_EFD, sorted_ids, block_expert, h, x_TD.shape[0] * K, D, I, E, K_TOP=K, BM=BM, BN=c.BN, BK=c.BK,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return h
+
+
+def down(h: torch.Tensor, w2_EDF: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+         max_blocks: int, w_TK: torch.Tensor, BM: int, c: KernelConfig) -> torch.Tensor:
+    E, D, I = w2_EDF.shape
+    N = w_TK.numel()
+    y = torch.empty(N, D, dtype=h.dtype, device=h.device)
+    _down[(triton.cdiv(D, c.BN), max_blocks)](
+        h, w2_EDF, sorted_ids, block_expert, w_TK, y, N, D, I, E, BM=BM, BN=c.BN, BK=c.BK, num_warps=c.num_warps,
+        num_stages=c.num_stages)
+    return y
+
+
+def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int) -> torch.Tensor:
+    T, K = ids_TK.shape
+    D = y_ND.shape[1]
+    out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
+    BD = min(1024, triton.next_power_of_2(D))
+    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, out, first_expert, E, D, K=K, BD=BD, num_warps=4)
+    return out
+
+
+def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
+                  w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None,
+                  config: MoEConfig | None = None) -> torch.Tensor:
+    """num_experts: the model's expert count (local pairs ~ pairs * E_local / num_experts, for block shapes)."""
+    T, K = ids_TK.shape
+    E = w13_EFD.shape[0]
+    if T == 0:
+        return torch.zeros_like(x_TD)
+    total = num_experts or E
+    c = config or config_for(T * K, E, max(1, total // E))
+    w_TK = w_TK.reshape(-1)
+    if not w_TK.is_contiguous():
+        w_TK = w_TK.contiguous()
+    sorted_ids, block_expert, max_blocks = align(ids_TK, first_expert, E, c.BM)
+    h = gate_up(x_TD, w13_EFD, sorted_ids, block_expert, max_blocks, K, c.BM, c.gate_up)
+    y = down(h, w2_EDF, sorted_ids, block_expert, max_blocks, w_TK, c.BM, c.down)
+    return sum_k(y, ids_TK, first_expert, E)

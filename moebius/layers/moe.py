@@ -18,8 +18,7 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob:
     if x_TD.is_cuda and triton_available():
         from moebius.kernels.fused import topk_softmax
 
-        w_TK, ids_TK = topk_softmax(logits, top_k, norm_topk_prob)
-        return w_TK.to(x_TD.dtype), ids_TK
+        return topk_softmax(logits, top_k, norm_topk_prob, x_TD.dtype)
     probs = torch.softmax(logits.float(), dim=-1)
     w_TK, ids_TK = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -38,14 +37,14 @@ def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor) -> 
 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-            w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
+            w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None) -> torch.Tensor:
     """Grouped GEMMs on the GPU (bf16); a sync-free dense loop on the GPU in other dtypes; the torch reference on
-    the CPU."""
+    the CPU. num_experts (the model's, when only some are local) picks the fused kernel's block shapes."""
     if x_TD.is_cuda:
         if x_TD.dtype == torch.bfloat16 and kmoe.BACKEND == "triton" and triton_available():
             from moebius.kernels.fused_moe import fused_experts
 
-            return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
+            return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, num_experts)
         if x_TD.dtype == torch.bfloat16 and grouped_mm_available():
             return fast_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
         return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)

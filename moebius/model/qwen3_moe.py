@@ -70,7 +70,7 @@ def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: Att
 def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
     w_TK, ids_TK = route(x_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob)
     x, w_TK, ids_TK, handle = comm.dispatch(x_TD, w_TK, ids_TK)
-    return comm.combine(experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert), handle)
+    return comm.combine(experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts), handle)
 
 
 def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""Measure the fused MoE kernels on one GPU at the decode shapes of a preset and pick block shapes per size.
+
+For each layout's expert shard (TP: all experts, I/P columns; EP: E/P whole experts fed every rank's tokens) and
+each global batch, checks the fused path against the torch reference, then times (inside CUDA graphs, so launch
+gaps count as they do in the engine) the align kernel and each GEMM kernel over candidate block shapes. Writes
+JSON: per shape the best shapes, their times and the weight bandwidth they reach.
+
+    python3 benchmarks/moe_tune.py --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from moebius.config import PRESETS
+from moebius.kernels import fused_moe as fm
+from moebius.layers.moe import experts_ref
+
+SMALL = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
+    (16, 32, 64, 128), (128, 256), ((4, 3), (4, 4), (4, 6)))]
+LARGE = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
+    (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4)))]
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """Per-call time of fn replayed from a CUDA graph holding `reps` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    for _ in range(2):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    g.reset()
+    return best
+
+
+def best_of(configs: list[fm.KernelConfig], run) -> tuple[fm.KernelConfig | None, float]:
+    out: tuple[fm.KernelConfig | None, float] = (None, float("inf"))
+    for c in configs:
+        try:
+            t = graph_time_us(lambda c=c: run(c))
+        except Exception as e:  # noqa: BLE001 - shapes that exceed shared memory fail to compile: skip them
+            print(f"  skip {c}: {type(e).__name__}", flush=True)
+            torch.cuda.synchronize()
+            continue
+        if t < out[1]:
+            out = (c, t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[2 ** i for i in range(12)])
+    ap.add_argument("--output", default="moe_tune.json")
+    ap.add_argument("--old", help="path of a previous fused_moe.py to time for comparison")
+    a = ap.parse_args()
+    hf = PRESETS[a.preset]
+    D, I_full, E_all, K = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"], hf["num_experts_per_tok"]
+    P = a.ranks
+    old = None
+    if a.old:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("old_moe", a.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    dev = "cuda"
+    results = []
+    t0 = time.time()
+    for mode in ("tp", "ep"):
+        E, I = (E_all, I_full // P) if mode == "tp" else (E_all // P, I_full)
+        torch.manual_seed(0)
+        w13 = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16) * 0.02
+        for B in a.batches:
+            T = B if mode == "tp" else -(-B // P) * P  # EP: every rank's tokens, padded to the agreed capacity
+            x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+            w_TK, ids = torch.randn(T, E_all, device=dev).softmax(-1).topk(K, -1)
+            w_TK = w_TK.to(torch.bfloat16)
+            local = (ids < E).sum().item()
+            hit = int(torch.unique(ids[ids < E]).numel())
+            cfg = fm.config_for(T * K, E, E_all // E)
+            out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all)
+            if T <= 512:
+                ref = experts_ref(x.float(), w_TK.float(), ids, w13.float(), w2.float(), 0)
+                rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+            else:
+                rel = None
+            total_us = graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all))
+            old_us = graph_time_us(lambda: old.fused_experts(x, w_TK, ids, w13, w2, 0)) if old else None
+            bm = cfg.BM
+            s, be, mb = fm.align(ids, 0, E, bm)
+            align_us = graph_time_us(lambda: fm.align(ids, 0, E, bm))
+            h = fm.gate_up(x, w13, s, be, mb, K, bm, cfg.gate_up)
+            wflat = w_TK.reshape(-1).contiguous()
+            y = fm.down(h, w2, s, be, mb, wflat, bm, cfg.down)
+            sum_us = graph_time_us(lambda: fm.sum_k(y, ids, 0, E))
+            ppe = local / max(hit, 1)
+            rows = []
+            bms = [16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128]
+            for bm_try in bms:
+                s2, be2, mb2 = fm.align(ids, 0, E, bm_try)
+                cands = SMALL if bm_try == 16 else LARGE
+                h2 = fm.gate_up(x, w13, s2, be2, mb2, K, bm_try, cfg.gate_up if bm_try == bm else cands[0])
+                gu = best_of(cands, lambda c: fm.gate_up(x, w13, s2, be2, mb2, K, bm_try, c))
+                dn = best_of(cands, lambda c: fm.down(h2, w2, s2, be2, mb2, wflat, bm_try, c))
+                rows.append(dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
+                                 down=dn[0].__dict__ if dn[0] else None, down_us=dn[1]))
+            wbytes = hit * 3 * I * D * 2
+            best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"])
+            r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
+                     default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
+                     old_total_us=old_us, align_us=align_us, sum_us=sum_us, weight_bytes=wbytes,
+                     floor_us=wbytes / 4.28e12 * 1e6, tried=rows, best=best,
+                     best_gemm_TBps=wbytes / (best["gate_up_us"] + best["down_us"]) / 1e6)
+            print(json.dumps({k: v for k, v in r.items() if k != "tried"}), flush=True)
+            results.append(r)
+    json.dump(dict(gpu=torch.cuda.get_device_name(), preset=a.preset, ranks=P, wall_s=time.time() - t0,
+                   results=results), open(a.output, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
