@@ -186,3 +186,22 @@ def test_dual_layout_peak_memory_within_3_percent_of_static_ep() -> None:
             llm.engine.query("bench_decode", batch=64, context=1024, steps=2, warmup=1, graphs=True)
             peaks[static] = max(m["peak_reserved"] for m in llm.engine.query("memory"))
     assert peaks[False] <= 1.03 * peaks[True], peaks
+
+
+def test_symmetric_all_reduce_gives_the_tokens_nccl_gives() -> None:
+    """TP sums through the symmetric-memory buffer by default (graphs and eager prefill) and produces the tokens of
+    the NCCL-only engine (--disable-custom-all-reduce); each engine reports which path it set up."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    kw = dict(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, num_ranks=2, mode="tp",
+              max_total_tokens=65536, max_model_len=512, max_running_requests=64)
+    prompts = [[(7 * i + 13 * j) % 150000 + 1 for j in range(5 + 9 * i)] for i in range(12)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for disable in (False, True):
+        with LLM(disable_custom_all_reduce=disable, **kw) as llm:
+            comm = llm.engine.query("comm")
+            assert all(r["tp"]["symmetric_all_reduce"] is (not disable) for r in comm), comm
+            assert all(not r["ep"]["symmetric_all_reduce"] for r in comm), comm
+            got[disable] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got[False] == got[True]

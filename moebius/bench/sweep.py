@@ -60,6 +60,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                 extra: dict[str, Any] = {}
                 if all(r.get("replay_ms") for r in res):  # the graph alone: step_ms minus this is host work
                     extra["graph_replay_ms"] = max(r["replay_ms"] for r in res)
+                extra["host_metadata_ms"] = max(r["metadata_ms"] for r in res)
                 if b <= args.eager_up_to:
                     eager = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
                                              warmup=args.warmup, graphs=False)

@@ -327,7 +327,7 @@ class EngineCore:
 
     def query(self, name: str, **args: object) -> list[object]:
         """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
-        "bench_decode" (batch, context, steps, warmup, graphs)."""
+        "bench_decode" (batch, context, steps, warmup, graphs), "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self.ranks.step(plan)

@@ -250,6 +250,10 @@ class Worker:
             return self.memory_report()
         if q["name"] == "bench_decode":
             return self.bench_decode(q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
+        if q["name"] == "comm":  # how each layout's collectives run
+            return {m: {"comm": type(rt.runner.comm).__name__,
+                        "symmetric_all_reduce": getattr(rt.runner.comm, "symmetric", None) is not None}
+                    for m, rt in self.modes.items()}
         raise ValueError(f"unknown query {q['name']!r}")
 
     def memory_report(self) -> dict[str, Any]:
@@ -289,7 +293,7 @@ class Worker:
         if not graphs:
             self.runner.graphs = None
         used_graph = self.runner.graphs is not None and self.runner.graphs.bucket_for(sync.max_tokens) is not None
-        times = []
+        times, meta = [], []
         try:
             for _ in range(warmup + steps):
                 if self.device.type == "cuda":
@@ -297,13 +301,14 @@ class Worker:
                 t = time.perf_counter()
                 self.runner.execute(chunks, [], sync)  # ends with the sampled tokens on the host: a full step
                 times.append(time.perf_counter() - t)
+                meta.append(self.runner.last_metadata_s)
             replay_ms = self._time_replay(sync.max_tokens, steps) if used_graph else None
         finally:
             self.runner.graphs = saved
             for c in chunks:
                 self.allocator.free(c.req.pages)
         return {"step_ms": statistics.median(times[warmup:]) * 1e3, "local_batch": local, "cuda_graph": used_graph,
-                "replay_ms": replay_ms}
+                "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
 
     def _time_replay(self, n: int, steps: int) -> float:
         """GPU time of the decode graph alone (same metadata as the last step): step_ms minus this is host work."""
