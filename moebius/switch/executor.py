@@ -132,26 +132,48 @@ class Switcher:
 
     # ---- data plane ----
     def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool) -> tuple[float, float]:
+        """The ordered pass. Returns seconds spent moving weights and KV. On the GPU nothing waits between layers
+        (one stream orders every copy and exchange; the phases are timed with events), so host launches of the next
+        layer overlap the transfers of this one."""
         w = self.w
         order = range(w.cfg.num_layers) if dst == "tp" else reversed(range(w.cfg.num_layers))
-        dev = w.device
-        to_dev = [(torch.from_numpy(s).to(dev), torch.from_numpy(r).to(dev))
-                  for s, r in zip(plan.send_slots, plan.recv_slots, strict=True)]
         bs = w.spec.engine.block_size
+        # (page, offset-in-page) of every slot moved, per peer: the same for every layer
+        send = [self._page_offset(s, bs) for s in plan.send_slots]
+        recv = [self._page_offset(r, bs) for r in plan.recv_slots]
+        cuda = w.device.type == "cuda"
+        marks: list[tuple[Any, Any, Any]] = []
         t_weights = t_kv = 0.0
         for i in order:
             t = time.perf_counter()
+            e0 = self._mark(cuda)
             src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
             if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
                 self._move_experts(src_mlp, dst_mlp, dst)
-            self._sync()
+            e1 = self._mark(cuda)
             t2 = time.perf_counter()
             if move_kv:
-                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, to_dev, bs)
-                self._sync()
+                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv)
+            marks.append((e0, e1, self._mark(cuda)))
             t_weights += t2 - t
             t_kv += time.perf_counter() - t2
+        self._sync()
+        if cuda:
+            t_weights = sum(a.elapsed_time(b) for a, b, _ in marks) / 1e3
+            t_kv = sum(b.elapsed_time(c) for _, b, c in marks) / 1e3
         return t_weights, t_kv
+
+    def _page_offset(self, slots: Any, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.from_numpy(slots).to(self.w.device)
+        return s // bs, s % bs
+
+    @staticmethod
+    def _mark(cuda: bool) -> Any:
+        if not cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
     def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str) -> None:
         P = self.P
@@ -168,18 +190,19 @@ class Switcher:
             tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
 
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
-                 idx: list[tuple[torch.Tensor, torch.Tensor]], bs: int) -> None:
-        """src/dst caches [pages, 2, bs, heads, d]: gather by source slots, exchange, scatter by target slots."""
+                 send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """src/dst caches [pages, 2, bs, heads, d]: gather by source (page, offset), exchange, scatter by target."""
         send_counts = [len(s) for s in plan.send_slots]
         recv_counts = [len(r) for r in plan.recv_slots]
-        chunks = [src[s // bs, :, s % bs][:, :, h.start: h.stop]
-                  for (s, _), h in zip(idx, plan.send_heads, strict=True)]
+        chunks = [src[pg, :, off][:, :, h.start: h.stop]
+                  for (pg, off), h, n in zip(send, plan.send_heads, send_counts, strict=True) if n]
         width = len(plan.recv_heads[0])
-        send = torch.cat(chunks) if chunks else src.new_zeros(0, 2, width, src.shape[-1])
-        recv = src.new_empty((sum(recv_counts), 2, width, src.shape[-1]))
-        self.transport.all_to_all(recv, send, recv_counts, send_counts)
+        out = (torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks
+               else src.new_zeros(0, 2, width, src.shape[-1]))
+        got = src.new_empty((sum(recv_counts), 2, width, src.shape[-1]))
+        self.transport.all_to_all(got, out, recv_counts, send_counts)
         start = 0
-        for (_, r), h, n in zip(idx, plan.recv_heads, recv_counts, strict=True):
+        for (pg, off), h, n in zip(recv, plan.recv_heads, recv_counts, strict=True):
             if n:
-                dst[r // bs, :, r % bs, h.start: h.stop] = recv[start: start + n]
+                dst[pg, :, off, h.start: h.stop] = got[start: start + n]
             start += n
