@@ -11,35 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
-
-
-def graph_time_us(fn, reps: int = 48) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    g.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        dist.barrier()
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    g.reset()
-    return min(times)
+from graph_timing import graph_time_us
 
 
 def main() -> None:
@@ -66,7 +38,7 @@ def main() -> None:
         dist.all_reduce(want)
         row = dict(tokens=T, bytes=n * 2)
         y = x.clone()
-        row["nccl_us"] = graph_time_us(lambda y=y: dist.all_reduce(y))
+        row["nccl_us"] = graph_time_us(lambda y=y: dist.all_reduce(y), reps=48, barrier=dist.barrier)
         variants = {
             "symm_one_shot_copy_in": lambda x=x, n=n: torch.ops.symm_mem.one_shot_all_reduce(
                 buf[:n].copy_(x), "sum", name),
@@ -80,7 +52,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ok = bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
                 row[key + "_ok"] = ok
-                row[key + "_us"] = graph_time_us(fn)
+                row[key + "_us"] = graph_time_us(fn, reps=48, barrier=dist.barrier)
             except Exception as e:  # noqa: BLE001 - report what this torch build lacks
                 row[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 torch.cuda.synchronize()

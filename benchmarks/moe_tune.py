@@ -16,6 +16,7 @@ import json
 import time
 
 import torch
+from graph_timing import graph_time_us
 
 from moebius.config import PRESETS
 from moebius.kernels import fused_moe as fm
@@ -25,31 +26,6 @@ SMALL = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
     (16, 32, 64, 128), (128, 256), ((4, 3), (4, 4), (4, 6)))]
 LARGE = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
     (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4)))]
-
-
-def graph_time_us(fn, reps: int = 20) -> float:
-    """Per-call time of fn replayed from a CUDA graph holding `reps` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    for _ in range(2):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    g.reset()
-    return best
 
 
 def best_of(configs: list[fm.KernelConfig], run) -> tuple[fm.KernelConfig | None, float]:

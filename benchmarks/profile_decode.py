@@ -3,7 +3,6 @@ python3 benchmarks/profile_decode.py --num-layers 4 --batch 1 --context 512"""
 
 import argparse
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moebius import LLM

@@ -225,3 +225,16 @@ def test_engine_still_works_after_load_failures(ckpt, llm):
     fresh = make_llm(base, block_size=4)
     assert fresh.generate(PROMPTS[2], GOOD)[0].token_ids == hf_greedy(base, PROMPTS[2], 8)
     assert_still_works(llm, ckpt("text"))
+
+
+@pytest.mark.parametrize("mode", ["dp", "", "TP"])
+def test_unknown_switch_target_is_rejected_before_anything_moves(llm, ckpt, mode: str) -> None:
+    """Both switch entry points name the bad layout; a rejected request_switch leaves no switch pending."""
+    with pytest.raises(ValueError, match="mode must be 'tp' or 'ep'"):
+        llm.switch_mode(mode)
+    with pytest.raises(ValueError, match="mode must be 'tp' or 'ep'"):
+        llm.engine.request_switch(mode)
+    before = llm.mode
+    llm.step()  # the step a pending switch would ride on
+    assert llm.mode == before and llm.engine.last_switch is None
+    assert_still_works(llm, ckpt("text"))
