@@ -169,6 +169,13 @@ def assert_kv_free(llm: LLM, P: int) -> None:
         assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {per_rank}"
 
 
+def assert_idle_round_trip(llm: LLM, P: int) -> None:
+    """A switch with nothing in flight, and back (EP -> TP -> EP): the pools are still whole in both layouts."""
+    for target in ("tp", "ep"):
+        assert llm.switch_mode(target)["done"]
+        assert_kv_free(llm, P)
+
+
 def check_against_reference(path: str, jobs: list[Job], got: dict[str, Any], ref: dict[str, Any]) -> None:
     """Finished jobs: identical to the no-switch run, greedy ones to transformers too; aborted ones: a prefix."""
     for j in jobs:
@@ -205,11 +212,7 @@ def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int) -> 
     # aborted before they could finish (an abort sent with a switch's plan reports no output of its own)
     assert all(got[n].finish_reason in (None, "abort") for n in ("g-abort", "g-abort2") if n in got)
     assert_kv_free(llm, P)
-    # a switch with nothing in flight, and back: pools still whole in both layouts
-    assert llm.switch_mode("tp")["done"]
-    assert_kv_free(llm, P)
-    assert llm.switch_mode("ep")["done"]
-    assert_kv_free(llm, P)
+    assert_idle_round_trip(llm, P)
 
 
 def test_switch_riding_on_the_next_step_changes_nothing(engines: Any, ckpt: Any) -> None:
@@ -359,10 +362,7 @@ def test_leak_free_after_aborts_around_switches(engines: Any) -> None:
     while llm.has_unfinished():
         llm.step()
     assert_kv_free(llm, P)
-    assert llm.switch_mode("tp")["done"]
-    assert_kv_free(llm, P)
-    assert llm.switch_mode("ep")["done"]
-    assert_kv_free(llm, P)
+    assert_idle_round_trip(llm, P)
 
 
 def test_tp_start_moves_the_weights_a_direct_load_gives(engines: Any, ckpt: Any) -> None:

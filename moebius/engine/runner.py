@@ -124,7 +124,6 @@ class ModelRunner:
         # only the used columns are written: attention reads a row no further than its sequence length, so a
         # graph's full-width view never reaches the stale columns beyond
         width = max(int(n_pages.max(initial=0)), 1)
-        real = B
         if pad_to:
             extra = pad_to - B
             lens = np.concatenate([lens, np.ones(extra, np.int64)])
@@ -139,7 +138,7 @@ class ModelRunner:
         positions = starts[token_seq] + token_qpos
         table = np.zeros((B, width), dtype=np.int32)
         # one vectorised fill (row-by-row assignment costs microseconds per request at large batches)
-        table[:real][np.arange(width) < n_pages[:, None]] = np.fromiter(
+        table[: len(batch)][np.arange(width) < n_pages[:, None]] = np.fromiter(
             chain.from_iterable(c.req.pages for c in batch), dtype=np.int32, count=int(n_pages.sum()))
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + lens

@@ -142,26 +142,18 @@ class Switcher:
         send = [self._page_offset(s, bs) for s in plan.send_slots]
         recv = [self._page_offset(r, bs) for r in plan.recv_slots]
         cuda = w.device.type == "cuda"
-        marks: list[tuple[Any, Any, Any]] = []
-        t_weights = t_kv = 0.0
+        marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         for i in order:
-            t = time.perf_counter()
-            e0 = self._mark(cuda)
+            m0 = self._mark(cuda)
             src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
             if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
                 self._move_experts(src_mlp, dst_mlp, dst)
-            e1 = self._mark(cuda)
-            t2 = time.perf_counter()
+            m1 = self._mark(cuda)
             if move_kv:
                 self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv)
-            marks.append((e0, e1, self._mark(cuda)))
-            t_weights += t2 - t
-            t_kv += time.perf_counter() - t2
+            marks.append((m0, m1, self._mark(cuda)))
         self._sync()
-        if cuda:
-            t_weights = sum(a.elapsed_time(b) for a, b, _ in marks) / 1e3
-            t_kv = sum(b.elapsed_time(c) for _, b, c in marks) / 1e3
-        return t_weights, t_kv
+        return (sum(self._elapsed(a, b) for a, b, _ in marks), sum(self._elapsed(b, c) for _, b, c in marks))
 
     def _page_offset(self, slots: Any, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = torch.from_numpy(slots).to(self.w.device)
@@ -169,11 +161,17 @@ class Switcher:
 
     @staticmethod
     def _mark(cuda: bool) -> Any:
+        """A point in time: a recorded CUDA event on the GPU, the host clock on the CPU (where work is synchronous)."""
         if not cuda:
-            return None
+            return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
+
+    @staticmethod
+    def _elapsed(a: Any, b: Any) -> float:
+        """Seconds between two marks (events are read after the pass's final synchronisation)."""
+        return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
     def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str) -> None:
         P = self.P
