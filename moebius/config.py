@@ -189,6 +189,9 @@ class EngineConfig:
     disable_custom_all_reduce: bool = _flag(False, "TP all-reduces through NCCL only; by default activations up to "
                                             "the step's token budget are summed through a symmetric-memory buffer "
                                             "that peer GPUs read over NVLink (lower latency)")
+    disable_overlap_schedule: bool = _flag(False, "resolve each step before scheduling the next; by default the "
+                                           "next step is launched while the device still runs the current one "
+                                           "(its input tokens are taken on the device), hiding host work")
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))

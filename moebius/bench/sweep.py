@@ -61,6 +61,10 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                 if all(r.get("replay_ms") for r in res):  # the graph alone: step_ms minus this is host work
                     extra["graph_replay_ms"] = max(r["replay_ms"] for r in res)
                 extra["host_metadata_ms"] = max(r["metadata_ms"] for r in res)
+                # the engine's default overlaps each step's host work with the step before; resolving every step
+                # first (--disable-overlap-schedule) puts the host work on the critical path
+                extra["overlap_schedule"] = not llm.engine.config.disable_overlap_schedule
+                extra["step_ms_no_overlap"] = max(r["step_ms_no_overlap"] for r in res)
                 if b <= args.eager_up_to:
                     eager = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
                                              warmup=args.warmup, graphs=False)
@@ -90,8 +94,10 @@ def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> d
     t = time.perf_counter()
     llm.engine.request_switch(target)
     llm.step()
-    first = (time.perf_counter() - t) * 1e3
     res = dict(llm.engine.last_switch or {})
+    if not llm.engine.config.disable_overlap_schedule:
+        llm.step()  # overlap: the first new-layout step's tokens come back when the next step is launched
+    first = (time.perf_counter() - t) * 1e3
     steps = []
     for _ in range(5):
         t = time.perf_counter()
@@ -100,8 +106,10 @@ def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> d
     for rid in ids:
         llm.abort(rid)
     llm.step()
+    # overhead: what is left after the step that was in flight at the decision (drain_ms), the transfer
+    # (total_ms) and one step in the new layout
     res.update(batch=batch, switch_to_first_step_ms=first, next_step_ms=statistics.median(steps),
-               overhead_ms=first - res.get("total_ms", 0.0) - statistics.median(steps))
+               overhead_ms=first - res.get("drain_ms", 0.0) - res.get("total_ms", 0.0) - statistics.median(steps))
     return res
 
 

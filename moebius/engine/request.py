@@ -17,6 +17,9 @@ from moebius.sampling_params import SamplingParams
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
 
+# An output token sampled by a step still running on the device (overlap scheduling); never a vocabulary id.
+PLACEHOLDER = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -96,6 +99,14 @@ class Request:
         if start >= n:  # decode: never copy the whole sequence for one token
             return self.output_token_ids[start - n: stop - n]
         return prompt[start:] + self.output_token_ids[: stop - n]
+
+    @property
+    def stops_by_length(self) -> bool:
+        """Its last token is still on the device and ends it by length whatever that token is: nothing to run."""
+        p = self.params
+        return self.output_token_ids[-1:] == [PLACEHOLDER] and (
+            (p.max_tokens is not None and len(self.output_token_ids) >= p.max_tokens)
+            or self.num_tokens >= self.spec.max_total_len)
 
     @property
     def wants_prompt_logits(self) -> bool:

@@ -2,6 +2,10 @@
 
 Host work is O(batch): one pass over the scheduled chunks builds flat index arrays; everything per token or per
 layer is done in batched device ops.
+
+A step is launched and resolved separately (`launch` returns a `PendingStep`), so the worker can launch step N+1
+while step N still runs on the device (overlap scheduling): a token that step N has not handed back yet is a
+placeholder on the host, and step N+1 takes it from step N's device output instead.
 """
 
 from __future__ import annotations
@@ -23,32 +27,37 @@ from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.dispatch import Communicator, EPComm
 
-_FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "query_start_loc", "seq_lens")
+_FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "fill_dst", "fill_src",
+           "query_start_loc", "seq_lens")
 
 
 def _field_sizes(max_tokens: int, max_seqs: int) -> list[int]:
-    return [max_tokens] * 5 + [max_seqs + 1, max_seqs]
+    return [max_tokens] * 7 + [max_seqs + 1, max_seqs]
 
 
 @dataclass
 class StaticBuffers:
     """Per-mode batch metadata at fixed addresses (views of the unified buffer), so graphs can replay them.
 
-    The int64 fields are slices of one region, mirrored by one pinned host buffer: a step writes the host mirror
-    and moves it with one copy (plus one for the block-table rows)."""
+    The int64 fields are slices of one region, mirrored in pinned host memory: a step writes a host mirror and
+    moves it with one copy (plus one for the block-table rows). The mirrors are double-buffered: with one step in
+    flight, the mirror a step writes is never the one an unfinished copy still reads."""
 
     input_ids: torch.Tensor  # [max_tokens] int64
     positions: torch.Tensor  # [max_tokens] int64
     slot_mapping: torch.Tensor  # [max_tokens] int64
     token_seq: torch.Tensor  # [max_tokens] int64
     token_qpos: torch.Tensor  # [max_tokens] int64
+    fill_dst: torch.Tensor  # [max_tokens] int64: input_ids rows taken from the previous step's device output ...
+    fill_src: torch.Tensor  # [max_tokens] int64: ... and the output row each one takes
     query_start_loc: torch.Tensor  # [max_seqs + 1] int64
     seq_lens: torch.Tensor  # [max_seqs] int64
     block_tables: torch.Tensor  # [max_seqs, max_pages] int32
     table_stage: torch.Tensor  # [max_seqs * max_pages] int32: the step's [B, W] table, packed
     meta: torch.Tensor  # the int64 region holding the fields above, in order
-    host_meta: torch.Tensor  # its pinned host mirror
-    host_tables: torch.Tensor  # pinned host mirror of table_stage
+    host_meta: list[torch.Tensor]  # its two pinned host mirrors
+    host_tables: list[torch.Tensor]  # two pinned host mirrors of table_stage
+    flip: int = 0  # the mirror the next upload writes
 
     @staticmethod
     def plan(plan: MemoryPlan, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> None:
@@ -65,12 +74,14 @@ class StaticBuffers:
         stage = umm.view(f"{prefix}.table_stage", (max_seqs * max_pages,), torch.int32)
         pin = umm.device.type == "cuda"
         return StaticBuffers(**views, block_tables=tables, table_stage=stage, meta=meta,
-                             host_meta=torch.zeros(meta.shape, dtype=torch.int64, pin_memory=pin),
-                             host_tables=torch.zeros(stage.shape, dtype=torch.int32, pin_memory=pin))
+                             host_meta=[torch.zeros(meta.shape, dtype=torch.int64, pin_memory=pin) for _ in "ab"],
+                             host_tables=[torch.zeros(stage.shape, dtype=torch.int32, pin_memory=pin) for _ in "ab"])
 
     def upload(self, fields: dict[str, np.ndarray], table: np.ndarray) -> dict[str, torch.Tensor]:
-        """Write the step's fields into the host mirror, copy it over in one go; device views of the used parts."""
-        host = self.host_meta.numpy()
+        """Write the step's fields into a host mirror, copy it over in one go; device views of the used parts."""
+        host_meta, host_tables = self.host_meta[self.flip], self.host_tables[self.flip]
+        self.flip ^= 1
+        host = host_meta.numpy()
         out, start, end = {}, 0, 0
         for name in _FIELDS:
             n = getattr(self, name).shape[0]
@@ -79,14 +90,14 @@ class StaticBuffers:
             end = start + src.shape[0]
             out[name] = getattr(self, name)[: src.shape[0]]
             start += n
-        self.meta[:end].copy_(self.host_meta[:end], non_blocking=True)
+        self.meta[:end].copy_(host_meta[:end], non_blocking=True)
         # The [B, W] table travels packed (one contiguous copy from pinned memory), then a device copy spreads it
         # into the rows: a strided host-to-device copy would be staged through pageable memory, which measured
         # 5-12 ms at 1024 rows on the GPU machine.
         B, W = table.shape
         n = B * W
-        self.host_tables.numpy()[:n] = table.reshape(-1)
-        self.table_stage[:n].copy_(self.host_tables[:n], non_blocking=True)
+        host_tables.numpy()[:n] = table.reshape(-1)
+        self.table_stage[:n].copy_(host_tables[:n], non_blocking=True)
         self.block_tables[:B, :W].copy_(self.table_stage[:n].view(B, W))
         out["block_tables"] = self.block_tables[:B, :W]
         return out
@@ -101,6 +112,25 @@ class StepSync:
     all_decode: bool
 
 
+class PendingStep:
+    """A launched step: its sampled tokens on the device ([n] int64, one per sampling chunk, batch order), on their
+    way to a pinned host buffer; `result()` waits for them."""
+
+    def __init__(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor]) -> None:
+        self.tokens, self.prompt_logits = tokens, prompt_logits
+        self._host, self._done = tokens, None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> tuple[list[int], dict[int, torch.Tensor]]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist(), self.prompt_logits
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor], comm: Communicator,
                  bufs: StaticBuffers, block_size: int, device: torch.device) -> None:
@@ -109,10 +139,11 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
 
-    def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None
-                  ) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
+    def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None, prev: PendingStep | None = None,
+                  prev_rows: np.ndarray | None = None) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
         """Write the batch's metadata into the static buffers. pad_to (decode graphs): pad to that many one-token
-        rows that read and write only the reserved page 0."""
+        rows that read and write only the reserved page 0. prev_rows[b] >= 0: the last token of chunk b is row
+        prev_rows[b] of `prev`'s sampled tokens (still on the device; a placeholder on the host)."""
         t0 = time.perf_counter()
         bs, buf = self.block_size, self.bufs
         B = len(batch)
@@ -142,8 +173,16 @@ class ModelRunner:
             chain.from_iterable(c.req.pages for c in batch), dtype=np.int32, count=int(n_pages.sum()))
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + lens
+        fill_src = np.zeros(0, np.int64) if prev_rows is None else prev_rows[prev_rows >= 0].astype(np.int64)
+        fill_dst = np.zeros(0, np.int64) if prev_rows is None else qsl[1:][: len(batch)][prev_rows >= 0] - 1
+        ids[fill_dst] = 0
+        if (ids < 0).any():
+            raise RuntimeError("a placeholder token reached a step without the step that produces it")
         v = buf.upload(dict(input_ids=ids, positions=positions, slot_mapping=slots, token_seq=token_seq,
-                            token_qpos=token_qpos, query_start_loc=qsl, seq_lens=seq_lens), table)
+                            token_qpos=token_qpos, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
+                            seq_lens=seq_lens), table)
+        if fill_dst.size:  # tokens the host does not have yet: from the previous step's output, on the device
+            v["input_ids"].index_copy_(0, v["fill_dst"], prev.tokens.index_select(0, v["fill_src"]))
         meta = AttentionMetadata(
             positions=v["positions"], slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
             seq_lens=v["seq_lens"], block_tables=v["block_tables"], token_seq=v["token_seq"],
@@ -166,22 +205,23 @@ class ModelRunner:
         hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
         return qwen3_moe.logits(hidden, self.weights)
 
-    def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync
-                ) -> tuple[list[int], dict[int, torch.Tensor]]:
-        """Run the batch; return the sampled token of each sampling chunk (in batch order) and, for chunks that
-        asked for prompt logits, their [n, V] float32 logits keyed by batch index.
+    def launch(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync,
+               prev: PendingStep | None = None, prev_rows: np.ndarray | None = None) -> PendingStep:
+        """Enqueue the batch's step on the device; the sampled tokens come back through the returned PendingStep.
+        Prompt logits (rare) are copied to the host here.
 
         stop_masks: (sampling-row, token ids) whose logits are forbidden this step (min_tokens).
+        prev, prev_rows: see `_metadata` (overlap scheduling: `prev` is still in flight).
         """
         bucket = self.graphs.bucket_for(sync.max_tokens) if self.graphs and sync.all_decode else None
         prompt_logits: dict[int, torch.Tensor] = {}
         if bucket is not None:  # every rank decodes only: replay the bucket's graph
-            self._metadata(batch, pad_to=bucket)
+            self._metadata(batch, pad_to=bucket, prev=prev, prev_rows=prev_rows)
             logits = self.graphs.replay(bucket)[: len(batch)]
         else:
             if isinstance(self.comm, EPComm):
                 self.comm.capacity = sync.max_tokens
-            ids, meta, qsl = self._metadata(batch)
+            ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows)
             if meta.max_query_len == 1 and self.device.type == "cuda":
                 meta.num_splits = num_splits_for(len(batch), self.kv[0].shape[3])
             hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
@@ -195,14 +235,20 @@ class ModelRunner:
                         h = hidden[int(qsl[b]) + lo - c.start: int(qsl[b]) + hi - c.start]
                         prompt_logits[b] = qwen3_moe.logits(h, self.weights).float().cpu()
             if not rows:
-                return [], prompt_logits
+                return PendingStep(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
             logits = qwen3_moe.logits(hidden[rows], self.weights)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")
         reqs = [c.req for c in batch if c.samples]
         if all(r.params.temperature == 0 for r in reqs):  # greedy batch: no sampling tensors to build and copy
-            return logits.argmax(dim=-1).tolist(), prompt_logits
-        return sample(logits, self._sampling_batch(reqs)).tolist(), prompt_logits
+            return PendingStep(logits.argmax(dim=-1), prompt_logits)
+        return PendingStep(sample(logits, self._sampling_batch(reqs)), prompt_logits)
+
+    def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync
+                ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """Launch and wait: the sampled token of each sampling chunk (batch order) and the prompt logits by batch
+        index."""
+        return self.launch(batch, stop_masks, sync).result()
 
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size

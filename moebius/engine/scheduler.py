@@ -132,6 +132,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.stops_by_length:  # overlap scheduling: it ends when its token in flight comes back
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             while not self._grow(req, req.num_computed + n):
                 victim = self.running[-1]  # the most recently admitted

@@ -2,6 +2,13 @@
 
 The front end (rank 0's side) turns user calls into a `StepPlan` per iteration; every rank applies the same plan
 and runs one step. With one rank the front end calls `Worker.step` directly.
+
+Overlap scheduling (the default): a step is launched before the previous one's tokens are read back, so the host
+work of step N+1 (scheduling, metadata, the round trip to the front end) runs while the device computes step N.
+A request whose token is still on the device carries `PLACEHOLDER` as its last output token; the step that
+produced it is resolved right after the next one is launched. A request that stops on that token has run one
+step too many: that row's result is dropped (its KV writes land in pages it no longer owns only after, in stream
+order, anything that reads them).
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from moebius.config import EngineConfig, ModelConfig
 from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
-from moebius.engine.request import Request, RequestSpec
-from moebius.engine.runner import ModelRunner, StaticBuffers, StepSync
+from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
+from moebius.engine.runner import ModelRunner, PendingStep, StaticBuffers, StepSync
 from moebius.engine.scheduler import ScheduledChunk, Scheduler, StopChecker
 from moebius.kernels import moe as kmoe
 from moebius.memory.kv_pool import BlockAllocator, KVPool
@@ -105,6 +113,15 @@ class ModeRuntime:
     runner: ModelRunner
 
 
+@dataclass
+class InFlight:
+    """A launched step not yet resolved: the requests it samples for (row order) and where the tokens come back."""
+
+    sampling: list[Request]
+    pending: PendingStep
+    rows: dict[str, int]  # request id -> row of its token in pending.tokens
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, groups: Groups | None = None) -> None:
         ecfg, cfg = spec.engine, spec.model
@@ -157,6 +174,8 @@ class Worker:
                      else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
         self.switcher = Switcher(self)
+        self.overlap = not ecfg.disable_overlap_schedule
+        self.inflight: InFlight | None = None
         log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
                  bs, {m: rt.kv.num_pages for m, rt in self.modes.items()})
 
@@ -228,7 +247,10 @@ class Worker:
         """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
         the switch (aborts), those of the step, and the switch outcome (None when the plan did not switch)."""
         sched = self.scheduler
-        aborted: list[TokenDelta] = []
+        # a switch moves requests and a query looks at them: both need every token on the host
+        t = time.perf_counter()
+        aborted = self.drain() if plan.switch_to or not plan.run else []
+        drain_ms = (time.perf_counter() - t) * 1e3
         mine = self.layout.mode == "tp" or self.groups.world_size == 1
         for i, spec in enumerate(plan.new):
             if mine or plan.owners[i] == self.groups.rank:
@@ -240,6 +262,8 @@ class Worker:
                 req.finish_reason = "abort"
                 aborted.append(TokenDelta(rid, [], "abort"))
         outcome = self.switcher.switch(plan.switch_to) if plan.switch_to else None
+        if outcome is not None:
+            outcome["drain_ms"] = drain_ms  # waiting for the step in flight (overlap) before the switch could start
         return aborted, self._forward_step() if plan.run else [], outcome
 
     def query(self, q: dict[str, Any]) -> Any:
@@ -302,13 +326,32 @@ class Worker:
                 self.runner.execute(chunks, [], sync)  # ends with the sampled tokens on the host: a full step
                 times.append(time.perf_counter() - t)
                 meta.append(self.runner.last_metadata_s)
+            overlapped = self._time_overlapped(chunks, sync, steps, warmup)
             replay_ms = self._time_replay(sync.max_tokens, steps) if used_graph else None
         finally:
             self.runner.graphs = saved
             for c in chunks:
                 self.allocator.free(c.req.pages)
-        return {"step_ms": statistics.median(times[warmup:]) * 1e3, "local_batch": local, "cuda_graph": used_graph,
+        sync_ms = statistics.median(times[warmup:]) * 1e3
+        return {"step_ms": overlapped if self.overlap else sync_ms, "step_ms_overlap": overlapped,
+                "step_ms_no_overlap": sync_ms, "local_batch": local, "cuda_graph": used_graph,
                 "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
+
+    def _time_overlapped(self, chunks: list[ScheduledChunk], sync: StepSync, steps: int, warmup: int) -> float:
+        """Steady-state ms per step as overlap scheduling runs them: each step is launched with its input tokens
+        taken on the device from the step before, and only then is the step before read back."""
+        rows = np.arange(len(chunks))
+        prev: PendingStep | None = None
+        t0 = 0.0
+        for i in range(warmup + steps):
+            if i == warmup:
+                t0 = time.perf_counter()
+            cur = self.runner.launch(chunks, [], sync, prev, rows if prev is not None else None)
+            if prev is not None:
+                prev.result()
+            prev = cur
+        prev.result()
+        return (time.perf_counter() - t0) / steps * 1e3
 
     def _time_replay(self, n: int, steps: int) -> float:
         """GPU time of the decode graph alone (same metadata as the last step): step_ms minus this is host work."""
@@ -323,6 +366,8 @@ class Worker:
         return start.elapsed_time(end) / steps
 
     def _forward_step(self) -> list[TokenDelta]:
+        """Schedule and launch a step, then resolve the step before it (overlap) or this one. Returns the deltas
+        of the step resolved."""
         sched = self.scheduler
         batch = sched.schedule()
         n_tokens = sum(c.num_tokens for c in batch)
@@ -335,29 +380,51 @@ class Worker:
         else:
             sync = StepSync(n_tokens, decode)
         if sync.max_tokens == 0:
-            return []
-        deltas: list[TokenDelta] = []
+            return self.drain()
         sampling = [c.req for c in batch if c.samples]
         stop_masks = [(row, self._banned(r)) for row, r in enumerate(sampling)
                       if len(r.output_token_ids) < r.params.min_tokens]
-        tokens, prompt_logits = self.runner.execute(batch, [(row, ids) for row, ids in stop_masks if ids], sync)
-        next_token = iter(tokens)
+        prev = self.inflight
+        prev_rows = None
+        if prev is not None:
+            prev_rows = np.array([prev.rows.get(c.req.request_id, -1)
+                                  if c.samples and c.req.output_token_ids[-1:] == [PLACEHOLDER] else -1
+                                  for c in batch], dtype=np.int64)
+        pending = self.runner.launch(batch, [(row, ids) for row, ids in stop_masks if ids], sync,
+                                     prev.pending if prev else None, prev_rows)
         for b, chunk in enumerate(batch):
-            req = chunk.req
-            req.num_computed = chunk.start + chunk.num_tokens
-            if b in prompt_logits:
-                req.prompt_logits.append(prompt_logits[b])
-            if not chunk.samples:
-                continue
-            req.output_token_ids.append(next(next_token))
+            chunk.req.num_computed = chunk.start + chunk.num_tokens
+            if b in pending.prompt_logits:  # already on the host
+                chunk.req.prompt_logits.append(pending.prompt_logits[b])
+        deltas = self.drain()
+        # Tokens still on the device: placeholders, so the next step schedules their requests' next positions.
+        rows = {}
+        for row, req in enumerate(sampling):
+            if not req.finished:
+                req.output_token_ids.append(PLACEHOLDER)
+                rows[req.request_id] = row
+        self.inflight = InFlight(sampling, pending, rows)
+        return deltas + (self.drain() if not self.overlap else [])
+
+    def drain(self) -> list[TokenDelta]:
+        """Resolve the step in flight, if any: its tokens replace their placeholders and the stop rules run."""
+        if self.inflight is None:
+            return []
+        flight, self.inflight = self.inflight, None
+        tokens, _ = flight.pending.result()
+        sched = self.scheduler
+        deltas: list[TokenDelta] = []
+        for row, req in enumerate(flight.sampling):
+            if req.request_id not in flight.rows or req.finished:
+                continue  # finished (or aborted) while this step ran: its row is dropped
+            req.output_token_ids[-1] = tokens[row]
             self.stop.check(req)
             logits = None
             if req.finish_reason is not None:
                 sched.finish(req)
                 if req.params.prompt_logits:
                     logits = torch.cat(req.prompt_logits)
-            deltas.append(TokenDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason,
-                                     req.stop_reason, logits))
+            deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits))
         return deltas
 
     def _banned(self, req: Request) -> list[int]:
