@@ -342,16 +342,18 @@ class Worker:
         taken on the device from the step before, and only then is the step before read back."""
         rows = np.arange(len(chunks))
         prev: PendingStep | None = None
-        t0 = 0.0
-        for i in range(warmup + steps):
-            if i == warmup:
-                t0 = time.perf_counter()
+        arrived = []  # when each step's tokens reached the host
+        for _ in range(max(warmup, 1) + steps):
             cur = self.runner.launch(chunks, [], sync, prev, rows if prev is not None else None)
             if prev is not None:
                 prev.result()
+                arrived.append(time.perf_counter())
             prev = cur
         prev.result()
-        return (time.perf_counter() - t0) / steps * 1e3
+        arrived.append(time.perf_counter())
+        # between the last warm-up step's arrival and the last step's, exactly `steps` steps completed (timing from
+        # a launch instead would count the step already in flight then)
+        return (arrived[-1] - arrived[-1 - steps]) / steps * 1e3
 
     def _time_replay(self, n: int, steps: int) -> float:
         """GPU time of the decode graph alone (same metadata as the last step): step_ms minus this is host work."""
