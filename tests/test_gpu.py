@@ -54,7 +54,7 @@ def test_paged_attention_matches_reference(heads: int, kv_heads: int, head_dim: 
     cache = torch.randn(pages, 2, bs, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16)
     ref = paged_attention_ref(q.float(), cache.float(), meta, head_dim ** -0.5)
-    for splits in ([1, 4, 16] if kind == "decode" else [1]):
+    for splits in ([1, 4, 16, 32] if kind == "decode" else [1]):  # every decode tile shape
         meta.num_splits = splits
         out = paged_attention(q, cache, meta, head_dim ** -0.5)
         assert torch.isfinite(out).all()
