@@ -34,10 +34,11 @@ def default_buckets(cap: int) -> list[int]:
 
 @dataclass
 class GraphSet:
-    """The captured graphs of one mode and their static outputs (logits [bucket, V] each)."""
+    """The captured graphs of one mode and their static outputs."""
 
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # [bucket, V] (TP: the rank's vocab slice)
+    greedy: dict[int, torch.Tensor] = field(default_factory=dict)  # [bucket] int64: argmax over the whole vocab
 
 
 class CudaGraphs:
@@ -65,11 +66,12 @@ class CudaGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compilation, NCCL and cuBLAS set-up stay out of the graph
-                    self.runner.forward_logits(ids, meta)
+                    comm.vocab_argmax(self.runner.forward_logits(ids, meta))
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 self.set.logits[b] = self.runner.forward_logits(ids, meta)
+                self.set.greedy[b] = comm.vocab_argmax(self.set.logits[b])
             self.set.graphs[b] = g
         torch.cuda.synchronize()
         return time.perf_counter() - t
@@ -78,9 +80,10 @@ class CudaGraphs:
         i = bisect.bisect_left(self.buckets, max(n, 1))
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def replay(self, b: int) -> torch.Tensor:
+    def replay(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, greedy tokens) of the bucket's rows, in the graph's static outputs."""
         self.set.graphs[b].replay()
-        return self.set.logits[b]
+        return self.set.logits[b], self.set.greedy[b]
 
     def destroy(self) -> None:
         for g in self.set.graphs.values():

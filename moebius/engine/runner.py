@@ -215,9 +215,15 @@ class ModelRunner:
         """
         bucket = self.graphs.bucket_for(sync.max_tokens) if self.graphs and sync.all_decode else None
         prompt_logits: dict[int, torch.Tensor] = {}
+        reqs = [c.req for c in batch if c.samples]
+        greedy = not stop_masks and all(r.params.temperature == 0 for r in reqs)
         if bucket is not None:  # every rank decodes only: replay the bucket's graph
             self._metadata(batch, pad_to=bucket, prev=prev, prev_rows=prev_rows)
-            logits = self.graphs.replay(bucket)[: len(batch)]
+            logits, tokens = self.graphs.replay(bucket)
+            if greedy:  # the graph's own argmax: no logits leave it. Its static output is read (copy to the host,
+                # the next step's input fill) before the next replay overwrites it: both are enqueued before that
+                return PendingStep(tokens[: len(batch)], prompt_logits)
+            logits = logits[: len(batch)]
         else:
             if isinstance(self.comm, EPComm):
                 self.comm.capacity = sync.max_tokens
@@ -233,14 +239,17 @@ class ModelRunner:
                     hi = min(c.start + c.num_tokens, c.req.num_prompt)
                     if hi > lo:
                         h = hidden[int(qsl[b]) + lo - c.start: int(qsl[b]) + hi - c.start]
-                        prompt_logits[b] = qwen3_moe.logits(h, self.weights).float().cpu()
+                        whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights))
+                        prompt_logits[b] = whole.float().cpu()
             if not rows:
                 return PendingStep(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
             logits = qwen3_moe.logits(hidden[rows], self.weights)
+            if greedy:  # no sampling tensors to build and copy, no whole logits to gather
+                return PendingStep(self.comm.vocab_argmax(logits), prompt_logits)
+        logits = self.comm.gather_vocab(logits)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")
-        reqs = [c.req for c in batch if c.samples]
-        if all(r.params.temperature == 0 for r in reqs):  # greedy batch: no sampling tensors to build and copy
+        if all(r.params.temperature == 0 for r in reqs):
             return PendingStep(logits.argmax(dim=-1), prompt_logits)
         return PendingStep(sample(logits, self._sampling_batch(reqs)), prompt_logits)
 

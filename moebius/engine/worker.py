@@ -99,7 +99,7 @@ def make_comm(layout: Layout, groups: Groups) -> Communicator:
     if groups.world_size == 1:
         return LocalComm()
     if layout.mode == "tp":
-        return TPComm(groups.device)
+        return TPComm(groups.device, split_vocab=layout.cfg.vocab_size % groups.world_size == 0)
     return EPComm(groups.device, groups.world_size, layout.num_local_experts)
 
 

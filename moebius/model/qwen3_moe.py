@@ -53,7 +53,7 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     embed_VD: torch.Tensor
-    lm_head_VD: torch.Tensor
+    lm_head_VD: torch.Tensor  # TP: this rank's vocabulary slice (comm.vocab_argmax / gather_vocab)
     norm: torch.Tensor
     rope: torch.Tensor  # [max_pos, d] cos|sin table
     layers: list[LayerWeights]

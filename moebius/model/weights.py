@@ -146,4 +146,6 @@ def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torc
         layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
     embed = views["model.embed_tokens"]
     head = embed if cfg.tie_word_embeddings else views["lm_head"]
+    if lay.tp > 1 and cfg.vocab_size % lay.tp == 0:  # TP: this rank's vocabulary rows (a view; see TPComm)
+        head = head.chunk(lay.tp)[lay.tp_rank]
     return ModelWeights(embed, head, views["model.norm"], views["rope"], layers)

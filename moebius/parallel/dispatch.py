@@ -4,6 +4,9 @@
 - `dispatch(x, w, ids)` / `combine(y, handle)`: move routed tokens to the ranks owning their experts and bring the
   weighted expert outputs back. TP: every rank holds a shard of every expert, so dispatch is the identity and
   combine is the all-reduce. EP: all-to-all both ways.
+- `vocab_argmax(logits)` / `gather_vocab(logits)`: TP holds a vocabulary slice of lm_head per rank (half the
+  bytes each step reads at P = 2), so the greedy token is the best of the ranks' local best (a [T, 2] all-gather)
+  and full logits (sampling, prompt logits) are an all-gather; elsewhere logits are whole already.
 """
 
 from __future__ import annotations
@@ -22,8 +25,22 @@ class Communicator(Protocol):
 
     def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
+    def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
 
-class LocalComm:
+    def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
+
+
+class WholeVocab:
+    """Logits hold the whole vocabulary on every rank (one rank, or EP's replicated lm_head)."""
+
+    def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        return logits_TV.argmax(dim=-1)
+
+    def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        return logits_TV
+
+
+class LocalComm(WholeVocab):
     """A single rank (P = 1): nothing to exchange."""
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,11 +91,19 @@ def symmetric_memory_available() -> bool:
     return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
 
 
-class TPComm:
-    """TP: partial sums of row-parallel matmuls and of expert shards are all-reduced; tokens stay put."""
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    ag = getattr(dist, "all_gather_single", None)  # newer torch; all_gather_into_tensor before
+    (ag or dist.all_gather_into_tensor)(out, inp, group=group)
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+
+class TPComm:
+    """TP: partial sums of row-parallel matmuls and of expert shards are all-reduced; tokens stay put; each rank's
+    logits are its vocabulary slice (rank r holds ids [r * V/P, (r + 1) * V/P))."""
+
+    def __init__(self, group: dist.ProcessGroup, split_vocab: bool = True) -> None:
         self.group = group
+        self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.split_vocab = split_vocab  # False: a vocabulary P does not divide, lm_head stays whole
         self.symmetric: SymmetricAllReduce | None = None  # set at start on GPUs (collective set-up)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,13 +119,35 @@ class TPComm:
     def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor:
         return self.reduce(y_TD)
 
+    def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
+        if not self.split_vocab:
+            return logits_TV.argmax(dim=-1)
+        T, Vl = logits_TV.shape
+        best, idx = logits_TV.max(dim=-1)
+        # float32 holds every id exactly (vocabularies are far below 2^24)
+        mine = torch.stack([best.float(), (idx + self.rank * Vl).float()], dim=-1)
+        every = mine.new_empty((self.P * T, 2))  # gloo wants the ranks' parts stacked along dim 0
+        _all_gather(every, mine, self.group)
+        every = every.view(self.P, T, 2)
+        r = every[:, :, 0].argmax(dim=0)  # ties: the lowest rank, which holds the lower ids
+        return every[:, :, 1].gather(0, r[None]).squeeze(0).long()
+
+    def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        if not self.split_vocab:
+            return logits_TV
+        T, Vl = logits_TV.shape
+        every = logits_TV.new_empty((self.P * T, Vl))
+        _all_gather(every, logits_TV.contiguous(), self.group)
+        return every.view(self.P, T, Vl).permute(1, 0, 2).reshape(T, self.P * Vl)
+
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
     rs = getattr(dist, "reduce_scatter_single", None)  # newer torch; reduce_scatter_tensor before
     (rs or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
-class EPComm:
+class EPComm(WholeVocab):
     """EP: tokens go to the ranks that own their experts, weighted expert outputs come back and are summed per
     token. Attention is data-parallel, so `reduce` is the identity.
 
@@ -124,8 +171,7 @@ class EPComm:
         padded = t.new_full((C, *t.shape[1:]), fill)
         padded[: t.shape[0]] = t
         out = t.new_empty((self.P * C, *t.shape[1:]))
-        ag = getattr(dist, "all_gather_single", None)  # newer torch; all_gather_into_tensor before
-        (ag or dist.all_gather_into_tensor)(out, padded, group=self.group)
+        _all_gather(out, padded, self.group)
         return out
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
