@@ -98,24 +98,32 @@ def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_block
 
 
 @triton.jit
-def _align_count(Ids, N, first, E, Partial, EB: tl.constexpr, CHUNK: tl.constexpr):
-    """Many chunks, first pass: each program counts its chunk's pairs per expert."""
+def _align_count(Ids, N, first, E, Partial, SortedIds, num_rows, EB: tl.constexpr, CHUNK: tl.constexpr):
+    """Many chunks, first pass: each program counts its chunk's pairs per expert and pads its strip of SortedIds
+    with N (the scatter pass, a later launch, overwrites the rows pairs claim)."""
     c = tl.program_id(0)
     key, ok = _local_keys(Ids, c * CHUNK + tl.arange(0, CHUNK), N, first, E)
     tl.store(Partial + c * EB + tl.arange(0, EB), tl.histogram(key, EB, mask=ok))
+    strip = tl.cdiv(num_rows, tl.num_programs(0))
+    for r0 in range(c * strip, tl.minimum((c + 1) * strip, num_rows), CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(SortedIds + r, N, mask=r < tl.minimum((c + 1) * strip, num_rows))
 
 
 @triton.jit
-def _align_plan(Partial, num_chunks, E, Cursor, SortedIds, BlockExpert, N, num_rows, max_blocks,
-                BM: tl.constexpr, EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, CB: tl.constexpr):
-    """Second pass (one program): expert starts, blocks, padding, and each chunk's first row per expert."""
+def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr):
+    """Second pass (one program, expert-sized work only): the experts' padded ends and each chunk's first row per
+    expert."""
     bins = tl.arange(0, EB)
     counts = tl.zeros([EB], tl.int32)
     for c0 in range(0, num_chunks, CB):
         c = c0 + tl.arange(0, CB)
         counts += tl.sum(tl.load(Partial + c[:, None] * EB + bins[None, :], mask=(c < num_chunks)[:, None],
                                  other=0), axis=0)
-    run = _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM, CHUNK, MB)
+    padded = tl.where(bins < E, (counts + BM - 1) // BM * BM, 0)
+    ends = tl.cumsum(padded, 0)
+    tl.store(Ends + bins, ends)
+    run = ends - padded
     for c0 in range(0, num_chunks, CB):
         c = c0 + tl.arange(0, CB)
         part = tl.load(Partial + c[:, None] * EB + bins[None, :], mask=(c < num_chunks)[:, None], other=0)
@@ -125,13 +133,24 @@ def _align_plan(Partial, num_chunks, E, Cursor, SortedIds, BlockExpert, N, num_r
 
 
 @triton.jit
-def _align_scatter(Ids, N, first, E, Cursor, SortedIds, EB: tl.constexpr, CHUNK: tl.constexpr):
-    """Third pass: each chunk's pairs claim rows from the chunk's own cursors (no contention across programs)."""
+def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_blocks, BM: tl.constexpr,
+                   EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr):
+    """Third pass: each chunk's pairs claim rows from the chunk's own cursors (no contention across programs), and
+    each program writes the experts of its share of the blocks (E past the last used block)."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key, ok = _local_keys(Ids, offs, N, first, E)
     row = tl.atomic_add(Cursor + c * EB + key, 1, mask=ok)
     tl.store(SortedIds + row, offs, mask=ok)
+    bins = tl.arange(0, EB)
+    ends = tl.load(Ends + bins)
+    total = tl.max(ends, 0)
+    share = tl.cdiv(max_blocks, tl.num_programs(0))
+    for b0 in range(c * share, tl.minimum((c + 1) * share, max_blocks), MB):
+        b = b0 + tl.arange(0, MB)
+        start = b * BM
+        e = tl.sum(((ends[None, :] <= start[:, None]) & (bins < E)[None, :]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b, tl.where(start < total, e, E), mask=b < tl.minimum((c + 1) * share, max_blocks))
 
 
 @triton.jit
@@ -211,7 +230,8 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> tuple[tor
     """(sorted pair ids [max_blocks * BM] int32, N for unused rows; expert of each block [max_blocks] int32, E for
     unused blocks; max_blocks). max_blocks bounds the blocks any routing of these pairs can need. One program when
     the pairs fit one chunk; else count, plan and scatter passes over chunks (a single program's atomics would
-    wait on each other chunk after chunk)."""
+    wait on each other chunk after chunk); the chunk passes spread the padding and the block table over their
+    programs, leaving the one-program pass only expert-sized work."""
     N = ids_TK.numel()
     max_blocks = (N + min(E, N) * (BM - 1)) // BM
     dev = ids_TK.device
@@ -228,10 +248,13 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> tuple[tor
     else:
         partial = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
         cursor = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
-        _align_count[(chunks,)](ids_TK, N, first_expert, E, partial, EB=EB, CHUNK=CHUNK, num_warps=8)
-        _align_plan[(1,)](partial, chunks, E, cursor, sorted_ids, block_expert, N, max_blocks * BM, max_blocks,
-                          BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, CB=max(1, min(16, 4096 // EB)), num_warps=8)
-        _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, EB=EB, CHUNK=CHUNK, num_warps=8)
+        ends = torch.empty(EB, dtype=torch.int32, device=dev)
+        _align_count[(chunks,)](ids_TK, N, first_expert, E, partial, sorted_ids, max_blocks * BM, EB=EB,
+                                CHUNK=CHUNK, num_warps=8)
+        _align_plan[(1,)](partial, chunks, E, cursor, ends, BM=BM, EB=EB, CB=max(1, min(16, 4096 // EB)),
+                          num_warps=8)
+        _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, ends, block_expert, max_blocks,
+                                  BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8)
     return sorted_ids, block_expert, max_blocks
 
 
