@@ -7,8 +7,8 @@ Overlap scheduling (the default): a step is launched before the previous one's t
 work of step N+1 (scheduling, metadata, the round trip to the front end) runs while the device computes step N.
 A request whose token is still on the device carries `PLACEHOLDER` as its last output token; the step that
 produced it is resolved right after the next one is launched. A request that stops on that token has run one
-step too many: that row's result is dropped (its KV writes land in pages it no longer owns only after, in stream
-order, anything that reads them).
+step too many: that row's result is dropped, and its KV writes into the pages it has since released come, in stream
+order, before any later step that reuses them.
 """
 
 from __future__ import annotations
