@@ -1,5 +1,6 @@
 """TP's vocabulary-sliced logits: across P ranks (CPU, gloo) the greedy token is exactly argmax over the whole
-vocabulary (ties go to the first id, as torch.argmax), and gathered logits are the whole logits in vocabulary order."""
+vocabulary (ties go to the first id, as torch.argmax), a temperature-sampled token is the one the whole vocabulary
+draws, and gathered logits are the whole logits in vocabulary order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moebius.layers.sampler import SamplingBatch, race_scores, sample
 from moebius.parallel.dispatch import TPComm
 
 
@@ -32,8 +34,12 @@ def _rank(rank: int, P: int, port: int, q: mp.SimpleQueue) -> None:
         whole[4, [0, 1]] = 7.0  # a tie inside the first rank's slice
         comm = TPComm(dist.group.WORLD)
         mine = whole.chunk(P, dim=-1)[rank]
+        sb = SamplingBatch(temperature=torch.tensor([0.7, 0.0, 1.0, 1.3, 0.9, 1.0]), top_k=torch.full((T,), V),
+                           top_p=torch.ones(T), seeds=torch.arange(T) * 7919, steps=torch.arange(T),
+                           all_greedy=False, any_top_k=False, any_top_p=False)
+        drawn = comm.vocab_argmax(race_scores(mine, sb, comm.vocab_first(mine.shape[1])))
         q.put((rank, comm.vocab_argmax(mine).tolist(), whole.argmax(dim=-1).tolist(),
-               torch.equal(comm.gather_vocab(mine), whole)))
+               torch.equal(comm.gather_vocab(mine), whole), drawn.tolist(), sample(whole, sb).tolist()))
     finally:
         dist.destroy_process_group()
 
@@ -50,7 +56,29 @@ def test_vocab_slices_give_whole_vocabulary_argmax_and_logits() -> None:
             p.join(120)
             assert p.exitcode == 0
         results = sorted(q.get() for _ in range(P))
-        for _, got, want, gathered in results:
+        for _, got, want, gathered, drawn, want_drawn in results:
             assert got == want
             assert gathered
+            assert drawn == want_drawn
         assert results[0][1][1] == 0 and results[0][1][2] == 3
+
+
+def test_tp_engine_samples_what_one_rank_samples(ckpt) -> None:
+    """End to end on 2 TP ranks: greedy, temperature-only (sliced scores), top-k and min_tokens (whole logits
+    gathered) requests give one rank's tokens."""
+    from conftest import PROMPTS, make_llm
+
+    from moebius import SamplingParams
+
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=5, max_tokens=10, top_k=7, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=6, min_tokens=4)]
+    path = ckpt("tied_mha_nonorm")  # 300-token vocabulary: 150 ids per rank
+    outs = {}
+    for P in (1, 2):
+        llm = make_llm(path, num_ranks=P, mode="tp")
+        # one kind per batch: a top-k row would send the whole batch through the gathered-logits path
+        outs[P] = [[o.token_ids for o in llm.generate(PROMPTS[1:4], sp)] for sp in params]
+        llm.close()
+    assert outs[2] == outs[1]

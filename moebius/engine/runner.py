@@ -21,7 +21,7 @@ from moebius.config import ModelConfig
 from moebius.engine.cuda_graphs import CudaGraphs
 from moebius.engine.scheduler import ScheduledChunk
 from moebius.layers.attention import AttentionMetadata, num_splits_for
-from moebius.layers.sampler import SamplingBatch, sample
+from moebius.layers.sampler import SamplingBatch, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
@@ -246,6 +246,11 @@ class ModelRunner:
             logits = qwen3_moe.logits(hidden[rows], self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
                 return PendingStep(self.comm.vocab_argmax(logits), prompt_logits)
+        if not stop_masks and all(r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs):
+            # greedy or temperature only: every vocab id is scored on its own, so each rank scores its slice and
+            # the best across ranks wins (no whole logits to gather)
+            scores = race_scores(logits, self._sampling_batch(reqs), self.comm.vocab_first(logits.shape[1]))
+            return PendingStep(self.comm.vocab_argmax(scores), prompt_logits)
         logits = self.comm.gather_vocab(logits)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")

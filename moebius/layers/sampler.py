@@ -21,11 +21,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab id)."""
+def uniform_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab: int, first: int = 0) -> torch.Tensor:
+    """[B, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, vocab id) for ids first .. first+vocab-1
+    (so a rank holding a vocabulary slice draws exactly the whole vocabulary's noise for its ids)."""
     s = _mix32(seeds_B & _M32) ^ _mix32((seeds_B >> 32) & _M32 ^ 0x5BD1E995)
     s = _mix32(s ^ _mix32((steps_B + 0x9E3779B9) & _M32))
-    v = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
+    v = torch.arange(first, first + vocab, device=seeds_B.device, dtype=torch.int64)
     h = _mix32(s[:, None] ^ _mix32((v * 0x27D4EB2F + 0x165667B1) & _M32)[None, :])
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
@@ -44,29 +45,41 @@ class SamplingBatch:
     any_top_p: bool
 
 
+def race_scores(logits_BV: torch.Tensor, sb: SamplingBatch, first: int = 0,
+                tempered_BV: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores whose argmax over the vocabulary is the row's next token: the logits for greedy rows; for the others
+    logits / temperature - log(E) with E ~ Exp(1) per vocab id (an exponential race, i.e. the Gumbel-max trick:
+    argmax p_i / E_i draws i with probability p_i, and the softmax's normaliser is the same for every i, so no
+    softmax is needed). Elementwise per vocab id, so a rank holding ids first.. scores its slice exactly as the
+    whole vocabulary would (TP then takes the best across ranks). tempered_BV: logits / temperature already cut
+    by top-k / top-p (-inf outside)."""
+    logits = logits_BV.float()
+    if sb.all_greedy:
+        return logits
+    if tempered_BV is None:
+        t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
+        tempered_BV = logits / t[:, None]
+    e = -torch.log(uniform_noise(sb.seeds, sb.steps, logits.shape[1], first))
+    return torch.where((sb.temperature > 0)[:, None], tempered_BV - torch.log(e), logits)
+
+
 def sample(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Next token of each row: argmax for greedy rows, else a draw from the tempered, top-k/top-p-cut softmax."""
     logits = logits_BV.float()
-    greedy = logits.argmax(dim=-1)
-    if sb.all_greedy:
-        return greedy
+    if sb.all_greedy or not (sb.any_top_k or sb.any_top_p):
+        return race_scores(logits, sb).argmax(dim=-1)
     B, V = logits.shape
     t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
-    logits = logits / t[:, None]
-    if sb.any_top_k or sb.any_top_p:
-        sorted_l, _ = logits.sort(dim=-1, descending=True)
-        if sb.any_top_k:
-            kth = sorted_l.gather(1, (sb.top_k.clamp(1, V) - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-            sorted_l = sorted_l.masked_fill(sorted_l < kth, float("-inf"))
-        if sb.any_top_p:
-            sp = torch.softmax(sorted_l, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always the first token)
-            drop = (sp.cumsum(dim=-1) - sp) >= sb.top_p[:, None]
-            cut = sorted_l.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(logits < cut, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-    e = -torch.log(uniform_noise(sb.seeds, sb.steps, V))
-    drawn = (probs / e).argmax(dim=-1)
-    return torch.where(sb.temperature > 0, drawn, greedy)
+    tempered = logits / t[:, None]
+    sorted_l, _ = tempered.sort(dim=-1, descending=True)
+    if sb.any_top_k:
+        kth = sorted_l.gather(1, (sb.top_k.clamp(1, V) - 1)[:, None])
+        tempered = tempered.masked_fill(tempered < kth, float("-inf"))
+        sorted_l = sorted_l.masked_fill(sorted_l < kth, float("-inf"))
+    if sb.any_top_p:
+        sp = torch.softmax(sorted_l, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always the first token)
+        drop = (sp.cumsum(dim=-1) - sp) >= sb.top_p[:, None]
+        cut = sorted_l.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values
+        tempered = tempered.masked_fill(tempered < cut, float("-inf"))
+    return race_scores(logits, sb, tempered_BV=tempered).argmax(dim=-1)

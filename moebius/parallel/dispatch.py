@@ -4,9 +4,10 @@
 - `dispatch(x, w, ids)` / `combine(y, handle)`: move routed tokens to the ranks owning their experts and bring the
   weighted expert outputs back. TP: every rank holds a shard of every expert, so dispatch is the identity and
   combine is the all-reduce. EP: all-to-all both ways.
-- `vocab_argmax(logits)` / `gather_vocab(logits)`: TP holds a vocabulary slice of lm_head per rank (half the
-  bytes each step reads at P = 2), so the greedy token is the best of the ranks' local best (a [T, 2] all-gather)
-  and full logits (sampling, prompt logits) are an all-gather; elsewhere logits are whole already.
+- `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
+  (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks'
+  local best (a [T, 2] all-gather of per-id scores) and whole logits (top-k / top-p, stop masks, prompt logits) are
+  an all-gather; elsewhere logits are whole already.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class Communicator(Protocol):
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
 
+    def vocab_first(self, local_vocab: int) -> int: ...
+
 
 class WholeVocab:
     """Logits hold the whole vocabulary on every rank (one rank, or EP's replicated lm_head)."""
@@ -38,6 +41,9 @@ class WholeVocab:
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
         return logits_TV
+
+    def vocab_first(self, local_vocab: int) -> int:
+        return 0
 
 
 class LocalComm(WholeVocab):
@@ -132,6 +138,10 @@ class TPComm:
         every = every.view(self.P, T, 2)
         r = every[:, :, 0].argmax(dim=0)  # ties: the lowest rank, which holds the lower ids
         return every[:, :, 1].gather(0, r[None]).squeeze(0).long()
+
+    def vocab_first(self, local_vocab: int) -> int:
+        """The first vocabulary id of this rank's logits columns."""
+        return self.rank * local_vocab if self.split_vocab else 0
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
         if not self.split_vocab:
