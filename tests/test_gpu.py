@@ -83,12 +83,13 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
 
 
 def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, list[int]]:
-    """Greedy + seeded requests arriving over time, with layout switches at the given steps."""
+    """Greedy and seeded requests (top-p: whole logits; temperature only: TP's per-slice scores) arriving over time,
+    with layout switches at the given steps."""
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.1)]
     ids, done, step = {}, {}, 0
     while len(done) < len(prompts):
         if step < len(prompts):
-            sp = (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if step % 2 else
-                  SamplingParams(temperature=0.8, top_p=0.9, seed=step, max_tokens=24, ignore_eos=True))
+            sp = SamplingParams(seed=step, max_tokens=24, ignore_eos=True, **kinds[step % 3])
             ids[llm.add_request(prompts[step], sp)] = step
         if step in switch_at:
             assert llm.switch_mode("ep" if llm.mode == "tp" else "tp")["done"]
