@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -303,11 +304,11 @@ def random_pages(pool: list[int], n_tokens: int, bs: int, rnd: random.Random) ->
     return picked
 
 
-def random_requests(rnd: random.Random) -> tuple[list[int], int, int]:
+def random_requests(rnd: random.Random) -> tuple[list[int], int]:
+    """Up to 7 request lengths (0, 1, page edges, random) and a page size."""
     n = rnd.randint(0, 7)
     bs = rnd.choice((1, 2, 3, 4))
-    lengths = [rnd.choice((0, 1, bs, bs + 1, rnd.randint(1, 5 * bs))) for _ in range(n)]
-    return lengths, bs, n
+    return [rnd.choice((0, 1, bs, bs + 1, rnd.randint(1, 5 * bs))) for _ in range(n)], bs
 
 
 def expected_writes(dst: torch.Tensor, tables: list[tuple[list[int], int]], heads: range) -> torch.Tensor:
@@ -319,37 +320,69 @@ def expected_writes(dst: torch.Tensor, tables: list[tuple[list[int], int]], head
     return exp
 
 
+@dataclass
+class KVScenario:
+    """Random requests of a random model on P ranks: lengths, page size, every request's KV (all heads)."""
+
+    P: int
+    H: int  # KV heads of the model
+    d: int
+    bs: int
+    lengths: list[int]
+    tp: list[Layout]
+    content: list[torch.Tensor]  # [L, 2, H, d] per request
+
+    @staticmethod
+    def draw(rnd: random.Random) -> KVScenario:
+        cfg, P = random_config(rnd)
+        lengths, bs = random_requests(rnd)
+        H, d = cfg.num_kv_heads, cfg.head_dim
+        return KVScenario(P, H, d, bs, lengths, [Layout(cfg, "tp", q, P) for q in range(P)],
+                          [distinct((L, 2, H, d), rnd) for L in lengths])
+
+    def pages(self, rnd: random.Random) -> int:
+        """A pool size that holds every request, with a few pages to spare."""
+        return rnd.randint(1, 3) + sum(-(-L // self.bs) for L in self.lengths)
+
+
+def ep_to_tp_moves(sc: KVScenario, owners: list[int], ep_tables: list[list[int]], tp_tables: list[list[int]]
+                   ) -> list:
+    """What the executor hands the plan on each rank: only its own EP page tables."""
+    rows = list(zip(owners, sc.lengths, ep_tables, tp_tables, strict=True))
+    return [kv_ep_to_tp([LiveKV(o, L, e if o == me else [], t) for o, L, e, t in rows], me, sc.tp, sc.bs)
+            for me in range(sc.P)]
+
+
+def tp_to_ep_moves(sc: KVScenario, owners: list[int], tp_tables: list[list[int]], ep_tables: list[list[int]]
+                   ) -> list:
+    """The target EP page tables exist only on the new owner."""
+    rows = list(zip(owners, sc.lengths, tp_tables, ep_tables, strict=True))
+    return [kv_tp_to_ep([LiveKV(o, L, t, e if o == me else []) for o, L, t, e in rows], me, sc.tp, sc.bs)
+            for me in range(sc.P)]
+
+
 @cases(200)
 def test_kv_ep_to_tp_moves_every_token_to_every_tp_head_shard(rnd: random.Random) -> None:
-    cfg, P = random_config(rnd)
-    lengths, bs, n = random_requests(rnd)
-    H, d = cfg.num_kv_heads, cfg.head_dim
-    tp = [Layout(cfg, "tp", q, P) for q in range(P)]
-    owners = [rnd.randrange(P) for _ in range(n)]
-    content = [distinct((L, 2, H, d), rnd) for L in lengths]
+    sc = KVScenario.draw(rnd)
+    P, H, d, bs, lengths, tp = sc.P, sc.H, sc.d, sc.bs, sc.lengths, sc.tp
+    owners = [rnd.randrange(P) for _ in lengths]
     # EP: each rank's pool holds its requests, all heads; TP: one page table per request, the same on every rank
-    ep_pages = rnd.randint(1, 3) + sum(-(-L // bs) for L in lengths)
-    tp_pages = rnd.randint(1, 3) + sum(-(-L // bs) for L in lengths)
+    ep_pages, tp_pages = sc.pages(rnd), sc.pages(rnd)
     ep_pools = [list(range(ep_pages)) for _ in range(P)]
     tp_pool = list(range(tp_pages))
     src_tables = [random_pages(ep_pools[o], L, bs, rnd) for o, L in zip(owners, lengths, strict=True)]
     dst_tables = [random_pages(tp_pool, L, bs, rnd) for L in lengths]
     src = [cache(ep_pages, bs, H, d) for _ in range(P)]
-    for i in range(n):
-        write(src[owners[i]], src_tables[i], content[i], range(H))
+    for i, o in enumerate(owners):
+        write(src[o], src_tables[i], sc.content[i], range(H))
     dst = [cache(tp_pages, bs, tp[q].num_kv_heads, d) for q in range(P)]
-    moves = []
-    for me in range(P):  # what the executor hands the plan on rank `me`: its own source page tables only
-        reqs = [LiveKV(o, L, st if o == me else [], dt)
-                for o, L, st, dt in zip(owners, lengths, src_tables, dst_tables, strict=True)]
-        moves.append(kv_ep_to_tp(reqs, me, tp, bs))
-    writes = execute(moves, src, dst)
+    writes = execute(ep_to_tp_moves(sc, owners, src_tables, dst_tables), src, dst)
     for q in range(P):
         heads = tp[q].kv_heads
         assert len(heads) == tp[q].num_kv_heads
-        for i in range(n):
-            got = read(dst[q], dst_tables[i], lengths[i])
-            assert torch.equal(got, content[i][:, :, heads.start:heads.stop]), (
+        for i, L in enumerate(lengths):
+            got = read(dst[q], dst_tables[i], L)
+            assert torch.equal(got, sc.content[i][:, :, heads.start:heads.stop]), (
                 f"TP rank {q}, request {i} (P={P}, KV heads {H}, bs {bs})")
         assert torch.equal(writes[q], expected_writes(dst[q], list(zip(dst_tables, lengths, strict=True)),
                                                       range(tp[q].num_kv_heads))), f"stray or double writes on {q}"
@@ -357,34 +390,25 @@ def test_kv_ep_to_tp_moves_every_token_to_every_tp_head_shard(rnd: random.Random
 
 @cases(200)
 def test_kv_tp_to_ep_gathers_every_head_at_the_new_owner(rnd: random.Random) -> None:
-    cfg, P = random_config(rnd)
-    lengths, bs, n = random_requests(rnd)
-    H, d = cfg.num_kv_heads, cfg.head_dim
-    tp = [Layout(cfg, "tp", q, P) for q in range(P)]
-    owners = partition(lengths, P) if rnd.random() < 0.5 else [rnd.randrange(P) for _ in range(n)]
-    content = [distinct((L, 2, H, d), rnd) for L in lengths]
-    tp_pages = rnd.randint(1, 3) + sum(-(-L // bs) for L in lengths)
-    ep_pages = rnd.randint(1, 3) + sum(-(-L // bs) for L in lengths)
+    sc = KVScenario.draw(rnd)
+    P, H, d, bs, lengths, tp = sc.P, sc.H, sc.d, sc.bs, sc.lengths, sc.tp
+    owners = partition(lengths, P) if rnd.random() < 0.5 else [rnd.randrange(P) for _ in lengths]
+    tp_pages, ep_pages = sc.pages(rnd), sc.pages(rnd)
     tp_pool = list(range(tp_pages))
     ep_pools = [list(range(ep_pages)) for _ in range(P)]
     src_tables = [random_pages(tp_pool, L, bs, rnd) for L in lengths]
     dst_tables = [random_pages(ep_pools[o], L, bs, rnd) for o, L in zip(owners, lengths, strict=True)]
     src = [cache(tp_pages, bs, tp[q].num_kv_heads, d) for q in range(P)]
     for q in range(P):  # every TP rank holds its heads (replicas too when KV heads < P)
-        for i in range(n):
-            write(src[q], src_tables[i], content[i], tp[q].kv_heads)
+        for i in range(len(lengths)):
+            write(src[q], src_tables[i], sc.content[i], tp[q].kv_heads)
     dst = [cache(ep_pages, bs, H, d) for _ in range(P)]
-    moves = []
-    for me in range(P):  # the target page tables exist only on the new owner
-        reqs = [LiveKV(o, L, st, dt if o == me else [])
-                for o, L, st, dt in zip(owners, lengths, src_tables, dst_tables, strict=True)]
-        moves.append(kv_tp_to_ep(reqs, me, tp, bs))
-    writes = execute(moves, src, dst)
+    writes = execute(tp_to_ep_moves(sc, owners, src_tables, dst_tables), src, dst)
     for r in range(P):
-        mine = [i for i in range(n) if owners[i] == r]
+        mine = [i for i, o in enumerate(owners) if o == r]
         for i in mine:
             got = read(dst[r], dst_tables[i], lengths[i])
-            assert torch.equal(got, content[i]), f"EP rank {r}, request {i} (P={P}, KV heads {H}, bs {bs})"
+            assert torch.equal(got, sc.content[i]), f"EP rank {r}, request {i} (P={P}, KV heads {H}, bs {bs})"
         exp = expected_writes(dst[r], [(dst_tables[i], lengths[i]) for i in mine], range(H))
         assert torch.equal(writes[r], exp), f"stray or double writes on EP rank {r} (P={P}, KV heads {H})"
 
@@ -392,33 +416,26 @@ def test_kv_tp_to_ep_gathers_every_head_at_the_new_owner(rnd: random.Random) -> 
 @cases(100)
 def test_kv_round_trip_ep_tp_ep(rnd: random.Random) -> None:
     """EP -> TP -> EP (new owners by `partition`): every request's KV, all heads, is back, bit for bit."""
-    cfg, P = random_config(rnd)
-    lengths, bs, n = random_requests(rnd)
-    H, d = cfg.num_kv_heads, cfg.head_dim
-    tp = [Layout(cfg, "tp", q, P) for q in range(P)]
-    owners = [rnd.randrange(P) for _ in range(n)]
-    content = [distinct((L, 2, H, d), rnd) for L in lengths]
-    pages = 2 + sum(-(-L // bs) for L in lengths)
+    sc = KVScenario.draw(rnd)
+    P, H, d, bs, lengths, tp = sc.P, sc.H, sc.d, sc.bs, sc.lengths, sc.tp
+    owners = [rnd.randrange(P) for _ in lengths]
+    pages = sc.pages(rnd)
     pools = [list(range(pages)) for _ in range(P)]
     ep_tables = [random_pages(pools[o], L, bs, rnd) for o, L in zip(owners, lengths, strict=True)]
     tp_pool = list(range(pages))
     tp_tables = [random_pages(tp_pool, L, bs, rnd) for L in lengths]
     ep = [cache(pages, bs, H, d) for _ in range(P)]
-    for i in range(n):
-        write(ep[owners[i]], ep_tables[i], content[i], range(H))
+    for i, o in enumerate(owners):
+        write(ep[o], ep_tables[i], sc.content[i], range(H))
     tpc = [cache(pages, bs, tp[q].num_kv_heads, d) for q in range(P)]
-    execute([kv_ep_to_tp([LiveKV(o, L, s if o == me else [], t)
-                          for o, L, s, t in zip(owners, lengths, ep_tables, tp_tables, strict=True)], me, tp, bs)
-             for me in range(P)], ep, tpc)
+    execute(ep_to_tp_moves(sc, owners, ep_tables, tp_tables), ep, tpc)
     new_owners = partition(lengths, P)
     pools = [list(range(pages)) for _ in range(P)]
     back_tables = [random_pages(pools[o], L, bs, rnd) for o, L in zip(new_owners, lengths, strict=True)]
     back = [cache(pages, bs, H, d) for _ in range(P)]
-    execute([kv_tp_to_ep([LiveKV(o, L, t, b if o == me else [])
-                          for o, L, t, b in zip(new_owners, lengths, tp_tables, back_tables, strict=True)], me, tp, bs)
-             for me in range(P)], tpc, back)
-    for i in range(n):
-        assert torch.equal(read(back[new_owners[i]], back_tables[i], lengths[i]), content[i])
+    execute(tp_to_ep_moves(sc, new_owners, tp_tables, back_tables), tpc, back)
+    for i, L in enumerate(lengths):
+        assert torch.equal(read(back[new_owners[i]], back_tables[i], L), sc.content[i])
 
 
 @pytest.mark.parametrize("P,kv", [(4, 2), (8, 2), (8, 4), (4, 1), (2, 1)])
