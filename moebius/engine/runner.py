@@ -116,14 +116,9 @@ class PendingStep:
     """A launched step: its sampled tokens on the device ([n] int64, one per sampling chunk, batch order), on their
     way to a pinned host buffer; `result()` waits for them."""
 
-    def __init__(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor]) -> None:
-        self.tokens, self.prompt_logits = tokens, prompt_logits
-        self._host, self._done = tokens, None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
+    def __init__(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor], host: torch.Tensor,
+                 done: torch.cuda.Event | None) -> None:
+        self.tokens, self.prompt_logits, self._host, self._done = tokens, prompt_logits, host, done
 
     def result(self) -> tuple[list[int], dict[int, torch.Tensor]]:
         if self._done is not None:
@@ -137,6 +132,11 @@ class ModelRunner:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
         self.bufs, self.block_size, self.device = bufs, block_size, device
         self.graphs: CudaGraphs | None = None
+        # Where sampled tokens come back: two pinned buffers and events, used in turn (a step is resolved before the
+        # step after next is launched), so a decode step allocates nothing for its read-back.
+        self._readback = [(torch.zeros(bufs.seq_lens.shape[0], dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                          for _ in "ab"] if device.type == "cuda" else []
+        self._turn = 0
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
 
     def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None, prev: PendingStep | None = None,
@@ -222,7 +222,7 @@ class ModelRunner:
             logits, tokens = self.graphs.replay(bucket)
             if greedy:  # the graph's own argmax: no logits leave it. Its static output is read (copy to the host,
                 # the next step's input fill) before the next replay overwrites it: both are enqueued before that
-                return PendingStep(tokens[: len(batch)], prompt_logits)
+                return self._pending(tokens[: len(batch)], prompt_logits)
             logits = logits[: len(batch)]
         else:
             if isinstance(self.comm, EPComm):
@@ -242,21 +242,32 @@ class ModelRunner:
                         whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights))
                         prompt_logits[b] = whole.float().cpu()
             if not rows:
-                return PendingStep(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
+                return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
             logits = qwen3_moe.logits(hidden[rows], self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
-                return PendingStep(self.comm.vocab_argmax(logits), prompt_logits)
+                return self._pending(self.comm.vocab_argmax(logits), prompt_logits)
         if not stop_masks and all(r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs):
             # greedy or temperature only: every vocab id is scored on its own, so each rank scores its slice and
             # the best across ranks wins (no whole logits to gather)
             scores = race_scores(logits, self._sampling_batch(reqs), self.comm.vocab_first(logits.shape[1]))
-            return PendingStep(self.comm.vocab_argmax(scores), prompt_logits)
+            return self._pending(self.comm.vocab_argmax(scores), prompt_logits)
         logits = self.comm.gather_vocab(logits)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")
         if all(r.params.temperature == 0 for r in reqs):
-            return PendingStep(logits.argmax(dim=-1), prompt_logits)
-        return PendingStep(sample(logits, self._sampling_batch(reqs)), prompt_logits)
+            return self._pending(logits.argmax(dim=-1), prompt_logits)
+        return self._pending(sample(logits, self._sampling_batch(reqs)), prompt_logits)
+
+    def _pending(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor]) -> PendingStep:
+        """Start the tokens' copy to the host (into this turn's pinned buffer) and mark when it is done."""
+        if not self._readback:
+            return PendingStep(tokens, prompt_logits, tokens, None)
+        host, done = self._readback[self._turn]
+        self._turn ^= 1
+        host = host[: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        done.record()
+        return PendingStep(tokens, prompt_logits, host, done)
 
     def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync
                 ) -> tuple[list[int], dict[int, torch.Tensor]]:
