@@ -119,7 +119,7 @@ class InFlight:
 
     sampling: list[Request]
     pending: PendingStep
-    rows: dict[str, int]  # request id -> row of its token in pending.tokens
+    rows: dict[str, int]  # request id -> row of its placeholder's token in pending.tokens (the next launch)
 
 
 class Worker:
@@ -417,8 +417,8 @@ class Worker:
         sched = self.scheduler
         deltas: list[TokenDelta] = []
         for row, req in enumerate(flight.sampling):
-            if req.request_id not in flight.rows or req.finished:
-                continue  # finished (or aborted) while this step ran: its row is dropped
+            if req.finished:
+                continue  # finished (or aborted) before this step was resolved: its row is dropped
             req.output_token_ids[-1] = tokens[row]
             self.stop.check(req)
             logits = None
