@@ -187,8 +187,9 @@ class EngineConfig:
     disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
                                      "graphs captured at start for both layouts")
     disable_custom_all_reduce: bool = _flag(False, "TP all-reduces through NCCL only; by default activations up to "
-                                            "the step's token budget are summed through a symmetric-memory buffer "
-                                            "that peer GPUs read over NVLink (lower latency)")
+                                            "the step's token budget are summed through symmetric-memory buffers "
+                                            "peer GPUs write and read over NVLink (lower latency; up to 8 MiB one "
+                                            "launch with the residual add and the next RMSNorm)")
     disable_overlap_schedule: bool = _flag(False, "resolve each step before scheduling the next; by default the "
                                            "next step is launched while the device still runs the current one "
                                            "(its input tokens are taken on the device), hiding host work")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moebius.config import ModelConfig
 from moebius.layers.attention import AttentionMetadata, paged_attention, qk_norm_rope_kv
 from moebius.layers.moe import dense_mlp, experts, route
-from moebius.layers.norm import add_rms_norm, rms_norm
+from moebius.layers.norm import rms_norm
 from moebius.parallel.dispatch import Communicator
 
 
@@ -60,11 +60,12 @@ class ModelWeights:
 
 
 def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
-              cfg: ModelConfig, rope: torch.Tensor, comm: Communicator) -> torch.Tensor:
+              cfg: ModelConfig, rope: torch.Tensor) -> torch.Tensor:
+    """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
     qkv = F.linear(x_TD, w.qkv_QD, w.qkv_bias)
     q = qk_norm_rope_kv(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps)  # k, v go to the cache
     o = paged_attention(q, cache, meta, cfg.head_dim ** -0.5)
-    return comm.reduce(F.linear(o.flatten(1), w.o_DQ))
+    return F.linear(o.flatten(1), w.o_DQ)
 
 
 def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
@@ -76,20 +77,22 @@ def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator)
 def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
     if isinstance(w, MoEWeights):
         return moe(x_TD, w, cfg, comm)
-    return comm.reduce(dense_mlp(x_TD, w.w13_FD, w.w2_DF))
+    return dense_mlp(x_TD, w.w13_FD, w.w2_DF)
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
             cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
     """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer).
-    The residual stream is added to each sublayer's output together with the next norm (fused on the GPU)."""
+    Each sublayer's output is summed over ranks, added to the residual stream and normed for the next sublayer in
+    one `reduce_add_norm` (fused on GPUs)."""
     residual = F.embedding(input_ids_T, weights.embed_VD)
     h = rms_norm(residual, weights.layers[0].input_norm, cfg.rms_norm_eps)
     norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
+    eps = cfg.rms_norm_eps
     for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
-        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, comm)
-        h, residual = add_rms_norm(a, residual, layer.post_norm, cfg.rms_norm_eps)
-        h, residual = add_rms_norm(mlp(h, layer.mlp, cfg, comm), residual, next_norm, cfg.rms_norm_eps)
+        a = attention(h, layer.attn, cache, meta, cfg, weights.rope)
+        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps)
+        h, residual = comm.reduce_add_norm(mlp(h, layer.mlp, cfg, comm), residual, next_norm, eps)
     return h
 
 

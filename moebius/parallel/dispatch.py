@@ -1,9 +1,11 @@
 """The communication a layout needs, behind one interface, so the model math never branches on layout.
 
-- `reduce(x)`: sum of per-rank partial results (after a row-parallel matmul): all-reduce in TP, identity in EP.
+- `reduce_add_norm(x, residual, weight)`: the end of a sublayer: sum the ranks' partial outputs (TP: after a
+  row-parallel matmul or the expert shards; an all-reduce, fused with what follows on GPUs), add them to the
+  residual stream and RMSNorm the result for the next sublayer. Elsewhere outputs are whole: add and norm only.
 - `dispatch(x, w, ids)` / `combine(y, handle)`: move routed tokens to the ranks owning their experts and bring the
-  weighted expert outputs back. TP: every rank holds a shard of every expert, so dispatch is the identity and
-  combine is the all-reduce. EP: all-to-all both ways.
+  weighted expert outputs back. TP: every rank holds a shard of every expert, so both are the identity (the
+  outputs stay partial sums until `reduce_add_norm`). EP: all-to-all both ways.
 - `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
   (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks'
   local best (a [T, 2] all-gather of per-id scores) and whole logits (top-k / top-p, stop masks, prompt logits) are
@@ -17,9 +19,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from moebius.layers.norm import add_rms_norm
+
 
 class Communicator(Protocol):
-    def reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
@@ -46,11 +51,16 @@ class WholeVocab:
         return 0
 
 
-class LocalComm(WholeVocab):
-    """A single rank (P = 1): nothing to exchange."""
+class WholeOutputs:
+    """Sublayer outputs are whole on the rank that holds their tokens (one rank, or EP after its combine)."""
 
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x_TD, residual_TD, weight, eps)
+
+
+class LocalComm(WholeVocab, WholeOutputs):
+    """A single rank (P = 1): nothing to exchange."""
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
@@ -64,16 +74,23 @@ class SymmetricAllReduce:
     """Sum across ranks through a symmetric-memory buffer that every GPU of the group maps (torch's
     `_symmetric_memory`): peers read each other's slice over NVLink, so a decode-sized all-reduce takes a few
     microseconds less than NCCL's, at every size up to the buffer (measured: benchmarks/results/h200x2-allreduce.json).
-    No multicast needed. Capture-safe: fixed buffer, device-side barriers."""
+    No multicast needed. Capture-safe: fixed buffer, device-side barriers. Up to FUSED_MAX_BYTES the sum at the end
+    of a sublayer is one Triton launch with the residual add and the next norm (`kernels.allreduce`: 4.5 µs at one
+    token against NCCL + add_rmsnorm's 7.8, 9.3 against 15.9 at 256; benchmarks/allreduce_bench.py)."""
 
     ONE_SHOT_MAX_BYTES = 512 * 1024  # below: every rank reads all peers' data once; above: reduce-scatter + gather
+    FUSED_MAX_BYTES = 8 << 20
 
     def __init__(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from moebius.kernels.allreduce import FusedAllReduceNorm
+
         self.name = group.group_name
         self.buf = symm_mem.empty(numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buf, self.name)  # collective: every rank of the group calls it
+        elt = torch.empty((), dtype=dtype).element_size()
+        self.fused = FusedAllReduceNorm(group, min(numel, self.FUSED_MAX_BYTES // elt), dtype, device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buf.dtype and x.numel() <= self.buf.numel() and x.is_contiguous()
@@ -118,12 +135,18 @@ class TPComm:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.symmetric is not None and self.symmetric.fused.fits(x_TD):
+            return self.symmetric.fused(x_TD, residual_TD, weight, eps), residual_TD
+        return add_rms_norm(self.reduce(x_TD), residual_TD, weight, eps)
+
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
     def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor:
-        return self.reduce(y_TD)
+        return y_TD  # a partial sum over the expert shards: reduce_add_norm completes it
 
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
         """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
@@ -157,7 +180,7 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     (rs or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
-class EPComm(WholeVocab):
+class EPComm(WholeVocab, WholeOutputs):
     """EP: tokens go to the ranks that own their experts, weighted expert outputs come back and are summed per
     token. Attention is data-parallel, so `reduce` is the identity.
 
@@ -172,9 +195,6 @@ class EPComm(WholeVocab):
     def __init__(self, group: dist.ProcessGroup, world_size: int, experts_per_rank: int) -> None:
         self.group, self.P, self.E_local = group, world_size, experts_per_rank
         self.capacity = 0
-
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
     def _gather(self, t: torch.Tensor, fill: float) -> torch.Tensor:
         C = self.capacity
