@@ -193,21 +193,23 @@ def test_dual_layout_peak_memory_within_3_percent_of_static_ep() -> None:
     assert peaks[False] <= 1.03 * peaks[True], peaks
 
 
-def test_symmetric_all_reduce_gives_the_tokens_nccl_gives() -> None:
-    """TP sums through the symmetric-memory buffer by default (graphs and eager prefill) and produces the tokens of
-    the NCCL-only engine (--disable-custom-all-reduce); each engine reports which path it set up."""
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_symmetric_exchange_gives_the_tokens_nccl_gives(mode: str) -> None:
+    """TP's all-reduce and EP's dispatch / combine go through symmetric memory by default (graphs and eager
+    prefill; EP prefill chunks above the symmetric capacity through NCCL) and produce the tokens of the NCCL-only
+    engine (--disable-custom-all-reduce); each engine reports which path it set up."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    kw = dict(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, num_ranks=2, mode="tp",
-              max_total_tokens=65536, max_model_len=512, max_running_requests=64)
+    kw = dict(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, num_ranks=2, mode=mode,
+              max_total_tokens=65536, max_model_len=4096, max_running_requests=64, max_num_batched_tokens=4096)
     prompts = [[(7 * i + 13 * j) % 150000 + 1 for j in range(5 + 9 * i)] for i in range(12)]
+    prompts.append([(j * 31) % 150000 + 1 for j in range(3000)])  # an EP prefill chunk past 2048 tokens: NCCL
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = {}
     for disable in (False, True):
         with LLM(disable_custom_all_reduce=disable, **kw) as llm:
             comm = llm.engine.query("comm")
-            assert all(r["tp"]["symmetric_all_reduce"] is (not disable) for r in comm), comm
-            assert all(not r["ep"]["symmetric_all_reduce"] for r in comm), comm
+            assert all(r[m]["symmetric"] is (not disable) for r in comm for m in ("tp", "ep")), comm
             got[disable] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got[False] == got[True]
 
@@ -273,6 +275,7 @@ def _fused_all_reduce_rank(rank: int, port: int, results: torch.multiprocessing.
         x, res0, _ = case(5)  # eager again after the replays: the call counts moved on inside the graph
         res1 = res0.clone()
         check("eager after graph", x, res0, sym.fused(x, res1, weight, eps), res1)
+        failures += _ep_exchange_failures(rank, D, eps, weight, g)
         results.put((rank, failures))
     except Exception as e:  # noqa: BLE001 - reported to the test
         results.put((rank, [f"{type(e).__name__}: {e}"]))
@@ -280,9 +283,69 @@ def _fused_all_reduce_rank(rank: int, port: int, results: torch.multiprocessing.
         dist.destroy_process_group()
 
 
+def _ep_exchange_failures(rank: int, D: int, eps: float, weight: torch.Tensor, g: torch.Generator) -> list[str]:
+    """EP through symmetric memory against EP through NCCL: the same gathered rows, weights and ids (padding
+    included) and the same combined, added and normed outputs, with ranks holding different token counts."""
+    import torch.distributed as dist
+
+    from moebius.kernels.symmetric import EPExchange
+    from moebius.parallel.dispatch import EPComm
+
+    K, failures = 8, []
+    nccl, symm = EPComm(dist.group.WORLD, 2, 64), EPComm(dist.group.WORLD, 2, 64)
+    symm.symmetric = EPExchange(dist.group.WORLD, 512, D, K, torch.bfloat16, torch.device("cuda", rank))
+
+    def layer(comm: EPComm, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, res: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
+        gx, gw, gi, handle = comm.dispatch(x, w, ids)
+        y = gx * 3 + gw.sum(-1, keepdim=True)  # stands in for the experts: depends on every gathered input
+        return gx.clone(), gw.clone(), gi.clone(), comm.combine_add_norm(y, handle, res, weight, eps)[0]
+
+    def case(T: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(T, D, device="cuda", dtype=torch.bfloat16),
+                torch.rand(T, K, device="cuda", dtype=torch.bfloat16), torch.randint(0, 128, (T, K), device="cuda"),
+                torch.randn(T, D, device="cuda", dtype=torch.bfloat16))
+
+    def compare(name: str, want: tuple, got: tuple, res_want: torch.Tensor, res_got: torch.Tensor) -> None:
+        same = [torch.equal(a, b) for a, b in zip(want[:3], got[:3], strict=True)] + [torch.equal(res_want, res_got)]
+        if not all(same) or _rel(got[3], want[3]) > 1e-2:
+            failures.append(f"EP {name}: x/w/ids/residual equal {same}, out rel {_rel(got[3], want[3]):.2e}")
+
+    for T_pair, C in [((1, 0), 1), ((3, 5), 5), ((64, 17), 64), ((200, 200), 256), ((0, 7), 7), ((512, 300), 512)]:
+        x, w, ids, res0 = case(T_pair[rank])
+        for comm in (nccl, symm):
+            comm.capacity = C
+        r1, r2 = res0.clone(), res0.clone()
+        compare(f"eager T={T_pair} C={C}", layer(nccl, x, w, ids, r1), layer(symm, x, w, ids, r2), r1, r2)
+    # two layers in one graph, replayed with new inputs
+    C, T = 32, (32, 9)[rank]
+    symm.capacity = nccl.capacity = C
+    ins = [case(T) for _ in range(2)]
+    static = [tuple(t.clone() for t in c) for c in ins]
+    for c in static:  # compiled before capture
+        layer(symm, c[0], c[1], c[2], c[3].clone())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        outs = [layer(symm, *c) for c in static]
+    torch.cuda.current_stream().wait_stream(s)
+    for replay in range(3):
+        news = [case(T) for _ in range(2)]
+        for new, st in zip(news, static, strict=True):
+            for a, b in zip(new, st, strict=True):
+                b.copy_(a)
+        graph.replay()
+        for i, (new, out, st) in enumerate(zip(news, outs, static, strict=True)):
+            r = new[3].clone()
+            compare(f"graph replay {replay} layer {i}", layer(nccl, *new[:3], r), out, r, st[3])
+    return failures
+
+
 def test_fused_all_reduce_add_norm_matches_nccl() -> None:
     """The one-launch TP sum + residual add + RMSNorm (symmetric memory, flags in peer memory) equals NCCL's
-    all-reduce followed by add_rmsnorm, on both ranks alike, eagerly and replayed in a CUDA graph."""
+    all-reduce followed by add_rmsnorm, on both ranks alike, eagerly and replayed in a CUDA graph; EP's
+    symmetric-memory dispatch and combine equal its NCCL path likewise."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     import socket

@@ -123,6 +123,8 @@ class InFlight:
 
 
 class Worker:
+    EP_SYMMETRIC_MAX_TOKENS = 2048  # per rank: EP steps up to this many tokens exchange through symmetric memory
+
     def __init__(self, spec: WorkerSpec, groups: Groups | None = None) -> None:
         ecfg, cfg = spec.engine, spec.model
         self.spec, self.cfg = spec, cfg
@@ -185,19 +187,28 @@ class Worker:
         ecfg = self.spec.engine
         if self.groups.world_size > 1:
             self.switcher.open_paths()
-            self._enable_symmetric_all_reduce()
+            self._enable_symmetric_comm()
         if self.device.type == "cuda" and not ecfg.disable_cuda_graph:
             self._capture_graphs(min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens))
 
-    def _enable_symmetric_all_reduce(self) -> None:
+    def _enable_symmetric_comm(self) -> None:
+        """TP's all-reduce and EP's exchange through symmetric memory (collective: every rank, same order)."""
         ecfg = self.spec.engine
         if (self.device.type != "cuda" or ecfg.disable_custom_all_reduce or self.dtype != torch.bfloat16
                 or not symmetric_memory_available()):
             return
+        from moebius.kernels.symmetric import EPExchange
+
         for rt in self.modes.values():
-            if isinstance(rt.runner.comm, TPComm):
+            comm = rt.runner.comm
+            if isinstance(comm, TPComm):
                 numel = ecfg.max_num_batched_tokens * self.cfg.hidden_size
-                rt.runner.comm.symmetric = SymmetricAllReduce(self.groups.device, numel, self.dtype, self.device)
+                comm.symmetric = SymmetricAllReduce(self.groups.device, numel, self.dtype, self.device)
+            elif isinstance(comm, EPComm):
+                # decode batches and small prefill chunks; larger steps exchange through NCCL
+                capacity = min(ecfg.max_num_batched_tokens, self.EP_SYMMETRIC_MAX_TOKENS)
+                comm.symmetric = EPExchange(self.groups.device, capacity, self.cfg.hidden_size, self.cfg.top_k,
+                                            self.dtype, self.device)
 
     def _capture_graphs(self, cap: int) -> None:
         """Both modes' decode graphs, once, into one memory pool. Capture only records addresses: it needs no
@@ -276,7 +287,7 @@ class Worker:
             return self.bench_decode(q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
         if q["name"] == "comm":  # how each layout's collectives run
             return {m: {"comm": type(rt.runner.comm).__name__,
-                        "symmetric_all_reduce": getattr(rt.runner.comm, "symmetric", None) is not None}
+                        "symmetric": getattr(rt.runner.comm, "symmetric", None) is not None}
                     for m, rt in self.modes.items()}
         raise ValueError(f"unknown query {q['name']!r}")
 

@@ -8,6 +8,7 @@ through the `Communicator` passed in. Shapes: T tokens, D hidden, H heads, d hea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,23 +69,25 @@ def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: Att
     return F.linear(o.flatten(1), w.o_DQ)
 
 
-def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
+def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator) -> tuple[torch.Tensor, Any]:
+    """This rank's expert outputs for the tokens dispatched to it, and the handle that combines them."""
     w_TK, ids_TK = route(x_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob)
     x, w_TK, ids_TK, handle = comm.dispatch(x_TD, w_TK, ids_TK)
-    return comm.combine(experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts), handle)
+    return experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts), handle
 
 
-def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
+def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator
+        ) -> tuple[torch.Tensor, Any]:
     if isinstance(w, MoEWeights):
         return moe(x_TD, w, cfg, comm)
-    return dense_mlp(x_TD, w.w13_FD, w.w2_DF)
+    return dense_mlp(x_TD, w.w13_FD, w.w2_DF), None  # no dispatch: nothing to combine
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
             cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
     """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer).
-    Each sublayer's output is summed over ranks, added to the residual stream and normed for the next sublayer in
-    one `reduce_add_norm` (fused on GPUs)."""
+    Each sublayer's output is summed over ranks (attention: `reduce_add_norm`; experts: `combine_add_norm`), added
+    to the residual stream and normed for the next sublayer in one step (fused on GPUs)."""
     residual = F.embedding(input_ids_T, weights.embed_VD)
     h = rms_norm(residual, weights.layers[0].input_norm, cfg.rms_norm_eps)
     norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
@@ -92,7 +95,8 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
     for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
         a = attention(h, layer.attn, cache, meta, cfg, weights.rope)
         h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps)
-        h, residual = comm.reduce_add_norm(mlp(h, layer.mlp, cfg, comm), residual, next_norm, eps)
+        y, handle = mlp(h, layer.mlp, cfg, comm)
+        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps)
     return h
 
 

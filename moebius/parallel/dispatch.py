@@ -1,11 +1,13 @@
 """The communication a layout needs, behind one interface, so the model math never branches on layout.
 
 - `reduce_add_norm(x, residual, weight)`: the end of a sublayer: sum the ranks' partial outputs (TP: after a
-  row-parallel matmul or the expert shards; an all-reduce, fused with what follows on GPUs), add them to the
-  residual stream and RMSNorm the result for the next sublayer. Elsewhere outputs are whole: add and norm only.
-- `dispatch(x, w, ids)` / `combine(y, handle)`: move routed tokens to the ranks owning their experts and bring the
-  weighted expert outputs back. TP: every rank holds a shard of every expert, so both are the identity (the
-  outputs stay partial sums until `reduce_add_norm`). EP: all-to-all both ways.
+  row-parallel matmul; an all-reduce, fused with what follows on GPUs), add them to the residual stream and RMSNorm
+  the result for the next sublayer. Elsewhere outputs are whole: add and norm only.
+- `dispatch(x, w, ids)` / `combine_add_norm(y, handle, residual, weight)`: move routed tokens to the ranks owning
+  their experts, and bring the weighted expert outputs back, ending the sublayer as `reduce_add_norm` does. TP:
+  every rank holds a shard of every expert, so dispatch is the identity and the combine is `reduce_add_norm`. EP:
+  all-gather of tokens and reduce-scatter of outputs (fused with the add and norm on GPUs). A handle of None (a
+  dense MLP layer) is no combine.
 - `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
   (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks'
   local best (a [T, 2] all-gather of per-id scores) and whole logits (top-k / top-p, stop masks, prompt logits) are
@@ -29,7 +31,8 @@ class Communicator(Protocol):
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
-    def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor: ...
+    def combine_add_norm(self, y: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
 
@@ -66,17 +69,18 @@ class LocalComm(WholeVocab, WholeOutputs):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
-    def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor:
-        return y_TD
+    def combine_add_norm(self, y_TD: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(y_TD, residual_TD, weight, eps)
 
 
 class SymmetricAllReduce:
     """Sum across ranks through a symmetric-memory buffer that every GPU of the group maps (torch's
     `_symmetric_memory`): peers read each other's slice over NVLink, so a decode-sized all-reduce takes a few
-    microseconds less than NCCL's, at every size up to the buffer (measured: benchmarks/results/h200x2-allreduce.json).
+    microseconds less than NCCL's, at every size up to the buffer (measured: benchmarks/results/h200x2-comm.json).
     No multicast needed. Capture-safe: fixed buffer, device-side barriers. Up to FUSED_MAX_BYTES the sum at the end
-    of a sublayer is one Triton launch with the residual add and the next norm (`kernels.allreduce`: 4.5 µs at one
-    token against NCCL + add_rmsnorm's 7.8, 9.3 against 15.9 at 256; benchmarks/allreduce_bench.py)."""
+    of a sublayer is one Triton launch with the residual add and the next norm (`kernels.symmetric`: 4.7 µs at one
+    token against NCCL + add_rmsnorm's 7.8, 9.5 against 17.3 at 256; benchmarks/comm_bench.py)."""
 
     ONE_SHOT_MAX_BYTES = 512 * 1024  # below: every rank reads all peers' data once; above: reduce-scatter + gather
     FUSED_MAX_BYTES = 8 << 20
@@ -84,7 +88,7 @@ class SymmetricAllReduce:
     def __init__(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from moebius.kernels.allreduce import FusedAllReduceNorm
+        from moebius.kernels.symmetric import FusedAllReduceNorm
 
         self.name = group.group_name
         self.buf = symm_mem.empty(numel, dtype=dtype, device=device)
@@ -145,8 +149,9 @@ class TPComm:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
-    def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor:
-        return y_TD  # a partial sum over the expert shards: reduce_add_norm completes it
+    def combine_add_norm(self, y_TD: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reduce_add_norm(y_TD, residual_TD, weight, eps)  # a partial sum over the expert shards
 
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
         """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
@@ -182,19 +187,23 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
 
 class EPComm(WholeVocab, WholeOutputs):
     """EP: tokens go to the ranks that own their experts, weighted expert outputs come back and are summed per
-    token. Attention is data-parallel, so `reduce` is the identity.
+    token. Attention is data-parallel, so `reduce_add_norm` only adds and norms.
 
     Dispatch is dense and fixed-size: every rank sends its `capacity` token rows (padded) once to every rank (an
     all-gather) and the outputs return by reduce-scatter. Fixed sizes need no host-side split sizes, so the step can
     be captured in a CUDA graph; a token is sent once per rank, never once per (token, expert) pair, and a rank
     computes only the pairs of its own experts. All ranks must agree on `capacity` (the runner sets it each step to
     the largest local token count, or the graph's bucket). With P = 2 and top-8 of 128 experts nearly every token
-    needs both ranks anyway; for larger P an exact per-destination exchange would send fewer bytes.
+    needs both ranks anyway; for larger P an exact per-destination exchange would send fewer bytes. On GPUs, up to
+    `symmetric.max_capacity` the exchange is `kernels.symmetric.EPExchange` (rows pushed into the peers' buffers,
+    one launch each way, the combine fused with the add and norm); NCCL beyond it or with
+    `--disable-custom-all-reduce`.
     """
 
     def __init__(self, group: dist.ProcessGroup, world_size: int, experts_per_rank: int) -> None:
         self.group, self.P, self.E_local = group, world_size, experts_per_rank
         self.capacity = 0
+        self.symmetric: Any = None  # a kernels.symmetric.EPExchange, set at start on GPUs (collective set-up)
 
     def _gather(self, t: torch.Tensor, fill: float) -> torch.Tensor:
         C = self.capacity
@@ -206,12 +215,21 @@ class EPComm(WholeVocab, WholeOutputs):
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        if x_TD.shape[0] > self.capacity:
-            raise RuntimeError(f"EP dispatch of {x_TD.shape[0]} tokens exceeds the agreed capacity {self.capacity}")
+        T, C = x_TD.shape[0], self.capacity
+        if T > C:
+            raise RuntimeError(f"EP dispatch of {T} tokens exceeds the agreed capacity {C}")
+        if self.symmetric is not None and self.symmetric.fits(C, x_TD, w_TK):
+            return (*self.symmetric.dispatch(x_TD, w_TK, ids_TK, C), (T, C, True))
         # padding rows get expert id -1: no rank owns it, so they cost no expert compute
-        return self._gather(x_TD, 0.0), self._gather(w_TK, 0.0), self._gather(ids_TK, -1), x_TD.shape[0]
+        return self._gather(x_TD, 0.0), self._gather(w_TK, 0.0), self._gather(ids_TK, -1), (T, C, False)
 
-    def combine(self, y_TD: torch.Tensor, handle: Any) -> torch.Tensor:
-        out = y_TD.new_empty((self.capacity, y_TD.shape[1]))
-        _reduce_scatter(out, y_TD, self.group)
-        return out[:handle]
+    def combine_add_norm(self, y: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if handle is None:  # a dense layer: its output is whole already
+            return add_rms_norm(y, residual_TD, weight, eps)
+        T, C, fused = handle
+        if fused:
+            return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps), residual_TD
+        out = y.new_empty((C, y.shape[1]))
+        _reduce_scatter(out, y, self.group)
+        return add_rms_norm(out[:T], residual_TD, weight, eps)
