@@ -46,7 +46,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
     try:
         for mode in args.modes:
             if llm.mode != mode:
-                res = measure_switch(llm, mode, args.context_len)
+                res = measure_switch(llm, mode, args.context_len, min(8, top))
                 out["switches"].append(res)
                 log.info("switch to %s: %s", mode, res)
             out["memory"][mode] = llm.engine.query("memory")
@@ -75,6 +75,14 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                 out["points"].append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
                          f" eager {extra['eager_step_ms']:.3f} ms" if "eager_step_ms" in extra else "")
+        if len(set(args.modes)) == 2:  # more switches back and forth: one switch is one noisy sample
+            for _ in range(args.switch_repeats):
+                res = measure_switch(llm, "tp" if llm.mode == "ep" else "ep", args.context_len, min(8, top))
+                out["switches"].append(res)
+                log.info("switch to %s: %s", res.get("to"), res)
+            done = [r for r in out["switches"] if r.get("done")]
+            out["switch_overhead_median_ms"] = {to: statistics.median(r["overhead_ms"] for r in done if r["to"] == to)
+                                                for to in {r["to"] for r in done}}
     finally:
         llm.close()
     return out
@@ -140,6 +148,8 @@ def run_hf_baseline(args: argparse.Namespace, cfg_dict: dict[str, Any], cfg: Mod
     with torch.device("cuda:0"):
         model = Qwen3MoeForCausalLM._from_config(hf_cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval()
+    with torch.no_grad():  # first-call costs (kernel selection, allocator growth) outside the timed steps
+        model(input_ids=torch.randint(0, cfg.vocab_size, (8, 16), device="cuda:0"))
     points = []
     for b in args.hf_batches:
         try:
@@ -150,7 +160,7 @@ def run_hf_baseline(args: argparse.Namespace, cfg_dict: dict[str, Any], cfg: Mod
                     model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
                 nxt = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda:0")
                 times = []
-                for _ in range(args.warmup + max(3, args.steps // 2)):
+                for _ in range(args.warmup + max(5, args.steps)):
                     torch.cuda.synchronize()
                     t = time.perf_counter()
                     logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
@@ -229,6 +239,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--moe-kernel", default="triton", choices=["triton", "grouped_mm"])
     p.add_argument("--compare-static", action="store_true",
                    help="also start an EP-only engine with the same KV capacity and compare peak memory")
+    p.add_argument("--switch-repeats", type=int, default=4,
+                   help="switches back and forth after the sweep (with 8 requests decoding) for the switch overhead")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers' own model on one GPU")
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
     p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
