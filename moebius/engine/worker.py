@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from moebius.parallel.dispatch import (
     TPComm,
     symmetric_memory_available,
 )
-from moebius.parallel.groups import Groups, all_gather_ints
+from moebius.parallel.groups import Groups, all_gather_ints, all_gather_json
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.sampling_params import SamplingParams
 from moebius.switch.executor import Switcher
@@ -196,6 +197,10 @@ class Worker:
         ecfg = self.spec.engine
         if (self.device.type != "cuda" or ecfg.disable_custom_all_reduce or self.dtype != torch.bfloat16
                 or not symmetric_memory_available()):
+            return
+        # peers' memory is mapped over NVLink: one machine only (torchrun across machines keeps NCCL)
+        if len(set(all_gather_json(socket.gethostname(), self.groups))) > 1:
+            log.info("rank %d: ranks span several machines: NCCL collectives only", self.spec.rank)
             return
         from moebius.kernels.symmetric import EPExchange
 
