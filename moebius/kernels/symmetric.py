@@ -24,6 +24,7 @@ until each peer's flag for p has reached n + 1. No host-side state, so the kerne
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -212,8 +213,8 @@ class SymmetricBuffers:
 
     MAX_PROGRAMS = 256  # flags per peer and phase; rows beyond the grid loop within a program
 
-    def __init__(self, group, sizes: dict[str, tuple[int, torch.dtype]], device: torch.device, phases: int) -> None:
-        import torch.distributed as dist
+    def __init__(self, group: dist.ProcessGroup, sizes: dict[str, tuple[int, torch.dtype]], device: torch.device,
+                 phases: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -239,8 +240,8 @@ class FusedAllReduceNorm:
 
     TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (H200 x2: benchmarks/comm_bench.py)
 
-    def __init__(self, group, max_numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        P = torch.distributed.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        P = dist.get_world_size(group)
         self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype)}, device, phases=2)
         self.P, self.rank, self.max_numel, self.dtype = P, self.sym.rank, max_numel, dtype
         # grid cap, rows per iteration at most, warps per program (benchmarks/comm_bench.py varies them)
@@ -275,9 +276,9 @@ class EPExchange:
     """EP's dispatch (all-gather of token rows, weights and ids into every rank's buffer) and combine + residual add
     + RMSNorm (reduce-scatter of expert outputs), for capacities up to `max_capacity` tokens per rank."""
 
-    def __init__(self, group, max_capacity: int, hidden: int, top_k: int, dtype: torch.dtype,
+    def __init__(self, group: dist.ProcessGroup, max_capacity: int, hidden: int, top_k: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        P = torch.distributed.get_world_size(group)
+        P = dist.get_world_size(group)
         rows = P * max_capacity
         self.w_offset = rows * hidden  # the routing weights follow the token rows in the same buffer
         self.sym = SymmetricBuffers(group, {"xw": (rows * (hidden + top_k), dtype), "ids": (rows * top_k, torch.int64),
@@ -286,9 +287,9 @@ class EPExchange:
         self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
 
-    def fits(self, capacity: int, x_TD: torch.Tensor, w_TK: torch.Tensor) -> bool:
-        return (0 < capacity <= self.max_capacity and x_TD.dtype == self.dtype and x_TD.shape[1] == self.hidden
-                and w_TK.shape[1] == self.top_k and x_TD.is_contiguous() and w_TK.is_contiguous())
+    def fits(self, capacity: int) -> bool:
+        """Decided on what every rank agrees on (the capacity), so all ranks take the same path."""
+        return 0 < capacity <= self.max_capacity
 
     def _launch(self, C: int) -> tuple[int, int]:
         grid = min(C, self.programs)
@@ -299,11 +300,14 @@ class EPExchange:
         """Every rank's rows, padded to `capacity`: x [P * C, D], weights [P * C, K], ids [P * C, K] (views of this
         rank's buffer, valid until the next dispatch)."""
         C, D, K = capacity, self.hidden, self.top_k
+        if x_TD.dtype != self.dtype or x_TD.shape[1] != D or w_TK.shape[1] != K:
+            raise ValueError(f"EP exchange set up for [T, {D}] {self.dtype} rows and top-{K} routing, got "
+                             f"{x_TD.dtype} {tuple(x_TD.shape)} and {tuple(w_TK.shape)}")
         grid, rows = self._launch(C)
         _ep_dispatch[(grid,)](
-            x_TD, w_TK, ids_TK.contiguous(), x_TD.shape[0], C, D, self.sym.ptrs["xw"], self.sym.ptrs["ids"],
-            self.sym.ptrs["flags"], self.sym.count[0], self.w_offset, RANK=self.rank, P=self.P, K=K,
-            MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
+            x_TD.contiguous(), w_TK.contiguous(), ids_TK.contiguous(), x_TD.shape[0], C, D, self.sym.ptrs["xw"],
+            self.sym.ptrs["ids"], self.sym.ptrs["flags"], self.sym.count[0], self.w_offset, RANK=self.rank,
+            P=self.P, K=K, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
             BLOCK=triton.next_power_of_2(D), KB=triton.next_power_of_2(K), num_warps=self.num_warps)
         xw, n = self.sym.bufs["xw"], self.P * C
         return (xw[: n * D].view(n, D), xw[self.w_offset: self.w_offset + n * K].view(n, K),
@@ -316,7 +320,7 @@ class EPExchange:
         out = torch.empty_like(residual_TD)
         grid, rows = self._launch(C)
         _ep_combine_add_rmsnorm[(grid,)](
-            y_ND, residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"], self.sym.ptrs["flags"],
+            y_ND.contiguous(), residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"], self.sym.ptrs["flags"],
             self.sym.count[1], eps, RANK=self.rank, P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS,
             STRIDE=FLAG_STRIDE, ROWS=rows, BLOCK=triton.next_power_of_2(D), num_warps=self.num_warps)
         return out

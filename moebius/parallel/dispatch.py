@@ -218,7 +218,7 @@ class EPComm(WholeVocab, WholeOutputs):
         T, C = x_TD.shape[0], self.capacity
         if T > C:
             raise RuntimeError(f"EP dispatch of {T} tokens exceeds the agreed capacity {C}")
-        if self.symmetric is not None and self.symmetric.fits(C, x_TD, w_TK):
+        if self.symmetric is not None and self.symmetric.fits(C):
             return (*self.symmetric.dispatch(x_TD, w_TK, ids_TK, C), (T, C, True))
         # padding rows get expert id -1: no rank owns it, so they cost no expert compute
         return self._gather(x_TD, 0.0), self._gather(w_TK, 0.0), self._gather(ids_TK, -1), (T, C, False)
