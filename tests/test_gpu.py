@@ -211,6 +211,8 @@ def test_symmetric_exchange_gives_the_tokens_nccl_gives(mode: str) -> None:
             comm = llm.engine.query("comm")
             assert all(r[m]["symmetric"] is (not disable) for r in comm for m in ("tp", "ep")), comm
             got[disable] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            used = [r[mode]["symmetric_calls"] for r in llm.engine.query("comm")]
+            assert all(n > 0 for n in used) if not disable else used == [0, 0], used  # the path really ran
     assert got[False] == got[True]
 
 

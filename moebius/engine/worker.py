@@ -291,9 +291,12 @@ class Worker:
         if q["name"] == "bench_decode":
             return self.bench_decode(q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
         if q["name"] == "comm":  # how each layout's collectives run
-            return {m: {"comm": type(rt.runner.comm).__name__,
-                        "symmetric": getattr(rt.runner.comm, "symmetric", None) is not None}
-                    for m, rt in self.modes.items()}
+            out = {}
+            for m, rt in self.modes.items():
+                sym = getattr(rt.runner.comm, "symmetric", None)
+                out[m] = {"comm": type(rt.runner.comm).__name__, "symmetric": sym is not None,
+                          "symmetric_calls": sym.calls() if sym is not None else 0}
+            return out
         raise ValueError(f"unknown query {q['name']!r}")
 
     def memory_report(self) -> dict[str, Any]:

@@ -63,6 +63,24 @@ def _store_norm(x, R, W, Out, off, cols, m, N, eps):
 
 
 @triton.jit
+def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK: tl.constexpr, P: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows summed over ranks in rank order (so every rank rounds the same sum): this rank's partial at `own`, rank
+    r's as received at `peers + r * peer_stride`; then residual + sum and its RMSNorm stored. Returns the new
+    residual rows (rounded as the unfused path rounds: the sum, then residual + sum, then the norm)."""
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for r in tl.static_range(P):
+        if r == RANK:
+            acc += tl.load(own, mask=m, other=0.0).to(tl.float32)
+        else:  # .cg: past L1, which is not coherent with what a peer wrote during this kernel
+            acc += tl.load(peers + r * peer_stride, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    dt = R.dtype.element_ty
+    x = (acc.to(dt).to(tl.float32) + tl.load(R + off, mask=m, other=0.0).to(tl.float32)).to(dt)
+    _store_norm(x, R, W, Out, off, cols, m, N, eps)
+    return x
+
+
+@triton.jit
 def _allreduce_add_rmsnorm(X, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, eps, RANK: tl.constexpr,
                            P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr):
@@ -107,16 +125,8 @@ def _allreduce_add_rmsnorm(X, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, ep
         owner = (j % P)[:, None]
         if TWO_SHOT:
             m = m & (owner == RANK)
-        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for r in tl.static_range(P):  # in rank order, so every rank rounds the same sum
-            if r == RANK:
-                acc += tl.load(X + off, mask=m, other=0.0).to(tl.float32)
-            else:  # .cg: past L1, which is not coherent with what a peer wrote during this kernel
-                src = mine + ((slot * 2) * P + r) * sec_numel + off
-                acc += tl.load(src, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        # rounded as the unfused path rounds: the sum, then residual + sum, then the norm
-        x = (acc.to(dt).to(tl.float32) + tl.load(R + off, mask=m, other=0.0).to(tl.float32)).to(dt)
-        _store_norm(x, R, W, Out, off, cols, m, N, eps)
+        x = _sum_add_norm(X + off, mine + (slot * 2) * P * sec_numel + off, sec_numel, R, W, Out, off, cols, m, N,
+                          eps, RANK, P, ROWS, BLOCK)
         if TWO_SHOT:
             for r in tl.static_range(P):
                 if r != RANK:
@@ -194,16 +204,9 @@ def _ep_combine_add_rmsnorm(Y, R, W, Out, T, C, D, Bufs, Flags, Count, eps, RANK
     for it in range(0, iters):
         t = pid + (it * ROWS + k) * G
         m = (t < T)[:, None] & (cols[None, :] < D)
-        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for src in tl.static_range(P):  # in rank order
-            if src == RANK:
-                acc += tl.load(Y + (RANK * C + t)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            else:  # .cg: past L1, which is not coherent with what a peer wrote during this kernel
-                acc += tl.load(mine + (src * C + t)[:, None] * D + cols[None, :], mask=m, other=0.0,
-                               cache_modifier=".cg").to(tl.float32)
         off = t[:, None] * D + cols[None, :]
-        x = (acc.to(dt).to(tl.float32) + tl.load(R + off, mask=m, other=0.0).to(tl.float32)).to(dt)
-        _store_norm(x, R, W, Out, off, cols, m, D, eps)
+        _sum_add_norm(Y + RANK * C * D + off, mine + off, C * D, R, W, Out, off, cols, m, D, eps, RANK, P, ROWS,
+                      BLOCK)
     tl.store(Count + pid, calls + 1)
 
 
@@ -250,6 +253,10 @@ class FusedAllReduceNorm:
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.dim() == 2 and x.is_contiguous() and x.numel() <= self.max_numel
 
+    def calls(self) -> int:
+        """Launches so far (program 0 runs in every one); a diagnostic, it reads the device."""
+        return int(self.sym.count[0, 0])
+
     def __call__(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float,
                  two_shot: bool | None = None) -> torch.Tensor:
         """rms_norm(residual + sum over ranks of x) * weight; residual updated in place."""
@@ -290,6 +297,10 @@ class EPExchange:
     def fits(self, capacity: int) -> bool:
         """Decided on what every rank agrees on (the capacity), so all ranks take the same path."""
         return 0 < capacity <= self.max_capacity
+
+    def calls(self) -> int:
+        """Dispatches so far (program 0 runs in every one); a diagnostic, it reads the device."""
+        return int(self.sym.count[0, 0])
 
     def _launch(self, C: int) -> tuple[int, int]:
         grid = min(C, self.programs)

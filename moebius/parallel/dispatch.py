@@ -61,6 +61,10 @@ class WholeOutputs:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x_TD, residual_TD, weight, eps)
 
+    def combine_add_norm(self, y_TD: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reduce_add_norm(y_TD, residual_TD, weight, eps)
+
 
 class LocalComm(WholeVocab, WholeOutputs):
     """A single rank (P = 1): nothing to exchange."""
@@ -69,20 +73,14 @@ class LocalComm(WholeVocab, WholeOutputs):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
-    def combine_add_norm(self, y_TD: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(y_TD, residual_TD, weight, eps)
-
 
 class SymmetricAllReduce:
-    """Sum across ranks through a symmetric-memory buffer that every GPU of the group maps (torch's
-    `_symmetric_memory`): peers read each other's slice over NVLink, so a decode-sized all-reduce takes a few
-    microseconds less than NCCL's, at every size up to the buffer (measured: benchmarks/results/h200x2-comm.json).
-    No multicast needed. Capture-safe: fixed buffer, device-side barriers. Up to FUSED_MAX_BYTES the sum at the end
-    of a sublayer is one Triton launch with the residual add and the next norm (`kernels.symmetric`: 4.7 µs at one
-    token against NCCL + add_rmsnorm's 7.8, 9.5 against 17.3 at 256; benchmarks/comm_bench.py)."""
+    """Sum across ranks through symmetric memory that every GPU of the group maps (torch's `_symmetric_memory`; no
+    multicast needed; capture-safe). Up to FUSED_MAX_BYTES the sum at the end of a sublayer is one Triton launch
+    with the residual add and the next norm (`fused`, `kernels.symmetric`: 4.7 µs at one token against NCCL +
+    add_rmsnorm's 7.8, 9.5 against 17.3 at 256); above it, up to the buffer, torch's two-shot kernel (reduce-scatter
+    + all-gather: 43.9 µs with add_rmsnorm against NCCL's 55.3 at 8 MiB; benchmarks/results/h200x2-comm.json)."""
 
-    ONE_SHOT_MAX_BYTES = 512 * 1024  # below: every rank reads all peers' data once; above: reduce-scatter + gather
     FUSED_MAX_BYTES = 8 << 20
 
     def __init__(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -99,13 +97,14 @@ class SymmetricAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buf.dtype and x.numel() <= self.buf.numel() and x.is_contiguous()
 
+    def calls(self) -> int:
+        return self.fused.calls()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum. Above ONE_SHOT_MAX_BYTES it is a view of the shared buffer, valid until the next call (the
-        model consumes each reduce's result before the next one)."""
+        """The sum: a view of the shared buffer, valid until the next call (the model consumes each reduce's result
+        before the next one)."""
         buf = self.buf[: x.numel()]
         buf.copy_(x.view(-1))
-        if x.numel() * x.element_size() <= self.ONE_SHOT_MAX_BYTES:
-            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.name).view_as(x)
         torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.name)
         return buf.view_as(x)
 
@@ -226,10 +225,10 @@ class EPComm(WholeVocab, WholeOutputs):
     def combine_add_norm(self, y: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if handle is None:  # a dense layer: its output is whole already
-            return add_rms_norm(y, residual_TD, weight, eps)
+            return self.reduce_add_norm(y, residual_TD, weight, eps)
         T, C, fused = handle
         if fused:
             return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps), residual_TD
         out = y.new_empty((C, y.shape[1]))
         _reduce_scatter(out, y, self.group)
-        return add_rms_norm(out[:T], residual_TD, weight, eps)
+        return self.reduce_add_norm(out[:T], residual_TD, weight, eps)
