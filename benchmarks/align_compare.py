@@ -23,8 +23,10 @@ CASES = [(8, 128, 128, 0, 16), (128, 128, 128, 0, 16), (200, 128, 128, 0, 64), (
          (300, 128, 64, 64, 32)]
 
 
-def check(ids: torch.Tensor, first: int, E: int, BM: int, out: tuple[torch.Tensor, torch.Tensor, int]) -> None:
-    sorted_ids, block_expert, _ = out
+def check(ids: torch.Tensor, first: int, E: int, BM: int, out: object) -> None:
+    """out: align's result, a `fused_moe.Blocks` (or, from older kernels, a (sorted ids, block experts, max blocks)
+    tuple)."""
+    sorted_ids, block_expert = (out[0], out[1]) if isinstance(out, tuple) else (out.rows, out.block_expert)
     flat = ids.flatten()
     rows = sorted_ids.long()
     used = rows < flat.numel()

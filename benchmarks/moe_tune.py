@@ -11,8 +11,10 @@ JSON: per shape the best shapes, their times and the weight bandwidth they reach
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import sys
 import time
 
 import torch
@@ -24,8 +26,8 @@ from moebius.layers.moe import experts_ref
 
 SMALL = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
     (16, 32, 64, 128), (128, 256), ((4, 3), (4, 4), (4, 6)))]
-LARGE = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-    (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4)))]
+LARGE = [fm.KernelConfig(bn, bk, w, s, tma) for bn, bk, (w, s), tma in itertools.product(
+    (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4), (8, 4)), (False, True))]
 
 
 def best_of(configs: list[fm.KernelConfig], run) -> tuple[fm.KernelConfig | None, float]:
@@ -49,6 +51,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[2 ** i for i in range(12)])
     ap.add_argument("--output", default="moe_tune.json")
     ap.add_argument("--old", help="path of a previous fused_moe.py to time for comparison")
+    ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (and them with "
+                    "TMA switched), no search over others")
     a = ap.parse_args()
     hf = PRESETS[a.preset]
     D, I_full, E_all, K = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"], hf["num_experts_per_tok"]
@@ -59,6 +63,7 @@ def main() -> None:
 
         spec = importlib.util.spec_from_file_location("old_moe", a.old)
         old = importlib.util.module_from_spec(spec)
+        sys.modules["old_moe"] = old  # its dataclasses look their module up
         spec.loader.exec_module(old)
     dev = "cuda"
     results = []
@@ -85,34 +90,42 @@ def main() -> None:
             total_us = graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all))
             old_us = graph_time_us(lambda: old.fused_experts(x, w_TK, ids, w13, w2, 0)) if old else None
             bm = cfg.BM
-            s, be, mb = fm.align(ids, 0, E, bm)
-            align_us = graph_time_us(lambda: fm.align(ids, 0, E, bm))
-            h = fm.gate_up(x, w13, s, be, mb, K, bm, cfg.gate_up)
+            blocks = fm.direct(ids, 0, bm) if T * K <= fm.DIRECT_MAX_PAIRS else fm.align(ids, 0, E, bm)
+            align_us = graph_time_us(lambda: fm.align(ids, 0, E, bm))  # (direct blocks skip it)
+            h = fm.gate_up(x, w13, blocks, K, cfg.gate_up)
             wflat = w_TK.reshape(-1).contiguous()
-            y = fm.down(h, w2, s, be, mb, wflat, bm, cfg.down)
+            y = fm.down(h, w2, blocks, wflat, cfg.down)
             sum_us = graph_time_us(lambda: fm.sum_k(y, ids, 0, E))
+            timed_default = {}
+            for name, gu_c, dn_c in [("default", cfg.gate_up, cfg.down),
+                                     ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),
+                                      dataclasses.replace(cfg.down, tma=not cfg.down.tma))]:
+                timed_default[name] = dict(
+                    tma=[gu_c.tma, dn_c.tma], gate_up_us=graph_time_us(lambda c=gu_c: fm.gate_up(x, w13, blocks, K, c)),
+                    down_us=graph_time_us(lambda c=dn_c: fm.down(h, w2, blocks, wflat, c)))
             ppe = local / max(hit, 1)
             rows = []
             bms = [16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128]
-            for bm_try in bms:
-                s2, be2, mb2 = fm.align(ids, 0, E, bm_try)
+            for bm_try in [] if a.no_search else bms:
+                b2 = fm.align(ids, 0, E, bm_try)
                 cands = SMALL if bm_try == 16 else LARGE
-                h2 = fm.gate_up(x, w13, s2, be2, mb2, K, bm_try, cfg.gate_up if bm_try == bm else cands[0])
-                gu = best_of(cands, lambda c: fm.gate_up(x, w13, s2, be2, mb2, K, bm_try, c))
-                dn = best_of(cands, lambda c: fm.down(h2, w2, s2, be2, mb2, wflat, bm_try, c))
+                h2 = fm.gate_up(x, w13, b2, K, cfg.gate_up if bm_try == bm else cands[0])
+                gu = best_of(cands, lambda c: fm.gate_up(x, w13, b2, K, c))
+                dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c))
                 rows.append(dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
                                  down=dn[0].__dict__ if dn[0] else None, down_us=dn[1]))
             wbytes = hit * 3 * I * D * 2
-            best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"])
+            best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default"]
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
-                     old_total_us=old_us, align_us=align_us, sum_us=sum_us, weight_bytes=wbytes,
+                     old_total_us=old_us, align_us=align_us, sum_us=sum_us, **timed_default, weight_bytes=wbytes,
                      floor_us=wbytes / 4.28e12 * 1e6, tried=rows, best=best,
                      best_gemm_TBps=wbytes / (best["gate_up_us"] + best["down_us"]) / 1e6)
             print(json.dumps({k: v for k, v in r.items() if k != "tried"}), flush=True)
             results.append(r)
     json.dump(dict(gpu=torch.cuda.get_device_name(), preset=a.preset, ranks=P, wall_s=time.time() - t0,
-                   results=results), open(a.output, "w"), indent=1)
+                   command="python3 benchmarks/moe_tune.py " + " ".join(sys.argv[1:]), results=results),
+              open(a.output, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """Fused MoE in Triton, four launches per layer at decode sizes: `_align` groups the (token, k) pairs by local
 expert into BM-row blocks (a counting sort; three passes over chunks for many pairs); `_gate_up_silu` computes each
 block's gate and up projections with SwiGLU applied on the way out; `_down` the down projection scaled by the
-routing weight, one row per pair; `_sum_k` adds each token's local pairs in float32. Each block reads only its
-expert's weights, so a decode batch that hits 8 experts reads 8 experts. Everything stays on the device (grid
-sizes are upper bounds fixed by the pair count), so it runs inside CUDA graphs. Block shapes per size come from
-`CONFIGS`. The torch reference is `moebius.layers.moe.experts_ref`.
+routing weight, one row per pair; `_sum_k` adds each token's local pairs in float32. A handful of pairs skips the
+sort (`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch that hits 8
+experts reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair count), so
+it runs inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles come in
+through TMA. The torch reference is `moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ class KernelConfig:
     BK: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # weight tiles (and down's activation tiles) through TMA descriptors, where the GPU has TMA
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,36 @@ CONFIGS: list[tuple[float, MoEConfig]] = [
     (12.0, MoEConfig(16, KernelConfig(64, 128, 4, 3), KernelConfig(128, 128, 4, 3))),
     (24.0, MoEConfig(32, KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3))),
     (96.0, MoEConfig(64, KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 8, 3))),
-    (float("inf"), MoEConfig(128, KernelConfig(64, 64, 8, 3), KernelConfig(128, 64, 8, 3))),
+    # TMA: ~7% faster gate_up and down at 8-16k pairs on H200, no gain at 4k (benchmarks/moe_tune.py --no-search:
+    # `default` vs `tma_switched` in benchmarks/results/h200-moe-tma.json)
+    (float("inf"), MoEConfig(128, KernelConfig(128, 64, 8, 4, tma=True), KernelConfig(128, 64, 8, 3, tma=True))),
 ]
+
+
+@functools.cache
+def tma_available(device_index: int) -> bool:
+    """Hopper or newer, and a Triton with host-side tensor descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> object:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def _use_tma(c: KernelConfig, *tensors: torch.Tensor) -> bool:
+    """TMA wants contiguous tensors (viewed as 2-D) with 16-byte aligned bases and rows."""
+    return c.tma and tensors[0].is_cuda and tma_available(tensors[0].device.index or 0) and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+# Up to this many pairs the GEMMs take one pair per block, unsorted (`direct`): no align launch (~4 us on H200)
+DIRECT_MAX_PAIRS = 32
 
 
 def pick_config(pairs_per_expert: float) -> MoEConfig:
@@ -154,14 +185,27 @@ def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_b
 
 
 @triton.jit
-def _gate_up_silu(X, W13, SortedIds, BlockExpert, Out, N, D, I, E, K_TOP: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr):
+def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr):
+    """Block blk's expert (local index; outside [0, E): nothing to do), the pair of each of its rows (N: none) and
+    the rows it owns of the buffer between the GEMMs. Sorted: Rows holds the sorted pair ids. DIRECT: one pair per
+    block, no sort; Rows holds the routing's expert ids."""
+    i = tl.arange(0, BM)
+    if DIRECT:
+        e = tl.load(Rows + blk).to(tl.int32) - first
+        return e, tl.where(i == 0, blk, N), tl.where(i == 0, blk, 0)
+    else:
+        rows = blk * BM + i
+        return tl.load(BlockExpert + blk), tl.load(Rows + rows), rows
+
+
+@triton.jit
+def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr):
+    """W13: the [E * 2I, D] weights, as a pointer or (TMA) a descriptor of [BN, BK] tiles."""
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
-    e = tl.load(BlockExpert + blk)
-    if e < E:  # blocks past the last expert's are padding
-        rows = blk * BM + tl.arange(0, BM)
-        pair = tl.load(SortedIds + rows)
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
+    if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
         ok = pair < N
         tok = tl.where(ok, pair // K_TOP, 0).to(tl.int64)
         n = nb * BN + tl.arange(0, BN)
@@ -169,13 +213,17 @@ def _gate_up_silu(X, W13, SortedIds, BlockExpert, Out, N, D, I, E, K_TOP: tl.con
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
-        wbase = W13 + e.to(tl.int64) * 2 * I * D
         for k0 in range(0, D, BK):
             km = k0 + kk < D
             a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
-            g = tl.load(wbase + n[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            u = tl.load(wbase + (I + n)[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :],
-                        other=0.0)
+            if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
+                g = W13.load([e * 2 * I + nb * BN, k0])
+                u = W13.load([e * 2 * I + I + nb * BN, k0])
+            else:
+                wbase = W13 + e.to(tl.int64) * 2 * I * D
+                g = tl.load(wbase + n[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                u = tl.load(wbase + (I + n)[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :],
+                            other=0.0)
             acc_g = tl.dot(a, tl.trans(g), acc_g)
             acc_u = tl.dot(a, tl.trans(u), acc_u)
         gb = acc_g.to(Out.dtype.element_ty).to(tl.float32)  # round like the unfused bf16 GEMM output
@@ -186,25 +234,29 @@ def _gate_up_silu(X, W13, SortedIds, BlockExpert, Out, N, D, I, E, K_TOP: tl.con
 
 
 @triton.jit
-def _down(H, W2, SortedIds, BlockExpert, RouteW, Out, N, D, I, E, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr):
+def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr):
+    """H [rows, I] and W2 [E * D, I]: pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and [BN, BK]
+    tiles."""
     nb = tl.program_id(0)
     blk = tl.program_id(1)
-    e = tl.load(BlockExpert + blk)
-    if e < E:
-        rows = blk * BM + tl.arange(0, BM)
-        pair = tl.load(SortedIds + rows)
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
+    if (e >= 0) & (e < E):
         ok = pair < N
         n = nb * BN + tl.arange(0, BN)
         nm = n < D
         kk = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], tl.float32)
-        wbase = W2 + e.to(tl.int64) * D * I
         for k0 in range(0, I, BK):
-            km = k0 + kk < I
-            a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
-                        other=0.0)
-            b = tl.load(wbase + n[:, None] * I + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if TMA:  # padding rows of H hold garbage: their results are never stored
+                a = H.load([blk * BM, k0])
+                b = W2.load([e * D + nb * BN, k0])
+            else:
+                km = k0 + kk < I
+                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
+                            other=0.0)
+                b = tl.load(W2 + e.to(tl.int64) * D * I + n[:, None] * I + (k0 + kk)[None, :],
+                            mask=nm[:, None] & km[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc)
         w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
         y = acc.to(Out.dtype.element_ty).to(tl.float32) * w[:, None]
@@ -226,9 +278,35 @@ def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr):
     tl.store(Out + t * D + cols, acc.to(Out.dtype.element_ty), mask=cm)
 
 
-def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sorted pair ids [max_blocks * BM] int32, N for unused rows; expert of each block [max_blocks] int32, E for
-    unused blocks; max_blocks). max_blocks bounds the blocks any routing of these pairs can need. One program when
+@dataclass
+class Blocks:
+    """The GEMMs' work: programs of BM rows, each row a (token, k) pair of the block's expert."""
+
+    rows: torch.Tensor  # sorted: pair ids [max_blocks * BM] int32 (N: unused row); direct: expert ids [N]
+    block_expert: torch.Tensor | None  # sorted: [max_blocks] int32, E past the last used block; direct: None
+    max_blocks: int
+    BM: int
+    first_expert: int = 0  # direct: the first local expert id
+
+    @property
+    def direct(self) -> bool:
+        return self.block_expert is None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the buffer between the GEMMs (direct: one per pair)."""
+        return self.rows.numel() if self.direct else self.max_blocks * self.BM
+
+
+def direct(ids_TK: torch.Tensor, first_expert: int, BM: int) -> Blocks:
+    """One block per pair, no sort (nothing to launch): for a handful of pairs, where the sort would cost more
+    than reading an expert twice when two pairs share it (never within a token: its top-k are distinct)."""
+    return Blocks(ids_TK.reshape(-1), None, ids_TK.numel(), BM, first_expert)
+
+
+def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> Blocks:
+    """Pairs grouped by local expert into BM-row blocks: sorted pair ids, N for unused rows; the expert of each
+    block, E for unused blocks. max_blocks bounds the blocks any routing of these pairs can need. One program when
     the pairs fit one chunk; else count, plan and scatter passes over chunks (a single program's atomics would
     wait on each other chunk after chunk); the chunk passes spread the padding and the block table over their
     programs, leaving the one-program pass only expert-sized work."""
@@ -255,28 +333,34 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> tuple[tor
                           num_warps=8)
         _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, ends, block_expert, max_blocks,
                                   BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8)
-    return sorted_ids, block_expert, max_blocks
+    return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
-def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-            max_blocks: int, K: int, BM: int, c: KernelConfig) -> torch.Tensor:
+def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: KernelConfig) -> torch.Tensor:
     E, F, D = w13_EFD.shape
     I = F // 2
-    h = torch.empty(max_blocks * BM, I, dtype=x_TD.dtype, device=x_TD.device)
-    _gate_up_silu[(triton.cdiv(I, c.BN), max_blocks)](
-        x_TD, w13_EFD, sorted_ids, block_expert, h, x_TD.shape[0] * K, D, I, E, K_TOP=K, BM=BM, BN=c.BN, BK=c.BK,
+    h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
+    tma = _use_tma(c, w13_EFD)
+    w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
+    _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
+        x_TD, w, blocks.rows, blocks.rows if blocks.direct else blocks.block_expert, h, x_TD.shape[0] * K, D, I, E,
+        blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return h
 
 
-def down(h: torch.Tensor, w2_EDF: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-         max_blocks: int, w_TK: torch.Tensor, BM: int, c: KernelConfig) -> torch.Tensor:
+def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: KernelConfig
+         ) -> torch.Tensor:
     E, D, I = w2_EDF.shape
     N = w_TK.numel()
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
-    _down[(triton.cdiv(D, c.BN), max_blocks)](
-        h, w2_EDF, sorted_ids, block_expert, w_TK, y, N, D, I, E, BM=BM, BN=c.BN, BK=c.BK, num_warps=c.num_warps,
-        num_stages=c.num_stages)
+    tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
+    if tma:
+        h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
+    _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
+        h, w2_EDF, blocks.rows, blocks.rows if blocks.direct else blocks.block_expert, w_TK, y, N, D, I, E,
+        blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     return y
 
 
@@ -302,7 +386,10 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     w_TK = w_TK.reshape(-1)
     if not w_TK.is_contiguous():
         w_TK = w_TK.contiguous()
-    sorted_ids, block_expert, max_blocks = align(ids_TK, first_expert, E, c.BM)
-    h = gate_up(x_TD, w13_EFD, sorted_ids, block_expert, max_blocks, K, c.BM, c.gate_up)
-    y = down(h, w2_EDF, sorted_ids, block_expert, max_blocks, w_TK, c.BM, c.down)
+    if T * K <= DIRECT_MAX_PAIRS:
+        blocks = direct(ids_TK, first_expert, c.BM)
+    else:
+        blocks = align(ids_TK, first_expert, E, c.BM)
+    h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up)
+    y = down(h, w2_EDF, blocks, w_TK, c.down)
     return sum_k(y, ids_TK, first_expert, E)
