@@ -51,8 +51,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[2 ** i for i in range(12)])
     ap.add_argument("--output", default="moe_tune.json")
     ap.add_argument("--old", help="path of a previous fused_moe.py to time for comparison")
-    ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (and them with "
-                    "TMA switched), no search over others")
+    ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
+                    "and `tma_switched`: them with TMA switched), no search over others")
     a = ap.parse_args()
     hf = PRESETS[a.preset]
     D, I_full, E_all, K = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"], hf["num_experts_per_tok"]
@@ -97,7 +97,7 @@ def main() -> None:
             y = fm.down(h, w2, blocks, wflat, cfg.down)
             sum_us = graph_time_us(lambda: fm.sum_k(y, ids, 0, E))
             timed_default = {}
-            for name, gu_c, dn_c in [("default", cfg.gate_up, cfg.down),
+            for name, gu_c, dn_c in [("default_timed", cfg.gate_up, cfg.down),
                                      ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),
                                       dataclasses.replace(cfg.down, tma=not cfg.down.tma))]:
                 timed_default[name] = dict(
@@ -115,7 +115,7 @@ def main() -> None:
                 rows.append(dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
                                  down=dn[0].__dict__ if dn[0] else None, down_us=dn[1]))
             wbytes = hit * 3 * I * D * 2
-            best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default"]
+            best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default_timed"]
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
                      old_total_us=old_us, align_us=align_us, sum_us=sum_us, **timed_default, weight_bytes=wbytes,

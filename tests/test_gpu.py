@@ -8,7 +8,7 @@ import torch
 
 from moebius import LLM, SamplingParams
 from moebius.layers.attention import AttentionMetadata, paged_attention, paged_attention_ref
-from moebius.layers.moe import experts, experts_ref
+from moebius.layers.moe import PairRows, experts, experts_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -277,6 +277,16 @@ def _fused_all_reduce_rank(rank: int, port: int, results: torch.multiprocessing.
         x, res0, _ = case(5)  # eager again after the replays: the call counts moved on inside the graph
         res1 = res0.clone()
         check("eager after graph", x, res0, sym.fused(x, res1, weight, eps), res1)
+        # expert outputs per (token, k) pair, summed inside the kernel: as summed first (`sum_k`), bit for bit
+        for T in (1, 8, 200, 512, 2048):  # one-shot up to PAIRS_ONE_SHOT_MAX_ROWS; 2048: two-shot
+            ids = torch.randint(0, 128, (T, 8), device="cuda")
+            pairs = PairRows(torch.randn(T * 8, D, device="cuda", dtype=torch.bfloat16), ids, 32, 64)
+            res0 = torch.randn(T, D, device="cuda", generator=g, dtype=torch.bfloat16)
+            r1, r2 = res0.clone(), res0.clone()
+            want, got = sym.fused(pairs.sum(), r1, weight, eps), sym.fused.sum_pairs(pairs, r2, weight, eps)
+            if not (torch.equal(want, got) and torch.equal(r1, r2)):
+                failures.append(f"pairs T={T}: out equal {torch.equal(want, got)}, residual equal "
+                                f"{torch.equal(r1, r2)}")
         failures += _ep_exchange_failures(rank, D, eps, weight, g)
         results.put((rank, failures))
     except Exception as e:  # noqa: BLE001 - reported to the test
@@ -297,11 +307,15 @@ def _ep_exchange_failures(rank: int, D: int, eps: float, weight: torch.Tensor, g
     nccl, symm = EPComm(dist.group.WORLD, 2, 64), EPComm(dist.group.WORLD, 2, 64)
     symm.symmetric = EPExchange(dist.group.WORLD, 512, D, K, torch.bfloat16, torch.device("cuda", rank))
 
-    def layer(comm: EPComm, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, res: torch.Tensor
-              ) -> tuple[torch.Tensor, ...]:
+    def layer(comm: EPComm, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, res: torch.Tensor,
+              pairs: bool = False) -> tuple[torch.Tensor, ...]:
         gx, gw, gi, handle = comm.dispatch(x, w, ids)
         y = gx * 3 + gw.sum(-1, keepdim=True)  # stands in for the experts: depends on every gathered input
-        return gx.clone(), gw.clone(), gi.clone(), comm.combine_add_norm(y, handle, res, weight, eps)[0]
+        if pairs:  # per (token, k) pair, k-th scaled by k + 1; rank r's experts are 64 r .. 64 r + 63
+            y = PairRows((y[:, None] * torch.arange(1, K + 1, device="cuda")[None, :, None]).to(y.dtype).flatten(0, 1),
+                         gi, 64 * rank, 64)
+        gx, gw, gi = gx.clone(), gw.clone(), gi.clone()  # (the next dispatch overwrites the symmetric buffers)
+        return gx, gw, gi, comm.combine_add_norm(y, handle, res, weight, eps)[0]
 
     def case(T: int) -> tuple[torch.Tensor, ...]:
         return (torch.randn(T, D, device="cuda", dtype=torch.bfloat16),
@@ -317,8 +331,10 @@ def _ep_exchange_failures(rank: int, D: int, eps: float, weight: torch.Tensor, g
         x, w, ids, res0 = case(T_pair[rank])
         for comm in (nccl, symm):
             comm.capacity = C
-        r1, r2 = res0.clone(), res0.clone()
-        compare(f"eager T={T_pair} C={C}", layer(nccl, x, w, ids, r1), layer(symm, x, w, ids, r2), r1, r2)
+        for pairs in (False, True):
+            r1, r2 = res0.clone(), res0.clone()
+            compare(f"eager T={T_pair} C={C} pairs={pairs}", layer(nccl, x, w, ids, r1, pairs),
+                    layer(symm, x, w, ids, r2, pairs), r1, r2)
     # two layers in one graph, replayed with new inputs
     C, T = 32, (32, 9)[rank]
     symm.capacity = nccl.capacity = C

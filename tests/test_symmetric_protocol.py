@@ -26,18 +26,30 @@ def _shared(numel: int, dtype: torch.dtype, P: int) -> tuple[list[torch.Tensor],
     return ts, torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
 
 
+FIRST, LOCAL = 4, 8  # pair cases: experts 4..11 are this rank's (ids run 0..15)
+
+
+def _pair_sum(y_ND: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """The reference of the kernels' sum over each token's local pairs."""
+    T, K = ids_TK.shape
+    local = ((ids_TK >= FIRST) & (ids_TK < FIRST + LOCAL)).float()
+    return (y_ND.view(T, K, -1) * local[:, :, None]).sum(1)
+
+
 def _allreduce_rank(r: int, P: int, bufs: torch.Tensor, flags: torch.Tensor, calls: list, max_numel: int,
                     programs: int) -> None:
     from moebius.kernels.symmetric import FLAG_STRIDE, _allreduce_add_rmsnorm
 
     count = torch.zeros(programs, dtype=torch.int32)
-    for xs, res0, w, two in calls:
+    for xs, ids, res0, w, two in calls:
         T, N = res0.shape
         res, out = res0.clone(), torch.empty(T, N)
         grid = min(-(-T // P) if two else T, programs)
-        _allreduce_add_rmsnorm[(grid,)](xs[r], res, w, out, bufs, flags, count, T, N, max_numel, 1e-6, RANK=r, P=P,
-                                        MAX_PROGRAMS=programs, STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=N, TWO_SHOT=two)
-        want_res = res0 + sum(xs)
+        K = ids[r].shape[1] if ids else 1
+        _allreduce_add_rmsnorm[(grid,)](xs[r], ids[r] if ids else xs[r], res, w, out, bufs, flags, count, T, N,
+                                        max_numel, FIRST, LOCAL, 1e-6, RANK=r, P=P, MAX_PROGRAMS=programs,
+                                        STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=N, TWO_SHOT=two, K=K, PAIRS=bool(ids))
+        want_res = res0 + sum(_pair_sum(x, i) for x, i in zip(xs, ids, strict=True)) if ids else res0 + sum(xs)
         want = w * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6))
         assert torch.allclose(res, want_res, atol=1e-5) and torch.allclose(out, want, atol=1e-4), (r, T, two)
 
@@ -60,10 +72,13 @@ def _ep_rank(r: int, P: int, ptrs: dict, xw: list, idb: list, calls: list, cmax:
             assert torch.equal(gw[s: s + T], ws[q]) and not gw[s + T: e].any(), (r, q, "w")
             assert torch.equal(gi[s: s + T], ids[q]) and (gi[s + T: e] == -1).all(), (r, q, "ids")
         res, out = res0[r].clone(), torch.empty_like(res0[r])
-        _ep_combine_add_rmsnorm[(min(C, programs),)](ys[r], res, wn, out, Ts[r], C, D, ptrs["y"], ptrs["flags"],
-                                                     count[1], 1e-6, RANK=r, P=P, MAX_PROGRAMS=programs,
-                                                     STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=D)
-        want_res = res0[r] + sum(ys[q][r * C: r * C + Ts[r]] for q in range(P))
+        pairs = ys[r].shape[0] > P * C  # expert outputs per (token, k) pair of the dispatched ids
+        y_sum = [_pair_sum(ys[q], gi) if pairs else ys[q] for q in range(P)]
+        _ep_combine_add_rmsnorm[(min(C, programs),)](ys[r], gi, res, wn, out, Ts[r], C, D, ptrs["y"], ptrs["flags"],
+                                                     count[1], FIRST, LOCAL, 1e-6, RANK=r, P=P,
+                                                     MAX_PROGRAMS=programs, STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=D, K=K,
+                                                     PAIRS=pairs)
+        want_res = res0[r] + sum(y_sum[q][r * C: r * C + Ts[r]] for q in range(P))
         want = wn * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6))
         assert torch.allclose(res, want_res, atol=1e-5) and torch.allclose(out, want, atol=1e-4), (r, Ts, C)
 
@@ -85,8 +100,12 @@ def allreduce_case(P: int) -> None:
     keep, bufs = _shared(2 * 2 * P * max_numel, torch.float32, P)  # keep: the tables hold raw addresses
     keep_flags, flags = _shared(2 * P * programs * FLAG_STRIDE, torch.int32, P)
     g = torch.Generator().manual_seed(P)
-    calls = [([torch.randn(T, N, generator=g) for _ in range(P)], torch.randn(T, N, generator=g), torch.randn(N),
-              two) for T, two in [(3, False), (5, True), (1, False), (7, True), (20, False), (2, True), (9, False)]]
+    calls = []
+    for T, two, K in [(3, False, 0), (5, True, 0), (1, False, 3), (7, True, 3), (20, False, 0), (2, True, 0),
+                      (9, False, 0), (6, False, 3), (11, True, 3), (4, False, 0)]:  # K: pair rows, summed inside
+        xs = [torch.randn(T * max(K, 1), N, generator=g) for _ in range(P)]
+        ids = [torch.randint(0, 16, (T, K), generator=g) for _ in range(P)] if K else []
+        calls.append((xs, ids, torch.randn(T, N, generator=g), torch.randn(N), two))
     _run_ranks(_allreduce_rank, P, bufs, flags, calls, max_numel, programs)
     del keep, keep_flags
 
@@ -107,7 +126,8 @@ def ep_case(P: int) -> None:
         x = [torch.randn(T, D, generator=g) for T in Ts]
         w = [torch.rand(T, K, generator=g) for T in Ts]
         ids = [torch.randint(0, 16, (T, K), generator=g) for T in Ts]
-        y = [torch.randn(P * C, D, generator=g) for _ in range(P)]
+        pairs = len(calls) % 2 == 1  # every other call: expert outputs per (token, k) pair, summed in the combine
+        y = [torch.randn(P * C * (K if pairs else 1), D, generator=g) for _ in range(P)]
         res = [torch.randn(T, D, generator=g) for T in Ts]
         calls.append((Ts, C, x, w, ids, y, res, torch.randn(D)))
     _run_ranks(_ep_rank, P, ptrs, xw, idb, calls, cmax, programs)

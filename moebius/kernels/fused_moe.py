@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.layers.moe import PairRows
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -375,8 +377,9 @@ def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int) -
 
 def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
                   w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None,
-                  config: MoEConfig | None = None) -> torch.Tensor:
-    """num_experts: the model's expert count (local pairs ~ pairs * E_local / num_experts, for block shapes)."""
+                  config: MoEConfig | None = None, keep_pairs: bool = False) -> torch.Tensor | PairRows:
+    """num_experts: the model's expert count (local pairs ~ pairs * E_local / num_experts, for block shapes).
+    keep_pairs: return the outputs per pair, for a consumer that sums them itself (no `_sum_k` launch)."""
     T, K = ids_TK.shape
     E = w13_EFD.shape[0]
     if T == 0:
@@ -391,5 +394,5 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     else:
         blocks = align(ids_TK, first_expert, E, c.BM)
     h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up)
-    y = down(h, w2_EDF, blocks, w_TK, c.down)
-    return sum_k(y, ids_TK, first_expert, E)
+    pairs = PairRows(down(h, w2_EDF, blocks, w_TK, c.down), ids_TK, first_expert, E)
+    return pairs if keep_pairs else pairs.sum()

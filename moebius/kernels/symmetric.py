@@ -28,6 +28,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from moebius.layers.moe import PairRows
+
 FLAG_STRIDE = 32  # int32s between flags: one 128-byte line each, so spinning programs do not share a line
 
 
@@ -63,15 +65,34 @@ def _store_norm(x, R, W, Out, off, cols, m, N, eps):
 
 
 @triton.jit
+def _partial(X, Ids, row, rm, cols, N, first, E, K: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """This rank's partial rows [ROWS, BLOCK] in X's dtype (zero where masked): X's rows `row`, or (PAIRS) for each
+    token row t the sum of its pairs' rows X[t * K + k] whose expert (Ids[t, k] - first) is one of the E local
+    ones, in float32 in k order, rounded once (as fused_moe's `_sum_k`, which this replaces)."""
+    m = rm[:, None] & (cols < N)[None, :]
+    if PAIRS:
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            e = tl.load(Ids + row.to(tl.int64) * K + k, mask=rm, other=-1) - first
+            ok = (e >= 0) & (e < E)
+            src = X + (row.to(tl.int64) * K + k)[:, None] * N + cols[None, :]
+            acc += tl.load(src, mask=m & ok[:, None], other=0.0).to(tl.float32)
+        return acc.to(X.dtype.element_ty)
+    else:
+        return tl.load(X + row[:, None] * N + cols[None, :], mask=m, other=0.0)
+
+
+@triton.jit
 def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK: tl.constexpr, P: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows summed over ranks in rank order (so every rank rounds the same sum): this rank's partial at `own`, rank
-    r's as received at `peers + r * peer_stride`; then residual + sum and its RMSNorm stored. Returns the new
+    """Rows summed over ranks in rank order (so every rank rounds the same sum): this rank's partial rows `own`,
+    rank r's as received at `peers + r * peer_stride`; then residual + sum and its RMSNorm stored. Returns the new
     residual rows (rounded as the unfused path rounds: the sum, then residual + sum, then the norm)."""
     acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for r in tl.static_range(P):
         if r == RANK:
-            acc += tl.load(own, mask=m, other=0.0).to(tl.float32)
+            acc += own.to(tl.float32)
         else:  # .cg: past L1, which is not coherent with what a peer wrote during this kernel
             acc += tl.load(peers + r * peer_stride, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     dt = R.dtype.element_ty
@@ -81,9 +102,9 @@ def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK
 
 
 @triton.jit
-def _allreduce_add_rmsnorm(X, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, eps, RANK: tl.constexpr,
+def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, first, E, eps, RANK: tl.constexpr,
                            P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr):
+                           BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
     # Each rank's buffer: [2 slots][2 phases][P source ranks][rows, N], rows at their index in the batch. Rows
     # travel as posted NVLink stores into the peer's buffer (pushed: 1.5-2x faster than reading the peer's, which
     # waits a round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
@@ -91,6 +112,8 @@ def _allreduce_add_rmsnorm(X, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, ep
     # One-shot: every rank receives every row and sums them all.
     # Two-shot: a program's j-th row belongs to rank j % P; each rank receives the partials of its rows, sums,
     # adds and norms them, and pushes the new residual rows to the peers (phase 1), which norm them too.
+    # PAIRS: X holds expert outputs per (token, k) pair, summed here over each token's local pairs (`_partial`);
+    # one-shot keeps its own partial rows in its own section of its buffer (which no peer writes) for phase 1.
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     k = tl.arange(0, ROWS)
@@ -106,9 +129,13 @@ def _allreduce_add_rmsnorm(X, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, ep
         off = row[:, None] * N + cols[None, :]  # int32: the buffer holds far fewer than 2^31 elements
         m = (row < T)[:, None] & (cols < N)[None, :]
         owner = (j % P)[:, None]
+        rm = row < T
         if TWO_SHOT:
             m = m & (owner != RANK)
-        x = tl.load(X + off, mask=m)
+            rm = rm & (j % P != RANK)
+        x = _partial(X, Ids, row, rm, cols, N, first, E, K, PAIRS, ROWS, BLOCK)
+        if PAIRS and not TWO_SHOT:
+            tl.store(mine + ((slot * 2) * P + RANK) * sec_numel + off, x, mask=m)
         for r in tl.static_range(P):
             if r != RANK:
                 dst = tl.load(Bufs + r).to(tl.pointer_type(dt)) + ((slot * 2) * P + RANK) * sec_numel
@@ -123,9 +150,15 @@ def _allreduce_add_rmsnorm(X, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, ep
         off = row[:, None] * N + cols[None, :]
         m = (row < T)[:, None] & (cols < N)[None, :]
         owner = (j % P)[:, None]
+        rm = row < T
         if TWO_SHOT:
             m = m & (owner == RANK)
-        x = _sum_add_norm(X + off, mine + (slot * 2) * P * sec_numel + off, sec_numel, R, W, Out, off, cols, m, N,
+            rm = rm & (j % P == RANK)
+        if PAIRS and not TWO_SHOT:
+            own = tl.load(mine + ((slot * 2) * P + RANK) * sec_numel + off, mask=m, other=0.0)
+        else:  # two-shot: rows of this rank's share, not read before
+            own = _partial(X, Ids, row, rm, cols, N, first, E, K, PAIRS, ROWS, BLOCK)
+        x = _sum_add_norm(own, mine + (slot * 2) * P * sec_numel + off, sec_numel, R, W, Out, off, cols, m, N,
                           eps, RANK, P, ROWS, BLOCK)
         if TWO_SHOT:
             for r in tl.static_range(P):
@@ -180,10 +213,13 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
 
 
 @triton.jit
-def _ep_combine_add_rmsnorm(Y, R, W, Out, T, C, D, Bufs, Flags, Count, eps, RANK: tl.constexpr, P: tl.constexpr,
-                            MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    # Y [P * C, D]: this rank's expert outputs for every rank's tokens; rank q's rows go to q's buffer at RANK * C
+def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, first, E, eps, RANK: tl.constexpr,
+                            P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
+    # Y [P * C, D]: this rank's expert outputs for every rank's tokens; rank q's rows go to q's buffer at RANK * C.
+    # PAIRS: Y [P * C * K, D] per (token, k) pair, summed over the local pairs here (`_partial`; Ids: the dispatched
+    # ids, in the dispatch buffer, which a peer's next dispatch may overwrite once this rank has raised its flag:
+    # so this rank's own rows are summed before it, into its own section of its buffer, which no peer writes).
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     k = tl.arange(0, ROWS)
@@ -196,17 +232,25 @@ def _ep_combine_add_rmsnorm(Y, R, W, Out, T, C, D, Bufs, Flags, Count, eps, RANK
         m = (t < C)[:, None] & (cols[None, :] < D)
         for q in tl.static_range(P):
             if q != RANK:
-                y = tl.load(Y + (q * C + t)[:, None] * D + cols[None, :], mask=m)
+                y = _partial(Y, Ids, q * C + t, t < C, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
                 dst = tl.load(Bufs + q).to(tl.pointer_type(dt))
                 tl.store(dst + (RANK * C + t)[:, None] * D + cols[None, :], y, mask=m)
+            elif PAIRS:
+                y = _partial(Y, Ids, q * C + t, t < T, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
+                mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
+                tl.store(mine + (RANK * C + t)[:, None] * D + cols[None, :], y, mask=m)
     _flag_and_wait(Flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
     mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
     for it in range(0, iters):
         t = pid + (it * ROWS + k) * G
         m = (t < T)[:, None] & (cols[None, :] < D)
         off = t[:, None] * D + cols[None, :]
-        _sum_add_norm(Y + RANK * C * D + off, mine + off, C * D, R, W, Out, off, cols, m, D, eps, RANK, P, ROWS,
-                      BLOCK)
+        if PAIRS:
+            own = tl.load(mine + RANK * C * D + off, mask=m, other=0.0)
+        else:
+            own = _partial(Y, Ids, RANK * C + t, t < T, cols, D, first, E, K, PAIRS, ROWS,
+                           BLOCK)
+        _sum_add_norm(own, mine + off, C * D, R, W, Out, off, cols, m, D, eps, RANK, P, ROWS, BLOCK)
     tl.store(Count + pid, calls + 1)
 
 
@@ -263,19 +307,48 @@ class FusedAllReduceNorm:
         if not self.fits(x_TD):
             raise ValueError(f"fused all-reduce takes contiguous [T, D] {self.dtype} of at most {self.max_numel} "
                              f"elements, not {x_TD.dtype} {tuple(x_TD.shape)}")
-        T, N = x_TD.shape
-        out = torch.empty_like(x_TD)
+        return self._launch(x_TD, None, residual_TD, weight, eps, two_shot)
+
+    # One-shot calls of more rows sum pairs slower inside than `_sum_k` does before it (its grid is far wider):
+    # 30B TP on 2x H200 at 1024 tokens, 23.02 ms a step summing inside against 22.73 ms; two-shot (each rank sums
+    # half the rows) and fewer rows gain (2048 tokens: 35.35 against 35.94 ms; 256: 12.78 against 12.86)
+    PAIRS_ONE_SHOT_MAX_ROWS = 512
+
+    def fits_pairs(self, pairs: PairRows) -> bool:
+        """Whether `sum_pairs` takes these (else sum them first and call)."""
+        T, K = pairs.ids_TK.shape
+        y = pairs.y_ND
+        two_shot = T * y.shape[1] * y.element_size() >= self.TWO_SHOT_MIN_BYTES
+        return (y.dtype == self.dtype and y.is_contiguous() and pairs.ids_TK.is_contiguous()
+                and y.shape[0] == T * K and T * y.shape[1] <= self.max_numel
+                and (two_shot or T <= self.PAIRS_ONE_SHOT_MAX_ROWS))
+
+    def sum_pairs(self, pairs: PairRows, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float,
+                  two_shot: bool | None = None) -> torch.Tensor:
+        """As the call, where x is each token's sum over its local pairs' expert outputs (summed in the kernel)."""
+        if not self.fits_pairs(pairs):
+            raise ValueError(f"fused all-reduce takes contiguous pair rows of [T, D] {self.dtype} of at most "
+                             f"{self.max_numel} elements, not {pairs.y_ND.dtype} {tuple(pairs.y_ND.shape)} for "
+                             f"{tuple(pairs.ids_TK.shape)} pairs")
+        return self._launch(pairs.y_ND, pairs, residual_TD, weight, eps, two_shot)
+
+    def _launch(self, x: torch.Tensor, pairs: PairRows | None, residual_TD: torch.Tensor, weight: torch.Tensor,
+                eps: float, two_shot: bool | None) -> torch.Tensor:
+        T, N = residual_TD.shape
+        out = torch.empty_like(residual_TD)
         if two_shot is None:
-            two_shot = x_TD.numel() * x_TD.element_size() >= self.TWO_SHOT_MIN_BYTES
+            two_shot = T * N * x.element_size() >= self.TWO_SHOT_MIN_BYTES
         if T:
             # two-shot: at least P rows per program, so that each program's rows alternate between owners
             grid = min(-(-T // self.P) if two_shot else T, self.programs)
             rows = min(self.max_rows, triton.next_power_of_2(-(-T // grid)))
+            ids = pairs.ids_TK if pairs else x  # (not read without pairs)
             _allreduce_add_rmsnorm[(grid,)](
-                x_TD, residual_TD, weight, out, self.sym.ptrs["rows"], self.sym.ptrs["flags"], self.sym.count[0], T,
-                N, self.max_numel, eps, RANK=self.rank, P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS,
-                STRIDE=FLAG_STRIDE, ROWS=rows, BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot,
-                num_warps=self.num_warps)
+                x, ids, residual_TD, weight, out, self.sym.ptrs["rows"], self.sym.ptrs["flags"], self.sym.count[0],
+                T, N, self.max_numel, pairs.first_expert if pairs else 0, pairs.num_local if pairs else 0, eps,
+                RANK=self.rank, P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
+                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=ids.shape[1] if pairs else 1,
+                PAIRS=pairs is not None, num_warps=self.num_warps)
         return out
 
 
@@ -293,6 +366,10 @@ class EPExchange:
         self.P, self.rank, self.max_capacity = P, self.sym.rank, max_capacity
         self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
+
+    # Past this capacity the combine sums expert outputs per pair slower than `_sum_k` before it (30B EP on
+    # 2x H200, 1024 tokens a rank: 33.62 ms a step against 33.42; at 512, 21.39 against 21.53 ms)
+    PAIRS_MAX_CAPACITY = 512
 
     def fits(self, capacity: int) -> bool:
         """Decided on what every rank agrees on (the capacity), so all ranks take the same path."""
@@ -324,14 +401,23 @@ class EPExchange:
         return (xw[: n * D].view(n, D), xw[self.w_offset: self.w_offset + n * K].view(n, K),
                 self.sym.bufs["ids"][: n * K].view(n, K))
 
-    def combine_add_norm(self, y_ND: torch.Tensor, num_tokens: int, capacity: int, residual_TD: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """rms_norm(residual + this rank's tokens' rows summed over ranks) * weight; residual updated in place."""
+    def combine_add_norm(self, y: torch.Tensor | PairRows, num_tokens: int, capacity: int,
+                         residual_TD: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(residual + this rank's tokens' rows summed over ranks) * weight; residual updated in place.
+        y: [P * C, D], or the expert outputs per pair of those rows (summed here over each token's local pairs)."""
         C, D = capacity, self.hidden
+        pairs = y if isinstance(y, PairRows) else None
+        y_ND, ids = (pairs.y_ND, pairs.ids_TK) if pairs else (y, y)
+        rows_in = self.P * C * (ids.shape[1] if pairs else 1)
+        if y_ND.shape != (rows_in, D) or (pairs and ids.shape[0] != self.P * C):
+            raise ValueError(f"EP combine of capacity {C} wants [{rows_in}, {D}] rows, got {tuple(y_ND.shape)}")
         out = torch.empty_like(residual_TD)
         grid, rows = self._launch(C)
         _ep_combine_add_rmsnorm[(grid,)](
-            y_ND.contiguous(), residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"], self.sym.ptrs["flags"],
-            self.sym.count[1], eps, RANK=self.rank, P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS,
-            STRIDE=FLAG_STRIDE, ROWS=rows, BLOCK=triton.next_power_of_2(D), num_warps=self.num_warps)
+            y_ND.contiguous(), ids, residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"],
+            self.sym.ptrs["flags"], self.sym.count[1], pairs.first_expert if pairs else 0,
+            pairs.num_local if pairs else 0, eps, RANK=self.rank, P=self.P,
+            MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
+            BLOCK=triton.next_power_of_2(D), K=ids.shape[1] if pairs else 1, PAIRS=pairs is not None,
+            num_warps=self.num_warps)
         return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,28 @@ from moebius.kernels import moe as kmoe
 from moebius.kernels import triton_available
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
+
+
+@dataclass
+class PairRows:
+    """Expert outputs per (token, k) pair before the sum over k (the GPU path hands these to the sublayer-end
+    exchange, which sums them on the way): row t * K + k holds pair (t, k)'s weighted output when its expert is one
+    of the `num_local` from `first_expert`; other rows are never written."""
+
+    y_ND: torch.Tensor  # [T * K, D]
+    ids_TK: torch.Tensor
+    first_expert: int
+    num_local: int
+
+    def sum(self) -> torch.Tensor:
+        """[T, D]: each token's sum over its local pairs (float32 in k order, rounded once)."""
+        from moebius.kernels.fused_moe import sum_k
+
+        return sum_k(self.y_ND, self.ids_TK, self.first_expert, self.num_local)
+
+
+def summed(y: torch.Tensor | PairRows) -> torch.Tensor:
+    return y.sum() if isinstance(y, PairRows) else y
 
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -37,14 +61,17 @@ def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor) -> 
 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-            w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None) -> torch.Tensor:
+            w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None, keep_pairs: bool = False
+            ) -> torch.Tensor | PairRows:
     """Grouped GEMMs on the GPU (bf16); a sync-free dense loop on the GPU in other dtypes; the torch reference on
-    the CPU. num_experts (the model's, when only some are local) picks the fused kernel's block shapes."""
+    the CPU. num_experts (the model's, when only some are local) picks the fused kernel's block shapes.
+    keep_pairs: the fused kernel's outputs may come back per pair (`PairRows`), unsummed."""
     if x_TD.is_cuda:
         if x_TD.dtype == torch.bfloat16 and kmoe.BACKEND == "triton" and triton_available():
             from moebius.kernels.fused_moe import fused_experts
 
-            return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, num_experts)
+            return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, num_experts,
+                                 keep_pairs=keep_pairs)
         if x_TD.dtype == torch.bfloat16 and grouped_mm_available():
             return fast_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
         return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)

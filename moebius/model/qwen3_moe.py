@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from moebius.config import ModelConfig
 from moebius.layers.attention import AttentionMetadata, paged_attention, qk_norm_rope_kv
-from moebius.layers.moe import dense_mlp, experts, route
+from moebius.layers.moe import PairRows, dense_mlp, experts, route
 from moebius.layers.norm import rms_norm
 from moebius.parallel.dispatch import Communicator
 
@@ -69,15 +69,17 @@ def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: Att
     return F.linear(o.flatten(1), w.o_DQ)
 
 
-def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator) -> tuple[torch.Tensor, Any]:
-    """This rank's expert outputs for the tokens dispatched to it, and the handle that combines them."""
+def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator
+        ) -> tuple[torch.Tensor | PairRows, Any]:
+    """This rank's expert outputs for the tokens dispatched to it (per (token, k) pair where the combine sums them),
+    and the handle that combines them."""
     w_TK, ids_TK = route(x_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob)
     x, w_TK, ids_TK, handle = comm.dispatch(x_TD, w_TK, ids_TK)
-    return experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts), handle
+    return experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True), handle
 
 
 def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator
-        ) -> tuple[torch.Tensor, Any]:
+        ) -> tuple[torch.Tensor | PairRows, Any]:
     if isinstance(w, MoEWeights):
         return moe(x_TD, w, cfg, comm)
     return dense_mlp(x_TD, w.w13_FD, w.w2_DF), None  # no dispatch: nothing to combine

@@ -7,7 +7,8 @@
   their experts, and bring the weighted expert outputs back, ending the sublayer as `reduce_add_norm` does. TP:
   every rank holds a shard of every expert, so dispatch is the identity and the combine is `reduce_add_norm`. EP:
   all-gather of tokens and reduce-scatter of outputs (fused with the add and norm on GPUs). A handle of None (a
-  dense MLP layer) is no combine.
+  dense MLP layer) is no combine. The fused GPU experts hand their outputs per (token, k) pair (`PairRows`); the
+  symmetric-memory kernels sum each token's pairs as they read them, every other path sums them first.
 - `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
   (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks'
   local best (a [T, 2] all-gather of per-id scores) and whole logits (top-k / top-p, stop masks, prompt logits) are
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from moebius.layers.moe import PairRows, summed
 from moebius.layers.norm import add_rms_norm
 
 
@@ -31,8 +33,8 @@ class Communicator(Protocol):
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
-    def combine_add_norm(self, y: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
 
@@ -61,9 +63,9 @@ class WholeOutputs:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x_TD, residual_TD, weight, eps)
 
-    def combine_add_norm(self, y_TD: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.reduce_add_norm(y_TD, residual_TD, weight, eps)
+    def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
 
 
 class LocalComm(WholeVocab, WholeOutputs):
@@ -148,9 +150,12 @@ class TPComm:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
-    def combine_add_norm(self, y_TD: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.reduce_add_norm(y_TD, residual_TD, weight, eps)  # a partial sum over the expert shards
+    def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """y: a partial sum over the expert shards (per pair: summed inside the fused all-reduce)."""
+        if isinstance(y, PairRows) and self.symmetric is not None and self.symmetric.fused.fits_pairs(y):
+            return self.symmetric.fused.sum_pairs(y, residual_TD, weight, eps), residual_TD
+        return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
 
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
         """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
@@ -222,13 +227,16 @@ class EPComm(WholeVocab, WholeOutputs):
         # padding rows get expert id -1: no rank owns it, so they cost no expert compute
         return self._gather(x_TD, 0.0), self._gather(w_TK, 0.0), self._gather(ids_TK, -1), (T, C, False)
 
-    def combine_add_norm(self, y: torch.Tensor, handle: Any, residual_TD: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if handle is None:  # a dense layer: its output is whole already
-            return self.reduce_add_norm(y, residual_TD, weight, eps)
+            return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
         T, C, fused = handle
-        if fused:
+        if fused:  # expert outputs per pair are summed inside the exchange, up to a capacity
+            if C > self.symmetric.PAIRS_MAX_CAPACITY:
+                y = summed(y)
             return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps), residual_TD
+        y = summed(y)
         out = y.new_empty((C, y.shape[1]))
         _reduce_scatter(out, y, self.group)
         return self.reduce_add_norm(out[:T], residual_TD, weight, eps)
