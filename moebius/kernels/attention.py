@@ -19,10 +19,12 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
               PAGE: tl.constexpr, PREC: tl.constexpr):
-    b = tl.program_id(0)
+    # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
+    # head of a token is one run of bytes) are read together
+    kvh = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     mblk = tl.program_id(1)
-    kvh = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    b = tl.program_id(2)
     q0 = tl.load(QStart + b)
     qlen = tl.load(QStart + b + 1) - q0
     seq_len = tl.load(SeqLens + b)
@@ -65,7 +67,7 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
                      out.to(Out.dtype.element_ty), mask=valid[:, None])
         else:
             # partials of token t, head h, split s at ((t * H + h) * NUM_SPLITS + s)
-            H = tl.num_programs(2) // NUM_SPLITS * G
+            H = tl.num_programs(0) // NUM_SPLITS * G
             idx = ((q0 + tok) * H + head) * NUM_SPLITS + split
             tl.store(PartAcc + idx[:, None] * D + d[None, :], acc, mask=valid[:, None])
             tl.store(PartML + idx * 2, m_i, mask=valid)
@@ -115,7 +117,9 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
         return out
     BM = max(1, (16 if max_query_len == 1 else 64) // G)
     BN, stages = _decode_tiles(B * kvh, num_splits, D) if max_query_len == 1 else (64 if D <= 128 else 32, 3)
-    grid = (B, triton.cdiv(max_query_len, BM), kvh * num_splits)
+    if B > 65535:
+        raise ValueError(f"paged attention takes at most 65535 sequences a launch (the grid's third axis), not {B}")
+    grid = (kvh * num_splits, triton.cdiv(max_query_len, BM), B)
     if num_splits > 1:
         part_acc = torch.empty(T * H * num_splits, D, dtype=torch.float32, device=q_THd.device)
         part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_THd.device)
