@@ -1,0 +1,98 @@
+"""Triton kernels on the CPU under the Triton interpreter, against their torch references, in float32 (the
+interpreter's bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful
+of pairs, the one-program align and the chunked align passes, all local experts and a slice of them as in EP) and
+paged attention (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over
+shuffled block tables). The interpreter is chosen when Triton defines the kernels, so the cases run in a fresh
+interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs
+the same kernels compiled, in bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+# (tokens, experts of the model, local experts, first local expert): top-4, so 4 * tokens pairs
+CASES = [(1, 16, 16, 0), (6, 16, 8, 8), (8, 16, 16, 0), (40, 16, 8, 8), (300, 16, 16, 0), (700, 8, 8, 0)]
+
+
+def moe_cases() -> None:
+    from moebius.kernels import fused_moe as fm
+    from moebius.layers.moe import experts_ref
+
+    g = torch.Generator().manual_seed(0)
+    K, D, I = 4, 64, 32
+    for T, E_all, E, first in CASES:
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g).softmax(-1)
+        w13 = torch.randn(E, 2 * I, D, generator=g) * 0.1
+        w2 = torch.randn(E, D, I, generator=g) * 0.1
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
+        ref = experts_ref(x, w, ids, w13, w2, first)
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (T, E, first, err)
+
+
+def attention_cases() -> None:
+    from moebius.kernels.attention import paged_attention
+    from moebius.layers.attention import AttentionMetadata, paged_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    bs, pages = 16, 96
+    for heads, kvh, d in [(8, 2, 64), (4, 4, 32)]:
+        for ctx, q_lens in [([1, 17, 100, 64], [1] * 4), ([5, 40], [5, 40]), ([40, 33, 90, 9], [1, 20, 1, 9])]:
+            perm = torch.randperm(pages - 1, generator=g) + 1  # shuffled pages; page 0 is the padding page
+            width = max(-(-c // bs) for c in ctx)
+            table = torch.zeros(len(ctx), width, dtype=torch.int32)
+            used = 0
+            for i, c in enumerate(ctx):
+                n = -(-c // bs)
+                table[i, :n] = perm[used: used + n].int()
+                used += n
+            qsl = torch.tensor([0] + q_lens).cumsum(0)
+            seq = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(q_lens))
+            qpos = torch.arange(int(qsl[-1])) - qsl[:-1][seq]
+            positions = torch.tensor(ctx)[seq] - torch.tensor(q_lens)[seq] + qpos
+            slots = table[seq, positions // bs].long() * bs + positions % bs
+            meta = AttentionMetadata(positions, slots, qsl, torch.tensor(ctx), table, seq, qpos, max(q_lens),
+                                     max(ctx), bs)
+            cache = torch.randn(pages, 2, bs, kvh, d, generator=g)
+            q = torch.randn(int(qsl[-1]), heads, d, generator=g)
+            ref = paged_attention_ref(q, cache, meta, d ** -0.5)
+            for splits in [1, 4] if max(q_lens) == 1 else [1]:
+                out = paged_attention(q, cache, table, meta.seq_lens, qsl, max(q_lens), d ** -0.5, splits)
+                err = ((out - ref).norm() / ref.norm()).item()
+                assert err < 1e-5, (heads, kvh, q_lens, splits, err)
+
+
+def test_fused_experts_under_the_interpreter() -> None:
+    from moebius.kernels import fused_moe as fm
+
+    pairs = [4 * c[0] for c in CASES]
+    assert min(pairs) <= fm.DIRECT_MAX_PAIRS < max(pairs)  # both block kinds
+    assert max(pairs) > 1024  # the chunked align passes (one program takes up to 1024 pairs)
+    _run("moe")
+
+
+def test_paged_attention_under_the_interpreter() -> None:
+    _run("attention")
+
+
+def _run(case: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), case], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    {"moe": moe_cases, "attention": attention_cases}[sys.argv[1]]()
