@@ -19,6 +19,12 @@ until each peer's flag for p has reached n + 1. No host-side state, so the kerne
   add + norm). One buffer each, no slots: a dispatch writes a peer's buffer only after the combine before it waited
   for the peer's combine, which the peer starts only after its experts finished reading its dispatch buffer; and
   the other way round. Reference: `EPComm`'s NCCL all-gather / reduce-scatter path.
+
+Both sublayer-end kernels also take the MoE's outputs per (token, k) pair (`layers.moe.PairRows`) and sum each
+token's local pairs as they read them (`_partial`, as fused_moe's `_sum_k` would before them), up to the sizes
+where the separate sum measured faster. A rank's own partial rows, where it needs them after raising its flag, go
+to its own section of its buffer first (no peer writes there): the EP combine must not read the dispatched ids
+then, since a peer's next dispatch may already be overwriting them.
 """
 
 from __future__ import annotations
