@@ -1,0 +1,65 @@
+"""`moebius bench sweep` end to end on the CPU (the built-in tiny model's shapes, two gloo ranks, dummy weights), and
+the recorded sweeps in benchmarks/results: both in the form the GPU issue asks for (a list `points`, one per (mode,
+batch), with the step, its floor and their ratio; top-level gpu, num_gpus, preset, command)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from moebius.model.builtin import builtin_hf_config
+
+POINT_FIELDS = {"mode", "batch", "context_len", "step_ms", "floor_ms", "ratio_to_floor", "tokens_per_s", "cuda_graph"}
+TOP_FIELDS = {"gpu", "num_gpus", "preset", "command", "points", "crossover_batch"}
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+
+
+def check_sweep(result: dict[str, Any], modes: set[str]) -> None:
+    assert TOP_FIELDS <= result.keys(), TOP_FIELDS - result.keys()
+    timed = [p for p in result["points"] if "error" not in p]
+    for p in timed:
+        assert POINT_FIELDS <= p.keys(), (p["mode"], p["batch"], POINT_FIELDS - p.keys())
+        assert p["step_ms"] > 0 and p["floor_ms"] > 0
+        assert abs(p["ratio_to_floor"] - p["step_ms"] / p["floor_ms"]) < 1e-9 * p["ratio_to_floor"]
+        assert abs(p["tokens_per_s"] - p["batch"] / p["step_ms"] * 1e3) < 1e-6 * p["tokens_per_s"]
+    assert modes <= {p["mode"] for p in timed}
+    for mode in ("tp", "ep"):
+        batches = [p["batch"] for p in timed if p["mode"] == mode]
+        assert len(batches) == len(set(batches)), f"{mode}: a batch measured twice"
+
+
+def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(builtin_hf_config()))
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "sweep", "--model", str(model), "--num-ranks",
+           "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
+           "--switch-repeats", "1", "--output", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    check_sweep(result, {"tp", "ep"})
+    assert result["num_gpus"] == 2 and result["gpu"] == "cpu"
+    assert sorted((p["mode"], p["batch"]) for p in result["points"]) == sorted(
+        (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
+    assert all("eager_step_ms" in p for p in result["points"] if p["batch"] <= 2)  # --eager-up-to 2
+    # the switches after the sweep, each measured against its transfer
+    done = [s for s in result["switches"] if s.get("done")]
+    assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)
+    assert set(result["switch_overhead_median_ms"]) == {"tp", "ep"}
+
+
+def test_recorded_sweeps_have_the_asked_form() -> None:
+    paths = sorted(glob.glob(os.path.join(RESULTS, "*sweep*.json")))
+    assert paths, "no sweep recorded in benchmarks/results"
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        check_sweep(result, {"tp", "ep"})
+        assert result["command"].startswith("moebius bench sweep"), path
+        assert result["gpu"] != "cpu", path  # the recorded ones come from the GPU machine
