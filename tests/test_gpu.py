@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import paged_metadata
 
 from moebius import LLM, SamplingParams
-from moebius.layers.attention import AttentionMetadata, paged_attention, paged_attention_ref
+from moebius.layers.attention import paged_attention, paged_attention_ref
 from moebius.layers.moe import PairRows, experts, experts_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -15,27 +16,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _metadata(q_lens: list[int], ctx: list[int], bs: int, pages: int, dev: str) -> AttentionMetadata:
-    """Random distinct page tables for sequences holding ctx[i] tokens (the last q_lens[i] of them new)."""
-    g = torch.Generator().manual_seed(1)
-    perm = torch.randperm(pages - 1, generator=g) + 1
-    width = max(-(-c // bs) for c in ctx)
-    table = torch.zeros(len(ctx), width, dtype=torch.int32)
-    used = 0
-    for i, c in enumerate(ctx):
-        n = -(-c // bs)
-        table[i, :n] = perm[used: used + n].int()
-        used += n
-    qsl = torch.tensor([0] + q_lens).cumsum(0)
-    seq = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(q_lens))
-    qpos = torch.arange(int(qsl[-1])) - qsl[:-1][seq]
-    positions = torch.tensor(ctx)[seq] - torch.tensor(q_lens)[seq] + qpos
-    slots = table[seq, positions // bs].long() * bs + positions % bs
-    t = lambda x: x.to(dev)  # noqa: E731
-    return AttentionMetadata(t(positions), t(slots), t(qsl), t(torch.tensor(ctx)), t(table), t(seq), t(qpos),
-                             max(q_lens), max(ctx), bs)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (16, 2, 128), (4, 4, 64), (32, 4, 128)])
@@ -50,7 +30,7 @@ def test_paged_attention_matches_reference(heads: int, kv_heads: int, head_dim: 
         q_lens = list(ctx)
     else:
         ctx, q_lens = [40, 33, 500, 9], [1, 20, 1, 9]
-    meta = _metadata(q_lens, ctx, bs, pages, "cuda")
+    meta = paged_metadata(q_lens, ctx, bs, pages, "cuda")
     cache = torch.randn(pages, 2, bs, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16)
     ref = paged_attention_ref(q.float(), cache.float(), meta, head_dim ** -0.5)

@@ -41,33 +41,22 @@ def moe_cases() -> None:
 
 
 def attention_cases() -> None:
+    from attention_cases import paged_metadata
+
     from moebius.kernels.attention import paged_attention
-    from moebius.layers.attention import AttentionMetadata, paged_attention_ref
+    from moebius.layers.attention import paged_attention_ref
 
     g = torch.Generator().manual_seed(0)
     bs, pages = 16, 96
     for heads, kvh, d in [(8, 2, 64), (4, 4, 32)]:
         for ctx, q_lens in [([1, 17, 100, 64], [1] * 4), ([5, 40], [5, 40]), ([40, 33, 90, 9], [1, 20, 1, 9])]:
-            perm = torch.randperm(pages - 1, generator=g) + 1  # shuffled pages; page 0 is the padding page
-            width = max(-(-c // bs) for c in ctx)
-            table = torch.zeros(len(ctx), width, dtype=torch.int32)
-            used = 0
-            for i, c in enumerate(ctx):
-                n = -(-c // bs)
-                table[i, :n] = perm[used: used + n].int()
-                used += n
-            qsl = torch.tensor([0] + q_lens).cumsum(0)
-            seq = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(q_lens))
-            qpos = torch.arange(int(qsl[-1])) - qsl[:-1][seq]
-            positions = torch.tensor(ctx)[seq] - torch.tensor(q_lens)[seq] + qpos
-            slots = table[seq, positions // bs].long() * bs + positions % bs
-            meta = AttentionMetadata(positions, slots, qsl, torch.tensor(ctx), table, seq, qpos, max(q_lens),
-                                     max(ctx), bs)
+            meta = paged_metadata(q_lens, ctx, bs, pages, "cpu", seed=len(ctx) + heads)
             cache = torch.randn(pages, 2, bs, kvh, d, generator=g)
-            q = torch.randn(int(qsl[-1]), heads, d, generator=g)
+            q = torch.randn(sum(q_lens), heads, d, generator=g)
             ref = paged_attention_ref(q, cache, meta, d ** -0.5)
             for splits in [1, 4] if max(q_lens) == 1 else [1]:
-                out = paged_attention(q, cache, table, meta.seq_lens, qsl, max(q_lens), d ** -0.5, splits)
+                out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.max_query_len, d ** -0.5, splits)
                 err = ((out - ref).norm() / ref.norm()).item()
                 assert err < 1e-5, (heads, kvh, q_lens, splits, err)
 

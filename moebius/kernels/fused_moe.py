@@ -44,8 +44,8 @@ CONFIGS: list[tuple[float, MoEConfig]] = [
     (12.0, MoEConfig(16, KernelConfig(64, 128, 4, 3), KernelConfig(128, 128, 4, 3))),
     (24.0, MoEConfig(32, KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3))),
     (96.0, MoEConfig(64, KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 8, 3))),
-    # TMA: ~7% faster gate_up and down at 8-16k pairs on H200, no gain at 4k (benchmarks/moe_tune.py --no-search:
-    # `default` vs `tma_switched` in benchmarks/results/h200-moe-tma.json)
+    # TMA: gate_up 3% and down 7% faster at 8-16k pairs on H200, no gain at 4k (benchmarks/moe_tune.py --no-search:
+    # `default_timed` vs `tma_switched` in benchmarks/results/h200-moe-tma.json)
     (float("inf"), MoEConfig(128, KernelConfig(128, 64, 8, 4, tma=True), KernelConfig(128, 64, 8, 3, tma=True))),
 ]
 
@@ -295,6 +295,11 @@ class Blocks:
         return self.block_expert is None
 
     @property
+    def table(self) -> torch.Tensor:
+        """The kernels' BlockExpert argument (direct: unread, the rows stand in)."""
+        return self.rows if self.block_expert is None else self.block_expert
+
+    @property
     def num_rows(self) -> int:
         """Rows of the buffer between the GEMMs (direct: one per pair)."""
         return self.rows.numel() if self.direct else self.max_blocks * self.BM
@@ -345,7 +350,7 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
-        x_TD, w, blocks.rows, blocks.rows if blocks.direct else blocks.block_expert, h, x_TD.shape[0] * K, D, I, E,
+        x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
         blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return h
@@ -360,7 +365,7 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     if tma:
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
-        h, w2_EDF, blocks.rows, blocks.rows if blocks.direct else blocks.block_expert, w_TK, y, N, D, I, E,
+        h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return y

@@ -237,14 +237,10 @@ def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, firs
         t = pid + (it * ROWS + k) * G
         m = (t < C)[:, None] & (cols[None, :] < D)
         for q in tl.static_range(P):
-            if q != RANK:
+            if q != RANK or PAIRS:  # (q = RANK: this rank's own rows into its own section)
                 y = _partial(Y, Ids, q * C + t, t < C, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
                 dst = tl.load(Bufs + q).to(tl.pointer_type(dt))
                 tl.store(dst + (RANK * C + t)[:, None] * D + cols[None, :], y, mask=m)
-            elif PAIRS:
-                y = _partial(Y, Ids, q * C + t, t < T, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
-                mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
-                tl.store(mine + (RANK * C + t)[:, None] * D + cols[None, :], y, mask=m)
     _flag_and_wait(Flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
     mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
     for it in range(0, iters):
@@ -254,10 +250,14 @@ def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, firs
         if PAIRS:
             own = tl.load(mine + RANK * C * D + off, mask=m, other=0.0)
         else:
-            own = _partial(Y, Ids, RANK * C + t, t < T, cols, D, first, E, K, PAIRS, ROWS,
-                           BLOCK)
+            own = _partial(Y, Ids, RANK * C + t, t < T, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
         _sum_add_norm(own, mine + off, C * D, R, W, Out, off, cols, m, D, eps, RANK, P, ROWS, BLOCK)
     tl.store(Count + pid, calls + 1)
+
+
+def _pair_args(pairs: PairRows | None, x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """The kernels' (Ids, first, E, K) for expert outputs per pair; placeholders, never read, for plain rows."""
+    return (pairs.ids_TK, pairs.first_expert, pairs.num_local, pairs.ids_TK.shape[1]) if pairs else (x, 0, 0, 1)
 
 
 class SymmetricBuffers:
@@ -320,14 +320,16 @@ class FusedAllReduceNorm:
     # half the rows) and fewer rows gain (2048 tokens: 35.35 against 35.94 ms; 256: 12.78 against 12.86)
     PAIRS_ONE_SHOT_MAX_ROWS = 512
 
+    def _two_shot(self, T: int, N: int, dtype: torch.dtype) -> bool:
+        return T * N * dtype.itemsize >= self.TWO_SHOT_MIN_BYTES
+
     def fits_pairs(self, pairs: PairRows) -> bool:
         """Whether `sum_pairs` takes these (else sum them first and call)."""
         T, K = pairs.ids_TK.shape
         y = pairs.y_ND
-        two_shot = T * y.shape[1] * y.element_size() >= self.TWO_SHOT_MIN_BYTES
         return (y.dtype == self.dtype and y.is_contiguous() and pairs.ids_TK.is_contiguous()
                 and y.shape[0] == T * K and T * y.shape[1] <= self.max_numel
-                and (two_shot or T <= self.PAIRS_ONE_SHOT_MAX_ROWS))
+                and (self._two_shot(T, y.shape[1], y.dtype) or T <= self.PAIRS_ONE_SHOT_MAX_ROWS))
 
     def sum_pairs(self, pairs: PairRows, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float,
                   two_shot: bool | None = None) -> torch.Tensor:
@@ -343,18 +345,18 @@ class FusedAllReduceNorm:
         T, N = residual_TD.shape
         out = torch.empty_like(residual_TD)
         if two_shot is None:
-            two_shot = T * N * x.element_size() >= self.TWO_SHOT_MIN_BYTES
+            two_shot = self._two_shot(T, N, x.dtype)
         if T:
             # two-shot: at least P rows per program, so that each program's rows alternate between owners
             grid = min(-(-T // self.P) if two_shot else T, self.programs)
             rows = min(self.max_rows, triton.next_power_of_2(-(-T // grid)))
-            ids = pairs.ids_TK if pairs else x  # (not read without pairs)
+            ids, first, E, K = _pair_args(pairs, x)
             _allreduce_add_rmsnorm[(grid,)](
                 x, ids, residual_TD, weight, out, self.sym.ptrs["rows"], self.sym.ptrs["flags"], self.sym.count[0],
-                T, N, self.max_numel, pairs.first_expert if pairs else 0, pairs.num_local if pairs else 0, eps,
-                RANK=self.rank, P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=ids.shape[1] if pairs else 1,
-                PAIRS=pairs is not None, num_warps=self.num_warps)
+                T, N, self.max_numel, first, E, eps, RANK=self.rank, P=self.P,
+                MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
+                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None,
+                num_warps=self.num_warps)
         return out
 
 
@@ -410,20 +412,22 @@ class EPExchange:
     def combine_add_norm(self, y: torch.Tensor | PairRows, num_tokens: int, capacity: int,
                          residual_TD: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(residual + this rank's tokens' rows summed over ranks) * weight; residual updated in place.
-        y: [P * C, D], or the expert outputs per pair of those rows (summed here over each token's local pairs)."""
+        y: [P * C, D], or the expert outputs per pair of those rows, summed here over each token's local pairs (in
+        the kernel up to PAIRS_MAX_CAPACITY, before it beyond)."""
         C, D = capacity, self.hidden
+        if isinstance(y, PairRows) and C > self.PAIRS_MAX_CAPACITY:
+            y = y.sum()
         pairs = y if isinstance(y, PairRows) else None
-        y_ND, ids = (pairs.y_ND, pairs.ids_TK) if pairs else (y, y)
-        rows_in = self.P * C * (ids.shape[1] if pairs else 1)
-        if y_ND.shape != (rows_in, D) or (pairs and ids.shape[0] != self.P * C):
-            raise ValueError(f"EP combine of capacity {C} wants [{rows_in}, {D}] rows, got {tuple(y_ND.shape)}")
+        y_ND = pairs.y_ND if pairs else y
+        ids, first, E, K = _pair_args(pairs, y_ND)
+        if y_ND.shape != (self.P * C * K, D) or (pairs and ids.shape[0] != self.P * C):
+            raise ValueError(f"EP combine of capacity {C} wants [{self.P * C * K}, {D}] rows, got "
+                             f"{tuple(y_ND.shape)}")
         out = torch.empty_like(residual_TD)
         grid, rows = self._launch(C)
         _ep_combine_add_rmsnorm[(grid,)](
             y_ND.contiguous(), ids, residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"],
-            self.sym.ptrs["flags"], self.sym.count[1], pairs.first_expert if pairs else 0,
-            pairs.num_local if pairs else 0, eps, RANK=self.rank, P=self.P,
+            self.sym.ptrs["flags"], self.sym.count[1], first, E, eps, RANK=self.rank, P=self.P,
             MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-            BLOCK=triton.next_power_of_2(D), K=ids.shape[1] if pairs else 1, PAIRS=pairs is not None,
-            num_warps=self.num_warps)
+            BLOCK=triton.next_power_of_2(D), K=K, PAIRS=pairs is not None, num_warps=self.num_warps)
         return out

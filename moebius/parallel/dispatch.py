@@ -232,9 +232,7 @@ class EPComm(WholeVocab, WholeOutputs):
         if handle is None:  # a dense layer: its output is whole already
             return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
         T, C, fused = handle
-        if fused:  # expert outputs per pair are summed inside the exchange, up to a capacity
-            if C > self.symmetric.PAIRS_MAX_CAPACITY:
-                y = summed(y)
+        if fused:  # takes expert outputs per pair too
             return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps), residual_TD
         y = summed(y)
         out = y.new_empty((C, y.shape[1]))
