@@ -1,5 +1,5 @@
-"""Attention metadata for kernel tests (tests/test_gpu.py, tests/test_kernels_interpreter.py): sequences over
-shuffled pages, as the paged KV allocator leaves them."""
+"""Cases shared by the kernel tests (tests/test_gpu.py, tests/test_kernels_interpreter.py): attention metadata
+(sequences over shuffled pages, as the paged KV allocator leaves them) and the q/k norm + RoPE + cache write."""
 
 from __future__ import annotations
 
@@ -29,3 +29,28 @@ def paged_metadata(q_lens: list[int], ctx: list[int], bs: int, pages: int, dev: 
     t = lambda x: x.to(dev)  # noqa: E731
     return AttentionMetadata(t(positions), t(slots), t(qsl), t(torch.tensor(ctx)), t(table), t(seq), t(qpos),
                              max(q_lens), max(ctx), bs)
+
+
+def qk_norm_rope_kv_errors(heads: int, kv_heads: int, T: int, d: int, dev: str, dtype: torch.dtype
+                           ) -> tuple[float, float, bool]:
+    """kernels.fused.qk_norm_rope_kv against the torch reference: relative errors of q and of the cached k, and
+    whether v went into the cache unchanged."""
+    from moebius.kernels.fused import qk_norm_rope_kv
+    from moebius.layers.norm import rms_norm
+    from moebius.layers.rotary import apply_rope, rope_table
+
+    torch.manual_seed(0)
+    bs = 16
+    rope = rope_table(d, 4096, 1e6, dev)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, device=dev, dtype=dtype)
+    qn, kn = (torch.rand(d, device=dev, dtype=dtype) + 0.5 for _ in range(2))
+    pos = torch.randint(0, 4096, (T,), device=dev)
+    slots = torch.randperm(64 * bs, device=dev)[:T]
+    cache = torch.full((64, 2, bs, kv_heads, d), float("nan"), device=dev, dtype=dtype)
+    q = qk_norm_rope_kv(qkv, qn, kn, rope, pos, slots, cache, heads, 1e-6)
+    rq, rk, rv = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q = apply_rope(rms_norm(rq.unflatten(-1, (-1, d)), qn.float(), 1e-6), pos, rope)
+    want_k = apply_rope(rms_norm(rk.unflatten(-1, (-1, d)), kn.float(), 1e-6), pos, rope)
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
+    k, v = cache[slots // bs, 0, slots % bs], cache[slots // bs, 1, slots % bs]
+    return rel(q, want_q), rel(k, want_k), torch.equal(v, rv.unflatten(-1, (-1, d)).to(dtype))

@@ -1,10 +1,11 @@
 """Triton kernels on the CPU under the Triton interpreter, against their torch references, in float32 (the
-interpreter's bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful
-of pairs, the one-program align and the chunked align passes, all local experts and a slice of them as in EP) and
-paged attention (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over
-shuffled block tables). The interpreter is chosen when Triton defines the kernels, so the cases run in a fresh
-interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs
-the same kernels compiled, in bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
+interpreter's bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of
+pairs, the one-program align and the chunked align passes, all local experts and a slice of them as in EP) and paged
+attention (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled
+block tables), the q/k norm + RoPE + cache write and the vocabulary argmax keys (moebius/kernels/fused.py). The
+interpreter is chosen when Triton defines the kernels, so the cases run in a fresh interpreter (this file as a
+script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs the same kernels compiled, in
+bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -61,6 +62,42 @@ def attention_cases() -> None:
                 assert err < 1e-5, (heads, kvh, q_lens, splits, err)
 
 
+def argmax_cases() -> None:
+    from moebius.kernels.fused import argmax_keys
+    from moebius.layers.sampler import key_ids
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 9000, generator=g)  # three vocabulary chunks a row
+    x[1] = -x[1].abs() - 1.0  # all negative
+    x[2, [10, 8500]] = 9.0  # a tie across chunks: the lower id
+    x[3] = 0.0
+    x[3, 4100] = -0.0  # -0.0 equals 0.0: still the first id
+    x[4, 8999] = float("inf")
+    assert torch.equal(key_ids(argmax_keys(x, 0)), x.argmax(-1))
+    assert torch.equal(key_ids(argmax_keys(x, 1000)), x.argmax(-1) + 1000)
+    y = torch.randn(600, 9000, generator=g)  # many rows: each program takes several chunks of its row
+    y[0, [100, 2100, 4100]] = 9.0  # ties inside one program's part and across parts
+    y[1] = float("-inf")
+    assert torch.equal(key_ids(argmax_keys(y, 0)), y.argmax(-1))
+
+
+def qk_cases() -> None:
+    from attention_cases import qk_norm_rope_kv_errors
+
+    for heads, kv_heads in [(16, 2), (4, 1)]:
+        for T in (1, 45, 100, 700):  # one head a program, a few, all of a token's
+            q_err, k_err, v_same = qk_norm_rope_kv_errors(heads, kv_heads, T, 64, "cpu", torch.float32)
+            assert q_err < 1e-5 and k_err < 1e-5 and v_same, (heads, kv_heads, T)
+
+
+def test_qk_norm_rope_kv_under_the_interpreter() -> None:
+    _run("qk")
+
+
+def test_argmax_keys_under_the_interpreter() -> None:
+    _run("argmax")
+
+
 def test_fused_experts_under_the_interpreter() -> None:
     from moebius.kernels import fused_moe as fm
 
@@ -84,4 +121,4 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    {"moe": moe_cases, "attention": attention_cases}[sys.argv[1]]()
+    {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases}[sys.argv[1]]()

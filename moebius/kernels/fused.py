@@ -36,39 +36,38 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 @triton.jit
 def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, stride_t, stride_pg, stride_kv,
-                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr):
+                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of token t: q heads, then k heads
     half = tl.arange(0, D // 2)
-    is_q = h < H
-    base = QKV + t * stride_t + h * D
-    x1 = tl.load(base + half).to(tl.float32)
-    x2 = tl.load(base + D // 2 + half).to(tl.float32)
-    var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D
-    r = tl.rsqrt(var + eps)
+    is_q = (h < H)[:, None]
+    is_k = ((h >= H) & (h < H + KVH))[:, None]
+    base = QKV + t * stride_t + h[:, None] * D + half[None, :]
+    x1 = tl.load(base, mask=is_q | is_k, other=0.0).to(tl.float32)
+    x2 = tl.load(base + D // 2, mask=is_q | is_k, other=0.0).to(tl.float32)
+    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
+    r = tl.rsqrt(var + eps)[:, None]
     dt = QOut.dtype.element_ty
-    w1 = tl.where(is_q, tl.load(QN + half), tl.load(KN + half)).to(tl.float32)
-    w2 = tl.where(is_q, tl.load(QN + D // 2 + half), tl.load(KN + D // 2 + half)).to(tl.float32)
+    w1 = tl.where(is_q, tl.load(QN + half)[None, :], tl.load(KN + half)[None, :]).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(QN + D // 2 + half)[None, :], tl.load(KN + D // 2 + half)[None, :]).to(tl.float32)
     n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     pos = tl.load(Pos + t)
-    cos = tl.load(Rope + pos * D + half).to(dt).to(tl.float32)
-    sin = tl.load(Rope + pos * D + D // 2 + half).to(dt).to(tl.float32)
+    cos = tl.load(Rope + pos * D + half).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(Rope + pos * D + D // 2 + half).to(dt).to(tl.float32)[None, :]
     o1 = (n1 * cos - n2 * sin).to(dt)
     o2 = (n2 * cos + n1 * sin).to(dt)
-    if is_q:
-        qo = QOut + (t * H + h) * D
-        tl.store(qo + half, o1)
-        tl.store(qo + D // 2 + half, o2)
-    else:
-        kh = h - H
-        slot = tl.load(Slots + t)
-        dst = Cache + (slot // PAGE) * stride_pg + (slot % PAGE) * stride_tok + kh * stride_hd
-        tl.store(dst + half, o1)
-        tl.store(dst + D // 2 + half, o2)
-        v = QKV + t * stride_t + (H + KVH + kh) * D
-        tl.store(dst + stride_kv + half, tl.load(v + half))
-        tl.store(dst + stride_kv + D // 2 + half, tl.load(v + D // 2 + half))
+    qo = QOut + (t * H + h[:, None]) * D + half[None, :]
+    tl.store(qo, o1, mask=is_q)
+    tl.store(qo + D // 2, o2, mask=is_q)
+    kh = (h - H)[:, None]
+    slot = tl.load(Slots + t)
+    dst = Cache + (slot // PAGE) * stride_pg + (slot % PAGE) * stride_tok + kh * stride_hd + half[None, :]
+    tl.store(dst, o1, mask=is_k)
+    tl.store(dst + D // 2, o2, mask=is_k)
+    v = QKV + t * stride_t + (H + KVH + kh) * D + half[None, :]
+    tl.store(dst + stride_kv, tl.load(v, mask=is_k), mask=is_k)
+    tl.store(dst + stride_kv + D // 2, tl.load(v + D // 2, mask=is_k), mask=is_k)
 
 
 def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
@@ -80,10 +79,14 @@ def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tenso
     kvh, D = cache.shape[3], cache.shape[4]
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     if T:
-        _qk_norm_rope_kv[(T, num_heads + kvh)](
+        # a head per program at a few tokens; at many, a token's heads per program (one head each left ~40k
+        # programs of 256 bytes at 1024 tokens, 4x over the bytes' time)
+        heads = num_heads + kvh
+        HB = min(triton.next_power_of_2(heads), triton.next_power_of_2(max(1, heads * T // 512)))
+        _qk_norm_rope_kv[(T, triton.cdiv(heads, HB))](
             qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, num_heads, kvh, qkv.stride(0),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D,
-            num_warps=1)
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D, HB=HB,
+            num_warps=1 if HB < 8 else 4)
     return q
 
 
@@ -123,3 +126,39 @@ def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: tor
         # one warp per token: the top-k loop is a chain of small reductions, cheapest within a warp
         _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=1)
     return w, ids
+
+
+@triton.jit
+def _argmax_keys(Scores, Keys, V, stride, first, CHUNKS, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * CHUNKS * BLOCK
+    lane = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    at = start + lane  # per lane: the first of its equal maxima (strict > below)
+    for c in range(CHUNKS):
+        v = start + c * BLOCK + lane
+        x = tl.load(Scores + t * stride + v, mask=v < V, other=float("-inf")).to(tl.float32) + 0.0  # -0.0 -> +0.0
+        at = tl.where(x > best, v, at)
+        best = tl.maximum(best, x)
+    m = tl.max(best, 0)
+    i = tl.min(tl.where(best == m, at, 2147483647), 0)
+    bits = m.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # int order = float order
+    low = tl.full([], 0xFFFFFFFF, tl.int64) - (i + first).to(tl.int64)
+    tl.atomic_max(Keys + t, (ordered << 32) | low)
+
+
+def argmax_keys(scores_TV: torch.Tensor, first: int) -> torch.Tensor:
+    """moebius.layers.sampler.argmax_keys: a row's vocabulary in parts side by side, each program keeping a best
+    per lane over its part (torch's reductions take one block per row at decode sizes: ~22 µs for a 76k-wide bf16
+    row on an H200)."""
+    T, V = scores_TV.shape
+    keys = torch.full((T,), -(2 ** 63), dtype=torch.int64, device=scores_TV.device)
+    if T:
+        BLOCK = 2048
+        chunks = triton.cdiv(V, BLOCK)
+        parts = max(1, min(chunks, 2048 // T))  # ~2k programs in all
+        per = triton.cdiv(chunks, parts)
+        _argmax_keys[(T, triton.cdiv(chunks, per))](scores_TV, keys, V, scores_TV.stride(0), first, per,
+                                                    BLOCK=BLOCK, num_warps=8)
+    return keys

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from moebius.config import ModelConfig
 from moebius.layers.attention import AttentionMetadata, paged_attention, qk_norm_rope_kv
 from moebius.layers.moe import PairRows, dense_mlp, experts, route
-from moebius.layers.norm import rms_norm
+from moebius.layers.norm import add_rms_norm
 from moebius.parallel.dispatch import Communicator
 
 
@@ -91,7 +91,7 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
     Each sublayer's output is summed over ranks (attention: `reduce_add_norm`; experts: `combine_add_norm`), added
     to the residual stream and normed for the next sublayer in one step (fused on GPUs)."""
     residual = F.embedding(input_ids_T, weights.embed_VD)
-    h = rms_norm(residual, weights.layers[0].input_norm, cfg.rms_norm_eps)
+    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, cfg.rms_norm_eps)
     norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
     eps = cfg.rms_norm_eps
     for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):

@@ -10,9 +10,9 @@
   dense MLP layer) is no combine. The fused GPU experts hand their outputs per (token, k) pair (`PairRows`); the
   symmetric-memory kernels sum each token's pairs as they read them, every other path sums them first.
 - `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
-  (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks'
-  local best (a [T, 2] all-gather of per-id scores) and whole logits (top-k / top-p, stop masks, prompt logits) are
-  an all-gather; elsewhere logits are whole already.
+  (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks' local
+  best (an all-gather of one int64 key per token: score and id, `argmax_keys`) and whole logits (top-k / top-p, stop
+  masks, prompt logits) are an all-gather; elsewhere logits are whole already.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from moebius.layers.moe import PairRows, summed
 from moebius.layers.norm import add_rms_norm
+from moebius.layers.sampler import argmax_keys, key_ids
 
 
 class Communicator(Protocol):
@@ -47,7 +48,7 @@ class WholeVocab:
     """Logits hold the whole vocabulary on every rank (one rank, or EP's replicated lm_head)."""
 
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
-        return logits_TV.argmax(dim=-1)
+        return key_ids(argmax_keys(logits_TV))
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
         return logits_TV
@@ -160,16 +161,11 @@ class TPComm:
     def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
         """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
         if not self.split_vocab:
-            return logits_TV.argmax(dim=-1)
+            return key_ids(argmax_keys(logits_TV))
         T, Vl = logits_TV.shape
-        best, idx = logits_TV.max(dim=-1)
-        # float32 holds every id exactly (vocabularies are far below 2^24)
-        mine = torch.stack([best.float(), (idx + self.rank * Vl).float()], dim=-1)
-        every = mine.new_empty((self.P * T, 2))  # gloo wants the ranks' parts stacked along dim 0
-        _all_gather(every, mine, self.group)
-        every = every.view(self.P, T, 2)
-        r = every[:, :, 0].argmax(dim=0)  # ties: the lowest rank, which holds the lower ids
-        return every[:, :, 1].gather(0, r[None]).squeeze(0).long()
+        every = logits_TV.new_empty((self.P * T,), dtype=torch.int64)  # gloo wants the parts stacked on dim 0
+        _all_gather(every, argmax_keys(logits_TV, self.rank * Vl), self.group)
+        return key_ids(every.view(self.P, T).max(dim=0).values)
 
     def vocab_first(self, local_vocab: int) -> int:
         """The first vocabulary id of this rank's logits columns."""
