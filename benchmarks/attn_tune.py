@@ -15,6 +15,7 @@ import torch
 from graph_timing import graph_time_us
 
 from moebius.kernels import attention as A
+from moebius.kernels.pdl import pdl
 from moebius.layers.attention import num_splits_for
 
 PAGE, D, CTX = 16, 128, 512
@@ -43,13 +44,13 @@ def main() -> None:
                 pm = torch.empty(B * H * ns, 2, dtype=torch.float32, device=dev)
 
                 def fn(ns=ns, BN=BN, nw=nw, st=st, o=o, pa=pa, pm=pm) -> None:
-                    A._attn_fwd[(B, 1, kvh * ns)](
+                    A._attn_fwd[(kvh * ns, 1, B)](
                         q, cache, o, pa if ns > 1 else o, pm if ns > 1 else o, bt, seq, qsl, D ** -0.5,
                         q.stride(0), q.stride(1), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1),
                         cache.stride(2), cache.stride(3), bt.stride(0), NUM_SPLITS=ns, G=G, BM=max(1, 16 // G),
-                        BN=BN, D=D, PAGE=PAGE, PREC="tf32", num_warps=nw, num_stages=st)
+                        BN=BN, D=D, PAGE=PAGE, PREC="tf32", num_warps=nw, num_stages=st, **pdl(q))
                     if ns > 1:
-                        A._merge_splits[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, NUM_SPLITS=ns, D=D)
+                        A._merge_splits[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, NUM_SPLITS=ns, D=D, **pdl(q))
 
                 try:
                     us = graph_time_us(fn)

@@ -48,7 +48,8 @@ def _allreduce_rank(r: int, P: int, bufs: torch.Tensor, flags: torch.Tensor, cal
         K = ids[r].shape[1] if ids else 1
         _allreduce_add_rmsnorm[(grid,)](xs[r], ids[r] if ids else xs[r], res, w, out, bufs, flags, count, T, N,
                                         max_numel, FIRST, LOCAL, 1e-6, RANK=r, P=P, MAX_PROGRAMS=programs,
-                                        STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=N, TWO_SHOT=two, K=K, PAIRS=bool(ids))
+                                        STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=N, TWO_SHOT=two, K=K, PAIRS=bool(ids),
+                                        PDL=False)
         want_res = res0 + sum(_pair_sum(x, i) for x, i in zip(xs, ids, strict=True)) if ids else res0 + sum(xs)
         want = w * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6))
         assert torch.allclose(res, want_res, atol=1e-5) and torch.allclose(out, want, atol=1e-4), (r, T, two)
@@ -63,7 +64,7 @@ def _ep_rank(r: int, P: int, ptrs: dict, xw: list, idb: list, calls: list, cmax:
         w_off = P * cmax * D
         _ep_dispatch[(min(C, programs),)](xs[r], ws[r], ids[r], Ts[r], C, D, ptrs["xw"], ptrs["ids"], ptrs["flags"],
                                           count[0], w_off, RANK=r, P=P, K=K, MAX_PROGRAMS=programs,
-                                          STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=D, KB=K)
+                                          STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=D, KB=K, PDL=False)
         n = P * C
         gx, gw, gi = xw[r][: n * D].view(n, D), xw[r][w_off: w_off + n * K].view(n, K), idb[r][: n * K].view(n, K)
         for q in range(P):  # rank q's rows at q * C, padded: zero rows and weights, expert id -1
@@ -77,7 +78,7 @@ def _ep_rank(r: int, P: int, ptrs: dict, xw: list, idb: list, calls: list, cmax:
         _ep_combine_add_rmsnorm[(min(C, programs),)](ys[r], gi, res, wn, out, Ts[r], C, D, ptrs["y"], ptrs["flags"],
                                                      count[1], FIRST, LOCAL, 1e-6, RANK=r, P=P,
                                                      MAX_PROGRAMS=programs, STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=D, K=K,
-                                                     PAIRS=pairs)
+                                                     PAIRS=pairs, PDL=False)
         want_res = res0[r] + sum(y_sum[q][r * C: r * C + Ts[r]] for q in range(P))
         want = wn * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6))
         assert torch.allclose(res, want_res, atol=1e-5) and torch.allclose(out, want, atol=1e-4), (r, Ts, C)

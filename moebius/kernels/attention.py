@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.kernels.pdl import enter, pdl
+
 
 @triton.jit
 def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale,
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PAGE: tl.constexpr, PREC: tl.constexpr):
+              PAGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
     # head of a token is one run of bytes) are read together
     kvh = tl.program_id(0) // NUM_SPLITS
@@ -75,7 +78,9 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
 
 
 @triton.jit
-def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.constexpr, D: tl.constexpr):
+def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.constexpr, D: tl.constexpr,
+                  PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -129,7 +134,9 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
                     q_THd.stride(0), q_THd.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
                     cache.stride(2), cache.stride(3), block_tables.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
-                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", num_warps=4, num_stages=stages)
+                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", num_warps=4, num_stages=stages,
+                    **pdl(q_THd))
     if num_splits > 1:
-        _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D)
+        _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
+                              **pdl(q_THd))
     return out

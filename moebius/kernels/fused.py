@@ -7,9 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.kernels.pdl import enter, pdl
+
 
 @triton.jit
-def _add_rmsnorm(X, R, W, Out, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm(X, R, W, Out, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -30,13 +33,14 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     T, N = x.shape
     if T:
         _add_rmsnorm[(T,)](x, residual if residual is not None else x, weight, out, N, eps,
-                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=4)
+                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=4, **pdl(x))
     return out
 
 
 @triton.jit
 def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, stride_t, stride_pg, stride_kv,
-                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
+                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of token t: q heads, then k heads
     half = tl.arange(0, D // 2)
@@ -86,12 +90,13 @@ def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tenso
         _qk_norm_rope_kv[(T, triton.cdiv(heads, HB))](
             qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, num_heads, kvh, qkv.stride(0),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D, HB=HB,
-            num_warps=1 if HB < 8 else 4)
+            num_warps=1 if HB < 8 else 4, **pdl(qkv))
     return q
 
 
 @triton.jit
-def _topk_softmax(Logits, W, Ids, E, K: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_softmax(Logits, W, Ids, E, K: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK)
     m = e < E
@@ -124,12 +129,14 @@ def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: tor
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     if T:
         # one warp per token: the top-k loop is a chain of small reductions, cheapest within a warp
-        _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=1)
+        _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=1,
+                            **pdl(logits_TE))
     return w, ids
 
 
 @triton.jit
-def _argmax_keys(Scores, Keys, V, stride, first, CHUNKS, BLOCK: tl.constexpr):
+def _argmax_keys(Scores, Keys, V, stride, first, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * CHUNKS * BLOCK
     lane = tl.arange(0, BLOCK)
@@ -160,5 +167,5 @@ def argmax_keys(scores_TV: torch.Tensor, first: int) -> torch.Tensor:
         parts = max(1, min(chunks, 2048 // T))  # ~2k programs in all
         per = triton.cdiv(chunks, parts)
         _argmax_keys[(T, triton.cdiv(chunks, per))](scores_TV, keys, V, scores_TV.stride(0), first, per,
-                                                    BLOCK=BLOCK, num_warps=8)
+                                                    BLOCK=BLOCK, num_warps=8, **pdl(scores_TV))
     return keys

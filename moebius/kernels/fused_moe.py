@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.kernels.pdl import enter, pdl
 from moebius.layers.moe import PairRows
 
 
@@ -115,9 +116,10 @@ def _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_block
 
 @triton.jit
 def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_blocks, BM: tl.constexpr,
-           EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr):
+           EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr):
     """All pairs in one program (N <= CHUNK). Pairs of local expert e get rows [start_e, start_e + count_e) of
     SortedIds; unused rows hold N. BlockExpert[b] is the expert of rows [b*BM, (b+1)*BM), E past the last."""
+    enter(PDL)
     bins = tl.arange(0, EB)
     offs = tl.arange(0, CHUNK)
     key, ok = _local_keys(Ids, offs, N, first, E)
@@ -131,9 +133,11 @@ def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_block
 
 
 @triton.jit
-def _align_count(Ids, N, first, E, Partial, SortedIds, num_rows, EB: tl.constexpr, CHUNK: tl.constexpr):
+def _align_count(Ids, N, first, E, Partial, SortedIds, num_rows, EB: tl.constexpr, CHUNK: tl.constexpr,
+                 PDL: tl.constexpr):
     """Many chunks, first pass: each program counts its chunk's pairs per expert and pads its strip of SortedIds
     with N (the scatter pass, a later launch, overwrites the rows pairs claim)."""
+    enter(PDL)
     c = tl.program_id(0)
     key, ok = _local_keys(Ids, c * CHUNK + tl.arange(0, CHUNK), N, first, E)
     tl.store(Partial + c * EB + tl.arange(0, EB), tl.histogram(key, EB, mask=ok))
@@ -144,9 +148,11 @@ def _align_count(Ids, N, first, E, Partial, SortedIds, num_rows, EB: tl.constexp
 
 
 @triton.jit
-def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr):
+def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
+                PDL: tl.constexpr):
     """Second pass (one program, expert-sized work only): the experts' padded ends and each chunk's first row per
     expert."""
+    enter(PDL)
     bins = tl.arange(0, EB)
     counts = tl.zeros([EB], tl.int32)
     for c0 in range(0, num_chunks, CB):
@@ -167,9 +173,10 @@ def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.c
 
 @triton.jit
 def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_blocks, BM: tl.constexpr,
-                   EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr):
+                   EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr):
     """Third pass: each chunk's pairs claim rows from the chunk's own cursors (no contention across programs), and
     each program writes the experts of its share of the blocks (E past the last used block)."""
+    enter(PDL)
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key, ok = _local_keys(Ids, offs, N, first, E)
@@ -202,8 +209,9 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 
 @triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights, as a pointer or (TMA) a descriptor of [BN, BK] tiles."""
+    enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
@@ -237,9 +245,10 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.c
 
 @triton.jit
 def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr):
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I]: pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and [BN, BK]
     tiles."""
+    enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
@@ -267,8 +276,9 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.const
 
 
 @triton.jit
-def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr):
+def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written)."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = cols < D
@@ -329,17 +339,17 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> Blocks:
     if chunks == 1:
         cursor = torch.empty(EB, dtype=torch.int32, device=dev)
         _align[(1,)](ids_TK, N, first_expert, E, sorted_ids, block_expert, cursor, max_blocks * BM, max_blocks,
-                     BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8)
+                     BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK))
     else:
         partial = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
         cursor = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
         ends = torch.empty(EB, dtype=torch.int32, device=dev)
         _align_count[(chunks,)](ids_TK, N, first_expert, E, partial, sorted_ids, max_blocks * BM, EB=EB,
-                                CHUNK=CHUNK, num_warps=8)
+                                CHUNK=CHUNK, num_warps=8, **pdl(ids_TK))
         _align_plan[(1,)](partial, chunks, E, cursor, ends, BM=BM, EB=EB, CB=max(1, min(16, 4096 // EB)),
-                          num_warps=8)
+                          num_warps=8, **pdl(ids_TK))
         _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, ends, block_expert, max_blocks,
-                                  BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8)
+                                  BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK))
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
@@ -352,7 +362,7 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
         blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD))
     return h
 
 
@@ -367,7 +377,7 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y))
     return y
 
 
@@ -376,7 +386,7 @@ def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int) -
     D = y_ND.shape[1]
     out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
     BD = min(1024, triton.next_power_of_2(D))
-    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, out, first_expert, E, D, K=K, BD=BD, num_warps=4)
+    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, out, first_expert, E, D, K=K, BD=BD, num_warps=4, **pdl(y_ND))
     return out
 
 

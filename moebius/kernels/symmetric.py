@@ -34,6 +34,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from moebius.kernels.pdl import enter, pdl
 from moebius.layers.moe import PairRows
 
 FLAG_STRIDE = 32  # int32s between flags: one 128-byte line each, so spinning programs do not share a line
@@ -110,7 +111,9 @@ def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK
 @triton.jit
 def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, first, E, eps, RANK: tl.constexpr,
                            P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
+                           BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr,
+                           PDL: tl.constexpr):
+    enter(PDL)
     # Each rank's buffer: [2 slots][2 phases][P source ranks][rows, N], rows at their index in the batch. Rows
     # travel as posted NVLink stores into the peer's buffer (pushed: 1.5-2x faster than reading the peer's, which
     # waits a round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
@@ -188,7 +191,8 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
 @triton.jit
 def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: tl.constexpr, P: tl.constexpr,
                  K: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr, KB: tl.constexpr):
+                 BLOCK: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     # every rank's buffers hold [P * C, D] token rows (then [P * C, K] weights) and [P * C, K] ids, rank r's rows at
     # r * C; rows from T to C are padding: zero rows, zero weights, expert id -1 (no rank owns it)
     pid = tl.program_id(0)
@@ -221,7 +225,8 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
 @triton.jit
 def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, first, E, eps, RANK: tl.constexpr,
                             P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
+                            BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     # Y [P * C, D]: this rank's expert outputs for every rank's tokens; rank q's rows go to q's buffer at RANK * C.
     # PAIRS: Y [P * C * K, D] per (token, k) pair, summed over the local pairs here (`_partial`; Ids: the dispatched
     # ids, in the dispatch buffer, which a peer's next dispatch may overwrite once this rank has raised its flag:
@@ -356,7 +361,7 @@ class FusedAllReduceNorm:
                 T, N, self.max_numel, first, E, eps, RANK=self.rank, P=self.P,
                 MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
                 BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None,
-                num_warps=self.num_warps)
+                num_warps=self.num_warps, **pdl(x))
         return out
 
 
@@ -404,7 +409,7 @@ class EPExchange:
             x_TD.contiguous(), w_TK.contiguous(), ids_TK.contiguous(), x_TD.shape[0], C, D, self.sym.ptrs["xw"],
             self.sym.ptrs["ids"], self.sym.ptrs["flags"], self.sym.count[0], self.w_offset, RANK=self.rank,
             P=self.P, K=K, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-            BLOCK=triton.next_power_of_2(D), KB=triton.next_power_of_2(K), num_warps=self.num_warps)
+            BLOCK=triton.next_power_of_2(D), KB=triton.next_power_of_2(K), num_warps=self.num_warps, **pdl(x_TD))
         xw, n = self.sym.bufs["xw"], self.P * C
         return (xw[: n * D].view(n, D), xw[self.w_offset: self.w_offset + n * K].view(n, K),
                 self.sym.bufs["ids"][: n * K].view(n, K))
@@ -429,5 +434,5 @@ class EPExchange:
             y_ND.contiguous(), ids, residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"],
             self.sym.ptrs["flags"], self.sym.count[1], first, E, eps, RANK=self.rank, P=self.P,
             MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-            BLOCK=triton.next_power_of_2(D), K=K, PAIRS=pairs is not None, num_warps=self.num_warps)
+            BLOCK=triton.next_power_of_2(D), K=K, PAIRS=pairs is not None, num_warps=self.num_warps, **pdl(y_ND))
         return out
