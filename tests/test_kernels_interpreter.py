@@ -2,10 +2,10 @@
 interpreter's bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of
 pairs, the one-program align and the chunked align passes, all local experts and a slice of them as in EP) and paged
 attention (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled
-block tables), the q/k norm + RoPE + cache write and the vocabulary argmax keys (moebius/kernels/fused.py). The
-interpreter is chosen when Triton defines the kernels, so the cases run in a fresh interpreter (this file as a
-script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs the same kernels compiled, in
-bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
+block tables), the q/k norm + RoPE + cache write, the router (K-split logits, then top-k) and the vocabulary argmax
+keys (moebius/kernels/fused.py). The interpreter is chosen when Triton defines the kernels, so the cases run in a
+fresh interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py
+runs the same kernels compiled, in bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -94,6 +94,28 @@ def test_qk_norm_rope_kv_under_the_interpreter() -> None:
     _run("qk")
 
 
+def router_cases() -> None:
+    import torch.nn.functional as F
+
+    from moebius.kernels.fused import route
+
+    g = torch.Generator().manual_seed(0)
+    for T, E, D, K in [(1, 128, 512, 8), (5, 60, 300, 4), (16, 16, 256, 2)]:  # D: whole and partial K-slices
+        x = torch.randn(T, D, generator=g)
+        gate = torch.randn(E, D, generator=g)
+        for norm in (True, False):
+            w, ids = route(x, gate, K, norm)
+            want_w, want_ids = torch.topk(torch.softmax(F.linear(x, gate), -1), K, dim=-1)
+            if norm:
+                want_w = want_w / want_w.sum(-1, keepdim=True)
+            assert torch.equal(ids, want_ids), (T, E, D)
+            assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6), (T, E, D)
+
+
+def test_router_under_the_interpreter() -> None:
+    _run("router")
+
+
 def test_argmax_keys_under_the_interpreter() -> None:
     _run("argmax")
 
@@ -121,4 +143,6 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases}[sys.argv[1]]()
+    cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
+             "router": router_cases}
+    cases[sys.argv[1]]()

@@ -95,12 +95,37 @@ def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tenso
 
 
 @triton.jit
-def _topk_softmax(Logits, W, Ids, E, K: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _router_partials(X, Wg, Part, T, E, K, stride_x, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Router logits of up to BT tokens, split over K: program (n, s) writes the float32 partial of experts
+    n*BN.. over inputs s*BK.. to Part[s, t, e]."""
+    enter(PDL)
+    rt = tl.arange(0, BT)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mt, mn, mk = rt < T, rn < E, rk < K
+    x = tl.load(X + rt[:, None] * stride_x + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    w = tl.load(Wg + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w))
+    tl.store(Part + (tl.program_id(1) * T + rt[:, None]) * E + rn[None, :], acc, mask=mt[:, None] & mn[None, :])
+
+
+@triton.jit
+def _topk_softmax(Logits, W, Ids, T, E, K: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Logits [T, E], or (SPLITS > 0) float32 partials [SPLITS, T, E] summed in order and rounded to W's dtype,
+    as a GEMM writing W's dtype rounds its float32 sums."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK)
     m = e < E
-    x = tl.load(Logits + t * E + e, mask=m, other=float("-inf")).to(tl.float32)
+    if SPLITS == 0:
+        x = tl.load(Logits + t * E + e, mask=m, other=float("-inf")).to(tl.float32)
+    else:
+        x = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(SPLITS):
+            x += tl.load(Logits + (s * T + t) * E + e, mask=m, other=0.0)
+        x = tl.where(m, x.to(W.dtype.element_ty).to(tl.float32), float("-inf"))
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(m, p, -1.0)
@@ -121,17 +146,47 @@ def _topk_softmax(Logits, W, Ids, E, K: tl.constexpr, NORM: tl.constexpr, BLOCK:
         p = tl.where(e == i, -1.0, p)
 
 
+def _topk(logits: torch.Tensor, T: int, E: int, splits: int, top_k: int, norm: bool, out_dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        # one warp per token: the top-k loop is a chain of small reductions, cheapest within a warp
+        _topk_softmax[(T,)](logits, w, ids, T, E, K=top_k, NORM=norm, SPLITS=splits,
+                            BLOCK=triton.next_power_of_2(E), num_warps=1, **pdl(logits))
+    return w, ids
+
+
 def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32), top-k, optional renormalisation: (weights [T, K] in out_dtype, ids [T, K])."""
     T, E = logits_TE.shape
-    w = torch.empty(T, top_k, dtype=out_dtype, device=logits_TE.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
+    return _topk(logits_TE, T, E, 0, top_k, norm, out_dtype)
+
+
+ROUTER_MAX_ROWS = 16  # one tl.dot row tile; more tokens: cuBLAS then topk_softmax
+ROUTER_BK = 256
+
+
+def router_fits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> bool:
+    return (x_TD.shape[0] <= ROUTER_MAX_ROWS and x_TD.stride(1) == 1 and gate_ED.is_contiguous()
+            and x_TD.dtype == gate_ED.dtype and x_TD.dtype in (torch.bfloat16, torch.float16))
+
+
+def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """moebius.layers.moe.route for up to ROUTER_MAX_ROWS tokens (`router_fits`): the logits as float32 partials
+    over K-slices from many programs (cuBLAS spends ~5 us on these 0.5 MB at one token, its tiles leaving most SMs
+    idle), summed in order and rounded by the top-k kernel."""
+    T, D = x_TD.shape
+    E = gate_ED.shape[0]
+    splits = triton.cdiv(D, ROUTER_BK)
+    part = torch.empty(splits, T, E, dtype=torch.float32, device=x_TD.device)
     if T:
-        # one warp per token: the top-k loop is a chain of small reductions, cheapest within a warp
-        _topk_softmax[(T,)](logits_TE, w, ids, E, K=top_k, NORM=norm, BLOCK=triton.next_power_of_2(E), num_warps=1,
-                            **pdl(logits_TE))
-    return w, ids
+        BN = 16
+        _router_partials[(triton.cdiv(E, BN), splits)](x_TD, gate_ED, part, T, E, D, x_TD.stride(0),
+                                                       BT=ROUTER_MAX_ROWS, BN=BN, BK=ROUTER_BK, num_warps=4,
+                                                       **pdl(x_TD))
+    return _topk(part, T, E, splits, top_k, norm, x_TD.dtype)
 
 
 @triton.jit

@@ -38,11 +38,13 @@ def summed(y: torch.Tensor | PairRows) -> torch.Tensor:
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, K] (in x's dtype) and expert ids [T, K], as transformers' Qwen3MoeTopKRouter."""
-    logits = F.linear(x_TD, gate_ED)
     if x_TD.is_cuda and triton_available():
-        from moebius.kernels.fused import topk_softmax
+        from moebius.kernels import fused
 
-        return topk_softmax(logits, top_k, norm_topk_prob, x_TD.dtype)
+        if fused.router_fits(x_TD, gate_ED):
+            return fused.route(x_TD, gate_ED, top_k, norm_topk_prob)
+        return fused.topk_softmax(F.linear(x_TD, gate_ED), top_k, norm_topk_prob, x_TD.dtype)
+    logits = F.linear(x_TD, gate_ED)
     probs = torch.softmax(logits.float(), dim=-1)
     w_TK, ids_TK = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
