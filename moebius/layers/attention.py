@@ -32,12 +32,17 @@ class AttentionMetadata:
     num_splits: int = 1  # decode on the GPU: KV splits of the flash-decoding kernel
 
 
+# (most sequence x KV-head pairs, KV splits) for decode, measured on H200 (132 SMs) at the 30B TP and EP shards,
+# context 512, the merge pass included (benchmarks/results/h200-attn-splits.json): not monotonic, so a table. At
+# 16 pairs 4 splits beat 16 (8.0 vs 9.7 us); from 33 pairs the batch alone fills the GPU well enough that the
+# merge pass costs more than the extra programs gain (64 pairs: 13.0 us unsplit vs 15.4 us in 4 splits).
+SPLITS = [(2, 32), (4, 16), (8, 32), (16, 4), (32, 8)]
+
+
 def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
-    """Decode on the GPU: KV splits so that batch x kv-heads x splits programs fill the GPU about twice. None when
-    the batch alone is about a wave: the merge pass would cost more than the extra parallelism gains (measured on
-    H200: 30B TP shard at 64 requests, 13.5 us unsplit vs 14.2 us in two splits)."""
-    want = (2 * sms) // max(1, batch * kv_heads)
-    return 1 if want <= 2 else min(32, 1 << (want - 1).bit_length())
+    """Decode on the GPU: KV splits (flash-decoding) for `batch` sequences of `kv_heads` KV heads."""
+    pairs = batch * kv_heads * 132 / sms
+    return next((splits for most, splits in SPLITS if pairs <= most), 1)
 
 
 def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta: AttentionMetadata) -> None:
