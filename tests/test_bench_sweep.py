@@ -1,4 +1,5 @@
-"""`moebius bench sweep` end to end on the CPU (the built-in tiny model's shapes, two gloo ranks, dummy weights), and
+"""`moebius bench sweep` end to end on the CPU (the built-in tiny model's shapes, two gloo ranks, dummy weights, and
+transformers' baselines on the same shapes), and
 the recorded sweeps in benchmarks/results: both in the form the GPU issue asks for (a list `points`, one per (mode,
 batch), with the step, its floor and their ratio; top-level gpu, num_gpus, preset, command)."""
 
@@ -39,15 +40,20 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "sweep", "--model", str(model), "--num-ranks",
            "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
-           "--switch-repeats", "1", "--output", str(out)]
+           "--switch-repeats", "1", "--hf-baseline", "--hf-batches", "2", "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     check_sweep(result, {"tp", "ep"})
     assert result["num_gpus"] == 2 and result["gpu"] == "cpu"
-    assert sorted((p["mode"], p["batch"]) for p in result["points"]) == sorted(
+    assert sorted((p["mode"], p["batch"]) for p in result["points"] if not p["mode"].startswith("hf")) == sorted(
         (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
-    assert all("eager_step_ms" in p for p in result["points"] if p["batch"] <= 2)  # --eager-up-to 2
+    # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching
+    hf = {p["mode"]: p for p in result["points"] if p["mode"].startswith("hf")}
+    assert set(hf) == {"hf-eager-1gpu", "hf-cb-1gpu"} and all(p["batch"] == 2 for p in hf.values())
+    assert "error" not in hf["hf-cb-1gpu"], hf["hf-cb-1gpu"]
+    assert hf["hf-cb-1gpu"]["method"] in ("token timestamps", "two output lengths")
+    assert all("eager_step_ms" in p for p in result["points"] if p["batch"] <= 2 and p["mode"] in ("tp", "ep"))
     # the switches after the sweep, each measured against its transfer
     done = [s for s in result["switches"] if s.get("done")]
     assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)

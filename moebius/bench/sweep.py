@@ -137,47 +137,115 @@ def static_memory(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
 
 
 def run_hf_baseline(args: argparse.Namespace, cfg_dict: dict[str, Any], cfg: ModelConfig) -> list[dict[str, Any]]:
-    """transformers' own Qwen3MoeForCausalLM (random bf16 weights) on one GPU: decode steps with a KV cache of
-    `context` tokens per request. Its tensor-parallel plan needs a torchrun launch per model, so this is the
-    single-GPU eager baseline a user gets from `transformers` out of the box."""
-    from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """transformers' own Qwen3MoeForCausalLM (random weights, bf16 on a GPU) on one device, two ways a user runs it:
+    `hf-eager-1gpu`, batched decode steps with a DynamicCache of `context` tokens per request; `hf-cb-1gpu`, its
+    continuous batching (`generate_batch`, paged cache, its own CUDA graphs where the version has them), where the
+    installed version has it. Its tensor-parallel plan needs a torchrun launch per model, so both use one GPU."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
     hf_cfg.num_hidden_layers = cfg.num_layers
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    with torch.device("cuda:0"):
-        model = Qwen3MoeForCausalLM._from_config(hf_cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    with dev:
+        model = Qwen3MoeForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                                                 attn_implementation="sdpa")
     model.eval()
     with torch.no_grad():  # first-call costs (kernel selection, allocator growth) outside the timed steps
-        model(input_ids=torch.randint(0, cfg.vocab_size, (8, 16), device="cuda:0"))
+        model(input_ids=torch.randint(0, cfg.vocab_size, (8, 16), device=dev))
     points = []
     for b in args.hf_batches:
-        try:
-            with torch.no_grad():
-                cache = DynamicCache()
-                ids = torch.randint(0, cfg.vocab_size, (b, args.context_len), device="cuda:0")
-                for s in range(0, args.context_len, 256):  # prefill in chunks to bound activation memory
-                    model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
-                nxt = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda:0")
-                times = []
-                for _ in range(args.warmup + max(5, args.steps)):
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
-                    nxt = logits[:, -1].argmax(-1, keepdim=True)
-                    nxt.cpu()
-                    times.append(time.perf_counter() - t)
-            step = statistics.median(times[args.warmup:]) * 1e3
-            floor = decode_step_floor_ms(cfg, 1, "tp", b, args.context_len)
-            points.append(_point("hf-eager-1gpu", b, args.context_len, step, floor, False))
-            log.info("hf batch %d: %.3f ms", b, step)
-        except torch.cuda.OutOfMemoryError:
-            points.append({"mode": "hf-eager-1gpu", "batch": b, "error": "out of memory"})
-        finally:
-            cache = None
-            gc.collect()
-            torch.cuda.empty_cache()
+        floor = decode_step_floor_ms(cfg, 1, "tp", b, args.context_len)
+        for mode, timer in (("hf-eager-1gpu", _hf_eager_step), ("hf-cb-1gpu", _hf_cb_step)):
+            if mode == "hf-cb-1gpu" and not hasattr(model, "generate_batch"):
+                points.append({"mode": mode, "batch": b, "error": "this transformers has no generate_batch"})
+                continue
+            try:
+                step, extra = timer(model, b, args, cfg.vocab_size, dev)
+                points.append(_point(mode, b, args.context_len, step, floor, False, **extra))
+                log.info("%s batch %d: %.3f ms", mode, b, step)
+            except torch.cuda.OutOfMemoryError:
+                points.append({"mode": mode, "batch": b, "error": "out of memory"})
+            except _NoSteadyState as e:
+                points.append({"mode": mode, "batch": b, "error": str(e)})
+            except Exception as e:  # noqa: BLE001 - generate_batch's options move between versions: keep the sweep
+                if mode == "hf-eager-1gpu":
+                    raise
+                points.append({"mode": mode, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]})
+            finally:
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     return points
+
+
+def _hf_eager_step(model: Any, b: int, args: argparse.Namespace, vocab: int, dev: torch.device
+                   ) -> tuple[float, dict[str, Any]]:
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        ids = torch.randint(0, vocab, (b, args.context_len), device=dev)
+        for s in range(0, args.context_len, 256):  # prefill in chunks to bound activation memory
+            model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
+        nxt = torch.randint(0, vocab, (b, 1), device=dev)
+        times = []
+        for _ in range(args.warmup + max(5, args.steps)):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            nxt.cpu()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[args.warmup:]) * 1e3, {}
+
+
+class _NoSteadyState(RuntimeError):
+    pass
+
+
+def _hf_cb_step(model: Any, b: int, args: argparse.Namespace, vocab: int, dev: torch.device
+                ) -> tuple[float, dict[str, Any]]:
+    """Median time between a request's consecutive tokens while every request of the batch is decoding (from the
+    last request's first token to the first request's last), from generate_batch's per-token timestamps; without
+    them, the difference of two runs' wall times over the difference of their output lengths."""
+    from transformers import GenerationConfig
+
+    g = torch.Generator().manual_seed(b)
+    prompts = torch.randint(0, vocab, (b, args.context_len), generator=g).tolist()
+    steps = args.warmup + max(5, args.steps)
+
+    def generate(new: int, stamps: bool) -> tuple[float, Any]:
+        # no EOS: every request runs its whole length (random weights would stop some early)
+        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        kw = {"record_timestamps": True} if stamps else {}
+        t = time.perf_counter()
+        outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False, **kw)
+        return time.perf_counter() - t, outs
+
+    # requests prefilled early decode while later ones prefill: enough new tokens that all overlap for a while
+    new = 2 * steps + b * args.context_len // 1024
+    for _ in range(2):
+        try:
+            _, outs = generate(new, True)
+            stamps = [getattr(o, "timestamps", None) for o in outs.values()]
+        except TypeError:  # a version without record_timestamps
+            stamps = [None]
+        if not all(stamps):
+            break
+        start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+        gaps = [y - x for s in stamps for x, y in zip(s, s[1:], strict=False) if x >= start and y <= end]
+        if len(gaps) >= steps:
+            return statistics.median(gaps) * 1e3, {"method": "token timestamps", "intervals": len(gaps),
+                                                   "new_tokens": new}
+        new *= 4
+    if all(stamps):
+        raise _NoSteadyState(f"hf-cb: too few steps with every request decoding ({len(gaps)} at {new // 4} new "
+                             "tokens, prefill outlasting decoding)")
+    short, _ = generate(steps, False)
+    long, _ = generate(3 * steps, False)
+    return (long - short) / (2 * steps) * 1e3, {"method": "two output lengths"}
 
 
 def crossover(points: list[dict[str, Any]]) -> int | None:
@@ -241,7 +309,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also start an EP-only engine with the same KV capacity and compare peak memory")
     p.add_argument("--switch-repeats", type=int, default=4,
                    help="switches back and forth after the sweep (with 8 requests decoding) for the switch overhead")
-    p.add_argument("--hf-baseline", action="store_true", help="also time transformers' own model on one GPU")
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="also time transformers' own model on one GPU (eager, and its continuous batching)")
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
     p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
     p.set_defaults(func=main)
