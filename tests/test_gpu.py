@@ -126,6 +126,33 @@ def test_qk_norm_rope_kv_matches_reference(heads: int, kv_heads: int, T: int) ->
     assert q_err < 1e-2 and k_err < 1e-2 and v_same
 
 
+@pytest.mark.parametrize("heads,kv_heads,splits", [(16, 2, 32), (32, 4, 16), (8, 4, 1), (16, 2, 4)])
+def test_decode_attention_from_qkv_matches_two_launches(heads: int, kv_heads: int, splits: int) -> None:
+    """kernels.attention.qk_decode_attention (q/k norm, RoPE and the cache write inside the attention launch)
+    against qk_norm_rope_kv then paged_attention: the same cache contents and outputs."""
+    from moebius.kernels.attention import qk_decode_attention
+    from moebius.layers.attention import qk_norm_rope_kv
+    from moebius.layers.rotary import rope_table
+
+    torch.manual_seed(0)
+    d, bs, pages = 128, 16, 512
+    ctx = [1, 17, 300, 1000, 64, 513]
+    meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cuda")
+    meta.num_splits = splits
+    rope = rope_table(d, 4096, 1e6, "cuda")
+    qkv = torch.randn(len(ctx), (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
+    qn, kn = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    cache = torch.randn(pages, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    want_cache = cache.clone()
+    want = paged_attention(qk_norm_rope_kv(qkv, qn, kn, rope, want_cache, meta, 1e-6), want_cache, meta, d ** -0.5)
+    got = qk_decode_attention(qkv, qn, kn, rope, meta.positions, meta.slot_mapping, cache, heads, 1e-6,
+                              meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5, splits)
+    new = meta.slot_mapping
+    assert _rel(cache[new // bs, :, new % bs], want_cache[new // bs, :, new % bs]) < 1e-2  # the new k and v
+    assert torch.equal(cache[new // bs, 1, new % bs], want_cache[new // bs, 1, new % bs])  # v: copied as it is
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_topk_softmax_matches_reference(norm: bool) -> None:
     from moebius.kernels.fused import topk_softmax

@@ -90,6 +90,38 @@ def qk_cases() -> None:
             assert q_err < 1e-5 and k_err < 1e-5 and v_same, (heads, kv_heads, T)
 
 
+def qk_attention_cases() -> None:
+    from attention_cases import paged_metadata
+
+    from moebius.kernels.attention import qk_decode_attention
+    from moebius.layers.attention import paged_attention_ref, qk_norm_rope_kv
+    from moebius.layers.rotary import rope_table
+
+    g = torch.Generator().manual_seed(0)
+    bs, pages = 16, 96
+    for heads, kvh, d in [(8, 2, 64), (4, 4, 32)]:
+        ctx = [1, 17, 100, 64, 33]
+        meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cpu", seed=heads)
+        rope = rope_table(d, 4096, 1e6, "cpu")
+        qkv = torch.randn(len(ctx), (heads + 2 * kvh) * d, generator=g)
+        qn, kn = (torch.rand(d, generator=g) + 0.5 for _ in range(2))
+        cache = torch.randn(pages, 2, bs, kvh, d, generator=g)
+        want_cache = cache.clone()
+        want = paged_attention_ref(qk_norm_rope_kv(qkv, qn, kn, rope, want_cache, meta, 1e-6), want_cache, meta,
+                                   d ** -0.5)
+        for splits in (1, 4):  # the new token's k and v: stored by the split that holds its position
+            got_cache = cache.clone()
+            got = qk_decode_attention(qkv, qn, kn, rope, meta.positions, meta.slot_mapping, got_cache, heads, 1e-6,
+                                      meta.block_tables, meta.seq_lens, meta.query_start_loc, d ** -0.5, splits)
+            assert torch.allclose(got_cache, want_cache, atol=1e-5), (heads, kvh, splits)
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-5, (heads, kvh, splits, err)
+
+
+def test_decode_attention_from_qkv_under_the_interpreter() -> None:
+    _run("qk_attention")
+
+
 def test_qk_norm_rope_kv_under_the_interpreter() -> None:
     _run("qk")
 
@@ -144,5 +176,5 @@ def _run(case: str) -> None:
 
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
-             "router": router_cases}
+             "router": router_cases, "qk_attention": qk_attention_cases}
     cases[sys.argv[1]]()

@@ -13,14 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.kernels.fused import _qk_heads
 from moebius.kernels.pdl import enter, pdl
 
 
 @triton.jit
 def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale,
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
+              QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PAGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr):
+    """QK (decode only): Q receives q here, from the fused qkv projection (q/k RMSNorm, RoPE; the new k and v go to
+    the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise."""
     enter(PDL)
     # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
     # head of a token is one run of bytes) are read together
@@ -33,6 +37,16 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
     seq_len = tl.load(SeqLens + b)
     m0 = mblk * BM
     if m0 < qlen:
+        if QK:  # one new token: this KV head's q heads, and (the split holding its position) its k and v
+            kv_len = seq_len
+            per = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BN) * BN
+            writer = split == tl.where(per > 0, (kv_len - 1) // tl.maximum(per, 1), 0)
+            r = tl.arange(0, 2 * G)
+            KVH = tl.num_programs(0) // NUM_SPLITS
+            h = tl.where(r < G, kvh * G + r, tl.where((r == G) & writer, H + kvh, H + KVH))  # H + KVH: no head
+            _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, Q, q0.to(tl.int64), h, eps, H, KVH, stride_t, stride_qt,
+                      stride_qh, stride_pg, stride_kv, stride_tok, stride_hd, PAGE, D)
+            tl.debug_barrier()  # q (and the new k, v) stored before this program reads them
         rows = tl.arange(0, BM * G)
         tok = m0 + rows // G
         head = kvh * G + rows % G
@@ -70,7 +84,6 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
                      out.to(Out.dtype.element_ty), mask=valid[:, None])
         else:
             # partials of token t, head h, split s at ((t * H + h) * NUM_SPLITS + s)
-            H = tl.num_programs(0) // NUM_SPLITS * G
             idx = ((q0 + tok) * H + head) * NUM_SPLITS + split
             tl.store(PartAcc + idx[:, None] * D + d[None, :], acc, mask=valid[:, None])
             tl.store(PartML + idx * 2, m_i, mask=valid)
@@ -113,6 +126,30 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1
                     ) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1)."""
+    return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None)
+
+
+# Decode steps up to this many tokens take q/k norm + RoPE + cache write inside the attention launch: there the
+# separate launch (~2.1 us + a gap on an H200) outweighs the prologue each attention program gains; at large batches
+# every one of B x KV-head programs would carry it while the separate kernel streams (8 us at 1024 tokens). NOT YET
+# MEASURED end to end (written without a GPU): benchmarks/results sweeps before it ran two launches.
+QK_FUSED_MAX_TOKENS = 64
+
+
+def qk_decode_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
+                        positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float, num_splits: int = 1) -> torch.Tensor:
+    """Decode (one new token a sequence): fused.qk_norm_rope_kv then paged_attention, in one launch."""
+    T, D = qkv_TQ.shape[0], cache.shape[4]
+    q = torch.empty(T, num_heads, D, dtype=qkv_TQ.dtype, device=qkv_TQ.device)
+    return _launch(q, cache, block_tables, seq_lens, query_start_loc, 1, scale, num_splits,
+                   (qkv_TQ, q_norm, k_norm, rope, positions, slots, eps))
+
+
+def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int,
+            qk: tuple | None) -> torch.Tensor:
     T, H, D = q_THd.shape
     B = seq_lens.shape[0]
     kvh, page = cache.shape[3], cache.shape[2]
@@ -130,12 +167,14 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
         part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_THd.device)
     else:
         part_acc = part_ml = out
+    qkv, q_norm, k_norm, rope, positions, slots, eps = qk if qk is not None else (q_THd,) * 6 + (0.0,)
     _attn_fwd[grid](q_THd, cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, scale,
                     q_THd.stride(0), q_THd.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
                     cache.stride(2), cache.stride(3), block_tables.stride(0),
+                    qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
-                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", num_warps=4, num_stages=stages,
-                    **pdl(q_THd))
+                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, num_warps=4,
+                    num_stages=stages, **pdl(q_THd))
     if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
                               **pdl(q_THd))

@@ -38,11 +38,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 @triton.jit
-def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, stride_t, stride_pg, stride_kv,
-                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of token t: q heads, then k heads
+def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, stride_t, stride_qt, stride_qh, stride_pg,
+              stride_kv, stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr):
+    """Heads h (a vector of ids: q heads below H, then k heads; others are skipped) of token t of the fused qkv
+    projection: RMSNorm with q_norm / k_norm, RoPE at t's position; q heads to QOut, k heads and their v to the
+    paged cache at t's slot."""
     half = tl.arange(0, D // 2)
     is_q = (h < H)[:, None]
     is_k = ((h >= H) & (h < H + KVH))[:, None]
@@ -61,7 +61,7 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, st
     sin = tl.load(Rope + pos * D + D // 2 + half).to(dt).to(tl.float32)[None, :]
     o1 = (n1 * cos - n2 * sin).to(dt)
     o2 = (n2 * cos + n1 * sin).to(dt)
-    qo = QOut + (t * H + h[:, None]) * D + half[None, :]
+    qo = QOut + t * stride_qt + h[:, None] * stride_qh + half[None, :]
     tl.store(qo, o1, mask=is_q)
     tl.store(qo + D // 2, o2, mask=is_q)
     kh = (h - H)[:, None]
@@ -72,6 +72,16 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, st
     v = QKV + t * stride_t + (H + KVH + kh) * D + half[None, :]
     tl.store(dst + stride_kv, tl.load(v, mask=is_k), mask=is_k)
     tl.store(dst + stride_kv + D // 2, tl.load(v + D // 2, mask=is_k), mask=is_k)
+
+
+@triton.jit
+def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, stride_t, stride_pg, stride_kv,
+                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of token t
+    _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, stride_t, H * D, D, stride_pg,
+              stride_kv, stride_tok, stride_hd, PAGE, D)
 
 
 def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,

@@ -73,6 +73,23 @@ def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     return q
 
 
+def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
+                  cache: torch.Tensor, meta: AttentionMetadata, eps: float, scale: float) -> torch.Tensor:
+    """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
+    Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
+    one Triton launch."""
+    if qkv_TQ.is_cuda and triton_available() and meta.max_query_len == 1:
+        from moebius.kernels.attention import QK_FUSED_MAX_TOKENS, qk_decode_attention
+
+        if qkv_TQ.shape[0] <= QK_FUSED_MAX_TOKENS:
+            kvh, d = cache.shape[3], cache.shape[4]
+            return qk_decode_attention(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache,
+                                       qkv_TQ.shape[1] // d - 2 * kvh, eps, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, scale, meta.num_splits)
+    q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps)
+    return paged_attention(q, cache, meta, scale)
+
+
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d].
     The Triton kernel on the GPU, the torch reference elsewhere."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ModelConfig
-from moebius.layers.attention import AttentionMetadata, paged_attention, qk_norm_rope_kv
+from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.moe import PairRows, dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
 from moebius.parallel.dispatch import Communicator
@@ -64,8 +64,7 @@ def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: Att
               cfg: ModelConfig, rope: torch.Tensor) -> torch.Tensor:
     """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
     qkv = F.linear(x_TD, w.qkv_QD, w.qkv_bias)
-    q = qk_norm_rope_kv(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps)  # k, v go to the cache
-    o = paged_attention(q, cache, meta, cfg.head_dim ** -0.5)
+    o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
     return F.linear(o.flatten(1), w.o_DQ)
 
 
