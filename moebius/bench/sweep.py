@@ -230,7 +230,7 @@ def _hf_cb_step(model: Any, b: int, args: argparse.Namespace, vocab: int, dev: t
         try:
             _, outs = generate(new, True)
             stamps = [getattr(o, "timestamps", None) for o in outs.values()]
-        except TypeError:  # a version without record_timestamps
+        except (TypeError, ValueError):  # a version without record_timestamps (an unexpected keyword)
             stamps = [None]
         if not all(stamps):
             break
