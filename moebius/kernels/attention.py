@@ -37,10 +37,12 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
     seq_len = tl.load(SeqLens + b)
     m0 = mblk * BM
     if m0 < qlen:
+        kv_end = seq_len - qlen + tl.minimum(m0 + BM, qlen)  # causal: no row looks past this
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
+        lo = split * per_split
+        hi = tl.minimum(kv_end, lo + per_split)
         if QK:  # one new token: this KV head's q heads, and (the split holding its position) its k and v
-            kv_len = seq_len
-            per = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BN) * BN
-            writer = split == tl.where(per > 0, (kv_len - 1) // tl.maximum(per, 1), 0)
+            writer = (lo < seq_len) & (seq_len <= hi)
             r = tl.arange(0, 2 * G)
             KVH = tl.num_programs(0) // NUM_SPLITS
             h = tl.where(r < G, kvh * G + r, tl.where((r == G) & writer, H + kvh, H + KVH))  # H + KVH: no head
@@ -55,10 +57,6 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
         d = tl.arange(0, D)
         q = tl.load(Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=valid[:, None], other=0.0)
-        kv_end = seq_len - qlen + tl.minimum(m0 + BM, qlen)  # causal: no row looks past this
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
-        lo = split * per_split
-        hi = tl.minimum(kv_end, lo + per_split)
         m_i = tl.full([BM * G], float("-inf"), tl.float32)
         l_i = tl.zeros([BM * G], tl.float32)
         acc = tl.zeros([BM * G, D], tl.float32)
