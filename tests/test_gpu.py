@@ -188,6 +188,32 @@ def test_router_matches_linear_then_topk() -> None:
         assert torch.allclose(w.float(), rw.float(), atol=1e-2)
 
 
+def test_few_row_linear_matches_float32_product() -> None:
+    """The prefetching projection (kernels/linear.py) at 30B / 235B shard shapes, 1-3 rows, in a CUDA graph after
+    another kernel (its weight loads run before it waits), in both release orders: within bf16 rounding of the
+    float32 product."""
+    from moebius import kernels
+    from moebius.kernels.fused import add_rmsnorm
+    from moebius.kernels.linear import fits, linear
+
+    torch.manual_seed(0)
+    ones = torch.ones(8192, device="cuda", dtype=torch.bfloat16)
+    for N, K in [(2560, 2048), (5120, 2048), (2048, 4096), (4608, 4096), (4096, 8192), (100, 300)]:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        assert fits(torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), w)
+        for T, bias, order in [(1, None, kernels.LATE), (1, b, kernels.EARLY), (3, b, kernels.LATE)]:
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), kernels.release_order(order):  # its input written by the kernel just before
+                h = add_rmsnorm(x, None, ones[:K], 1e-6)
+                y = linear(h, w, bias)
+            g.replay()
+            torch.cuda.synchronize()
+            want = torch.nn.functional.linear(h.float(), w.float(), None if bias is None else bias.float())
+            assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2), (N, K, T, (y.float() - want).abs().max())
+
+
 def test_argmax_keys_match_torch_argmax() -> None:
     """The one-launch vocabulary argmax (kernels/fused.py) against torch.argmax on bf16 logits with ties."""
     from moebius.kernels.fused import argmax_keys

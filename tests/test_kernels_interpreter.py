@@ -1,11 +1,12 @@
-"""Triton kernels on the CPU under the Triton interpreter, against their torch references, in float32 (the
-interpreter's bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of
-pairs, the one-program align and the chunked align passes, all local experts and a slice of them as in EP) and paged
-attention (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled
-block tables), the q/k norm + RoPE + cache write, the router (K-split logits, then top-k) and the vocabulary argmax
-keys (moebius/kernels/fused.py). The interpreter is chosen when Triton defines the kernels, so the cases run in a
-fresh interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py
-runs the same kernels compiled, in bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
+"""Triton kernels on the CPU under the Triton interpreter, against their torch references, in float32 (the interpreter's
+bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of pairs, the one-
+program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
+(moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables),
+the few-row linear (moebius/kernels/linear.py), the q/k norm + RoPE + cache write, the router (K-split logits, then
+top-k) and the vocabulary argmax keys (moebius/kernels/fused.py). The interpreter is chosen when Triton defines the
+kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped
+without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
+tests/test_symmetric_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -148,6 +149,27 @@ def test_router_under_the_interpreter() -> None:
     _run("router")
 
 
+def linear_cases() -> None:
+    import torch.nn.functional as F
+
+    from moebius.kernels.linear import linear
+
+    g = torch.Generator().manual_seed(0)
+    # (rows, N, K): partial row tiles, K under a power of two, the widest K (4 rows a program)
+    for T, N, K in [(1, 40, 300), (4, 33, 2048), (3, 7, 8192)]:
+        x = torch.randn(T, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        b = torch.randn(N, generator=g)
+        for bias in (None, b):
+            want = F.linear(x, w, bias)
+            got = linear(x, w, bias)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-3), (T, N, K, (got - want).abs().max())
+
+
+def test_few_row_linear_under_the_interpreter() -> None:
+    _run("linear")
+
+
 def test_argmax_keys_under_the_interpreter() -> None:
     _run("argmax")
 
@@ -176,5 +198,5 @@ def _run(case: str) -> None:
 
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
-             "router": router_cases, "qk_attention": qk_attention_cases}
+             "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases}
     cases[sys.argv[1]]()

@@ -17,6 +17,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from moebius import kernels
 from moebius.config import ModelConfig
 from moebius.engine.cuda_graphs import CudaGraphs
 from moebius.engine.scheduler import ScheduledChunk
@@ -200,10 +201,15 @@ class ModelRunner:
             token_qpos=buf.token_qpos[:b], max_query_len=1, max_seq_len=0, block_size=self.block_size,
             num_splits=num_splits_for(b, self.kv[0].shape[3]) if self.device.type == "cuda" else 1)
 
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # one token on this rank: projections that stream their weights during the kernel before them, which the
+        # LATE order of kernel launches leaves them to (moebius/kernels/linear.py)
+        with kernels.release_order(kernels.LATE if ids.shape[0] == 1 else kernels.EARLY):
+            return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
+
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [T, V] of every new token (used by decode graphs, where every row samples)."""
-        hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
-        return qwen3_moe.logits(hidden, self.weights)
+        return qwen3_moe.logits(self.forward(ids, meta), self.weights)
 
     def launch(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync,
                prev: PendingStep | None = None, prev_rows: np.ndarray | None = None) -> PendingStep:
@@ -230,7 +236,7 @@ class ModelRunner:
             ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows)
             if meta.max_query_len == 1 and self.device.type == "cuda":
                 meta.num_splits = num_splits_for(len(batch), self.kv[0].shape[3])
-            hidden = qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
+            hidden = self.forward(ids, meta)
             rows = [int(qsl[b + 1]) - 1 for b, c in enumerate(batch) if c.samples]
             for b, c in enumerate(batch):
                 if c.req.wants_prompt_logits:

@@ -1,8 +1,10 @@
 """Programmatic dependent launch (Hopper+): a kernel launched with it may start while the kernel before it in the
 stream is finishing, so its launch overlaps the other's tail; it waits for that kernel (all of its writes) before
 reading anything. Every Triton kernel of the step does this, and lets the next one launch as soon as its own
-programs have all started: ~0.45 us less per boundary between two small kernels on an H200, inside CUDA graphs
-too (benchmarks/results/h200-pdl.json). Kernels other than ours (cuBLAS, torch) launch and wait as usual."""
+programs have all started (EARLY order) or, in the LATE order a step of one token a rank runs in, once it has
+waited (`moebius.kernels.release_order`): ~0.45 us less per boundary between two small kernels on an H200, inside
+CUDA graphs too (benchmarks/results/h200-pdl.json). Kernels other than ours (cuBLAS, torch) launch and wait as
+usual."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius import kernels
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older Triton: no PDL
@@ -20,11 +24,28 @@ except ImportError:  # an older Triton: no PDL
 
 
 @triton.jit
-def enter(PDL: tl.constexpr):
-    """First thing in a kernel: let the next kernel launch, then wait for the previous one to finish."""
-    if PDL:
+def release(PDL: tl.constexpr):
+    """In the EARLY order (moebius.kernels.release_order): let the next kernel in the stream launch now (its
+    programs then wait in `wait`)."""
+    if PDL == 1:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait for the previous kernel to finish, all of its writes visible (nothing read before this may depend on
+    it: a kernel may load its weights first); in the LATE order, then let the next kernel launch."""
+    if PDL != 0:
         gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First thing in a kernel."""
+    release(PDL)
+    wait(PDL)
 
 
 @functools.cache
@@ -34,7 +55,8 @@ def _capable(device_index: int) -> bool:
             and os.environ.get("MOEBIUS_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index) >= (9, 0))
 
 
-def pdl(t: torch.Tensor) -> dict[str, bool]:
-    """Launch arguments of a kernel working on `t` (its `PDL` constexpr, and Triton's launch_pdl)."""
+def pdl(t: torch.Tensor) -> dict[str, int | bool]:
+    """Launch arguments of a kernel working on `t` (its `PDL` constexpr: 0 or the release order, and Triton's
+    launch_pdl)."""
     on = t.is_cuda and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return {"PDL": on, "launch_pdl": on}
+    return {"PDL": kernels.release_order_now() if on else 0, "launch_pdl": on}

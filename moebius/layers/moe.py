@@ -11,6 +11,7 @@ from moebius.kernels import moe as kmoe
 from moebius.kernels import triton_available
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
+from moebius.layers.linear import linear
 
 
 @dataclass
@@ -59,7 +60,7 @@ def swiglu(h_TF2: torch.Tensor) -> torch.Tensor:
 
 
 def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
-    return F.linear(swiglu(F.linear(x_TD, w13_FD)), w2_DF)
+    return linear(swiglu(linear(x_TD, w13_FD)), w2_DF)
 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,

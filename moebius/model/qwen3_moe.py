@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moebius.config import ModelConfig
 from moebius.layers.attention import AttentionMetadata, qkv_attention
+from moebius.layers.linear import linear
 from moebius.layers.moe import PairRows, dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
 from moebius.parallel.dispatch import Communicator
@@ -63,9 +64,9 @@ class ModelWeights:
 def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
               cfg: ModelConfig, rope: torch.Tensor) -> torch.Tensor:
     """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
-    qkv = F.linear(x_TD, w.qkv_QD, w.qkv_bias)
+    qkv = linear(x_TD, w.qkv_QD, w.qkv_bias)
     o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-    return F.linear(o.flatten(1), w.o_DQ)
+    return linear(o.flatten(1), w.o_DQ)
 
 
 def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator

@@ -1,0 +1,18 @@
+"""Linear projections: F.linear, or on the GPU for a few rows a kernel that streams the weights while the kernel
+before it is still running (moebius/kernels/linear.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moebius.kernels import triton_available
+
+
+def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    if x_TD.is_cuda and triton_available():
+        from moebius.kernels import linear as kl
+
+        if kl.fits(x_TD, w_ND):
+            return kl.linear(x_TD, w_ND, bias_N)
+    return F.linear(x_TD, w_ND, bias_N)
