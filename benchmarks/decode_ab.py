@@ -1,0 +1,47 @@
+"""Steady-state decode step (CUDA graph replay, overlapped host work) of a preset on this host's GPUs at a few
+batches and layouts, for A/B runs of one code change: run once per variant of the code and compare the JSON lines.
+
+    python3 benchmarks/decode_ab.py --num-ranks 2 --num-layers 48 --batches 1,2,4,8 --modes tp,ep --output ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moebius import LLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--num-ranks", type=int, default=2)
+    ap.add_argument("--num-layers", type=int, default=48)
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--modes", default="tp,ep")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--output", default="decode_ab.json")
+    a = ap.parse_args()
+    batches = [int(v) for v in a.batches.split(",")]
+    llm = LLM(model=a.model, load_format="dummy", num_layers=a.num_layers, num_ranks=a.num_ranks, mode="tp",
+              max_model_len=a.context + 64, max_running_requests=max(batches),
+              max_num_batched_tokens=max(2048, max(batches)), mem_fraction=0.6, cuda_graph_max_bs=max(batches))
+    out = []
+    try:
+        for mode in a.modes.split(","):
+            if llm.mode != mode:
+                llm.switch_mode(mode)
+            for b in batches:
+                r = llm.engine.query("bench_decode", batch=b, context=a.context, steps=8, warmup=3, graphs=True)
+                # the slowest rank's median: the step waits for it
+                out.append(dict(mode=mode, batch=b, step_ms=max(x["step_ms"] for x in r),
+                                replay_ms=max(x["replay_ms"] or 0 for x in r)))
+                print(json.dumps(out[-1]), flush=True)
+    finally:
+        llm.close()
+    with open(a.output, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
