@@ -202,9 +202,9 @@ class ModelRunner:
             num_splits=num_splits_for(b, self.kv[0].shape[3]) if self.device.type == "cuda" else 1)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # one token on this rank: projections that stream their weights during the kernel before them, which the
-        # LATE order of kernel launches leaves them to (moebius/kernels/linear.py)
-        with kernels.release_order(kernels.LATE if ids.shape[0] == 1 else kernels.EARLY):
+        # a few tokens on this rank: projections that stream their weights during the kernel before them, which
+        # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py)
+        with kernels.release_order(kernels.release_order_for(ids.shape[0])):
             return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
 
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

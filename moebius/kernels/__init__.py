@@ -28,8 +28,8 @@ def release_order(order: int) -> Iterator[None]:
     """Kernels launched inside release the next one in this order. EARLY: every kernel of a chain may launch
     (and wait) a few kernels ahead. LATE: one ahead, so a kernel that loads its weights before it waits
     (kernels/linear.py) loads them during the kernel just before it, not while expert kernels three launches back
-    need the SMs (one token a rank: 2.44 -> 2.27 ms a 48-layer step on 2 H200s; with cuBLAS projections EARLY is
-    ~2% faster, h200x2-linear-pdl.json)."""
+    need the SMs (one token a rank: 2.44 -> 2.21 ms a 48-layer TP step on 2 H200s; with cuBLAS projections EARLY
+    is ~2% faster, h200x2-linear-pdl.json)."""
     global _order
     before, _order = _order, order
     try:
@@ -40,3 +40,10 @@ def release_order(order: int) -> Iterator[None]:
 
 def release_order_now() -> int:
     return _order
+
+
+PREFETCH_ROWS = 1  # steps of up to this many tokens a rank: prefetching projections (kernels/linear.py), LATE order
+
+
+def release_order_for(tokens: int) -> int:
+    return LATE if tokens <= PREFETCH_ROWS else EARLY

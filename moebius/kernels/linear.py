@@ -2,8 +2,9 @@
 loaded before it waits for the kernel before it (programmatic dependent launch, kernels/pdl.py), so the weight
 stream overlaps that kernel instead of following it. cuBLAS picks 64-column tiles here (40 programs for a 30B TP
 qkv shard on 132 SMs) and starts only once the previous kernel has finished: ~6 us a projection where the
-weights alone take ~2 us of HBM. Launched in the LATE release order (`pdl.release_order`): in the EARLY one these
-programs sit on the SMs, registers full, while the expert kernels of the layer before still run."""
+weights alone take ~2 us of HBM. Steps of up to `MAX_ROWS` tokens a rank run in the LATE release order
+(`moebius.kernels.release_order_for`): in the EARLY one these programs sit on the SMs, registers full, while the
+expert kernels of the layer before still run."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius import kernels
 from moebius.kernels.pdl import pdl, release, wait
 
-# Each row costs every program a cross-thread sum of BN x K products; at 2-4 rows that made 48-layer steps 1-7%
-# slower than cuBLAS (h200x2-linear-pdl.json).
-MAX_ROWS = 1
-TILE_ELEMS = 16 * 2048  # weight elements a program holds (64 KiB of bf16: 64 registers a thread at 8 warps)
+# Each row costs every program a cross-thread sum of BN x K products: at 2-4 rows 48-layer steps came out 1-7%
+# slower than with cuBLAS, a row at a time or a block of rows in one load (h200x2-linear-pdl.json).
+MAX_ROWS = kernels.PREFETCH_ROWS
+# Weight elements a program holds: 32 KiB of bf16, ~100 registers a thread at 8 warps, two programs an SM (64 KiB
+# took 179 registers, one program an SM, and 160 programs for a 30B TP qkv shard on 132 SMs: 2-3% slower steps).
+TILE_ELEMS = 8 * 2048
 MAX_K = 8192
 
 
@@ -27,7 +31,7 @@ def fits(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
 
 @triton.jit
 def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, PDL: tl.constexpr):
+                 BK: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
     """Out[t, n] = sum_k X[t, k] * W[n, k] (+ B[n]) for this program's BN rows n, float32 sums rounded once."""
     release(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -37,12 +41,17 @@ def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constex
     if HAS_BIAS:
         b = tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
     wait(PDL)  # only X comes from the kernel before
-    for t in range(T):
-        x = tl.load(X + t * stride_x + rk, mask=mk, other=0.0)
-        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        if HAS_BIAS:
-            acc += b
-        tl.store(Out + t * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
+    rb = tl.arange(0, BT)
+    for t0 in range(0, T, BT):
+        # the block's rows in one load (one round trip, not one a row), then each row picked out in registers
+        xs = tl.load(X + (t0 + rb)[:, None] * stride_x + rk[None, :], mask=(t0 + rb < T)[:, None] & mk[None, :],
+                     other=0.0).to(tl.float32)
+        for i in tl.static_range(BT):
+            x = tl.sum(tl.where(rb[:, None] == i, xs, 0.0), axis=0)
+            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if HAS_BIAS:
+                acc += b
+            tl.store(Out + (t0 + i) * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn & (t0 + i < T))
 
 
 def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,5 +63,5 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
     BN = max(1, TILE_ELEMS // BK)
     _linear_rows[(triton.cdiv(N, BN),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
                                         x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None, BN=BN, BK=BK,
-                                        num_warps=8, **pdl(x_TD))
+                                        BT=min(triton.next_power_of_2(T), 4), num_warps=8, **pdl(x_TD))
     return out
