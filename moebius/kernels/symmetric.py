@@ -34,24 +34,41 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from moebius.kernels.pdl import enter, pdl
+from moebius.kernels.pdl import pdl, release, wait
 from moebius.layers.moe import PairRows
 
 FLAG_STRIDE = 32  # int32s between flags: one 128-byte line each, so spinning programs do not share a line
 
 
+MAX_RANKS_INT = 8  # one NVLink domain of an HGX board
+MAX_RANKS = tl.constexpr(MAX_RANKS_INT)
+
+
 @triton.jit
-def _flag_and_wait(Flags, calls, pid, PHASE: tl.constexpr, RANK: tl.constexpr, P: tl.constexpr,
+def _flag_arrays(Flags, P: tl.constexpr):
+    """Every rank's flag array address [MAX_RANKS] (a fixed table: kernels read it before they wait for the kernel
+    before them, so it is not a round trip between their peer writes and their flags)."""
+    r = tl.arange(0, MAX_RANKS)
+    return tl.load(Flags + r, mask=r < P, other=0)
+
+
+@triton.jit
+def _flags_of(flags, r):
+    return tl.sum(tl.where(tl.arange(0, MAX_RANKS) == r, flags, 0), 0).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _flag_and_wait(flags, calls, pid, PHASE: tl.constexpr, RANK: tl.constexpr, P: tl.constexpr,
                    MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr):
     """Tell every peer this program's writes of this phase of call number `calls` are done (the flag holds the
-    number of the call + 1); wait until every peer has told us."""
+    number of the call + 1); wait until every peer has told us. flags: `_flag_arrays`."""
     tl.debug_barrier()  # every thread's writes precede the flag
     for r in tl.static_range(P):
         if r != RANK:
-            peer = tl.load(Flags + r).to(tl.pointer_type(tl.int32))
+            peer = _flags_of(flags, r)
             tl.atomic_xchg(peer + ((PHASE * P + RANK) * MAX_PROGRAMS + pid) * STRIDE, calls + 1, sem="release",
                            scope="sys")
-    mine = tl.load(Flags + RANK).to(tl.pointer_type(tl.int32))
+    mine = _flags_of(flags, RANK)
     for r in tl.static_range(P):
         if r != RANK:
             flag = mine + ((PHASE * P + r) * MAX_PROGRAMS + pid) * STRIDE
@@ -113,7 +130,9 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
                            P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr,
                            PDL: tl.constexpr):
-    enter(PDL)
+    release(PDL)
+    flags = _flag_arrays(Flags, P)
+    wait(PDL)
     # Each rank's buffer: [2 slots][2 phases][P source ranks][rows, N], rows at their index in the batch. Rows
     # travel as posted NVLink stores into the peer's buffer (pushed: 1.5-2x faster than reading the peer's, which
     # waits a round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
@@ -152,7 +171,7 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
                     tl.store(dst + off, x, mask=m & (owner == r))
                 else:
                     tl.store(dst + off, x, mask=m)
-    _flag_and_wait(Flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
+    _flag_and_wait(flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
     for it in range(0, iters):
         j = it * ROWS + k
         row = pid + j * G
@@ -175,7 +194,7 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
                     dst = tl.load(Bufs + r).to(tl.pointer_type(dt)) + ((slot * 2 + 1) * P + RANK) * sec_numel
                     tl.store(dst + off, x, mask=m)
     if TWO_SHOT:
-        _flag_and_wait(Flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
+        _flag_and_wait(flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
         for it in range(0, iters):
             j = it * ROWS + k
             row = pid + j * G
@@ -192,7 +211,9 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
 def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: tl.constexpr, P: tl.constexpr,
                  K: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)
+    release(PDL)
+    flags = _flag_arrays(Flags, P)
+    wait(PDL)
     # every rank's buffers hold [P * C, D] token rows (then [P * C, K] weights) and [P * C, K] ids, rank r's rows at
     # r * C; rows from T to C are padding: zero rows, zero weights, expert id -1 (no rank owns it)
     pid = tl.program_id(0)
@@ -218,7 +239,7 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
             tl.store(xw + w_offset + row * K + kc[None, :], w.to(dt), mask=inside & mk)
             idb = tl.load(IdBufs + r).to(tl.pointer_type(tl.int64))
             tl.store(idb + row * K + kc[None, :], ids.to(tl.int64), mask=inside & mk)
-    _flag_and_wait(Flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
+    _flag_and_wait(flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
     tl.store(Count + pid, calls + 1)
 
 
@@ -226,7 +247,9 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
 def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, first, E, eps, RANK: tl.constexpr,
                             P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
                             BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)
+    release(PDL)
+    flags = _flag_arrays(Flags, P)
+    wait(PDL)
     # Y [P * C, D]: this rank's expert outputs for every rank's tokens; rank q's rows go to q's buffer at RANK * C.
     # PAIRS: Y [P * C * K, D] per (token, k) pair, summed over the local pairs here (`_partial`; Ids: the dispatched
     # ids, in the dispatch buffer, which a peer's next dispatch may overwrite once this rank has raised its flag:
@@ -246,7 +269,7 @@ def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, firs
                 y = _partial(Y, Ids, q * C + t, t < C, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
                 dst = tl.load(Bufs + q).to(tl.pointer_type(dt))
                 tl.store(dst + (RANK * C + t)[:, None] * D + cols[None, :], y, mask=m)
-    _flag_and_wait(Flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
+    _flag_and_wait(flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
     mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
     for it in range(0, iters):
         t = pid + (it * ROWS + k) * G
@@ -276,6 +299,9 @@ class SymmetricBuffers:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.P > MAX_RANKS_INT:
+            raise ValueError(f"symmetric-memory exchanges take up to {MAX_RANKS_INT} ranks, not {self.P} "
+                             "(--disable-custom-all-reduce uses NCCL)")
         sizes = dict(sizes, flags=(phases * self.P * self.MAX_PROGRAMS * FLAG_STRIDE, torch.int32))
         self.bufs: dict[str, torch.Tensor] = {}
         self.ptrs: dict[str, torch.Tensor] = {}
