@@ -26,7 +26,8 @@ MAX_K = 8192
 
 def fits(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
     return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
-            and w_ND.is_contiguous() and x_TD.dtype == w_ND.dtype and x_TD.dtype in (torch.bfloat16, torch.float16))
+            and w_ND.shape[1] == x_TD.shape[1] and w_ND.is_contiguous() and x_TD.dtype == w_ND.dtype
+            and x_TD.dtype in (torch.bfloat16, torch.float16))  # anything else: F.linear (and its shape errors)
 
 
 @triton.jit
