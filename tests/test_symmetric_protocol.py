@@ -27,6 +27,7 @@ def _shared(numel: int, dtype: torch.dtype, P: int) -> tuple[list[torch.Tensor],
 
 
 FIRST, LOCAL = 4, 8  # pair cases: experts 4..11 are this rank's (ids run 0..15)
+WRAP_START = 2 ** 31 - 3  # call numbers start near the int32 limit, so every case runs across the wrap
 
 
 def _pair_sum(y_ND: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,7 @@ def _allreduce_rank(r: int, P: int, bufs: torch.Tensor, flags: torch.Tensor, ll_
                     max_numel: int, ll_numel: int, programs: int) -> None:
     from moebius.kernels.symmetric import FLAG_STRIDE, _allreduce_add_rmsnorm
 
-    count = torch.zeros(programs, dtype=torch.int32)
+    count = torch.full((programs,), WRAP_START, dtype=torch.int32)
     for xs, ids, res0, w, mode in calls:
         T, N = res0.shape
         res, out = res0.clone(), torch.empty(T, N)
@@ -59,7 +60,7 @@ def _allreduce_rank(r: int, P: int, bufs: torch.Tensor, flags: torch.Tensor, ll_
 def _ep_rank(r: int, P: int, ptrs: dict, xw: list, idb: list, calls: list, cmax: int, programs: int) -> None:
     from moebius.kernels.symmetric import FLAG_STRIDE, _ep_combine_add_rmsnorm, _ep_dispatch
 
-    count = torch.zeros(2, programs, dtype=torch.int32)
+    count = torch.full((2, programs), WRAP_START, dtype=torch.int32)
     for Ts, C, xs, ws, ids, ys, res0, wn in calls:
         D, K = xs[0].shape[1], ws[0].shape[1]
         w_off = P * cmax * D

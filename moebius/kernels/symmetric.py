@@ -55,7 +55,9 @@ def _flag_and_wait(Flags, calls, pid, PHASE: tl.constexpr, RANK: tl.constexpr, P
     for r in tl.static_range(P):
         if r != RANK:
             flag = mine + ((PHASE * P + r) * MAX_PROGRAMS + pid) * STRIDE
-            while tl.load(flag, volatile=True) <= calls:  # cheap polling; the atomic below orders what follows
+            # cheap polling (the atomic below orders what follows) until the flag has reached calls + 1, counted
+            # modulo 2^32: call numbers wrap (an int32 a program, ~14 hours of 30B decode at batch 1)
+            while ((tl.load(flag, volatile=True).to(tl.int64) - calls - 1) & 0xFFFFFFFF) >= 0x80000000:
                 pass
             tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
@@ -130,7 +132,7 @@ def _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, ep
     cols = tl.arange(0, BLOCK)
     calls = tl.load(Count + pid)
     tag = (calls + 1).to(tl.int64) << 32
-    slot = (calls % 2).to(tl.int64)
+    slot = (calls & 1).to(tl.int64)
     mine = tl.load(LLBufs + RANK).to(tl.pointer_type(tl.int64))
     iters = tl.cdiv(tl.cdiv(T - pid, G), ROWS)
     for it in range(0, iters):
@@ -186,7 +188,7 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
     cols = tl.arange(0, BLOCK)
     dt = X.dtype.element_ty
     calls = tl.load(Count + pid)
-    slot = (calls % 2).to(tl.int64)
+    slot = (calls & 1).to(tl.int64)  # (calls % 2 is -1 for odd calls once they wrap negative)
     mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
     iters = tl.cdiv(tl.cdiv(T - pid, G), ROWS)
     for it in range(0, iters):
