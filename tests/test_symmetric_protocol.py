@@ -27,7 +27,16 @@ def _shared(numel: int, dtype: torch.dtype, P: int) -> tuple[list[torch.Tensor],
 
 
 FIRST, LOCAL = 4, 8  # pair cases: experts 4..11 are this rank's (ids run 0..15)
-WRAP_START = 2 ** 31 - 3  # call numbers start near the int32 limit, so every case runs across the wrap
+# Call numbers start near the int32 limit, so every case runs across the wrap; the flags as the engine leaves them
+# (every program's flag at its call number: the call before is done)
+WRAP_START = 2 ** 31 - 3
+
+
+def _flags(numel: int, P: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    ts, ptrs = _shared(numel, torch.int32, P)
+    for t in ts:
+        t.fill_(WRAP_START)
+    return ts, ptrs
 
 
 def _pair_sum(y_ND: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
@@ -101,8 +110,8 @@ def allreduce_case(P: int) -> None:
 
     N, programs, max_numel, ll_numel = 32, 3, 20 * 32, 8 * 32
     keep, bufs = _shared(2 * 2 * P * max_numel, torch.float32, P)  # keep: the tables hold raw addresses
-    keep_flags, flags = _shared(2 * P * programs * FLAG_STRIDE, torch.int32, P)
-    keep_ll, ll_bufs = _shared(2 * P * ll_numel, torch.int64, P)
+    keep_flags, flags = _flags(2 * P * programs * FLAG_STRIDE, P)
+    keep_ll, ll_bufs = _shared(2 * P * ll_numel, torch.int64, P)  # zero words: no tag is 0
     g = torch.Generator().manual_seed(P)
     calls = []
     # K: pair rows, summed inside. "ll": the low-latency protocol, mixed with the flag protocol's one- and two-shot
@@ -124,7 +133,7 @@ def ep_case(P: int) -> None:
     xw, xw_ptrs = _shared(P * cmax * (D + K), torch.float32, P)
     idb, id_ptrs = _shared(P * cmax * K, torch.int64, P)
     keep, y_ptrs = _shared(P * cmax * D, torch.float32, P)  # keep: the tables hold raw addresses
-    keep_flags, flag_ptrs = _shared(2 * P * programs * FLAG_STRIDE, torch.int32, P)
+    keep_flags, flag_ptrs = _flags(2 * P * programs * FLAG_STRIDE, P)
     ptrs = dict(xw=xw_ptrs, ids=id_ptrs, y=y_ptrs, flags=flag_ptrs)
     g = torch.Generator().manual_seed(P)
     calls = []

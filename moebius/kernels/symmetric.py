@@ -120,18 +120,19 @@ def _add_norm(acc, R, W, Out, off, cols, m, N, eps):
 @triton.jit
 def _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, eps, RANK: tl.constexpr,
                   P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
-    """One-shot all-reduce + add + norm of a few rows, low-latency protocol: each value travels as one 8-byte word,
-    its float32 bits under the call number + 1 of the program that sends it, so a word that has arrived is valid
-    on its own: no fence after the data, no flag behind it (a flag costs the wait for the data's acknowledgement
-    over NVLink, then the flag's own flight). Buffers ([2 slots][P source ranks][ll_numel words] on every rank,
-    zero at start) alternate by call parity as in the flag protocol. The grid is the same for every such call, so
-    row r always travels with program r % G's call number: a word left from an older call never matches."""
+    """One-shot all-reduce + add + norm of a few rows, low-latency protocol: each value travels as one 8-byte word, its
+    float32 bits under the call number + 1 of the program that sends it (the tag), so a word that has arrived is
+    valid on its own: no fence after the data, no flag behind it (a flag costs the wait for the data's
+    acknowledgement over NVLink, then the flag's own flight). Buffers ([2 slots][P source ranks][ll_numel words] on
+    every rank, zero at start) alternate by call parity as in the flag protocol. The grid is the same for every such
+    call, so row r always travels with program r % G's call number: a word left from an older call never matches."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     k = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     calls = tl.load(Count + pid)
-    tag = (calls + 1).to(tl.int64) << 32
+    # calls + 1 modulo 2^31 with the top bit set: never 0 (a word never written), distinct over 2^31 calls
+    tag = (((calls + 1).to(tl.int64) & 0x7FFFFFFF) | 0x80000000) << 32
     slot = (calls & 1).to(tl.int64)
     mine = tl.load(LLBufs + RANK).to(tl.pointer_type(tl.int64))
     iters = tl.cdiv(tl.cdiv(T - pid, G), ROWS)
