@@ -32,7 +32,7 @@ def fits(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
 
 @triton.jit
 def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+                 BK: tl.constexpr, PDL: tl.constexpr):
     """Out[t, n] = sum_k X[t, k] * W[n, k] (+ B[n]) for this program's BN rows n, float32 sums rounded once."""
     release(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -42,17 +42,12 @@ def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constex
     if HAS_BIAS:
         b = tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
     wait(PDL)  # only X comes from the kernel before
-    rb = tl.arange(0, BT)
-    for t0 in range(0, T, BT):
-        # the block's rows in one load (one round trip, not one a row), then each row picked out in registers
-        xs = tl.load(X + (t0 + rb)[:, None] * stride_x + rk[None, :], mask=(t0 + rb < T)[:, None] & mk[None, :],
-                     other=0.0).to(tl.float32)
-        for i in tl.static_range(BT):
-            x = tl.sum(tl.where(rb[:, None] == i, xs, 0.0), axis=0)
-            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            if HAS_BIAS:
-                acc += b
-            tl.store(Out + (t0 + i) * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn & (t0 + i < T))
+    for t in range(T):  # the engine sends one row (MAX_ROWS); more only from direct callers
+        x = tl.load(X + t * stride_x + rk, mask=mk, other=0.0)
+        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        if HAS_BIAS:
+            acc += b
+        tl.store(Out + t * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
 
 
 def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,5 +59,5 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
     BN = max(1, TILE_ELEMS // BK)
     _linear_rows[(triton.cdiv(N, BN),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
                                         x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None, BN=BN, BK=BK,
-                                        BT=min(triton.next_power_of_2(T), 4), num_warps=8, **pdl(x_TD))
+                                        num_warps=8, **pdl(x_TD))
     return out
