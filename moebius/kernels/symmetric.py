@@ -121,6 +121,13 @@ def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK
             acc += own.to(tl.float32)
         else:  # .cg: past L1, which is not coherent with what a peer wrote during this kernel
             acc += tl.load(peers + r * peer_stride, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return _add_norm(acc, R, W, Out, off, cols, m, N, eps)
+
+
+@triton.jit
+def _add_norm(acc, R, W, Out, off, cols, m, N, eps):
+    """acc: the rows' float32 sums over ranks: residual + sum (rounded as the unfused path rounds: the sum, then
+    residual + sum) and its RMSNorm stored; returns the new residual rows."""
     dt = R.dtype.element_ty
     x = (acc.to(dt).to(tl.float32) + tl.load(R + off, mask=m, other=0.0).to(tl.float32)).to(dt)
     _store_norm(x, R, W, Out, off, cols, m, N, eps)
@@ -128,13 +135,64 @@ def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK
 
 
 @triton.jit
-def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, first, E, eps, RANK: tl.constexpr,
-                           P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr,
-                           PDL: tl.constexpr):
+def _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, eps, RANK: tl.constexpr,
+                  P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
+    """One-shot all-reduce + add + norm of a few rows, low-latency protocol: each value travels as one 8-byte word, its
+    float32 bits under the call number + 1 of the program that sends it (the tag), so a word that has arrived is
+    valid on its own: no fence after the data, no flag behind it (a flag costs the wait for the data's
+    acknowledgement over NVLink, then the flag's own flight). Buffers ([2 slots][P source ranks][ll_numel words] on
+    every rank, zero at start) alternate by call parity as in the flag protocol. The grid is the same for every such
+    call, so row r always travels with program r % G's call number: a word left from an older call never matches."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    k = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    calls = tl.load(Count + pid)
+    # calls + 1 modulo 2^31 with the top bit set: never 0 (a word never written), distinct over 2^31 calls
+    tag = (((calls + 1).to(tl.int64) & 0x7FFFFFFF) | 0x80000000) << 32
+    slot = (calls & 1).to(tl.int64)
+    mine = tl.load(LLBufs + RANK).to(tl.pointer_type(tl.int64))
+    iters = tl.cdiv(tl.cdiv(T - pid, G), ROWS)
+    for it in range(0, iters):
+        row = pid + (it * ROWS + k) * G
+        off = row[:, None] * N + cols[None, :]
+        m = (row < T)[:, None] & (cols < N)[None, :]
+        x = _partial(X, Ids, row, row < T, cols, N, first, E, K, PAIRS, ROWS, BLOCK)
+        word = tag | (x.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+        for r in tl.static_range(P):
+            if r != RANK:
+                dst = tl.load(LLBufs + r).to(tl.pointer_type(tl.int64)) + (slot * P + RANK) * ll_numel
+                tl.store(dst + off, word, mask=m)
+    for it in range(0, iters):
+        row = pid + (it * ROWS + k) * G
+        off = row[:, None] * N + cols[None, :]
+        m = (row < T)[:, None] & (cols < N)[None, :]
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for r in tl.static_range(P):  # in rank order, as the flag protocol sums
+            if r == RANK:
+                acc += _partial(X, Ids, row, row < T, cols, N, first, E, K, PAIRS, ROWS, BLOCK).to(tl.float32)
+            else:
+                src = mine + (slot * P + r) * ll_numel + off
+                word = tl.load(src, mask=m, other=tag, volatile=True)
+                while tl.sum(((word & -4294967296) != tag).to(tl.int32), axis=None) > 0:
+                    word = tl.load(src, mask=m, other=tag, volatile=True)
+                acc += (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        _add_norm(acc, R, W, Out, off, cols, m, N, eps)
+    tl.store(Count + pid, calls + 1)
+
+
+@triton.jit
+def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, first, E, eps, LLBufs, ll_numel,
+                           RANK: tl.constexpr, P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr,
+                           PAIRS: tl.constexpr, LL: tl.constexpr, PDL: tl.constexpr):
     release(PDL)
     flags = _flag_arrays(Flags, P)
     wait(PDL)
+    if LL:
+        _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, eps, RANK, P, ROWS, BLOCK, K,
+                      PAIRS)
+        return
     # Each rank's buffer: [2 slots][2 phases][P source ranks][rows, N], rows at their index in the batch. Rows
     # travel as posted NVLink stores into the peer's buffer (pushed: 1.5-2x faster than reading the peer's, which
     # waits a round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
@@ -325,10 +383,15 @@ class FusedAllReduceNorm:
     """TP's all-reduce + residual add + RMSNorm (`_allreduce_add_rmsnorm`) over [T, D] of at most `max_numel`."""
 
     TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (H200 x2: benchmarks/comm_bench.py)
+    # Up to this many elements (16 tokens of 2048), the low-latency protocol (`_allreduce_ll`), always on
+    # LL_PROGRAMS programs: each value travels as an 8-byte word carrying the call number.
+    LL_MAX_NUMEL = 16 * 2048
+    LL_PROGRAMS = 16
 
     def __init__(self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype, device: torch.device) -> None:
         P = dist.get_world_size(group)
-        self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype)}, device, phases=2)
+        self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype),
+                                            "ll": (2 * P * self.LL_MAX_NUMEL, torch.int64)}, device, phases=2)
         self.P, self.rank, self.max_numel, self.dtype = P, self.sym.rank, max_numel, dtype
         # grid cap, rows per iteration at most, warps per program (benchmarks/comm_bench.py varies them)
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
@@ -380,15 +443,16 @@ class FusedAllReduceNorm:
         if two_shot is None:
             two_shot = self._two_shot(T, N, x.dtype)
         if T:
+            ll = not two_shot and T * N <= self.LL_MAX_NUMEL
             # two-shot: at least P rows per program, so that each program's rows alternate between owners
-            grid = min(-(-T // self.P) if two_shot else T, self.programs)
+            grid = self.LL_PROGRAMS if ll else min(-(-T // self.P) if two_shot else T, self.programs)
             rows = min(self.max_rows, triton.next_power_of_2(-(-T // grid)))
             ids, first, E, K = _pair_args(pairs, x)
             _allreduce_add_rmsnorm[(grid,)](
                 x, ids, residual_TD, weight, out, self.sym.ptrs["rows"], self.sym.ptrs["flags"], self.sym.count[0],
-                T, N, self.max_numel, first, E, eps, RANK=self.rank, P=self.P,
-                MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None,
+                T, N, self.max_numel, first, E, eps, self.sym.ptrs["ll"], self.LL_MAX_NUMEL, RANK=self.rank,
+                P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
+                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None, LL=ll,
                 num_warps=self.num_warps, **pdl(x))
         return out
 
