@@ -1,10 +1,10 @@
 """The flag / slot protocol of the symmetric-memory kernels (moebius/kernels/symmetric.py), run on the CPU under the
 Triton interpreter with P "ranks" as forked processes sharing memory (a fork keeps the shared buffers at the same
-addresses, so the kernels' address tables hold in every rank). Each case runs in a fresh interpreter (this file as
-a script, TRITON_INTERPRET=1), since Triton reads that variable when the kernels are defined. Covers P = 2 and 3,
-grids smaller than the rows (programs loop), one- and two-shot calls mixed, ranks with no tokens and changing sizes
-between calls. Needs Triton (the `gpu` extra); skipped without it. The same kernels run on GPUs in
-tests/test_gpu.py."""
+addresses, so the kernels' address tables hold in every rank). Each case runs in a fresh interpreter (this file as a
+script, TRITON_INTERPRET=1), since Triton reads that variable when the kernels are defined. Covers P = 2 and 3,
+grids smaller than the rows (programs loop), one- and two-shot calls and the low-latency protocol mixed, ranks with
+no tokens and changing sizes between calls. Needs Triton (the `gpu` extra); skipped without it. The same kernels run
+on GPUs in tests/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -46,20 +46,21 @@ def _pair_sum(y_ND: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     return (y_ND.view(T, K, -1) * local[:, :, None]).sum(1)
 
 
-def _allreduce_rank(r: int, P: int, bufs: torch.Tensor, flags: torch.Tensor, calls: list, max_numel: int,
-                    programs: int) -> None:
+def _allreduce_rank(r: int, P: int, bufs: torch.Tensor, flags: torch.Tensor, ll_bufs: torch.Tensor, calls: list,
+                    max_numel: int, ll_numel: int, programs: int) -> None:
     from moebius.kernels.symmetric import FLAG_STRIDE, _allreduce_add_rmsnorm
 
     count = torch.full((programs,), WRAP_START, dtype=torch.int32)
-    for xs, ids, res0, w, two in calls:
+    for xs, ids, res0, w, mode in calls:
         T, N = res0.shape
         res, out = res0.clone(), torch.empty(T, N)
-        grid = min(-(-T // P) if two else T, programs)
+        two, ll = mode == "two", mode == "ll"
+        grid = programs if ll else min(-(-T // P) if two else T, programs)  # ll: the same grid every call
         K = ids[r].shape[1] if ids else 1
         _allreduce_add_rmsnorm[(grid,)](xs[r], ids[r] if ids else xs[r], res, w, out, bufs, flags, count, T, N,
-                                        max_numel, FIRST, LOCAL, 1e-6, RANK=r, P=P, MAX_PROGRAMS=programs,
-                                        STRIDE=FLAG_STRIDE, ROWS=2, BLOCK=N, TWO_SHOT=two, K=K, PAIRS=bool(ids),
-                                        PDL=False)
+                                        max_numel, FIRST, LOCAL, 1e-6, ll_bufs, ll_numel, RANK=r, P=P,
+                                        MAX_PROGRAMS=programs, STRIDE=FLAG_STRIDE, ROWS=2 if T > programs else 1,
+                                        BLOCK=N, TWO_SHOT=two, K=K, PAIRS=bool(ids), LL=ll, PDL=False)
         want_res = res0 + sum(_pair_sum(x, i) for x, i in zip(xs, ids, strict=True)) if ids else res0 + sum(xs)
         want = w * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-6))
         assert torch.allclose(res, want_res, atol=1e-5) and torch.allclose(out, want, atol=1e-4), (r, T, two)
@@ -107,18 +108,22 @@ def _run_ranks(target, P: int, *args) -> None:
 def allreduce_case(P: int) -> None:
     from moebius.kernels.symmetric import FLAG_STRIDE
 
-    N, programs, max_numel = 32, 3, 20 * 32
+    N, programs, max_numel, ll_numel = 32, 3, 20 * 32, 8 * 32
     keep, bufs = _shared(2 * 2 * P * max_numel, torch.float32, P)  # keep: the tables hold raw addresses
     keep_flags, flags = _flags(2 * P * programs * FLAG_STRIDE, P)
+    keep_ll, ll_bufs = _shared(2 * P * ll_numel, torch.int64, P)  # zero words: no tag is 0
     g = torch.Generator().manual_seed(P)
     calls = []
-    for T, two, K in [(3, False, 0), (5, True, 0), (1, False, 3), (7, True, 3), (20, False, 0), (2, True, 0),
-                      (9, False, 0), (6, False, 3), (11, True, 3), (4, False, 0)]:  # K: pair rows, summed inside
+    # K: pair rows, summed inside. "ll": the low-latency protocol, mixed with the flag protocol's one- and two-shot
+    # calls; grids smaller than the rows, calls of fewer rows than programs, the same parity twice in a row
+    for T, mode, K in [(3, "one", 0), (5, "two", 0), (1, "ll", 0), (2, "ll", 3), (7, "two", 3), (20, "one", 0),
+                       (8, "ll", 0), (2, "two", 0), (1, "ll", 0), (9, "one", 0), (6, "ll", 3), (6, "one", 3),
+                       (11, "two", 3), (3, "ll", 0), (4, "one", 0), (5, "ll", 0)]:
         xs = [torch.randn(T * max(K, 1), N, generator=g) for _ in range(P)]
         ids = [torch.randint(0, 16, (T, K), generator=g) for _ in range(P)] if K else []
-        calls.append((xs, ids, torch.randn(T, N, generator=g), torch.randn(N), two))
-    _run_ranks(_allreduce_rank, P, bufs, flags, calls, max_numel, programs)
-    del keep, keep_flags
+        calls.append((xs, ids, torch.randn(T, N, generator=g), torch.randn(N), mode))
+    _run_ranks(_allreduce_rank, P, bufs, flags, ll_bufs, calls, max_numel, ll_numel, programs)
+    del keep, keep_flags, keep_ll
 
 
 def ep_case(P: int) -> None:

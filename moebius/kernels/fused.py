@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebius.kernels.pdl import enter, pdl
+from moebius.kernels.pdl import enter, pdl, release, wait
 
 
 @triton.jit
@@ -109,13 +109,15 @@ def _router_partials(X, Wg, Part, T, E, K, stride_x, BT: tl.constexpr, BN: tl.co
                      PDL: tl.constexpr):
     """Router logits of up to BT tokens, split over K: program (n, s) writes the float32 partial of experts
     n*BN.. over inputs s*BK.. to Part[s, t, e]."""
-    enter(PDL)
+    release(PDL)
     rt = tl.arange(0, BT)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     mt, mn, mk = rt < T, rn < E, rk < K
-    x = tl.load(X + rt[:, None] * stride_x + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    # the router's weights before waiting for the kernel before (which writes only X): their load overlaps it
     w = tl.load(Wg + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+    wait(PDL)
+    x = tl.load(X + rt[:, None] * stride_x + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
     acc = tl.dot(x, tl.trans(w))
     tl.store(Part + (tl.program_id(1) * T + rt[:, None]) * E + rn[None, :], acc, mask=mt[:, None] & mn[None, :])
 

@@ -34,24 +34,41 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from moebius.kernels.pdl import enter, pdl
+from moebius.kernels.pdl import pdl, release, wait
 from moebius.layers.moe import PairRows
 
 FLAG_STRIDE = 32  # int32s between flags: one 128-byte line each, so spinning programs do not share a line
 
 
+MAX_RANKS_INT = 8  # one NVLink domain of an HGX board
+MAX_RANKS = tl.constexpr(MAX_RANKS_INT)
+
+
 @triton.jit
-def _flag_and_wait(Flags, calls, pid, PHASE: tl.constexpr, RANK: tl.constexpr, P: tl.constexpr,
+def _flag_arrays(Flags, P: tl.constexpr):
+    """Every rank's flag array address [MAX_RANKS] (a fixed table: kernels read it before they wait for the kernel
+    before them, so it is not a round trip between their peer writes and their flags)."""
+    r = tl.arange(0, MAX_RANKS)
+    return tl.load(Flags + r, mask=r < P, other=0)
+
+
+@triton.jit
+def _flags_of(flags, r):
+    return tl.sum(tl.where(tl.arange(0, MAX_RANKS) == r, flags, 0), 0).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _flag_and_wait(flags, calls, pid, PHASE: tl.constexpr, RANK: tl.constexpr, P: tl.constexpr,
                    MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr):
     """Tell every peer this program's writes of this phase of call number `calls` are done (the flag holds the
-    number of the call + 1); wait until every peer has told us."""
+    number of the call + 1); wait until every peer has told us. flags: `_flag_arrays`."""
     tl.debug_barrier()  # every thread's writes precede the flag
     for r in tl.static_range(P):
         if r != RANK:
-            peer = tl.load(Flags + r).to(tl.pointer_type(tl.int32))
+            peer = _flags_of(flags, r)
             tl.atomic_xchg(peer + ((PHASE * P + RANK) * MAX_PROGRAMS + pid) * STRIDE, calls + 1, sem="release",
                            scope="sys")
-    mine = tl.load(Flags + RANK).to(tl.pointer_type(tl.int32))
+    mine = _flags_of(flags, RANK)
     for r in tl.static_range(P):
         if r != RANK:
             flag = mine + ((PHASE * P + r) * MAX_PROGRAMS + pid) * STRIDE
@@ -104,6 +121,13 @@ def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK
             acc += own.to(tl.float32)
         else:  # .cg: past L1, which is not coherent with what a peer wrote during this kernel
             acc += tl.load(peers + r * peer_stride, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return _add_norm(acc, R, W, Out, off, cols, m, N, eps)
+
+
+@triton.jit
+def _add_norm(acc, R, W, Out, off, cols, m, N, eps):
+    """acc: the rows' float32 sums over ranks: residual + sum (rounded as the unfused path rounds: the sum, then
+    residual + sum) and its RMSNorm stored; returns the new residual rows."""
     dt = R.dtype.element_ty
     x = (acc.to(dt).to(tl.float32) + tl.load(R + off, mask=m, other=0.0).to(tl.float32)).to(dt)
     _store_norm(x, R, W, Out, off, cols, m, N, eps)
@@ -111,11 +135,64 @@ def _sum_add_norm(own, peers, peer_stride, R, W, Out, off, cols, m, N, eps, RANK
 
 
 @triton.jit
-def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, first, E, eps, RANK: tl.constexpr,
-                           P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr,
-                           PDL: tl.constexpr):
-    enter(PDL)
+def _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, eps, RANK: tl.constexpr,
+                  P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
+    """One-shot all-reduce + add + norm of a few rows, low-latency protocol: each value travels as one 8-byte word, its
+    float32 bits under the call number + 1 of the program that sends it (the tag), so a word that has arrived is
+    valid on its own: no fence after the data, no flag behind it (a flag costs the wait for the data's
+    acknowledgement over NVLink, then the flag's own flight). Buffers ([2 slots][P source ranks][ll_numel words] on
+    every rank, zero at start) alternate by call parity as in the flag protocol. The grid is the same for every such
+    call, so row r always travels with program r % G's call number: a word left from an older call never matches."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    k = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    calls = tl.load(Count + pid)
+    # calls + 1 modulo 2^31 with the top bit set: never 0 (a word never written), distinct over 2^31 calls
+    tag = (((calls + 1).to(tl.int64) & 0x7FFFFFFF) | 0x80000000) << 32
+    slot = (calls & 1).to(tl.int64)
+    mine = tl.load(LLBufs + RANK).to(tl.pointer_type(tl.int64))
+    iters = tl.cdiv(tl.cdiv(T - pid, G), ROWS)
+    for it in range(0, iters):
+        row = pid + (it * ROWS + k) * G
+        off = row[:, None] * N + cols[None, :]
+        m = (row < T)[:, None] & (cols < N)[None, :]
+        x = _partial(X, Ids, row, row < T, cols, N, first, E, K, PAIRS, ROWS, BLOCK)
+        word = tag | (x.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+        for r in tl.static_range(P):
+            if r != RANK:
+                dst = tl.load(LLBufs + r).to(tl.pointer_type(tl.int64)) + (slot * P + RANK) * ll_numel
+                tl.store(dst + off, word, mask=m)
+    for it in range(0, iters):
+        row = pid + (it * ROWS + k) * G
+        off = row[:, None] * N + cols[None, :]
+        m = (row < T)[:, None] & (cols < N)[None, :]
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for r in tl.static_range(P):  # in rank order, as the flag protocol sums
+            if r == RANK:
+                acc += _partial(X, Ids, row, row < T, cols, N, first, E, K, PAIRS, ROWS, BLOCK).to(tl.float32)
+            else:
+                src = mine + (slot * P + r) * ll_numel + off
+                word = tl.load(src, mask=m, other=tag, volatile=True)
+                while tl.sum(((word & -4294967296) != tag).to(tl.int32), axis=None) > 0:
+                    word = tl.load(src, mask=m, other=tag, volatile=True)
+                acc += (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        _add_norm(acc, R, W, Out, off, cols, m, N, eps)
+    tl.store(Count + pid, calls + 1)
+
+
+@triton.jit
+def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_numel, first, E, eps, LLBufs, ll_numel,
+                           RANK: tl.constexpr, P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr, TWO_SHOT: tl.constexpr, K: tl.constexpr,
+                           PAIRS: tl.constexpr, LL: tl.constexpr, PDL: tl.constexpr):
+    release(PDL)
+    flags = _flag_arrays(Flags, P)
+    wait(PDL)
+    if LL:
+        _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, eps, RANK, P, ROWS, BLOCK, K,
+                      PAIRS)
+        return
     # Each rank's buffer: [2 slots][2 phases][P source ranks][rows, N], rows at their index in the batch. Rows
     # travel as posted NVLink stores into the peer's buffer (pushed: 1.5-2x faster than reading the peer's, which
     # waits a round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
@@ -154,7 +231,7 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
                     tl.store(dst + off, x, mask=m & (owner == r))
                 else:
                     tl.store(dst + off, x, mask=m)
-    _flag_and_wait(Flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
+    _flag_and_wait(flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
     for it in range(0, iters):
         j = it * ROWS + k
         row = pid + j * G
@@ -177,7 +254,7 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
                     dst = tl.load(Bufs + r).to(tl.pointer_type(dt)) + ((slot * 2 + 1) * P + RANK) * sec_numel
                     tl.store(dst + off, x, mask=m)
     if TWO_SHOT:
-        _flag_and_wait(Flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
+        _flag_and_wait(flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
         for it in range(0, iters):
             j = it * ROWS + k
             row = pid + j * G
@@ -194,7 +271,9 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
 def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: tl.constexpr, P: tl.constexpr,
                  K: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)
+    release(PDL)
+    flags = _flag_arrays(Flags, P)
+    wait(PDL)
     # every rank's buffers hold [P * C, D] token rows (then [P * C, K] weights) and [P * C, K] ids, rank r's rows at
     # r * C; rows from T to C are padding: zero rows, zero weights, expert id -1 (no rank owns it)
     pid = tl.program_id(0)
@@ -220,7 +299,7 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
             tl.store(xw + w_offset + row * K + kc[None, :], w.to(dt), mask=inside & mk)
             idb = tl.load(IdBufs + r).to(tl.pointer_type(tl.int64))
             tl.store(idb + row * K + kc[None, :], ids.to(tl.int64), mask=inside & mk)
-    _flag_and_wait(Flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
+    _flag_and_wait(flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
     tl.store(Count + pid, calls + 1)
 
 
@@ -228,7 +307,9 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
 def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, first, E, eps, RANK: tl.constexpr,
                             P: tl.constexpr, MAX_PROGRAMS: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr,
                             BLOCK: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)
+    release(PDL)
+    flags = _flag_arrays(Flags, P)
+    wait(PDL)
     # Y [P * C, D]: this rank's expert outputs for every rank's tokens; rank q's rows go to q's buffer at RANK * C.
     # PAIRS: Y [P * C * K, D] per (token, k) pair, summed over the local pairs here (`_partial`; Ids: the dispatched
     # ids, in the dispatch buffer, which a peer's next dispatch may overwrite once this rank has raised its flag:
@@ -248,7 +329,7 @@ def _ep_combine_add_rmsnorm(Y, Ids, R, W, Out, T, C, D, Bufs, Flags, Count, firs
                 y = _partial(Y, Ids, q * C + t, t < C, cols, D, first, E, K, PAIRS, ROWS, BLOCK)
                 dst = tl.load(Bufs + q).to(tl.pointer_type(dt))
                 tl.store(dst + (RANK * C + t)[:, None] * D + cols[None, :], y, mask=m)
-    _flag_and_wait(Flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
+    _flag_and_wait(flags, calls, pid, 1, RANK, P, MAX_PROGRAMS, STRIDE)
     mine = tl.load(Bufs + RANK).to(tl.pointer_type(dt))
     for it in range(0, iters):
         t = pid + (it * ROWS + k) * G
@@ -278,6 +359,9 @@ class SymmetricBuffers:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.P > MAX_RANKS_INT:
+            raise ValueError(f"symmetric-memory exchanges take up to {MAX_RANKS_INT} ranks, not {self.P} "
+                             "(--disable-custom-all-reduce uses NCCL)")
         sizes = dict(sizes, flags=(phases * self.P * self.MAX_PROGRAMS * FLAG_STRIDE, torch.int32))
         self.bufs: dict[str, torch.Tensor] = {}
         self.ptrs: dict[str, torch.Tensor] = {}
@@ -299,10 +383,15 @@ class FusedAllReduceNorm:
     """TP's all-reduce + residual add + RMSNorm (`_allreduce_add_rmsnorm`) over [T, D] of at most `max_numel`."""
 
     TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (H200 x2: benchmarks/comm_bench.py)
+    # Up to this many elements (16 tokens of 2048), the low-latency protocol (`_allreduce_ll`), always on
+    # LL_PROGRAMS programs: each value travels as an 8-byte word carrying the call number.
+    LL_MAX_NUMEL = 16 * 2048
+    LL_PROGRAMS = 16
 
     def __init__(self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype, device: torch.device) -> None:
         P = dist.get_world_size(group)
-        self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype)}, device, phases=2)
+        self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype),
+                                            "ll": (2 * P * self.LL_MAX_NUMEL, torch.int64)}, device, phases=2)
         self.P, self.rank, self.max_numel, self.dtype = P, self.sym.rank, max_numel, dtype
         # grid cap, rows per iteration at most, warps per program (benchmarks/comm_bench.py varies them)
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
@@ -354,15 +443,16 @@ class FusedAllReduceNorm:
         if two_shot is None:
             two_shot = self._two_shot(T, N, x.dtype)
         if T:
+            ll = not two_shot and T * N <= self.LL_MAX_NUMEL
             # two-shot: at least P rows per program, so that each program's rows alternate between owners
-            grid = min(-(-T // self.P) if two_shot else T, self.programs)
+            grid = self.LL_PROGRAMS if ll else min(-(-T // self.P) if two_shot else T, self.programs)
             rows = min(self.max_rows, triton.next_power_of_2(-(-T // grid)))
             ids, first, E, K = _pair_args(pairs, x)
             _allreduce_add_rmsnorm[(grid,)](
                 x, ids, residual_TD, weight, out, self.sym.ptrs["rows"], self.sym.ptrs["flags"], self.sym.count[0],
-                T, N, self.max_numel, first, E, eps, RANK=self.rank, P=self.P,
-                MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None,
+                T, N, self.max_numel, first, E, eps, self.sym.ptrs["ll"], self.LL_MAX_NUMEL, RANK=self.rank,
+                P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
+                BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None, LL=ll,
                 num_warps=self.num_warps, **pdl(x))
         return out
 
