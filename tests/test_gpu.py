@@ -201,8 +201,11 @@ def test_few_row_linear_matches_float32_product() -> None:
     for N, K in [(2560, 2048), (5120, 2048), (2048, 4096), (4608, 4096), (4096, 8192), (100, 300)]:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        assert fits(torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), w)
-        for T, bias, order in [(1, None, kernels.LATE), (1, b, kernels.EARLY), (3, b, kernels.LATE)]:
+        with kernels.release_order(kernels.LATE):
+            assert fits(torch.zeros(2, K, device="cuda", dtype=torch.bfloat16), w)
+        assert not fits(torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), w)  # EARLY: it would hold the SMs
+        LATE, EARLY = kernels.LATE, kernels.EARLY
+        for T, bias, order in [(1, None, LATE), (1, b, EARLY), (2, b, LATE), (3, b, LATE)]:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g), kernels.release_order(order):  # its input written by the kernel just before

@@ -204,7 +204,8 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # a few tokens on this rank: projections that stream their weights during the kernel before them, which
         # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py)
-        with kernels.release_order(kernels.release_order_for(ids.shape[0])):
+        qkv_elems = self.weights.layers[0].attn.qkv_QD.numel()
+        with kernels.release_order(kernels.release_order_for(ids.shape[0], qkv_elems)):
             return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
 
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

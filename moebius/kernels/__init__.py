@@ -42,8 +42,18 @@ def release_order_now() -> int:
     return _order
 
 
-PREFETCH_ROWS = 1  # steps of up to this many tokens a rank: prefetching projections (kernels/linear.py), LATE order
+# Steps of up to this many tokens a rank run their projections through kernels/linear.py in the LATE order; two
+# tokens only where the rank's qkv weight has at most PREFETCH_TWO_MAX_ELEMS elements: each program sums twice the
+# products, which paid at the 30B TP shard (2560 x 2048: batch 2 2.856 -> 2.804 ms a 48-layer step on 2 H200s) and
+# not at EP's whole one (5120 x 2048, two tokens a rank: 4.487 -> 4.616 ms; h200x2-prefetch-rows.json).
+PREFETCH_ROWS = 2
+PREFETCH_TWO_MAX_ELEMS = 4096 * 2048
 
 
-def release_order_for(tokens: int) -> int:
-    return LATE if tokens <= PREFETCH_ROWS else EARLY
+def prefetch_rows(qkv_elems: int) -> int:
+    return PREFETCH_ROWS if qkv_elems <= PREFETCH_TWO_MAX_ELEMS else 1
+
+
+def release_order_for(tokens: int, qkv_elems: int) -> int:
+    """The release order of a forward of `tokens` tokens on this rank whose qkv weight has `qkv_elems` elements."""
+    return LATE if tokens <= prefetch_rows(qkv_elems) else EARLY

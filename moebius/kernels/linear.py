@@ -1,10 +1,10 @@
-"""Projections of one row (decode at one token a rank): each program holds BN whole weight rows in registers,
-loaded before it waits for the kernel before it (programmatic dependent launch, kernels/pdl.py), so the weight
-stream overlaps that kernel instead of following it. cuBLAS picks 64-column tiles here (40 programs for a 30B TP
+"""Projections of one or two rows (decode at one or two tokens a rank): each program holds BN whole weight rows in
+registers, loaded before it waits for the kernel before it (programmatic dependent launch, kernels/pdl.py), so the
+weight stream overlaps that kernel instead of following it. cuBLAS picks 64-column tiles here (40 programs for a 30B TP
 qkv shard on 132 SMs) and starts only once the previous kernel has finished: ~6 us a projection where the
-weights alone take ~2 us of HBM. Steps of up to `MAX_ROWS` tokens a rank run in the LATE release order
-(`moebius.kernels.release_order_for`): in the EARLY one these programs sit on the SMs, registers full, while the
-expert kernels of the layer before still run."""
+weights alone take ~2 us of HBM. `fits` takes them only in the LATE release order, which the runner sets for the
+steps that use them (`moebius.kernels.release_order_for`): in the EARLY one these programs sit on the SMs,
+registers full, while the expert kernels of the layer before still run."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import triton.language as tl
 from moebius import kernels
 from moebius.kernels.pdl import pdl, release, wait
 
-# Each row costs every program a cross-thread sum of BN x K products: at 2-4 rows 48-layer steps came out 1-7%
-# slower than with cuBLAS, a row at a time or a block of rows in one load (h200x2-linear-pdl.json).
+# Each row costs every program a cross-thread sum of BN x K products: 4 rows were slower than cuBLAS (3.705 ->
+# 3.861 ms at TP batch 4; before, 2-4 rows 1-7%: h200x2-linear-pdl.json); 2 rows pay only at small weights
+# (`kernels.prefetch_rows`).
 MAX_ROWS = kernels.PREFETCH_ROWS
 # Weight elements a program holds: 32 KiB of bf16, ~100 registers a thread at 8 warps, two programs an SM (64 KiB
 # took 179 registers, one program an SM, and 160 programs for a 30B TP qkv shard on 132 SMs: 2-3% slower steps).
@@ -27,7 +28,8 @@ MAX_K = 8192
 def fits(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
     return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
             and w_ND.shape[1] == x_TD.shape[1] and w_ND.is_contiguous() and x_TD.dtype == w_ND.dtype
-            and x_TD.dtype in (torch.bfloat16, torch.float16))  # anything else: F.linear (and its shape errors)
+            and x_TD.dtype in (torch.bfloat16, torch.float16)  # anything else: F.linear (and its shape errors)
+            and kernels.release_order_now() == kernels.LATE)  # in EARLY it holds the SMs (module docstring)
 
 
 @triton.jit
@@ -42,7 +44,7 @@ def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constex
     if HAS_BIAS:
         b = tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
     wait(PDL)  # only X comes from the kernel before
-    for t in range(T):  # the engine sends one row (MAX_ROWS); more only from direct callers
+    for t in range(T):  # the engine sends up to MAX_ROWS rows; more only from direct callers
         x = tl.load(X + t * stride_x + rk, mask=mk, other=0.0)
         acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if HAS_BIAS:
