@@ -13,6 +13,8 @@ until each peer's flag for p has reached n + 1. No host-side state, so the kerne
   NCCL's all-reduces do. Rows land in one of two slots, chosen by the call number: a rank writes a peer's slot
   again only two calls later, after waiting for the peer's flag of the call in between, which the peer raises only
   once its previous call (the reads of this slot) has ended. Reference: `add_rms_norm(all_reduce(x), ...)`.
+  Up to 16 tokens, the low-latency protocol instead (`_allreduce_ll`): each value travels as one 8-byte word, its
+  float32 bits tagged with the call number, so a word that arrived is valid by itself: no fence, no flag.
 - EP, `EPExchange`: dispatch (every rank's token rows, routing weights and expert ids, padded to the agreed
   capacity, land in every rank's buffer: the all-gather) and combine (each rank's expert outputs for another
   rank's tokens go to that rank, which sums them in rank order, adds the residual and norms: the reduce-scatter +
