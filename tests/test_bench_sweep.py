@@ -1,5 +1,5 @@
 """`moebius bench sweep` end to end on the CPU (the built-in tiny model's shapes, two gloo ranks, dummy weights, and
-transformers' baselines on the same shapes), and
+transformers' baselines on the same shapes, one process and tensor-parallel), and
 the recorded sweeps in benchmarks/results: both in the form the GPU issue asks for (a list `points`, one per (mode,
 batch), with the step, its floor and their ratio; top-level gpu, num_gpus, preset, command)."""
 
@@ -48,11 +48,14 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     assert result["num_gpus"] == 2 and result["gpu"] == "cpu"
     assert sorted((p["mode"], p["batch"]) for p in result["points"] if not p["mode"].startswith("hf")) == sorted(
         (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
-    # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching
+    # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching, in one
+    # process and with its tensor-parallel plan over the two ranks (two gloo processes here)
     hf = {p["mode"]: p for p in result["points"] if p["mode"].startswith("hf")}
-    assert set(hf) == {"hf-eager-1gpu", "hf-cb-1gpu"} and all(p["batch"] == 2 for p in hf.values())
-    assert "error" not in hf["hf-cb-1gpu"], hf["hf-cb-1gpu"]
+    assert set(hf) == {"hf-eager-1gpu", "hf-cb-1gpu", "hf-eager-tp2", "hf-cb-tp2"}
+    assert all(p["batch"] == 2 and "error" not in p for p in hf.values()), hf
     assert hf["hf-cb-1gpu"]["method"] in ("token timestamps", "two output lengths")
+    assert hf["hf-cb-tp2"]["method"] in ("token timestamps", "two output lengths")
+    assert hf["hf-eager-tp2"]["floor_ms"] < hf["hf-eager-1gpu"]["floor_ms"]  # the floor of two GPUs
     assert all("eager_step_ms" in p for p in result["points"] if p["batch"] <= 2 and p["mode"] in ("tp", "ep"))
     # the switches after the sweep, each measured against its transfer
     done = [s for s in result["switches"] if s.get("done")]

@@ -3,13 +3,13 @@
 One dual-mode engine serves both layouts (it switches between them, so the sweep also times the weight-only
 switch). Each point times decode steps of `batch` requests holding `context` cached tokens through the real runner
 (CUDA graph when the per-rank batch has one, else eager), without prefill. Optionally a Hugging Face transformers
-baseline runs the same shape. Results: JSON (a list `points`, one per mode and batch) and a PNG plot.
+baseline runs the same shape (moebius/bench/hf_baseline.py). Results: JSON (a list `points`, one per mode and
+batch) and a PNG plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -21,16 +21,10 @@ from typing import Any
 import torch
 
 from moebius.bench.floor import decode_step_floor_ms
+from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
 from moebius.config import PRESETS, ModelConfig
 
 log = logging.getLogger("moebius")
-
-
-def _point(mode: str, batch: int, context: int, step_ms: float, floor_ms: float, graph: bool, **extra: Any
-           ) -> dict[str, Any]:
-    return dict(mode=mode, batch=batch, context_len=context, step_ms=step_ms, floor_ms=floor_ms,
-                ratio_to_floor=step_ms / floor_ms if floor_ms else None, tokens_per_s=batch / step_ms * 1e3,
-                cuda_graph=graph, **extra)
 
 
 def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
@@ -71,7 +65,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                     extra["eager_step_ms"] = max(r["step_ms"] for r in eager)
                     extra["graph_speedup"] = extra["eager_step_ms"] / step
                 floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len)
-                p = _point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
+                p = point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
                 out["points"].append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
                          f" eager {extra['eager_step_ms']:.3f} ms" if "eager_step_ms" in extra else "")
@@ -136,118 +130,6 @@ def static_memory(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
         return llm.engine.query("memory")
 
 
-def run_hf_baseline(args: argparse.Namespace, cfg_dict: dict[str, Any], cfg: ModelConfig) -> list[dict[str, Any]]:
-    """transformers' own Qwen3MoeForCausalLM (random weights, bf16 on a GPU) on one device, two ways a user runs it:
-    `hf-eager-1gpu`, batched decode steps with a DynamicCache of `context` tokens per request; `hf-cb-1gpu`, its
-    continuous batching (`generate_batch`, paged cache, its own CUDA graphs where the version has them), where the
-    installed version has it. Its tensor-parallel plan needs a torchrun launch per model, so both use one GPU."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
-    hf_cfg.num_hidden_layers = cfg.num_layers
-    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    with dev:
-        model = Qwen3MoeForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                                                 attn_implementation="sdpa")
-    model.eval()
-    with torch.no_grad():  # first-call costs (kernel selection, allocator growth) outside the timed steps
-        model(input_ids=torch.randint(0, cfg.vocab_size, (8, 16), device=dev))
-    points = []
-    for b in args.hf_batches:
-        floor = decode_step_floor_ms(cfg, 1, "tp", b, args.context_len)
-        for mode, timer in (("hf-eager-1gpu", _hf_eager_step), ("hf-cb-1gpu", _hf_cb_step)):
-            if mode == "hf-cb-1gpu" and not hasattr(model, "generate_batch"):
-                points.append({"mode": mode, "batch": b, "error": "this transformers has no generate_batch"})
-                continue
-            try:
-                step, extra = timer(model, b, args, cfg.vocab_size, dev)
-                points.append(_point(mode, b, args.context_len, step, floor, False, **extra))
-                log.info("%s batch %d: %.3f ms", mode, b, step)
-            except torch.cuda.OutOfMemoryError:
-                points.append({"mode": mode, "batch": b, "error": "out of memory"})
-            except _NoSteadyState as e:
-                points.append({"mode": mode, "batch": b, "error": str(e)})
-            except Exception as e:  # noqa: BLE001 - generate_batch's options move between versions: keep the sweep
-                if mode == "hf-eager-1gpu":
-                    raise
-                points.append({"mode": mode, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]})
-            finally:
-                gc.collect()
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-    return points
-
-
-def _hf_eager_step(model: Any, b: int, args: argparse.Namespace, vocab: int, dev: torch.device
-                   ) -> tuple[float, dict[str, Any]]:
-    from transformers import DynamicCache
-
-    with torch.no_grad():
-        cache = DynamicCache()
-        ids = torch.randint(0, vocab, (b, args.context_len), device=dev)
-        for s in range(0, args.context_len, 256):  # prefill in chunks to bound activation memory
-            model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
-        nxt = torch.randint(0, vocab, (b, 1), device=dev)
-        times = []
-        for _ in range(args.warmup + max(5, args.steps)):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            nxt.cpu()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times[args.warmup:]) * 1e3, {}
-
-
-class _NoSteadyState(RuntimeError):
-    pass
-
-
-def _hf_cb_step(model: Any, b: int, args: argparse.Namespace, vocab: int, dev: torch.device
-                ) -> tuple[float, dict[str, Any]]:
-    """Median time between a request's consecutive tokens while every request of the batch is decoding (from the
-    last request's first token to the first request's last), from generate_batch's per-token timestamps; without
-    them, the difference of two runs' wall times over the difference of their output lengths."""
-    from transformers import GenerationConfig
-
-    g = torch.Generator().manual_seed(b)
-    prompts = torch.randint(0, vocab, (b, args.context_len), generator=g).tolist()
-    steps = args.warmup + max(5, args.steps)
-
-    def generate(new: int, stamps: bool) -> tuple[float, Any]:
-        # no EOS: every request runs its whole length (random weights would stop some early)
-        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        kw = {"record_timestamps": True} if stamps else {}
-        t = time.perf_counter()
-        outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False, **kw)
-        return time.perf_counter() - t, outs
-
-    # requests prefilled early decode while later ones prefill: enough new tokens that all overlap for a while
-    new = 2 * steps + b * args.context_len // 1024
-    for _ in range(2):
-        try:
-            _, outs = generate(new, True)
-            stamps = [getattr(o, "timestamps", None) for o in outs.values()]
-        except (TypeError, ValueError):  # a version without record_timestamps (an unexpected keyword)
-            stamps = [None]
-        if not all(stamps):
-            break
-        start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
-        gaps = [y - x for s in stamps for x, y in zip(s, s[1:], strict=False) if x >= start and y <= end]
-        if len(gaps) >= steps:
-            return statistics.median(gaps) * 1e3, {"method": "token timestamps", "intervals": len(gaps),
-                                                   "new_tokens": new}
-        new *= 4
-    if all(stamps):
-        raise _NoSteadyState(f"hf-cb: too few steps with every request decoding ({len(gaps)} at {new // 4} new "
-                             "tokens, prefill outlasting decoding)")
-    short, _ = generate(steps, False)
-    long, _ = generate(3 * steps, False)
-    return (long - short) / (2 * steps) * 1e3, {"method": "two output lengths"}
-
-
 def crossover(points: list[dict[str, Any]]) -> int | None:
     """Smallest batch from which EP's step is faster than TP's at every larger measured batch."""
     tp = {p["batch"]: p["step_ms"] for p in points if p["mode"] == "tp"}
@@ -310,7 +192,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--switch-repeats", type=int, default=4,
                    help="switches back and forth after the sweep (with 8 requests decoding) for the switch overhead")
     p.add_argument("--hf-baseline", action="store_true",
-                   help="also time transformers' own model on one GPU (eager, and its continuous batching)")
+                   help="also time transformers' own model (eager, and its continuous batching) on one GPU and, with "
+                   "--num-ranks > 1, with its tensor-parallel plan over those GPUs (moebius/bench/hf_baseline.py)")
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
     p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
     p.set_defaults(func=main)
@@ -338,7 +221,11 @@ def main(args: argparse.Namespace) -> int:
         static = max(m["peak_reserved"] for m in result["memory"]["static_ep"])
         result["memory"]["dual_over_static_ep"] = dual / static
     if args.hf_baseline:
-        result["points"] += run_hf_baseline(args, cfg_dict, cfg)
+        spec = BaselineSpec(cfg_dict=cfg_dict, num_layers=cfg.num_layers, batches=args.hf_batches,
+                            context_len=args.context_len, steps=args.steps, warmup=args.warmup)
+        result["points"] += run_one_gpu(spec)
+        if args.num_ranks > 1:
+            result["points"] += run_tensor_parallel(spec, args.num_ranks)
     result["crossover_batch"] = crossover(result["points"])
     result["wall_s"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -1,0 +1,241 @@
+"""The sweep's baseline: transformers' own Qwen3MoeForCausalLM (random weights) on the sweep's shapes, the ways a
+user runs it. Points as the sweep's, modes:
+
+- `hf-eager-1gpu`: batched decode steps with a DynamicCache of `context` tokens per request, one GPU;
+- `hf-cb-1gpu`: its continuous batching (`generate_batch`: paged cache, its own CUDA graphs where the version has
+  them), one GPU, timed from per-token timestamps;
+- `hf-eager-tp{P}` / `hf-cb-tp{P}`: the same over the sweep's P GPUs with its tensor-parallel plan (`tp_plan="auto"`:
+  DTensor shards, one process per GPU under `torch.distributed.run`, as transformers runs it). Its loader shards a
+  checkpoint as it reads it; for random weights each rank builds the whole model and keeps its shard
+  (`PreTrainedModel.maybe_distribute_model`, what `from_pretrained` calls before loading weights). Needs
+  `accelerate` (the `bench` and `test` extras).
+
+`python -m torch.distributed.run --nproc-per-node P -m moebius.bench.hf_baseline SPEC.json OUT.json` is the
+tensor-parallel worker the sweep launches; rank 0 writes the points.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from moebius.bench.floor import decode_step_floor_ms
+from moebius.config import ModelConfig
+
+log = logging.getLogger("moebius")
+
+
+@dataclass(frozen=True)
+class BaselineSpec:
+    """What a baseline run needs (the worker gets it as JSON)."""
+
+    cfg_dict: dict[str, Any]  # the HF config.json of the model
+    num_layers: int
+    batches: list[int]
+    context_len: int
+    steps: int
+    warmup: int
+
+
+def point(mode: str, batch: int, context: int, step_ms: float, floor_ms: float, graph: bool, **extra: Any
+          ) -> dict[str, Any]:
+    return dict(mode=mode, batch=batch, context_len=context, step_ms=step_ms, floor_ms=floor_ms,
+                ratio_to_floor=step_ms / floor_ms if floor_ms else None, tokens_per_s=batch / step_ms * 1e3,
+                cuda_graph=graph, **extra)
+
+
+def run_one_gpu(spec: BaselineSpec) -> list[dict[str, Any]]:
+    """`hf-eager-1gpu` and `hf-cb-1gpu` in this process (on the CPU where there is no GPU)."""
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return _time_model(_build(spec, dev), spec, dev, "1gpu", 1)
+
+
+def run_tensor_parallel(spec: BaselineSpec, num_ranks: int, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
+    """`hf-eager-tp{P}` and `hf-cb-tp{P}`: the worker below under torch.distributed.run, one process per GPU (per
+    gloo rank on the CPU). A failed run becomes one error point per mode and batch, with the end of its log."""
+    modes = [f"hf-eager-tp{num_ranks}", f"hf-cb-tp{num_ranks}"]
+    gc.collect()
+    if torch.cuda.is_available():  # what this process's caching allocator holds would be missing on GPU 0
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory(prefix="moebius-hf-tp-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "points.json")
+        with open(spec_path, "w") as f:
+            json.dump(asdict(spec), f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}",
+               "-m", "moebius.bench.hf_baseline", spec_path, out_path]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            # the ranks' own tracebacks, not only torchrun's summary after them
+            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith("[rank")] or [r.stderr]
+            why = f"exit {r.returncode}: " + "\n".join(lines)[-1500:]
+        except subprocess.TimeoutExpired as e:
+            why = f"no result in {timeout_s:.0f} s: {str(e.stderr or '')[-1500:]}"
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+    log.warning("transformers tensor-parallel baseline failed: %s", why)
+    return [{"mode": m, "batch": b, "error": why} for b in spec.batches for m in modes]
+
+
+def _build(spec: BaselineSpec, dev: torch.device, mesh: Any = None, tp_size: int = 1) -> Any:
+    """The model on `dev`; with a device mesh, sharded over its `tp_size` ranks by its tensor-parallel plan."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in spec.cfg_dict.items() if k != "architectures"})
+    hf_cfg.num_hidden_layers = spec.num_layers
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.manual_seed(0)  # the same whole model on every rank, so the shards make one model
+    with dev:
+        model = Qwen3MoeForCausalLM._from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
+    if mesh is not None:
+        from transformers.distributed import DistributedConfig
+
+        config = DistributedConfig(tp_size=tp_size, tp_plan="auto")
+        model = Qwen3MoeForCausalLM.maybe_distribute_model(model, config, mesh)
+    model.eval()
+    with torch.no_grad():  # first-call costs (kernel selection, allocator growth) outside the timed steps
+        model(input_ids=torch.randint(0, hf_cfg.vocab_size, (8, 16), generator=_gen(0)).to(dev))
+    return model
+
+
+def _gen(seed: int) -> torch.Generator:
+    """Inputs from a CPU generator: the same on every rank whatever each rank's device RNG did."""
+    return torch.Generator().manual_seed(seed)
+
+
+def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, ranks: int
+                ) -> list[dict[str, Any]]:
+    cfg = ModelConfig.from_hf(spec.cfg_dict, spec.num_layers)
+    points = []
+    for b in spec.batches:
+        floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len)
+        for mode, timer in ((f"hf-eager-{suffix}", _eager_step), (f"hf-cb-{suffix}", _cb_step)):
+            if timer is _cb_step and not hasattr(model, "generate_batch"):
+                points.append({"mode": mode, "batch": b, "error": "this transformers has no generate_batch"})
+                continue
+            try:
+                step, extra = timer(model, b, spec, cfg.vocab_size, dev)
+                points.append(point(mode, b, spec.context_len, step, floor, False, **extra))
+                log.info("%s batch %d: %.3f ms", mode, b, step)
+            except torch.cuda.OutOfMemoryError:
+                points.append({"mode": mode, "batch": b, "error": "out of memory"})
+            except NoSteadyState as e:
+                points.append({"mode": mode, "batch": b, "error": str(e)})
+            except Exception as e:  # noqa: BLE001 - generate_batch's options move between versions: keep the sweep
+                if timer is _eager_step:
+                    raise
+                points.append({"mode": mode, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]})
+            finally:
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return points
+
+
+def _eager_step(model: Any, b: int, spec: BaselineSpec, vocab: int, dev: torch.device
+                ) -> tuple[float, dict[str, Any]]:
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        ids = torch.randint(0, vocab, (b, spec.context_len), generator=_gen(b)).to(dev)
+        for s in range(0, spec.context_len, 256):  # prefill in chunks to bound activation memory
+            model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
+        nxt = torch.randint(0, vocab, (b, 1), generator=_gen(b + 1)).to(dev)
+        times = []
+        for _ in range(spec.warmup + max(5, spec.steps)):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            nxt.cpu()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[spec.warmup:]) * 1e3, {}
+
+
+class NoSteadyState(RuntimeError):
+    pass
+
+
+def _cb_step(model: Any, b: int, spec: BaselineSpec, vocab: int, dev: torch.device
+             ) -> tuple[float, dict[str, Any]]:
+    """Median time between a request's consecutive tokens while every request of the batch is decoding (from the
+    last request's first token to the first request's last), from generate_batch's per-token timestamps; without
+    them, the difference of two runs' wall times over the difference of their output lengths."""
+    from transformers import GenerationConfig
+
+    prompts = torch.randint(0, vocab, (b, spec.context_len), generator=_gen(b)).tolist()
+    steps = spec.warmup + max(5, spec.steps)
+
+    def generate(new: int, stamps: bool) -> tuple[float, Any]:
+        # no EOS: every request runs its whole length (random weights would stop some early)
+        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        kw: dict[str, Any] = {"record_timestamps": True} if stamps else {}
+        if dev.type == "cpu":  # its cache takes a share of free memory per process: several ranks would take it all
+            from transformers import ContinuousBatchingConfig
+
+            pages = b * -(-(spec.context_len + new) // 256) + 2  # its default page of 256 tokens
+            kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=1024)
+        t = time.perf_counter()
+        outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False, **kw)
+        return time.perf_counter() - t, outs
+
+    # requests prefilled early decode while later ones prefill: enough new tokens that all overlap for a while
+    new = 2 * steps + b * spec.context_len // 1024
+    for _ in range(2):
+        try:
+            _, outs = generate(new, True)
+            stamps = [getattr(o, "timestamps", None) for o in outs.values()]
+        except (TypeError, ValueError):  # a version without record_timestamps (an unexpected keyword)
+            stamps = [None]
+        if not all(stamps):
+            break
+        start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+        gaps = [y - x for s in stamps for x, y in zip(s, s[1:], strict=False) if x >= start and y <= end]
+        if len(gaps) >= steps:
+            return statistics.median(gaps) * 1e3, {"method": "token timestamps", "intervals": len(gaps),
+                                                   "new_tokens": new}
+        new *= 4
+    if all(stamps):
+        raise NoSteadyState(f"hf-cb: too few steps with every request decoding ({len(gaps)} at {new // 4} new "
+                            "tokens, prefill outlasting decoding)")
+    short, _ = generate(steps, False)
+    long, _ = generate(3 * steps, False)
+    return (long - short) / (2 * steps) * 1e3, {"method": "two output lengths"}
+
+
+def _worker(spec_path: str, out_path: str) -> None:
+    """One rank of the tensor-parallel baseline (under torch.distributed.run)."""
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    with open(spec_path) as f:
+        spec = BaselineSpec(**json.load(f))
+    world = int(os.environ["WORLD_SIZE"])
+    # what from_pretrained(..., tp_plan="auto") does first: the process group, this rank's device, the mesh
+    _, device_map, mesh = Qwen3MoeForCausalLM.prepare_distribute_model(
+        DistributedConfig(tp_size=world, tp_plan="auto"))
+    dev = torch.device(device_map)
+    points = _time_model(_build(spec, dev, mesh, world), spec, dev, f"tp{world}", world)
+    if int(os.environ["RANK"]) == 0:
+        with open(out_path, "w") as f:
+            json.dump(points, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s hf-tp: %(message)s")
+    _worker(sys.argv[1], sys.argv[2])
