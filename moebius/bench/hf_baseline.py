@@ -74,13 +74,24 @@ def run_tensor_parallel(spec: BaselineSpec, num_ranks: int, timeout_s: float = 1
             json.dump(asdict(spec), f)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}",
                "-m", "moebius.bench.hf_baseline", spec_path, out_path]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            # the ranks' own tracebacks, not only torchrun's summary after them
-            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith("[rank")] or [r.stderr]
-            why = f"exit {r.returncode}: " + "\n".join(lines)[-1500:]
-        except subprocess.TimeoutExpired as e:
-            why = f"no result in {timeout_s:.0f} s: {str(e.stderr or '')[-1500:]}"
+        log_path = os.path.join(tmp, "log.txt")
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+            try:
+                proc.wait(timeout=timeout_s)
+                why = f"exit {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # torchrun ends its ranks on SIGTERM (they run in sessions of their own)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                why = f"no result in {timeout_s:.0f} s"
+        with open(log_path) as f:
+            lines = f.read().splitlines()
+        # the ranks' own tracebacks, not only torchrun's summary after them
+        why += ": " + "\n".join([x for x in lines if x.startswith("[rank")] or lines)[-1500:]
         if os.path.exists(out_path):
             with open(out_path) as f:
                 return json.load(f)

@@ -195,6 +195,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also time transformers' own model (eager, and its continuous batching) on one GPU and, with "
                    "--num-ranks > 1, with its tensor-parallel plan over those GPUs (moebius/bench/hf_baseline.py)")
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
+    p.add_argument("--hf-tp-timeout", type=float, default=900.0,
+                   help="seconds for transformers' tensor-parallel run; past it, its points are errors")
     p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
     p.set_defaults(func=main)
 
@@ -225,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
                             context_len=args.context_len, steps=args.steps, warmup=args.warmup)
         result["points"] += run_one_gpu(spec)
         if args.num_ranks > 1:
-            result["points"] += run_tensor_parallel(spec, args.num_ranks)
+            result["points"] += run_tensor_parallel(spec, args.num_ranks, args.hf_tp_timeout)
     result["crossover_batch"] = crossover(result["points"])
     result["wall_s"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
