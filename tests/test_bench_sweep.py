@@ -72,3 +72,22 @@ def test_recorded_sweeps_have_the_asked_form() -> None:
         check_sweep(result, {"tp", "ep"})
         assert result["command"].startswith("moebius bench sweep"), path
         assert result["gpu"] != "cpu", path  # the recorded ones come from the GPU machine
+
+
+def test_hf_tensor_parallel_run_past_its_timeout_ends_its_ranks() -> None:
+    """A transformers tensor-parallel run that outlasts --hf-tp-timeout becomes error points, and none of its rank
+    processes outlives it (torchrun starts them in sessions of their own, so killing torchrun alone leaves them)."""
+    import time
+
+    import psutil
+
+    from moebius.bench.hf_baseline import BaselineSpec, run_tensor_parallel
+
+    spec = BaselineSpec(cfg_dict=builtin_hf_config(), num_layers=2, batches=[2], context_len=16, steps=2, warmup=1)
+    points = run_tensor_parallel(spec, 2, timeout_s=2.0)
+    assert [(p["mode"], p["batch"]) for p in points] == [("hf-eager-tp2", 2), ("hf-cb-tp2", 2)]
+    assert all(p["error"].startswith("no result in 2 s") for p in points), points
+    time.sleep(1.0)
+    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if "moebius.bench.hf_baseline" in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"rank processes left running: {left}"
