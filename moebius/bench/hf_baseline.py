@@ -61,7 +61,7 @@ def run_one_gpu(spec: BaselineSpec) -> list[dict[str, Any]]:
     return _time_model(_build(spec, dev), spec, dev, "1gpu", 1)
 
 
-def run_tensor_parallel(spec: BaselineSpec, num_ranks: int, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
+def run_tensor_parallel(spec: BaselineSpec, num_ranks: int, timeout_s: float) -> list[dict[str, Any]]:
     """`hf-eager-tp{P}` and `hf-cb-tp{P}`: the worker below under torch.distributed.run, one process per GPU (per
     gloo rank on the CPU). A failed run becomes one error point per mode and batch, with the end of its log."""
     modes = [f"hf-eager-tp{num_ranks}", f"hf-cb-tp{num_ranks}"]

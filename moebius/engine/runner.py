@@ -131,6 +131,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor], comm: Communicator,
                  bufs: StaticBuffers, block_size: int, device: torch.device) -> None:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
+        self.qkv_elems = weights.layers[0].attn.qkv_QD.numel()  # picks the launch release order (forward)
         self.bufs, self.block_size, self.device = bufs, block_size, device
         self.graphs: CudaGraphs | None = None
         # Where sampled tokens come back: two pinned buffers and events, used in turn (a step is resolved before the
@@ -204,8 +205,7 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # a few tokens on this rank: projections that stream their weights during the kernel before them, which
         # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py)
-        qkv_elems = self.weights.layers[0].attn.qkv_QD.numel()
-        with kernels.release_order(kernels.release_order_for(ids.shape[0], qkv_elems)):
+        with kernels.release_order(kernels.release_order_for(ids.shape[0], self.qkv_elems)):
             return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
 
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

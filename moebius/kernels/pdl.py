@@ -1,8 +1,8 @@
 """Programmatic dependent launch (Hopper+): a kernel launched with it may start while the kernel before it in the
 stream is finishing, so its launch overlaps the other's tail; it waits for that kernel (all of its writes) before
 reading anything. Every Triton kernel of the step does this, and lets the next one launch as soon as its own
-programs have all started (EARLY order) or, in the LATE order a step of one token a rank runs in, once it has
-waited (`moebius.kernels.release_order`): ~0.45 us less per boundary between two small kernels on an H200, inside
+programs have all started (EARLY order) or, in the LATE order steps of one or two tokens a rank run in, once it
+has waited (`moebius.kernels.release_order`): ~0.45 us less per boundary between two small kernels on an H200, inside
 CUDA graphs too (benchmarks/results/h200-pdl.json). Kernels other than ours (cuBLAS, torch) launch and wait as
 usual."""
 
