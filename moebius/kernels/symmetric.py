@@ -154,8 +154,9 @@ def _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, ep
     tag = (((calls + 1).to(tl.int64) & 0x7FFFFFFF) | 0x80000000) << 32
     slot = (calls & 1).to(tl.int64)
     mine = tl.load(LLBufs + RANK).to(tl.pointer_type(tl.int64))
-    iters = tl.cdiv(tl.cdiv(T - pid, G), ROWS)
-    for it in range(0, iters):
+    # each iteration sends its rows, then sums them with the peers' (every rank runs the same iterations, so a
+    # rank waiting for a peer's rows of this iteration has sent its own: no deadlock), the own partial read once
+    for it in range(0, tl.cdiv(tl.cdiv(T - pid, G), ROWS)):
         row = pid + (it * ROWS + k) * G
         off = row[:, None] * N + cols[None, :]
         m = (row < T)[:, None] & (cols < N)[None, :]
@@ -165,14 +166,10 @@ def _allreduce_ll(X, Ids, R, W, Out, LLBufs, Count, T, N, ll_numel, first, E, ep
             if r != RANK:
                 dst = tl.load(LLBufs + r).to(tl.pointer_type(tl.int64)) + (slot * P + RANK) * ll_numel
                 tl.store(dst + off, word, mask=m)
-    for it in range(0, iters):
-        row = pid + (it * ROWS + k) * G
-        off = row[:, None] * N + cols[None, :]
-        m = (row < T)[:, None] & (cols < N)[None, :]
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for r in tl.static_range(P):  # in rank order, as the flag protocol sums
             if r == RANK:
-                acc += _partial(X, Ids, row, row < T, cols, N, first, E, K, PAIRS, ROWS, BLOCK).to(tl.float32)
+                acc += x.to(tl.float32)
             else:
                 src = mine + (slot * P + r) * ll_numel + off
                 word = tl.load(src, mask=m, other=tag, volatile=True)
