@@ -158,7 +158,10 @@ def drive(llm: LLM, jobs: list[Job], switch_steps: Sequence[int] = (), max_steps
 def _checked(out: dict[str, Any] | None, llm: LLM, target: str) -> dict[str, Any]:
     assert out is not None and out.get("done") is True, f"switch to {target} refused: {out}"
     assert llm.mode == target
-    assert {"requests_ms", "weights_ms", "kv_ms", "total_ms"} <= out.keys(), out
+    assert {"requests_ms", "weights_ms", "kv_ms", "total_ms", "enqueue_ms", "wait_ms", "span_ms"} <= out.keys(), out
+    # the pass's span holds every layer's weight and KV phases; the host's loop and wait lie inside the total
+    assert out["span_ms"] >= out["weights_ms"] + out["kv_ms"] - 1e-3, out
+    assert out["enqueue_ms"] + out["wait_ms"] <= out["total_ms"] + 1e-3, out
     return out
 
 

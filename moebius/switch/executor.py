@@ -106,7 +106,7 @@ class Switcher:
         self._sync()
         t1 = time.perf_counter()
         # every rank knows every live request's KV length, so all agree whether there is KV to move
-        t_weights, t_kv = self._move_layers(src, target, plan, move_kv=any(x.num_tokens for x in live))
+        t_weights, t_kv, passes = self._move_layers(src, target, plan, move_kv=any(x.num_tokens for x in live))
 
         # Flip: the target's requests, allocator and runtime become active.
         sched = w.scheduler
@@ -122,7 +122,7 @@ class Switcher:
         w.mode = target
         t2 = time.perf_counter()
         times = {"requests_ms": (t1 - t0) * 1e3, "weights_ms": t_weights * 1e3, "kv_ms": t_kv * 1e3,
-                 "total_ms": (t2 - t0) * 1e3}
+                 "total_ms": (t2 - t0) * 1e3, **passes}
         log.info("rank %d: switched %s -> %s with %d running, %d waiting requests in %.1f ms (weights %.1f, KV %.1f)",
                  self.rank, src, target, n_run, len(waiting), times["total_ms"], times["weights_ms"], times["kv_ms"])
         out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
@@ -131,10 +131,13 @@ class Switcher:
         return out
 
     # ---- data plane ----
-    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool) -> tuple[float, float]:
-        """The ordered pass. Returns seconds spent moving weights and KV. On the GPU nothing waits between layers
-        (one stream orders every copy and exchange; the phases are timed with events), so host launches of the next
-        layer overlap the transfers of this one."""
+    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool) -> tuple[float, float, dict[str, float]]:
+        """The ordered pass. Returns seconds spent moving weights and KV, and where the pass's time went (ms):
+        `enqueue_ms` the host's loop over the layers, `wait_ms` its wait for the device after it, `span_ms` first
+        layer's start to last layer's end (on the GPU: event time, so span minus weights and KV is the device idle
+        between layers, e.g. waiting for a slow host). On the GPU nothing waits between layers (one stream orders
+        every copy and exchange; the phases are timed with events), so host launches of the next layer overlap the
+        transfers of this one."""
         w = self.w
         order = range(w.cfg.num_layers) if dst == "tp" else reversed(range(w.cfg.num_layers))
         bs = w.spec.engine.block_size
@@ -143,6 +146,7 @@ class Switcher:
         recv = [self._page_offset(r, bs) for r in plan.recv_slots]
         cuda = w.device.type == "cuda"
         marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
+        h0 = time.perf_counter()
         for i in order:
             m0 = self._mark(cuda)
             src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
@@ -152,8 +156,11 @@ class Switcher:
             if move_kv:
                 self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv)
             marks.append((m0, m1, self._mark(cuda)))
+        h1 = time.perf_counter()
         self._sync()
-        return (sum(self._elapsed(a, b) for a, b, _ in marks), sum(self._elapsed(b, c) for _, b, c in marks))
+        passes = {"enqueue_ms": (h1 - h0) * 1e3, "wait_ms": (time.perf_counter() - h1) * 1e3,
+                  "span_ms": self._elapsed(marks[0][0], marks[-1][2]) * 1e3 if marks else 0.0}
+        return (sum(self._elapsed(a, b) for a, b, _ in marks), sum(self._elapsed(b, c) for _, b, c in marks), passes)
 
     def _page_offset(self, slots: Any, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = torch.from_numpy(slots).to(self.w.device)
