@@ -238,3 +238,26 @@ def test_unknown_switch_target_is_rejected_before_anything_moves(llm, ckpt, mode
     llm.step()  # the step a pending switch would ride on
     assert llm.mode == before and llm.engine.last_switch is None
     assert_still_works(llm, ckpt("text"))
+
+
+def test_switch_without_memory_for_staging_is_refused_before_anything_moves(llm, ckpt, monkeypatch) -> None:
+    """The switch takes one layer of expert staging before it changes anything: a device that cannot give it
+    refuses the switch with the reason, the engine serves on in its layout, and a later switch goes through."""
+    from moebius.switch import executor
+
+    def no_memory(*_: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 402.00 MiB\nmore detail")
+
+    before_mode = llm.mode
+    target = "ep" if before_mode == "tp" else "tp"
+    before = llm.engine.query("fingerprint")
+    with monkeypatch.context() as m:
+        m.setattr(executor, "staging_like", no_memory)
+        out = llm.switch_mode(target)
+    assert out["done"] is False, out
+    assert re.search(r"staging.*rank 0: CUDA out of memory. Tried to allocate 402.00 MiB\)$", out["reason"]), out
+    assert llm.mode == before_mode and llm.engine.query("fingerprint") == before
+    assert_still_works(llm, ckpt("text"))
+    assert llm.switch_mode(target)["done"] is True
+    assert_still_works(llm, ckpt("text"))
+    assert llm.switch_mode(before_mode)["done"] is True

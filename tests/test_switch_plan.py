@@ -146,6 +146,10 @@ def test_ep_to_tp_pack_then_exchange_gives_every_tp_shard(rnd: random.Random) ->
         s13, s2 = ep_to_tp_pack(ep[r][0], ep[r][1], P)
         assert s13.shape == (P * El, 2 * I // P, D) and s2.shape == (P * El, D, I // P)
         assert torch.equal(ep[r][0], before[0]) and torch.equal(ep[r][1], before[1]), "pack modified its input"
+        # into the switch's staging buffers: the same bytes, in those buffers
+        out = (torch.full_like(s13, float("nan")), torch.full_like(s2, float("nan")))
+        o13, o2 = ep_to_tp_pack(ep[r][0], ep[r][1], P, out)
+        assert o13 is out[0] and o2 is out[1] and torch.equal(o13, s13) and torch.equal(o2, s2)
         sends13.append(split_rows(s13, P))
         sends2.append(split_rows(s2, P))
     got13, got2 = all_to_all(sends13), all_to_all(sends2)

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("moebius")
 
 
+def staging_like(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's expert staging, shaped like these TP views."""
+    return torch.empty_like(w13_EFD), torch.empty_like(w2_EDF)
+
+
 class Switcher:
     def __init__(self, worker: Worker) -> None:
         self.w = worker
@@ -94,6 +99,15 @@ class Switcher:
             return {"done": False, "reason": f"{target} layout cannot run {max(per_rank)} requests on a rank "
                     f"(max_running_requests {slots})", "from": src, "to": target}
 
+        # One layer's expert staging, before anything changes: a device that cannot give it refuses the switch here
+        # instead of failing half-way through the layers. Every rank agrees, so none starts the exchanges alone.
+        staging, why = self._staging()
+        agreed = all_gather_json([not why, why], w.groups)
+        if not all(ok for ok, _ in agreed):
+            return {"done": False, "reason": "no device memory for one layer of expert staging ("
+                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")",
+                    "from": src, "to": target}
+
         # Target page tables, allocated in the global order (identical on every rank in TP).
         live: list[LiveKV] = []
         for r, o in zip(running, owners, strict=False):
@@ -106,7 +120,7 @@ class Switcher:
         self._sync()
         t1 = time.perf_counter()
         # every rank knows every live request's KV length, so all agree whether there is KV to move
-        t_weights, t_kv, passes = self._move_layers(src, target, plan, move_kv=any(x.num_tokens for x in live))
+        t_weights, t_kv, passes = self._move_layers(src, target, plan, any(x.num_tokens for x in live), staging)
 
         # Flip: the target's requests, allocator and runtime become active.
         sched = w.scheduler
@@ -131,7 +145,21 @@ class Switcher:
         return out
 
     # ---- data plane ----
-    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool) -> tuple[float, float, dict[str, float]]:
+    def _staging(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str]:
+        """Buffers shaped like one layer's TP expert views ([E, 2I/P, D], [E, D, I/P]): what TP -> EP receives and
+        EP -> TP packs, either way (P * El = E). (None, why) when the device cannot give them; (None, "") without
+        experts."""
+        moe = next((layer.mlp for layer in self.w.modes["tp"].weights.layers if isinstance(layer.mlp, MoEWeights)),
+                   None)
+        if moe is None:
+            return None, ""
+        try:
+            return staging_like(moe.w13_EFD, moe.w2_EDF), ""
+        except torch.OutOfMemoryError as e:
+            return None, str(e).splitlines()[0]
+
+    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool,
+                     staging: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float, dict[str, float]]:
         """The ordered pass. Returns seconds spent moving weights and KV, and where the pass's time went (ms):
         `enqueue_ms` the host's loop over the layers, `wait_ms` its wait for the device after it, `span_ms` first
         layer's start to last layer's end (on the GPU: event time, so span minus weights and KV is the device idle
@@ -151,7 +179,8 @@ class Switcher:
             m0 = self._mark(cuda)
             src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
             if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
-                self._move_experts(src_mlp, dst_mlp, dst)
+                assert staging is not None  # a layer with experts: _staging made them
+                self._move_experts(src_mlp, dst_mlp, dst, staging)
             m1 = self._mark(cuda)
             if move_kv:
                 self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv)
@@ -180,16 +209,18 @@ class Switcher:
         """Seconds between two marks (events are read after the pass's final synchronisation)."""
         return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
-    def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str) -> None:
+    def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str,
+                      staging: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """staging: one layer's TP-shaped expert buffers, reused by every layer (one stream orders the reuse)."""
         P = self.P
         El = (src if target == "tp" else dst).w13_EFD.shape[0]
         splits = [El] * P
         if target == "tp":  # permute, then exchange straight into the TP views
-            s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P)
+            s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P, staging)
             self.transport.all_to_all(dst.w13_EFD, s13, splits, splits)
             self.transport.all_to_all(dst.w2_EDF, s2, splits, splits)
         else:  # exchange the TP views' expert blocks, then interleave the shards into whole experts
-            r13, r2 = torch.empty_like(src.w13_EFD), torch.empty_like(src.w2_EDF)
+            r13, r2 = staging
             self.transport.all_to_all(r13, src.w13_EFD, splits, splits)
             self.transport.all_to_all(r2, src.w2_EDF, splits, splits)
             tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
