@@ -45,6 +45,7 @@ def _chain(X, W, Count, S, H, BN: tl.constexpr, BK: tl.constexpr, PRELOAD: tl.co
         if s > 0:
             while tl.atomic_add(Count + s - 1, 0, sem="acquire", scope="gpu") < G:
                 pass
+            tl.debug_barrier()  # every thread's loads after the acquire
         if not PRELOAD:
             w = tl.load(wp, mask=mk[None, :], other=0.0)
         x = tl.load(X + (s % 2) * H + rk, mask=mk, other=0.0, cache_modifier=".cg")  # other SMs wrote it
