@@ -61,6 +61,9 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     done = [s for s in result["switches"] if s.get("done")]
     assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)
     assert set(result["switch_overhead_median_ms"]) == {"tp", "ep"}
+    for to, worst in result["switch_overhead_max_ms"].items():
+        assert worst == max(s["overhead_ms"] for s in result["switches"] if s.get("done") and s["to"] == to)
+        assert worst >= result["switch_overhead_median_ms"][to]
 
 
 def test_recorded_sweeps_have_the_asked_form() -> None:
