@@ -3,7 +3,8 @@ each layer's expert weights and KV pages together, then flipping the active runt
 
 EP -> TP runs layers in ascending order (TP layer i lands in slot i, whose EP content, layer i-1, already left);
 TP -> EP in descending order (EP layer i lands in slot i+1, whose TP content, layer i+1, already left). Nothing is
-recomputed; nothing of the model is held twice: the extra memory is the spare slot and one layer of staging.
+recomputed; nothing of the model is held twice: the extra memory is the spare slot and one layer of staging, taken
+before anything changes (a device that cannot give it refuses the switch).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +34,14 @@ log = logging.getLogger("moebius")
 def staging_like(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's expert staging, shaped like these TP views."""
     return torch.empty_like(w13_EFD), torch.empty_like(w2_EDF)
+
+
+@dataclass
+class Staging:
+    """One layer's worth of switch buffers, taken before anything changes and reused by every layer."""
+
+    experts: tuple[torch.Tensor, torch.Tensor] | None  # TP-shaped w13, w2 (None: no expert layers)
+    kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # KV rows sent, received (None: no KV to move)
 
 
 class Switcher:
@@ -99,28 +109,30 @@ class Switcher:
             return {"done": False, "reason": f"{target} layout cannot run {max(per_rank)} requests on a rank "
                     f"(max_running_requests {slots})", "from": src, "to": target}
 
-        # One layer's expert staging, before anything changes: a device that cannot give it refuses the switch here
-        # instead of failing half-way through the layers. Every rank agrees, so none starts the exchanges alone.
-        staging, why = self._staging()
-        agreed = all_gather_json([not why, why], w.groups)
-        if not all(ok for ok, _ in agreed):
-            return {"done": False, "reason": "no device memory for one layer of expert staging ("
-                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")",
-                    "from": src, "to": target}
-
-        # Target page tables, allocated in the global order (identical on every rank in TP).
+        # Target page tables, allocated in the global order (identical on every rank in TP), in a fresh allocator
+        # that only the flip below makes the target's: nothing has changed yet.
         live: list[LiveKV] = []
         for r, o in zip(running, owners, strict=False):
             holds = target == "tp" or o == self.rank
             dst_pages = alloc.allocate(-(-r.num_computed // bs)) if holds else []
-            src_pages = my_pages.get(r.request_id, [])
-            live.append(LiveKV(o, r.num_computed, src_pages, dst_pages))
-            r.pages = dst_pages
+            live.append(LiveKV(o, r.num_computed, my_pages.get(r.request_id, []), dst_pages))
         plan = (kv_ep_to_tp if target == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, bs)
+        # every rank knows every live request's KV length, so all agree whether there is KV to move
+        move_kv = any(x.num_tokens for x in live)
+
+        # One layer's staging (experts, KV rows), before anything changes: a device that cannot give it refuses the
+        # switch here instead of failing half-way through the layers. Every rank agrees, so none starts alone.
+        staging, why = self._staging(plan if move_kv else None, w.modes[src].kv.layers[0])
+        agreed = all_gather_json([not why, why], w.groups)
+        if not all(ok for ok, _ in agreed):
+            return {"done": False, "reason": "no device memory for one layer of switch staging ("
+                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")",
+                    "from": src, "to": target}
+        for r, x in zip(running, live, strict=False):
+            r.pages = x.dst_pages
         self._sync()
         t1 = time.perf_counter()
-        # every rank knows every live request's KV length, so all agree whether there is KV to move
-        t_weights, t_kv, passes = self._move_layers(src, target, plan, any(x.num_tokens for x in live), staging)
+        t_weights, t_kv, passes = self._move_layers(src, target, plan, move_kv, staging)
 
         # Flip: the target's requests, allocator and runtime become active.
         sched = w.scheduler
@@ -145,21 +157,26 @@ class Switcher:
         return out
 
     # ---- data plane ----
-    def _staging(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str]:
-        """Buffers shaped like one layer's TP expert views ([E, 2I/P, D], [E, D, I/P]): what TP -> EP receives and
-        EP -> TP packs, either way (P * El = E). (None, why) when the device cannot give them; (None, "") without
-        experts."""
+    def _staging(self, plan: KVMove | None, cache: torch.Tensor) -> tuple[Staging, str]:
+        """Buffers for one layer, reused by every layer (one stream orders the reuse): experts shaped like the TP
+        views ([E, 2I/P, D], [E, D, I/P]: what TP -> EP receives and EP -> TP packs, either way, as P * El = E), and
+        (plan: KV to move) the KV rows sent and received. (Staging, why): why is "" unless the device cannot give
+        them."""
         moe = next((layer.mlp for layer in self.w.modes["tp"].weights.layers if isinstance(layer.mlp, MoEWeights)),
                    None)
-        if moe is None:
-            return None, ""
         try:
-            return staging_like(moe.w13_EFD, moe.w2_EDF), ""
+            experts = staging_like(moe.w13_EFD, moe.w2_EDF) if moe is not None else None
+            rows = None
+            if plan is not None:  # cache [pages, 2, block, heads, d]: rows [n, 2, heads moved, d]
+                n_send, n_recv = sum(len(x) for x in plan.send_slots), sum(len(x) for x in plan.recv_slots)
+                rows = (cache.new_empty((n_send, 2, max(map(len, plan.send_heads)), cache.shape[-1])),
+                        cache.new_empty((n_recv, 2, len(plan.recv_heads[0]), cache.shape[-1])))
+            return Staging(experts, rows), ""
         except torch.OutOfMemoryError as e:
-            return None, str(e).splitlines()[0]
+            return Staging(None, None), str(e).splitlines()[0]
 
-    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool,
-                     staging: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float, dict[str, float]]:
+    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool, staging: Staging
+                     ) -> tuple[float, float, dict[str, float]]:
         """The ordered pass. Returns seconds spent moving weights and KV, and where the pass's time went (ms):
         `enqueue_ms` the host's loop over the layers, `wait_ms` its wait for the device after it, `span_ms` first
         layer's start to last layer's end (on the GPU: event time, so span minus weights and KV is the device idle
@@ -179,11 +196,12 @@ class Switcher:
             m0 = self._mark(cuda)
             src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
             if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
-                assert staging is not None  # a layer with experts: _staging made them
-                self._move_experts(src_mlp, dst_mlp, dst, staging)
+                assert staging.experts is not None  # a layer with experts: _staging made them
+                self._move_experts(src_mlp, dst_mlp, dst, staging.experts)
             m1 = self._mark(cuda)
             if move_kv:
-                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv)
+                assert staging.kv_rows is not None  # KV to move: _staging made them
+                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
             marks.append((m0, m1, self._mark(cuda)))
         h1 = time.perf_counter()
         self._sync()
@@ -226,16 +244,19 @@ class Switcher:
             tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
 
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
-                 send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """src/dst caches [pages, 2, bs, heads, d]: gather by source (page, offset), exchange, scatter by target."""
+                 send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
+                 rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """src/dst caches [pages, 2, bs, heads, d]: gather by source (page, offset) into the staging rows, exchange,
+        scatter by target (page, offset). rows: (sent [n_send, 2, w, d], received [n_recv, 2, w, d]), reused."""
+        out, got = rows
         send_counts = [len(s) for s in plan.send_slots]
         recv_counts = [len(r) for r in plan.recv_slots]
-        chunks = [src[pg, :, off][:, :, h.start: h.stop]
-                  for (pg, off), h, n in zip(send, plan.send_heads, send_counts, strict=True) if n]
-        width = len(plan.recv_heads[0])
-        out = (torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks
-               else src.new_zeros(0, 2, width, src.shape[-1]))
-        got = src.new_empty((sum(recv_counts), 2, width, src.shape[-1]))
+        start = 0
+        for (pg, off), h, n in zip(send, plan.send_heads, send_counts, strict=True):
+            if n:  # [n, 2, heads, d] of src written straight into the rows (no temporary)
+                torch.ops.aten.index.Tensor_out(src[:, :, :, h.start: h.stop], [pg, None, off],
+                                                out=out[start: start + n])
+            start += n
         self.transport.all_to_all(got, out, recv_counts, send_counts)
         start = 0
         for (pg, off), h, n in zip(recv, plan.recv_heads, recv_counts, strict=True):
