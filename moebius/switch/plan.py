@@ -25,19 +25,15 @@ from moebius.parallel.layout import Layout
 
 
 # ---- weights ----
-def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send buffers [P * El, 2I/P, D] and [P * El, D, I/P]: peer q's chunk is rows q*El .. (q+1)*El. out: buffers
-    of those shapes to write them into (else new tensors)."""
+def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, out: tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill the send buffers `out` ([P * El, 2I/P, D] and [P * El, D, I/P], contiguous) and return them: peer q's
+    chunk is rows q*El .. (q+1)*El."""
     El, F, D = w13_EFD.shape
     I = F // 2
-    p13 = w13_EFD.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4)
-    p2 = w2_EDF.view(El, D, P, I // P).permute(2, 0, 1, 3)
-    if out is None:
-        return p13.reshape(P * El, 2 * I // P, D), p2.reshape(P * El, D, I // P)
     s13, s2 = out
-    s13.view(P, El, 2, I // P, D).copy_(p13)
-    s2.view(P, El, D, I // P).copy_(p2)
+    s13.view(P, El, 2, I // P, D).copy_(w13_EFD.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4))
+    s2.view(P, El, D, I // P).copy_(w2_EDF.view(El, D, P, I // P).permute(2, 0, 1, 3))
     return s13, s2
 
 
