@@ -23,6 +23,7 @@ from conftest import (
     shared_llm,
 )
 
+from moebius.memory.kv_pool import BlockAllocator, OutOfPages
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import SamplingParams
 
@@ -436,3 +437,23 @@ def test_n_samples(ckpt):
     again = llm.generate(PROMPTS[2], sp)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[0].outputs]
     assert_kv_all_free(llm)
+
+
+def test_block_allocator_hands_out_lowest_ids_first_and_reuses_given_back_pages_last_in_first_out() -> None:
+    alloc = BlockAllocator(num_pages=10, block_size=16)
+    assert alloc.num_free == alloc.usable_pages == 9  # page 0 is the scratch page, never handed out
+    assert alloc.allocate(3) == [1, 2, 3]
+    b = alloc.allocate(2)
+    assert b == [4, 5] and alloc.num_free == 4
+    alloc.free([1, 2])
+    assert alloc.num_free == 6
+    # pages given back come first (the last given back first), then the never-used ids from the lowest
+    assert alloc.allocate(4) == [1, 2, 6, 7]
+    with pytest.raises(OutOfPages, match="asked for 3 KV pages, 2 free"):
+        alloc.allocate(3)
+    with pytest.raises(RuntimeError, match="KV page 6 freed twice"):
+        alloc.free([6, 6])
+    assert alloc.num_free == 2  # the bad call changed nothing
+    alloc.free([3, 4, 5, 6, 7, 1, 2])
+    assert sorted(alloc.allocate(alloc.num_free)) == list(range(1, 10))
+    assert alloc.num_free == 0

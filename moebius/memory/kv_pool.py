@@ -25,12 +25,15 @@ class BlockAllocator:
                              "give it more memory")
         self.num_pages = num_pages
         self.block_size = block_size
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() from the end gives the lowest id
+        # pages given back (reused last-in first-out), then the never-used ids from _fresh up: no list of every
+        # page, so a switch's fresh allocator costs nothing however large the pool
+        self._free: list[int] = []
+        self._fresh = 1
         self._used = bytearray(num_pages)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._fresh
 
     @property
     def free_tokens(self) -> int:
@@ -48,17 +51,21 @@ class BlockAllocator:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfPages(f"asked for {n} KV pages, {self.num_free} free")
+        reused = min(n, len(self._free))
+        pages = [self._free.pop() for _ in range(reused)] + list(range(self._fresh, self._fresh + n - reused))
+        self._fresh += n - reused
         for p in pages:
             self._used[p] = 1
         return pages
 
     def free(self, pages: list[int]) -> None:
+        # checked before anything changes, so a bad call leaves the allocator as it was
+        if len(set(pages)) != len(pages) or not all(self._used[p] for p in pages):
+            p = next(p for i, p in enumerate(pages) if not self._used[p] or p in pages[:i])
+            raise RuntimeError(f"KV page {p} freed twice")
         for p in pages:
-            if not self._used[p]:
-                raise RuntimeError(f"KV page {p} freed twice")
             self._used[p] = 0
         self._free.extend(reversed(pages))
 
