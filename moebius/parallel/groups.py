@@ -45,49 +45,95 @@ def _decode(t: torch.Tensor) -> Any:
     return json.loads(t.numpy().tobytes().decode())
 
 
+# Bytes of a control message carried inline by its first collective (with its length): the step loop's messages
+# (plans, reports) fit, so each costs one gloo round instead of two; longer ones send the rest after.
+_INLINE = 16384
+
+
+def _head(payload: torch.Tensor) -> torch.Tensor:
+    """[8-byte length | the first _INLINE bytes of the payload, zero-padded]."""
+    head = torch.zeros(8 + _INLINE, dtype=torch.uint8)
+    head[:8] = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
+    head[8: 8 + min(payload.numel(), _INLINE)] = payload[:_INLINE]
+    return head
+
+
+def _head_length(head: torch.Tensor) -> int:
+    return int(head[:8].view(torch.int64)[0])
+
+
 def broadcast_json(obj: Any, groups: Groups, src: int = 0) -> Any:
     """Rank `src` sends `obj` (JSON-able); every rank returns it."""
     if groups.world_size == 1:
         return obj
-    size = torch.zeros(1, dtype=torch.int64)
     payload = _encode(obj) if groups.rank == src else None
-    if payload is not None:
-        size[0] = payload.numel()
-    dist.broadcast(size, src, group=groups.cpu)
-    buf = payload if payload is not None else torch.empty(int(size[0]), dtype=torch.uint8)
-    dist.broadcast(buf, src, group=groups.cpu)
-    return obj if groups.rank == src else _decode(buf)
+    head = _head(payload) if payload is not None else torch.empty(8 + _INLINE, dtype=torch.uint8)
+    dist.broadcast(head, src, group=groups.cpu)
+    n = _head_length(head)
+    if n > _INLINE:  # the rest, in a second round
+        rest = payload[_INLINE:].clone() if payload is not None else torch.empty(n - _INLINE, dtype=torch.uint8)
+        dist.broadcast(rest, src, group=groups.cpu)
+        body = torch.cat([head[8:], rest])
+    else:
+        body = head[8: 8 + n]
+    return obj if groups.rank == src else _decode(body)
 
 
-def _padded_payload(obj: Any, groups: Groups) -> tuple[torch.Tensor, list[int]]:
-    """`obj` encoded and padded to the longest payload of all ranks, and every rank's payload length."""
+def _padded_payload(obj: Any, groups: Groups, device: torch.device | None = None
+                    ) -> tuple[torch.Tensor, list[int]]:
+    """`obj` encoded and padded to the longest payload of all ranks (on `device`, through the device group, when
+    given), and every rank's payload length."""
     payload = _encode(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(groups.world_size)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=groups.cpu)
-    lengths = [int(n[0]) for n in sizes]
+    group = groups.cpu if device is None else groups.device
+    sizes = torch.tensor([payload.numel()] * groups.world_size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(sizes, sizes[:1].clone(), group=group)
+    lengths = sizes.tolist()
     padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: payload.numel()] = payload
-    return padded, lengths
+    return padded.to(device) if device is not None else padded, lengths
 
 
 def gather_json(obj: Any, groups: Groups, dst: int = 0) -> list[Any] | None:
     """Every rank sends `obj`; rank `dst` returns the list of all of them in rank order, others None."""
     if groups.world_size == 1:
         return [obj]
-    padded, lengths = _padded_payload(obj, groups)
-    bufs = [torch.empty_like(padded) for _ in lengths] if groups.rank == dst else None
-    dist.gather(padded, bufs, dst=dst, group=groups.cpu)
-    return None if bufs is None else [_decode(b[:n]) for b, n in zip(bufs, lengths, strict=True)]
+    payload = _encode(obj)
+    head = _head(payload)
+    heads = [torch.empty_like(head) for _ in range(groups.world_size)] if groups.rank == dst else None
+    dist.gather(head, heads, dst=dst, group=groups.cpu)
+    if groups.rank != dst:
+        if payload.numel() > _INLINE:  # dst learns that from the length and receives the rest from this rank
+            dist.send(payload[_INLINE:].clone(), dst, group=groups.cpu)
+        return None
+    assert heads is not None
+    out = []
+    for r, h in enumerate(heads):
+        n = _head_length(h)
+        if n <= _INLINE:
+            body = h[8: 8 + n]
+        elif r == dst:
+            body = payload
+        else:
+            rest = torch.empty(n - _INLINE, dtype=torch.uint8)
+            dist.recv(rest, r, group=groups.cpu)
+            body = torch.cat([h[8:], rest])
+        out.append(_decode(body))
+    return out
 
 
-def all_gather_json(obj: Any, groups: Groups) -> list[Any]:
-    """Every rank sends `obj`; every rank returns the list of all of them in rank order."""
+def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None) -> list[Any]:
+    """Every rank sends `obj`; every rank returns the list of all of them in rank order. `device`: through the
+    device group (a CUDA device: NCCL, far quicker than gloo for the few messages of a switch, which has the
+    device to itself anyway) instead of the CPU group."""
     if groups.world_size == 1:
         return [obj]
-    padded, lengths = _padded_payload(obj, groups)
-    bufs = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(bufs, padded, group=groups.cpu)
-    return [_decode(b[:n]) for b, n in zip(bufs, lengths, strict=True)]
+    if device is not None and device.type != "cuda":
+        device = None  # on the CPU the device group is gloo too: one path
+    padded, lengths = _padded_payload(obj, groups, device)
+    out = padded.new_empty(groups.world_size * padded.numel())
+    dist.all_gather_into_tensor(out, padded, group=groups.cpu if device is None else groups.device)
+    out = out.cpu().view(groups.world_size, -1)
+    return [_decode(b[:n]) for b, n in zip(out, lengths, strict=True)]
 
 
 def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
