@@ -64,18 +64,24 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
 
 def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, list[int]]:
     """Greedy and seeded requests (top-p: whole logits; temperature only: TP's per-slice scores) arriving over time,
-    with layout switches at the given steps."""
+    with layout switches at the given steps: on their own (switch_mode) or riding on the step (request_switch)."""
     kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.1)]
     ids, done, step = {}, {}, 0
     while len(done) < len(prompts):
         if step < len(prompts):
             sp = SamplingParams(seed=step, max_tokens=24, ignore_eos=True, **kinds[step % 3])
             ids[llm.add_request(prompts[step], sp)] = step
-        if step in switch_at:
-            assert llm.switch_mode("ep" if llm.mode == "tp" else "tp")["done"]
+        target = "ep" if llm.mode == "tp" else "tp"
+        deferred = step in switch_at and step % 2 == 0
+        if step in switch_at and not deferred:
+            assert llm.switch_mode(target)["done"]
+        elif deferred:  # rides on this step: the step is queued right behind the pass, no wait between them
+            llm.engine.request_switch(target)
         for o in llm.step():
             if o.finished:
                 done[ids[o.request_id]] = o.token_ids
+        if deferred:
+            assert llm.engine.last_switch is not None and llm.engine.last_switch["done"] and llm.mode == target
         step += 1
     return done
 

@@ -88,8 +88,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
 def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> dict[str, Any]:
     """Switch with `batch` requests decoding, the way a serving loop does it: the decision rides on the next step's
     plan (engine.request_switch), so one round trip to the ranks carries the switch and the first step in the new
-    layout. Reports that round trip (decision -> first step's tokens back), the transfer (total_ms), the steady
-    step time in the new layout at the same batch, and what is left over: the switch's own overhead."""
+    layout. Reports that round trip (decision -> first step's tokens back), the transfer (weights_ms + kv_ms), the
+    steady step time in the new layout at the same batch, and what is left over: the switch's own overhead."""
     from moebius import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max(16, context_len - 64), ignore_eos=True)
@@ -99,7 +99,6 @@ def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> d
     t = time.perf_counter()
     llm.engine.request_switch(target)
     llm.step()
-    res = dict(llm.engine.last_switch or {})
     if not llm.engine.config.disable_overlap_schedule:
         llm.step()  # overlap: the first new-layout step's tokens come back when the next step is launched
     first = (time.perf_counter() - t) * 1e3
@@ -108,13 +107,17 @@ def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> d
         t = time.perf_counter()
         llm.step()
         steps.append((time.perf_counter() - t) * 1e3)
+    res = dict(llm.engine.last_switch or {})  # with its device times, which come with the step after the switch
     for rid in ids:
         llm.abort(rid)
     llm.step()
-    # overhead: what is left after the step that was in flight at the decision (drain_ms), the transfer
-    # (total_ms) and one step in the new layout
+    # overhead: what is left after the step that was in flight at the decision (drain_ms), the transfer (the
+    # device time moving weights and KV) and one step in the new layout; so the switch's host work (planning,
+    # agreeing, launching the pass) counts as overhead, not as transfer
+    transfer = res.get("weights_ms", 0.0) + res.get("kv_ms", 0.0)
     res.update(batch=batch, switch_to_first_step_ms=first, next_step_ms=statistics.median(steps),
-               overhead_ms=first - res.get("drain_ms", 0.0) - res.get("total_ms", 0.0) - statistics.median(steps))
+               transfer_ms=transfer,
+               overhead_ms=first - res.get("drain_ms", 0.0) - transfer - statistics.median(steps))
     return res
 
 

@@ -244,7 +244,7 @@ class EngineCore:
         if self.admin is not None:
             self.admin.poll()  # operator switches happen here, between two steps
         plan, self._pending = self._pending, StepPlan()
-        result = self.ranks.step(plan)
+        result = self._to_ranks(plan)
         self._kv_stats = result.kv
         if plan.switch_to is not None:
             self.last_switch = self._switched(plan.switch_to, result)
@@ -298,15 +298,23 @@ class EngineCore:
         _check_mode(target)
         plan, self._pending = self._pending, StepPlan()
         plan.switch_to, plan.run = target, False
-        result = self.ranks.step(plan)
+        result = self._to_ranks(plan)
         self._kv_stats = result.kv
         outcome = self._switched(target, result)
         self._absorb(result.deltas)  # aborts applied before the switch
         return outcome
 
+    def _to_ranks(self, plan: StepPlan) -> StepResult:
+        result = self.ranks.step(plan)
+        if result.switch_times and self.last_switch is not None:  # a switch that rode on a step: its device times
+            self.last_switch.update(result.switch_times)
+        return result
+
     def request_switch(self, target: str) -> None:
         """Switch at the start of the next step(), in the same round trip to the ranks as that step (the lowest
-        latency from decision to the first step in the new layout). The outcome lands in `last_switch`."""
+        latency from decision to the first step in the new layout). The outcome lands in `last_switch`; its device
+        times (weights_ms, kv_ms, span_ms, total_ms) join it with the step after, so that neither the first step in
+        the new layout nor its tokens wait on the host for the end of the transfers."""
         _check_mode(target)
         self._pending.switch_to = target
 
@@ -330,7 +338,7 @@ class EngineCore:
         "bench_decode" (batch, context, steps, warmup, graphs), "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
-        result = self.ranks.step(plan)
+        result = self._to_ranks(plan)
         self._absorb(result.deltas)
         return result.query or []
 

@@ -52,6 +52,8 @@ class StepResult:
     kv: list[dict[str, int]]  # per rank: free_tokens, total_tokens
     switch: dict[str, Any] | None = None  # rank 0's switch outcome, when the plan asked for a switch
     query: list[Any] | None = None  # per rank answers, when the plan asked a query
+    # rank 0's device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
+    switch_times: dict[str, Any] | None = None
 
 
 def _kv(worker: Worker) -> dict[str, int]:
@@ -67,7 +69,8 @@ def local_step(worker: Worker, plan: StepPlan) -> tuple[list[TokenDelta], dict[s
     first = worker.mode == "ep" or worker.groups.rank == 0
     before, after, outcome = worker.step(plan)
     second = worker.mode == "ep" or worker.groups.rank == 0
-    report = {"kv": _kv(worker), "switch": outcome, "query": worker.query(plan.query) if plan.query else None}
+    report = {"kv": _kv(worker), "switch": outcome, "query": worker.query(plan.query) if plan.query else None,
+              "switch_times": worker.late_switch_times}
     return (before if first else []) + (after if second else []), report
 
 
@@ -83,7 +86,7 @@ def rank_step(worker: Worker, groups: Groups, plan: StepPlan | None) -> tuple[bo
     if gathered is None:
         return True, None
     return True, StepResult([delta_from_json(d) for r in gathered for d in r["deltas"]], [r["kv"] for r in gathered],
-                            gathered[0]["switch"], [r["query"] for r in gathered])
+                            gathered[0]["switch"], [r["query"] for r in gathered], gathered[0]["switch_times"])
 
 
 def _start_rank(spec: WorkerSpec, groups: Groups) -> tuple[Worker | None, list[str]]:
@@ -166,7 +169,7 @@ class LocalRanks:
 
     def step(self, plan: StepPlan) -> StepResult:
         deltas, report = local_step(self.worker, plan)
-        return StepResult(deltas, [report["kv"]], report["switch"], [report["query"]])
+        return StepResult(deltas, [report["kv"]], report["switch"], [report["query"]], report["switch_times"])
 
     def close(self) -> None:
         self.worker.destroy_graphs()

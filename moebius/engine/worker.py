@@ -177,6 +177,7 @@ class Worker:
                      else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
         self.switcher = Switcher(self)
+        self.late_switch_times: dict[str, Any] | None = None  # see step()
         self.overlap = not ecfg.disable_overlap_schedule
         self.inflight: InFlight | None = None
         log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
@@ -263,6 +264,8 @@ class Worker:
         """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
         the switch (aborts), those of the step, and the switch outcome (None when the plan did not switch)."""
         sched = self.scheduler
+        # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
+        self.late_switch_times = self.switcher.pass_times()
         # a switch moves requests and a query looks at them: both need every token on the host
         t = time.perf_counter()
         aborted = self.drain() if plan.switch_to or not plan.run else []
@@ -278,9 +281,12 @@ class Worker:
                 req.finish_reason = "abort"
                 aborted.append(TokenDelta(rid, [], "abort"))
         outcome = self.switcher.switch(plan.switch_to) if plan.switch_to else None
+        deltas = self._forward_step() if plan.run else []
         if outcome is not None:
             outcome["drain_ms"] = drain_ms  # waiting for the step in flight (overlap) before the switch could start
-        return aborted, self._forward_step() if plan.run else [], outcome
+            if outcome.get("done") and not plan.run:  # nothing rides on it: report its times now
+                outcome.update(self.switcher.pass_times() or {})
+        return aborted, deltas, outcome
 
     def query(self, q: dict[str, Any]) -> Any:
         """Diagnostics and benchmarks run inside a plan, on every rank (JSON-able answers)."""

@@ -89,8 +89,9 @@ class LLM:
 
     def switch_mode(self, mode: str) -> dict[str, object]:
         """Switch live to "tp" or "ep" between two steps; requests in flight continue where they were.
-        Returns {"done": bool, "reason" (if refused), "requests_ms", "weights_ms", "kv_ms", "total_ms", and the
-        layer pass's "enqueue_ms", "wait_ms", "span_ms" (`moebius.switch.executor.Switcher._move_layers`)}."""
+        Returns {"done": bool, "reason" (if refused), "requests_ms", "weights_ms", "kv_ms", "total_ms", the host's
+        part "host_ms", and the layer pass's "prep_ms", "enqueue_ms", "span_ms"
+        (`moebius.switch.executor.Switcher.pass_times`)}."""
         return self.engine.switch_mode(mode)
 
     @property

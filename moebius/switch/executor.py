@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from moebius.engine.request import Request, Status
@@ -51,6 +52,8 @@ class Switcher:
         self.P, self.rank = g.world_size, g.rank
         self.transport = CollectiveTransport(g.device)
         self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
+        self._marks: list[tuple[Any, Any, Any]] = []  # the last pass's (start, weights done, KV done) per layer
+        self._unresolved: dict[str, Any] | None = None  # what pass_times needs of the last switch, until it reports
 
     def open_paths(self) -> None:
         """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up.
@@ -69,7 +72,7 @@ class Switcher:
         my_pages = {r.request_id: list(r.pages) for r in sched.running}
         if w.mode == "ep":  # EP -> TP: all-gather the metadata; everyone builds the same ordered list
             mine = {"running": [r.to_json() for r in sched.running], "waiting": [r.to_json() for r in sched.waiting]}
-            everything = all_gather_json(mine, w.groups)
+            everything = all_gather_json(mine, w.groups, w.device)
             running = [(Request.from_json(d), s) for s, m in enumerate(everything) for d in m["running"]]
             waiting = [(Request.from_json(d), s) for s, m in enumerate(everything) for d in m["waiting"]]
             running.sort(key=lambda x: x[0].spec.arrival)
@@ -123,7 +126,7 @@ class Switcher:
         # One layer's staging (experts, KV rows), before anything changes: a device that cannot give it refuses the
         # switch here instead of failing half-way through the layers. Every rank agrees, so none starts alone.
         staging, why = self._staging(plan if move_kv else None, w.modes[src].kv.layers[0])
-        agreed = all_gather_json([not why, why], w.groups)
+        agreed = all_gather_json([not why, why], w.groups, w.device)
         if not all(ok for ok, _ in agreed):
             return {"done": False, "reason": "no device memory for one layer of switch staging ("
                     + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")",
@@ -132,7 +135,7 @@ class Switcher:
             r.pages = x.dst_pages
         self._sync()
         t1 = time.perf_counter()
-        t_weights, t_kv, passes = self._move_layers(src, target, plan, move_kv, staging)
+        passes = self._move_layers(src, target, plan, move_kv, staging)
 
         # Flip: the target's requests, allocator and runtime become active.
         sched = w.scheduler
@@ -147,11 +150,9 @@ class Switcher:
         sched.alloc = w.allocator = alloc
         w.mode = target
         t2 = time.perf_counter()
-        times = {"requests_ms": (t1 - t0) * 1e3, "weights_ms": t_weights * 1e3, "kv_ms": t_kv * 1e3,
-                 "total_ms": (t2 - t0) * 1e3, **passes}
-        log.info("rank %d: switched %s -> %s with %d running, %d waiting requests in %.1f ms (weights %.1f, KV %.1f)",
-                 self.rank, src, target, n_run, len(waiting), times["total_ms"], times["weights_ms"], times["kv_ms"])
+        times = {"requests_ms": (t1 - t0) * 1e3, "host_ms": (t2 - t0) * 1e3, **passes}
         out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
+        self._unresolved = {"from": src, "to": target, "running": n_run, "waiting": len(waiting), **times}
         if target == "ep":
             out["owners"] = {r.request_id: o for r, o in zip(running + waiting, owners, strict=True)}
         return out
@@ -176,13 +177,12 @@ class Switcher:
             return Staging(None, None), str(e).splitlines()[0]
 
     def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool, staging: Staging
-                     ) -> tuple[float, float, dict[str, float]]:
-        """The ordered pass. Returns seconds spent moving weights and KV, and where the pass's time went (ms):
-        `enqueue_ms` the host's loop over the layers, `wait_ms` its wait for the device after it, `span_ms` first
-        layer's start to last layer's end (on the GPU: event time, so span minus weights and KV is the device idle
-        between layers, e.g. waiting for a slow host). On the GPU nothing waits between layers (one stream orders
-        every copy and exchange; the phases are timed with events), so host launches of the next layer overlap the
-        transfers of this one."""
+                     ) -> dict[str, float]:
+        """The ordered pass, launched without waiting for it. Returns where the host's time went (ms): `prep_ms` the
+        index vectors, `enqueue_ms` its loop over the layers; keeps each layer's marks for pass_times.
+        On the GPU nothing waits between layers (one stream orders every copy and exchange; the phases are timed
+        with events), so host launches of the next layer overlap the transfers of this one."""
+        hp = time.perf_counter()
         w = self.w
         order = range(w.cfg.num_layers) if dst == "tp" else reversed(range(w.cfg.num_layers))
         bs = w.spec.engine.block_size
@@ -203,15 +203,38 @@ class Switcher:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
                 self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
             marks.append((m0, m1, self._mark(cuda)))
-        h1 = time.perf_counter()
-        self._sync()
-        passes = {"enqueue_ms": (h1 - h0) * 1e3, "wait_ms": (time.perf_counter() - h1) * 1e3,
-                  "span_ms": self._elapsed(marks[0][0], marks[-1][2]) * 1e3 if marks else 0.0}
-        return (sum(self._elapsed(a, b) for a, b, _ in marks), sum(self._elapsed(b, c) for _, b, c in marks), passes)
+        # no wait for the device here: the first step in the new layout is launched right behind the pass on the
+        # same stream (its host work overlaps the transfers); pass_times waits for the pass's end
+        self._marks = marks
+        return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3}
 
-    def _page_offset(self, slots: Any, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.from_numpy(slots).to(self.w.device)
-        return s // bs, s % bs
+    def pass_times(self) -> dict[str, Any] | None:
+        """The last pass's times, once (None when there is none to report): waits for its end on the device, then
+        `weights_ms`, `kv_ms` (summed over the layers), `span_ms` (first layer's start to last layer's end; minus
+        weights and KV: the device idle between layers) and `total_ms` (requests, index vectors and the span: the
+        switch on this rank from its start to its last byte landing). Off the switch's critical path: a switch that
+        rides on a step is reported with the step after it, so that the first step in the new layout is launched,
+        and its tokens come back, without waiting for the pass on the host (reading a hundred events costs about a
+        millisecond too)."""
+        if self._unresolved is None:
+            return None
+        head, self._unresolved = self._unresolved, None
+        marks, self._marks = self._marks, []
+        if marks and not isinstance(marks[-1][2], float):
+            marks[-1][2].synchronize()
+        out: dict[str, Any] = dict(weights_ms=sum(self._elapsed(a, b) for a, b, _ in marks) * 1e3,
+                                   kv_ms=sum(self._elapsed(b, c) for _, b, c in marks) * 1e3,
+                                   span_ms=self._elapsed(marks[0][0], marks[-1][2]) * 1e3 if marks else 0.0)
+        out["total_ms"] = head["requests_ms"] + head["prep_ms"] + out["span_ms"]
+        log.info("rank %d: switched %s -> %s with %d running, %d waiting requests in %.1f ms (weights %.1f, KV %.1f)",
+                 self.rank, head["from"], head["to"], head["running"], head["waiting"], out["total_ms"],
+                 out["weights_ms"], out["kv_ms"])
+        return out
+
+    def _page_offset(self, slots: np.ndarray, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # on the host: a first switch would otherwise pay the lazy load of the device's integer-division kernels
+        page, off = np.divmod(np.asarray(slots, dtype=np.int64), bs)
+        return torch.from_numpy(page).to(self.w.device), torch.from_numpy(off).to(self.w.device)
 
     @staticmethod
     def _mark(cuda: bool) -> Any:
