@@ -79,20 +79,6 @@ def broadcast_json(obj: Any, groups: Groups, src: int = 0) -> Any:
     return obj if groups.rank == src else _decode(body)
 
 
-def _padded_payload(obj: Any, groups: Groups, device: torch.device | None = None
-                    ) -> tuple[torch.Tensor, list[int]]:
-    """`obj` encoded and padded to the longest payload of all ranks (on `device`, through the device group, when
-    given), and every rank's payload length."""
-    payload = _encode(obj)
-    group = groups.cpu if device is None else groups.device
-    sizes = torch.tensor([payload.numel()] * groups.world_size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, sizes[:1].clone(), group=group)
-    lengths = sizes.tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    return padded.to(device) if device is not None else padded, lengths
-
-
 def gather_json(obj: Any, groups: Groups, dst: int = 0) -> list[Any] | None:
     """Every rank sends `obj`; rank `dst` returns the list of all of them in rank order, others None."""
     if groups.world_size == 1:
@@ -122,18 +108,31 @@ def gather_json(obj: Any, groups: Groups, dst: int = 0) -> list[Any] | None:
 
 
 def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None) -> list[Any]:
-    """Every rank sends `obj`; every rank returns the list of all of them in rank order. `device`: through the
-    device group (a CUDA device: NCCL, far quicker than gloo for the few messages of a switch, which has the
-    device to itself anyway) instead of the CPU group."""
+    """Every rank sends `obj`; every rank returns the list of all of them in rank order (one round when every
+    payload fits inline, else a second for the rest). `device`: through the device group (a CUDA device: NCCL,
+    far quicker than gloo for the few messages of a switch, which has the device to itself anyway) instead of the
+    CPU group."""
     if groups.world_size == 1:
         return [obj]
     if device is not None and device.type != "cuda":
         device = None  # on the CPU the device group is gloo too: one path
-    padded, lengths = _padded_payload(obj, groups, device)
-    out = padded.new_empty(groups.world_size * padded.numel())
-    dist.all_gather_into_tensor(out, padded, group=groups.cpu if device is None else groups.device)
-    out = out.cpu().view(groups.world_size, -1)
-    return [_decode(b[:n]) for b, n in zip(out, lengths, strict=True)]
+    group = groups.cpu if device is None else groups.device
+    payload = _encode(obj)
+    head = _head(payload).to(device) if device is not None else _head(payload)
+    heads = head.new_empty(groups.world_size * head.numel())
+    dist.all_gather_into_tensor(heads, head, group=group)
+    heads = heads.cpu().view(groups.world_size, -1)
+    lengths = [_head_length(h) for h in heads]
+    longest = max(lengths)
+    if longest <= _INLINE:
+        return [_decode(h[8: 8 + n]) for h, n in zip(heads, lengths, strict=True)]
+    rest = torch.zeros(longest - _INLINE, dtype=torch.uint8)  # every rank knows every length: all take part
+    rest[: max(payload.numel() - _INLINE, 0)] = payload[_INLINE:]
+    rest = rest.to(device) if device is not None else rest
+    rests = rest.new_empty(groups.world_size * rest.numel())
+    dist.all_gather_into_tensor(rests, rest, group=group)
+    rests = rests.cpu().view(groups.world_size, -1)
+    return [_decode(torch.cat([h[8:], r])[:n]) for h, r, n in zip(heads, rests, lengths, strict=True)]
 
 
 def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
