@@ -2,11 +2,11 @@
 bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of pairs, the one-
 program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
 (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables),
-the few-row linear (moebius/kernels/linear.py), the q/k norm + RoPE + cache write, the router (K-split logits, then
-top-k) and the vocabulary argmax keys (moebius/kernels/fused.py). The interpreter is chosen when Triton defines the
-kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped
-without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
-tests/test_symmetric_protocol.py.)"""
+the few-row linear (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
+norm + RoPE + cache write, the router (K-split logits, then top-k) and the vocabulary argmax keys
+(moebius/kernels/fused.py). The interpreter is chosen when Triton defines the kernels, so the cases run in a fresh
+interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs the
+same kernels compiled, in bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -187,6 +187,45 @@ def test_paged_attention_under_the_interpreter() -> None:
     _run("attention")
 
 
+def reshard_cases() -> None:
+    from moebius.kernels.copy import copy_rows
+    from moebius.switch import plan
+
+    g = torch.Generator().manual_seed(0)
+    # rows of many columns (gate/up shards: several column tiles) and of few (down shards: masked tiles), P = 2 and 4
+    for El, I, D, P in [(3, 48, 40, 2), (2, 64, 24, 4), (5, 8, 1100, 2)]:
+        w13 = torch.randn(El, 2 * I, D, generator=g)
+        w2 = torch.randn(El, D, I, generator=g)
+        for q in range(P):
+            for s in plan._shard_rows(w13, w2, P, q):
+                d = torch.full_like(s, float("nan"))
+                copy_rows(d, s)
+                assert torch.equal(d, s)
+        # the switch's two directions through the kernel equal the torch permutes (the reference) and round-trip
+        pack_ref = (w13.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4).reshape(P * El, 2 * I // P, D),
+                    w2.view(El, D, P, I // P).permute(2, 0, 1, 3).reshape(P * El, D, I // P))
+        out = (torch.full((P * El, 2 * I // P, D), float("nan")), torch.full((P * El, D, I // P), float("nan")))
+        for q in range(P):
+            for d, s in zip(plan._chunk_rows(*out, P, q), plan._shard_rows(w13, w2, P, q), strict=True):
+                copy_rows(d, s)
+        assert torch.equal(out[0], pack_ref[0]) and torch.equal(out[1], pack_ref[1])
+        back13, back2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
+        for q in range(P):
+            for d, s in zip(plan._shard_rows(back13, back2, P, q), plan._chunk_rows(*out, P, q), strict=True):
+                copy_rows(d, s)
+        assert torch.equal(back13, w13) and torch.equal(back2, w2)
+    try:
+        copy_rows(torch.empty(4, 3), torch.empty(3, 4))
+    except ValueError as e:
+        assert "one shape" in str(e)
+    else:
+        raise AssertionError("mismatched shapes were copied")
+
+
+def test_switch_reshard_copies_under_the_interpreter() -> None:
+    _run("reshard")
+
+
 def _run(case: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,5 +237,6 @@ def _run(case: str) -> None:
 
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
-             "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases}
+             "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
+             "reshard": reshard_cases}
     cases[sys.argv[1]]()

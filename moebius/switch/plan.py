@@ -16,34 +16,63 @@ the new owner scatters into its EP pages at that shard's heads.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from moebius.kernels import triton_available
 from moebius.parallel.layout import Layout
 
 
 # ---- weights ----
+def _shard_rows(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard q of whole experts as 2-D views with contiguous rows: gate and up apart ([El * 2, I/P * D], rows of one
+    (expert, gate|up)) and down ([El * D, I/P])."""
+    El, F, D = w13_EFD.shape
+    I = F // 2
+    return (w13_EFD.view(El * 2, P, I // P * D)[:, q], w2_EDF.view(El * D, P, I // P)[:, q])
+
+
+def _chunk_rows(t13: torch.Tensor, t2: torch.Tensor, P: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk q (rows q*El ..) of TP-shaped buffers ([P * El, 2I/P, D], [P * El, D, I/P]) as the same 2-D views."""
+    PEl, Fp, D = t13.shape
+    El = PEl // P
+    return (t13.view(P, El * 2, Fp // 2 * D)[q], t2.view(P, El * D, Fp // 2)[q])
+
+
+# The Triton row copy (kernels/copy.py) for the switch's permutes on the GPU: torch's strided copy of these views
+# runs at ~40% of HBM speed (35 of a switch's 87 ms of weight time on the 30B preset, 2x H200). Off until timed on
+# a GPU (it was written when no device time was left): MOEBIUS_RESHARD_KERNEL=1 turns it on.
+RESHARD_KERNEL = os.environ.get("MOEBIUS_RESHARD_KERNEL", "0") == "1"
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if RESHARD_KERNEL and dst.is_cuda and triton_available():
+        from moebius.kernels.copy import copy_rows
+
+        copy_rows(dst, src)
+    else:
+        dst.copy_(src)
+
+
 def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, out: tuple[torch.Tensor, torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill the send buffers `out` ([P * El, 2I/P, D] and [P * El, D, I/P], contiguous) and return them: peer q's
     chunk is rows q*El .. (q+1)*El."""
-    El, F, D = w13_EFD.shape
-    I = F // 2
-    s13, s2 = out
-    s13.view(P, El, 2, I // P, D).copy_(w13_EFD.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4))
-    s2.view(P, El, D, I // P).copy_(w2_EDF.view(El, D, P, I // P).permute(2, 0, 1, 3))
-    return s13, s2
+    for q in range(P):
+        for d, s in zip(_chunk_rows(*out, P, q), _shard_rows(w13_EFD, w2_EDF, P, q), strict=True):
+            _copy_rows(d, s)
+    return out
 
 
 def tp_to_ep_unpack(r13: torch.Tensor, r2: torch.Tensor, P: int, out13_EFD: torch.Tensor,
                     out2_EDF: torch.Tensor) -> None:
     """Interleave received shards (chunk q = rows q*El..: shard q of my El experts) into whole experts."""
-    El, F, D = out13_EFD.shape
-    I = F // 2
-    out13_EFD.view(El, 2, P, I // P, D).copy_(r13.view(P, El, 2, I // P, D).permute(1, 2, 0, 3, 4))
-    out2_EDF.view(El, D, P, I // P).copy_(r2.view(P, El, D, I // P).permute(1, 2, 0, 3))
+    for q in range(P):
+        for d, s in zip(_shard_rows(out13_EFD, out2_EDF, P, q), _chunk_rows(r13, r2, P, q), strict=True):
+            _copy_rows(d, s)
 
 
 # ---- requests ----
