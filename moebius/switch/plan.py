@@ -48,31 +48,43 @@ def _chunk_rows(t13: torch.Tensor, t2: torch.Tensor, P: int, q: int) -> tuple[to
 RESHARD_KERNEL = os.environ.get("MOEBIUS_RESHARD_KERNEL", "0") == "1"
 
 
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if RESHARD_KERNEL and dst.is_cuda and triton_available():
-        from moebius.kernels.copy import copy_rows
-
-        copy_rows(dst, src)
-    else:
-        dst.copy_(src)
+def _row_kernel(t: torch.Tensor) -> bool:
+    return RESHARD_KERNEL and t.is_cuda and triton_available()
 
 
 def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, out: tuple[torch.Tensor, torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill the send buffers `out` ([P * El, 2I/P, D] and [P * El, D, I/P], contiguous) and return them: peer q's
     chunk is rows q*El .. (q+1)*El."""
-    for q in range(P):
-        for d, s in zip(_chunk_rows(*out, P, q), _shard_rows(w13_EFD, w2_EDF, P, q), strict=True):
-            _copy_rows(d, s)
+    El, F, D = w13_EFD.shape
+    I = F // 2
+    s13, s2 = out
+    if _row_kernel(s13):
+        from moebius.kernels.copy import copy_rows
+
+        for q in range(P):
+            for d, s in zip(_chunk_rows(s13, s2, P, q), _shard_rows(w13_EFD, w2_EDF, P, q), strict=True):
+                copy_rows(d, s)
+        return out
+    s13.view(P, El, 2, I // P, D).copy_(w13_EFD.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4))
+    s2.view(P, El, D, I // P).copy_(w2_EDF.view(El, D, P, I // P).permute(2, 0, 1, 3))
     return out
 
 
 def tp_to_ep_unpack(r13: torch.Tensor, r2: torch.Tensor, P: int, out13_EFD: torch.Tensor,
                     out2_EDF: torch.Tensor) -> None:
     """Interleave received shards (chunk q = rows q*El..: shard q of my El experts) into whole experts."""
-    for q in range(P):
-        for d, s in zip(_shard_rows(out13_EFD, out2_EDF, P, q), _chunk_rows(r13, r2, P, q), strict=True):
-            _copy_rows(d, s)
+    El, F, D = out13_EFD.shape
+    I = F // 2
+    if _row_kernel(r13):
+        from moebius.kernels.copy import copy_rows
+
+        for q in range(P):
+            for d, s in zip(_shard_rows(out13_EFD, out2_EDF, P, q), _chunk_rows(r13, r2, P, q), strict=True):
+                copy_rows(d, s)
+        return
+    out13_EFD.view(El, 2, P, I // P, D).copy_(r13.view(P, El, 2, I // P, D).permute(1, 2, 0, 3, 4))
+    out2_EDF.view(El, D, P, I // P).copy_(r2.view(P, El, D, I // P).permute(1, 2, 0, 3))
 
 
 # ---- requests ----
