@@ -1,0 +1,100 @@
+"""Where a switch's weight time goes, per direction: the local permutes (EP->TP pack, TP->EP unpack) against the
+exchanges (the collective transport's all-to-alls of gate/up and of down), summed over the layers with CUDA events
+on every rank. Switches back and forth with no requests (weights only), on a preset with dummy weights.
+
+    python3 benchmarks/switch_phases.py --model qwen3-30b-a3b --num-ranks 2 --output phases.json
+    MOEBIUS_RESHARD_KERNEL=1 python3 benchmarks/switch_phases.py ... (the Triton row copies for the permutes)
+
+The ranks are spawned processes that import this file again, so the timing hooks below are installed in each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+
+from moebius.switch import executor as ex
+from moebius.switch.plan import ep_to_tp_pack, tp_to_ep_unpack
+
+_REC: list[tuple[str, list[str], list[torch.cuda.Event]]] = []
+_orig_pass_times = ex.Switcher.pass_times
+
+
+def _move_experts(self: ex.Switcher, src, dst, target: str, staging) -> None:  # noqa: ANN001 - the executor's own
+    P = self.P
+    El = (src if target == "tp" else dst).w13_EFD.shape[0]
+    splits = [El] * P
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    ev[0].record()
+    if target == "tp":
+        s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P, staging)
+        ev[1].record()
+        self.transport.all_to_all(dst.w13_EFD, s13, splits, splits)
+        ev[2].record()
+        self.transport.all_to_all(dst.w2_EDF, s2, splits, splits)
+        _REC.append(("tp", ["pack_ms", "exchange_w13_ms", "exchange_w2_ms"], ev))
+    else:
+        r13, r2 = staging
+        self.transport.all_to_all(r13, src.w13_EFD, splits, splits)
+        ev[1].record()
+        self.transport.all_to_all(r2, src.w2_EDF, splits, splits)
+        ev[2].record()
+        tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
+        _REC.append(("ep", ["exchange_w13_ms", "exchange_w2_ms", "unpack_ms"], ev))
+    ev[3].record()
+
+
+def _pass_times(self: ex.Switcher) -> dict | None:
+    out = _orig_pass_times(self)
+    if out is not None and _REC:
+        to, names, _ = _REC[0]
+        row = {"rank": self.rank, "to": to, "layers": len(_REC), "weights_ms": out["weights_ms"]}
+        for j, name in enumerate(names):
+            row[name] = sum(ev[j].elapsed_time(ev[j + 1]) for _, _, ev in _REC)
+        _REC.clear()
+        with open(os.environ["MOEBIUS_PHASES_OUT"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+ex.Switcher._move_experts = _move_experts
+ex.Switcher.pass_times = _pass_times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--num-ranks", type=int, default=2)
+    ap.add_argument("--switches", type=int, default=4)
+    ap.add_argument("--output", required=True)
+    a = ap.parse_args()
+    from moebius.entrypoints.llm import LLM
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        os.environ["MOEBIUS_PHASES_OUT"] = f.name  # inherited by the spawned ranks
+    llm = LLM(model=a.model, load_format="dummy", num_ranks=a.num_ranks, mode="tp", max_running_requests=64,
+              max_num_batched_tokens=2048, max_model_len=576, cuda_graph_max_bs=8)
+    switches = []
+    try:
+        for i in range(a.switches):
+            switches.append(llm.switch_mode("ep" if i % 2 == 0 else "tp"))
+    finally:
+        llm.close()
+    with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:
+        rows = [json.loads(line) for line in f]
+    out = {"gpu": torch.cuda.get_device_name(), "model": a.model, "num_ranks": a.num_ranks,
+           "reshard_kernel": os.environ.get("MOEBIUS_RESHARD_KERNEL", "0") == "1",
+           "command": "python3 benchmarks/switch_phases.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
+           "switches": switches, "phases": rows}
+    with open(a.output, "w") as f:
+        json.dump(out, f, indent=1)
+    for r in rows:
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
+
+
+if __name__ == "__main__":
+    main()
