@@ -19,7 +19,7 @@ import torch
 from moebius.switch import executor as ex
 from moebius.switch.plan import ep_to_tp_pack, tp_to_ep_unpack
 
-_REC: list[tuple[str, list[str], list[torch.cuda.Event]]] = []
+_REC: list[tuple[str, list[str], list]] = []
 _orig_pass_times = ex.Switcher.pass_times
 
 
@@ -27,24 +27,24 @@ def _move_experts(self: ex.Switcher, src, dst, target: str, staging) -> None:  #
     P = self.P
     El = (src if target == "tp" else dst).w13_EFD.shape[0]
     splits = [El] * P
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    ev[0].record()
+    cuda = src.w13_EFD.is_cuda
+    ev = [self._mark(cuda)]  # CUDA events on the GPU, the host clock on the CPU (where work is synchronous)
     if target == "tp":
         s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P, staging)
-        ev[1].record()
+        ev.append(self._mark(cuda))
         self.transport.all_to_all(dst.w13_EFD, s13, splits, splits)
-        ev[2].record()
+        ev.append(self._mark(cuda))
         self.transport.all_to_all(dst.w2_EDF, s2, splits, splits)
         _REC.append(("tp", ["pack_ms", "exchange_w13_ms", "exchange_w2_ms"], ev))
     else:
         r13, r2 = staging
         self.transport.all_to_all(r13, src.w13_EFD, splits, splits)
-        ev[1].record()
+        ev.append(self._mark(cuda))
         self.transport.all_to_all(r2, src.w2_EDF, splits, splits)
-        ev[2].record()
+        ev.append(self._mark(cuda))
         tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
         _REC.append(("ep", ["exchange_w13_ms", "exchange_w2_ms", "unpack_ms"], ev))
-    ev[3].record()
+    ev.append(self._mark(cuda))
 
 
 def _pass_times(self: ex.Switcher) -> dict | None:
@@ -53,7 +53,7 @@ def _pass_times(self: ex.Switcher) -> dict | None:
         to, names, _ = _REC[0]
         row = {"rank": self.rank, "to": to, "layers": len(_REC), "weights_ms": out["weights_ms"]}
         for j, name in enumerate(names):
-            row[name] = sum(ev[j].elapsed_time(ev[j + 1]) for _, _, ev in _REC)
+            row[name] = sum(self._elapsed(ev[j], ev[j + 1]) for _, _, ev in _REC) * 1e3
         _REC.clear()
         with open(os.environ["MOEBIUS_PHASES_OUT"], "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -66,7 +66,8 @@ ex.Switcher.pass_times = _pass_times
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--model", default="qwen3-30b-a3b", help="a preset or path; 'builtin' for the tiny model")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (host-clock times)")
     ap.add_argument("--num-ranks", type=int, default=2)
     ap.add_argument("--switches", type=int, default=4)
     ap.add_argument("--output", required=True)
@@ -75,8 +76,10 @@ def main() -> None:
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         os.environ["MOEBIUS_PHASES_OUT"] = f.name  # inherited by the spawned ranks
-    llm = LLM(model=a.model, load_format="dummy", num_ranks=a.num_ranks, mode="tp", max_running_requests=64,
-              max_num_batched_tokens=2048, max_model_len=576, cuda_graph_max_bs=8)
+    cpu = a.device == "cpu"
+    llm = LLM(model=None if a.model == "builtin" else a.model, load_format="auto" if a.model == "builtin" else "dummy",
+              num_ranks=a.num_ranks, mode="tp", max_running_requests=64, max_num_batched_tokens=2048,
+              max_model_len=576, cuda_graph_max_bs=8, device=a.device, **({"dtype": "float32"} if cpu else {}))
     switches = []
     try:
         for i in range(a.switches):
@@ -85,7 +88,7 @@ def main() -> None:
         llm.close()
     with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:
         rows = [json.loads(line) for line in f]
-    out = {"gpu": torch.cuda.get_device_name(), "model": a.model, "num_ranks": a.num_ranks,
+    out = {"gpu": torch.cuda.get_device_name() if not cpu else "cpu", "model": a.model, "num_ranks": a.num_ranks,
            "reshard_kernel": os.environ.get("MOEBIUS_RESHARD_KERNEL", "0") == "1",
            "command": "python3 benchmarks/switch_phases.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),

@@ -94,3 +94,23 @@ def test_hf_tensor_parallel_run_past_its_timeout_ends_its_ranks() -> None:
     left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
             if "moebius.bench.hf_baseline" in " ".join(p.info["cmdline"] or [])]
     assert not left, f"rank processes left running: {left}"
+
+
+def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any) -> None:
+    """benchmarks/switch_phases.py on the CPU (tiny model, two gloo ranks): every rank reports each switch's permute
+    and exchange times, which lie inside the pass's weight time."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = tmp_path / "phases.json"
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "switch_phases.py"), "--model", "builtin",
+                        "--device", "cpu", "--switches", "2", "--output", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [s["to"] for s in res["switches"]] == ["ep", "tp"] and all(s["done"] for s in res["switches"])
+    rows = res["phases"]
+    assert sorted((p["rank"], p["to"]) for p in rows) == [(0, "ep"), (0, "tp"), (1, "ep"), (1, "tp")]
+    for p in rows:
+        local = p["unpack_ms"] if p["to"] == "ep" else p["pack_ms"]
+        parts = [local, p["exchange_w13_ms"], p["exchange_w2_ms"]]
+        assert all(x >= 0 for x in parts) and sum(parts) <= p["weights_ms"] + 1e-6, p
