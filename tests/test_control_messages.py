@@ -61,3 +61,11 @@ def test_control_messages_short_and_long_reach_every_rank(world: int) -> None:
         msgs.append(errors.get())
     assert not msgs, msgs
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_token_ids_round_trip_through_json() -> None:
+    """Token ids travel as base64 int32: any id of a real vocabulary, the overlap placeholder (-1), none at all."""
+    import json
+
+    for ids in ([], [0], [-1, 5, 151935, 2**31 - 1], list(range(1000))):
+        assert g.ids_from_json(json.loads(json.dumps(g.ids_to_json(ids)))) == ids

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moebius.parallel.groups import tensor_from_json, tensor_to_json
+from moebius.parallel.groups import ids_from_json, ids_to_json, tensor_from_json, tensor_to_json
 from moebius.sampling_params import SamplingParams
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
@@ -39,14 +39,15 @@ class RequestSpec:
     arrival: int = 0  # global admission order (assigned by the front end): the order of the TP request list
 
     def to_json(self) -> dict[str, Any]:
-        return dict(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, seed=self.seed,
+        # token ids as base64 int32 (groups.ids_to_json): a switch's EP -> TP request list carries every live token
+        return dict(request_id=self.request_id, prompt_token_ids=ids_to_json(self.prompt_token_ids), seed=self.seed,
                     max_total_len=self.max_total_len, arrival=self.arrival,
                     params={k: getattr(self.params, k) for k in _PARAM_FIELDS})
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> RequestSpec:
-        return RequestSpec(d["request_id"], d["prompt_token_ids"], SamplingParams(**d["params"]), d["seed"],
-                           d["max_total_len"], d["arrival"])
+        return RequestSpec(d["request_id"], ids_from_json(d["prompt_token_ids"]), SamplingParams(**d["params"]),
+                           d["seed"], d["max_total_len"], d["arrival"])
 
 
 @dataclass
@@ -64,13 +65,14 @@ class Request:
 
     def to_json(self) -> dict[str, Any]:
         """Everything that moves with the request in a switch (pages do not: they are reallocated)."""
-        return dict(spec=self.spec.to_json(), output_token_ids=self.output_token_ids, num_computed=self.num_computed,
+        return dict(spec=self.spec.to_json(), output_token_ids=ids_to_json(self.output_token_ids),
+                    num_computed=self.num_computed,
                     status=self.status.value, stop_text=self.stop_text, stop_offsets=list(self.stop_offsets),
                     prompt_logits=[tensor_to_json(t) for t in self.prompt_logits])
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Request:
-        return Request(RequestSpec.from_json(d["spec"]), d["output_token_ids"], d["num_computed"],
+        return Request(RequestSpec.from_json(d["spec"]), ids_from_json(d["output_token_ids"]), d["num_computed"],
                        status=Status(d["status"]), stop_text=d["stop_text"],
                        stop_offsets=tuple(d["stop_offsets"]),
                        prompt_logits=[tensor_from_json(t) for t in d["prompt_logits"]])

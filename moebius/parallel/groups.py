@@ -7,8 +7,10 @@ ever unpickled.
 
 from __future__ import annotations
 
+import array
 import base64
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +145,24 @@ def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
     out = [torch.empty_like(t) for _ in range(groups.world_size)]
     dist.all_gather(out, t, group=groups.cpu)
     return [o.tolist() for o in out]
+
+
+def ids_to_json(ids: list[int]) -> str:
+    """Token ids as base64 of little-endian int32: quicker both ways than a JSON list of numbers (a switch's EP -> TP
+    request list carries every live request's tokens: 128 requests of 576 tokens, 15.9 -> 9.0 ms to encode and
+    decode on the CPU machine)."""
+    a = array.array("i", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode()
+
+
+def ids_from_json(s: str) -> list[int]:
+    a = array.array("i")
+    a.frombytes(base64.b64decode(s))
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
 
 
 def tensor_to_json(t: torch.Tensor | None) -> dict[str, Any] | None:
