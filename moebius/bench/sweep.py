@@ -40,7 +40,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
     try:
         for mode in args.modes:
             if llm.mode != mode:
-                res = measure_switch(llm, mode, args.context_len, min(8, top))
+                res = measure_switch(llm, mode, args.context_len, min(args.switch_batch, top))
                 out["switches"].append(res)
                 log.info("switch to %s: %s", mode, res)
             out["memory"][mode] = llm.engine.query("memory")
@@ -71,7 +71,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                          f" eager {extra['eager_step_ms']:.3f} ms" if "eager_step_ms" in extra else "")
         if len(set(args.modes)) == 2:  # more switches back and forth: one switch is one noisy sample
             for _ in range(args.switch_repeats):
-                res = measure_switch(llm, "tp" if llm.mode == "ep" else "ep", args.context_len, min(8, top))
+                res = measure_switch(llm, "tp" if llm.mode == "ep" else "ep", args.context_len,
+                                     min(args.switch_batch, top))
                 out["switches"].append(res)
                 log.info("switch to %s: %s", res.get("to"), res)
             done = [r for r in out["switches"] if r.get("done")]
@@ -195,8 +196,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--moe-kernel", default="triton", choices=["triton", "grouped_mm"])
     p.add_argument("--compare-static", action="store_true",
                    help="also start an EP-only engine with the same KV capacity and compare peak memory")
+    p.add_argument("--switch-batch", type=int, default=8,
+                   help="requests decoding while the switches are timed (the EP -> TP request list grows with them)")
     p.add_argument("--switch-repeats", type=int, default=4,
-                   help="switches back and forth after the sweep (with 8 requests decoding) for the switch overhead")
+                   help="switches back and forth after the sweep (with --switch-batch requests decoding) for the "
+                   "switch overhead")
     p.add_argument("--hf-baseline", action="store_true",
                    help="also time transformers' own model (eager, and its continuous batching) on one GPU and, with "
                    "--num-ranks > 1, with its tensor-parallel plan over those GPUs (moebius/bench/hf_baseline.py)")
