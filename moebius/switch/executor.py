@@ -152,7 +152,8 @@ class Switcher:
         t2 = time.perf_counter()
         times = {"requests_ms": (t1 - t0) * 1e3, "host_ms": (t2 - t0) * 1e3, **passes}
         out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
-        self._unresolved = {"from": src, "to": target, "running": n_run, "waiting": len(waiting), **times}
+        self._unresolved = {"from": src, "to": target, "running": n_run, "waiting": len(waiting),
+                            "requests_ms": times["requests_ms"], "prep_ms": times["prep_ms"]}
         if target == "ep":
             out["owners"] = {r.request_id: o for r, o in zip(running + waiting, owners, strict=True)}
         return out
