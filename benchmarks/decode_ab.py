@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from tp_rank_model import tp_rank_model_dir
+
 from moebius import LLM
 
 
@@ -21,9 +23,12 @@ def main() -> None:
     ap.add_argument("--modes", default="tp,ep")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--output", default="decode_ab.json")
+    ap.add_argument("--tp-rank-of", type=int, default=0,
+                    help="time one rank of TP over this many GPUs on one GPU (benchmarks/tp_rank_model.py)")
     a = ap.parse_args()
     batches = [int(v) for v in a.batches.split(",")]
-    llm = LLM(model=a.model, load_format="dummy", num_layers=a.num_layers, num_ranks=a.num_ranks, mode="tp",
+    model = tp_rank_model_dir(a.model, a.tp_rank_of) if a.tp_rank_of else a.model
+    llm = LLM(model=model, load_format="dummy", num_layers=a.num_layers, num_ranks=a.num_ranks, mode="tp",
               max_model_len=a.context + 64, max_running_requests=max(batches),
               max_num_batched_tokens=max(2048, max(batches)), mem_fraction=0.6, cuda_graph_max_bs=max(batches))
     out = []

@@ -4,6 +4,7 @@ python3 benchmarks/profile_decode.py --num-layers 4 --batch 1 --context 512"""
 import argparse
 
 from torch.profiler import ProfilerActivity, profile
+from tp_rank_model import tp_rank_model_dir
 
 from moebius import LLM
 
@@ -13,8 +14,11 @@ ap.add_argument("--num-layers", type=int, default=4)
 ap.add_argument("--batch", type=int, nargs="+", default=[1])
 ap.add_argument("--context", type=int, default=512)
 ap.add_argument("--mode", default="tp")
+ap.add_argument("--tp-rank-of", type=int, default=0,
+                help="profile one rank of TP over this many GPUs on one GPU (benchmarks/tp_rank_model.py)")
 a = ap.parse_args()
-llm = LLM(model=a.model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
+model = tp_rank_model_dir(a.model, a.tp_rank_of) if a.tp_rank_of else a.model
+llm = LLM(model=model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
           max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode)
 for b in a.batch:
     for graphs in (True, False):

@@ -3,7 +3,7 @@ exchanges (the collective transport's all-to-alls of gate/up and of down), summe
 on every rank. Switches back and forth with no requests (weights only), on a preset with dummy weights.
 
     python3 benchmarks/switch_phases.py --model qwen3-30b-a3b --num-ranks 2 --output phases.json
-    MOEBIUS_RESHARD_KERNEL=1 python3 benchmarks/switch_phases.py ... (the Triton row copies for the permutes)
+    MOEBIUS_RESHARD_KERNEL=0 python3 benchmarks/switch_phases.py ... (torch's permuted copies, not the Triton row copy)
 
 The ranks are spawned processes that import this file again, so the timing hooks below are installed in each."""
 
@@ -89,7 +89,7 @@ def main() -> None:
     with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:
         rows = [json.loads(line) for line in f]
     out = {"gpu": torch.cuda.get_device_name() if not cpu else "cpu", "model": a.model, "num_ranks": a.num_ranks,
-           "reshard_kernel": os.environ.get("MOEBIUS_RESHARD_KERNEL", "0") == "1",
+           "reshard_kernel": os.environ.get("MOEBIUS_RESHARD_KERNEL", "1") == "1",
            "command": "python3 benchmarks/switch_phases.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
            "switches": switches, "phases": rows}

@@ -115,3 +115,24 @@ def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any)
         local = p["unpack_ms"] if p["to"] == "ep" else p["pack_ms"]
         parts = [local, p["exchange_w13_ms"], p["exchange_w2_ms"]]
         assert all(x >= 0 for x in parts) and sum(parts) <= p["weights_ms"] + 1e-6, p
+
+
+def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
+    """benchmarks/tp_rank_model.py: the cut model on one rank has the local shapes of one rank of TP over P (heads,
+    KV heads, expert intermediate, dense intermediate, experts), so timing it on one GPU times a TP rank's kernels."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        from tp_rank_model import tp_rank_model_dir
+    finally:
+        sys.path.pop(0)
+    from moebius.config import PRESETS, ModelConfig, read_hf_config
+    from moebius.parallel.layout import Layout
+
+    for preset in sorted(PRESETS):
+        full = ModelConfig.from_hf(PRESETS[preset])
+        cut = ModelConfig.from_hf(read_hf_config(tp_rank_model_dir(preset, 2)))
+        rank, alone = Layout(full, "tp", 1, 2), Layout(cut, "tp", 0, 1)
+        got = [(lay.num_heads, lay.num_kv_heads, lay.moe_inter, lay.dense_inter, lay.num_local_experts)
+               for lay in (rank, alone)]
+        assert got[0] == got[1], (preset, got)
+        assert cut.vocab_size * 2 == full.vocab_size and cut.hidden_size == full.hidden_size
