@@ -69,3 +69,38 @@ def test_token_ids_round_trip_through_json() -> None:
 
     for ids in ([], [0], [-1, 5, 151935, 2**31 - 1], list(range(1000))):
         assert g.ids_from_json(json.loads(json.dumps(g.ids_to_json(ids)))) == ids
+
+
+def test_request_lists_round_trip_with_their_ids_in_one_string() -> None:
+    """A switch's request list: every request's prompt and output ids travel as one string, the rest per request;
+    each comes back whole (empty outputs, prompt logits, stop state), and counts that do not match the ids are an
+    error, never a request with the wrong tokens."""
+    import json
+
+    import pytest
+    import torch
+
+    from moebius.engine.request import Request, RequestSpec, Status, requests_from_json, requests_to_json
+    from moebius.sampling_params import SamplingParams
+
+    reqs = [Request(RequestSpec("a", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"]), 7, 100, 0), [4, 5], 4,
+                    status=Status.RUNNING, stop_text="ab", stop_offsets=(1, 2)),
+            Request(RequestSpec("b", [151935] * 40, SamplingParams(prompt_logits=True), 8, 100, 1),
+                    prompt_logits=[torch.ones(2, 3)]),
+            Request(RequestSpec("c", [9], SamplingParams(), 9, 100, 2), [-1])]
+    msg = json.loads(json.dumps(requests_to_json(reqs)))
+    back = requests_from_json(msg)
+    for r, b in zip(reqs, back, strict=True):
+        assert (b.spec.prompt_token_ids, b.output_token_ids, b.num_computed, b.status, b.stop_text, b.stop_offsets,
+                b.spec.seed, b.spec.arrival, b.params) == (
+            r.spec.prompt_token_ids, r.output_token_ids, r.num_computed, r.status, r.stop_text, r.stop_offsets,
+            r.spec.seed, r.spec.arrival, r.params)
+        assert len(b.prompt_logits) == len(r.prompt_logits)
+        assert all(torch.equal(x, y) for x, y in zip(b.prompt_logits, r.prompt_logits, strict=True))
+    assert requests_from_json(requests_to_json([])) == []
+    msg["requests"][0]["output_token_ids"] += 1
+    with pytest.raises(ValueError, match="belong to no request|do not match"):
+        requests_from_json(msg)
+    msg["requests"][0]["output_token_ids"] -= 2
+    with pytest.raises(ValueError, match="belong to no request"):
+        requests_from_json(msg)

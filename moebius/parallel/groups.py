@@ -10,7 +10,9 @@ from __future__ import annotations
 import array
 import base64
 import json
+import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,14 +149,10 @@ def all_gather_ints(values: list[int], groups: Groups) -> list[list[int]]:
     return [o.tolist() for o in out]
 
 
-def ids_to_json(ids: list[int]) -> str:
-    """Token ids as base64 of little-endian int32: quicker both ways than a JSON list of numbers (a switch's EP -> TP
-    request list carries every live request's tokens: 128 requests of 576 tokens, 15.9 -> 9.0 ms to encode and
-    decode on the CPU machine)."""
-    a = array.array("i", ids)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return base64.b64encode(a.tobytes()).decode()
+def ids_to_json(*seqs: Sequence[int]) -> str:
+    """Token ids (of one or more sequences, concatenated) as base64 of little-endian int32: quicker both ways than a
+    JSON list of numbers; struct packs a list ~2x quicker than array or numpy convert it."""
+    return base64.b64encode(b"".join(struct.pack(f"<{len(s)}i", *s) for s in seqs)).decode()
 
 
 def ids_from_json(s: str) -> list[int]:

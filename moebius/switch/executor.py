@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from moebius.engine.request import Request, Status
+from moebius.engine.request import Request, Status, requests_from_json, requests_to_json
 from moebius.memory.kv_pool import BlockAllocator
 from moebius.model.qwen3_moe import MoEWeights
 from moebius.parallel.groups import all_gather_json
@@ -71,10 +71,13 @@ class Switcher:
         w, sched = self.w, self.w.scheduler
         my_pages = {r.request_id: list(r.pages) for r in sched.running}
         if w.mode == "ep":  # EP -> TP: all-gather the metadata; everyone builds the same ordered list
-            mine = {"running": [r.to_json() for r in sched.running], "waiting": [r.to_json() for r in sched.waiting]}
-            everything = all_gather_json(mine, w.groups, w.device)
-            running = [(Request.from_json(d), s) for s, m in enumerate(everything) for d in m["running"]]
-            waiting = [(Request.from_json(d), s) for s, m in enumerate(everything) for d in m["waiting"]]
+            own = list(sched.running) + list(sched.waiting)
+            everything = all_gather_json([len(sched.running), requests_to_json(own)], w.groups, w.device)
+            running, waiting = [], []
+            for s, (n_run, m) in enumerate(everything):
+                reqs = own if s == self.rank else requests_from_json(m)  # mine stay as they are
+                running += [(r, s) for r in reqs[:n_run]]
+                waiting += [(r, s) for r in reqs[n_run:]]
             running.sort(key=lambda x: x[0].spec.arrival)
             waiting.sort(key=lambda x: x[0].spec.arrival)
             owners = [s for _, s in running] + [s for _, s in waiting]  # the EP source of each request
