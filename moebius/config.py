@@ -184,6 +184,9 @@ class EngineConfig:
                       "attention, expert-parallel experts)", ("tp", "ep"))
     static_layout: bool = _flag(False, "hold only the --mode layout (no live switching): the fixed-layout engine "
                                 "the dual-layout one is compared against")
+    switch_overlap: bool = _flag(False, "double-buffer a switch's expert pass: a layer's local permute runs while the "
+                                 "layer before it is exchanged (on the GPU from a side stream), for one more layer of "
+                                 "expert staging during the switch")
     disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
                                      "graphs captured at start for both layouts")
     disable_custom_all_reduce: bool = _flag(False, "TP all-reduces through NCCL only; by default activations up to "

@@ -461,3 +461,30 @@ def test_switch_reshard_copies_match_torch_permutes(monkeypatch: pytest.MonkeyPa
     back13, back2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
     tp_to_ep_unpack(out[0], out[1], P, back13, back2)
     assert torch.equal(back13, w13) and torch.equal(back2, w2)
+
+
+def test_pipelined_switch_moves_what_the_one_stream_pass_moves() -> None:
+    """--switch-overlap on a GPU: the exchanges go out from a side stream while the compute stream permutes the next
+    layer, with 1.2 GB of experts a layer (30B shapes, one rank: the exchange is a copy on the side stream), so a
+    missing wait between the streams would show as different bytes. Expert weights and KV after EP -> TP and after
+    the way back, and the tokens, equal the one-stream pass's."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist() for n in (37, 5, 120, 64)]
+    got = []
+    for overlap in (False, True):
+        with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, mode="ep", mem_fraction=0.3,
+                 max_model_len=256, cuda_graph_max_bs=4, switch_overlap=overlap) as llm:
+            ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
+            outs = {}
+            for _ in range(4):
+                outs.update({o.request_id: o for o in llm.step()})
+            prints = [llm.engine.query("fingerprint")[0]]
+            for target in ("tp", "ep", "tp"):
+                switched = llm.switch_mode(target)
+                assert switched["done"] and switched["pipelined"] is overlap, switched
+                prints.append(llm.engine.query("fingerprint")[0])
+            while llm.has_unfinished():
+                outs.update({o.request_id: o for o in llm.step()})
+            assert prints[2]["experts"] == prints[0]["experts"] and prints[2]["kv"] == prints[0]["kv"]
+            got.append(([(p["experts"], p["kv"]) for p in prints], [outs[i].token_ids for i in ids]))
+    assert got[0] == got[1]

@@ -37,25 +37,27 @@ SETUPS: dict[tuple[int, str], tuple[str, int, int]] = {
 }
 
 
-def make(path: str, P: int, max_running: int, max_total_tokens: int, mode: str = "ep") -> LLM:
+def make(path: str, P: int, max_running: int, max_total_tokens: int, mode: str = "ep", overlap: bool = False
+         ) -> LLM:
     return LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_ranks=P, mode=mode,
                max_total_tokens=max_total_tokens, max_running_requests=max_running, max_num_batched_tokens=16,
-               seed=0)
+               seed=0, switch_overlap=overlap)
 
 
 @pytest.fixture(scope="module")
 def engines(ckpt: Any) -> Iterator[Callable[..., LLM]]:
-    """engines(P, mode="ep") -> a shared LLM on P ranks started in `mode`, back in that mode and idle (started on
-    first use, re-started if a failed test left requests in flight, closed at the end of the module)."""
-    made: dict[tuple[int, str], LLM] = {}
+    """engines(P, mode="ep", overlap=False) -> a shared LLM on P ranks started in `mode` (overlap: with
+    --switch-overlap, the double-buffered pass), back in that mode and idle (started on first use, re-started if a
+    failed test left requests in flight, closed at the end of the module)."""
+    made: dict[tuple[int, str, bool], LLM] = {}
 
-    def get(P: int, mode: str = "ep") -> LLM:
-        key = (P, mode)
-        name, max_running, tokens = SETUPS[key]
+    def get(P: int, mode: str = "ep", overlap: bool = False) -> LLM:
+        key = (P, mode, overlap)
+        name, max_running, tokens = SETUPS[(P, mode)]
         if key in made and made[key].has_unfinished():
             made.pop(key).close()
         if key not in made:
-            made[key] = make(ckpt(name), P, max_running, tokens, mode)
+            made[key] = make(ckpt(name), P, max_running, tokens, mode, overlap)
         llm = made[key]
         if llm.mode != mode:
             assert llm.switch_mode(mode)["done"]
@@ -209,15 +211,17 @@ def check_against_reference(path: str, jobs: list[Job], got: dict[str, Any], ref
 # Tests
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("P", [1, 2, 4])
-def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int) -> None:
-    llm = engines(P)
+# overlap: the double-buffered pass (--switch-overlap), run on the CPU in the order it queues work on the GPU
+@pytest.mark.parametrize("P,overlap", [(1, False), (2, False), (4, False), (1, True), (2, True), (4, True)])
+def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int, overlap: bool) -> None:
+    llm = engines(P, overlap=overlap)
     path = path_of(ckpt, P)
     ref, none = drive(llm, JOBS)
     assert none == [] and llm.mode == "ep"
     assert_kv_free(llm, P)
     got, outcomes = drive(llm, JOBS, SWITCHES)
     assert len(outcomes) == len(SWITCHES) >= 6
+    assert all(o["pipelined"] is overlap for o in outcomes)
     assert [o["to"] for o in outcomes] == ["tp", "ep"] * (len(SWITCHES) // 2)
     check_against_reference(path, JOBS, got, ref)
     # aborted before they could finish (an abort sent with a switch's plan reports no output of its own)
@@ -255,9 +259,9 @@ def _union_kv(fp: list[dict[str, Any]]) -> dict[str, str]:
     return kv
 
 
-@pytest.mark.parametrize("P", [2, 4])
-def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any, P: int) -> None:
-    llm = engines(P)
+@pytest.mark.parametrize("P,overlap", [(2, False), (4, False), (2, True), (4, True)])
+def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any, P: int, overlap: bool) -> None:
+    llm = engines(P, overlap=overlap)
     path = path_of(ckpt, P)
     _prompt = prompts(100)
     jobs = [Job(f"r{i}", _prompt(n), greedy(m), 0) for i, (n, m) in enumerate([(21, 8), (3, 9), (9, 6), (14, 7),

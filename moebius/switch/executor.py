@@ -9,6 +9,7 @@ before anything changes (a device that cannot give it refuses the switch).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -41,7 +42,7 @@ def staging_like(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Ten
 class Staging:
     """One layer's worth of switch buffers, taken before anything changes and reused by every layer."""
 
-    experts: tuple[torch.Tensor, torch.Tensor] | None  # TP-shaped w13, w2 (None: no expert layers)
+    experts: list[tuple[torch.Tensor, torch.Tensor]] | None  # TP-shaped w13, w2, one or two (None: no experts)
     kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # KV rows sent, received (None: no KV to move)
 
 
@@ -54,6 +55,9 @@ class Switcher:
         self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
         self._marks: list[tuple[Any, Any, Any]] = []  # the last pass's (start, weights done, KV done) per layer
         self._unresolved: dict[str, Any] | None = None  # what pass_times needs of the last switch, until it reports
+        # --switch-overlap on the GPU: the stream the pipelined pass's exchanges go out from
+        self._side = (torch.cuda.Stream(worker.device) if worker.device.type == "cuda"
+                      and worker.spec.engine.switch_overlap else None)
 
     def open_paths(self) -> None:
         """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up.
@@ -163,14 +167,20 @@ class Switcher:
 
     # ---- data plane ----
     def _staging(self, plan: KVMove | None, cache: torch.Tensor) -> tuple[Staging, str]:
-        """Buffers for one layer, reused by every layer (one stream orders the reuse): experts shaped like the TP
-        views ([E, 2I/P, D], [E, D, I/P]: what TP -> EP receives and EP -> TP packs, either way, as P * El = E), and
-        (plan: KV to move) the KV rows sent and received. (Staging, why): why is "" unless the device cannot give
-        them."""
+        """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:
+        what TP -> EP receives and EP -> TP packs, either way, as P * El = E; two with --switch-overlap, if the device
+        has the memory), and (plan: KV to move) the KV rows sent and received. (Staging, why): why is "" unless the
+        device cannot give them."""
         moe = next((layer.mlp for layer in self.w.modes["tp"].weights.layers if isinstance(layer.mlp, MoEWeights)),
                    None)
         try:
-            experts = staging_like(moe.w13_EFD, moe.w2_EDF) if moe is not None else None
+            experts = [staging_like(moe.w13_EFD, moe.w2_EDF)] if moe is not None else None
+            if experts is not None and self.w.spec.engine.switch_overlap:
+                try:  # the second buffer only speeds the pass up: without it, the one-buffer pass
+                    experts.append(staging_like(moe.w13_EFD, moe.w2_EDF))
+                except torch.OutOfMemoryError:
+                    log.warning("rank %d: no memory for a second layer of switch staging; switching unpipelined",
+                                self.rank)
             rows = None
             if plan is not None:  # cache [pages, 2, block, heads, d]: rows [n, 2, heads moved, d]
                 n_send, n_recv = sum(len(x) for x in plan.send_slots), sum(len(x) for x in plan.recv_slots)
@@ -181,9 +191,11 @@ class Switcher:
             return Staging(None, None), str(e).splitlines()[0]
 
     def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool, staging: Staging
-                     ) -> dict[str, float]:
+                     ) -> dict[str, Any]:
         """The ordered pass, launched without waiting for it. Returns where the host's time went (ms): `prep_ms` the
-        index vectors, `enqueue_ms` its loop over the layers; keeps each layer's marks for pass_times.
+        index vectors, `enqueue_ms` its loop over the layers, `pipelined` which pass ran; keeps each layer's marks
+        for pass_times (the pipelined pass: one mark, its expert part counted as weights and the KV after the last
+        expert byte as KV).
         On the GPU nothing waits between layers (one stream orders every copy and exchange; the phases are timed
         with events), so host launches of the next layer overlap the transfers of this one."""
         hp = time.perf_counter()
@@ -194,14 +206,17 @@ class Switcher:
         send = [self._page_offset(s, bs) for s in plan.send_slots]
         recv = [self._page_offset(r, bs) for r in plan.recv_slots]
         cuda = w.device.type == "cuda"
-        marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         h0 = time.perf_counter()
+        if staging.experts is not None and len(staging.experts) == 2:
+            self._marks = self._pipelined(src, dst, list(order), plan, move_kv, send, recv, staging)
+            return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": True}
+        marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         for i in order:
             m0 = self._mark(cuda)
             src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
             if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
                 assert staging.experts is not None  # a layer with experts: _staging made them
-                self._move_experts(src_mlp, dst_mlp, dst, staging.experts)
+                self._move_experts(src_mlp, dst_mlp, dst, staging.experts[0])
             m1 = self._mark(cuda)
             if move_kv:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
@@ -210,7 +225,78 @@ class Switcher:
         # no wait for the device here: the first step in the new layout is launched right behind the pass on the
         # same stream (its host work overlaps the transfers); pass_times waits for the pass's end
         self._marks = marks
-        return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3}
+        return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": False}
+
+    def _pipelined(self, src: str, dst: str, layers: list[int], plan: KVMove, move_kv: bool,
+                   send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
+                   staging: Staging) -> list[tuple[Any, Any, Any]]:
+        """The pass with two expert buffers (the j-th layer in pass order uses buffer j % 2): the exchanges go out
+        from a side stream, so the compute stream permutes one layer while the exchange of the layer before it is
+        on the wire. EP -> TP: pack j, finish j-1, exchange j (pack j+1 then overlaps exchange j). TP -> EP:
+        exchange j, finish j-1 (unpack j-1 overlaps exchange j). Finishing j waits for exchange j, unpacks (TP ->
+        EP) and moves the layer's KV on the compute stream. Buffer j % 2 is free again for layer j + 2: EP -> TP
+        packs it after finishing j (which waited for exchange j); TP -> EP's exchange j + 2 waits for what the
+        compute stream queued before it, unpack j included. Slots (see the module docstring) are read before they
+        are written for the same reasons as in the one-stream pass: each exchange waits for everything the compute
+        stream queued before it. Returns one (start, last expert byte, end) mark for pass_times."""
+        w, P, to_tp = self.w, self.P, dst == "tp"
+        assert staging.experts is not None
+        cuda = self._side is not None  # on the CPU the same order, run as it is queued
+        compute, side = (torch.cuda.current_stream(w.device), self._side) if cuda else (None, None)
+        done: list[Any] = []  # exchange j finished (an event on the side stream)
+        start = self._mark(cuda)
+
+        def experts(i: int) -> tuple[MoEWeights, MoEWeights] | None:
+            a, b = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
+            return (a, b) if isinstance(a, MoEWeights) and isinstance(b, MoEWeights) else None
+
+        def exchange(j: int) -> None:
+            pair = experts(layers[j])
+            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                if cuda:
+                    side.wait_stream(compute)  # everything queued so far: permutes, unpacks, KV moves
+                if pair is not None:
+                    buf, (a, b) = staging.experts[j % 2], pair
+                    splits = [(a if to_tp else b).w13_EFD.shape[0]] * P
+                    for out, inp in (zip((b.w13_EFD, b.w2_EDF), buf, strict=True) if to_tp
+                                     else zip(buf, (a.w13_EFD, a.w2_EDF), strict=True)):
+                        self.transport.all_to_all(out, inp, splits, splits)
+                done.append(self._mark(cuda))
+
+        def finish(j: int) -> None:
+            if cuda:
+                compute.wait_event(done[j])
+            i, pair = layers[j], experts(layers[j])
+            if pair is not None and not to_tp:
+                r13, r2 = staging.experts[j % 2]
+                tp_to_ep_unpack(r13, r2, P, pair[1].w13_EFD, pair[1].w2_EDF)
+            if move_kv:
+                assert staging.kv_rows is not None  # KV to move: _staging made them
+                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
+
+        last_expert: Any = start
+        for j, i in enumerate(layers):
+            pair = experts(i)
+            if to_tp:
+                if pair is not None:
+                    ep_to_tp_pack(pair[0].w13_EFD, pair[0].w2_EDF, P, staging.experts[j % 2])
+                if j:
+                    finish(j - 1)
+                exchange(j)
+                last_expert = done[-1] if pair is not None else last_expert
+            else:
+                exchange(j)
+                if j:
+                    finish(j - 1)
+                    if experts(layers[j - 1]) is not None:
+                        last_expert = self._mark(cuda)
+        if layers:
+            finish(len(layers) - 1)
+            if not to_tp and experts(layers[-1]) is not None:
+                last_expert = self._mark(cuda)
+        if cuda:
+            compute.wait_stream(side)  # the next step, and any reuse of the staging, after every exchange
+        return [(start, last_expert, self._mark(cuda))]
 
     def pass_times(self) -> dict[str, Any] | None:
         """The last pass's times, once (None when there is none to report): waits for its end on the device, then
