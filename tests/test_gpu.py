@@ -3,6 +3,9 @@ and CUDA-graph replay against eager execution token for token, across layout swi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from attention_cases import paged_metadata, qk_norm_rope_kv_errors
@@ -463,15 +466,32 @@ def test_switch_reshard_copies_match_torch_permutes(monkeypatch: pytest.MonkeyPa
     assert torch.equal(back13, w13) and torch.equal(back2, w2)
 
 
-def test_pipelined_switch_moves_what_the_one_stream_pass_moves() -> None:
+def test_pipelined_switch_moves_what_the_one_stream_pass_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     """--switch-overlap on a GPU: the exchanges go out from a side stream while the compute stream permutes the next
-    layer, with 1.2 GB of experts a layer (30B shapes, one rank: the exchange is a copy on the side stream), so a
-    missing wait between the streams would show as different bytes. Expert weights and KV after EP -> TP and after
+    layer, with 1.2 GB of experts a layer (30B shapes, one rank: the exchange is a copy on the side stream). Each
+    pipelined run holds one side back ~1 ms before each of its copies (the exchanges, then the permutes), so that a
+    missing wait of the other stream for it shows as different bytes. Expert weights and KV after EP -> TP and after
     the way back, and the tokens, equal the one-stream pass's."""
+    from moebius.switch import executor
+    from moebius.switch.transport import CollectiveTransport
+
+    held: list[str] = []
+
+    def late(fn: Callable[..., Any], side: str) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            if side in held:
+                torch.cuda._sleep(2_000_000)  # clock cycles, on the stream the copy is queued on
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(CollectiveTransport, "all_to_all", late(CollectiveTransport.all_to_all, "exchange"))
+    monkeypatch.setattr(executor, "ep_to_tp_pack", late(executor.ep_to_tp_pack, "permute"))
+    monkeypatch.setattr(executor, "tp_to_ep_unpack", late(executor.tp_to_ep_unpack, "permute"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist() for n in (37, 5, 120, 64)]
     got = []
-    for overlap in (False, True):
+    for overlap, hold in ((False, ""), (True, "exchange"), (True, "permute")):
+        held[:] = [hold]
         with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, mode="ep", mem_fraction=0.3,
                  max_model_len=256, cuda_graph_max_bs=4, switch_overlap=overlap) as llm:
             ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
@@ -487,4 +507,4 @@ def test_pipelined_switch_moves_what_the_one_stream_pass_moves() -> None:
                 outs.update({o.request_id: o for o in llm.step()})
             assert prints[2]["experts"] == prints[0]["experts"] and prints[2]["kv"] == prints[0]["kv"]
             got.append(([(p["experts"], p["kv"]) for p in prints], [outs[i].token_ids for i in ids]))
-    assert got[0] == got[1]
+    assert got[0] == got[1] == got[2]
