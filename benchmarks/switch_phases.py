@@ -1,6 +1,7 @@
 """Where a switch's weight time goes, per direction: the local permutes (EP->TP pack, TP->EP unpack) against the
 exchanges (the collective transport's all-to-alls of gate/up and of down), summed over the layers with CUDA events
-on every rank. Switches back and forth with no requests (weights only), on a preset with dummy weights.
+on every rank. Switches back and forth with no requests (weights only), on a preset with dummy weights. Times the
+one-stream pass (its hooks wrap `Switcher._move_experts`, which --switch-overlap's pipelined pass does not use).
 
     python3 benchmarks/switch_phases.py --model qwen3-30b-a3b --num-ranks 2 --output phases.json
     MOEBIUS_RESHARD_KERNEL=0 python3 benchmarks/switch_phases.py ... (torch's permuted copies, not the Triton row copy)
