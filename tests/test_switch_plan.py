@@ -25,6 +25,7 @@ from moebius.switch.plan import (
     kv_ep_to_tp,
     kv_tp_to_ep,
     partition,
+    slots_of,
     token_slots,
     tp_to_ep_unpack,
 )
@@ -245,6 +246,12 @@ def test_token_slots() -> None:
     assert token_slots([3, 0, 7], 9, 4).tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 28]
     assert token_slots([5], 0, 4).tolist() == []
     assert token_slots([2, 1], 2, 1).tolist() == [2, 1]
+    # several tables at once: each table's own slots, concatenated (empty tables, zero counts, unused pages)
+    tables, counts = [[3, 0, 7], [], [5], [9, 2], [4, 6, 8]], [9, 0, 0, 5, 7]
+    want = sum((token_slots(t, n, 4).tolist() for t, n in zip(tables, counts, strict=True)), [])
+    assert slots_of(tables, counts, 4).tolist() == want == [12, 13, 14, 15, 0, 1, 2, 3, 28, 36, 37, 38, 39, 8,
+                                                            16, 17, 18, 19, 24, 25, 26]
+    assert slots_of([], [], 4).tolist() == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

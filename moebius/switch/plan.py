@@ -16,6 +16,7 @@ the new owner scatters into its EP pages at that shard's heads.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -102,8 +103,28 @@ def partition(lengths: list[int], P: int) -> list[int]:
 # ---- KV ----
 def token_slots(pages: list[int], n: int, bs: int) -> np.ndarray:
     """Cache slot of each of the first n tokens of a page table."""
-    t = np.arange(n, dtype=np.int64)
-    return np.asarray(pages, dtype=np.int64)[t // bs] * bs + t % bs
+    return slots_of([pages], [n], bs)
+
+
+def slots_of(tables: list[list[int]], counts: list[int], bs: int) -> np.ndarray:
+    """token_slots of several page tables, concatenated, in whole-array steps (128 requests of 576 tokens: ~1.0
+    against ~1.5 ms one request at a time on the CPU machine)."""
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum()) if len(n) else 0
+    if total == 0:
+        return np.zeros(0, np.int64)
+    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    first_page = np.cumsum(lens) - lens
+    req = np.repeat(np.arange(len(n)), n)  # each token's table
+    t = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)  # its index within its request
+    return flat[first_page[req] + t // bs] * bs + t % bs
+
+
+def _slots(reqs: list[LiveKV], owner: int, dst: bool, bs: int) -> np.ndarray:
+    """Slots of the tokens of the requests of one EP owner, in the global order, by target or source tables."""
+    mine = [r for r in reqs if r.owner == owner]
+    return slots_of([r.dst_pages if dst else r.src_pages for r in mine], [r.num_tokens for r in mine], bs)
 
 
 @dataclass
@@ -134,12 +155,8 @@ class LiveKV:
 def kv_ep_to_tp(reqs: list[LiveKV], me: int, tp: list[Layout], bs: int) -> KVMove:
     """EP->TP at rank `me`; reqs in the global order, tp[q] the TP layout of rank q."""
     P = len(tp)
-    mine = [token_slots(r.src_pages, r.num_tokens, bs) for r in reqs if r.owner == me]
-    send = np.concatenate(mine) if mine else np.zeros(0, np.int64)
-    recv = []
-    for s in range(P):
-        got = [token_slots(r.dst_pages, r.num_tokens, bs) for r in reqs if r.owner == s]
-        recv.append(np.concatenate(got) if got else np.zeros(0, np.int64))
+    send = _slots(reqs, me, False, bs)
+    recv = [_slots(reqs, s, True, bs) for s in range(P)]
     all_heads = range(0, tp[me].num_kv_heads)  # a TP rank receives all of its (local) heads
     return KVMove([send] * P, [tp[q].kv_heads for q in range(P)], recv, [all_heads] * P)
 
@@ -155,11 +172,7 @@ def kv_tp_to_ep(reqs: list[LiveKV], me: int, tp: list[Layout], bs: int) -> KVMov
     P = len(tp)
     empty = np.zeros(0, np.int64)
     local_heads = range(0, tp[me].num_kv_heads)
-    send = []
-    for s in range(P):
-        got = [token_slots(r.src_pages, r.num_tokens, bs) for r in reqs if r.owner == s]
-        send.append(np.concatenate(got) if got and _is_primary(tp[me]) else empty)
-    mine = [token_slots(r.dst_pages, r.num_tokens, bs) for r in reqs if r.owner == me]
-    mine_slots = np.concatenate(mine) if mine else empty
+    send = [_slots(reqs, s, False, bs) if _is_primary(tp[me]) else empty for s in range(P)]
+    mine_slots = _slots(reqs, me, True, bs)
     recv = [mine_slots if _is_primary(tp[q]) else empty for q in range(P)]
     return KVMove(send, [local_heads] * P, recv, [tp[q].kv_heads for q in range(P)])
