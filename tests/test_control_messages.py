@@ -98,6 +98,14 @@ def test_request_lists_round_trip_with_their_ids_in_one_string() -> None:
         assert len(b.prompt_logits) == len(r.prompt_logits)
         assert all(torch.equal(x, y) for x, y in zip(b.prompt_logits, r.prompt_logits, strict=True))
     assert requests_from_json(requests_to_json([])) == []
+    # the specs known on the receiving side (an EP rank keeps the others'): only ids, outputs and state travel
+    known = json.loads(json.dumps(requests_to_json(reqs, specs_known=True)))
+    assert "prompt_token_ids" not in json.dumps(known["requests"]) and len(known["ids"]) < len(msg["ids"])
+    back = requests_from_json(known, {r.request_id: r.spec for r in reqs})
+    assert [(b.spec, b.output_token_ids, b.num_computed, b.stop_offsets) for b in back] == [
+        (r.spec, r.output_token_ids, r.num_computed, r.stop_offsets) for r in reqs]
+    with pytest.raises(ValueError, match="without its spec"):
+        requests_from_json(known, {"a": reqs[0].spec})
     msg["requests"][0]["output_token_ids"] += 1
     with pytest.raises(ValueError, match="belong to no request|do not match"):
         requests_from_json(msg)

@@ -176,10 +176,13 @@ def _checked(out: dict[str, Any] | None, llm: LLM, target: str, mode: bool = Tru
 
 
 def assert_kv_free(llm: LLM, P: int) -> None:
+    """Idle: every page free, and no rank still holds a request or the spec of another rank's request."""
     per_rank = llm.kv_stats()["per_rank"]
     assert len(per_rank) == P
     for r, s in enumerate(per_rank):
         assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {per_rank}"
+    held = llm.engine.query("requests")
+    assert held == [{"running": [], "waiting": [], "others": []}] * P, f"ranks still hold requests: {held}"
 
 
 def assert_idle_round_trip(llm: LLM, P: int) -> None:

@@ -268,7 +268,8 @@ class EngineCore:
 
     def _release(self, child: str, fr: _FrontRequest) -> None:
         rank = self._owner.pop(child, None)
-        if rank is not None:
+        if rank is not None:  # an EP rank's: the others forget its spec
+            self._pending.retired.append(child)
             self._load[rank][0] -= 1
             self._load[rank][1] -= len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
 
@@ -335,6 +336,7 @@ class EngineCore:
 
     def query(self, name: str, **args: object) -> list[object]:
         """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
+        "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
         "bench_decode" (batch, context, steps, warmup, graphs), "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}

@@ -28,12 +28,12 @@ log = logging.getLogger("moebius")
 # ---- JSON forms of the control messages ----
 def plan_to_json(plan: StepPlan) -> dict[str, Any]:
     return dict(new=[spec.to_json() for spec in plan.new], owners=plan.owners, aborts=plan.aborts,
-                switch_to=plan.switch_to, run=plan.run, query=plan.query)
+                retired=plan.retired, switch_to=plan.switch_to, run=plan.run, query=plan.query)
 
 
 def plan_from_json(msg: dict[str, Any]) -> StepPlan:
-    return StepPlan([RequestSpec.from_json(d) for d in msg["new"]], msg["owners"], msg["aborts"], msg["switch_to"],
-                    msg["run"], msg["query"])
+    return StepPlan([RequestSpec.from_json(d) for d in msg["new"]], msg["owners"], msg["aborts"], msg["retired"],
+                    msg["switch_to"], msg["run"], msg["query"])
 
 
 def delta_to_json(d: TokenDelta) -> dict[str, Any]:

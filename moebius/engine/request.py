@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,18 +68,21 @@ class Request:
     stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
 
-    def to_json(self, tokens: bool = True) -> dict[str, Any]:
+    def to_json(self, tokens: bool = True, spec: bool = True) -> dict[str, Any]:
         """Everything that moves with the request in a switch (pages do not: they are reallocated). tokens=False:
-        the prompt's and the output's lengths instead of their ids (`requests_to_json` sends the ids apart)."""
+        the prompt's and the output's lengths instead of their ids (`requests_to_json` sends the ids apart);
+        spec=False: only the request id of the spec, for a receiver that holds the spec already."""
         out = ids_to_json(self.output_token_ids) if tokens else len(self.output_token_ids)
-        return dict(spec=self.spec.to_json(tokens), output_token_ids=out, num_computed=self.num_computed,
+        return dict(spec=self.spec.to_json(tokens) if spec else self.request_id, output_token_ids=out,
+                    num_computed=self.num_computed,
                     status=self.status.value, stop_text=self.stop_text, stop_offsets=list(self.stop_offsets),
                     prompt_logits=[tensor_to_json(t) for t in self.prompt_logits])
 
     @staticmethod
-    def from_json(d: dict[str, Any], prompt: list[int] | None = None, output: list[int] | None = None) -> Request:
-        """prompt, output: the ids of a request sent without them."""
-        return Request(RequestSpec.from_json(d["spec"], prompt),
+    def from_json(d: dict[str, Any], prompt: list[int] | None = None, output: list[int] | None = None,
+                  spec: RequestSpec | None = None) -> Request:
+        """prompt, output: the ids of a request sent without them; spec: its spec, sent as its id only."""
+        return Request(spec or RequestSpec.from_json(d["spec"], prompt),
                        output if output is not None else ids_from_json(d["output_token_ids"]), d["num_computed"],
                        status=Status(d["status"]), stop_text=d["stop_text"], stop_offsets=tuple(d["stop_offsets"]),
                        prompt_logits=[tensor_from_json(t) for t in d["prompt_logits"]])
@@ -125,22 +129,30 @@ class Request:
         return self.status is Status.FINISHED
 
 
-def requests_to_json(reqs: list[Request]) -> dict[str, Any]:
+def requests_to_json(reqs: list[Request], specs_known: bool = False) -> dict[str, Any]:
     """Many requests in one message (a switch's EP -> TP request list carries every live token): the token ids of
     all of them as one base64 int32 string (each request's prompt then output; the per-token work stays in C), the
-    rest per request."""
-    ids = ids_to_json(*(seq for r in reqs for seq in (r.spec.prompt_token_ids, r.output_token_ids)))
-    return dict(ids=ids, requests=[r.to_json(tokens=False) for r in reqs])
+    rest per request. specs_known: the receivers hold every request's spec already (an EP rank keeps those of the
+    other ranks' requests: `Worker.others`), so only its id travels, and of the tokens only the outputs."""
+    seqs = (seq for r in reqs for seq in ((r.output_token_ids,) if specs_known
+                                          else (r.spec.prompt_token_ids, r.output_token_ids)))
+    return dict(ids=ids_to_json(*seqs), requests=[r.to_json(tokens=False, spec=not specs_known) for r in reqs])
 
 
-def requests_from_json(d: dict[str, Any]) -> list[Request]:
+def requests_from_json(d: dict[str, Any], specs: Mapping[str, RequestSpec] | None = None) -> list[Request]:
+    """specs: where to find the specs of a message sent with specs_known."""
     ids = ids_from_json(d["ids"])
     out, at = [], 0
     for m in d["requests"]:
-        n_prompt, n_out = m["spec"]["prompt_token_ids"], m["output_token_ids"]
+        spec = None
+        if isinstance(m["spec"], str):
+            spec = (specs or {}).get(m["spec"])
+            if spec is None:
+                raise ValueError(f"request list: request {m['spec']!r} came without its spec, unknown here")
+        n_prompt, n_out = (0 if spec else m["spec"]["prompt_token_ids"]), m["output_token_ids"]
         if not (isinstance(n_prompt, int) and isinstance(n_out, int) and at + n_prompt + n_out <= len(ids)):
             raise ValueError("request list: token counts do not match its ids")
-        out.append(Request.from_json(m, ids[at: at + n_prompt], ids[at + n_prompt: at + n_prompt + n_out]))
+        out.append(Request.from_json(m, ids[at: at + n_prompt], ids[at + n_prompt: at + n_prompt + n_out], spec))
         at += n_prompt + n_out
     if at != len(ids):
         raise ValueError(f"request list: {len(ids) - at} token ids belong to no request")

@@ -62,6 +62,8 @@ class StepPlan:
     new: list[RequestSpec] = field(default_factory=list)
     owners: list[int] = field(default_factory=list)  # rank owning each new request (EP); ignored in TP
     aborts: list[str] = field(default_factory=list)
+    # requests that ended since the last plan (the front end saw their last token): EP ranks forget their specs
+    retired: list[str] = field(default_factory=list)
     switch_to: str | None = None
     run: bool = True
     query: dict[str, Any] | None = None  # {"name": ..., **arguments}
@@ -178,6 +180,9 @@ class Worker:
         self.stop = StopChecker(spec.eos_token_ids, tokenizer)
         self.switcher = Switcher(self)
         self.late_switch_times: dict[str, Any] | None = None  # see step()
+        # EP: the specs of the live requests the other ranks hold (every plan reaches every rank), so that an
+        # EP -> TP switch moves only their outputs and state, not their prompts
+        self.others: dict[str, RequestSpec] = {}
         self.overlap = not ecfg.disable_overlap_schedule
         self.inflight: InFlight | None = None
         log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
@@ -274,7 +279,12 @@ class Worker:
         for i, spec in enumerate(plan.new):
             if mine or plan.owners[i] == self.groups.rank:
                 sched.add(Request(spec))
+            else:
+                self.others[spec.request_id] = spec
+        for rid in plan.retired:
+            self.others.pop(rid, None)
         for rid in plan.aborts:
+            self.others.pop(rid, None)
             req = sched.find(rid)
             if req is not None:
                 sched.finish(req)
@@ -294,6 +304,9 @@ class Worker:
             return fingerprint(self)
         if q["name"] == "memory":
             return self.memory_report()
+        if q["name"] == "requests":  # ids of what this rank holds, and of the specs it keeps of others' requests
+            return {"running": [r.request_id for r in self.scheduler.running],
+                    "waiting": [r.request_id for r in self.scheduler.waiting], "others": sorted(self.others)}
         if q["name"] == "bench_decode":
             return self.bench_decode(q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
         if q["name"] == "comm":  # how each layout's collectives run

@@ -75,11 +75,13 @@ class Switcher:
         w, sched = self.w, self.w.scheduler
         my_pages = {r.request_id: list(r.pages) for r in sched.running}
         if w.mode == "ep":  # EP -> TP: all-gather the metadata; everyone builds the same ordered list
+            # every rank holds the specs of the others' requests (w.others): only outputs and state travel
             own = list(sched.running) + list(sched.waiting)
-            everything = all_gather_json([len(sched.running), requests_to_json(own)], w.groups, w.device)
+            msg = requests_to_json(own, specs_known=True)
+            everything = all_gather_json([len(sched.running), msg], w.groups, w.device)
             running, waiting = [], []
             for s, (n_run, m) in enumerate(everything):
-                reqs = own if s == self.rank else requests_from_json(m)  # mine stay as they are
+                reqs = own if s == self.rank else requests_from_json(m, w.others)  # mine stay as they are
                 running += [(r, s) for r in reqs[:n_run]]
                 waiting += [(r, s) for r in reqs[n_run:]]
             running.sort(key=lambda x: x[0].spec.arrival)
@@ -156,6 +158,10 @@ class Switcher:
             r.status, r.pages = Status.WAITING, []
         sched.alloc = w.allocator = alloc
         w.mode = target
+        # TP holds every request; EP keeps the specs of the other ranks' requests for the next EP -> TP
+        kept = set(keep)
+        w.others = {} if target == "tp" else {r.request_id: r.spec for i, r in enumerate(running + waiting)
+                                              if i not in kept}
         t2 = time.perf_counter()
         times = {"requests_ms": (t1 - t0) * 1e3, "host_ms": (t2 - t0) * 1e3, **passes}
         out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
