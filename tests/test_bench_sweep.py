@@ -40,7 +40,8 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "sweep", "--model", str(model), "--num-ranks",
            "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
-           "--switch-repeats", "1", "--switch-batch", "3", "--hf-baseline", "--hf-batches", "2", "--output", str(out)]
+           "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--hf-baseline", "--hf-batches", "2",
+           "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -61,6 +62,7 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     done = [s for s in result["switches"] if s.get("done")]
     assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)
     assert all(s["batch"] == 3 for s in result["switches"])  # --switch-batch requests decoding during each
+    assert result["switch_overlap"] and all(s["pipelined"] for s in done)  # --switch-overlap: the pipelined pass
     assert set(result["switch_overhead_median_ms"]) == {"tp", "ep"}
     for to, worst in result["switch_overhead_max_ms"].items():
         assert worst == max(s["overhead_ms"] for s in result["switches"] if s.get("done") and s["to"] == to)

@@ -35,8 +35,9 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
               mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
               max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
               cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-              moe_kernel=args.moe_kernel)
-    out: dict[str, Any] = {"points": [], "switches": [], "memory": {}, "skipped": []}
+              moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap)
+    out: dict[str, Any] = {"points": [], "switches": [], "memory": {}, "skipped": [],
+                           "switch_overlap": args.switch_overlap}
     try:
         for mode in args.modes:
             if llm.mode != mode:
@@ -201,6 +202,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--switch-repeats", type=int, default=4,
                    help="switches back and forth after the sweep (with --switch-batch requests decoding) for the "
                    "switch overhead")
+    p.add_argument("--switch-overlap", action="store_true",
+                   help="the engine's --switch-overlap: the double-buffered switch pass")
     p.add_argument("--hf-baseline", action="store_true",
                    help="also time transformers' own model (eager, and its continuous batching) on one GPU and, with "
                    "--num-ranks > 1, with its tensor-parallel plan over those GPUs (moebius/bench/hf_baseline.py)")
