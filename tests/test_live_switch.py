@@ -171,6 +171,8 @@ def _checked(out: dict[str, Any] | None, llm: LLM, target: str, mode: bool = Tru
     # the span; the host's own part (planning, launching the pass) lies inside the switch call
     assert out["span_ms"] >= out["weights_ms"] + out["kv_ms"] - 1e-3, out
     assert abs(out["total_ms"] - out["requests_ms"] - out["prep_ms"] - out["span_ms"]) < 1e-6, out
+    # the requests part: the global request list, the plan, the staging and the ranks' agreement on it
+    assert abs(out["requests_ms"] - out["list_ms"] - out["plan_ms"] - out["staging_ms"]) < 1e-6, out
     assert out["requests_ms"] + out["prep_ms"] + out["enqueue_ms"] <= out["host_ms"] + 1e-3, out
     return out
 

@@ -101,6 +101,7 @@ class Switcher:
             return {"done": False, "reason": f"the engine holds only the {src} layout (--static-layout)"}
         t0 = time.perf_counter()
         running, waiting, owners, my_pages = self._global_requests()
+        t_list = time.perf_counter()
         bs = w.spec.engine.block_size
         dst_rt = w.modes[target]
         # Capacity: the target must hold the live KV of every running request (plus its next token).
@@ -134,6 +135,7 @@ class Switcher:
 
         # One layer's staging (experts, KV rows), before anything changes: a device that cannot give it refuses the
         # switch here instead of failing half-way through the layers. Every rank agrees, so none starts alone.
+        t_plan = time.perf_counter()
         staging, why = self._staging(plan if move_kv else None, w.modes[src].kv.layers[0])
         agreed = all_gather_json([not why, why], w.groups, w.device)
         if not all(ok for ok, _ in agreed):
@@ -163,7 +165,10 @@ class Switcher:
         w.others = {} if target == "tp" else {r.request_id: r.spec for i, r in enumerate(running + waiting)
                                               if i not in kept}
         t2 = time.perf_counter()
-        times = {"requests_ms": (t1 - t0) * 1e3, "host_ms": (t2 - t0) * 1e3, **passes}
+        # requests_ms = list_ms (the global request list: EP -> TP's all-gather) + plan_ms (capacity, page tables,
+        # KV index plan) + staging_ms (buffers and the ranks' agreement on them)
+        times = {"requests_ms": (t1 - t0) * 1e3, "list_ms": (t_list - t0) * 1e3, "plan_ms": (t_plan - t_list) * 1e3,
+                 "staging_ms": (t1 - t_plan) * 1e3, "host_ms": (t2 - t0) * 1e3, **passes}
         out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
         self._unresolved = {"from": src, "to": target, "running": n_run, "waiting": len(waiting),
                             "requests_ms": times["requests_ms"], "prep_ms": times["prep_ms"]}
