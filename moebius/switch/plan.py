@@ -107,18 +107,19 @@ def token_slots(pages: list[int], n: int, bs: int) -> np.ndarray:
 
 
 def slots_of(tables: list[list[int]], counts: list[int], bs: int) -> np.ndarray:
-    """token_slots of several page tables, concatenated, in whole-array steps (128 requests of 576 tokens: ~1.0
-    against ~1.5 ms one request at a time on the CPU machine)."""
+    """token_slots of several page tables, concatenated, a page at a time in whole-array steps (128 requests of 576
+    tokens: ~0.4 against ~1.5 ms one request at a time on the CPU machine)."""
     n = np.asarray(counts, dtype=np.int64)
-    total = int(n.sum()) if len(n) else 0
-    if total == 0:
+    if not len(n) or int(n.sum()) == 0:
         return np.zeros(0, np.int64)
-    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-    first_page = np.cumsum(lens) - lens
-    req = np.repeat(np.arange(len(n)), n)  # each token's table
-    t = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)  # its index within its request
-    return flat[first_page[req] + t // bs] * bs + t % bs
+    used = -(-n // bs)  # pages each request's tokens use
+    pages = np.fromiter(itertools.chain.from_iterable(t[:k] for t, k in zip(tables, used.tolist(), strict=True)),
+                        dtype=np.int64, count=int(used.sum()))
+    slots = pages[:, None] * bs + np.arange(bs)  # [pages, bs]: every slot of every used page
+    valid = np.full(len(pages), bs, dtype=np.int64)  # tokens on each page: all of them but on a last page
+    has = used > 0
+    valid[np.cumsum(used)[has] - 1] = n[has] - (used[has] - 1) * bs
+    return slots[np.arange(bs) < valid[:, None]]
 
 
 def _slots(reqs: list[LiveKV], owner: int, dst: bool, bs: int) -> np.ndarray:
