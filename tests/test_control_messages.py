@@ -37,6 +37,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], errors: mp.Queue) 
             want = [_message(r, size * (r + 1)) for r in range(world)]
             assert got == (want if rank == 1 else None)
             assert g.all_gather_json(mine, groups) == want
+            assert g.all_gather_json(mine, groups, inline=65536) == want  # a longer first round: all inline here
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")

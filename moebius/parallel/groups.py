@@ -54,11 +54,11 @@ def _decode(t: torch.Tensor) -> Any:
 _INLINE = 16384
 
 
-def _head(payload: torch.Tensor) -> torch.Tensor:
-    """[8-byte length | the first _INLINE bytes of the payload, zero-padded]."""
-    head = torch.zeros(8 + _INLINE, dtype=torch.uint8)
+def _head(payload: torch.Tensor, inline: int = _INLINE) -> torch.Tensor:
+    """[8-byte length | the first `inline` bytes of the payload, zero-padded]."""
+    head = torch.zeros(8 + inline, dtype=torch.uint8)
     head[:8] = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
-    head[8: 8 + min(payload.numel(), _INLINE)] = payload[:_INLINE]
+    head[8: 8 + min(payload.numel(), inline)] = payload[:inline]
     return head
 
 
@@ -111,27 +111,31 @@ def gather_json(obj: Any, groups: Groups, dst: int = 0) -> list[Any] | None:
     return out
 
 
-def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None) -> list[Any]:
+def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None, inline: int = _INLINE
+                    ) -> list[Any]:
     """Every rank sends `obj`; every rank returns the list of all of them in rank order (one round when every
     payload fits inline, else a second for the rest). `device`: through the device group (a CUDA device: NCCL;
     for the switch, which has the device to itself anyway: its EP -> TP request list took 0.8-1.4 ms this way
-    against 1.0-1.6 through gloo on the H200 pair, mostly the ranks' skew) instead of the CPU group."""
+    against 1.0-1.6 through gloo on the H200 pair, mostly the ranks' skew) instead of the CPU group. inline: bytes
+    carried by the first round (every rank sends that many): a caller whose messages are long and rare saves the
+    second round."""
     if groups.world_size == 1:
         return [obj]
     if device is not None and device.type != "cuda":
         device = None  # on the CPU the device group is gloo too: one path
     group = groups.cpu if device is None else groups.device
     payload = _encode(obj)
-    head = _head(payload).to(device) if device is not None else _head(payload)
+    head = _head(payload, inline)
+    head = head.to(device) if device is not None else head
     heads = head.new_empty(groups.world_size * head.numel())
     dist.all_gather_into_tensor(heads, head, group=group)
     heads = heads.cpu().view(groups.world_size, -1)
     lengths = [_head_length(h) for h in heads]
     longest = max(lengths)
-    if longest <= _INLINE:
+    if longest <= inline:
         return [_decode(h[8: 8 + n]) for h, n in zip(heads, lengths, strict=True)]
-    rest = torch.zeros(longest - _INLINE, dtype=torch.uint8)  # every rank knows every length: all take part
-    rest[: max(payload.numel() - _INLINE, 0)] = payload[_INLINE:]
+    rest = torch.zeros(longest - inline, dtype=torch.uint8)  # every rank knows every length: all take part
+    rest[: max(payload.numel() - inline, 0)] = payload[inline:]
     rest = rest.to(device) if device is not None else rest
     rests = rest.new_empty(groups.world_size * rest.numel())
     dist.all_gather_into_tensor(rests, rest, group=group)

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moebius")
 
+# The EP -> TP request list's first gather round carries this much of each rank's part (a 2-rank switch at 128
+# requests sends ~23 KB a rank): one round instead of two where a policy would switch.
+REQUEST_LIST_INLINE = 65536
+
 
 def staging_like(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's expert staging, shaped like these TP views."""
@@ -78,7 +82,7 @@ class Switcher:
             # every rank holds the specs of the others' requests (w.others): only outputs and state travel
             own = list(sched.running) + list(sched.waiting)
             msg = requests_to_json(own, specs_known=True)
-            everything = all_gather_json([len(sched.running), msg], w.groups, w.device)
+            everything = all_gather_json([len(sched.running), msg], w.groups, w.device, inline=REQUEST_LIST_INLINE)
             running, waiting = [], []
             for s, (n_run, m) in enumerate(everything):
                 reqs = own if s == self.rank else requests_from_json(m, w.others)  # mine stay as they are
