@@ -4,7 +4,9 @@ moves it between ranks)."""
 
 from __future__ import annotations
 
-from moebius.engine.request import Request, RequestSpec
+import json
+
+from moebius.engine.request import Request, RequestSpec, requests_from_json, requests_to_json
 from moebius.engine.scheduler import StopChecker
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import Tokenizer
@@ -19,7 +21,7 @@ def test_incremental_stop_string_matches_full_decode() -> None:
     for i, t in enumerate(ids):
         req.output_token_ids.append(t)
         if i % 5 == 0:  # move the request as a switch would, now and then
-            req = Request.from_json(req.to_json())
+            req = requests_from_json(json.loads(json.dumps(requests_to_json([req]))), {req.request_id: req.spec})[0]
         checker.check(req)
         if req.finish_reason is not None:
             break

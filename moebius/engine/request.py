@@ -39,20 +39,16 @@ class RequestSpec:
     max_total_len: int  # prompt + output may not exceed this (context limit)
     arrival: int = 0  # global admission order (assigned by the front end): the order of the TP request list
 
-    def to_json(self, tokens: bool = True) -> dict[str, Any]:
-        """tokens=False: the prompt's length instead of its ids (`requests_to_json` sends the ids apart)."""
+    def to_json(self) -> dict[str, Any]:
         # token ids as base64 int32 (groups.ids_to_json): quicker both ways than a JSON list of numbers
-        ids = ids_to_json(self.prompt_token_ids) if tokens else len(self.prompt_token_ids)
-        return dict(request_id=self.request_id, prompt_token_ids=ids, seed=self.seed,
+        return dict(request_id=self.request_id, prompt_token_ids=ids_to_json(self.prompt_token_ids), seed=self.seed,
                     max_total_len=self.max_total_len, arrival=self.arrival,
                     params={k: getattr(self.params, k) for k in _PARAM_FIELDS})
 
     @staticmethod
-    def from_json(d: dict[str, Any], prompt: list[int] | None = None) -> RequestSpec:
-        """prompt: the ids of a spec sent without them."""
-        ids = prompt if prompt is not None else ids_from_json(d["prompt_token_ids"])
-        return RequestSpec(d["request_id"], ids, SamplingParams(**d["params"]), d["seed"], d["max_total_len"],
-                           d["arrival"])
+    def from_json(d: dict[str, Any]) -> RequestSpec:
+        return RequestSpec(d["request_id"], ids_from_json(d["prompt_token_ids"]), SamplingParams(**d["params"]),
+                           d["seed"], d["max_total_len"], d["arrival"])
 
 
 @dataclass
@@ -68,23 +64,17 @@ class Request:
     stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
 
-    def to_json(self, tokens: bool = True, spec: bool = True) -> dict[str, Any]:
-        """Everything that moves with the request in a switch (pages do not: they are reallocated). tokens=False:
-        the prompt's and the output's lengths instead of their ids (`requests_to_json` sends the ids apart);
-        spec=False: only the request id of the spec, for a receiver that holds the spec already."""
-        out = ids_to_json(self.output_token_ids) if tokens else len(self.output_token_ids)
-        return dict(spec=self.spec.to_json(tokens) if spec else self.request_id, output_token_ids=out,
-                    num_computed=self.num_computed,
+    def to_json(self) -> dict[str, Any]:
+        """The state that moves with the request in a switch, beside its spec (which the receiving ranks hold) and
+        its output ids (which `requests_to_json` sends together); pages do not move: they are reallocated."""
+        return dict(request_id=self.request_id, num_output=len(self.output_token_ids), num_computed=self.num_computed,
                     status=self.status.value, stop_text=self.stop_text, stop_offsets=list(self.stop_offsets),
                     prompt_logits=[tensor_to_json(t) for t in self.prompt_logits])
 
     @staticmethod
-    def from_json(d: dict[str, Any], prompt: list[int] | None = None, output: list[int] | None = None,
-                  spec: RequestSpec | None = None) -> Request:
-        """prompt, output: the ids of a request sent without them; spec: its spec, sent as its id only."""
-        return Request(spec or RequestSpec.from_json(d["spec"], prompt),
-                       output if output is not None else ids_from_json(d["output_token_ids"]), d["num_computed"],
-                       status=Status(d["status"]), stop_text=d["stop_text"], stop_offsets=tuple(d["stop_offsets"]),
+    def from_json(d: dict[str, Any], spec: RequestSpec, output: list[int]) -> Request:
+        return Request(spec, output, d["num_computed"], status=Status(d["status"]), stop_text=d["stop_text"],
+                       stop_offsets=tuple(d["stop_offsets"]),
                        prompt_logits=[tensor_from_json(t) for t in d["prompt_logits"]])
 
     @property
@@ -129,31 +119,24 @@ class Request:
         return self.status is Status.FINISHED
 
 
-def requests_to_json(reqs: list[Request], specs_known: bool = False) -> dict[str, Any]:
-    """Many requests in one message (a switch's EP -> TP request list carries every live token): the token ids of
-    all of them as one base64 int32 string (each request's prompt then output; the per-token work stays in C), the
-    rest per request. specs_known: the receivers hold every request's spec already (an EP rank keeps those of the
-    other ranks' requests: `Worker.others`), so only its id travels, and of the tokens only the outputs."""
-    seqs = (seq for r in reqs for seq in ((r.output_token_ids,) if specs_known
-                                          else (r.spec.prompt_token_ids, r.output_token_ids)))
-    return dict(ids=ids_to_json(*seqs), requests=[r.to_json(tokens=False, spec=not specs_known) for r in reqs])
+def requests_to_json(reqs: list[Request]) -> dict[str, Any]:
+    """Many requests in one message, a switch's EP -> TP request list: each one's state, and the output ids of all of
+    them as one base64 int32 string (the per-token work stays in C). Their specs do not travel: every EP rank keeps
+    those of the other ranks' requests (`Worker.others`), since every plan brings each new one to every rank."""
+    return dict(ids=ids_to_json(*(r.output_token_ids for r in reqs)), requests=[r.to_json() for r in reqs])
 
 
-def requests_from_json(d: dict[str, Any], specs: Mapping[str, RequestSpec] | None = None) -> list[Request]:
-    """specs: where to find the specs of a message sent with specs_known."""
+def requests_from_json(d: dict[str, Any], specs: Mapping[str, RequestSpec]) -> list[Request]:
     ids = ids_from_json(d["ids"])
     out, at = [], 0
     for m in d["requests"]:
-        spec = None
-        if isinstance(m["spec"], str):
-            spec = (specs or {}).get(m["spec"])
-            if spec is None:
-                raise ValueError(f"request list: request {m['spec']!r} came without its spec, unknown here")
-        n_prompt, n_out = (0 if spec else m["spec"]["prompt_token_ids"]), m["output_token_ids"]
-        if not (isinstance(n_prompt, int) and isinstance(n_out, int) and at + n_prompt + n_out <= len(ids)):
+        spec, n = specs.get(m["request_id"]), m["num_output"]
+        if spec is None:
+            raise ValueError(f"request list: request {m['request_id']!r} came without its spec, unknown here")
+        if not (isinstance(n, int) and at + n <= len(ids)):
             raise ValueError("request list: token counts do not match its ids")
-        out.append(Request.from_json(m, ids[at: at + n_prompt], ids[at + n_prompt: at + n_prompt + n_out], spec))
-        at += n_prompt + n_out
+        out.append(Request.from_json(m, spec, ids[at: at + n]))
+        at += n
     if at != len(ids):
         raise ValueError(f"request list: {len(ids) - at} token ids belong to no request")
     return out

@@ -81,8 +81,8 @@ class Switcher:
         if w.mode == "ep":  # EP -> TP: all-gather the metadata; everyone builds the same ordered list
             # every rank holds the specs of the others' requests (w.others): only outputs and state travel
             own = list(sched.running) + list(sched.waiting)
-            msg = requests_to_json(own, specs_known=True)
-            everything = all_gather_json([len(sched.running), msg], w.groups, w.device, inline=REQUEST_LIST_INLINE)
+            everything = all_gather_json([len(sched.running), requests_to_json(own)], w.groups, w.device,
+                                         inline=REQUEST_LIST_INLINE)
             running, waiting = [], []
             for s, (n_run, m) in enumerate(everything):
                 reqs = own if s == self.rank else requests_from_json(m, w.others)  # mine stay as they are
@@ -228,10 +228,10 @@ class Switcher:
         marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         for i in order:
             m0 = self._mark(cuda)
-            src_mlp, dst_mlp = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
-            if isinstance(src_mlp, MoEWeights) and isinstance(dst_mlp, MoEWeights):
+            pair = self._experts(src, dst, i)
+            if pair is not None:
                 assert staging.experts is not None  # a layer with experts: _staging made them
-                self._move_experts(src_mlp, dst_mlp, dst, staging.experts[0])
+                self._move_experts(*pair, dst, staging.experts[0])
             m1 = self._mark(cuda)
             if move_kv:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
@@ -262,8 +262,7 @@ class Switcher:
         start = self._mark(cuda)
 
         def experts(i: int) -> tuple[MoEWeights, MoEWeights] | None:
-            a, b = w.modes[src].weights.layers[i].mlp, w.modes[dst].weights.layers[i].mlp
-            return (a, b) if isinstance(a, MoEWeights) and isinstance(b, MoEWeights) else None
+            return self._experts(src, dst, i)
 
         def exchange(j: int) -> None:
             pair = experts(layers[j])
@@ -271,11 +270,7 @@ class Switcher:
                 if cuda:
                     side.wait_stream(compute)  # everything queued so far: permutes, unpacks, KV moves
                 if pair is not None:
-                    buf, (a, b) = staging.experts[j % 2], pair
-                    splits = [(a if to_tp else b).w13_EFD.shape[0]] * P
-                    for out, inp in (zip((b.w13_EFD, b.w2_EDF), buf, strict=True) if to_tp
-                                     else zip(buf, (a.w13_EFD, a.w2_EDF), strict=True)):
-                        self.transport.all_to_all(out, inp, splits, splits)
+                    self._exchange_experts(*pair, dst, staging.experts[j % 2])
                 done.append(self._mark(cuda))
 
         def finish(j: int) -> None:
@@ -355,21 +350,30 @@ class Switcher:
         """Seconds between two marks (events are read after the pass's final synchronisation)."""
         return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
+    def _experts(self, src: str, dst: str, i: int) -> tuple[MoEWeights, MoEWeights] | None:
+        """Layer i's experts in the source and target layouts (None: a dense layer, nothing to move)."""
+        a, b = self.w.modes[src].weights.layers[i].mlp, self.w.modes[dst].weights.layers[i].mlp
+        return (a, b) if isinstance(a, MoEWeights) and isinstance(b, MoEWeights) else None
+
     def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str,
                       staging: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """staging: one layer's TP-shaped expert buffers, reused by every layer (one stream orders the reuse)."""
-        P = self.P
-        El = (src if target == "tp" else dst).w13_EFD.shape[0]
-        splits = [El] * P
-        if target == "tp":  # permute, then exchange straight into the TP views
-            s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P, staging)
-            self.transport.all_to_all(dst.w13_EFD, s13, splits, splits)
-            self.transport.all_to_all(dst.w2_EDF, s2, splits, splits)
-        else:  # exchange the TP views' expert blocks, then interleave the shards into whole experts
-            r13, r2 = staging
-            self.transport.all_to_all(r13, src.w13_EFD, splits, splits)
-            self.transport.all_to_all(r2, src.w2_EDF, splits, splits)
-            tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
+        """staging: one layer's TP-shaped expert buffers, reused by every layer (one stream orders the reuse).
+        EP -> TP: permute, then exchange straight into the TP views; TP -> EP: exchange the TP views' expert blocks,
+        then interleave the shards into whole experts."""
+        if target == "tp":
+            ep_to_tp_pack(src.w13_EFD, src.w2_EDF, self.P, staging)
+        self._exchange_experts(src, dst, target, staging)
+        if target != "tp":
+            tp_to_ep_unpack(*staging, self.P, dst.w13_EFD, dst.w2_EDF)
+
+    def _exchange_experts(self, src: MoEWeights, dst: MoEWeights, target: str,
+                          staging: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The exchange alone: EP -> TP from the packed staging into the TP views, TP -> EP from the TP views into
+        the staging."""
+        splits = [(src if target == "tp" else dst).w13_EFD.shape[0]] * self.P
+        views = (dst.w13_EFD, dst.w2_EDF) if target == "tp" else (src.w13_EFD, src.w2_EDF)
+        for out, inp in zip(views, staging, strict=True) if target == "tp" else zip(staging, views, strict=True):
+            self.transport.all_to_all(out, inp, splits, splits)
 
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
                  send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
