@@ -226,6 +226,90 @@ def test_few_row_linear_matches_float32_product() -> None:
             assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2), (N, K, T, (y.float() - want).abs().max())
 
 
+def test_last_program_reductions_equal_their_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reductions a launch's last program runs (kernels/tickets.py), in CUDA graphs replayed several times (the
+    counters must be back at zero after each launch): decode attention's split merge bit-equal to the
+    `_merge_splits` launch; the router's top-k against the `_topk_softmax` launch (same experts; weights within
+    bf16 rounding: its sums run over 16-token tiles)."""
+    from moebius.kernels import attention as ka
+    from moebius.kernels import fused
+    from moebius.kernels.fused import add_rmsnorm, route
+
+    torch.manual_seed(0)
+    d, bs, pages = 128, 16, 512
+    ctx = [1, 17, 300, 1000, 64, 513]
+    meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cuda")
+    cache = torch.randn(pages, 2, bs, 2, d, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    ones = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+
+    def run(last: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(ka, "MERGE_LAST", last)
+        monkeypatch.setattr(fused, "TOPK_LAST", last)
+        outs = []
+        for splits, T in [(32, 1), (16, 2), (4, 16)]:
+            meta.num_splits = splits
+            q = torch.randn(len(ctx), 16, d, device="cuda", dtype=torch.bfloat16)
+            outs.append(paged_attention(q, cache, meta, d ** -0.5))  # eager: makes the counters before capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                o = paged_attention(q, cache, meta, d ** -0.5)
+                w, ids = route(add_rmsnorm(x[:T], None, ones, 1e-6), gate, 8, True)
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            outs += [o.clone(), w.clone(), ids.clone()]
+        return outs
+
+    torch.manual_seed(1)
+    launched = run(False)
+    torch.manual_seed(1)
+    last = run(True)
+    for i, (a, b) in enumerate(zip(last, launched, strict=True)):
+        if i % 4 == 2:  # routing weights
+            assert torch.allclose(a.float(), b.float(), atol=1e-2), i
+        else:
+            assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("I,local,first", [(384, 128, 0), (768, 64, 64)])  # 30B TP-2 and EP-2 ranks' experts
+def test_down_rows_prefetch_matches_blocks(I: int, local: int, first: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct blocks' down projection in the LATE release order (`_down_rows`: weights, expert ids and routing
+    weights read before it waits for gate_up) in a CUDA graph right behind the router and gate_up, at one and two
+    tokens: within bf16 rounding of `_down` (the EARLY order's kernel) and of the float32 product."""
+    from moebius import kernels
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels.fused import route
+
+    monkeypatch.setattr(fm, "DOWN_ROWS", True)  # off by default (measured no faster)
+    torch.manual_seed(0)
+    D, K = 2048, 8
+    gate = torch.randn(128, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    w13 = torch.randn(local, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(local, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    for T in (1, 2):
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        outs = {}
+        for order in (kernels.EARLY, kernels.LATE):
+            with kernels.release_order(order):
+                w, ids = route(x, gate, K, True)  # eager first: Triton compiles outside the graph
+                fm.fused_experts(x, w, ids, w13, w2, first, 128, keep_pairs=True)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    w, ids = route(x, gate, K, True)
+                    y = fm.fused_experts(x, w, ids, w13, w2, first, 128, keep_pairs=True).sum()
+                assert fm.down_rows_fit(fm.direct(ids, first, 16), I) == (order == kernels.LATE)
+            g.replay()
+            torch.cuda.synchronize()
+            outs[order] = y
+        ref = experts_ref(x.float(), w.float(), ids, w13.float(), w2.float(), first)
+        assert ref.norm() > 0  # some pair's expert is local
+        for y in outs.values():
+            assert _rel(y, ref) < 1e-2, (T, _rel(y, ref))
+        assert _rel(outs[kernels.LATE], outs[kernels.EARLY]) < 1e-2
+
+
 def test_argmax_keys_match_torch_argmax() -> None:
     """The one-launch vocabulary argmax (kernels/fused.py) against torch.argmax on bf16 logits with ties."""
     from moebius.kernels.fused import argmax_keys
