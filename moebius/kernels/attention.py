@@ -9,28 +9,22 @@ graph. The torch reference is `moebius.layers.attention.paged_attention`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from moebius.kernels import tickets
 from moebius.kernels.fused import _qk_heads
 from moebius.kernels.pdl import enter, pdl
-from moebius.kernels.tickets import take
 
 
 @triton.jit
 def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale,
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
-              QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t, Tickets,
+              QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr):
+              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr):
     """QK (decode only): Q receives q here, from the fused qkv projection (q/k RMSNorm, RoPE; the new k and v go to
-    the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise.
-    MERGE (decode, NUM_SPLITS > 1): the last split of a (sequence, KV head) to finish merges its heads' partials
-    (kernels/tickets.py; Tickets: a counter per pair), instead of a `_merge_splits` launch."""
+    the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise."""
     enter(PDL)
     # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
     # head of a token is one run of bytes) are read together
@@ -92,41 +86,25 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
             tl.store(PartAcc + idx[:, None] * D + d[None, :], acc, mask=valid[:, None])
             tl.store(PartML + idx * 2, m_i, mask=valid)
             tl.store(PartML + idx * 2 + 1, l_i, mask=valid)
-            if MERGE:  # one new token (q0) a sequence: this KV head's G heads
-                KVH = tl.num_programs(0) // NUM_SPLITS
-                if take(Tickets + b * KVH + kvh, NUM_SPLITS):
-                    for g in tl.static_range(G):
-                        _merge_head(PartAcc, PartML, Out, q0, kvh * G + g, stride_ot, stride_oh, H, NUM_SPLITS, D,
-                                    ".cg")
-
-
-@triton.jit
-def _merge_head(PartAcc, PartML, Out, t, h, stride_ot, stride_oh, H, NUM_SPLITS: tl.constexpr, D: tl.constexpr,
-                cache: tl.constexpr):
-    """Out[t, h] from its NUM_SPLITS partials, in split order. cache: ".cg" to read past L1 (partials other programs
-    of this launch wrote), else ""."""
-    s = tl.arange(0, NUM_SPLITS)
-    idx = (t * H + h) * NUM_SPLITS + s
-    m = tl.load(PartML + idx * 2, cache_modifier=cache)
-    l = tl.load(PartML + idx * 2 + 1, cache_modifier=cache)
-    m_max = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
-    L = tl.sum(l * w, 0)
-    d = tl.arange(0, D)
-    acc = tl.load(PartAcc + idx[:, None] * D + d[None, :], cache_modifier=cache)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(L > 0, L, 1.0)
-    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 @triton.jit
 def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.constexpr, D: tl.constexpr,
                   PDL: tl.constexpr):
     enter(PDL)
-    _merge_head(PartAcc, PartML, Out, tl.program_id(0), tl.program_id(1), stride_ot, stride_oh, H, NUM_SPLITS, D, "")
-
-
-# Decode merges its splits in the attention launch (`MERGE`); off unless MOEBIUS_MERGE_LAST=1 (measured slower)
-MERGE_LAST = os.environ.get("MOEBIUS_MERGE_LAST", "0") == "1"
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    idx = (t * H + h) * NUM_SPLITS + s
+    m = tl.load(PartML + idx * 2)
+    l = tl.load(PartML + idx * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    L = tl.sum(l * w, 0)
+    d = tl.arange(0, D)
+    acc = tl.load(PartAcc + idx[:, None] * D + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(L > 0, L, 1.0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 def _decode_tiles(seq_heads: int, num_splits: int, D: int) -> tuple[int, int]:
@@ -188,17 +166,14 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
     else:
         part_acc = part_ml = out
     qkv, q_norm, k_norm, rope, positions, slots, eps = qk if qk is not None else (q_THd,) * 6 + (0.0,)
-    counters = tickets.counters(q_THd.device, B * kvh) if num_splits > 1 and max_query_len == 1 and MERGE_LAST \
-        else None
     _attn_fwd[grid](q_THd, cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, scale,
                     q_THd.stride(0), q_THd.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
                     cache.stride(2), cache.stride(3), block_tables.stride(0),
                     qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
-                    out if counters is None else counters,
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
-                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None,
-                    MERGE=counters is not None, num_warps=4, num_stages=stages, **pdl(q_THd))
-    if num_splits > 1 and counters is None:
+                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, num_warps=4,
+                    num_stages=stages, **pdl(q_THd))
+    if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
                               **pdl(q_THd))
     return out

@@ -3,15 +3,11 @@ op; their references are the torch code in moebius.layers (norm.py, rotary.py, a
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from moebius.kernels import tickets
 from moebius.kernels.pdl import enter, pdl, release, wait
-from moebius.kernels.tickets import take
 
 
 @triton.jit
@@ -109,72 +105,57 @@ def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tenso
 
 
 @triton.jit
-def _router_partials(X, Wg, Part, W, Ids, Tickets, T, E, D, stride_x, K: tl.constexpr, NORM: tl.constexpr,
-                     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, TOPK: tl.constexpr,
+def _router_partials(X, Wg, Part, T, E, K, stride_x, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      PDL: tl.constexpr):
-    """Router logits of up to BT tokens, split over D: program (n, s) writes the float32 partial of experts
-    n*BN.. over inputs s*BK.. to Part[s, t, e]. TOPK: the last program to finish sums them and stores the top-k
-    (kernels/tickets.py; Tickets: one counter), instead of a `_topk_softmax` launch."""
+    """Router logits of up to BT tokens, split over K: program (n, s) writes the float32 partial of experts
+    n*BN.. over inputs s*BK.. to Part[s, t, e]."""
     release(PDL)
     rt = tl.arange(0, BT)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    mt, mn, mk = rt < T, rn < E, rk < D
+    mt, mn, mk = rt < T, rn < E, rk < K
     # the router's weights before waiting for the kernel before (which writes only X): their load overlaps it
-    w = tl.load(Wg + rn[:, None].to(tl.int64) * D + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+    w = tl.load(Wg + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
     wait(PDL)
     x = tl.load(X + rt[:, None] * stride_x + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
     acc = tl.dot(x, tl.trans(w))
     tl.store(Part + (tl.program_id(1) * T + rt[:, None]) * E + rn[None, :], acc, mask=mt[:, None] & mn[None, :])
-    if TOPK:
-        if take(Tickets, tl.num_programs(0) * tl.num_programs(1)):
-            _softmax_topk(Part, W, Ids, rt, T, E, K, NORM, tl.num_programs(1), EB, ".cg")
-
-
-@triton.jit
-def _softmax_topk(Logits, W, Ids, t, T, E, K: tl.constexpr, NORM: tl.constexpr, SPLITS, EB: tl.constexpr,
-                  cache: tl.constexpr):
-    """Softmax over experts, top-k and (NORM) renormalisation of the tokens t [R] (< T), stored to W and Ids [T, K].
-    Logits [T, E], or (SPLITS > 0) float32 partials [SPLITS, T, E] summed in order and rounded to W's dtype, as a
-    GEMM writing W's dtype rounds its float32 sums. cache: ".cg" to read past L1 (partials other programs of the
-    launch wrote), else ""."""
-    e = tl.arange(0, EB)
-    tm = t < T
-    m = tm[:, None] & (e < E)[None, :]
-    if SPLITS == 0:
-        x = tl.load(Logits + t[:, None] * E + e[None, :], mask=m, other=float("-inf")).to(tl.float32)
-    else:
-        x = tl.zeros([t.shape[0], EB], tl.float32)
-        for s in range(SPLITS):
-            x += tl.load(Logits + (s * T + t[:, None]) * E + e[None, :], mask=m, other=0.0, cache_modifier=cache)
-        x = tl.where(m, x.to(W.dtype.element_ty).to(tl.float32), float("-inf"))
-    x = tl.where(tm[:, None], x, 0.0)  # rows past T: finite, never stored
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    p = tl.where((e < E)[None, :], p, -1.0)
-    scale = tl.full([t.shape[0]], 1.0, tl.float32)
-    if NORM:  # a first pass for the sum of the top k, so each weight is stored once, already in W's dtype
-        q = p
-        total = tl.zeros([t.shape[0]], tl.float32)
-        for _ in tl.static_range(K):
-            i = tl.argmax(q, 1)
-            total += tl.max(q, 1)
-            q = tl.where(e[None, :] == i[:, None], -1.0, q)
-        scale = 1.0 / total
-    for k in tl.static_range(K):
-        i = tl.argmax(p, 1)
-        v = tl.max(p, 1)
-        tl.store(Ids + t.to(tl.int64) * K + k, i.to(tl.int64), mask=tm)
-        tl.store(W + t.to(tl.int64) * K + k, (v * scale).to(W.dtype.element_ty), mask=tm)
-        p = tl.where(e[None, :] == i[:, None], -1.0, p)
 
 
 @triton.jit
 def _topk_softmax(Logits, W, Ids, T, E, K: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One token a program (`_softmax_topk`)."""
+    """Logits [T, E], or (SPLITS > 0) float32 partials [SPLITS, T, E] summed in order and rounded to W's dtype,
+    as a GEMM writing W's dtype rounds its float32 sums."""
     enter(PDL)
-    _softmax_topk(Logits, W, Ids, tl.program_id(0) + tl.arange(0, 1), T, E, K, NORM, SPLITS, BLOCK, "")
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    m = e < E
+    if SPLITS == 0:
+        x = tl.load(Logits + t * E + e, mask=m, other=float("-inf")).to(tl.float32)
+    else:
+        x = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(SPLITS):
+            x += tl.load(Logits + (s * T + t) * E + e, mask=m, other=0.0)
+        x = tl.where(m, x.to(W.dtype.element_ty).to(tl.float32), float("-inf"))
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(m, p, -1.0)
+    scale = 1.0
+    if NORM:  # a first pass for the sum of the top k, so each weight is stored once, already in W's dtype
+        q = p
+        total = 0.0
+        for _ in tl.static_range(K):
+            i = tl.argmax(q, 0)
+            total += tl.max(q, 0)
+            q = tl.where(e == i, -1.0, q)
+        scale = 1.0 / total
+    for k in tl.static_range(K):
+        i = tl.argmax(p, 0)
+        v = tl.max(p, 0)
+        tl.store(Ids + t * K + k, i.to(tl.int64))
+        tl.store(W + t * K + k, (v * scale).to(W.dtype.element_ty))
+        p = tl.where(e == i, -1.0, p)
 
 
 def _topk(logits: torch.Tensor, T: int, E: int, splits: int, top_k: int, norm: bool, out_dtype: torch.dtype
@@ -197,10 +178,6 @@ def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: tor
 
 ROUTER_MAX_ROWS = 16  # one tl.dot row tile; more tokens: cuBLAS then topk_softmax
 ROUTER_BK = 256
-# The router's last program runs the top-k (`_router_partials` TOPK); off unless MOEBIUS_TOPK_LAST=1 (measured
-# slower)
-TOPK_LAST = os.environ.get("MOEBIUS_TOPK_LAST", "0") == "1"
-ROUTER_WARPS = int(os.environ.get("MOEBIUS_ROUTER_WARPS", "4"))  # A/B of the top-k tail (1 and 2: slower)
 
 
 def router_fits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> bool:
@@ -210,31 +187,18 @@ def router_fits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> bool:
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """moebius.layers.moe.route for up to ROUTER_MAX_ROWS tokens (`router_fits`): the logits as float32 partials
-    over D-slices from many programs (cuBLAS spends ~5 us on these 0.5 MB at one token, its tiles leaving most SMs
-    idle), summed in order and rounded by the top-k, which the last program to finish runs (or, without a
-    counter, a `_topk_softmax` launch)."""
+    over K-slices from many programs (cuBLAS spends ~5 us on these 0.5 MB at one token, its tiles leaving most SMs
+    idle), summed in order and rounded by the top-k kernel."""
     T, D = x_TD.shape
     E = gate_ED.shape[0]
     splits = triton.cdiv(D, ROUTER_BK)
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x_TD.device)
-    counter = tickets.counters(x_TD.device, 1) if TOPK_LAST and T else None
-    if counter is None:
-        if T:
-            _launch_router(x_TD, gate_ED, part, part, part, part, top_k, norm, False)
-        return _topk(part, T, E, splits, top_k, norm, x_TD.dtype)
-    w = torch.empty(T, top_k, dtype=x_TD.dtype, device=x_TD.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x_TD.device)
-    _launch_router(x_TD, gate_ED, part, w, ids, counter, top_k, norm, True)
-    return w, ids
-
-
-def _launch_router(x_TD: torch.Tensor, gate_ED: torch.Tensor, part: torch.Tensor, w: torch.Tensor,
-                   ids: torch.Tensor, counter: torch.Tensor, top_k: int, norm: bool, topk: bool) -> None:
-    (T, D), E, BN = x_TD.shape, gate_ED.shape[0], 16
-    _router_partials[(triton.cdiv(E, BN), part.shape[0])](
-        x_TD, gate_ED, part, w, ids, counter, T, E, D, x_TD.stride(0), K=top_k, NORM=norm, BT=ROUTER_MAX_ROWS, BN=BN,
-        BK=ROUTER_BK, EB=triton.next_power_of_2(E), TOPK=topk, num_warps=ROUTER_WARPS,
-        **pdl(x_TD))
+    if T:
+        BN = 16
+        _router_partials[(triton.cdiv(E, BN), splits)](x_TD, gate_ED, part, T, E, D, x_TD.stride(0),
+                                                       BT=ROUTER_MAX_ROWS, BN=BN, BK=ROUTER_BK, num_warps=4,
+                                                       **pdl(x_TD))
+    return _topk(part, T, E, splits, top_k, norm, x_TD.dtype)
 
 
 @triton.jit

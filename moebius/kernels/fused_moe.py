@@ -11,15 +11,13 @@ through TMA. The torch reference is `moebius.layers.moe.experts_ref`.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moebius import kernels
-from moebius.kernels.pdl import enter, pdl, release, wait
+from moebius.kernels.pdl import enter, pdl
 from moebius.layers.moe import PairRows
 
 
@@ -77,14 +75,6 @@ def _use_tma(c: KernelConfig, *tensors: torch.Tensor) -> bool:
 
 # Up to this many pairs the GEMMs take one pair per block, unsorted (`direct`): no align launch (~4 us on H200)
 DIRECT_MAX_PAIRS = 32
-
-
-# In the LATE release order (one or two tokens a rank) direct blocks' down projection prefetches its weights
-# (`_down_rows`); off unless MOEBIUS_DOWN_ROWS=1 (measured no faster). A program holds DOWN_ROWS_TILE weights
-# (as kernels/linear.py).
-DOWN_ROWS = os.environ.get("MOEBIUS_DOWN_ROWS", "0") == "1"
-DOWN_ROWS_TILE = 8 * 2048
-DOWN_ROWS_MAX_I = 4096
 
 
 def pick_config(pairs_per_expert: float) -> MoEConfig:
@@ -286,32 +276,6 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.const
 
 
 @triton.jit
-def _down_rows(H, W2, Ids, RouteW, Out, D, I, E, first, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """`_down` for direct blocks in the LATE release order: program (n, pair) holds its expert's rows n*BN.. of W2
-    [E, D, I] in registers, loaded before it waits for `_gate_up_silu` (so they stream while that kernel runs, as
-    kernels/linear.py's projections do). The expert id and routing weight are read before the wait too: the kernel
-    that wrote them ran before `_gate_up_silu`, which in the LATE order lets this one launch only once it has
-    waited for that kernel."""
-    release(PDL)
-    pair = tl.program_id(1)
-    e = tl.load(Ids + pair).to(tl.int32) - first
-    if (e >= 0) & (e < E):
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        k = tl.arange(0, BK)
-        nm, km = n < D, k < I
-        w = tl.load(W2 + e.to(tl.int64) * D * I + n[:, None] * I + k[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0)
-        rw = tl.load(RouteW + pair).to(tl.float32)
-        wait(PDL)
-        h = tl.load(H + pair.to(tl.int64) * I + k, mask=km, other=0.0)
-        acc = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-        y = acc.to(Out.dtype.element_ty).to(tl.float32) * rw  # rounded as `_down` rounds
-        tl.store(Out + pair.to(tl.int64) * D + n, y.to(Out.dtype.element_ty), mask=nm)
-    else:
-        wait(PDL)
-
-
-@triton.jit
 def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written)."""
     enter(PDL)
@@ -402,22 +366,11 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     return h
 
 
-def down_rows_fit(blocks: Blocks, I: int) -> bool:
-    """`_down_rows` where the release order lets it read the routing before it waits (its docstring)."""
-    return DOWN_ROWS and blocks.direct and I <= DOWN_ROWS_MAX_I and kernels.release_order_now() == kernels.LATE
-
-
 def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: KernelConfig
          ) -> torch.Tensor:
     E, D, I = w2_EDF.shape
     N = w_TK.numel()
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
-    if down_rows_fit(blocks, I):
-        BK = triton.next_power_of_2(I)
-        BN = max(1, DOWN_ROWS_TILE // BK)
-        _down_rows[(triton.cdiv(D, BN), N)](h, w2_EDF, blocks.rows, w_TK, y, D, I, E, blocks.first_expert, BN=BN,
-                                            BK=BK, num_warps=8, **pdl(y))
-        return y
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
     if tma:
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
