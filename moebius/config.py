@@ -187,6 +187,11 @@ class EngineConfig:
     switch_overlap: bool = _flag(False, "double-buffer a switch's expert pass: a layer's local permute runs while the "
                                  "layer before it is exchanged (on the GPU from a side stream), for one more layer of "
                                  "expert staging during the switch")
+    switch_transport: str = _flag("collective", "how a switch's expert shards travel: collective (torch.distributed "
+                                  "all-to-all over the device group) or peer (each rank copies its shards straight "
+                                  "into or out of its peers' expert staging: symmetric memory over NVLink on GPUs, "
+                                  "shared-memory files on the CPU; the staging is then allocated once at start and "
+                                  "kept)", ("collective", "peer"))
     disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
                                      "graphs captured at start for both layouts")
     disable_custom_all_reduce: bool = _flag(False, "TP all-reduces through NCCL only; by default activations up to "

@@ -508,3 +508,34 @@ def test_pipelined_switch_moves_what_the_one_stream_pass_moves(monkeypatch: pyte
             assert prints[2]["experts"] == prints[0]["experts"] and prints[2]["kv"] == prints[0]["kv"]
             got.append(([(p["experts"], p["kv"]) for p in prints], [outs[i].token_ids for i in ids]))
     assert got[0] == got[1] == got[2]
+
+
+def test_peer_switch_transport_moves_what_the_collective_one_moves() -> None:
+    """--switch-transport peer on 2 GPUs (copies into and out of the peer's symmetric-memory staging over NVLink),
+    one-stream and pipelined: expert weights and KV after each switch, and the tokens, equal the collective
+    transport's; every expert exchange went as peer copies."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist() for n in (37, 5, 120, 64, 9, 300)]
+    got = []
+    for transport, overlap in (("collective", False), ("peer", False), ("peer", True)):
+        with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, num_ranks=2, mode="ep",
+                 mem_fraction=0.3, max_model_len=512, cuda_graph_max_bs=8, switch_overlap=overlap,
+                 switch_transport=transport) as llm:
+            ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
+            outs = {}
+            for _ in range(4):
+                outs.update({o.request_id: o for o in llm.step()})
+            prints = [llm.engine.query("fingerprint")]
+            for target in ("tp", "ep", "tp"):
+                switched = llm.switch_mode(target)
+                assert switched["done"] and switched["transport"] == transport, switched
+                assert switched["peer_exchanges"] == (8 if transport == "peer" else 0), switched
+                prints.append(llm.engine.query("fingerprint"))
+            while llm.has_unfinished():
+                outs.update({o.request_id: o for o in llm.step()})
+            assert [p["experts"] for p in prints[2]] == [p["experts"] for p in prints[0]]
+            got.append(([[(p["experts"], p["kv"]) for p in ranks] for ranks in prints],
+                        [outs[i].token_ids for i in ids]))
+    assert got[0] == got[1] == got[2]

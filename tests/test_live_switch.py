@@ -14,6 +14,7 @@ more running requests than TP batch slots after EP->TP).
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -37,27 +38,28 @@ SETUPS: dict[tuple[int, str], tuple[str, int, int]] = {
 }
 
 
-def make(path: str, P: int, max_running: int, max_total_tokens: int, mode: str = "ep", overlap: bool = False
-         ) -> LLM:
+def make(path: str, P: int, max_running: int, max_total_tokens: int, mode: str = "ep", overlap: bool = False,
+         transport: str = "collective") -> LLM:
     return LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_ranks=P, mode=mode,
                max_total_tokens=max_total_tokens, max_running_requests=max_running, max_num_batched_tokens=16,
-               seed=0, switch_overlap=overlap)
+               seed=0, switch_overlap=overlap, switch_transport=transport)
 
 
 @pytest.fixture(scope="module")
 def engines(ckpt: Any) -> Iterator[Callable[..., LLM]]:
-    """engines(P, mode="ep", overlap=False) -> a shared LLM on P ranks started in `mode` (overlap: with
-    --switch-overlap, the double-buffered pass), back in that mode and idle (started on first use, re-started if a
-    failed test left requests in flight, closed at the end of the module)."""
-    made: dict[tuple[int, str, bool], LLM] = {}
+    """engines(P, mode="ep", overlap=False, transport="collective") -> a shared LLM on P ranks started in `mode`
+    (overlap: with --switch-overlap, the double-buffered pass; transport: --switch-transport), back in that mode and
+    idle (started on first use, re-started if a failed test left requests in flight, closed at the end of the
+    module)."""
+    made: dict[tuple[int, str, bool, str], LLM] = {}
 
-    def get(P: int, mode: str = "ep", overlap: bool = False) -> LLM:
-        key = (P, mode, overlap)
+    def get(P: int, mode: str = "ep", overlap: bool = False, transport: str = "collective") -> LLM:
+        key = (P, mode, overlap, transport)
         name, max_running, tokens = SETUPS[(P, mode)]
         if key in made and made[key].has_unfinished():
             made.pop(key).close()
         if key not in made:
-            made[key] = make(ckpt(name), P, max_running, tokens, mode, overlap)
+            made[key] = make(ckpt(name), P, max_running, tokens, mode, overlap, transport)
         llm = made[key]
         if llm.mode != mode:
             assert llm.switch_mode(mode)["done"]
@@ -216,10 +218,24 @@ def check_against_reference(path: str, jobs: list[Job], got: dict[str, Any], ref
 # Tests
 # ---------------------------------------------------------------------------------------------------------------
 
-# overlap: the double-buffered pass (--switch-overlap), run on the CPU in the order it queues work on the GPU
-@pytest.mark.parametrize("P,overlap", [(1, False), (2, False), (4, False), (1, True), (2, True), (4, True)])
-def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int, overlap: bool) -> None:
-    llm = engines(P, overlap=overlap)
+def _transport_used(outcomes: list[dict[str, Any]], transport: str, P: int, path: str) -> None:
+    """Each switch moved its experts through `transport` (peer: every exchange of experts, two a layer, as peer
+    copies; one rank has no peers and no peer transport). The P > 1 checkpoints have MoE layers only."""
+    peer = transport == "peer" and P > 1
+    with open(f"{path}/config.json") as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert all(o["transport"] == ("peer" if peer else "collective") for o in outcomes), outcomes
+    assert all(o["peer_exchanges"] == (2 * layers if peer else 0) for o in outcomes), outcomes
+
+
+# overlap: the double-buffered pass (--switch-overlap), run on the CPU in the order it queues work on the GPU;
+# transport: --switch-transport (peer: the ranks copy into / out of each other's staging, here shared-memory files)
+@pytest.mark.parametrize("P,overlap,transport", [(1, False, "collective"), (2, False, "collective"),
+                                                 (4, False, "collective"), (1, True, "collective"),
+                                                 (2, True, "collective"), (4, True, "collective"),
+                                                 (2, False, "peer"), (4, True, "peer")])
+def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int, overlap: bool, transport: str) -> None:
+    llm = engines(P, overlap=overlap, transport=transport)
     path = path_of(ckpt, P)
     ref, none = drive(llm, JOBS)
     assert none == [] and llm.mode == "ep"
@@ -227,6 +243,7 @@ def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int, ove
     got, outcomes = drive(llm, JOBS, SWITCHES)
     assert len(outcomes) == len(SWITCHES) >= 6
     assert all(o["pipelined"] is overlap for o in outcomes)
+    _transport_used(outcomes, transport, P, path)
     assert [o["to"] for o in outcomes] == ["tp", "ep"] * (len(SWITCHES) // 2)
     check_against_reference(path, JOBS, got, ref)
     # aborted before they could finish (an abort sent with a switch's plan reports no output of its own)
@@ -264,9 +281,12 @@ def _union_kv(fp: list[dict[str, Any]]) -> dict[str, str]:
     return kv
 
 
-@pytest.mark.parametrize("P,overlap", [(2, False), (4, False), (2, True), (4, True)])
-def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any, P: int, overlap: bool) -> None:
-    llm = engines(P, overlap=overlap)
+@pytest.mark.parametrize("P,overlap,transport", [(2, False, "collective"), (4, False, "collective"),
+                                                 (2, True, "collective"), (4, True, "collective"),
+                                                 (2, True, "peer"), (4, False, "peer")])
+def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any, P: int, overlap: bool,
+                                                        transport: str) -> None:
+    llm = engines(P, overlap=overlap, transport=transport)
     path = path_of(ckpt, P)
     _prompt = prompts(100)
     jobs = [Job(f"r{i}", _prompt(n), greedy(m), 0) for i, (n, m) in enumerate([(21, 8), (3, 9), (9, 6), (14, 7),
@@ -284,7 +304,9 @@ def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any,
     assert len(kv0) >= 4 and "late" not in kv0
     ptrs = [f["ptrs"] for f in ep0]
 
-    assert llm.switch_mode("tp")["done"]
+    out = llm.switch_mode("tp")
+    assert out["done"]
+    _transport_used([out], transport, P, path)
     tp1 = llm.engine.query("fingerprint")
     assert [f["mode"] for f in tp1] == ["tp"] * P
     assert all(f["kv"].keys() == kv0.keys() for f in tp1), "TP ranks must hold every running request"

@@ -35,9 +35,10 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
               mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
               max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
               cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-              moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap)
+              moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap,
+              switch_transport=args.switch_transport)
     out: dict[str, Any] = {"points": [], "switches": [], "memory": {}, "skipped": [],
-                           "switch_overlap": args.switch_overlap}
+                           "switch_overlap": args.switch_overlap, "switch_transport": args.switch_transport}
     try:
         for mode in args.modes:
             if llm.mode != mode:
@@ -204,6 +205,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "switch overhead")
     p.add_argument("--switch-overlap", action="store_true",
                    help="the engine's --switch-overlap: the double-buffered switch pass")
+    p.add_argument("--switch-transport", default="collective", choices=["collective", "peer"],
+                   help="the engine's --switch-transport: how the switch's expert shards travel")
     p.add_argument("--hf-baseline", action="store_true",
                    help="also time transformers' own model (eager, and its continuous batching) on one GPU and, with "
                    "--num-ranks > 1, with its tensor-parallel plan over those GPUs (moebius/bench/hf_baseline.py)")

@@ -25,7 +25,7 @@ from moebius.model.qwen3_moe import MoEWeights
 from moebius.parallel.groups import all_gather_json
 from moebius.parallel.layout import Layout
 from moebius.switch.plan import KVMove, LiveKV, ep_to_tp_pack, kv_ep_to_tp, kv_tp_to_ep, partition, tp_to_ep_unpack
-from moebius.switch.transport import CollectiveTransport
+from moebius.switch.transport import CollectiveTransport, PeerTransport, Transport
 
 if TYPE_CHECKING:
     from moebius.engine.worker import Worker
@@ -55,7 +55,7 @@ class Switcher:
         self.w = worker
         g = worker.groups
         self.P, self.rank = g.world_size, g.rank
-        self.transport = CollectiveTransport(g.device)
+        self.transport: Transport = CollectiveTransport(g.device)  # --switch-transport peer: set in open_paths
         self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
         self._marks: list[tuple[Any, Any, Any]] = []  # the last pass's (start, weights done, KV done) per layer
         self._unresolved: dict[str, Any] | None = None  # what pass_times needs of the last switch, until it reports
@@ -64,10 +64,21 @@ class Switcher:
                       and worker.spec.engine.switch_overlap else None)
 
     def open_paths(self) -> None:
-        """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up.
-        A collective: every rank calls it, after all ranks were built."""
+        """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up, and
+        (--switch-transport peer) the expert staging every rank addresses. A collective: every rank calls it, after
+        all ranks were built."""
         probe = torch.zeros(self.P, dtype=torch.uint8, device=self.w.device)
         self.transport.all_to_all(torch.empty_like(probe), probe, [1] * self.P, [1] * self.P)
+        moe = self._tp_moe()
+        ecfg = self.w.spec.engine
+        if ecfg.switch_transport == "peer" and moe is not None and "ep" in self.w.modes:
+            self.transport = PeerTransport.build(self.w.groups, self.w.device, [moe.w13_EFD.shape, moe.w2_EDF.shape],
+                                                 moe.w13_EFD.dtype, 2 if ecfg.switch_overlap else 1)
+
+    def _tp_moe(self) -> MoEWeights | None:
+        """The first MoE layer's TP expert views (their shapes are every layer's, and the staging's)."""
+        return next((layer.mlp for layer in self.w.modes["tp"].weights.layers if isinstance(layer.mlp, MoEWeights)),
+                    None) if "tp" in self.w.modes else None
 
     def _sync(self) -> None:
         if self.w.device.type == "cuda":
@@ -184,13 +195,15 @@ class Switcher:
     def _staging(self, plan: KVMove | None, cache: torch.Tensor) -> tuple[Staging, str]:
         """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:
         what TP -> EP receives and EP -> TP packs, either way, as P * El = E; two with --switch-overlap, if the device
-        has the memory), and (plan: KV to move) the KV rows sent and received. (Staging, why): why is "" unless the
+        has the memory; the peer transport's own, kept from the start, where it has them), and (plan: KV to move)
+        the KV rows sent and received. (Staging, why): why is "" unless the
         device cannot give them."""
-        moe = next((layer.mlp for layer in self.w.modes["tp"].weights.layers if isinstance(layer.mlp, MoEWeights)),
-                   None)
+        moe = self._tp_moe()
         try:
-            experts = [staging_like(moe.w13_EFD, moe.w2_EDF)] if moe is not None else None
-            if experts is not None and self.w.spec.engine.switch_overlap:
+            experts = self.transport.staging()  # the peer transport's, kept from the start
+            if experts is None and moe is not None:
+                experts = [staging_like(moe.w13_EFD, moe.w2_EDF)]
+            if experts is not None and len(experts) == 1 and self.w.spec.engine.switch_overlap:
                 try:  # the second buffer only speeds the pass up: without it, the one-buffer pass
                     experts.append(staging_like(moe.w13_EFD, moe.w2_EDF))
                 except torch.OutOfMemoryError:
@@ -208,7 +221,8 @@ class Switcher:
     def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool, staging: Staging
                      ) -> dict[str, Any]:
         """The ordered pass, launched without waiting for it. Returns where the host's time went (ms): `prep_ms` the
-        index vectors, `enqueue_ms` its loop over the layers, `pipelined` which pass ran; keeps each layer's marks
+        index vectors, `enqueue_ms` its loop over the layers, `pipelined` which pass ran, `transport` which transport
+        and `peer_exchanges` how many of its exchanges went as peer copies; keeps each layer's marks
         for pass_times (the pipelined pass: one mark, its expert part counted as weights and the KV after the last
         expert byte as KV).
         On the GPU nothing waits between layers (one stream orders every copy and exchange; the phases are timed
@@ -222,9 +236,11 @@ class Switcher:
         recv = [self._page_offset(r, bs) for r in plan.recv_slots]
         cuda = w.device.type == "cuda"
         h0 = time.perf_counter()
+        peer0 = self.transport.peer_exchanges
         if staging.experts is not None and len(staging.experts) == 2:
             self._marks = self._pipelined(src, dst, list(order), plan, move_kv, send, recv, staging)
-            return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": True}
+            return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": True,
+                    "transport": self.transport.name, "peer_exchanges": self.transport.peer_exchanges - peer0}
         marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         for i in order:
             m0 = self._mark(cuda)
@@ -240,7 +256,8 @@ class Switcher:
         # no wait for the device here: the first step in the new layout is launched right behind the pass on the
         # same stream (its host work overlaps the transfers); pass_times waits for the pass's end
         self._marks = marks
-        return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": False}
+        return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": False,
+                "transport": self.transport.name, "peer_exchanges": self.transport.peer_exchanges - peer0}
 
     def _pipelined(self, src: str, dst: str, layers: list[int], plan: KVMove, move_kv: bool,
                    send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -372,8 +389,8 @@ class Switcher:
         the staging."""
         splits = [(src if target == "tp" else dst).w13_EFD.shape[0]] * self.P
         views = (dst.w13_EFD, dst.w2_EDF) if target == "tp" else (src.w13_EFD, src.w2_EDF)
-        for out, inp in zip(views, staging, strict=True) if target == "tp" else zip(staging, views, strict=True):
-            self.transport.all_to_all(out, inp, splits, splits)
+        pairs = zip(views, staging, strict=True) if target == "tp" else zip(staging, views, strict=True)
+        self.transport.all_to_all_many([(out, inp, splits, splits) for out, inp in pairs])
 
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
                  send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
