@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -71,9 +72,14 @@ class Switcher:
         self.transport.all_to_all(torch.empty_like(probe), probe, [1] * self.P, [1] * self.P)
         moe = self._tp_moe()
         ecfg = self.w.spec.engine
-        if ecfg.switch_transport == "peer" and moe is not None and "ep" in self.w.modes:
-            self.transport = PeerTransport.build(self.w.groups, self.w.device, [moe.w13_EFD.shape, moe.w2_EDF.shape],
-                                                 moe.w13_EFD.dtype, 2 if ecfg.switch_overlap else 1)
+        if ecfg.switch_transport != "peer" or moe is None or "ep" not in self.w.modes:
+            return
+        # peers' staging is mapped memory: one machine only (ranks of several machines keep the collective)
+        if len(set(all_gather_json(socket.gethostname(), self.w.groups))) > 1:
+            log.warning("rank %d: ranks span several machines: switches keep the collective transport", self.rank)
+            return
+        self.transport = PeerTransport.build(self.w.groups, self.w.device, [moe.w13_EFD.shape, moe.w2_EDF.shape],
+                                             moe.w13_EFD.dtype, 2 if ecfg.switch_overlap else 1)
 
     def _tp_moe(self) -> MoEWeights | None:
         """The first MoE layer's TP expert views (their shapes are every layer's, and the staging's)."""
