@@ -1,7 +1,8 @@
 """Where a switch's weight time goes, per direction: the local permutes (EP->TP pack, TP->EP unpack) against the
 exchanges (the collective transport's all-to-alls of gate/up and of down), summed over the layers with CUDA events
 on every rank. Switches back and forth with no requests (weights only), on a preset with dummy weights. Times the
-one-stream pass (its hooks wrap `Switcher._move_experts`, which --switch-overlap's pipelined pass does not use).
+one-stream pass (its hooks wrap `Switcher._move_experts`, which --switch-overlap's pipelined pass does not use), over
+either transport (`--switch-transport peer`: the w13 and w2 exchanges each between their own pair of barriers).
 
     python3 benchmarks/switch_phases.py --model qwen3-30b-a3b --num-ranks 2 --output phases.json
     MOEBIUS_RESHARD_KERNEL=0 python3 benchmarks/switch_phases.py ... (torch's permuted copies, not the Triton row copy)
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (host-clock times)")
     ap.add_argument("--num-ranks", type=int, default=2)
     ap.add_argument("--switches", type=int, default=4)
+    ap.add_argument("--switch-transport", default="collective", choices=["collective", "peer"],
+                    help="the engine's --switch-transport (peer: each exchange between its own two barriers here)")
     ap.add_argument("--output", required=True)
     a = ap.parse_args()
     from moebius.entrypoints.llm import LLM
@@ -80,7 +83,8 @@ def main() -> None:
     cpu = a.device == "cpu"
     llm = LLM(model=None if a.model == "builtin" else a.model, load_format="auto" if a.model == "builtin" else "dummy",
               num_ranks=a.num_ranks, mode="tp", max_running_requests=64, max_num_batched_tokens=2048,
-              max_model_len=576, cuda_graph_max_bs=8, device=a.device, **({"dtype": "float32"} if cpu else {}))
+              max_model_len=576, cuda_graph_max_bs=8, device=a.device, switch_transport=a.switch_transport,
+              **({"dtype": "float32"} if cpu else {}))
     switches = []
     try:
         for i in range(a.switches):

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from moebius.model.builtin import builtin_hf_config
 
 POINT_FIELDS = {"mode", "batch", "context_len", "step_ms", "floor_ms", "ratio_to_floor", "tokens_per_s", "cuda_graph"}
@@ -99,18 +101,21 @@ def test_hf_tensor_parallel_run_past_its_timeout_ends_its_ranks() -> None:
     assert not left, f"rank processes left running: {left}"
 
 
-def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any) -> None:
-    """benchmarks/switch_phases.py on the CPU (tiny model, two gloo ranks): every rank reports each switch's permute
-    and exchange times, which lie inside the pass's weight time."""
+@pytest.mark.parametrize("transport", ["collective", "peer"])
+def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any, transport: str) -> None:
+    """benchmarks/switch_phases.py on the CPU (tiny model, two gloo ranks), over either switch transport: every rank
+    reports each switch's permute and exchange times, which lie inside the pass's weight time."""
     root = os.path.join(os.path.dirname(__file__), "..")
     out = tmp_path / "phases.json"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "switch_phases.py"), "--model", "builtin",
-                        "--device", "cpu", "--switches", "2", "--output", str(out)],
+                        "--device", "cpu", "--switches", "2", "--switch-transport", transport, "--output", str(out)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [s["to"] for s in res["switches"]] == ["ep", "tp"] and all(s["done"] for s in res["switches"])
+    assert all(s["transport"] == transport and (s["peer_exchanges"] > 0) == (transport == "peer")
+               for s in res["switches"]), res["switches"]
     rows = res["phases"]
     assert sorted((p["rank"], p["to"]) for p in rows) == [(0, "ep"), (0, "tp"), (1, "ep"), (1, "tp")]
     for p in rows:
