@@ -202,8 +202,7 @@ class Switcher:
         """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:
         what TP -> EP receives and EP -> TP packs, either way, as P * El = E; two with --switch-overlap, if the device
         has the memory; the peer transport's own, kept from the start, where it has them), and (plan: KV to move)
-        the KV rows sent and received. (Staging, why): why is "" unless the
-        device cannot give them."""
+        the KV rows sent and received. (Staging, why): why is "" unless the device cannot give them."""
         moe = self._tp_moe()
         try:
             experts = self.transport.staging()  # the peer transport's, kept from the start

@@ -103,9 +103,14 @@ class SharedFileBuffers:
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, groups: Groups) -> None:
         self.groups = groups
-        token = broadcast_json(uuid.uuid4().hex if groups.rank == 0 else None, groups)
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         numel, offsets = _flat(shapes, dtype)
+        folder = token = None
+        if groups.rank == 0:  # one folder for all: shared memory where it has room for every rank's file (a full
+            # /dev/shm faults on first write), else the temporary folder
+            shm, need = "/dev/shm", 2 * groups.world_size * numel * dtype.itemsize
+            roomy = os.path.isdir(shm) and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize > need
+            folder, token = shm if roomy else tempfile.gettempdir(), uuid.uuid4().hex
+        folder, token = broadcast_json([folder, token], groups)
         path = [os.path.join(folder, f"moebius-switch-{token}-{q}") for q in range(groups.world_size)]
         with open(path[groups.rank], "wb") as f:
             f.truncate(numel * dtype.itemsize)
