@@ -285,3 +285,51 @@ def run_to_completion(llm: Any, max_steps: int = 10_000) -> dict[str, Any]:
 def assert_kv_all_free(llm: Any) -> None:
     stats = llm.kv_stats()
     assert stats["free_tokens"] == stats["total_tokens"], f"KV cache not fully freed: {stats}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process-group helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, for a spawned group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(target: Callable[..., None], rank: int, world: int, port: int, args: tuple[Any, ...],
+               errors: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        target(rank, world, *args)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def run_gloo_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 120.0) -> None:
+    """target(rank, world, *args) in `world` spawned processes joined as one gloo group (the default group); fails
+    with whatever any of them raised. `target` must be a module-level function (spawn pickles it by name)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(target, r, world, port, args, errors)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    msgs = []
+    while not errors.empty():
+        msgs.append(errors.get())
+    assert not msgs, msgs
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

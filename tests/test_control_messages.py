@@ -3,45 +3,29 @@ in two; every rank gets what was sent, whatever mix of lengths the ranks send.""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import run_gloo_ranks
 
 from moebius.parallel import groups as g
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _message(rank: int, size: int) -> dict:
     return {"rank": rank, "text": "é" * size + str(rank)}  # multi-byte characters: lengths are bytes, not chars
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[int], errors: mp.Queue) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        groups = g.Groups(rank, world, dist.group.WORLD, dist.group.WORLD)
-        for src in range(world):  # every rank broadcasts a short and a long message
-            for size in sizes:
-                assert g.broadcast_json(_message(src, size), groups, src=src) == _message(src, size)
-        for size in sizes:  # ranks send messages of different lengths: some inline, some not
-            mine = _message(rank, size * (rank + 1))
-            got = g.gather_json(mine, groups, dst=1)
-            want = [_message(r, size * (r + 1)) for r in range(world)]
-            assert got == (want if rank == 1 else None)
-            assert g.all_gather_json(mine, groups) == want
-            assert g.all_gather_json(mine, groups, inline=65536) == want  # a longer first round: all inline here
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+def _rank(rank: int, world: int, sizes: list[int]) -> None:
+    groups = g.Groups(rank, world, dist.group.WORLD, dist.group.WORLD)
+    for src in range(world):  # every rank broadcasts a short and a long message
+        for size in sizes:
+            assert g.broadcast_json(_message(src, size), groups, src=src) == _message(src, size)
+    for size in sizes:  # ranks send messages of different lengths: some inline, some not
+        mine = _message(rank, size * (rank + 1))
+        got = g.gather_json(mine, groups, dst=1)
+        want = [_message(r, size * (r + 1)) for r in range(world)]
+        assert got == (want if rank == 1 else None)
+        assert g.all_gather_json(mine, groups) == want
+        assert g.all_gather_json(mine, groups, inline=65536) == want  # a longer first round: all inline here
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -49,19 +33,7 @@ def test_control_messages_short_and_long_reach_every_rank(world: int) -> None:
     # 2-byte characters: 10 (inline), 5000 (10 KB, inline for rank 0 only), 20000 (40 KB: never inline)
     sizes = [10, 5000, 20000]
     assert 2 * 20000 > g._INLINE > 2 * 10
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, sizes, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs, msgs
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_gloo_ranks(_rank, world, sizes)
 
 
 def test_token_ids_round_trip_through_json() -> None:

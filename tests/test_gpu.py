@@ -427,13 +427,10 @@ def test_fused_all_reduce_add_norm_matches_nccl() -> None:
     symmetric-memory dispatch and combine equal its NCCL path likewise."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    import socket
-
     import torch.multiprocessing as mp
+    from conftest import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_fused_all_reduce_rank, args=(r, port, results)) for r in range(2)]

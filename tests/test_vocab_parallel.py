@@ -5,20 +5,14 @@ draws, and gathered logits are the whole logits in vocabulary order."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from moebius.layers.sampler import SamplingBatch, race_scores, sample
 from moebius.parallel.dispatch import TPComm
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, P: int, port: int, q: mp.SimpleQueue) -> None:
@@ -49,7 +43,7 @@ def test_vocab_slices_give_whole_vocabulary_argmax_and_logits() -> None:
     for P in (2, 3):
         ctx = mp.get_context("spawn")
         q = ctx.SimpleQueue()
-        port = _port()
+        port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, P, port, q)) for r in range(P)]
         for p in procs:
             p.start()
