@@ -309,6 +309,7 @@ def _gloo_rank(target: Callable[..., None], rank: int, world: int, port: int, ar
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         target(rank, world, *args)
+        dist.barrier()  # nobody tears the group down while a peer still finishes its last collective
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
