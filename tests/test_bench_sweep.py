@@ -42,13 +42,15 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "sweep", "--model", str(model), "--num-ranks",
            "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
-           "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--hf-baseline", "--hf-batches", "2",
-           "--output", str(out)]
+           "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--switch-transport", "peer",
+           "--hf-baseline", "--hf-batches", "2", "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     check_sweep(result, {"tp", "ep"})
     assert result["num_gpus"] == 2 and result["gpu"] == "cpu"
+    assert result["switch_transport"] == "peer" and result["switches"]
+    assert all(s["transport"] == "peer" and s["peer_exchanges"] > 0 for s in result["switches"]), result["switches"]
     assert sorted((p["mode"], p["batch"]) for p in result["points"] if not p["mode"].startswith("hf")) == sorted(
         (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
     # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching, in one
