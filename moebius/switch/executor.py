@@ -267,15 +267,16 @@ class Switcher:
     def _pipelined(self, src: str, dst: str, layers: list[int], plan: KVMove, move_kv: bool,
                    send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
                    staging: Staging) -> list[tuple[Any, Any, Any]]:
-        """The pass with two expert buffers (the j-th layer in pass order uses buffer j % 2): the exchanges go out
-        from a side stream, so the compute stream permutes one layer while the exchange of the layer before it is
-        on the wire. EP -> TP: pack j, finish j-1, exchange j (pack j+1 then overlaps exchange j). TP -> EP:
-        exchange j, finish j-1 (unpack j-1 overlaps exchange j). Finishing j waits for exchange j, unpacks (TP ->
-        EP) and moves the layer's KV on the compute stream. Buffer j % 2 is free again for layer j + 2: EP -> TP
-        packs it after finishing j (which waited for exchange j); TP -> EP's exchange j + 2 waits for what the
-        compute stream queued before it, unpack j included. Slots (see the module docstring) are read before they
-        are written for the same reasons as in the one-stream pass: each exchange waits for everything the compute
-        stream queued before it. Returns one (start, last expert byte, end) mark for pass_times."""
+        """The pass with two expert buffers (the j-th layer in pass order uses buffer j % 2): the exchanges go out from
+        a side stream, so the compute stream permutes one layer while the exchange of the layer before it is on the
+        wire. EP -> TP: pack j, finish j-1, exchange j (pack j+1 then overlaps exchange j). TP -> EP: exchange j, finish
+        j-1 (unpack j-1 overlaps exchange j). Finishing j waits for exchange j, unpacks (TP -> EP) and moves the layer's
+        KV on the compute stream (over the collective transport, whose expert exchanges share the KV's NCCL
+        communicator, after the last exchange queued: the two streams never run it at once). Buffer j % 2 is free again
+        for layer j + 2: EP -> TP packs it after finishing j (which waited for exchange j); TP -> EP's exchange j + 2
+        waits for what the compute stream queued before it, unpack j included. Slots (see the module docstring) are read
+        before they are written for the same reasons as in the one-stream pass: each exchange waits for everything the
+        compute stream queued before it. Returns one (start, last expert byte, end) mark for pass_times."""
         w, P, to_tp = self.w, self.P, dst == "tp"
         assert staging.experts is not None
         cuda = self._side is not None  # on the CPU the same order, run as it is queued
@@ -304,8 +305,13 @@ class Switcher:
                 tp_to_ep_unpack(r13, r2, P, pair[1].w13_EFD, pair[1].w2_EDF)
             if move_kv:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
+                if cuda and nccl_both:  # TP -> EP queues exchange j + 1 before finishing j: the KV's all-to-all
+                    compute.wait_event(done[-1])  # waits for it, so that one communicator never runs on two streams
                 self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
 
+        # the collective transport's expert exchanges (side stream) and the KV's (compute stream) share one NCCL
+        # communicator, whose operations must not overlap; the peer transport's expert copies use none
+        nccl_both = isinstance(self.transport, CollectiveTransport)
         last_expert: Any = start
         for j, i in enumerate(layers):
             pair = experts(i)
