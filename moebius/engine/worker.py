@@ -193,20 +193,23 @@ class Worker:
         rank calls this once all ranks are built, so a rank that failed to build cannot leave the others waiting."""
         ecfg = self.spec.engine
         if self.groups.world_size > 1:
-            self.switcher.open_paths()
-            self._enable_symmetric_comm()
+            # peers' memory is mapped over NVLink (symmetric memory) or shared files: one machine only; torchrun
+            # across machines keeps NCCL and the collective switch transport
+            one_host = len(set(all_gather_json(socket.gethostname(), self.groups))) == 1
+            if not one_host:
+                log.info("rank %d: ranks span several machines: NCCL collectives only", self.spec.rank)
+            self.switcher.open_paths(peers_mapped=one_host)
+            if one_host:
+                self._enable_symmetric_comm()
         if self.device.type == "cuda" and not ecfg.disable_cuda_graph:
             self._capture_graphs(min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens))
 
     def _enable_symmetric_comm(self) -> None:
-        """TP's all-reduce and EP's exchange through symmetric memory (collective: every rank, same order)."""
+        """TP's all-reduce and EP's exchange through symmetric memory (collective: every rank, same order; ranks of
+        one machine)."""
         ecfg = self.spec.engine
         if (self.device.type != "cuda" or ecfg.disable_custom_all_reduce or self.dtype != torch.bfloat16
                 or not symmetric_memory_available()):
-            return
-        # peers' memory is mapped over NVLink: one machine only (torchrun across machines keeps NCCL)
-        if len(set(all_gather_json(socket.gethostname(), self.groups))) > 1:
-            log.info("rank %d: ranks span several machines: NCCL collectives only", self.spec.rank)
             return
         from moebius.kernels.symmetric import EPExchange
 

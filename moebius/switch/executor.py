@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -64,18 +63,17 @@ class Switcher:
         self._side = (torch.cuda.Stream(worker.device) if worker.device.type == "cuda"
                       and worker.spec.engine.switch_overlap else None)
 
-    def open_paths(self) -> None:
+    def open_paths(self, peers_mapped: bool) -> None:
         """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up, and
-        (--switch-transport peer) the expert staging every rank addresses. A collective: every rank calls it, after
-        all ranks were built."""
+        (--switch-transport peer, where every rank can map its peers' memory: one machine) the expert staging every
+        rank addresses. A collective: every rank calls it, after all ranks were built."""
         probe = torch.zeros(self.P, dtype=torch.uint8, device=self.w.device)
         self.transport.all_to_all(torch.empty_like(probe), probe, [1] * self.P, [1] * self.P)
         moe = self._tp_moe()
         ecfg = self.w.spec.engine
         if ecfg.switch_transport != "peer" or moe is None or "ep" not in self.w.modes:
             return
-        # peers' staging is mapped memory: one machine only (ranks of several machines keep the collective)
-        if len(set(all_gather_json(socket.gethostname(), self.w.groups))) > 1:
+        if not peers_mapped:
             log.warning("rank %d: ranks span several machines: switches keep the collective transport", self.rank)
             return
         self.transport = PeerTransport.build(self.w.groups, self.w.device, [moe.w13_EFD.shape, moe.w2_EDF.shape],
@@ -283,6 +281,9 @@ class Switcher:
         compute, side = (torch.cuda.current_stream(w.device), self._side) if cuda else (None, None)
         done: list[Any] = []  # exchange j finished (an event on the side stream)
         start = self._mark(cuda)
+        # the collective transport's expert exchanges (side stream) and the KV's (compute stream) share one NCCL
+        # communicator, whose operations must not overlap; the peer transport's expert copies use none
+        nccl_both = isinstance(self.transport, CollectiveTransport)
 
         def experts(i: int) -> tuple[MoEWeights, MoEWeights] | None:
             return self._experts(src, dst, i)
@@ -309,9 +310,6 @@ class Switcher:
                     compute.wait_event(done[-1])  # waits for it, so that one communicator never runs on two streams
                 self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
 
-        # the collective transport's expert exchanges (side stream) and the KV's (compute stream) share one NCCL
-        # communicator, whose operations must not overlap; the peer transport's expert copies use none
-        nccl_both = isinstance(self.transport, CollectiveTransport)
         last_expert: Any = start
         for j, i in enumerate(layers):
             pair = experts(i)

@@ -114,15 +114,10 @@ class SharedFileBuffers:
         path = [os.path.join(folder, f"moebius-switch-{token}-{q}") for q in range(groups.world_size)]
         with open(path[groups.rank], "wb") as f:
             f.truncate(numel * dtype.itemsize)
-        flats: list[torch.Tensor | None] = [None] * groups.world_size
-        flats[groups.rank] = torch.from_file(path[groups.rank], shared=True, size=numel, dtype=dtype)
         self.barrier()  # every file exists
-        for q in range(groups.world_size):
-            if flats[q] is None:
-                flats[q] = torch.from_file(path[q], shared=True, size=numel, dtype=dtype)
+        self.bufs = [_views(torch.from_file(p, shared=True, size=numel, dtype=dtype), shapes, offsets) for p in path]
         self.barrier()  # every rank mapped every file
         os.unlink(path[groups.rank])
-        self.bufs = [_views(f, shapes, offsets) for f in flats if f is not None]
 
     def local(self) -> list[torch.Tensor]:
         return self.bufs[self.groups.rank]
