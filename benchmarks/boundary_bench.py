@@ -12,21 +12,34 @@ A chain of S dependent one-row projections (x <- W_s x, W_s [H, H] bf16) timed t
 Per stage it reports µs, the weight bytes, and µs at the floor's HBM rate: the difference is the boundary's cost.
 The persistent chain's output must equal the launched chain's (same products, same sums).
 
+`--layer-chain P` instead times an idealized decode step of one TP-P rank at one or two tokens: per layer only the
+dependent stages no design can merge (a norm where TP's all-reduce kernel runs, q|k|v, attention, o, the second
+norm, the router with its top-k, gate|up, down), each a `kernels.linear` launch reading exactly the bytes the real
+stage must (the KV for attention, the experts the batch hits for gate|up and down, as in the floor), ordered by the
+stream and PDL as the engine's kernels are, distinct weights per layer (no L2 reuse), then the lm_head as the engine
+runs it. What it takes is what a step built of one launch per dependency would take if every stage streamed like a
+plain projection: a bound on what fusing launches or tuning kernels can reach, before the all-reduces.
+
     python3 benchmarks/boundary_bench.py --output boundary.json
+    python3 benchmarks/boundary_bench.py --layer-chain 2 --batches 1,2 --output chain.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from graph_timing import graph_time_us
 
 from moebius import kernels
-from moebius.bench.floor import Hardware
+from moebius.bench.floor import Hardware, _experts_hit, decode_step_floor_ms
+from moebius.config import PRESETS, ModelConfig
+from moebius.kernels.fused import add_rmsnorm
 from moebius.kernels.linear import TILE_ELEMS, linear
 
 
@@ -76,13 +89,87 @@ def launched(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def layer_stages(cfg: ModelConfig, P: int, batch: int, context: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the projections standing for one TP-P rank's dependent stages at `batch` tokens (N x K
+    elements read, as the real stage reads; "norm" stages are the engine's add_rmsnorm, N = K = hidden)."""
+    D, d, I_ = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size // P
+    qh, kvh = cfg.num_heads // P, max(1, cfg.num_kv_heads // P)
+    hit = _experts_hit(cfg, batch, cfg.num_experts)  # expected distinct experts, as the floor counts them
+    kv_elems = batch * context * kvh * d * 2
+    return [("norm", D, D), ("qkv", (qh + 2 * kvh) * d, D), ("attention", qh * d, kv_elems // (qh * d)),
+            ("o", D, qh * d), ("norm", D, D), ("router", cfg.num_experts, D),
+            ("gate_up", round(hit * 2 * I_), D), ("down", D, round(hit * I_))]
+
+
+def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
+    cfg = ModelConfig.from_hf(PRESETS[args.preset])
+    P, L = args.layer_chain, cfg.num_layers
+    vocab = cfg.vocab_size // P
+    hbm = Hardware().hbm_bytes_per_s
+    g = torch.Generator(device=dev).manual_seed(0)
+    lm_head = (torch.randn(vocab, cfg.hidden_size, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    norm_w = torch.ones(cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+    rows = []
+    for B in (int(b) for b in args.batches.split(",")):
+        if not 1 <= B <= kernels.PREFETCH_ROWS:
+            raise SystemExit(f"--batches: {B} tokens is not a one-launch projection (1..{kernels.PREFETCH_ROWS})")
+        stages = layer_stages(cfg, P, B, args.context)
+        # one input buffer as wide as any stage reads; the stream (and PDL's wait) orders the stages as the
+        # engine's are ordered, whatever buffer each reads
+        x = torch.randn(B, max(k for _, _, k in stages), device=dev, generator=g).to(torch.bfloat16) * 0.1
+        h = torch.randn(B, cfg.hidden_size, device=dev, generator=g).to(torch.bfloat16)
+        res = torch.zeros_like(h)
+        weights = [[None if name == "norm" else
+                    (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+                    for name, n, k in stages] for _ in range(L)]
+
+        def step(skip_norms: bool = False, layers: list = weights, stages: list = stages) -> None:
+            for layer in layers:
+                for (name, _, k), w in zip(stages, layer, strict=True):
+                    if name != "norm":
+                        linear(x[:, :k], w)
+                    elif not skip_norms:
+                        add_rmsnorm(h, res, norm_w, 1e-6)
+            F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1)
+
+        with kernels.release_order(kernels.LATE):  # the order the engine runs one or two tokens a rank in
+            ms = graph_time_us(step, reps=1) / 1e3
+            no_norms = graph_time_us(functools.partial(step, True), reps=1) / 1e3
+            lm_ms = graph_time_us(lambda: F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1), reps=1) / 1e3
+        layer_bytes = sum(n * k * 2 for name, n, k in stages if name != "norm")
+        floor = decode_step_floor_ms(cfg, P, "tp", B, args.context)
+        row = {"batch": B, "tp": P, "context_len": args.context, "layers": L,
+               "stages": [{"stage": name, "N": n, "K": k, "bytes": n * k * 2} for name, n, k in stages],
+               "launches_per_layer": len(stages), "layer_weight_bytes": layer_bytes,
+               "layer_us_at_hbm_rate": layer_bytes / hbm * 1e6,
+               "chain_step_ms": ms, "chain_layer_us": (ms - lm_ms) / L * 1e3,
+               "chain_without_norms_step_ms": no_norms, "lm_head_ms": lm_ms, "tp_floor_ms": floor,
+               "chain_ratio_to_floor": ms / floor}
+        print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
+        rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    json.dump({"gpu": torch.cuda.get_device_name(dev), "preset": args.preset,
+               "command": f"python3 benchmarks/boundary_bench.py --layer-chain {P} --preset {args.preset} "
+                          f"--batches {args.batches} --context {args.context} --output {args.output}",
+               "rows": rows}, open(args.output, "w"), indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", default="1024,2048")
     ap.add_argument("--stages", type=int, default=64)
+    ap.add_argument("--layer-chain", type=int, default=0, metavar="P",
+                    help="time the idealized decode step of one TP-P rank instead (module docstring)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    ap.add_argument("--batches", default="1,2")
+    ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--output", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.layer_chain:
+        layer_chain(args, dev)
+        return
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     hbm = Hardware().hbm_bytes_per_s
     rows = []
