@@ -18,7 +18,9 @@ norm, the router with its top-k, gate|up, down), each a `kernels.linear` launch 
 stage must (the KV for attention, the experts the batch hits for gate|up and down, as in the floor), ordered by the
 stream and PDL as the engine's kernels are, distinct weights per layer (no L2 reuse), then the lm_head as the engine
 runs it. What it takes is what a step built of one launch per dependency would take if every stage streamed like a
-plain projection: a bound on what fusing launches or tuning kernels can reach, before the all-reduces.
+plain projection: a bound on what fusing launches or tuning kernels can reach, before the all-reduces. Also timed:
+without the norm launches (as if the all-reduce + norm rode inside the kernels around it), and with the expert
+stand-ins loading their weights only after their wait, as the real expert kernels must (the router picks them).
 
     python3 benchmarks/boundary_bench.py --output boundary.json
     python3 benchmarks/boundary_bench.py --layer-chain 2 --batches 1,2 --output chain.json
@@ -89,6 +91,9 @@ def launched(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x
 
 
+EXPERT_STAGES = ("gate_up", "down")  # their weights are picked by the router: `--layer-chain`'s after-wait variant
+
+
 def layer_stages(cfg: ModelConfig, P: int, batch: int, context: int) -> list[tuple[str, int, int]]:
     """(name, N, K) of the projections standing for one TP-P rank's dependent stages at `batch` tokens (N x K
     elements read, as the real stage reads; "norm" stages are the engine's add_rmsnorm, N = K = hidden)."""
@@ -123,18 +128,19 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
                     (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
                     for name, n, k in stages] for _ in range(L)]
 
-        def step(skip_norms: bool = False, layers: list = weights, stages: list = stages) -> None:
+        def step(skip_norms: bool = False, experts_wait: bool = False, layers: list = weights,
+                 stages: list = stages) -> None:
             for layer in layers:
                 for (name, _, k), w in zip(stages, layer, strict=True):
                     if name != "norm":
-                        linear(x[:, :k], w)
+                        linear(x[:, :k], w, wait_first=experts_wait and name in EXPERT_STAGES)
                     elif not skip_norms:
                         add_rmsnorm(h, res, norm_w, 1e-6)
             F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1)
 
         with kernels.release_order(kernels.LATE):  # the order the engine runs one or two tokens a rank in
-            ms = graph_time_us(step, reps=1) / 1e3
-            no_norms = graph_time_us(functools.partial(step, True), reps=1) / 1e3
+            ms, no_norms, ms_w, no_norms_w = (graph_time_us(functools.partial(step, skip, late), reps=1) / 1e3
+                                              for late in (False, True) for skip in (False, True))
             lm_ms = graph_time_us(lambda: F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1), reps=1) / 1e3
         layer_bytes = sum(n * k * 2 for name, n, k in stages if name != "norm")
         floor = decode_step_floor_ms(cfg, P, "tp", B, args.context)
@@ -143,8 +149,9 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
                "launches_per_layer": len(stages), "layer_weight_bytes": layer_bytes,
                "layer_us_at_hbm_rate": layer_bytes / hbm * 1e6,
                "chain_step_ms": ms, "chain_layer_us": (ms - lm_ms) / L * 1e3,
-               "chain_without_norms_step_ms": no_norms, "lm_head_ms": lm_ms, "tp_floor_ms": floor,
-               "chain_ratio_to_floor": ms / floor}
+               "chain_without_norms_step_ms": no_norms, "chain_experts_after_wait_step_ms": ms_w,
+               "chain_experts_after_wait_without_norms_step_ms": no_norms_w, "lm_head_ms": lm_ms,
+               "tp_floor_ms": floor, "chain_ratio_to_floor": ms / floor}
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
         rows.append(row)
         del weights

@@ -34,16 +34,19 @@ def fits(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
 
 @triton.jit
 def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, PDL: tl.constexpr):
+                 BK: tl.constexpr, WAIT_FIRST: tl.constexpr, PDL: tl.constexpr):
     """Out[t, n] = sum_k X[t, k] * W[n, k] (+ B[n]) for this program's BN rows n, float32 sums rounded once."""
     release(PDL)
+    if WAIT_FIRST:
+        wait(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     mn, mk = rn < N, rk < K
     w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
     if HAS_BIAS:
         b = tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
-    wait(PDL)  # only X comes from the kernel before
+    if not WAIT_FIRST:
+        wait(PDL)  # only X comes from the kernel before
     for t in range(T):  # the engine sends up to MAX_ROWS rows; more only from direct callers
         x = tl.load(X + t * stride_x + rk, mask=mk, other=0.0)
         acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
@@ -52,8 +55,11 @@ def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constex
         tl.store(Out + t * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
 
 
-def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for any x [T, K] with K <= MAX_K (`fits` says where it is the faster one)."""
+def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, wait_first: bool = False
+           ) -> torch.Tensor:
+    """F.linear for any x [T, K] with K <= MAX_K (`fits` says where it is the faster one). wait_first: load the
+    weights only after the wait, as a kernel must whose weights the kernel before picks (benchmarks/boundary_bench.py's
+    stand-ins for the expert projections)."""
     T, K = x_TD.shape
     N = w_ND.shape[0]
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
@@ -61,5 +67,5 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
     BN = max(1, TILE_ELEMS // BK)
     _linear_rows[(triton.cdiv(N, BN),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
                                         x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None, BN=BN, BK=BK,
-                                        num_warps=8, **pdl(x_TD))
+                                        WAIT_FIRST=wait_first, num_warps=8, **pdl(x_TD))
     return out
