@@ -199,8 +199,8 @@ def test_router_matches_linear_then_topk() -> None:
 
 def test_few_row_linear_matches_float32_product() -> None:
     """The prefetching projection (kernels/linear.py) at 30B / 235B shard shapes, 1-3 rows, in a CUDA graph after
-    another kernel (its weight loads run before it waits), in both release orders: within bf16 rounding of the
-    float32 product."""
+    another kernel (its weight loads run before it waits; or after, wait_first), in both release orders: within
+    bf16 rounding of the float32 product."""
     from moebius import kernels
     from moebius.kernels.fused import add_rmsnorm
     from moebius.kernels.linear import fits, linear
@@ -214,16 +214,18 @@ def test_few_row_linear_matches_float32_product() -> None:
             assert fits(torch.zeros(2, K, device="cuda", dtype=torch.bfloat16), w)
         assert not fits(torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), w)  # EARLY: it would hold the SMs
         LATE, EARLY = kernels.LATE, kernels.EARLY
-        for T, bias, order in [(1, None, LATE), (1, b, EARLY), (2, b, LATE), (3, b, LATE)]:
+        for T, bias, order, first in [(1, None, LATE, False), (1, b, EARLY, False), (2, b, LATE, False),
+                                      (3, b, LATE, False), (2, None, LATE, True)]:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g), kernels.release_order(order):  # its input written by the kernel just before
                 h = add_rmsnorm(x, None, ones[:K], 1e-6)
-                y = linear(h, w, bias)
+                y = linear(h, w, bias, wait_first=first)
             g.replay()
             torch.cuda.synchronize()
             want = torch.nn.functional.linear(h.float(), w.float(), None if bias is None else bias.float())
-            assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2), (N, K, T, (y.float() - want).abs().max())
+            assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2), (N, K, T, first,
+                                                                          (y.float() - want).abs().max())
 
 
 def test_argmax_keys_match_torch_argmax() -> None:
