@@ -228,6 +228,34 @@ def test_few_row_linear_matches_float32_product() -> None:
                                                                           (y.float() - want).abs().max())
 
 
+def test_few_row_tensor_core_linear_matches_float32_product() -> None:
+    """The tensor-core projection for 3-32 rows (kernels/linear.py linear_mma) at 30B / 235B shard shapes and ragged
+    ones, in a CUDA graph after another kernel, in both release orders; the model's linear picks it where `fits`
+    (one or two rows, LATE) does not: within bf16 rounding of the float32 product."""
+    from moebius import kernels
+    from moebius.kernels import linear as kl
+    from moebius.kernels.fused import add_rmsnorm
+    from moebius.layers.linear import linear
+
+    torch.manual_seed(0)
+    ones = torch.ones(8192, device="cuda", dtype=torch.bfloat16)
+    for N, K in [(2560, 2048), (2048, 2048), (5120, 2048), (2048, 4096), (4608, 4096), (100, 300)]:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        for T, bias, order in [(3, b, kernels.LATE), (4, None, kernels.EARLY), (8, None, kernels.LATE),
+                               (16, b, kernels.EARLY), (32, None, kernels.LATE), (33, None, kernels.EARLY)]:
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            assert kl.fits_mma(x, w) == (T <= kl.MMA_MAX_ROWS) and not kl.fits_mma(x[:2], w)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), kernels.release_order(order):  # its input written by the kernel just before
+                h = add_rmsnorm(x, None, ones[:K], 1e-6)
+                y = kl.linear_mma(h, w, bias) if T <= kl.MMA_MAX_ROWS else linear(h, w, bias)
+            g.replay()
+            torch.cuda.synchronize()
+            want = torch.nn.functional.linear(h.float(), w.float(), None if bias is None else bias.float())
+            assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2), (N, K, T, (y.float() - want).abs().max())
+
+
 def test_argmax_keys_match_torch_argmax() -> None:
     """The one-launch vocabulary argmax (kernels/fused.py) against torch.argmax on bf16 logits with ties."""
     from moebius.kernels.fused import argmax_keys

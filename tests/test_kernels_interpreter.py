@@ -2,7 +2,7 @@
 bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of pairs, the one-
 program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
 (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables),
-the few-row linear (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
+the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
 norm + RoPE + cache write, the router (K-split logits, then top-k) and the vocabulary argmax keys
 (moebius/kernels/fused.py). The interpreter is chosen when Triton defines the kernels, so the cases run in a fresh
 interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs the
@@ -152,18 +152,21 @@ def test_router_under_the_interpreter() -> None:
 def linear_cases() -> None:
     import torch.nn.functional as F
 
-    from moebius.kernels.linear import linear
+    from moebius.kernels.linear import linear, linear_mma
 
     g = torch.Generator().manual_seed(0)
-    # (rows, N, K): partial row tiles, K under a power of two, the widest K (4 rows a program)
-    for T, N, K in [(1, 40, 300), (4, 33, 2048), (3, 7, 8192)]:
+    # (rows, N, K): partial row tiles, K under a power of two, the widest K (4 rows a program); the tensor-core
+    # kernel: partial weight-row and K tiles, rows padded to 16 and to 32
+    cases = [(linear, 1, 40, 300), (linear, 4, 33, 2048), (linear, 3, 7, 8192), (linear_mma, 3, 100, 300),
+             (linear_mma, 5, 64, 512), (linear_mma, 17, 70, 1000)]
+    for fn, T, N, K in cases:
         x = torch.randn(T, K, generator=g)
         w = torch.randn(N, K, generator=g)
         b = torch.randn(N, generator=g)
         for bias in (None, b):
             want = F.linear(x, w, bias)
-            got = linear(x, w, bias)
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-3), (T, N, K, (got - want).abs().max())
+            got = fn(x, w, bias)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-3), (fn.__name__, T, N, K, (got - want).abs().max())
 
 
 def test_few_row_linear_under_the_interpreter() -> None:

@@ -1,10 +1,15 @@
-"""Projections of one or two rows (decode at one or two tokens a rank): each program holds BN whole weight rows in
-registers, loaded before it waits for the kernel before it (programmatic dependent launch, kernels/pdl.py), so the
-weight stream overlaps that kernel instead of following it. cuBLAS picks 64-column tiles here (40 programs for a 30B TP
-qkv shard on 132 SMs) and starts only once the previous kernel has finished: ~6 us a projection where the
-weights alone take ~2 us of HBM. `fits` takes them only in the LATE release order, which the runner sets for the
-steps that use them (`moebius.kernels.release_order_for`): in the EARLY one these programs sit on the SMs,
-registers full, while the expert kernels of the layer before still run."""
+"""Projections of a few rows (decode at a few tokens a rank), two kernels:
+- one or two rows (`fits`, `linear`): each program holds BN whole weight rows in registers, loaded before it waits
+  for the kernel before it (programmatic dependent launch, kernels/pdl.py), so the weight stream overlaps that kernel
+  instead of following it. cuBLAS picks 64-column tiles here (40 programs for a 30B TP qkv shard on 132 SMs) and
+  starts only once the previous kernel has finished: ~6 us a projection where the weights alone take ~2 us of HBM.
+  `fits` takes them only in the LATE release order, which the runner sets for the steps that use them
+  (`moebius.kernels.release_order_for`): in the EARLY one these programs sit on the SMs, registers full, while the
+  expert kernels of the layer before still run.
+- 3 to 32 rows (`fits_mma`, `linear_mma`): tensor-core tiles of MMA_BM weight rows against the rows (padded to 16
+  or 32), K streamed through shared memory; launched with PDL like every kernel of the step, which cuBLAS is not
+  (h200-few-row-projections.json). Their steps run in the LATE order too.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import triton
 import triton.language as tl
 
 from moebius import kernels
-from moebius.kernels.pdl import pdl, release, wait
+from moebius.kernels.pdl import enter, pdl, release, wait
 
 # Each row costs every program a cross-thread sum of BN x K products: 4 rows were slower than cuBLAS (3.705 ->
 # 3.861 ms at TP batch 4; before, 2-4 rows 1-7%: h200x2-linear-pdl.json); 2 rows pay only at small weights
@@ -68,4 +73,50 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
     _linear_rows[(triton.cdiv(N, BN),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
                                         x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None, BN=BN, BK=BK,
                                         WAIT_FIRST=wait_first, num_warps=8, **pdl(x_TD))
+    return out
+
+
+# Tensor-core tiles for 3 to 32 rows (`kernels.MMA_MIN_ROWS`, `MMA_MAX_ROWS`): weight rows a program x K a stage,
+# stages (h200-few-row-projections.json: 64 x 256 x 4 stages within 0.3 us a layer of the best shape at every row
+# count on the 30B TP-2 and EP shapes; 64 rows of tokens would not fit the shared memory)
+MMA_MIN_ROWS, MMA_MAX_ROWS = kernels.MMA_MIN_ROWS, kernels.MMA_MAX_ROWS
+MMA_BM, MMA_BK, MMA_STAGES = 64, 256, 4
+
+
+def fits_mma(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
+    return (x_TD.is_cuda and MMA_MIN_ROWS <= x_TD.shape[0] <= MMA_MAX_ROWS and x_TD.stride(1) == 1
+            and w_ND.shape[1] == x_TD.shape[1] and w_ND.is_contiguous() and x_TD.dtype == w_ND.dtype
+            and x_TD.dtype in (torch.bfloat16, torch.float16))
+
+
+@triton.jit
+def _linear_mma(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """Out[t, n] for this program's BM rows n and every row t: W[n, :] . X[t, :] as one [BM, BT] tile, float32 sums
+    rounded once."""
+    enter(PDL)
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    mm, mt = rm < N, rt < T
+    acc = tl.zeros([BM, BT], tl.float32)
+    for k0 in range(0, K, BK):
+        mk = k0 + rk < K
+        w = tl.load(W + rm[:, None].to(tl.int64) * K + (k0 + rk)[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        x = tl.load(X + rt[None, :] * stride_x + (k0 + rk)[:, None], mask=mt[None, :] & mk[:, None], other=0.0)
+        acc = tl.dot(w, x, acc)
+    if HAS_BIAS:
+        acc += tl.load(B + rm, mask=mm, other=0.0).to(tl.float32)[:, None]
+    tl.store(Out + rt[None, :] * stride_o + rm[:, None], acc.to(Out.dtype.element_ty), mask=mm[:, None] & mt[None, :])
+
+
+def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for any x [T, K] (`fits_mma` says where it is the faster one)."""
+    T, K = x_TD.shape
+    N = w_ND.shape[0]
+    out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
+    _linear_mma[(triton.cdiv(N, MMA_BM),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
+                                           x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
+                                           BT=max(16, triton.next_power_of_2(T)), BM=MMA_BM, BK=MMA_BK, num_warps=4,
+                                           num_stages=MMA_STAGES, **pdl(x_TD))
     return out

@@ -1,5 +1,5 @@
-"""Linear projections: F.linear, or on the GPU for a few rows a kernel that streams the weights while the kernel
-before it is still running (moebius/kernels/linear.py)."""
+"""Linear projections: F.linear, or on the GPU for a few rows kernels that start while the kernel before them is still
+running (moebius/kernels/linear.py)."""
 
 from __future__ import annotations
 
@@ -15,4 +15,6 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
 
         if kl.fits(x_TD, w_ND):
             return kl.linear(x_TD, w_ND, bias_N)
+        if kl.fits_mma(x_TD, w_ND):
+            return kl.linear_mma(x_TD, w_ND, bias_N)
     return F.linear(x_TD, w_ND, bias_N)
