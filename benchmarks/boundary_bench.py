@@ -154,7 +154,7 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
                "tp_floor_ms": floor, "chain_ratio_to_floor": ms / floor}
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
         rows.append(row)
-        del weights
+        del weights, step  # step holds the weights too
         torch.cuda.empty_cache()
     json.dump({"gpu": torch.cuda.get_device_name(dev), "preset": args.preset,
                "command": f"python3 benchmarks/boundary_bench.py --layer-chain {P} --preset {args.preset} "

@@ -254,6 +254,17 @@ def test_few_row_tensor_core_linear_matches_float32_product() -> None:
             torch.cuda.synchronize()
             want = torch.nn.functional.linear(h.float(), w.float(), None if bias is None else bias.float())
             assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2), (N, K, T, (y.float() - want).abs().max())
+    # the model's projections take it from 3 rows (2 keep the one-row kernel or cuBLAS)
+    calls = []
+    kernel = kl.linear_mma
+    try:
+        kl.linear_mma = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+        for T in (2, 3, 32, 33):
+            with kernels.release_order(kernels.release_order_for(T, w.numel())):
+                linear(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), w)
+    finally:
+        kl.linear_mma = kernel
+    assert calls == [3, 32]
 
 
 def test_argmax_keys_match_torch_argmax() -> None:

@@ -55,8 +55,9 @@ def prefetch_rows(qkv_elems: int) -> int:
 
 
 # Steps of MMA_MIN_ROWS to MMA_MAX_ROWS tokens a rank run their projections through kernels/linear.py's tensor-core
-# kernel, also in the LATE order (EARLY: 0-2% slower steps than with cuBLAS; LATE: 1-2% faster, 3-32 tokens on one
-# H200, h200-few-row-projections.json). Two tokens with a large qkv keep cuBLAS (the kernel: +1.6% there).
+# kernel, also in the LATE order (against cuBLAS in the EARLY order, at 4-32 tokens on one H200: -1.4 to +0.4% with
+# the kernel in the EARLY order, -0.4 to -2.0% in the LATE one; h200-few-row-projections.json). Two tokens with a
+# large qkv keep cuBLAS (the kernel there: +1.6%).
 MMA_MIN_ROWS, MMA_MAX_ROWS = 3, 32
 
 
