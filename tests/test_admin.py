@@ -30,7 +30,7 @@ def test_admin_switch_between_steps_keeps_tokens() -> None:
     with LLM() as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, sp)]
     with LLM(admin_port=0, api_key="s3cret") as llm:
-        port = llm.engine.admin.port
+        port = llm.admin.port
         assert _post(port, b'{"mode": "ep"}')[0] == 401
         assert _post(port, b'{"mode": "ep"}', "wrong")[0] == 401
         code, body = _post(port, b'{"mode": "xp"}', "s3cret")
@@ -59,13 +59,13 @@ def test_admin_switch_between_steps_keeps_tokens() -> None:
 
 def test_admin_binds_loopback_only() -> None:
     with LLM(admin_port=0) as llm:
-        assert llm.engine.admin.httpd.server_address[0] == "127.0.0.1"
+        assert llm.admin.httpd.server_address[0] == "127.0.0.1"
 
 
 @pytest.mark.parametrize("path", ["/admin/nope", "/"])
 def test_admin_unknown_path_is_404(path: str) -> None:
     with LLM(admin_port=0) as llm:
-        req = urllib.request.Request(f"http://127.0.0.1:{llm.engine.admin.port}{path}")
+        req = urllib.request.Request(f"http://127.0.0.1:{llm.admin.port}{path}")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 404

@@ -54,8 +54,16 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     import pytest
     import torch
 
-    from moebius.engine.request import Request, RequestSpec, Status, requests_from_json, requests_to_json
+    from moebius.engine.codec import decode, encode
+    from moebius.engine.messages import RequestList
+    from moebius.engine.request import Request, RequestSpec, Status
     from moebius.sampling_params import SamplingParams
+
+    def requests_to_json(reqs: list[Request]) -> dict:
+        return encode(RequestList.of(reqs))
+
+    def requests_from_json(msg: dict, specs: dict) -> list[Request]:
+        return decode(RequestList, msg).requests_with(specs)
 
     reqs = [Request(RequestSpec("a", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"]), 7, 100, 0), [4, 5], 4,
                     status=Status.RUNNING, stop_text="ab", stop_offsets=(1, 2)),

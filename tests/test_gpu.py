@@ -483,24 +483,21 @@ def test_fused_all_reduce_add_norm_matches_nccl() -> None:
     assert got == {0: [], 1: []}, got
 
 
-def test_switch_reshard_copies_match_torch_permutes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_switch_reshard_copies_match_torch_permutes() -> None:
     """The switch's pack and unpack through kernels/copy.py, in bf16 at the 30B preset's shard shapes (fewer experts),
     equal torch's permuted copies bit for bit, and round-trip."""
-    from moebius.switch import plan
     from moebius.switch.plan import ep_to_tp_pack, tp_to_ep_unpack
-
-    monkeypatch.setattr(plan, "RESHARD_KERNEL", True)
 
     El, I, D, P = 4, 768, 2048, 2
     w13 = torch.randn(El, 2 * I, D, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(El, D, I, device="cuda", dtype=torch.bfloat16)
     out = (torch.full((P * El, 2 * I // P, D), float("nan"), device="cuda", dtype=torch.bfloat16),
            torch.full((P * El, D, I // P), float("nan"), device="cuda", dtype=torch.bfloat16))
-    ep_to_tp_pack(w13, w2, P, out)
+    ep_to_tp_pack(w13, w2, P, out, row_kernel=True)
     assert torch.equal(out[0], w13.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4).reshape(P * El, 2 * I // P, D))
     assert torch.equal(out[1], w2.view(El, D, P, I // P).permute(2, 0, 1, 3).reshape(P * El, D, I // P))
     back13, back2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
-    tp_to_ep_unpack(out[0], out[1], P, back13, back2)
+    tp_to_ep_unpack(out[0], out[1], P, back13, back2, row_kernel=True)
     assert torch.equal(back13, w13) and torch.equal(back2, w2)
 
 

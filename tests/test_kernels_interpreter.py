@@ -192,7 +192,7 @@ def test_paged_attention_under_the_interpreter() -> None:
 
 def reshard_cases() -> None:
     from moebius.kernels.copy import copy_rows
-    from moebius.switch import plan
+    from moebius.parallel.layout import expert_block, expert_shard
 
     g = torch.Generator().manual_seed(0)
     # rows of many columns (gate/up shards: several column tiles) and of few (down shards: masked tiles), P = 2 and 4
@@ -200,7 +200,7 @@ def reshard_cases() -> None:
         w13 = torch.randn(El, 2 * I, D, generator=g)
         w2 = torch.randn(El, D, I, generator=g)
         for q in range(P):
-            for s in plan._shard_rows(w13, w2, P, q):
+            for s in expert_shard(w13, w2, P, q):
                 d = torch.full_like(s, float("nan"))
                 copy_rows(d, s)
                 assert torch.equal(d, s)
@@ -209,12 +209,12 @@ def reshard_cases() -> None:
                     w2.view(El, D, P, I // P).permute(2, 0, 1, 3).reshape(P * El, D, I // P))
         out = (torch.full((P * El, 2 * I // P, D), float("nan")), torch.full((P * El, D, I // P), float("nan")))
         for q in range(P):
-            for d, s in zip(plan._chunk_rows(*out, P, q), plan._shard_rows(w13, w2, P, q), strict=True):
+            for d, s in zip(expert_block(*out, P, q), expert_shard(w13, w2, P, q), strict=True):
                 copy_rows(d, s)
         assert torch.equal(out[0], pack_ref[0]) and torch.equal(out[1], pack_ref[1])
         back13, back2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
         for q in range(P):
-            for d, s in zip(plan._shard_rows(back13, back2, P, q), plan._chunk_rows(*out, P, q), strict=True):
+            for d, s in zip(expert_shard(back13, back2, P, q), expert_block(*out, P, q), strict=True):
                 copy_rows(d, s)
         assert torch.equal(back13, w13) and torch.equal(back2, w2)
     try:

@@ -131,7 +131,7 @@ def _swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.T
 
 
 @pytest.mark.parametrize("P", RANKS)
-def test_shard_rows_and_cols(P: int) -> None:
+def test_mlp_shards(P: int) -> None:
     cfg = mcfg()
     g = torch.Generator().manual_seed(P)
     gate, up = (torch.randn(I_MOE, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -141,19 +141,18 @@ def test_shard_rows_and_cols(P: int) -> None:
     partial = torch.zeros(5, D, dtype=torch.float64)
     for lay in layouts(cfg, "tp", P):
         r = lay.rank
-        rows = lay.shard_rows(w13, parts=2)
+        rows = lay.shard_w13(w13)
         assert torch.equal(rows, torch.cat([gate[r * n:(r + 1) * n], up[r * n:(r + 1) * n]]))
         assert rows.shape == (2 * lay.moe_inter, D)
-        cols = lay.shard_cols(w2)
+        cols = lay.shard_w2(w2)
         assert torch.equal(cols, w2[:, r * n:(r + 1) * n]) and cols.shape == (D, lay.moe_inter)
-        assert torch.equal(lay.shard_rows(gate), gate[r * n:(r + 1) * n])
         partial += _swiglu_mlp(x, rows, cols)
     # The row cut of [gate | up] pairs with the column cut of down: the partial sums add up to the full MLP.
     full = _swiglu_mlp(x, w13, w2)
     assert torch.allclose(partial, full, rtol=1e-9, atol=1e-9)
-    assert torch.equal(torch.cat([lay.shard_cols(w2) for lay in layouts(cfg, "tp", P)], dim=-1), w2)
+    assert torch.equal(torch.cat([lay.shard_w2(w2) for lay in layouts(cfg, "tp", P)], dim=-1), w2)
     for lay in layouts(cfg, "ep", P):  # EP never cuts a tensor
-        assert torch.equal(lay.shard_rows(w13, parts=2), w13) and torch.equal(lay.shard_cols(w2), w2)
+        assert torch.equal(lay.shard_w13(w13), w13) and torch.equal(lay.shard_w2(w2), w2)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def _run(path: str, overlap: bool, **kw) -> tuple[list, int]:
     jobs = _workload(llm)
     outs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert_kv_all_free(llm)
-    preemptions = llm.engine.ranks.worker.scheduler.num_preemptions
+    preemptions = llm.engine.ranks.rank.scheduler.num_preemptions
     llm.close()
     return outs, preemptions
 
@@ -65,16 +65,16 @@ def test_overlap_keeps_one_step_in_flight(ckpt) -> None:
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for overlap in (True, False):
         llm = make_llm(path, disable_overlap_schedule=not overlap)
-        worker = llm.engine.ranks.worker
+        rank = llm.engine.ranks.rank
         llm.add_request(PROMPTS[1], sp)
         first = llm.step()  # prefill, which samples the first token
         assert (first == []) is overlap
-        assert (worker.inflight is not None) is overlap
-        running = worker.scheduler.running[0]
+        assert (rank.inflight is not None) is overlap
+        running = rank.scheduler.running[0]
         assert (running.output_token_ids[-1] == PLACEHOLDER) is overlap
         outs = run_to_completion(llm)
         assert len(next(iter(outs.values())).outputs[0].token_ids) == 4
-        assert worker.inflight is None
+        assert rank.inflight is None
         assert_kv_all_free(llm)
         llm.close()
 
@@ -82,10 +82,10 @@ def test_overlap_keeps_one_step_in_flight(ckpt) -> None:
 def test_a_placeholder_never_reaches_the_model(ckpt) -> None:
     """A token the host does not have must come from the step that produces it: a step without it is refused."""
     llm = make_llm(ckpt("base"))
-    worker = llm.engine.ranks.worker
+    rank = llm.engine.ranks.rank
     llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.step()
-    worker.inflight = None  # forget the step in flight: the next step has nowhere to take its token from
+    rank.inflight = None  # forget the step in flight: the next step has nowhere to take its token from
     with pytest.raises(RuntimeError, match="placeholder"):
-        worker._forward_step()
+        rank._forward_step()
     llm.close()

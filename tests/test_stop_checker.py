@@ -1,4 +1,4 @@
-"""StopChecker decodes incrementally (a short window per token) and still finds a stop string the moment its last
+"""StopRules decodes incrementally (a short window per token) and still finds a stop string the moment its last
 token arrives, across multi-byte characters split over byte tokens; its state survives a JSON round trip (a switch
 moves it between ranks)."""
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 
-from moebius.engine.request import Request, RequestSpec, requests_from_json, requests_to_json
-from moebius.engine.scheduler import StopChecker
+from moebius.engine.codec import decode, encode
+from moebius.engine.lifecycle import StopRules
+from moebius.engine.messages import RequestList
+from moebius.engine.request import Request, RequestSpec
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import Tokenizer
 
@@ -16,12 +18,13 @@ def test_incremental_stop_string_matches_full_decode() -> None:
     tok = Tokenizer.builtin()
     text = "héllo wörld 你好 🙂 and then END of it"
     ids = tok.encode(text)
-    checker = StopChecker((), tok)
+    checker = StopRules((), tok)
     req = Request(RequestSpec("r", [1], SamplingParams(stop=["END"], max_tokens=None), 0, 10_000))
     for i, t in enumerate(ids):
         req.output_token_ids.append(t)
         if i % 5 == 0:  # move the request as a switch would, now and then
-            req = requests_from_json(json.loads(json.dumps(requests_to_json([req]))), {req.request_id: req.spec})[0]
+            msg = json.loads(json.dumps(encode(RequestList.of([req]))))
+            req = decode(RequestList, msg).requests_with({req.request_id: req.spec})[0]
         checker.check(req)
         if req.finish_reason is not None:
             break

@@ -18,13 +18,13 @@ import torch
 
 from moebius.config import ModelConfig
 from moebius.parallel.layout import Layout
+from moebius.parallel.placement import partition
 from moebius.switch.plan import (
     KVMove,
     LiveKV,
     ep_to_tp_pack,
     kv_ep_to_tp,
     kv_tp_to_ep,
-    partition,
     slots_of,
     token_slots,
     tp_to_ep_unpack,
@@ -120,8 +120,7 @@ def ep_shards(cfg: ModelConfig, P: int, w13: torch.Tensor, w2: torch.Tensor) -> 
         lay = Layout(cfg, "ep", r, P)
         es = range(lay.first_expert, lay.first_expert + lay.num_local_experts)
         assert lay.moe_inter == cfg.moe_intermediate_size
-        out.append((torch.stack([lay.shard_rows(w13[e], parts=2) for e in es]),
-                    torch.stack([lay.shard_cols(w2[e]) for e in es])))
+        out.append((torch.stack([lay.shard_w13(w13[e]) for e in es]), torch.stack([lay.shard_w2(w2[e]) for e in es])))
     return out
 
 
@@ -130,8 +129,8 @@ def tp_shards(cfg: ModelConfig, P: int, w13: torch.Tensor, w2: torch.Tensor) -> 
     for q in range(P):
         lay = Layout(cfg, "tp", q, P)
         assert lay.num_local_experts == cfg.num_experts and lay.first_expert == 0
-        out.append((torch.stack([lay.shard_rows(w13[e], parts=2) for e in range(cfg.num_experts)]),
-                    torch.stack([lay.shard_cols(w2[e]) for e in range(cfg.num_experts)])))
+        out.append((torch.stack([lay.shard_w13(w13[e]) for e in range(cfg.num_experts)]),
+                    torch.stack([lay.shard_w2(w2[e]) for e in range(cfg.num_experts)])))
     return out
 
 

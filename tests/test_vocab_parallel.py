@@ -27,8 +27,8 @@ def _rank(rank: int, P: int, port: int, q: mp.SimpleQueue) -> None:
         whole[3, V - 1] = 9.0  # the best id in the last rank's slice
         whole[4, [0, 1]] = 7.0  # a tie inside the first rank's slice
         whole[5] = -whole[5].abs() - 1.0  # all negative: the keys order negative floats too
-        comm = TPComm(dist.group.WORLD)
         mine = whole.chunk(P, dim=-1)[rank]
+        comm = TPComm(dist.group.WORLD, vocab_first=rank * mine.shape[1])
         sb = SamplingBatch(temperature=torch.tensor([0.7, 0.0, 1.0, 1.3, 0.9, 1.0]), top_k=torch.full((T,), V),
                            top_p=torch.ones(T), seeds=torch.arange(T) * 7919, steps=torch.arange(T),
                            all_greedy=False, any_top_k=False, any_top_p=False)

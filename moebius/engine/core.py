@@ -15,20 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
-from moebius.engine.ranks import (
-    LocalRanks,
-    SpawnedRanks,
-    StepResult,
-    TorchrunRanks,
-    serve_torchrun_rank,
-    torchrun_env,
-)
+from moebius.engine.lifecycle import check_prompt, cut_at_stop, max_total_len, placement_weight
+from moebius.engine.messages import KVStats, StepPlan, StepResult, TokenDelta
+from moebius.engine.rank import RankSpec
+from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.engine.request import RequestSpec
-from moebius.engine.worker import StepPlan, TokenDelta, WorkerSpec
-from moebius.entrypoints.admin import AdminServer
 from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
 from moebius.outputs import CompletionOutput, RequestOutput
-from moebius.parallel.layout import check_shapes
+from moebius.parallel.layout import MODES, Layout, check_shapes
+from moebius.parallel.placement import Placement
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import IncrementalDetokenizer, Tokenizer, load_generation_eos
 
@@ -66,8 +61,8 @@ class _FrontRequest:
 
 
 def _check_mode(target: str) -> None:
-    if target not in ("tp", "ep"):
-        raise ValueError(f"mode must be 'tp' or 'ep', got {target!r}")
+    if target not in MODES:
+        raise ValueError(f"mode must be {' or '.join(map(repr, MODES))}, got {target!r}")
 
 
 def _child_seed(seed: int, index: int) -> int:
@@ -122,7 +117,7 @@ class EngineCore:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"{cfg.max_position_embeddings}")
-        spec = WorkerSpec(
+        spec = RankSpec(
             engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
             eos_token_ids=resolved.eos_token_ids, tokenizer_dir=resolved.tokenizer_dir,
             use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len, mode=ecfg.mode)
@@ -143,10 +138,9 @@ class EngineCore:
         else:
             self.ranks = LocalRanks(spec)
         self.kv_capacity = self.ranks.kv_capacity
-        self.mode = ecfg.mode
-        self._kv_stats: list[dict[str, int]] = []
-        self._owner: dict[str, int] = {}  # rank-side request id -> owning rank (EP)
-        self._load = [[0, 0] for _ in range(self.world_size)]  # per rank: live requests, tokens (EP placement)
+        self.layout = Layout(cfg, ecfg.mode, 0, self.world_size)  # the active layout, as rank 0 holds it
+        self._kv_stats: list[KVStats] = []
+        self.placement = Placement(self.world_size)  # which rank runs each live request, where the layout places them
         self.device, self.dtype = device, dtype
         self.eos_token_ids = resolved.eos_token_ids
         self._rng = random.Random(ecfg.seed)
@@ -157,8 +151,11 @@ class EngineCore:
         self._pending = StepPlan()
         self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
-        self.admin = (AdminServer(self, ecfg.admin_host, ecfg.admin_port, ecfg.api_key)
-                      if ecfg.admin_port is not None else None)
+
+    @property
+    def mode(self) -> str:
+        """The active layout: "tp" or "ep"."""
+        return self.layout.mode
 
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -188,11 +185,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        limit = min(self.max_model_len, self.kv_capacity)
-        if len(ids) >= limit:
-            what = "max_model_len" if limit == self.max_model_len else "KV-cache capacity"
-            raise ValueError(f"prompt has {len(ids)} tokens; the {what} is {limit} tokens, which leaves no room "
-                             f"for output")
+        check_prompt(len(ids), self.max_model_len, self.kv_capacity)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
         return text, ids
@@ -205,7 +198,7 @@ class EngineCore:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        limit = min(self.max_model_len, self.kv_capacity)
+        limit = max_total_len(self.max_model_len, self.kv_capacity)
         fr = _FrontRequest(rid, text, ids, params, time.perf_counter(), [])
         for i in range(params.n):
             child = rid if params.n == 1 else f"{rid}#{i}"
@@ -216,19 +209,10 @@ class EngineCore:
             self._child_to_parent[child] = (fr, i)
             self._pending.new.append(RequestSpec(child, ids, params, _child_seed(base_seed, i), limit,
                                                  next(self._arrivals)))
-            self._pending.owners.append(self._place(child, len(ids) + (params.max_tokens or 0)))
+            if self.layout.data_parallel:
+                self._pending.owners[child] = self.placement.place(child, placement_weight(len(ids), params))
         self._requests[rid] = fr
         return rid
-
-    def _place(self, child: str, tokens: int) -> int:
-        """EP: the least-loaded rank (fewest live requests, then fewest tokens); TP: every rank (0 recorded)."""
-        if self.mode != "ep":
-            return 0
-        rank = min(range(self.world_size), key=lambda r: (self._load[r][0], self._load[r][1], r))
-        self._owner[child] = rank
-        self._load[rank][0] += 1
-        self._load[rank][1] += tokens
-        return rank
 
     def abort(self, request_id: str) -> None:
         fr = self._requests.get(request_id)
@@ -241,9 +225,9 @@ class EngineCore:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        if self.admin is not None:
-            self.admin.poll()  # operator switches happen here, between two steps
         plan, self._pending = self._pending, StepPlan()
+        if plan.switch_to is not None:
+            self._plan_switch(plan, plan.switch_to)
         result = self._to_ranks(plan)
         self._kv_stats = result.kv
         if plan.switch_to is not None:
@@ -254,8 +238,6 @@ class EngineCore:
             self._apply(d, now, touched)
         outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
         self._retire(touched)
-        if self.admin is not None:
-            self.admin.publish()
         return outs
 
     def _retire(self, touched: dict[str, _FrontRequest]) -> None:
@@ -267,11 +249,8 @@ class EngineCore:
                     self._release(c, fr)
 
     def _release(self, child: str, fr: _FrontRequest) -> None:
-        rank = self._owner.pop(child, None)
-        if rank is not None:  # an EP rank's: the others forget its spec
+        if self.placement.release(child) is not None:  # an EP rank's: the others forget its spec
             self._pending.retired.append(child)
-            self._load[rank][0] -= 1
-            self._load[rank][1] -= len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
 
     def _apply(self, d: TokenDelta, now: float, touched: dict[str, _FrontRequest]) -> None:
         fr, i = self._child_to_parent[d.request_id]
@@ -286,9 +265,7 @@ class EngineCore:
             if s.detok is not None:
                 out.text += s.detok.finish()
             if isinstance(d.stop_reason, str):
-                cut = out.text.find(d.stop_reason)
-                if cut >= 0:
-                    out.text = out.text[: cut + (len(d.stop_reason) if fr.params.include_stop_str_in_output else 0)]
+                out.text = cut_at_stop(out.text, d.stop_reason, fr.params.include_stop_str_in_output)
         if d.prompt_logits is not None and i == 0:
             fr.prompt_logits = d.prompt_logits
         touched[fr.request_id] = fr
@@ -298,7 +275,8 @@ class EngineCore:
         Returns the outcome: done (bool), reason when refused, and the time of each phase in ms."""
         _check_mode(target)
         plan, self._pending = self._pending, StepPlan()
-        plan.switch_to, plan.run = target, False
+        plan.run = False
+        self._plan_switch(plan, target)
         result = self._to_ranks(plan)
         self._kv_stats = result.kv
         outcome = self._switched(target, result)
@@ -319,19 +297,25 @@ class EngineCore:
         _check_mode(target)
         self._pending.switch_to = target
 
+    def _plan_switch(self, plan: StepPlan, target: str) -> None:
+        """Put a switch into `plan`, with the rank of every live request where the target layout places them."""
+        plan.switch_to = target
+        to = Layout(self.model_config, target, 0, self.world_size)
+        if to.data_parallel and not self.layout.data_parallel:
+            weights = {c: placement_weight(len(fr.prompt_token_ids), fr.params)
+                       for c, (fr, _) in self._child_to_parent.items()}
+            plan.owners.update(self.placement.repartition(weights))
+
     def _switched(self, target: str, result: StepResult) -> dict[str, object]:
         outcome = dict(result.switch or {})
         if outcome.get("done"):
-            self.mode = target
-            self._owner.clear()
-            self._load = [[0, 0] for _ in range(self.world_size)]
-            for child, rank in (outcome.pop("owners", None) or {}).items():
-                fr, _ = self._child_to_parent[child]
-                self._owner[child] = rank
-                self._load[rank][0] += 1
-                self._load[rank][1] += len(fr.prompt_token_ids) + (fr.params.max_tokens or 0)
+            self.layout = Layout(self.model_config, target, 0, self.world_size)
+            if not self.layout.data_parallel:
+                self.placement.clear()
         else:
             log.warning("switch to %s refused: %s", target, outcome.get("reason"))
+            if not self.layout.data_parallel:
+                self.placement.clear()  # the owners planned for the target do not hold
         return outcome
 
     def query(self, name: str, **args: object) -> list[object]:
@@ -354,11 +338,16 @@ class EngineCore:
 
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step)."""
-        per_rank = self._kv_stats or [{"free_tokens": self.kv_capacity, "total_tokens": self.kv_capacity}]
-        return {"free_tokens": sum(r["free_tokens"] for r in per_rank),
-                "total_tokens": sum(r["total_tokens"] for r in per_rank), "per_rank": per_rank}
+        per_rank = self._kv_stats or [KVStats(self.kv_capacity, self.kv_capacity)]
+        return {"free_tokens": sum(r.free_tokens for r in per_rank),
+                "total_tokens": sum(r.total_tokens for r in per_rank),
+                "per_rank": [{"free_tokens": r.free_tokens, "total_tokens": r.total_tokens} for r in per_rank]}
 
     def close(self) -> None:
-        if self.admin is not None:
-            self.admin.close()
         self.ranks.close()
+
+    def __enter__(self) -> EngineCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,7 +1,8 @@
 """CUDA graphs of the decode step, one per batch bucket, per mode; captured once at start and kept resident.
 
 A graph reads the mode's static buffers (unified-memory views: fixed addresses) and writes logits into its own
-output. A switch never recaptures: it only changes which mode's graphs the runner replays.
+output. A switch never recaptures: it only changes which mode's graphs the rank replays. The runner says what a
+graph runs (`ModelRunner.capture_graphs`); this class knows only buckets and graphs.
 """
 
 from __future__ import annotations
@@ -9,13 +10,10 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from moebius.engine.runner import ModelRunner
 
 log = logging.getLogger("moebius")
 
@@ -42,36 +40,29 @@ class GraphSet:
 
 
 class CudaGraphs:
-    def __init__(self, runner: ModelRunner, buckets: list[int], pool: object) -> None:
-        self.runner = runner
+    """The decode graphs of one mode's runner, one per batch bucket."""
+
+    def __init__(self, buckets: list[int], pool: object) -> None:
         self.buckets = sorted(buckets)
         self.pool = pool
         self.set = GraphSet()
 
-    def capture(self) -> float:
-        """Capture every bucket (largest first, so smaller graphs reuse its pool memory). Returns seconds."""
+    def capture(self, inputs: Callable[[int], None], step: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+                ) -> float:
+        """Capture every bucket b (largest first, so smaller graphs reuse its pool memory): `inputs(b)` writes its
+        static inputs, `step(b)` runs the step and returns (logits, greedy tokens). Returns seconds."""
         t = time.perf_counter()
-        comm = self.runner.comm
         stream = torch.cuda.Stream()
         for b in reversed(self.buckets):
-            ids, meta = self.runner.decode_metadata(b)
-            ids.zero_()
-            meta.positions.zero_()
-            meta.slot_mapping.zero_()  # page 0 is reserved: padding reads and writes land there
-            meta.seq_lens.fill_(1)
-            meta.block_tables.zero_()
-            meta.query_start_loc.copy_(torch.arange(b + 1, device=ids.device))
-            if hasattr(comm, "capacity"):
-                comm.capacity = b
+            inputs(b)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compilation, NCCL and cuBLAS set-up stay out of the graph
-                    comm.vocab_argmax(self.runner.forward_logits(ids, meta))
+                    step(b)
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.set.logits[b] = self.runner.forward_logits(ids, meta)
-                self.set.greedy[b] = comm.vocab_argmax(self.set.logits[b])
+                self.set.logits[b], self.set.greedy[b] = step(b)
             self.set.graphs[b] = g
         torch.cuda.synchronize()
         return time.perf_counter() - t

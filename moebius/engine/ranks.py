@@ -1,8 +1,9 @@
 """Running the ranks: in this process (P = 1), as spawned processes on one machine (--num-ranks P), or under
 torchrun (env:// rendezvous, possibly across machines) with the front end in rank 0's process.
 
-Every step is lockstep: rank 0 broadcasts the StepPlan (JSON on the CPU group), every rank runs `Worker.step`,
-and rank 0 gathers the token deltas and KV statistics. The front end only ever talks to rank 0.
+Every step is lockstep: rank 0 broadcasts the StepPlan (JSON on the CPU group), every rank applies it
+(`Rank.report`), and rank 0 gathers the reports (token deltas, KV statistics, switch outcome, query answers). The
+front end only ever talks to rank 0.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -19,123 +21,84 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from moebius.engine.request import RequestSpec
-from moebius.engine.worker import StepPlan, TokenDelta, Worker, WorkerSpec
-from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups, tensor_from_json, tensor_to_json
+from moebius.engine import diagnostics
+from moebius.engine.build import build_rank, prepare_rank
+from moebius.engine.codec import decode, encode
+from moebius.engine.messages import RankReport, StepPlan, StepResult
+from moebius.engine.rank import Rank, RankSpec
+from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups
 
 log = logging.getLogger("moebius")
 
-# ---- JSON forms of the control messages ----
-def plan_to_json(plan: StepPlan) -> dict[str, Any]:
-    return dict(new=[spec.to_json() for spec in plan.new], owners=plan.owners, aborts=plan.aborts,
-                retired=plan.retired, switch_to=plan.switch_to, run=plan.run, query=plan.query)
+
+def local_report(rank: Rank, plan: StepPlan) -> RankReport:
+    """Apply a plan on this rank and report, with the answer to the plan's query."""
+    report = rank.report(plan)
+    if plan.query:
+        report = dataclasses.replace(report, query=diagnostics.answer(rank, plan.query))
+    return report
 
 
-def plan_from_json(msg: dict[str, Any]) -> StepPlan:
-    return StepPlan([RequestSpec.from_json(d) for d in msg["new"]], msg["owners"], msg["aborts"], msg["retired"],
-                    msg["switch_to"], msg["run"], msg["query"])
-
-
-def delta_to_json(d: TokenDelta) -> dict[str, Any]:
-    return dict(request_id=d.request_id, new_token_ids=d.new_token_ids, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason, prompt_logits=tensor_to_json(d.prompt_logits))
-
-
-def delta_from_json(m: dict[str, Any]) -> TokenDelta:
-    return TokenDelta(m["request_id"], m["new_token_ids"], m["finish_reason"], m["stop_reason"],
-                      tensor_from_json(m["prompt_logits"]))
-
-
-@dataclasses.dataclass
-class StepResult:
-    deltas: list[TokenDelta]
-    kv: list[dict[str, int]]  # per rank: free_tokens, total_tokens
-    switch: dict[str, Any] | None = None  # rank 0's switch outcome, when the plan asked for a switch
-    query: list[Any] | None = None  # per rank answers, when the plan asked a query
-    # rank 0's device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
-    switch_times: dict[str, Any] | None = None
-
-
-def _kv(worker: Worker) -> dict[str, int]:
-    a = worker.allocator
-    return {"free_tokens": a.free_tokens, "total_tokens": a.total_tokens}
-
-
-def local_step(worker: Worker, plan: StepPlan) -> tuple[list[TokenDelta], dict[str, Any]]:
-    """Run a plan on this rank; returns the deltas it reports and its report (KV stats, switch outcome, query).
-
-    In TP every rank computes the same tokens and only rank 0 reports them; in EP each rank reports its own. Deltas
-    from before a switch (aborts) are reported by the old layout's rule, those of the step by the new one's."""
-    first = worker.mode == "ep" or worker.groups.rank == 0
-    before, after, outcome = worker.step(plan)
-    second = worker.mode == "ep" or worker.groups.rank == 0
-    report = {"kv": _kv(worker), "switch": outcome, "query": worker.query(plan.query) if plan.query else None,
-              "switch_times": worker.late_switch_times}
-    return (before if first else []) + (after if second else []), report
-
-
-def rank_step(worker: Worker, groups: Groups, plan: StepPlan | None) -> tuple[bool, StepResult | None]:
+def rank_step(rank: Rank, groups: Groups, plan: StepPlan | None) -> tuple[bool, StepResult | None]:
     """One lockstep iteration on any rank. `plan` matters on rank 0 only, where None means shut down.
     Returns (still running, the gathered result on rank 0 / None elsewhere)."""
-    msg = broadcast_json(None if plan is None else plan_to_json(plan), groups)
+    msg = broadcast_json(None if plan is None else encode(plan), groups)
     if msg is None:
         return False, None
-    deltas, report = local_step(worker, plan_from_json(msg))
-    report["deltas"] = [delta_to_json(d) for d in deltas]
-    gathered = gather_json(report, groups)
+    report = local_report(rank, decode(StepPlan, msg))
+    gathered = gather_json(encode(report), groups)
     if gathered is None:
         return True, None
-    return True, StepResult([delta_from_json(d) for r in gathered for d in r["deltas"]], [r["kv"] for r in gathered],
-                            gathered[0]["switch"], [r["query"] for r in gathered], gathered[0]["switch_times"])
+    return True, StepResult.gather([decode(RankReport, r) for r in gathered])
 
 
-def _start_rank(spec: WorkerSpec, groups: Groups) -> tuple[Worker | None, list[str]]:
-    """Build this rank's worker; all ranks learn whether every rank succeeded (errors listed on rank 0)."""
-    worker, error = None, None
+def _start_rank(spec: RankSpec, groups: Groups) -> tuple[Rank | None, list[str]]:
+    """Build this rank; all ranks learn whether every rank succeeded (errors listed on rank 0)."""
+    rank, error = None, None
     try:
-        worker = Worker(spec, groups)
+        rank = build_rank(spec, groups)
     except Exception as e:  # reported to the front end, which raises it there
         error = f"rank {groups.rank}: {type(e).__name__}: {e}"
         log.debug(traceback.format_exc())
     errors = gather_json(error, groups)
     errors = broadcast_json([e for e in errors if e] if errors is not None else None, groups)
     if not errors:
-        assert worker is not None
-        worker.prepare_runtime()
-    return worker, errors
+        assert rank is not None
+        prepare_rank(rank)
+    return rank, errors
 
 
-def _rank_device(spec: WorkerSpec, local_rank: int) -> str:
+def _rank_device(spec: RankSpec, local_rank: int) -> str:
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         return f"cuda:{local_rank}"
     return spec.device
 
 
-def _serve(worker: Worker, groups: Groups, conn: Connection | None) -> None:
+def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
     """The step loop of a rank. Rank 0 relays plans from the front end's pipe and results back."""
     running = True
     while running:
         plan = conn.recv() if conn is not None else None
-        running, result = rank_step(worker, groups, plan)
+        running, result = rank_step(rank, groups, plan)
         if conn is not None and running:
             conn.send(("ok", result))
 
 
-def _rank_main(rank: int, world_size: int, spec: WorkerSpec, init_method: str | None,
+def _rank_main(rank: int, world_size: int, spec: RankSpec, init_method: str | None,
                conn: Connection | None) -> None:
     """Entry of a rank process (spawned, or a torchrun rank other than 0)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank}: %(message)s")
     local_rank = rank if init_method is not None else int(os.environ.get("LOCAL_RANK", 0))
     spec = dataclasses.replace(spec, rank=rank, world_size=world_size, device=_rank_device(spec, local_rank))
     groups = init_groups(rank, world_size, torch.device(spec.device), init_method)
-    worker, errors = _start_rank(spec, groups)
+    rank_, errors = _start_rank(spec, groups)
     if conn is not None:
-        conn.send(("error", errors) if errors else ("ready", worker.kv_capacity if worker else 0))
+        conn.send(("error", errors) if errors else ("ready", rank_.kv_capacity if rank_ else 0))
     if not errors:
-        assert worker is not None
-        _serve(worker, groups, conn)
-        worker.destroy_graphs()
+        assert rank_ is not None
+        _serve(rank_, groups, conn)
+        rank_.destroy_graphs()
     _leave(groups)
 
 
@@ -148,7 +111,7 @@ def _leave(groups: Groups) -> None:
         gc.collect()
 
 
-def serve_torchrun_rank(spec: WorkerSpec) -> None:
+def serve_torchrun_rank(spec: RankSpec) -> None:
     """A torchrun rank other than 0: join, build, follow rank 0's plans until it shuts down."""
     rank, world, _ = torchrun_env() or (0, 1, 0)
     _rank_main(rank, world, spec, None, None)
@@ -161,18 +124,17 @@ class RankError(RuntimeError):
 class LocalRanks:
     """P = 1: the one rank lives in this process."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.worker = Worker(spec)
-        self.worker.prepare_runtime()
+    def __init__(self, spec: RankSpec) -> None:
+        self.rank = build_rank(spec)
+        prepare_rank(self.rank)
         self.world_size = 1
-        self.kv_capacity = self.worker.kv_capacity
+        self.kv_capacity = self.rank.kv_capacity
 
     def step(self, plan: StepPlan) -> StepResult:
-        deltas, report = local_step(self.worker, plan)
-        return StepResult(deltas, [report["kv"]], report["switch"], [report["query"]], report["switch_times"])
+        return StepResult.gather([local_report(self.rank, plan)])
 
     def close(self) -> None:
-        self.worker.destroy_graphs()
+        self.rank.destroy_graphs()
 
 
 def _free_port() -> int:
@@ -181,10 +143,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+MAIN_GUARD = ("with --num-ranks > 1 the engine spawns one process per rank, and each of them imports the main "
+              "script again: build the engine under `if __name__ == \"__main__\":` in a script")
+
+
 class SpawnedRanks:
     """P rank processes on this machine (spawned), joined over a local TCP rendezvous; pipe to rank 0."""
 
-    def __init__(self, spec: WorkerSpec, world_size: int) -> None:
+    def __init__(self, spec: RankSpec, world_size: int) -> None:
+        if getattr(sys.modules.get("__main__"), "__name__", None) == "__mp_main__":
+            # this is a spawned process importing the user's script, which builds an engine at import time
+            raise RuntimeError(MAIN_GUARD)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.world_size = world_size
@@ -197,9 +166,9 @@ class SpawnedRanks:
         child.close()  # only rank 0 holds that end now, so its death reads as EOF here instead of a hang
         try:
             kind, payload = self._recv()
-        except RankError:
+        except RankError as e:
             self._kill()  # the survivors wait in the rendezvous for a rank that is gone
-            raise
+            raise RankError(f"{e}; if they failed importing your script: {MAIN_GUARD}") from None
         if kind == "error":
             self.close()  # every rank saw the errors and is leaving on its own
             raise RankError("; ".join(payload))
@@ -246,31 +215,32 @@ class SpawnedRanks:
 class TorchrunRanks:
     """Under torchrun: rank 0 lives in the front end's process; the other ranks run `serve_torchrun_rank`."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: RankSpec) -> None:
         rank, world, local = torchrun_env() or (0, 1, 0)
         if rank != 0:
             raise RankError("the front end runs on torchrun rank 0 only")
         spec = dataclasses.replace(spec, rank=0, world_size=world, device=_rank_device(spec, local))
         self.groups = init_groups(0, world, torch.device(spec.device), None)
         self.world_size = world
-        worker, errors = _start_rank(spec, self.groups)
+        rank, errors = _start_rank(spec, self.groups)
         if errors:
             raise RankError("; ".join(errors))
-        assert worker is not None
-        self.worker = worker
-        self.kv_capacity = worker.kv_capacity
+        assert rank is not None
+        self.rank: Rank | None = rank
+        self.kv_capacity = rank.kv_capacity
 
     def step(self, plan: StepPlan) -> StepResult:
-        _, result = rank_step(self.worker, self.groups, plan)
+        assert self.rank is not None, "the ranks were closed"
+        _, result = rank_step(self.rank, self.groups, plan)
         assert result is not None
         return result
 
     def close(self) -> None:
-        if self.worker is not None:
-            rank_step(self.worker, self.groups, None)
-            self.worker.destroy_graphs()
+        if self.rank is not None:
+            rank_step(self.rank, self.groups, None)
+            self.rank.destroy_graphs()
             _leave(self.groups)
-            self.worker = None
+            self.rank = None
 
 
 def torchrun_env() -> tuple[int, int, int] | None:

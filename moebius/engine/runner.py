@@ -19,14 +19,14 @@ import torch
 
 from moebius import kernels
 from moebius.config import ModelConfig
-from moebius.engine.cuda_graphs import CudaGraphs
+from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
 from moebius.engine.scheduler import ScheduledChunk
 from moebius.layers.attention import AttentionMetadata, num_splits_for
 from moebius.layers.sampler import SamplingBatch, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
-from moebius.parallel.dispatch import Communicator, EPComm
+from moebius.parallel.dispatch import Communicator
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "fill_dst", "fill_src",
            "query_start_loc", "seq_lens")
@@ -141,6 +141,53 @@ class ModelRunner:
         self._turn = 0
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
 
+    # ---- decode graphs ----
+    def capture_graphs(self, cap: int, pool: object) -> tuple[int, float]:
+        """Capture the decode graphs of batches up to `cap` into `pool`; returns (graphs, seconds)."""
+        self.graphs = CudaGraphs(default_buckets(cap), pool)
+        return len(self.graphs.buckets), self.graphs.capture(self._graph_inputs, self._graph_step)
+
+    def destroy_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.destroy()
+            self.graphs = None
+
+    def has_graph(self, n: int) -> bool:
+        return self.graphs is not None and self.graphs.bucket_for(n) is not None
+
+    def time_replay(self, n: int, steps: int) -> float:
+        """ms of the decode graph for n tokens alone, replayed back to back (same metadata as the last step)."""
+        assert self.graphs is not None
+        b = self.graphs.bucket_for(n)
+        assert b is not None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            self.graphs.replay(b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
+
+    def static_addresses(self) -> list[int]:
+        """Addresses graphs read (diagnostics: they never change)."""
+        return [self.bufs.input_ids.data_ptr(), self.bufs.block_tables.data_ptr()]
+
+    def _graph_inputs(self, b: int) -> None:
+        """Static inputs a capture of bucket b records: padding rows that read and write only the reserved page 0."""
+        ids, meta = self.decode_metadata(b)
+        ids.zero_()
+        meta.positions.zero_()
+        meta.slot_mapping.zero_()
+        meta.seq_lens.fill_(1)
+        meta.block_tables.zero_()
+        meta.query_start_loc.copy_(torch.arange(b + 1, device=ids.device))
+        self.comm.begin_step(b)
+
+    def _graph_step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode graph of bucket b runs: logits of every row and their greedy tokens."""
+        logits = self.forward_logits(*self.decode_metadata(b))
+        return logits, self.comm.vocab_argmax(logits)
+
     def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None, prev: PendingStep | None = None,
                   prev_rows: np.ndarray | None = None) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
         """Write the batch's metadata into the static buffers. pad_to (decode graphs): pad to that many one-token
@@ -213,14 +260,17 @@ class ModelRunner:
         return qwen3_moe.logits(self.forward(ids, meta), self.weights)
 
     def launch(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync,
-               prev: PendingStep | None = None, prev_rows: np.ndarray | None = None) -> PendingStep:
+               prev: PendingStep | None = None, prev_rows: np.ndarray | None = None, graphs: bool = True
+               ) -> PendingStep:
         """Enqueue the batch's step on the device; the sampled tokens come back through the returned PendingStep.
         Prompt logits (rare) are copied to the host here.
 
         stop_masks: (sampling-row, token ids) whose logits are forbidden this step (min_tokens).
         prev, prev_rows: see `_metadata` (overlap scheduling: `prev` is still in flight).
+        graphs: False runs even a decode step eagerly (benchmarks compare the two).
         """
-        bucket = self.graphs.bucket_for(sync.max_tokens) if self.graphs and sync.all_decode else None
+        use = graphs and self.graphs is not None and sync.all_decode
+        bucket = self.graphs.bucket_for(sync.max_tokens) if use and self.graphs is not None else None
         prompt_logits: dict[int, torch.Tensor] = {}
         reqs = [c.req for c in batch if c.samples]
         greedy = not stop_masks and all(r.params.temperature == 0 for r in reqs)
@@ -232,8 +282,7 @@ class ModelRunner:
                 return self._pending(tokens[: len(batch)], prompt_logits)
             logits = logits[: len(batch)]
         else:
-            if isinstance(self.comm, EPComm):
-                self.comm.capacity = sync.max_tokens
+            self.comm.begin_step(sync.max_tokens)
             ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows)
             if meta.max_query_len == 1 and self.device.type == "cuda":
                 meta.num_splits = num_splits_for(len(batch), self.kv[0].shape[3])
@@ -275,12 +324,6 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)
         done.record()
         return PendingStep(tokens, prompt_logits, host, done)
-
-    def execute(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync
-                ) -> tuple[list[int], dict[int, torch.Tensor]]:
-        """Launch and wait: the sampled token of each sampling chunk (batch order) and the prompt logits by batch
-        index."""
-        return self.launch(batch, stop_masks, sync).result()
 
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size

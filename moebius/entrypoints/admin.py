@@ -3,8 +3,9 @@
     POST /admin/switch  {"mode": "tp" | "ep"}  -> the switch outcome (as LLM.switch_mode returns it)
     GET  /admin/status                         -> {"mode": ..., "kv": ..., "unfinished": ...}
 
-A switch asked for here is carried out by the engine's own loop at its next step boundary (the HTTP thread never
-touches engine state), so it is the same operation as `LLM.switch_mode` between two `step()` calls. Bodies are JSON;
+Hosted by the entry point that drives the engine (`LLM`): a switch asked for here is carried out by its loop at the
+next step boundary (the HTTP thread never touches engine state), so it is the same operation as `LLM.switch_mode`
+between two `step()` calls. Bodies are JSON;
 nothing is unpickled.
 """
 
@@ -39,7 +40,8 @@ class AdminServer:
         log.info("admin endpoints on http://%s:%d/admin/ (switch, status)", host, self.port)
 
     def poll(self) -> None:
-        """Run the switches asked for since the last step (called by the engine loop, between steps)."""
+        """Run the switches asked for since the last step (called by the loop that drives the engine, between
+        steps)."""
         while True:
             try:
                 mode, fut = self._jobs.get_nowait()
@@ -51,7 +53,7 @@ class AdminServer:
                 fut.set_exception(e)
 
     def publish(self) -> None:
-        """Snapshot what GET /admin/status reports (called by the engine loop after each step)."""
+        """Snapshot what GET /admin/status reports (called by the loop that drives the engine, after each step)."""
         self._status = {"mode": self.core.mode, "kv": self.core.kv_stats(), "unfinished": self.core.has_unfinished()}
 
     def close(self) -> None:

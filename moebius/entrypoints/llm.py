@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from moebius.config import EngineConfig
 from moebius.engine.core import EngineCore, Prompt
+from moebius.entrypoints.admin import AdminServer
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import SamplingParams
 
@@ -23,6 +24,10 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_flags)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        c = self.config
+        # operator endpoints (--admin-port): what they ask for runs here, between two steps
+        self.admin = (AdminServer(self.engine, c.admin_host, c.admin_port, c.api_key) if c.admin_port is not None
+                      else None)
 
     # ---- batch API ----
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -64,7 +69,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         while len(done) < len(ids):
-            for out in self.engine.step():
+            for out in self.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
@@ -79,7 +84,12 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; outputs of the requests that got tokens or finished in it."""
-        return self.engine.step()
+        if self.admin is None:
+            return self.engine.step()
+        self.admin.poll()  # operator switches happen here, between two steps
+        outs = self.engine.step()
+        self.admin.publish()
+        return outs
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -103,7 +113,9 @@ class LLM:
         return self.engine.kv_stats()
 
     def close(self) -> None:
-        """Stop the rank processes (if any). The LLM is unusable afterwards."""
+        """Stop the rank processes (if any) and the admin endpoints. The LLM is unusable afterwards."""
+        if self.admin is not None:
+            self.admin.close()
         self.engine.close()
 
     def __enter__(self) -> LLM:

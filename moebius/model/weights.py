@@ -65,10 +65,10 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
     if not cfg.is_moe_layer(i):
         I, It = cfg.intermediate_size, lay.dense_inter
         specs += [
-            ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_rows(torch.cat(
-                [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]), parts=2)),
+            ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
+                [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
             ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
-                      lambda f: lay.shard_cols(f(p + "mlp.down_proj.weight", (D, I)))),
+                      lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
         ]
         return specs
     E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
@@ -94,9 +94,9 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
     specs += [
         ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
         ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D),
-                  lambda f: torch.stack([lay.shard_rows(expert(f, e, "w13"), parts=2) for e in local]), slot=slot),
+                  lambda f: torch.stack([lay.shard_w13(expert(f, e, "w13")) for e in local]), slot=slot),
         ParamSpec(p + "mlp.experts.w2", (El, D, Il),
-                  lambda f: torch.stack([lay.shard_cols(expert(f, e, "w2")) for e in local]), slot=slot,
+                  lambda f: torch.stack([lay.shard_w2(expert(f, e, "w2")) for e in local]), slot=slot,
                   offset=w13_bytes),
     ]
     return specs
@@ -146,6 +146,6 @@ def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torc
         layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
     embed = views["model.embed_tokens"]
     head = embed if cfg.tie_word_embeddings else views["lm_head"]
-    if lay.tp > 1 and cfg.vocab_size % lay.tp == 0:  # TP: this rank's vocabulary rows (a view; see TPComm)
-        head = head.chunk(lay.tp)[lay.tp_rank]
+    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
+    head = head[rows.start: rows.stop]
     return ModelWeights(embed, head, views["model.norm"], views["rope"], layers)

@@ -43,6 +43,20 @@ class Communicator(Protocol):
 
     def vocab_first(self, local_vocab: int) -> int: ...
 
+    def begin_step(self, max_tokens: int) -> None:
+        """The step's size every rank agreed on (the largest rank's token count, or a graph's batch bucket)."""
+        ...
+
+    def enable_symmetric(self, max_tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
+                         ) -> None:
+        """Exchange through symmetric memory from now on (a collective: every rank of the group, in the same order;
+        ranks of one machine). max_tokens: the most tokens a rank's step holds."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """How this communicator runs its collectives (diagnostics)."""
+        ...
+
 
 class WholeVocab:
     """Logits hold the whole vocabulary on every rank (one rank, or EP's replicated lm_head)."""
@@ -75,6 +89,16 @@ class LocalComm(WholeVocab, WholeOutputs):
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
+
+    def begin_step(self, max_tokens: int) -> None:
+        pass
+
+    def enable_symmetric(self, max_tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
+                         ) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"comm": type(self).__name__, "symmetric": False, "symmetric_calls": 0}
 
 
 class SymmetricAllReduce:
@@ -129,11 +153,25 @@ class TPComm:
     """TP: partial sums of row-parallel matmuls and of expert shards are all-reduced; tokens stay put; each rank's
     logits are its vocabulary slice (rank r holds ids [r * V/P, (r + 1) * V/P))."""
 
-    def __init__(self, group: dist.ProcessGroup, split_vocab: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup, vocab_first: int | None = 0) -> None:
+        """vocab_first: the first vocabulary id of this rank's lm_head slice (`Layout.vocab_rows`); None: a
+        vocabulary the ranks do not divide, lm_head stays whole."""
         self.group = group
         self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.split_vocab = split_vocab  # False: a vocabulary P does not divide, lm_head stays whole
-        self.symmetric: SymmetricAllReduce | None = None  # set at start on GPUs (collective set-up)
+        self.split_vocab = vocab_first is not None
+        self._vocab_first = vocab_first or 0
+        self.symmetric: SymmetricAllReduce | None = None  # enable_symmetric, at start on GPUs
+
+    def begin_step(self, max_tokens: int) -> None:
+        pass  # tokens stay put: nothing to size
+
+    def enable_symmetric(self, max_tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
+                         ) -> None:
+        self.symmetric = SymmetricAllReduce(self.group, max_tokens * hidden, dtype, device)
+
+    def describe(self) -> dict[str, Any]:
+        return {"comm": type(self).__name__, "symmetric": self.symmetric is not None,
+                "symmetric_calls": self.symmetric.calls() if self.symmetric is not None else 0}
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.symmetric is not None and self.symmetric.fits(x):
@@ -162,14 +200,14 @@ class TPComm:
         """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
         if not self.split_vocab:
             return key_ids(argmax_keys(logits_TV))
-        T, Vl = logits_TV.shape
+        T = logits_TV.shape[0]
         every = logits_TV.new_empty((self.P * T,), dtype=torch.int64)  # gloo wants the parts stacked on dim 0
-        _all_gather(every, argmax_keys(logits_TV, self.rank * Vl), self.group)
+        _all_gather(every, argmax_keys(logits_TV, self._vocab_first), self.group)
         return key_ids(every.view(self.P, T).max(dim=0).values)
 
     def vocab_first(self, local_vocab: int) -> int:
         """The first vocabulary id of this rank's logits columns."""
-        return self.rank * local_vocab if self.split_vocab else 0
+        return self._vocab_first
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
         if not self.split_vocab:
@@ -200,10 +238,28 @@ class EPComm(WholeVocab, WholeOutputs):
     `--disable-custom-all-reduce`.
     """
 
+    # EP steps of up to this many tokens a rank exchange through symmetric memory (decode batches and small prefill
+    # chunks); larger steps through NCCL
+    SYMMETRIC_MAX_TOKENS = 2048
+
     def __init__(self, group: dist.ProcessGroup, world_size: int, experts_per_rank: int) -> None:
         self.group, self.P, self.E_local = group, world_size, experts_per_rank
         self.capacity = 0
-        self.symmetric: Any = None  # a kernels.symmetric.EPExchange, set at start on GPUs (collective set-up)
+        self.symmetric: Any = None  # a kernels.symmetric.EPExchange: enable_symmetric, at start on GPUs
+
+    def begin_step(self, max_tokens: int) -> None:
+        self.capacity = max_tokens
+
+    def enable_symmetric(self, max_tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device
+                         ) -> None:
+        from moebius.kernels.symmetric import EPExchange
+
+        self.symmetric = EPExchange(self.group, min(max_tokens, self.SYMMETRIC_MAX_TOKENS), hidden, top_k, dtype,
+                                    device)
+
+    def describe(self) -> dict[str, Any]:
+        return {"comm": type(self).__name__, "symmetric": self.symmetric is not None,
+                "symmetric_calls": self.symmetric.calls() if self.symmetric is not None else 0}
 
     def _gather(self, t: torch.Tensor, fill: float) -> torch.Tensor:
         C = self.capacity

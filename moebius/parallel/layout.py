@@ -1,16 +1,25 @@
-"""TP and EP as placements of one model: which heads, experts and expert-intermediate rows a rank owns.
+"""TP and EP as placements of one model: which heads, experts and expert-intermediate rows a rank owns, which
+requests it runs, which vocabulary rows it scores, and which communicator its layers use.
 
-Pure shape arithmetic, no communication and no tensors beyond slicing: the engine holds one `Layout` per mode
-and passes it in; no layer reads a process-global rank.
+Shape arithmetic and views, no communication: the engine holds one `Layout` per mode and passes it in; no layer
+reads a process-global rank, and nothing outside `parallel/` and `switch/` asks which mode it is.
+
+The expert shard geometry is written once, here (`expert_shard`, `expert_block`): loading cuts a layout's experts
+with it, and both switch directions move bytes between the same views.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moebius.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from moebius.parallel.dispatch import Communicator
+    from moebius.parallel.groups import Groups
 
 MODES = ("tp", "ep")
 
@@ -107,18 +116,95 @@ class Layout:
         """Physical layer slot of `layer`: TP layer i in slot i, EP layer i in slot i + 1 (slot N is the spare)."""
         return layer if self.mode == "tp" else layer + 1
 
-    # ---- the one sharding function (used by load and, later, switch) ----
-    def shard_rows(self, w: torch.Tensor, parts: int = 1) -> torch.Tensor:
-        """This rank's TP shard along dim 0 of `w`, which stacks `parts` equal blocks (e.g. gate|up) sharded apart."""
-        if self.tp == 1:
-            return w
-        blocks = w.chunk(parts, dim=0)
-        return torch.cat([b.chunk(self.tp, dim=0)[self.tp_rank] for b in blocks], dim=0)
+    # ---- requests and the step ----
+    @property
+    def data_parallel(self) -> bool:
+        """Requests are placed on ranks (EP over several ranks): each rank runs its own, every rank joins each
+        layer's exchange, and the ranks agree on every step's size."""
+        return self.mode == "ep" and self.world_size > 1
 
-    def shard_cols(self, w: torch.Tensor) -> torch.Tensor:
-        return w if self.tp == 1 else w.chunk(self.tp, dim=-1)[self.tp_rank]
+    def holds(self, owner: int) -> bool:
+        """Whether this rank runs a request placed on rank `owner` (TP: every rank runs every request)."""
+        return not self.data_parallel or owner == self.rank
+
+    @property
+    def reports_deltas(self) -> bool:
+        """Whether this rank reports its requests' tokens (TP: every rank computes the same ones; rank 0 reports)."""
+        return self.data_parallel or self.rank == 0
+
+    def local_batch(self, batch: int) -> int:
+        """Requests of a global decode batch this rank runs (EP: spread as evenly as placement spreads them)."""
+        if not self.data_parallel:
+            return batch
+        return batch // self.world_size + (1 if self.rank < batch % self.world_size else 0)
+
+    def step_tokens(self, batch: int) -> int:
+        """The tokens every rank's step is sized for in a decode step of `batch` requests (EP: the largest rank's)."""
+        return -(-batch // self.world_size) if self.data_parallel else batch
+
+    # ---- vocabulary ----
+    @property
+    def splits_vocab(self) -> bool:
+        """TP with a vocabulary the ranks divide: each rank scores a slice of lm_head's rows."""
+        return self.tp > 1 and self.cfg.vocab_size % self.tp == 0
+
+    @property
+    def vocab_rows(self) -> range:
+        """Vocabulary ids (lm_head rows) this rank scores."""
+        if not self.splits_vocab:
+            return range(self.cfg.vocab_size)
+        n = self.cfg.vocab_size // self.tp
+        return range(self.tp_rank * n, (self.tp_rank + 1) * n)
+
+    def communicator(self, groups: Groups) -> Communicator:
+        """The collectives this layout's layers use (TP: all-reduce; EP: all-to-all dispatch and combine)."""
+        from moebius.parallel.dispatch import EPComm, LocalComm, TPComm
+
+        if groups.world_size == 1:
+            return LocalComm()
+        if self.mode == "tp":
+            return TPComm(groups.device, self.vocab_rows.start if self.splits_vocab else None)
+        return EPComm(groups.device, groups.world_size, self.num_local_experts)
+
+    # ---- cutting the checkpoint ----
+    def shard_w13(self, w13_FD: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of one whole MLP's (an expert's or a dense layer's) [gate | up] stack: [2I, D] ->
+        [2I/tp, D] (`w13_shard` of one expert)."""
+        return w13_FD if self.tp == 1 else w13_shard(w13_FD[None], self.tp, self.tp_rank).reshape(-1, w13_FD.shape[1])
+
+    def shard_w2(self, w2_DF: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of one whole MLP's down projection: [D, I] -> [D, I/tp] (`w2_shard`)."""
+        return w2_DF if self.tp == 1 else w2_shard(w2_DF[None], self.tp, self.tp_rank).reshape(w2_DF.shape[0], -1)
 
     def shard_heads(self, w: torch.Tensor, heads: range, total: int) -> torch.Tensor:
         """Rows of `w` ([total * head_dim, ...]) belonging to the given global heads."""
         d = w.shape[0] // total
         return w[heads.start * d: heads.stop * d]
+
+
+# ---- the expert shard geometry (load and both switch directions) ----
+def w13_shard(w13_EFD: torch.Tensor, parts: int, q: int) -> torch.Tensor:
+    """TP shard q of `parts` of whole experts' [gate | up] stacks ([E, 2I, D]) as a 2-D view with contiguous rows,
+    [E * 2, I/parts * D]: a row is one expert's gate (or up) rows q * I/parts .. (q + 1) * I/parts."""
+    E, F, D = w13_EFD.shape
+    return w13_EFD.view(E * 2, parts, F // 2 // parts * D)[:, q]
+
+
+def w2_shard(w2_EDF: torch.Tensor, parts: int, q: int) -> torch.Tensor:
+    """TP shard q of `parts` of whole experts' down projections ([E, D, I]) as a 2-D view, [E * D, I/parts]: the
+    columns that pair with `w13_shard`'s rows."""
+    E, D, I = w2_EDF.shape
+    return w2_EDF.view(E * D, parts, I // parts)[:, q]
+
+
+def expert_shard(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, parts: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TP shard q of whole experts, both weights (`w13_shard`, `w2_shard`)."""
+    return w13_shard(w13_EFD, parts, q), w2_shard(w2_EDF, parts, q)
+
+
+def expert_block(t13_EFD: torch.Tensor, t2_EDF: torch.Tensor, parts: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts r * E/parts .. (r + 1) * E/parts of TP-shaped tensors ([E, 2I/P, D], [E, D, I/P]: one shard of every
+    expert) in the 2-D form of `expert_shard`: what EP rank r's experts give to (or take from) this TP shard."""
+    E, Fp, D = t13_EFD.shape
+    El = E // parts
+    return t13_EFD.view(parts, El * 2, Fp // 2 * D)[r], t2_EDF.view(parts, El * D, Fp // 2)[r]

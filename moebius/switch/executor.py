@@ -1,10 +1,11 @@
-"""Executing a live switch on one rank, between two steps: requests, then one ordered pass over the layers moving
-each layer's expert weights and KV pages together, then flipping the active runtime.
+"""Executing a live switch's data plane on one rank, between two steps: one ordered pass over the layers moving each
+layer's expert weights and KV pages together.
 
 EP -> TP runs layers in ascending order (TP layer i lands in slot i, whose EP content, layer i-1, already left);
 TP -> EP in descending order (EP layer i lands in slot i+1, whose TP content, layer i+1, already left). Nothing is
 recomputed; nothing of the model is held twice: the extra memory is the spare slot and one layer of staging, taken
-before anything changes (a device that cannot give it refuses the switch).
+before anything changes (a device that cannot give it refuses the switch). Which requests move, where, and into
+which pages is the engine's side of the switch (`engine/switching.py`); it hands this pass the `LiveKV` of each.
 """
 
 from __future__ import annotations
@@ -12,29 +13,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from moebius.engine.request import Request, Status, requests_from_json, requests_to_json
-from moebius.memory.kv_pool import BlockAllocator
-from moebius.model.qwen3_moe import MoEWeights
-from moebius.parallel.groups import all_gather_json
+from moebius.config import ModelConfig
+from moebius.model.qwen3_moe import ModelWeights, MoEWeights
+from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout
-from moebius.switch.plan import KVMove, LiveKV, ep_to_tp_pack, kv_ep_to_tp, kv_tp_to_ep, partition, tp_to_ep_unpack
+from moebius.switch.plan import KVMove, LiveKV, ep_to_tp_pack, kv_ep_to_tp, kv_tp_to_ep, tp_to_ep_unpack
 from moebius.switch.transport import CollectiveTransport, PeerTransport, Transport
 
-if TYPE_CHECKING:
-    from moebius.engine.worker import Worker
-
 log = logging.getLogger("moebius")
-
-# The EP -> TP request list's first gather round carries this much of each rank's part (a 2-rank switch at 128
-# requests sends ~23 KB a rank): one round instead of two where a policy would switch.
-REQUEST_LIST_INLINE = 65536
 
 
 def staging_like(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,152 +42,84 @@ class Staging:
     kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # KV rows sent, received (None: no KV to move)
 
 
+@dataclass(frozen=True)
+class SwitchOptions:
+    """How a switch's pass runs (engine flags and kernel settings)."""
+
+    overlap: bool = False  # --switch-overlap: the double-buffered pass
+    transport: str = "collective"  # --switch-transport
+    row_kernel: bool = True  # the Triton row copy for the permutes on GPUs (KernelConfig.reshard_kernel)
+
+
 class Switcher:
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        g = worker.groups
-        self.P, self.rank = g.world_size, g.rank
-        self.transport: Transport = CollectiveTransport(g.device)  # --switch-transport peer: set in open_paths
-        self.tp_layouts = [Layout(worker.cfg, "tp", q, self.P) for q in range(self.P)]
+    """The data plane of the switches of one rank: the weight and KV views of both layouts, the transport, and the
+    pass (`move`), whose device times `pass_times` reads once it is over."""
+
+    def __init__(self, cfg: ModelConfig, groups: Groups, device: torch.device, block_size: int,
+                 weights: dict[str, ModelWeights], caches: dict[str, list[torch.Tensor]], options: SwitchOptions
+                 ) -> None:
+        self.cfg, self.groups, self.device, self.block_size = cfg, groups, device, block_size
+        self.weights, self.caches, self.options = weights, caches, options
+        self.P, self.rank = groups.world_size, groups.rank
+        self.transport: Transport = CollectiveTransport(groups.device)  # --switch-transport peer: set in open_paths
+        self.tp_layouts = [Layout(cfg, "tp", q, self.P) for q in range(self.P)]
         self._marks: list[tuple[Any, Any, Any]] = []  # the last pass's (start, weights done, KV done) per layer
         self._unresolved: dict[str, Any] | None = None  # what pass_times needs of the last switch, until it reports
         # --switch-overlap on the GPU: the stream the pipelined pass's exchanges go out from
-        self._side = (torch.cuda.Stream(worker.device) if worker.device.type == "cuda"
-                      and worker.spec.engine.switch_overlap else None)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" and options.overlap else None
 
     def open_paths(self, peers_mapped: bool) -> None:
         """One tiny all-to-all at start, so the first switch does not pay the communicator's connection set-up, and
         (--switch-transport peer, where every rank can map its peers' memory: one machine) the expert staging every
         rank addresses. A collective: every rank calls it, after all ranks were built."""
-        probe = torch.zeros(self.P, dtype=torch.uint8, device=self.w.device)
+        probe = torch.zeros(self.P, dtype=torch.uint8, device=self.device)
         self.transport.all_to_all(torch.empty_like(probe), probe, [1] * self.P, [1] * self.P)
         moe = self._tp_moe()
-        ecfg = self.w.spec.engine
-        if ecfg.switch_transport != "peer" or moe is None or "ep" not in self.w.modes:
+        if self.options.transport != "peer" or moe is None or "ep" not in self.weights:
             return
         if not peers_mapped:
             log.warning("rank %d: ranks span several machines: switches keep the collective transport", self.rank)
             return
-        self.transport = PeerTransport.build(self.w.groups, self.w.device, [moe.w13_EFD.shape, moe.w2_EDF.shape],
-                                             moe.w13_EFD.dtype, 2 if ecfg.switch_overlap else 1)
+        self.transport = PeerTransport.build(self.groups, self.device, [moe.w13_EFD.shape, moe.w2_EDF.shape],
+                                             moe.w13_EFD.dtype, 2 if self.options.overlap else 1)
 
     def _tp_moe(self) -> MoEWeights | None:
         """The first MoE layer's TP expert views (their shapes are every layer's, and the staging's)."""
-        return next((layer.mlp for layer in self.w.modes["tp"].weights.layers if isinstance(layer.mlp, MoEWeights)),
-                    None) if "tp" in self.w.modes else None
+        return next((layer.mlp for layer in self.weights["tp"].layers if isinstance(layer.mlp, MoEWeights)),
+                    None) if "tp" in self.weights else None
 
     def _sync(self) -> None:
-        if self.w.device.type == "cuda":
-            torch.cuda.synchronize(self.w.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    # ---- requests ----
-    def _global_requests(self) -> tuple[list[Request], list[Request], list[int], dict[str, list[int]]]:
-        """(running, waiting, owner of each running+waiting request after the switch, my source page tables)."""
-        w, sched = self.w, self.w.scheduler
-        my_pages = {r.request_id: list(r.pages) for r in sched.running}
-        if w.mode == "ep":  # EP -> TP: all-gather the metadata; everyone builds the same ordered list
-            # every rank holds the specs of the others' requests (w.others): only outputs and state travel
-            own = list(sched.running) + list(sched.waiting)
-            everything = all_gather_json([len(sched.running), requests_to_json(own)], w.groups, w.device,
-                                         inline=REQUEST_LIST_INLINE)
-            running, waiting = [], []
-            for s, (n_run, m) in enumerate(everything):
-                reqs = own if s == self.rank else requests_from_json(m, w.others)  # mine stay as they are
-                running += [(r, s) for r in reqs[:n_run]]
-                waiting += [(r, s) for r in reqs[n_run:]]
-            running.sort(key=lambda x: x[0].spec.arrival)
-            waiting.sort(key=lambda x: x[0].spec.arrival)
-            owners = [s for _, s in running] + [s for _, s in waiting]  # the EP source of each request
-            return [r for r, _ in running], [r for r, _ in waiting], owners, my_pages
-        running, waiting = list(sched.running), list(sched.waiting)  # TP: identical on every rank
-        owners = partition([r.num_tokens for r in running + waiting], self.P)
-        return running, waiting, owners, my_pages
-
-    def switch(self, target: str) -> dict[str, Any]:
-        w = self.w
-        src = w.mode
-        if target == src:
-            return {"done": False, "reason": f"already in {src}"}
-        if target not in w.modes:
-            return {"done": False, "reason": f"the engine holds only the {src} layout (--static-layout)"}
+    def move(self, src: str, dst: str, live: list[LiveKV], running: int, waiting: int, host_ms: float
+             ) -> dict[str, Any]:
+        """Move every layer's experts, and the KV of the live requests (their target pages allocated already), from
+        layout `src` to `dst`. A collective. Returns {"done": False, "reason"} when a rank cannot give the staging
+        (nothing has changed then), else the host's times (ms): `kv_plan_ms` (KV index plan), `staging_ms` (buffers
+        and the ranks' agreement), `prep_ms` (index vectors), `enqueue_ms`, and `pipelined`, `transport`,
+        `peer_exchanges`. The pass is launched, not waited for (`pass_times`). running / waiting: counts for the
+        log line; host_ms: the caller's time on the switch before this (requests, capacity, page tables)."""
         t0 = time.perf_counter()
-        running, waiting, owners, my_pages = self._global_requests()
-        t_list = time.perf_counter()
-        bs = w.spec.engine.block_size
-        dst_rt = w.modes[target]
-        # Capacity: the target must hold the live KV of every running request (plus its next token).
-        need = [0] * self.P
-        for r, o in zip(running, owners, strict=False):
-            need[o if target == "ep" else 0] += -(-r.num_tokens // bs)
-        alloc = BlockAllocator(dst_rt.kv.num_pages, bs)
-        have = alloc.usable_pages
-        if max(need) > have:
-            return {"done": False, "reason": f"{target} layout cannot hold the live KV: needs {max(need)} pages on a "
-                    f"rank, has {have}", "from": src, "to": target}
-        # ... and its batch slots: TP runs every request on every rank.
-        slots = self.w.spec.engine.max_running_requests
-        per_rank = [0] * self.P
-        for o in owners[: len(running)]:
-            per_rank[o if target == "ep" else 0] += 1
-        if max(per_rank) > slots:
-            return {"done": False, "reason": f"{target} layout cannot run {max(per_rank)} requests on a rank "
-                    f"(max_running_requests {slots})", "from": src, "to": target}
-
-        # Target page tables, allocated in the global order (identical on every rank in TP), in a fresh allocator
-        # that only the flip below makes the target's: nothing has changed yet.
-        live: list[LiveKV] = []
-        for r, o in zip(running, owners, strict=False):
-            holds = target == "tp" or o == self.rank
-            dst_pages = alloc.allocate(-(-r.num_computed // bs)) if holds else []
-            live.append(LiveKV(o, r.num_computed, my_pages.get(r.request_id, []), dst_pages))
-        plan = (kv_ep_to_tp if target == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, bs)
+        plan = (kv_ep_to_tp if dst == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, self.block_size)
         # every rank knows every live request's KV length, so all agree whether there is KV to move
         move_kv = any(x.num_tokens for x in live)
-
         # One layer's staging (experts, KV rows), before anything changes: a device that cannot give it refuses the
         # switch here instead of failing half-way through the layers. Every rank agrees, so none starts alone.
         t_plan = time.perf_counter()
-        staging, why = self._staging(plan if move_kv else None, w.modes[src].kv.layers[0])
-        agreed = all_gather_json([not why, why], w.groups, w.device)
+        staging, why = self._staging(plan if move_kv else None, self.caches[src][0])
+        agreed = all_gather_json([not why, why], self.groups, self.device)
         if not all(ok for ok, _ in agreed):
             return {"done": False, "reason": "no device memory for one layer of switch staging ("
-                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")",
-                    "from": src, "to": target}
-        for r, x in zip(running, live, strict=False):
-            r.pages = x.dst_pages
+                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")"}
         self._sync()
         t1 = time.perf_counter()
-        passes = self._move_layers(src, target, plan, move_kv, staging)
-
-        # Flip: the target's requests, allocator and runtime become active.
-        sched = w.scheduler
-        keep = [i for i, o in enumerate(owners) if target == "tp" or o == self.rank]
-        n_run = len(running)
-        sched.running = [running[i] for i in keep if i < n_run]
-        sched.waiting = deque(waiting[i - n_run] for i in keep if i >= n_run)
-        for r in sched.running:
-            r.status = Status.RUNNING
-        for r in sched.waiting:
-            r.status, r.pages = Status.WAITING, []
-        sched.alloc = w.allocator = alloc
-        w.mode = target
-        # TP holds every request; EP keeps the specs of the other ranks' requests for the next EP -> TP
-        kept = set(keep)
-        w.others = {} if target == "tp" else {r.request_id: r.spec for i, r in enumerate(running + waiting)
-                                              if i not in kept}
-        t2 = time.perf_counter()
-        # requests_ms = list_ms (the global request list: EP -> TP's all-gather) + plan_ms (capacity, page tables,
-        # KV index plan) + staging_ms (buffers and the ranks' agreement on them)
-        times = {"requests_ms": (t1 - t0) * 1e3, "list_ms": (t_list - t0) * 1e3, "plan_ms": (t_plan - t_list) * 1e3,
-                 "staging_ms": (t1 - t_plan) * 1e3, "host_ms": (t2 - t0) * 1e3, **passes}
-        out: dict[str, Any] = {"done": True, "from": src, "to": target, **times}
-        self._unresolved = {"from": src, "to": target, "running": n_run, "waiting": len(waiting),
-                            "requests_ms": times["requests_ms"], "prep_ms": times["prep_ms"]}
-        if target == "ep":
-            out["owners"] = {r.request_id: o for r, o in zip(running + waiting, owners, strict=True)}
+        passes = self._move_layers(src, dst, plan, move_kv, staging)
+        out = {"done": True, "kv_plan_ms": (t_plan - t0) * 1e3, "staging_ms": (t1 - t_plan) * 1e3, **passes}
+        self._unresolved = {"from": src, "to": dst, "running": running, "waiting": waiting,
+                            "requests_ms": host_ms + (t1 - t0) * 1e3, "prep_ms": passes["prep_ms"]}
         return out
 
-    # ---- data plane ----
     def _staging(self, plan: KVMove | None, cache: torch.Tensor) -> tuple[Staging, str]:
         """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:
         what TP -> EP receives and EP -> TP packs, either way, as P * El = E; two with --switch-overlap, if the device
@@ -206,7 +130,7 @@ class Switcher:
             experts = self.transport.staging()  # the peer transport's, kept from the start
             if experts is None and moe is not None:
                 experts = [staging_like(moe.w13_EFD, moe.w2_EDF)]
-            if experts is not None and len(experts) == 1 and self.w.spec.engine.switch_overlap:
+            if experts is not None and len(experts) == 1 and self.options.overlap:
                 try:  # the second buffer only speeds the pass up: without it, the one-buffer pass
                     experts.append(staging_like(moe.w13_EFD, moe.w2_EDF))
                 except torch.OutOfMemoryError:
@@ -231,13 +155,12 @@ class Switcher:
         On the GPU nothing waits between layers (one stream orders every copy and exchange; the phases are timed
         with events), so host launches of the next layer overlap the transfers of this one."""
         hp = time.perf_counter()
-        w = self.w
-        order = range(w.cfg.num_layers) if dst == "tp" else reversed(range(w.cfg.num_layers))
-        bs = w.spec.engine.block_size
+        order = range(self.cfg.num_layers) if dst == "tp" else reversed(range(self.cfg.num_layers))
+        bs = self.block_size
         # (page, offset-in-page) of every slot moved, per peer: the same for every layer
         send = [self._page_offset(s, bs) for s in plan.send_slots]
         recv = [self._page_offset(r, bs) for r in plan.recv_slots]
-        cuda = w.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         h0 = time.perf_counter()
         peer0 = self.transport.peer_exchanges
         if staging.experts is not None and len(staging.experts) == 2:
@@ -254,7 +177,7 @@ class Switcher:
             m1 = self._mark(cuda)
             if move_kv:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
-                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
+                self._move_kv(self.caches[src][i], self.caches[dst][i], plan, send, recv, staging.kv_rows)
             marks.append((m0, m1, self._mark(cuda)))
         # no wait for the device here: the first step in the new layout is launched right behind the pass on the
         # same stream (its host work overlaps the transfers); pass_times waits for the pass's end
@@ -275,10 +198,10 @@ class Switcher:
         waits for what the compute stream queued before it, unpack j included. Slots (see the module docstring) are read
         before they are written for the same reasons as in the one-stream pass: each exchange waits for everything the
         compute stream queued before it. Returns one (start, last expert byte, end) mark for pass_times."""
-        w, P, to_tp = self.w, self.P, dst == "tp"
+        P, to_tp = self.P, dst == "tp"
         assert staging.experts is not None
         cuda = self._side is not None  # on the CPU the same order, run as it is queued
-        compute, side = (torch.cuda.current_stream(w.device), self._side) if cuda else (None, None)
+        compute, side = (torch.cuda.current_stream(self.device), self._side) if cuda else (None, None)
         done: list[Any] = []  # exchange j finished (an event on the side stream)
         start = self._mark(cuda)
         # the collective transport's expert exchanges (side stream) and the KV's (compute stream) share one NCCL
@@ -303,19 +226,19 @@ class Switcher:
             i, pair = layers[j], experts(layers[j])
             if pair is not None and not to_tp:
                 r13, r2 = staging.experts[j % 2]
-                tp_to_ep_unpack(r13, r2, P, pair[1].w13_EFD, pair[1].w2_EDF)
+                tp_to_ep_unpack(r13, r2, P, pair[1].w13_EFD, pair[1].w2_EDF, self.options.row_kernel)
             if move_kv:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
                 if cuda and nccl_both:  # TP -> EP queues exchange j + 1 before finishing j: the KV's all-to-all
                     compute.wait_event(done[-1])  # waits for it, so that one communicator never runs on two streams
-                self._move_kv(w.modes[src].kv.layers[i], w.modes[dst].kv.layers[i], plan, send, recv, staging.kv_rows)
+                self._move_kv(self.caches[src][i], self.caches[dst][i], plan, send, recv, staging.kv_rows)
 
         last_expert: Any = start
         for j, i in enumerate(layers):
             pair = experts(i)
             if to_tp:
                 if pair is not None:
-                    ep_to_tp_pack(pair[0].w13_EFD, pair[0].w2_EDF, P, staging.experts[j % 2])
+                    ep_to_tp_pack(pair[0].w13_EFD, pair[0].w2_EDF, P, staging.experts[j % 2], self.options.row_kernel)
                 if j:
                     finish(j - 1)
                 exchange(j)
@@ -360,7 +283,7 @@ class Switcher:
     def _page_offset(self, slots: np.ndarray, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         # on the host: a first switch would otherwise pay the lazy load of the device's integer-division kernels
         page, off = np.divmod(np.asarray(slots, dtype=np.int64), bs)
-        return torch.from_numpy(page).to(self.w.device), torch.from_numpy(off).to(self.w.device)
+        return torch.from_numpy(page).to(self.device), torch.from_numpy(off).to(self.device)
 
     @staticmethod
     def _mark(cuda: bool) -> Any:
@@ -378,7 +301,7 @@ class Switcher:
 
     def _experts(self, src: str, dst: str, i: int) -> tuple[MoEWeights, MoEWeights] | None:
         """Layer i's experts in the source and target layouts (None: a dense layer, nothing to move)."""
-        a, b = self.w.modes[src].weights.layers[i].mlp, self.w.modes[dst].weights.layers[i].mlp
+        a, b = self.weights[src].layers[i].mlp, self.weights[dst].layers[i].mlp
         return (a, b) if isinstance(a, MoEWeights) and isinstance(b, MoEWeights) else None
 
     def _move_experts(self, src: MoEWeights, dst: MoEWeights, target: str,
@@ -387,10 +310,10 @@ class Switcher:
         EP -> TP: permute, then exchange straight into the TP views; TP -> EP: exchange the TP views' expert blocks,
         then interleave the shards into whole experts."""
         if target == "tp":
-            ep_to_tp_pack(src.w13_EFD, src.w2_EDF, self.P, staging)
+            ep_to_tp_pack(src.w13_EFD, src.w2_EDF, self.P, staging, self.options.row_kernel)
         self._exchange_experts(src, dst, target, staging)
         if target != "tp":
-            tp_to_ep_unpack(*staging, self.P, dst.w13_EFD, dst.w2_EDF)
+            tp_to_ep_unpack(*staging, self.P, dst.w13_EFD, dst.w2_EDF, self.options.row_kernel)
 
     def _exchange_experts(self, src: MoEWeights, dst: MoEWeights, target: str,
                           staging: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -5,99 +5,55 @@ q*I/P .. (q+1)*I/P of the gate and of the up projection of every expert, W13 (E,
 W2, (E, D, I/P). EP->TP is permute then exchange: rank r packs, for each peer q, its experts' q-th shards; the
 chunks from r land at experts r*El.. of q's TP view, which is exactly the all-to-all output order, so nothing is
 unpacked. TP->EP is exchange then permute: the chunk for peer r is the contiguous expert block r*El.. of the TP view
-(nothing packed); the received shards are interleaved into whole experts.
+(nothing packed); the received shards are interleaved into whole experts. The views on either side are the layout's
+expert shard geometry (`parallel/layout.py`: `expert_shard`, `expert_block`), which loading uses too.
 
 KV. A request's tokens 0..n-1 sit in pages given by its page table; token t of a page table `pages` is slot
 pages[t // bs] * bs + t % bs. EP->TP: each rank sends, for each of its requests in the global order, every token's
 K/V restricted to peer q's TP heads; peer q scatters by the TP page tables (identical on every rank). TP->EP: each
-request gets a new owner (`partition`); the first rank holding each TP head shard sends it (replicas stay silent),
-the new owner scatters into its EP pages at that shard's heads.
+request gets a new owner (`parallel/placement.py`); the first rank holding each TP head shard sends it (replicas
+stay silent), the new owner scatters into its EP pages at that shard's heads.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from moebius.kernels import triton_available
-from moebius.parallel.layout import Layout
+from moebius.parallel.layout import Layout, expert_block, expert_shard
 
 
 # ---- weights ----
-def _shard_rows(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shard q of whole experts as 2-D views with contiguous rows: gate and up apart ([El * 2, I/P * D], rows of one
-    (expert, gate|up)) and down ([El * D, I/P])."""
-    El, F, D = w13_EFD.shape
-    I = F // 2
-    return (w13_EFD.view(El * 2, P, I // P * D)[:, q], w2_EDF.view(El * D, P, I // P)[:, q])
-
-
-def _chunk_rows(t13: torch.Tensor, t2: torch.Tensor, P: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk q (rows q*El ..) of TP-shaped buffers ([P * El, 2I/P, D], [P * El, D, I/P]) as the same 2-D views."""
-    PEl, Fp, D = t13.shape
-    El = PEl // P
-    return (t13.view(P, El * 2, Fp // 2 * D)[q], t2.view(P, El * D, Fp // 2)[q])
-
-
-# The Triton row copy (kernels/copy.py) for the switch's permutes on the GPU: 2.2x torch's strided copy of these
-# views (3.45 against 1.6 TB/s on an H200). MOEBIUS_RESHARD_KERNEL=0 falls back to torch's copies.
-RESHARD_KERNEL = os.environ.get("MOEBIUS_RESHARD_KERNEL", "1") == "1"
-
-
-def _row_kernel(t: torch.Tensor) -> bool:
-    return RESHARD_KERNEL and t.is_cuda and triton_available()
-
-
-def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, out: tuple[torch.Tensor, torch.Tensor]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fill the send buffers `out` ([P * El, 2I/P, D] and [P * El, D, I/P], contiguous) and return them: peer q's
-    chunk is rows q*El .. (q+1)*El."""
-    El, F, D = w13_EFD.shape
-    I = F // 2
-    s13, s2 = out
-    if _row_kernel(s13):
+def _copy(dst: torch.Tensor, src: torch.Tensor, row_kernel: bool) -> None:
+    if row_kernel and dst.is_cuda and triton_available():
         from moebius.kernels.copy import copy_rows
 
-        for q in range(P):
-            for d, s in zip(_chunk_rows(s13, s2, P, q), _shard_rows(w13_EFD, w2_EDF, P, q), strict=True):
-                copy_rows(d, s)
-        return out
-    s13.view(P, El, 2, I // P, D).copy_(w13_EFD.view(El, 2, P, I // P, D).permute(2, 0, 1, 3, 4))
-    s2.view(P, El, D, I // P).copy_(w2_EDF.view(El, D, P, I // P).permute(2, 0, 1, 3))
+        copy_rows(dst, src)
+    else:
+        dst.copy_(src)
+
+
+def ep_to_tp_pack(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, P: int, out: tuple[torch.Tensor, torch.Tensor],
+                  row_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill the send buffers `out` ([P * El, 2I/P, D] and [P * El, D, I/P], contiguous) and return them: peer q's
+    chunk is rows q*El .. (q+1)*El, shard q of my whole experts. row_kernel: on the GPU, the Triton row copy
+    (kernels/copy.py) instead of torch's strided copies."""
+    for q in range(P):
+        for d, s in zip(expert_block(*out, P, q), expert_shard(w13_EFD, w2_EDF, P, q), strict=True):
+            _copy(d, s, row_kernel)
     return out
 
 
-def tp_to_ep_unpack(r13: torch.Tensor, r2: torch.Tensor, P: int, out13_EFD: torch.Tensor,
-                    out2_EDF: torch.Tensor) -> None:
+def tp_to_ep_unpack(r13: torch.Tensor, r2: torch.Tensor, P: int, out13_EFD: torch.Tensor, out2_EDF: torch.Tensor,
+                    row_kernel: bool = True) -> None:
     """Interleave received shards (chunk q = rows q*El..: shard q of my El experts) into whole experts."""
-    El, F, D = out13_EFD.shape
-    I = F // 2
-    if _row_kernel(r13):
-        from moebius.kernels.copy import copy_rows
-
-        for q in range(P):
-            for d, s in zip(_shard_rows(out13_EFD, out2_EDF, P, q), _chunk_rows(r13, r2, P, q), strict=True):
-                copy_rows(d, s)
-        return
-    out13_EFD.view(El, 2, P, I // P, D).copy_(r13.view(P, El, 2, I // P, D).permute(1, 2, 0, 3, 4))
-    out2_EDF.view(El, D, P, I // P).copy_(r2.view(P, El, D, I // P).permute(1, 2, 0, 3))
-
-
-# ---- requests ----
-def partition(lengths: list[int], P: int) -> list[int]:
-    """TP->EP owners: by decreasing length, each request to the least-loaded rank (requests, then tokens).
-    Deterministic (ties by index and rank), so every rank computes the same partition."""
-    load = [(0, 0)] * P
-    owner = [0] * len(lengths)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(P), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] = (load[r][0] + 1, load[r][1] + lengths[i])
-    return owner
+    for q in range(P):
+        for d, s in zip(expert_shard(out13_EFD, out2_EDF, P, q), expert_block(r13, r2, P, q), strict=True):
+            _copy(d, s, row_kernel)
 
 
 # ---- KV ----

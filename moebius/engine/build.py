@@ -1,0 +1,125 @@
+"""Building one rank: its unified buffer (dense weights of both layouts, static buffers per mode, N + 1 slots of
+experts and KV), the start layout's weights, a runtime per layout, and, once every rank is built, the start-up
+steps that run collectives (switch paths, symmetric-memory exchanges, CUDA graph capture).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+
+from moebius.config import EngineConfig
+from moebius.engine.lifecycle import StopRules
+from moebius.engine.rank import ModeRuntime, Rank, RankSpec
+from moebius.engine.runner import ModelRunner, StaticBuffers
+from moebius.kernels import moe as kmoe
+from moebius.memory.kv_pool import KVPool
+from moebius.memory.umm import MemoryPlan, UnifiedMemory
+from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
+from moebius.model.weights import build_weights, plan_weights, weight_specs
+from moebius.parallel.dispatch import symmetric_memory_available
+from moebius.parallel.groups import Groups, all_gather_json
+from moebius.parallel.layout import MODES, Layout, check_shapes
+from moebius.switch.executor import Switcher, SwitchOptions
+from moebius.tokenizer import Tokenizer
+
+log = logging.getLogger("moebius")
+
+CPU_DEFAULT_KV_TOKENS = 65536
+
+
+def _num_pages(ecfg: EngineConfig, device: torch.device, fixed_bytes: int, expert_bytes: int, page_bytes: int,
+               num_slots: int) -> int:
+    if ecfg.max_total_tokens is not None:
+        return ecfg.max_total_tokens // ecfg.block_size
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_TOKENS // ecfg.block_size
+    free, total = torch.cuda.mem_get_info(device)
+    budget = min(free, int(total * ecfg.mem_fraction)) - fixed_bytes - num_slots * expert_bytes
+    pages = budget // (num_slots * page_bytes)
+    if pages <= 0:
+        raise MemoryError(f"the model needs {(fixed_bytes + num_slots * expert_bytes) / 2**30:.1f} GiB per rank, "
+                          f"more than --mem-fraction {ecfg.mem_fraction} of this GPU leaves for the KV cache")
+    return int(pages)
+
+
+def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
+    """Allocate, load and assemble one rank (no collectives: `prepare_rank` runs those once every rank is built)."""
+    ecfg, cfg = spec.engine, spec.model
+    groups = groups or Groups(0, 1, None, None)
+    device = torch.device(spec.device)
+    if device.type == "cpu":
+        torch.set_num_threads(ecfg.cpu_threads)
+    kmoe.BACKEND = ecfg.moe_kernel
+    dtype = getattr(torch, spec.dtype)
+    check_shapes(cfg, spec.world_size)
+    # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
+    held = (spec.mode,) if ecfg.static_layout else MODES
+    layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
+    start, bs, elt = layouts[spec.mode], ecfg.block_size, dtype.itemsize
+
+    # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
+    plan = MemoryPlan()
+    plan_weights(plan, cfg, list(layouts.values()), dtype)
+    max_pages_per_seq = -(-spec.max_model_len // bs)
+    buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq)
+    for m in held:
+        StaticBuffers.plan(plan, m, *buf_shape)
+    expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
+    page_bytes = {m: KVPool.page_bytes(bs, lay.num_kv_heads, cfg.head_dim, dtype) for m, lay in layouts.items()}
+    start_pages = _num_pages(ecfg, device, plan.total_bytes, expert_bytes, page_bytes[spec.mode], cfg.num_layers + 1)
+    kv_bytes = start_pages * page_bytes[spec.mode]
+    plan.add_slots(cfg.num_layers + 1, expert_bytes + kv_bytes)
+    umm = UnifiedMemory(plan, device)
+
+    # Weights: dense parts of both layouts, experts in the start layout's slots.
+    ckpt = DummyCheckpoint(ecfg.seed, device) if spec.checkpoint is None else Checkpoint(spec.checkpoint)
+    specs = {m: weight_specs(cfg, lay, elt) for m, lay in layouts.items()}
+    other = [s for m in held if m != spec.mode for s in specs[m] if s.slot is None]
+    load_weights(umm, specs[spec.mode] + other, ckpt, dtype, cfg)
+
+    modes: dict[str, ModeRuntime] = {}
+    for m, lay in layouts.items():
+        weights = build_weights(umm, cfg, lay, dtype)
+        kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes,
+                    kv_bytes // page_bytes[m], bs, lay.num_kv_heads, cfg.head_dim, dtype)
+        runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
+                             StaticBuffers.build(umm, m, *buf_shape), bs, device)
+        modes[m] = ModeRuntime(lay, weights, kv, runner)
+    tokenizer = (Tokenizer.builtin() if spec.use_builtin_tokenizer
+                 else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
+    switcher = Switcher(cfg, groups, device, bs, {m: rt.weights for m, rt in modes.items()},
+                        {m: rt.kv.layers for m, rt in modes.items()},
+                        SwitchOptions(ecfg.switch_overlap, ecfg.switch_transport))
+    log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
+             bs, {m: rt.kv.num_pages for m, rt in modes.items()})
+    return Rank(spec, groups, umm, modes, switcher, StopRules(spec.eos_token_ids, tokenizer))
+
+
+def prepare_rank(rank: Rank) -> None:
+    """The start-up steps that run collectives (graph capture warms up NCCL, the switch paths are opened): every
+    rank calls this once all ranks are built, so a rank that failed to build cannot leave the others waiting."""
+    ecfg, groups, device = rank.spec.engine, rank.groups, rank.device
+    if groups.world_size > 1:
+        # peers' memory is mapped over NVLink (symmetric memory) or shared files: one machine only; torchrun
+        # across machines keeps NCCL and the collective switch transport
+        one_host = len(set(all_gather_json(socket.gethostname(), groups))) == 1
+        if not one_host:
+            log.info("rank %d: ranks span several machines: NCCL collectives only", groups.rank)
+        rank.switcher.open_paths(peers_mapped=one_host)
+        dtype = getattr(torch, rank.spec.dtype)
+        if (one_host and device.type == "cuda" and not ecfg.disable_custom_all_reduce and dtype == torch.bfloat16
+                and symmetric_memory_available()):
+            for rt in rank.modes.values():  # a collective: every rank, the same order
+                rt.runner.comm.enable_symmetric(ecfg.max_num_batched_tokens, rank.cfg.hidden_size, rank.cfg.top_k,
+                                                dtype, device)
+    if device.type == "cuda" and not ecfg.disable_cuda_graph:
+        # both modes' decode graphs, once, into one memory pool; capture records addresses only: it needs no switch,
+        # and its warm-up writes land in the reserved page 0 of either layout
+        cap = min(ecfg.cuda_graph_max_bs, ecfg.max_running_requests, ecfg.max_num_batched_tokens)
+        pool = torch.cuda.graph_pool_handle()
+        for m, rt in rank.modes.items():
+            n, secs = rt.runner.capture_graphs(cap, pool)
+            log.info("rank %d: captured %d %s decode graphs (batch <= %d) in %.1f s", groups.rank, n, m, cap, secs)

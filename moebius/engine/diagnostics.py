@@ -1,0 +1,146 @@
+"""Questions a plan may ask every rank, outside the serving path: fingerprints of what a switch must preserve,
+memory, how the collectives run, which requests a rank holds, and steady-state decode timing for benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from moebius.engine.request import Request, RequestSpec
+from moebius.engine.runner import PendingStep, StepSync
+from moebius.engine.scheduler import ScheduledChunk
+from moebius.model.qwen3_moe import MoEWeights
+from moebius.parallel.groups import all_gather_ints
+from moebius.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moebius.engine.rank import Rank
+
+
+def answer(rank: Rank, q: dict[str, Any]) -> Any:
+    """The rank's JSON-able answer to query `q` ({"name": ..., **arguments})."""
+    name = q["name"]
+    if name == "fingerprint":
+        return fingerprint(rank)
+    if name == "memory":
+        return memory_report(rank)
+    if name == "requests":  # ids of what this rank holds, and of the specs it keeps of others' requests
+        sched = rank.scheduler
+        return {"running": [r.request_id for r in sched.running],
+                "waiting": [r.request_id for r in sched.waiting], "others": sorted(rank.others)}
+    if name == "bench_decode":
+        return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
+    if name == "comm":  # how each layout's collectives run
+        return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
+    raise ValueError(f"unknown query {name!r}")
+
+
+def memory_report(rank: Rank) -> dict[str, Any]:
+    rt = rank.modes[rank.mode]
+    kv = sum(t.numel() * t.element_size() for t in rt.kv.layers)
+    out: dict[str, Any] = {"umm_bytes": rank.umm.plan.total_bytes, "kv_bytes": kv,
+                           "kv_tokens": (rt.kv.num_pages - 1) * rank.spec.engine.block_size}
+    if rank.device.type == "cuda":
+        out["peak_allocated"] = torch.cuda.max_memory_allocated(rank.device)
+        out["peak_reserved"] = torch.cuda.max_memory_reserved(rank.device)
+        out["non_kv_bytes"] = out["peak_reserved"] - kv
+    return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def fingerprint(rank: Rank) -> dict[str, Any]:
+    """Buffer address, every resident view's data_ptr, and digests of the active layout's expert weights and of
+    each live request's KV (by request, in token order, all local heads): what a switch must preserve."""
+    ptrs = [rank.umm.buffer.data_ptr()]
+    for rt in rank.modes.values():
+        for lw in rt.weights.layers:
+            ptrs += [lw.attn.qkv_QD.data_ptr(), lw.attn.o_DQ.data_ptr()]
+            if isinstance(lw.mlp, MoEWeights):
+                ptrs += [lw.mlp.w13_EFD.data_ptr(), lw.mlp.w2_EDF.data_ptr()]
+        ptrs += [t.data_ptr() for t in rt.kv.layers]
+        ptrs += rt.runner.static_addresses()
+    rt = rank.modes[rank.mode]
+    experts = [_digest(torch.cat([lw.mlp.w13_EFD.flatten(), lw.mlp.w2_EDF.flatten()]))
+               for lw in rt.weights.layers if isinstance(lw.mlp, MoEWeights)]
+    bs = rank.spec.engine.block_size
+    kv = {}
+    for r in rank.scheduler.running:
+        slots = torch.arange(r.num_computed)
+        pages = torch.tensor(r.pages, dtype=torch.int64)[slots // bs]
+        kv[r.request_id] = _digest(torch.stack([c[pages, :, slots % bs] for c in rt.kv.layers]))
+    return {"mode": rank.mode, "ptrs": ptrs, "experts": experts, "kv": kv}
+
+
+def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict[str, Any]:
+    """Time steady-state decode steps of `batch` requests (global) with `context` cached tokens each, through
+    the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
+    lay, alloc, groups = rank.layout, rank.allocator, rank.groups
+    local = lay.local_batch(batch)
+    ecfg = rank.spec.engine
+    pages_each = -(-(context + 1) // ecfg.block_size)
+    need = local * pages_each
+    ok = need <= alloc.num_free and local <= ecfg.max_num_batched_tokens
+    if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
+        return {"error": "does not fit on every rank"}
+    if not ok:
+        return {"error": f"needs {need} KV pages, {alloc.num_free} free"}
+    chunks = []
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    V = rank.cfg.vocab_size
+    for i in range(local):
+        # distinct tokens per request, so the batch routes like real traffic (not all to the same experts)
+        ids = [(groups.rank * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
+        req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
+        req.pages, req.num_computed = alloc.allocate(pages_each), context
+        chunks.append(ScheduledChunk(req, context, 1))
+    sync = StepSync(lay.step_tokens(batch), True)
+    runner = rank.runner
+    used_graph = graphs and runner.has_graph(sync.max_tokens)
+    times, meta = [], []
+    try:
+        for _ in range(warmup + steps):
+            if rank.device.type == "cuda":
+                torch.cuda.synchronize(rank.device)
+            t = time.perf_counter()
+            runner.launch(chunks, [], sync, graphs=graphs).result()  # tokens on the host: a whole step
+            times.append(time.perf_counter() - t)
+            meta.append(runner.last_metadata_s)
+        overlapped = _time_overlapped(rank, chunks, sync, steps, warmup, graphs)
+        replay_ms = runner.time_replay(sync.max_tokens, steps) if used_graph else None
+    finally:
+        for c in chunks:
+            alloc.free(c.req.pages)
+    sync_ms = statistics.median(times[warmup:]) * 1e3
+    return {"step_ms": overlapped if rank.overlap else sync_ms, "step_ms_overlap": overlapped,
+            "step_ms_no_overlap": sync_ms, "local_batch": local, "cuda_graph": used_graph,
+            "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
+
+
+def _time_overlapped(rank: Rank, chunks: list[ScheduledChunk], sync: StepSync, steps: int, warmup: int,
+                     graphs: bool) -> float:
+    """Steady-state ms per step as overlap scheduling runs them: each step is launched with its input tokens
+    taken on the device from the step before, and only then is the step before read back."""
+    rows = np.arange(len(chunks))
+    prev: PendingStep | None = None
+    arrived = []  # when each step's tokens reached the host
+    for _ in range(max(warmup, 1) + steps):
+        cur = rank.runner.launch(chunks, [], sync, prev, rows if prev is not None else None, graphs=graphs)
+        if prev is not None:
+            prev.result()
+            arrived.append(time.perf_counter())
+        prev = cur
+    assert prev is not None
+    prev.result()
+    arrived.append(time.perf_counter())
+    # between the last warm-up step's arrival and the last step's, exactly `steps` steps completed (timing from
+    # a launch instead would count the step already in flight then)
+    return (arrived[-1] - arrived[-1 - steps]) / steps * 1e3

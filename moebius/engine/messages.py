@@ -1,0 +1,121 @@
+"""What the front end and the ranks tell each other (carried as JSON by `engine/codec.py`): each step's plan, each
+rank's report, and a switch's request list."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moebius.engine.codec import TokenIds
+from moebius.engine.request import Request, RequestSpec, Status
+
+
+@dataclass
+class StepPlan:
+    """What the front end tells every rank before a step: requests to admit and abort, an optional layout switch
+    (done before the step), whether to run a forward step, and an optional query (diagnostics, answered per rank)."""
+
+    new: list[RequestSpec] = field(default_factory=list)
+    # the rank running each request, where the layout places them (EP): the new ones, and with a switch into EP
+    # every live one; a request not named here runs on every rank
+    owners: dict[str, int] = field(default_factory=dict)
+    aborts: list[str] = field(default_factory=list)
+    # requests that ended since the last plan (the front end saw their last token): EP ranks forget their specs
+    retired: list[str] = field(default_factory=list)
+    switch_to: str | None = None
+    run: bool = True
+    query: dict[str, Any] | None = None  # {"name": ..., **arguments}
+
+
+@dataclass
+class TokenDelta:
+    """What a rank reports for one request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    prompt_logits: torch.Tensor | None = None
+
+
+@dataclass
+class KVStats:
+    free_tokens: int
+    total_tokens: int
+
+
+@dataclass
+class RankReport:
+    """What one rank sends back after a plan."""
+
+    deltas: list[TokenDelta]
+    kv: KVStats
+    switch: dict[str, Any] | None = None  # the switch outcome, when the plan asked for a switch
+    query: Any = None  # the answer, when the plan asked a query
+    # device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
+    switch_times: dict[str, Any] | None = None
+
+
+@dataclass
+class StepResult:
+    """The ranks' reports, gathered for the front end."""
+
+    deltas: list[TokenDelta]
+    kv: list[KVStats]  # per rank
+    switch: dict[str, Any] | None = None  # rank 0's switch outcome
+    query: list[Any] | None = None  # per rank
+    switch_times: dict[str, Any] | None = None  # rank 0's
+
+    @staticmethod
+    def gather(reports: list[RankReport]) -> StepResult:
+        return StepResult([d for r in reports for d in r.deltas], [r.kv for r in reports], reports[0].switch,
+                          [r.query for r in reports], reports[0].switch_times)
+
+
+# ---- a switch's request list ----
+@dataclass
+class RequestState:
+    """What moves with a request in a switch beside its spec (which every rank holds) and its output ids (sent
+    together for the whole list); pages do not move: they are allocated again."""
+
+    request_id: str
+    num_output: int
+    num_computed: int
+    status: Status
+    stop_text: str
+    stop_offsets: tuple[int, int]
+    prompt_logits: list[torch.Tensor]
+
+
+@dataclass
+class RequestList:
+    """Requests in one message: their states, and all their output ids as one `TokenIds`."""
+
+    ids: TokenIds
+    requests: list[RequestState]
+
+    @staticmethod
+    def of(reqs: list[Request]) -> RequestList:
+        return RequestList(list(itertools.chain.from_iterable(r.output_token_ids for r in reqs)),
+                           [RequestState(r.request_id, len(r.output_token_ids), r.num_computed, r.status, r.stop_text,
+                                         r.stop_offsets, r.prompt_logits) for r in reqs])
+
+    def requests_with(self, specs: Mapping[str, RequestSpec]) -> list[Request]:
+        """The requests, given the specs of every one of them."""
+        out, at = [], 0
+        for m in self.requests:
+            spec = specs.get(m.request_id)
+            if spec is None:
+                raise ValueError(f"request list: request {m.request_id!r} came without its spec, unknown here")
+            if not (m.num_output >= 0 and at + m.num_output <= len(self.ids)):
+                raise ValueError("request list: token counts do not match its ids")
+            out.append(Request(spec, self.ids[at: at + m.num_output], m.num_computed, status=m.status,
+                               stop_text=m.stop_text, stop_offsets=m.stop_offsets, prompt_logits=m.prompt_logits))
+            at += m.num_output
+        if at != len(self.ids):
+            raise ValueError(f"request list: {len(self.ids) - at} token ids belong to no request")
+        return out

@@ -1,0 +1,233 @@
+"""One rank of the engine, serving: it applies each `StepPlan` (admit, abort, maybe switch, maybe step) to its
+scheduler and runtimes and reports what happened (`RankReport`). Built by `engine/build.py`; its diagnostics and
+benchmark timing live in `engine/diagnostics.py`.
+
+Overlap scheduling (the default): a step is launched before the previous one's tokens are read back, so the host
+work of step N+1 (scheduling, metadata, the round trip to the front end) runs while the device computes step N.
+A request whose token is still on the device carries `PLACEHOLDER` as its last output token; the step that
+produced it is resolved right after the next one is launched. A request that stops on that token has run one
+step too many: that row's result is dropped, and its KV writes into the pages it has since released come, in stream
+order, before any later step that reuses them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moebius.config import EngineConfig, ModelConfig
+from moebius.engine.lifecycle import StopRules
+from moebius.engine.messages import KVStats, RankReport, StepPlan, TokenDelta
+from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
+from moebius.engine.runner import ModelRunner, PendingStep, StepSync
+from moebius.engine.scheduler import Scheduler
+from moebius.engine.switching import RankRequests, SwitchResult, switch_requests
+from moebius.memory.kv_pool import BlockAllocator, KVPool
+from moebius.memory.umm import UnifiedMemory
+from moebius.model.qwen3_moe import ModelWeights
+from moebius.parallel.groups import Groups, all_gather_ints
+from moebius.parallel.layout import Layout
+from moebius.switch.executor import Switcher
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to build itself (picklable, so rank processes can receive it)."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    checkpoint: str | None  # None: dummy weights
+    device: str
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    tokenizer_dir: str | None  # None with use_builtin_tokenizer False: no tokenizer
+    use_builtin_tokenizer: bool
+    max_model_len: int
+    rank: int = 0
+    world_size: int = 1
+    mode: str = "tp"
+
+
+@dataclass
+class ModeRuntime:
+    """Everything one layout needs to run, built once at start and kept resident (views over the same buffer)."""
+
+    layout: Layout
+    weights: ModelWeights
+    kv: KVPool
+    runner: ModelRunner
+
+
+@dataclass
+class InFlight:
+    """A launched step not yet resolved: the requests it samples for (row order) and where the tokens come back."""
+
+    sampling: list[Request]
+    pending: PendingStep
+    rows: dict[str, int]  # request id -> row of its placeholder's token in pending.tokens (the next launch)
+
+
+class Rank:
+    def __init__(self, spec: RankSpec, groups: Groups, umm: UnifiedMemory, modes: dict[str, ModeRuntime],
+                 switcher: Switcher, rules: StopRules) -> None:
+        self.spec, self.groups, self.umm, self.modes = spec, groups, umm, modes
+        self.cfg: ModelConfig = spec.model
+        self.device = umm.device
+        self.switcher, self.rules = switcher, rules
+        self.mode = spec.mode
+        ecfg = spec.engine
+        self.allocator = BlockAllocator(modes[self.mode].kv.num_pages, ecfg.block_size)
+        self.scheduler = Scheduler(self.allocator, ecfg.max_running_requests, ecfg.max_num_batched_tokens)
+        # EP: the specs of the live requests the other ranks hold (every plan reaches every rank), so that an
+        # EP -> TP switch moves only their outputs and state, not their prompts
+        self.others: dict[str, RequestSpec] = {}
+        self.overlap = not ecfg.disable_overlap_schedule
+        self.inflight: InFlight | None = None
+        self._late_switch_times: dict[str, Any] | None = None  # see report()
+
+    @property
+    def layout(self) -> Layout:
+        return self.modes[self.mode].layout
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.modes[self.mode].runner
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV tokens one request may reach: what a rank holds in the smaller of the two layouts (the front end's
+        admission limit, so every admitted request fits in either layout after any switch)."""
+        return min(rt.kv.num_pages - 1 for rt in self.modes.values()) * self.spec.engine.block_size
+
+    def kv_stats(self) -> KVStats:
+        return KVStats(self.allocator.free_tokens, self.allocator.total_tokens)
+
+    def destroy_graphs(self) -> None:
+        for rt in self.modes.values():
+            rt.runner.destroy_graphs()
+
+    def report(self, plan: StepPlan) -> RankReport:
+        """Apply a plan and report (a query's answer is the caller's: `engine/diagnostics.py`). In TP every rank
+        computes the same tokens and only rank 0 reports them; in EP each rank reports its own. Deltas from before a
+        switch (aborts) are reported by the old layout's rule, those of the step by the new one's."""
+        first = self.layout.reports_deltas
+        before, after, outcome = self.step(plan)
+        second = self.layout.reports_deltas
+        # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
+        return RankReport((before if first else []) + (after if second else []), self.kv_stats(), outcome,
+                          switch_times=self._late_switch_times)
+
+    def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
+        """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
+        the switch (aborts), those of the step, and the switch outcome (None when the plan did not switch)."""
+        sched = self.scheduler
+        self._late_switch_times = self.switcher.pass_times()
+        # a switch moves requests and a query looks at them: both need every token on the host
+        t = time.perf_counter()
+        aborted = self.drain() if plan.switch_to or not plan.run else []
+        drain_ms = (time.perf_counter() - t) * 1e3
+        for spec in plan.new:
+            if self.layout.holds(plan.owners.get(spec.request_id, self.groups.rank)):
+                sched.add(Request(spec))
+            else:
+                self.others[spec.request_id] = spec
+        for rid in plan.retired:
+            self.others.pop(rid, None)
+        for rid in plan.aborts:
+            self.others.pop(rid, None)
+            req = sched.find(rid)
+            if req is not None:
+                sched.finish(req)
+                req.finish_reason = "abort"
+                aborted.append(TokenDelta(rid, [], "abort"))
+        outcome = self._switch(plan.switch_to, plan.owners) if plan.switch_to else None
+        deltas = self._forward_step() if plan.run else []
+        if outcome is not None:
+            outcome["drain_ms"] = drain_ms  # waiting for the step in flight (overlap) before the switch could start
+            if outcome.get("done") and not plan.run:  # nothing rides on it: report its times now
+                outcome.update(self.switcher.pass_times() or {})
+        return aborted, deltas, outcome
+
+    def _switch(self, target: str, owners: dict[str, int]) -> dict[str, Any]:
+        if target == self.mode:
+            return {"done": False, "reason": f"already in {self.mode}"}
+        if target not in self.modes:
+            return {"done": False, "reason": f"the engine holds only the {self.mode} layout (--static-layout)"}
+        sched = self.scheduler
+        result = switch_requests(self.switcher, self.layout, self.modes[target].layout,
+                                 self.modes[target].kv.num_pages, RankRequests(sched.running, list(sched.waiting),
+                                                                               self.others),
+                                 owners, self.groups, self.device, self.spec.engine.block_size,
+                                 self.spec.engine.max_running_requests)
+        self._adopt(result)
+        return result.outcome
+
+    def _adopt(self, result: SwitchResult) -> None:
+        """The target's requests, allocator and runtime become active (nothing changes on a refusal)."""
+        if result.mode is None:
+            return
+        assert result.allocator is not None
+        self.scheduler.adopt(result.running, result.waiting, result.allocator)
+        self.allocator, self.mode, self.others = result.allocator, result.mode, result.others
+
+    def _forward_step(self) -> list[TokenDelta]:
+        """Schedule and launch a step, then resolve the step before it (overlap) or this one. Returns the deltas
+        of the step resolved."""
+        batch = self.scheduler.schedule()
+        n_tokens = sum(c.num_tokens for c in batch)
+        decode = all(c.num_tokens == 1 and c.samples for c in batch)
+        if self.layout.data_parallel:
+            # attention is per rank, but every rank joins each layer's collectives while any rank has work, and all
+            # must agree on the dispatch size (and on the graph bucket)
+            everyone = all_gather_ints([n_tokens, int(decode)], self.groups)
+            sync = StepSync(max(n for n, _ in everyone), all(d for _, d in everyone))
+        else:
+            sync = StepSync(n_tokens, decode)
+        if sync.max_tokens == 0:
+            return self.drain()
+        sampling = [c.req for c in batch if c.samples]
+        masks = [(row, ids) for row, r in enumerate(sampling) if (ids := self.rules.banned(r))]
+        prev = self.inflight
+        prev_rows = None
+        if prev is not None:
+            prev_rows = np.array([prev.rows.get(c.req.request_id, -1)
+                                  if c.samples and c.req.output_token_ids[-1:] == [PLACEHOLDER] else -1
+                                  for c in batch], dtype=np.int64)
+        pending = self.runner.launch(batch, masks, sync, prev.pending if prev else None, prev_rows)
+        for b, chunk in enumerate(batch):
+            chunk.req.num_computed = chunk.start + chunk.num_tokens
+            if b in pending.prompt_logits:  # already on the host
+                chunk.req.prompt_logits.append(pending.prompt_logits[b])
+        deltas = self.drain()
+        # Tokens still on the device: placeholders, so the next step schedules their requests' next positions.
+        rows = {}
+        for row, req in enumerate(sampling):
+            if not req.finished:
+                req.output_token_ids.append(PLACEHOLDER)
+                rows[req.request_id] = row
+        self.inflight = InFlight(sampling, pending, rows)
+        return deltas + (self.drain() if not self.overlap else [])
+
+    def drain(self) -> list[TokenDelta]:
+        """Resolve the step in flight, if any: its tokens replace their placeholders and the stop rules run."""
+        if self.inflight is None:
+            return []
+        flight, self.inflight = self.inflight, None
+        tokens, _ = flight.pending.result()
+        deltas: list[TokenDelta] = []
+        for row, req in enumerate(flight.sampling):
+            if req.finished:
+                continue  # finished (or aborted) before this step was resolved: its row is dropped
+            req.output_token_ids[-1] = tokens[row]
+            self.rules.check(req)
+            logits = None
+            if req.finish_reason is not None:
+                self.scheduler.finish(req)
+                if req.params.prompt_logits:
+                    logits = torch.cat(req.prompt_logits)
+            deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits))
+        return deltas

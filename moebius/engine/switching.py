@@ -1,0 +1,127 @@
+"""The requests' side of a live switch on one rank: the global request list, who holds each request afterwards,
+whether the target layout can hold them, their target page tables; then the data plane (`switch/executor.py`)
+moves the weights and KV, and the rank adopts the `SwitchResult`.
+
+Every rank computes the same list, owners, capacity answer and page tables (TP's tables are identical on every
+rank), so all of them take the same decision without further messages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moebius.engine.codec import decode, encode
+from moebius.engine.messages import RequestList
+from moebius.engine.request import Request, RequestSpec
+from moebius.memory.kv_pool import BlockAllocator
+from moebius.parallel.groups import Groups, all_gather_json
+from moebius.parallel.layout import Layout
+from moebius.switch.executor import Switcher
+from moebius.switch.plan import LiveKV
+
+# The EP -> TP request list's first gather round carries this much of each rank's part: one round instead of two for
+# the request counts where a policy would switch (a 2-rank switch at 128 requests sends ~23 KB a rank).
+REQUEST_LIST_INLINE = 65536
+
+
+@dataclass
+class SwitchResult:
+    """What a switch changed on this rank, for the rank to adopt (`mode` None: refused, nothing changed)."""
+
+    outcome: dict[str, Any]
+    mode: str | None = None
+    running: list[Request] = field(default_factory=list)  # with their target page tables
+    waiting: list[Request] = field(default_factory=list)
+    allocator: BlockAllocator | None = None  # the target layout's, holding those pages
+    others: dict[str, RequestSpec] = field(default_factory=dict)  # specs of the requests other ranks now run
+
+
+@dataclass(frozen=True)
+class RankRequests:
+    """This rank's requests before the switch."""
+
+    running: list[Request]
+    waiting: list[Request]
+    others: dict[str, RequestSpec]  # specs of the requests other ranks run (EP)
+
+
+def _global_requests(src: Layout, mine: RankRequests, groups: Groups, device: torch.device
+                     ) -> tuple[list[Request], list[Request], list[int]]:
+    """(running, waiting, each one's rank before the switch), in the order every rank agrees on."""
+    if not src.data_parallel:  # every rank holds every request, in the same order
+        n = len(mine.running) + len(mine.waiting)
+        return list(mine.running), list(mine.waiting), [src.rank] * n
+    # requests spread over ranks: all-gather them; every rank keeps the specs of the others' requests, so only
+    # outputs and state travel, and a rank's own requests stay as they are
+    own = list(mine.running) + list(mine.waiting)
+    everything = all_gather_json([len(mine.running), encode(RequestList.of(own))], groups, device,
+                                 inline=REQUEST_LIST_INLINE)
+    running, waiting = [], []
+    for s, (n_run, m) in enumerate(everything):
+        reqs = own if s == src.rank else decode(RequestList, m).requests_with(mine.others)
+        running += [(r, s) for r in reqs[:n_run]]
+        waiting += [(r, s) for r in reqs[n_run:]]
+    running.sort(key=lambda x: x[0].spec.arrival)
+    waiting.sort(key=lambda x: x[0].spec.arrival)
+    return [r for r, _ in running], [r for r, _ in waiting], [s for _, s in running + waiting]
+
+
+def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages: int, mine: RankRequests,
+                    owners: dict[str, int], groups: Groups, device: torch.device, block_size: int, max_running: int
+                    ) -> SwitchResult:
+    """Switch this rank from layout `src` to `dst` (a collective: every rank, the same plan). owners: the rank each
+    request runs on in `dst` where it places requests (the front end's placement); elsewhere unused."""
+    t0 = time.perf_counter()
+    head = {"from": src.mode, "to": dst.mode}
+    running, waiting, before = _global_requests(src, mine, groups, device)
+    t_list = time.perf_counter()
+    live = running + waiting
+    if dst.data_parallel:
+        missing = [r.request_id for r in live if r.request_id not in owners]
+        if missing:
+            raise RuntimeError(f"switch to {dst.mode}: the plan places no rank for request(s) {missing[:5]}")
+        after = [owners[r.request_id] for r in live]
+    else:
+        after = [dst.rank] * len(live)  # every rank holds every request
+    P = groups.world_size
+    targets = [Layout(dst.cfg, dst.mode, q, P) for q in range(P)]
+    # Capacity: the target must hold the live KV of every running request (plus its next token) ...
+    need = [sum(-(-r.num_tokens // block_size) for r, o in zip(running, after, strict=False) if lay.holds(o))
+            for lay in targets]
+    alloc = BlockAllocator(dst_num_pages, block_size)
+    if max(need, default=0) > alloc.usable_pages:
+        return SwitchResult({"done": False, "reason": f"{dst.mode} layout cannot hold the live KV: needs {max(need)} "
+                             f"pages on a rank, has {alloc.usable_pages}", **head})
+    # ... and its batch slots (TP runs every request on every rank)
+    per_rank = [sum(1 for o in after[: len(running)] if lay.holds(o)) for lay in targets]
+    if max(per_rank, default=0) > max_running:
+        return SwitchResult({"done": False, "reason": f"{dst.mode} layout cannot run {max(per_rank)} requests on a "
+                             f"rank (max_running_requests {max_running})", **head})
+    # Target page tables, in the global order, in a fresh allocator that only adopting the result makes the
+    # target's: nothing has changed yet.
+    kv: list[LiveKV] = []
+    my_pages = {r.request_id: r.pages for r in mine.running}
+    for r, b, a in zip(running, before, after, strict=False):
+        pages = alloc.allocate(-(-r.num_computed // block_size)) if dst.holds(a) else []
+        kv.append(LiveKV(b if src.data_parallel else a, r.num_computed, my_pages.get(r.request_id, []), pages))
+    t_plan = time.perf_counter()
+    moved = switcher.move(src.mode, dst.mode, kv, len(running), len(waiting), (t_plan - t0) * 1e3)
+    if not moved["done"]:
+        return SwitchResult({**moved, **head})
+    for r, x in zip(running, kv, strict=False):
+        r.pages = x.dst_pages
+    keep = [i for i, o in enumerate(after) if dst.holds(o)]
+    n_run = len(running)
+    kept = set(keep)
+    t1 = time.perf_counter()
+    plan_ms = (t_plan - t_list) * 1e3 + moved.pop("kv_plan_ms")
+    times = {"requests_ms": (t_list - t0) * 1e3 + plan_ms + moved["staging_ms"], "list_ms": (t_list - t0) * 1e3,
+             "plan_ms": plan_ms, "host_ms": (t1 - t0) * 1e3}
+    return SwitchResult(
+        {**moved, **head, **times}, dst.mode, [running[i] for i in keep if i < n_run],
+        [waiting[i - n_run] for i in keep if i >= n_run], alloc,
+        {r.request_id: r.spec for i, r in enumerate(live) if i not in kept} if dst.data_parallel else {})
