@@ -1,7 +1,8 @@
 """`moebius bench sweep` end to end on the CPU (the built-in tiny model's shapes, two gloo ranks, dummy weights, and
 transformers' baselines on the same shapes, one process and tensor-parallel), and
-the recorded sweeps in benchmarks/results: both in the form the GPU issue asks for (a list `points`, one per (mode,
-batch), with the step, its floor and their ratio; top-level gpu, num_gpus, preset, command)."""
+the recorded sweeps in benchmarks/results: both in the results schema (moebius/bench/results.py) with the sweep's
+rows in the form the GPU issue asks for (one per (mode, batch), with the step, its floor and their ratio; params
+holding the preset, other_results the crossover batch)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ from typing import Any
 
 import pytest
 
+from moebius.bench.results import check_result, load_result
 from moebius.model.builtin import builtin_hf_config
 
 POINT_FIELDS = {"mode", "batch", "context_len", "step_ms", "floor_ms", "ratio_to_floor", "tokens_per_s", "cuda_graph"}
-TOP_FIELDS = {"gpu", "num_gpus", "preset", "command", "points", "crossover_batch"}
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 
 
 def check_sweep(result: dict[str, Any], modes: set[str]) -> None:
-    assert TOP_FIELDS <= result.keys(), TOP_FIELDS - result.keys()
-    timed = [p for p in result["points"] if "error" not in p]
+    check_result(result)  # commit, gpu, num_gpus, command, params, rows, note (+ other_results)
+    assert "preset" in result["params"] and "crossover_batch" in result["other_results"]
+    timed = [p for p in result["rows"] if "error" not in p]
     for p in timed:
         assert POINT_FIELDS <= p.keys(), (p["mode"], p["batch"], POINT_FIELDS - p.keys())
         assert p["step_ms"] > 0 and p["floor_ms"] > 0
@@ -46,39 +48,47 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
            "--hf-baseline", "--hf-batches", "2", "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = load_result(out)
     check_sweep(result, {"tp", "ep"})
-    assert result["num_gpus"] == 2 and result["gpu"] == "cpu"
-    assert result["switch_transport"] == "peer" and result["switches"]
-    assert all(s["transport"] == "peer" and s["peer_exchanges"] > 0 for s in result["switches"]), result["switches"]
-    assert sorted((p["mode"], p["batch"]) for p in result["points"] if not p["mode"].startswith("hf")) == sorted(
+    params, other = result["params"], result["other_results"]
+    assert result["num_gpus"] == 0 and result["gpu"] == "cpu" and params["num_ranks"] == 2
+    assert result["command"].startswith("moebius bench sweep --model"), result["command"]
+    assert params["switch_transport"] == "peer" and other["switches"]
+    assert all(s["transport"] == "peer" and s["peer_exchanges"] > 0 for s in other["switches"]), other["switches"]
+    assert sorted((p["mode"], p["batch"]) for p in result["rows"] if not p["mode"].startswith("hf")) == sorted(
         (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
     # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching, in one
     # process and with its tensor-parallel plan over the two ranks (two gloo processes here)
-    hf = {p["mode"]: p for p in result["points"] if p["mode"].startswith("hf")}
+    hf = {p["mode"]: p for p in result["rows"] if p["mode"].startswith("hf")}
     assert set(hf) == {"hf-eager-1gpu", "hf-cb-1gpu", "hf-eager-tp2", "hf-cb-tp2"}
     assert all(p["batch"] == 2 and "error" not in p for p in hf.values()), hf
     assert hf["hf-cb-1gpu"]["method"] in ("token timestamps", "two output lengths")
     assert hf["hf-cb-tp2"]["method"] in ("token timestamps", "two output lengths")
     assert hf["hf-eager-tp2"]["floor_ms"] < hf["hf-eager-1gpu"]["floor_ms"]  # the floor of two GPUs
-    assert all("eager_step_ms" in p for p in result["points"] if p["batch"] <= 2 and p["mode"] in ("tp", "ep"))
+    assert all("eager_step_ms" in p for p in result["rows"] if p["batch"] <= 2 and p["mode"] in ("tp", "ep"))
     # the switches after the sweep, each measured against its transfer
-    done = [s for s in result["switches"] if s.get("done")]
+    done = [s for s in other["switches"] if s.get("done")]
     assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)
-    assert all(s["batch"] == 3 for s in result["switches"])  # --switch-batch requests decoding during each
-    assert result["switch_overlap"] and all(s["pipelined"] for s in done)  # --switch-overlap: the pipelined pass
-    assert set(result["switch_overhead_median_ms"]) == {"tp", "ep"}
-    for to, worst in result["switch_overhead_max_ms"].items():
-        assert worst == max(s["overhead_ms"] for s in result["switches"] if s.get("done") and s["to"] == to)
-        assert worst >= result["switch_overhead_median_ms"][to]
+    assert all(s["batch"] == 3 for s in other["switches"])  # --switch-batch requests decoding during each
+    assert params["switch_overlap"] and all(s["pipelined"] for s in done)  # --switch-overlap: the pipelined pass
+    assert set(other["switch_overhead_median_ms"]) == {"tp", "ep"}
+    for to, worst in other["switch_overhead_max_ms"].items():
+        assert worst == max(s["overhead_ms"] for s in other["switches"] if s.get("done") and s["to"] == to)
+        assert worst >= other["switch_overhead_median_ms"][to]
+    assert os.path.exists(tmp_path / "sweep.png") or not _has_matplotlib()  # the plot next to the JSON
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def test_recorded_sweeps_have_the_asked_form() -> None:
     paths = sorted(glob.glob(os.path.join(RESULTS, "*sweep*.json")))
     assert paths, "no sweep recorded in benchmarks/results"
     for path in paths:
-        with open(path) as f:
-            result = json.load(f)
+        result = load_result(path)
         check_sweep(result, {"tp", "ep"})
         assert result["command"].startswith("moebius bench sweep"), path
         assert result["gpu"] != "cpu", path  # the recorded ones come from the GPU machine
@@ -105,20 +115,23 @@ def test_hf_tensor_parallel_run_past_its_timeout_ends_its_ranks() -> None:
 
 @pytest.mark.parametrize("transport", ["collective", "peer"])
 def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any, transport: str) -> None:
-    """benchmarks/switch_phases.py on the CPU (tiny model, two gloo ranks), over either switch transport: every rank
-    reports each switch's permute and exchange times, which lie inside the pass's weight time."""
+    """python -m moebius.bench.switch_phases on the CPU (tiny model, two gloo ranks), over either switch transport:
+    every rank reports each switch's permute and exchange times, which lie inside the pass's weight time."""
     root = os.path.join(os.path.dirname(__file__), "..")
     out = tmp_path / "phases.json"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "switch_phases.py"), "--model", "builtin",
+    r = subprocess.run([sys.executable, "-m", "moebius.bench.switch_phases", "--model", "builtin",
                         "--device", "cpu", "--switches", "2", "--switch-transport", transport, "--output", str(out)],
-                       env=env, capture_output=True, text=True, timeout=600)
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert [s["to"] for s in res["switches"]] == ["ep", "tp"] and all(s["done"] for s in res["switches"])
+    res = load_result(out)
+    assert res["gpu"] == "cpu" and res["num_gpus"] == 0 and res["params"]["switch_transport"] == transport
+    assert res["command"].startswith("python -m moebius.bench.switch_phases --model builtin"), res["command"]
+    switches = res["other_results"]["switches"]
+    assert [s["to"] for s in switches] == ["ep", "tp"] and all(s["done"] for s in switches)
     assert all(s["transport"] == transport and (s["peer_exchanges"] > 0) == (transport == "peer")
-               for s in res["switches"]), res["switches"]
-    rows = res["phases"]
+               for s in switches), switches
+    rows = res["rows"]
     assert sorted((p["rank"], p["to"]) for p in rows) == [(0, "ep"), (0, "tp"), (1, "ep"), (1, "tp")]
     for p in rows:
         local = p["unpack_ms"] if p["to"] == "ep" else p["pack_ms"]
@@ -127,13 +140,9 @@ def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any,
 
 
 def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
-    """benchmarks/tp_rank_model.py: the cut model on one rank has the local shapes of one rank of TP over P (heads,
+    """moebius/bench/tp_rank_model.py: the cut model on one rank has the local shapes of one rank of TP over P (heads,
     KV heads, expert intermediate, dense intermediate, experts), so timing it on one GPU times a TP rank's kernels."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    try:
-        from tp_rank_model import tp_rank_model_dir
-    finally:
-        sys.path.pop(0)
+    from moebius.bench.tp_rank_model import tp_rank_model_dir
     from moebius.config import PRESETS, ModelConfig, read_hf_config
     from moebius.parallel.layout import Layout
 

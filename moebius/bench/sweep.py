@@ -3,8 +3,13 @@
 One dual-mode engine serves both layouts (it switches between them, so the sweep also times the weight-only
 switch). Each point times decode steps of `batch` requests holding `context` cached tokens through the real runner
 (CUDA graph when the per-rank batch has one, else eager), without prefill. Optionally a Hugging Face transformers
-baseline runs the same shape (moebius/bench/hf_baseline.py). Results: JSON (a list `points`, one per mode and
-batch) and a PNG plot.
+baseline runs the same shape (moebius/bench/hf_baseline.py). Results: JSON in the schema of moebius/bench/results.py
+(`rows`: one point per mode and batch; `other_results`: the switches, memory per rank, skipped points, the switch
+overhead's median and max, the crossover batch, wall_s) and a PNG plot next to it.
+
+    moebius bench sweep --model qwen3-30b-a3b --num-ranks 2 --context-len 512 --output sweep.json
+
+Recorded: benchmarks/results/h200x2-*-sweep.json (+ .png), h200x2-qwen3-30b-a3b-switch-*.json.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -22,32 +26,34 @@ import torch
 
 from moebius.bench.floor import decode_step_floor_ms
 from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
-from moebius.config import PRESETS, ModelConfig
+from moebius.bench.results import command_line, gpus_used, params_of, write_result
+from moebius.config import PRESETS, EngineConfig, ModelConfig
+from moebius.engine.core import EngineCore
+from moebius.sampling_params import SamplingParams
 
 log = logging.getLogger("moebius")
 
 
-def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
-    from moebius.entrypoints.llm import LLM
-
+def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(points, other results: switches, memory, skipped, switch_overhead_median_ms / _max_ms)."""
     top = max(args.batches)
-    llm = LLM(model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
-              mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
-              max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
-              cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-              moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap,
-              switch_transport=args.switch_transport)
-    out: dict[str, Any] = {"points": [], "switches": [], "memory": {}, "skipped": [],
-                           "switch_overlap": args.switch_overlap, "switch_transport": args.switch_transport}
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
+        mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
+        max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+        moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap, switch_transport=args.switch_transport))
+    points: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": []}
     try:
         for mode in args.modes:
-            if llm.mode != mode:
-                res = measure_switch(llm, mode, args.context_len, min(args.switch_batch, top))
+            if engine.mode != mode:
+                res = measure_switch(engine, mode, args.context_len, min(args.switch_batch, top))
                 out["switches"].append(res)
                 log.info("switch to %s: %s", mode, res)
-            out["memory"][mode] = llm.engine.query("memory")
+            out["memory"][mode] = engine.query("memory")
             for b in args.batches:
-                res = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
+                res = engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
                                        warmup=args.warmup, graphs=True)
                 if any("error" in r for r in res):
                     out["skipped"].append({"mode": mode, "batch": b, "why": [r.get("error") for r in res]})
@@ -59,21 +65,21 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
                 extra["host_metadata_ms"] = max(r["metadata_ms"] for r in res)
                 # the engine's default overlaps each step's host work with the step before; resolving every step
                 # first (--disable-overlap-schedule) puts the host work on the critical path
-                extra["overlap_schedule"] = not llm.engine.config.disable_overlap_schedule
+                extra["overlap_schedule"] = not engine.config.disable_overlap_schedule
                 extra["step_ms_no_overlap"] = max(r["step_ms_no_overlap"] for r in res)
                 if b <= args.eager_up_to:
-                    eager = llm.engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
+                    eager = engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
                                              warmup=args.warmup, graphs=False)
                     extra["eager_step_ms"] = max(r["step_ms"] for r in eager)
                     extra["graph_speedup"] = extra["eager_step_ms"] / step
                 floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len)
                 p = point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
-                out["points"].append(p)
+                points.append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
                          f" eager {extra['eager_step_ms']:.3f} ms" if "eager_step_ms" in extra else "")
         if len(set(args.modes)) == 2:  # more switches back and forth: one switch is one noisy sample
             for _ in range(args.switch_repeats):
-                res = measure_switch(llm, "tp" if llm.mode == "ep" else "ep", args.context_len,
+                res = measure_switch(engine, "tp" if engine.mode == "ep" else "ep", args.context_len,
                                      min(args.switch_batch, top))
                 out["switches"].append(res)
                 log.info("switch to %s: %s", res.get("to"), res)
@@ -84,36 +90,34 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, An
             out["switch_overhead_max_ms"] = {to: max(r["overhead_ms"] for r in done if r["to"] == to)
                                              for to in {r["to"] for r in done}}
     finally:
-        llm.close()
-    return out
+        engine.close()
+    return points, out
 
 
-def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> dict[str, Any]:
+def measure_switch(engine: EngineCore, target: str, context_len: int, batch: int = 8) -> dict[str, Any]:
     """Switch with `batch` requests decoding, the way a serving loop does it: the decision rides on the next step's
     plan (engine.request_switch), so one round trip to the ranks carries the switch and the first step in the new
     layout. Reports that round trip (decision -> first step's tokens back), the transfer (weights_ms + kv_ms), the
     steady step time in the new layout at the same batch, and what is left over: the switch's own overhead."""
-    from moebius import SamplingParams
-
     sp = SamplingParams(temperature=0.0, max_tokens=max(16, context_len - 64), ignore_eos=True)
-    ids = [llm.add_request([(i * 7919 + j * 31) % 251 + 1 for j in range(64)], sp) for i in range(batch)]
+    ids = [engine.add_request([(i * 7919 + j * 31) % 251 + 1 for j in range(64)], sp) for i in range(batch)]
     for _ in range(3):  # prefill, then decoding
-        llm.step()
+        engine.step()
     t = time.perf_counter()
-    llm.engine.request_switch(target)
-    llm.step()
-    if not llm.engine.config.disable_overlap_schedule:
-        llm.step()  # overlap: the first new-layout step's tokens come back when the next step is launched
+    engine.request_switch(target)
+    engine.step()
+    if not engine.config.disable_overlap_schedule:
+        engine.step()  # overlap: the first new-layout step's tokens come back when the next step is launched
     first = (time.perf_counter() - t) * 1e3
     steps = []
     for _ in range(5):
         t = time.perf_counter()
-        llm.step()
+        engine.step()
         steps.append((time.perf_counter() - t) * 1e3)
-    res = dict(llm.engine.last_switch or {})  # with its device times, which come with the step after the switch
+    res = dict(engine.last_switch or {})  # with its device times, which come with the step after the switch
     for rid in ids:
-        llm.abort(rid)
-    llm.step()
+        engine.abort(rid)
+    engine.step()
     # overhead: what is left after the step that was in flight at the decision (drain_ms), the transfer (the
     # device time moving weights and KV) and one step in the new layout; so the switch's host work (planning,
     # agreeing, launching the pass) counts as overhead, not as transfer
@@ -126,17 +130,18 @@ def measure_switch(llm: Any, target: str, context_len: int, batch: int = 8) -> d
 
 def static_memory(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
     """Peak memory per rank of an engine holding only `mode` (no switching), at the dual engine's KV capacity."""
-    from moebius.entrypoints.llm import LLM
-
     top = max(args.batches)
-    with LLM(model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
-             mode=mode, static_layout=True, max_running_requests=top, max_num_batched_tokens=max(top, 2048),
-             max_model_len=args.context_len + 64, max_total_tokens=args.static_kv_tokens,
-             cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-             moe_kernel=args.moe_kernel) as llm:
-        llm.engine.query("bench_decode", batch=min(top, 256), context=args.context_len, steps=2, warmup=1,
-                         graphs=True)
-        return llm.engine.query("memory")
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
+        mode=mode, static_layout=True, max_running_requests=top, max_num_batched_tokens=max(top, 2048),
+        max_model_len=args.context_len + 64, max_total_tokens=args.static_kv_tokens,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+        moe_kernel=args.moe_kernel))
+    try:
+        engine.query("bench_decode", batch=min(top, 256), context=args.context_len, steps=2, warmup=1, graphs=True)
+        return engine.query("memory")
+    finally:
+        engine.close()
 
 
 def crossover(points: list[dict[str, Any]]) -> int | None:
@@ -160,9 +165,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    modes = sorted({p["mode"] for p in result["points"] if "step_ms" in p})
+    rows, params = result["rows"], result["params"]
+    modes = sorted({p["mode"] for p in rows if "step_ms" in p})
     for mode in modes:
-        pts = sorted((p for p in result["points"] if p["mode"] == mode and "step_ms" in p), key=lambda p: p["batch"])
+        pts = sorted((p for p in rows if p["mode"] == mode and "step_ms" in p), key=lambda p: p["batch"])
         ax.plot([p["batch"] for p in pts], [p["step_ms"] for p in pts], marker="o", label=mode)
         if mode in ("tp", "ep"):
             ax.plot([p["batch"] for p in pts], [p["floor_ms"] for p in pts], linestyle="--", alpha=0.6,
@@ -171,7 +177,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("global decode batch")
     ax.set_ylabel("decode step (ms)")
-    ax.set_title(f"{result['preset']} on {result['num_gpus']}x {result['gpu']}, context {result['context_len']}")
+    ax.set_title(f"{params['preset']} on {params['num_ranks']}x {result['gpu']}, context {params['context_len']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -225,36 +231,37 @@ def main(args: argparse.Namespace) -> int:
             cfg_dict = json.load(f)
     cfg = ModelConfig.from_hf(cfg_dict, args.num_layers)
     t0 = time.perf_counter()
-    result: dict[str, Any] = {
-        "preset": args.model, "num_layers": cfg.num_layers, "gpu": torch.cuda.get_device_name(0)
-        if torch.cuda.is_available() else "cpu", "num_gpus": args.num_ranks, "context_len": args.context_len,
-        "command": "moebius bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
-    }
-    result.update(run_engine_sweep(args, cfg))
+    points, other = run_engine_sweep(args, cfg)
+    memory = other["memory"]
     if args.compare_static:
         # the same KV capacity as the dual-layout engine, so the difference is what holding both layouts costs
-        args.static_kv_tokens = min(m["kv_tokens"] for m in result["memory"]["ep"])
-        result["memory"]["static_ep"] = static_memory(args, "ep")
-        dual = max(m["peak_reserved"] for m in result["memory"]["ep"])
-        static = max(m["peak_reserved"] for m in result["memory"]["static_ep"])
-        result["memory"]["dual_over_static_ep"] = dual / static
+        args.static_kv_tokens = min(m["kv_tokens"] for m in memory["ep"])
+        memory["static_ep"] = static_memory(args, "ep")
+        dual = max(m["peak_reserved"] for m in memory["ep"])
+        static = max(m["peak_reserved"] for m in memory["static_ep"])
+        memory["dual_over_static_ep"] = dual / static
     if args.hf_baseline:
         spec = BaselineSpec(cfg_dict=cfg_dict, num_layers=cfg.num_layers, batches=args.hf_batches,
                             context_len=args.context_len, steps=args.steps, warmup=args.warmup)
-        result["points"] += run_one_gpu(spec)
+        points += run_one_gpu(spec)
         if args.num_ranks > 1:
-            result["points"] += run_tensor_parallel(spec, args.num_ranks, args.hf_tp_timeout)
-    result["crossover_batch"] = crossover(result["points"])
-    result["wall_s"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(result, f, indent=1)
+            points += run_tensor_parallel(spec, args.num_ranks, args.hf_tp_timeout)
+    other["crossover_batch"] = crossover(points)
+    other["wall_s"] = time.perf_counter() - t0
+    # params: the arguments (without the CLI's own plumbing), the model by name and its layer count as run
+    params = params_of(args, preset=args.model, num_layers=cfg.num_layers)
+    for plumbing in ("command", "bench", "static_kv_tokens"):
+        params.pop(plumbing, None)
+    result = write_result(args.output, points, params=params, num_gpus=gpus_used(args.num_ranks),
+                          command=command_line(), other_results=other,
+                          note="decode step (ms) per mode and global batch against the floor; switches: each "
+                               "switch with --switch-batch requests decoding")
     try:
         plot(result, os.path.splitext(args.output)[0] + ".png")
     except ImportError:
         log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
-    print(json.dumps({k: v for k, v in result.items() if k != "points"}, indent=1))
-    for p in result["points"]:
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+    for p in points:
         if "step_ms" in p:
             print(f"{p['mode']:>14} {p['batch']:>5} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "
                   f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s  graph={p['cuda_graph']}"

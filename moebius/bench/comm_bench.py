@@ -6,7 +6,9 @@ one-shot and two-shot, over grid caps, rows per iteration and warps.
 EP: dispatch (all-gather of token rows, weights, ids) + combine (reduce-scatter) + add + RMSNorm, per token
 capacity: `EPComm` through NCCL against `EPComm` through `kernels.symmetric.EPExchange`.
 
-    torchrun --nproc-per-node 2 benchmarks/comm_bench.py --output comm.json
+    torchrun --nproc-per-node 2 -m moebius.bench.comm_bench --output comm.json
+
+Recorded: benchmarks/results/h200x2-comm.json (rows: TP, other_results.ep_rows: EP).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from graph_timing import graph_time_us
 
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import command_line, params_of, write_result
 from moebius.kernels.fused import add_rmsnorm
 from moebius.kernels.symmetric import EPExchange, FusedAllReduceNorm
 from moebius.parallel.dispatch import EPComm, SymmetricAllReduce
@@ -74,11 +77,12 @@ def main() -> None:
         rows.append(row)
     ep_rows = ep_exchange(a, group, dev, weight, eps)
     if rank == 0:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), world=dist.get_world_size(), hidden=D,
-                       what="TP: all-reduce + residual add + RMSNorm; EP: dispatch + combine + add + RMSNorm; "
-                            "per call inside a CUDA graph",
-                       command="torchrun --nproc-per-node 2 benchmarks/comm_bench.py", rows=rows, ep_rows=ep_rows),
-                  open(a.output, "w"), indent=1)
+        world = dist.get_world_size()
+        write_result(a.output, rows, params=params_of(a, world=world), num_gpus=world,
+                     command=command_line(prefix=f"torchrun --nproc-per-node {world}"),
+                     other_results={"ep_rows": ep_rows},
+                     note="TP (rows): all-reduce + residual add + RMSNorm; EP (other_results.ep_rows): dispatch + "
+                          "combine + add + RMSNorm; per call inside a CUDA graph")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -110,7 +114,8 @@ def ep_exchange(a: argparse.Namespace, group: dist.ProcessGroup, dev: torch.devi
         for name, comm in (("nccl", nccl), ("symmetric", symm)):
             comm.capacity = C
 
-            def step(comm: EPComm = comm, res: torch.Tensor = res) -> torch.Tensor:
+            def step(comm: EPComm = comm, res: torch.Tensor = res, x: torch.Tensor = x, w: torch.Tensor = w,
+                     ids: torch.Tensor = ids, y: torch.Tensor = y) -> torch.Tensor:
                 gx, gw, gi, handle = comm.dispatch(x, w, ids)
                 return comm.combine_add_norm(y, handle, res, weight, eps)[0]
 

@@ -1,4 +1,6 @@
-"""Timing GPU work as the engine runs it: inside a CUDA graph, so launch gaps count as they do in a replayed step."""
+"""Timing GPU work as the engine runs it: inside a CUDA graph, so launch gaps count as they do in a replayed step.
+
+A helper the kernel benchmarks share (`from moebius.bench.graph_timing import graph_time_us`), not run by itself."""
 
 from __future__ import annotations
 

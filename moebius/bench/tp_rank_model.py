@@ -1,7 +1,10 @@
 """One TP rank's local work as a one-GPU model: a preset's config with the heads, KV heads, expert intermediate
 size and vocabulary cut by P (what each of P TP ranks holds), written as a model directory for
 `--load-format dummy`. Run at P = 1 it replays a TP rank's kernels exactly, minus the all-reduces (one GPU adds and
-normalizes locally), so kernel changes for small TP batches can be timed in the step on a single GPU."""
+normalizes locally), so kernel changes for small TP batches can be timed in the step on a single GPU.
+
+A helper, not run by itself: `python -m moebius.bench.decode_ab --tp-rank-of 2 --num-ranks 1 ...` and
+`python -m moebius.bench.profile_decode --tp-rank-of 2 ...` use it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Where a decode step's host time goes (P = 1, in-process): metadata, graph launch, wait, sampling.
+"""Where a decode step's host time goes (P = 1, in-process): metadata, graph launch, wait, sampling; printed (a
+cProfile table per batch, no JSON). Reaches into the engine's rank internals (`engine.ranks.rank.runner`).
 
-    python3 benchmarks/profile_host.py --num-layers 48 --batch 1 64 1024
+    python -m moebius.bench.profile_host --num-layers 48 --batch 1 64 1024
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import time
 
 import torch
 
-from moebius import LLM
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore
 
 
 def main() -> None:
@@ -23,13 +25,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     a = ap.parse_args()
     top = max(a.batch)
-    llm = LLM(model=a.model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
-              max_running_requests=top, max_num_batched_tokens=max(top, 2048), mem_fraction=0.8,
-              cuda_graph_max_bs=top)
-    worker = llm.engine.ranks.worker
-    runner = worker.runner
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=a.model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
+        max_running_requests=top, max_num_batched_tokens=max(top, 2048), mem_fraction=0.8, cuda_graph_max_bs=top))
+    runner = engine.ranks.rank.runner
     for b in a.batch:
-        r = llm.engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=2, graphs=True)[0]
+        r = engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=2, graphs=True)[0]
         bucket = runner.graphs.bucket_for(b)
         g = runner.graphs
         # single launches (as in a step) against back-to-back ones
@@ -46,21 +47,23 @@ def main() -> None:
               f"single replay launch {min(t_launch) * 1e3:.3f} ms, launch+wait {min(t_total) * 1e3:.3f} ms",
               flush=True)
         # cProfile one set of steps through the runner
-        orig = runner.execute
+        orig = runner.launch
         prof = cProfile.Profile()
 
         def profiled(*args, prof=prof, orig=orig, **kw):
             prof.enable()
             try:
-                return orig(*args, **kw)
+                step = orig(*args, **kw)
+                step.result()  # the step resolved inside the profile
+                return step
             finally:
                 prof.disable()
 
-        runner.execute = profiled
-        llm.engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=0, graphs=True)
-        runner.execute = orig
+        runner.launch = profiled
+        engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=0, graphs=True)
+        runner.launch = orig
         pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
-    llm.close()
+    engine.close()
 
 
 if __name__ == "__main__":

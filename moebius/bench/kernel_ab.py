@@ -1,20 +1,20 @@
 """Small decode kernels against what they replaced, on one GPU, each call timed inside a CUDA graph of 20
-(benchmarks/graph_timing.py). Recorded: benchmarks/results/h200-router.json (`router`), h200-attn-splits.json
+(moebius/bench/graph_timing.py). Recorded: benchmarks/results/h200-router.json (`router`), h200-attn-splits.json
 (`splits`), h200-qk-norm-argmax.json (`argmax`, and `qk` against the one-head-per-program launch).
 
-    python3 benchmarks/kernel_ab.py router|splits|argmax|qk out.json
+    python -m moebius.bench.kernel_ab router|splits|argmax|qk out.json
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from graph_timing import graph_time_us
 
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import write_result
 from moebius.kernels import attention as A
 from moebius.kernels import fused
 from moebius.kernels.pdl import pdl
@@ -52,7 +52,9 @@ def splits() -> list[dict[str, Any]]:
             q = torch.randn(B, H, d, device=DEV, dtype=torch.bfloat16)
             row: dict[str, Any] = dict(mode=name, B=B, splits_for=num_splits_for(B, kvh))
             for ns in (1, 2, 4, 8, 16, 32):
-                row[f"s{ns}"] = graph_time_us(lambda ns=ns: A.paged_attention(q, cache, bt, seq, qsl, 1, d ** -0.5, ns))
+                row[f"s{ns}"] = graph_time_us(
+                    lambda ns=ns, q=q, cache=cache, bt=bt, seq=seq, qsl=qsl: A.paged_attention(
+                        q, cache, bt, seq, qsl, 1, d ** -0.5, ns))
             out.append(row)
     return out
 
@@ -71,33 +73,44 @@ def argmax() -> list[dict[str, Any]]:
 
 def qk() -> list[dict[str, Any]]:
     """q/k norm + RoPE + cache write: the launch qk_norm_rope_kv picks against one head per program."""
-    out = []
-    for name, H, kvh in (("tp", 16, 2), ("ep", 32, 4)):
-        for T in (1, 8, 64, 256, 1024, 2048):
-            d, page = 128, 16
-            rope = rope_table(d, 4096, 1e6, DEV)
-            qkv = torch.randn(T, (H + 2 * kvh) * d, device=DEV, dtype=torch.bfloat16)
-            qn, kn = (torch.rand(d, device=DEV, dtype=torch.bfloat16) + 0.5 for _ in range(2))
-            pos = torch.randint(0, 4096, (T,), device=DEV)
-            slots = torch.randperm(4096 * page, device=DEV)[:T]
-            cache = torch.zeros(4096, 2, page, kvh, d, device=DEV, dtype=torch.bfloat16)
-            q = torch.empty(T, H, d, device=DEV, dtype=torch.bfloat16)
+    return [qk_case(name, H, kvh, T) for name, H, kvh in (("tp", 16, 2), ("ep", 32, 4))
+            for T in (1, 8, 64, 256, 1024, 2048)]
 
-            def one_head() -> None:
-                fused._qk_norm_rope_kv[(T, H + kvh)](
-                    qkv, qn, kn, rope, pos, slots, cache, q, 1e-6, H, kvh, qkv.stride(0), cache.stride(0),
-                    cache.stride(1), cache.stride(2), cache.stride(3), PAGE=page, D=d, HB=1, num_warps=1, **pdl(qkv))
 
-            out.append(dict(mode=name, T=T, one_head_us=graph_time_us(one_head), picked_us=graph_time_us(
-                lambda: fused.qk_norm_rope_kv(qkv, qn, kn, rope, pos, slots, cache, H, 1e-6))))
-    return out
+def qk_case(name: str, H: int, kvh: int, T: int) -> dict[str, Any]:
+    """One row of `qk`: H query and kvh KV heads, T tokens."""
+    d, page = 128, 16
+    rope = rope_table(d, 4096, 1e6, DEV)
+    qkv = torch.randn(T, (H + 2 * kvh) * d, device=DEV, dtype=torch.bfloat16)
+    qn, kn = (torch.rand(d, device=DEV, dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    slots = torch.randperm(4096 * page, device=DEV)[:T]
+    cache = torch.zeros(4096, 2, page, kvh, d, device=DEV, dtype=torch.bfloat16)
+    q = torch.empty(T, H, d, device=DEV, dtype=torch.bfloat16)
+
+    def one_head() -> None:
+        fused._qk_norm_rope_kv[(T, H + kvh)](
+            qkv, qn, kn, rope, pos, slots, cache, q, 1e-6, H, kvh, qkv.stride(0), cache.stride(0),
+            cache.stride(1), cache.stride(2), cache.stride(3), PAGE=page, D=d, HB=1, num_warps=1, **pdl(qkv))
+
+    return dict(mode=name, T=T, one_head_us=graph_time_us(one_head), picked_us=graph_time_us(
+        lambda: fused.qk_norm_rope_kv(qkv, qn, kn, rope, pos, slots, cache, H, 1e-6)))
+
+
+CASES = {"router": router, "splits": splits, "argmax": argmax, "qk": qk}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in CASES:
+        raise SystemExit(f"usage: python -m moebius.bench.kernel_ab {'|'.join(CASES)} [out.json]")
+    what = sys.argv[1]
+    rows = CASES[what]()
+    for r in rows:
+        print(r)
+    output = sys.argv[2] if len(sys.argv) > 2 else f"{what}.json"
+    write_result(output, rows, params=dict(case=what, output=output),
+                 note=f"{what}: " + (CASES[what].__doc__ or "").strip() + " µs per call, CUDA graph of 20 calls")
 
 
 if __name__ == "__main__":
-    what = sys.argv[1]
-    rows = {"router": router, "splits": splits, "argmax": argmax, "qk": qk}[what]()
-    for r in rows:
-        print(r)
-    with open(sys.argv[2] if len(sys.argv) > 2 else f"{what}.json", "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "command": "python3 benchmarks/kernel_ab.py " +
-                   " ".join(sys.argv[1:]), "points": rows}, f, indent=1)
+    main()

@@ -4,7 +4,9 @@ index vectors, staging agreement) is timed here with N requests decoding, switch
 (builtin model, gloo) or on GPUs (any preset with --load-format dummy). On the CPU the transfers themselves are
 synchronous and land in `enqueue_ms`; on GPUs `enqueue_ms` is only their launch.
 
-    python3 benchmarks/switch_host.py --num-requests 128 --prompt-len 512 --output switch_host.json
+    python -m moebius.bench.switch_host --num-requests 128 --prompt-len 512 --output switch_host.json
+
+Recorded: benchmarks/results/cpu-switch-host.json (one row per switch).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import json
 import random
 import time
 
-from moebius import LLM, SamplingParams
+from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore
+from moebius.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -30,36 +35,35 @@ def main() -> None:
     ap.add_argument("--output", default="switch_host.json")
     a = ap.parse_args()
     n = a.num_requests
-    llm = LLM(model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks, mode="ep",
-              max_model_len=a.prompt_len + a.decode_steps + a.switches + 64, max_running_requests=n,
-              max_num_batched_tokens=8192, max_total_tokens=n * (a.prompt_len + a.decode_steps + a.switches + 80),
-              seed=0)
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks, mode="ep",
+        max_model_len=a.prompt_len + a.decode_steps + a.switches + 64, max_running_requests=n,
+        max_num_batched_tokens=8192, max_total_tokens=n * (a.prompt_len + a.decode_steps + a.switches + 80), seed=0))
     try:
         rng = random.Random(0)
         vocab = 300 if a.model is None else 1000
         for _ in range(n):
-            llm.add_request([rng.randrange(vocab) for _ in range(a.prompt_len)],
+            engine.add_request([rng.randrange(vocab) for _ in range(a.prompt_len)],
                             SamplingParams(max_tokens=a.decode_steps + a.switches + 32, ignore_eos=True))
         for _ in range(a.decode_steps):
-            llm.step()
+            engine.step()
         switches = []
         for i in range(a.switches):
             target = "tp" if i % 2 == 0 else "ep"
             t0 = time.perf_counter()
-            out = llm.switch_mode(target)
+            out = engine.switch_mode(target)
             call_ms = (time.perf_counter() - t0) * 1e3
             assert out.get("done"), out
             switches.append({"to": target, "call_ms": call_ms, **{k: out[k] for k in (
                 "requests_ms", "list_ms", "plan_ms", "staging_ms", "prep_ms", "enqueue_ms", "host_ms") if k in out}})
             print(json.dumps(switches[-1]), flush=True)
-            llm.step()
+            engine.step()
     finally:
-        llm.close()
-    result = {"command": "python3 benchmarks/switch_host.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "output"),
-        "num_requests": n, "prompt_len": a.prompt_len, "switches": switches}
-    with open(a.output, "w") as f:
-        json.dump(result, f, indent=1)
+        engine.close()
+    write_result(a.output, switches, params=params_of(a), num_gpus=gpus_used(a.num_ranks),
+                 note=f"switches back and forth with {n} requests decoding: call_ms (the whole switch_mode call), "
+                      "requests_ms (decision to transfer launch), enqueue_ms (the transfers' launch; on the CPU the "
+                      "transfers themselves), host_ms")
 
 
 if __name__ == "__main__":

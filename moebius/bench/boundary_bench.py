@@ -22,8 +22,10 @@ plain projection: a bound on what fusing launches or tuning kernels can reach, b
 without the norm launches (as if the all-reduce + norm rode inside the kernels around it), and with the expert
 stand-ins loading their weights only after their wait, as the real expert kernels must (the router picks them).
 
-    python3 benchmarks/boundary_bench.py --output boundary.json
-    python3 benchmarks/boundary_bench.py --layer-chain 2 --batches 1,2 --output chain.json
+    python -m moebius.bench.boundary_bench --output boundary.json
+    python -m moebius.bench.boundary_bench --layer-chain 2 --batches 1,2 --output chain.json
+
+Recorded: benchmarks/results/h200-boundary.json (the chain), h200-tp-rank-ideal-chain.json (`--layer-chain 2`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from graph_timing import graph_time_us
 
 from moebius import kernels
 from moebius.bench.floor import Hardware, _experts_hit, decode_step_floor_ms
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import params_of, write_result
 from moebius.config import PRESETS, ModelConfig
 from moebius.kernels.fused import add_rmsnorm
 from moebius.kernels.linear import TILE_ELEMS, linear
@@ -114,7 +117,7 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     lm_head = (torch.randn(vocab, cfg.hidden_size, device=dev, generator=g) * 0.02).to(torch.bfloat16)
     norm_w = torch.ones(cfg.hidden_size, dtype=torch.bfloat16, device=dev)
-    rows = []
+    rows, stage_rows = [], []
     for B in (int(b) for b in args.batches.split(",")):
         if not 1 <= B <= kernels.PREFETCH_ROWS:
             raise SystemExit(f"--batches: {B} tokens is not a one-launch projection (1..{kernels.PREFETCH_ROWS})")
@@ -129,7 +132,7 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
                     for name, n, k in stages] for _ in range(L)]
 
         def step(skip_norms: bool = False, experts_wait: bool = False, layers: list = weights,
-                 stages: list = stages) -> None:
+                 stages: list = stages, x: torch.Tensor = x, h: torch.Tensor = h, res: torch.Tensor = res) -> None:
             for layer in layers:
                 for (name, _, k), w in zip(stages, layer, strict=True):
                     if name != "norm":
@@ -141,25 +144,25 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
         with kernels.release_order(kernels.LATE):  # the order the engine runs one or two tokens a rank in
             ms, no_norms, ms_w, no_norms_w = (graph_time_us(functools.partial(step, skip, late), reps=1) / 1e3
                                               for late in (False, True) for skip in (False, True))
-            lm_ms = graph_time_us(lambda: F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1), reps=1) / 1e3
+            lm_ms = graph_time_us(lambda x=x: F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1), reps=1) / 1e3
         layer_bytes = sum(n * k * 2 for name, n, k in stages if name != "norm")
         floor = decode_step_floor_ms(cfg, P, "tp", B, args.context)
+        stage_rows += [{"batch": B, "index": i, "stage": name, "N": n, "K": k, "bytes": n * k * 2}
+                       for i, (name, n, k) in enumerate(stages)]
         row = {"batch": B, "tp": P, "context_len": args.context, "layers": L,
-               "stages": [{"stage": name, "N": n, "K": k, "bytes": n * k * 2} for name, n, k in stages],
                "launches_per_layer": len(stages), "layer_weight_bytes": layer_bytes,
                "layer_us_at_hbm_rate": layer_bytes / hbm * 1e6,
                "chain_step_ms": ms, "chain_layer_us": (ms - lm_ms) / L * 1e3,
                "chain_without_norms_step_ms": no_norms, "chain_experts_after_wait_step_ms": ms_w,
                "chain_experts_after_wait_without_norms_step_ms": no_norms_w, "lm_head_ms": lm_ms,
                "tp_floor_ms": floor, "chain_ratio_to_floor": ms / floor}
-        print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
+        print(json.dumps(row), flush=True)
         rows.append(row)
         del weights, step  # step holds the weights too
         torch.cuda.empty_cache()
-    json.dump({"gpu": torch.cuda.get_device_name(dev), "preset": args.preset,
-               "command": f"python3 benchmarks/boundary_bench.py --layer-chain {P} --preset {args.preset} "
-                          f"--batches {args.batches} --context {args.context} --output {args.output}",
-               "rows": rows}, open(args.output, "w"), indent=1)
+    write_result(args.output, rows, params=params_of(args), other_results={"stages": stage_rows},
+                 note=f"idealized decode step of one TP-{P} rank: one kernels.linear launch per dependent stage "
+                      "(other_results.stages: each stage's N x K elements read), against the TP floor")
 
 
 def main() -> None:
@@ -197,20 +200,22 @@ def main() -> None:
                "floor_us_per_stage": bytes_stage / hbm * 1e6}
         for name, order in (("launch_late", kernels.LATE), ("launch_early", kernels.EARLY)):
             with kernels.release_order(order):
-                row[f"{name}_us_per_stage"] = graph_time_us(lambda: launched(x, w), reps=1) / args.stages
+                row[f"{name}_us_per_stage"] = graph_time_us(lambda x=x, w=w: launched(x, w), reps=1) / args.stages
         for preload in (True, False):
             name = "persistent_preload" if preload else "persistent_after_wait"
             out = persistent(x, w, count, buf, BN, preload)
             torch.cuda.synchronize()
             # the same products and row sums; another row tile may sum in another order
             row[f"{name}_max_diff_to_launch"] = (out.float() - ref.float()).abs().max().item()
-            row[f"{name}_us_per_stage"] = graph_time_us(lambda p=preload: persistent(x, w, count, buf, BN, p),
-                                                         reps=1) / args.stages
+            row[f"{name}_us_per_stage"] = graph_time_us(
+                lambda p=preload, x=x, w=w, count=count, buf=buf, BN=BN: persistent(x, w, count, buf, BN, p),
+                reps=1) / args.stages
         print(json.dumps(row))
         rows.append(row)
-    json.dump({"gpu": torch.cuda.get_device_name(dev), "command": "python3 benchmarks/boundary_bench.py "
-               f"--hidden {args.hidden} --stages {args.stages} --output {args.output}", "rows": rows},
-              open(args.output, "w"), indent=1)
+    write_result(args.output, rows, params=params_of(args),
+                 note="a chain of dependent one-row projections: one launch per stage (LATE / EARLY release order) "
+                      "against one persistent kernel ordering its stages by counters (weights before / after the "
+                      "wait); per stage: us, weight bytes, us at the floor's HBM rate")
 
 
 if __name__ == "__main__":

@@ -2,22 +2,25 @@
 experts and the same pairs per expert (row order within an expert may differ), then times each inside a CUDA graph.
 
     git show f7428a7^:moebius/kernels/fused_moe.py > /tmp/old_fused_moe.py
-    python3 benchmarks/align_compare.py --old /tmp/old_fused_moe.py --output align.json
+    python -m moebius.bench.align_compare --old /tmp/old_fused_moe.py --output align.json
+
+Recorded: benchmarks/results/h200-moe-align.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 
 import torch
-from graph_timing import graph_time_us
 
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import params_of, write_result
 from moebius.kernels import fused_moe as fm
 
 # (tokens, experts of the model, local experts, first local expert, rows per block): 30B decode shapes at P = 2
+CASE_FIELDS = ("T", "E_all", "E", "first_expert", "BM")
 CASES = [(8, 128, 128, 0, 16), (128, 128, 128, 0, 16), (200, 128, 128, 0, 64), (1024, 128, 128, 0, 64),
          (2048, 128, 128, 0, 64), (2048, 128, 64, 0, 128), (2048, 128, 64, 64, 128), (1024, 128, 64, 64, 64),
          (300, 128, 64, 64, 32)]
@@ -52,12 +55,12 @@ def main() -> None:
         for mod in (old, fm):
             check(ids, first, E, BM, mod.align(ids, first, E, BM))
         r = dict(T=T, E=E, first_expert=first, BM=BM,
-                 old_us=graph_time_us(lambda: old.align(ids, first, E, BM)),
-                 new_us=graph_time_us(lambda: fm.align(ids, first, E, BM)))
+                 old_us=graph_time_us(lambda ids=ids, first=first, E=E, BM=BM: old.align(ids, first, E, BM)),
+                 new_us=graph_time_us(lambda ids=ids, first=first, E=E, BM=BM: fm.align(ids, first, E, BM)))
         print(r, flush=True)
         results.append(r)
-    json.dump({"gpu": torch.cuda.get_device_name(), "command": "python3 benchmarks/align_compare.py "
-               + " ".join(sys.argv[1:]), "results": results}, open(a.output, "w"), indent=1)
+    write_result(a.output, results, params=params_of(a, cases=CASES, case_fields=CASE_FIELDS),
+                 note="fused_moe.align: µs per call inside a CUDA graph, a previous kernel (old_us) against this one")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,13 @@
 For each layout's expert shard (TP: all experts, I/P columns; EP: E/P whole experts fed every rank's tokens) and
 each global batch, checks the fused path against the torch reference, then times (inside CUDA graphs, so launch
 gaps count as they do in the engine) the align kernel and each GEMM kernel over candidate block shapes. Writes
-JSON: per shape the best shapes, their times and the weight bandwidth they reach.
+JSON: a row per (mode, batch) with the default and the best shapes (nested settings flattened: `best.gate_up.BN`),
+their times and the weight bandwidth they reach; every shape tried in other_results.tried.
 
-    python3 benchmarks/moe_tune.py --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
+    python -m moebius.bench.moe_tune --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
+    python -m moebius.bench.moe_tune --no-search --batches 256 512 1024 2048 --output moe_tma.json
+
+Recorded: benchmarks/results/h200-moe-tune.json, h200-moe-tma.json (`--no-search`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import sys
 import time
 
 import torch
-from graph_timing import graph_time_us
 
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import flatten, params_of, write_result
 from moebius.config import PRESETS
 from moebius.kernels import fused_moe as fm
 from moebius.layers.moe import experts_ref
@@ -66,7 +71,7 @@ def main() -> None:
         sys.modules["old_moe"] = old  # its dataclasses look their module up
         spec.loader.exec_module(old)
     dev = "cuda"
-    results = []
+    results, tried = [], []
     t0 = time.time()
     for mode in ("tp", "ep"):
         E, I = (E_all, I_full // P) if mode == "tp" else (E_all // P, I_full)
@@ -87,22 +92,23 @@ def main() -> None:
                 rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
             else:
                 rel = None
-            total_us = graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all))
-            old_us = graph_time_us(lambda: old.fused_experts(x, w_TK, ids, w13, w2, 0)) if old else None
+            total_us = graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all))  # noqa: B023
+            old_us = graph_time_us(lambda: old.fused_experts(x, w_TK, ids, w13, w2, 0)) if old else None  # noqa: B023
             bm = cfg.BM
             blocks = fm.direct(ids, 0, bm) if T * K <= fm.DIRECT_MAX_PAIRS else fm.align(ids, 0, E, bm)
-            align_us = graph_time_us(lambda: fm.align(ids, 0, E, bm))  # (direct blocks skip it)
+            align_us = graph_time_us(lambda: fm.align(ids, 0, E, bm))  # noqa: B023 - (direct blocks skip it)
             h = fm.gate_up(x, w13, blocks, K, cfg.gate_up)
             wflat = w_TK.reshape(-1).contiguous()
             y = fm.down(h, w2, blocks, wflat, cfg.down)
-            sum_us = graph_time_us(lambda: fm.sum_k(y, ids, 0, E))
+            sum_us = graph_time_us(lambda: fm.sum_k(y, ids, 0, E))  # noqa: B023
             timed_default = {}
             for name, gu_c, dn_c in [("default_timed", cfg.gate_up, cfg.down),
                                      ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),
                                       dataclasses.replace(cfg.down, tma=not cfg.down.tma))]:
                 timed_default[name] = dict(
-                    tma=[gu_c.tma, dn_c.tma], gate_up_us=graph_time_us(lambda c=gu_c: fm.gate_up(x, w13, blocks, K, c)),
-                    down_us=graph_time_us(lambda c=dn_c: fm.down(h, w2, blocks, wflat, c)))
+                    tma=[gu_c.tma, dn_c.tma],
+                    gate_up_us=graph_time_us(lambda c=gu_c: fm.gate_up(x, w13, blocks, K, c)),  # noqa: B023
+                    down_us=graph_time_us(lambda c=dn_c: fm.down(h, w2, blocks, wflat, c)))  # noqa: B023
             ppe = local / max(hit, 1)
             rows = []
             bms = [16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128]
@@ -110,8 +116,8 @@ def main() -> None:
                 b2 = fm.align(ids, 0, E, bm_try)
                 cands = SMALL if bm_try == 16 else LARGE
                 h2 = fm.gate_up(x, w13, b2, K, cfg.gate_up if bm_try == bm else cands[0])
-                gu = best_of(cands, lambda c: fm.gate_up(x, w13, b2, K, c))
-                dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c))
+                gu = best_of(cands, lambda c: fm.gate_up(x, w13, b2, K, c))  # noqa: B023
+                dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c))  # noqa: B023
                 rows.append(dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
                                  down=dn[0].__dict__ if dn[0] else None, down_us=dn[1]))
             wbytes = hit * 3 * I * D * 2
@@ -119,13 +125,15 @@ def main() -> None:
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
                      old_total_us=old_us, align_us=align_us, sum_us=sum_us, **timed_default, weight_bytes=wbytes,
-                     floor_us=wbytes / 4.28e12 * 1e6, tried=rows, best=best,
+                     floor_us=wbytes / 4.28e12 * 1e6, best=best,
                      best_gemm_TBps=wbytes / (best["gate_up_us"] + best["down_us"]) / 1e6)
-            print(json.dumps({k: v for k, v in r.items() if k != "tried"}), flush=True)
-            results.append(r)
-    json.dump(dict(gpu=torch.cuda.get_device_name(), preset=a.preset, ranks=P, wall_s=time.time() - t0,
-                   command="python3 benchmarks/moe_tune.py " + " ".join(sys.argv[1:]), results=results),
-              open(a.output, "w"), indent=1)
+            print(json.dumps(r), flush=True)
+            results.append(flatten(r))
+            tried += [flatten(dict(mode=mode, batch=B, **t)) for t in rows]
+    write_result(a.output, results, params=params_of(a), other_results=dict(tried=tried, wall_s=time.time() - t0),
+                 note="fused MoE kernels per (mode, batch): µs per call inside a CUDA graph; default: the shapes "
+                      "fused_moe.config_for picks; best: the fastest searched (other_results.tried: every BM's best "
+                      "gate_up / down); floor_us: the hit experts' weights at 4.28 TB/s")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 (TP -> EP, after it) of one layer of a rank's experts, torch's permuted copies against `kernels/copy.py`'s row copy
 at a few program sizes. Checks the copies agree, reports each one's time and its HBM rate (bytes read + written).
 
-    python3 benchmarks/reshard_copy.py --model qwen3-30b-a3b --ranks 2 --output reshard_copy.json
+    python -m moebius.bench.reshard_copy --model qwen3-30b-a3b --ranks 2 --output reshard_copy.json
+
+Recorded: benchmarks/results/h200-reshard-copy.json.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 
 import torch
 
+from moebius.bench.results import params_of, write_result
 from moebius.config import PRESETS
 from moebius.kernels import copy as copy_kernel
 from moebius.switch import plan
@@ -78,10 +81,9 @@ def main() -> None:
         points[-1]["same"] = points[-2]["same"] = same
         if not same:
             raise SystemExit(f"copy_rows ({elems}, {warps}, {divisor}) differs from torch's permuted copies")
-    out = dict(gpu=torch.cuda.get_device_name(), preset=a.model, ranks=P, layer_bytes_per_rank=moved // 2,
-               command=f"python3 benchmarks/reshard_copy.py --model {a.model} --ranks {P}", points=points)
-    with open(a.output, "w") as f:
-        json.dump(out, f, indent=1)
+    write_result(a.output, points, params=params_of(a, preset=a.model, layer_bytes_per_rank=moved // 2),
+                 note="one layer of a rank's experts packed (EP -> TP) and unpacked (TP -> EP): torch's permuted "
+                      "copies against kernels/copy.py's row copy; ms per call, hbm_tb_s: bytes read + written / time")
 
 
 if __name__ == "__main__":

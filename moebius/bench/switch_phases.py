@@ -4,10 +4,14 @@ on every rank. Switches back and forth with no requests (weights only), on a pre
 one-stream pass (its hooks wrap `Switcher._move_experts`, which --switch-overlap's pipelined pass does not use), over
 either transport (`--switch-transport peer`: the w13 and w2 exchanges each between their own pair of barriers).
 
-    python3 benchmarks/switch_phases.py --model qwen3-30b-a3b --num-ranks 2 --output phases.json
-    MOEBIUS_RESHARD_KERNEL=0 python3 benchmarks/switch_phases.py ... (torch's permuted copies, not the Triton row copy)
+    python -m moebius.bench.switch_phases --model qwen3-30b-a3b --num-ranks 2 --output phases.json
+    MOEBIUS_RESHARD_KERNEL=0 python -m moebius.bench.switch_phases ... (torch's permuted copies, not the row copy)
 
-The ranks are spawned processes that import this file again, so the timing hooks below are installed in each."""
+Rows: per rank and switch, the phases' sums; other_results.switches: each switch_mode's answer.
+Recorded: benchmarks/results/h200x2-switch-phases.json.
+
+The ranks are spawned processes that import this module again, so the timing hooks below are installed in each.
+It reaches into the switch executor's internals (`Switcher._move_experts`, `pass_times`)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ import tempfile
 
 import torch
 
+from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore
 from moebius.switch import executor as ex
 from moebius.switch.plan import ep_to_tp_pack, tp_to_ep_unpack
 
@@ -32,7 +39,7 @@ def _move_experts(self: ex.Switcher, src, dst, target: str, staging) -> None:  #
     cuda = src.w13_EFD.is_cuda
     ev = [self._mark(cuda)]  # CUDA events on the GPU, the host clock on the CPU (where work is synchronous)
     if target == "tp":
-        s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P, staging)
+        s13, s2 = ep_to_tp_pack(src.w13_EFD, src.w2_EDF, P, staging, self.options.row_kernel)
         ev.append(self._mark(cuda))
         self.transport.all_to_all(dst.w13_EFD, s13, splits, splits)
         ev.append(self._mark(cuda))
@@ -44,7 +51,7 @@ def _move_experts(self: ex.Switcher, src, dst, target: str, staging) -> None:  #
         ev.append(self._mark(cuda))
         self.transport.all_to_all(r2, src.w2_EDF, splits, splits)
         ev.append(self._mark(cuda))
-        tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF)
+        tp_to_ep_unpack(r13, r2, P, dst.w13_EFD, dst.w2_EDF, self.options.row_kernel)
         _REC.append(("ep", ["exchange_w13_ms", "exchange_w2_ms", "unpack_ms"], ev))
     ev.append(self._mark(cuda))
 
@@ -76,30 +83,30 @@ def main() -> None:
                     help="the engine's --switch-transport (peer: each exchange between its own two barriers here)")
     ap.add_argument("--output", required=True)
     a = ap.parse_args()
-    from moebius.entrypoints.llm import LLM
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         os.environ["MOEBIUS_PHASES_OUT"] = f.name  # inherited by the spawned ranks
     cpu = a.device == "cpu"
-    llm = LLM(model=None if a.model == "builtin" else a.model, load_format="auto" if a.model == "builtin" else "dummy",
-              num_ranks=a.num_ranks, mode="tp", max_running_requests=64, max_num_batched_tokens=2048,
-              max_model_len=576, cuda_graph_max_bs=8, device=a.device, switch_transport=a.switch_transport,
-              **({"dtype": "float32"} if cpu else {}))
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=None if a.model == "builtin" else a.model, load_format="auto" if a.model == "builtin" else "dummy",
+        num_ranks=a.num_ranks, mode="tp", max_running_requests=64, max_num_batched_tokens=2048, max_model_len=576,
+        cuda_graph_max_bs=8, device=a.device, switch_transport=a.switch_transport,
+        **({"dtype": "float32"} if cpu else {})))
     switches = []
     try:
         for i in range(a.switches):
-            switches.append(llm.switch_mode("ep" if i % 2 == 0 else "tp"))
+            switches.append(engine.switch_mode("ep" if i % 2 == 0 else "tp"))
     finally:
-        llm.close()
+        engine.close()
     with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:
         rows = [json.loads(line) for line in f]
-    out = {"gpu": torch.cuda.get_device_name() if not cpu else "cpu", "model": a.model, "num_ranks": a.num_ranks,
-           "reshard_kernel": os.environ.get("MOEBIUS_RESHARD_KERNEL", "1") == "1",
-           "command": "python3 benchmarks/switch_phases.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
-           "switches": switches, "phases": rows}
-    with open(a.output, "w") as f:
-        json.dump(out, f, indent=1)
+    reshard_kernel = os.environ.get("MOEBIUS_RESHARD_KERNEL", "1") == "1"
+    write_result(a.output, rows, params=params_of(a, reshard_kernel=reshard_kernel),
+                 gpu=torch.cuda.get_device_name() if not cpu else "cpu", num_gpus=gpus_used(a.num_ranks, a.device),
+                 other_results={"switches": switches},
+                 note="a switch's weight time per rank and direction: the local permute (pack_ms / unpack_ms) and "
+                      "the two exchanges (exchange_w13_ms, exchange_w2_ms), summed over the layers, against the "
+                      "pass's weights_ms")
     for r in rows:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
 

@@ -1,0 +1,45 @@
+"""Profile one decode step (graph replay and eager) of a preset on one GPU: the top CUDA kernels by time, printed
+(no JSON). `--tp-rank-of P` profiles one TP-P rank's kernels (moebius/bench/tp_rank_model.py).
+
+    python -m moebius.bench.profile_decode --num-layers 4 --batch 1 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torch.profiler import ProfilerActivity, profile
+
+from moebius.bench.tp_rank_model import tp_rank_model_dir
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--mode", default="tp")
+    ap.add_argument("--tp-rank-of", type=int, default=0,
+                    help="profile one rank of TP over this many GPUs on one GPU (moebius/bench/tp_rank_model.py)")
+    a = ap.parse_args()
+    model = tp_rank_model_dir(a.model, a.tp_rank_of) if a.tp_rank_of else a.model
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
+        max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode))
+    try:
+        for b in a.batch:
+            for graphs in (True, False):
+                engine.query("bench_decode", batch=b, context=a.context, steps=3, warmup=2, graphs=graphs)
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    r = engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=0, graphs=graphs)
+                print(f"=== batch {b} graphs={graphs} {r}")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""One schema for every benchmark result JSON (`benchmarks/results/*.json`), written by `write_result` and read by
+`load_result`:
+
+    {
+      "commit":   the commit measured: `git rev-parse HEAD` of the checkout holding this package, plus "-dirty" when
+                  tracked files differ from it; $MOEBIUS_COMMIT when set (a device machine runs a copy of the tree
+                  that is no git checkout: export the hash there); "unknown" when neither tells,
+      "gpu":      torch.cuda.get_device_name(0), or "cpu",
+      "num_gpus": GPUs the run used (0 on the CPU, whatever its ranks),
+      "command":  the command line that wrote the file (`python -m moebius.bench.X ...`, `moebius bench sweep ...`);
+                  a list of strings where a file records several commands,
+      "params":   the run's inputs: its arguments (vars(args)), settings, environment knobs, scripts or patches used,
+      "rows":     the measured points, one flat dict each (values: numbers, strings, booleans, null, or lists of
+                  those; no nested dicts) holding the keys that identify the point (mode, batch, variant, ...),
+      "note":     a short text: what the numbers are, conclusions,
+      "other_results":  OPTIONAL, the one extra key allowed: every other measured or derived value that is not one
+                  row per point, by name: secondary tables (lists of flat dicts, e.g. comm_bench's `ep_rows`,
+                  switch_phases' `switches`), per-rank records, summaries and totals (the sweep's `switches`,
+                  `memory`, `skipped`, `crossover_batch`, `switch_overhead_median_ms`, `switch_overhead_max_ms`,
+                  `wall_s`).
+    }
+
+The rule, the same for every benchmark: inputs go into `params`, the main table into `rows`, anything else measured
+into `other_results`, prose into `note`. Plots are written next to the JSON (same name, .png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA_KEYS = ("commit", "gpu", "num_gpus", "command", "params", "rows", "note")
+EXTRA_KEYS = ("other_results",)  # optional; nothing else may sit at the top level
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../moebius
+_CHECKOUT = _PACKAGE_ROOT.parent
+
+
+def current_commit(cwd: str | os.PathLike | None = None) -> str:
+    """$MOEBIUS_COMMIT if set; else the checkout's HEAD (+ "-dirty" with tracked changes); else "unknown"."""
+    env = os.environ.get("MOEBIUS_COMMIT", "").strip()
+    if env:
+        return env
+    where = str(cwd or _CHECKOUT)
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head or not head.strip():
+        return "unknown"
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return head.strip() + ("-dirty" if status is None or status.strip() else "")
+
+
+def gpu_name() -> str:
+    """torch.cuda.get_device_name(0), or "cpu" without a GPU."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def default_num_gpus() -> int:
+    """1 with a GPU (most benchmarks time one), 0 without; multi-GPU runs pass their count to write_result."""
+    import torch
+
+    return 1 if torch.cuda.is_available() else 0
+
+
+def gpus_used(ranks: int, device: str = "auto") -> int:
+    """num_gpus of a run over `ranks` ranks: `ranks` on GPUs, 0 on the CPU (gloo ranks; device "cpu" or no GPU)."""
+    import torch
+
+    return 0 if device == "cpu" or not torch.cuda.is_available() else ranks
+
+
+def _module_of(path: str) -> str | None:
+    """`moebius.bench.x` for a file of this package (what `python -m moebius.bench.x` puts in sys.argv[0])."""
+    try:
+        p = Path(path).resolve()
+        rel = p.relative_to(_CHECKOUT)
+    except (ValueError, OSError):
+        return None
+    if p.suffix != ".py" or rel.parts[0] != _PACKAGE_ROOT.name:
+        return None
+    return ".".join(rel.with_suffix("").parts)
+
+
+def command_line(argv: Sequence[str] | None = None, prefix: str = "python") -> str:
+    """The command that runs this process again: `moebius bench ...` for the CLI's benchmarks, `{prefix} -m
+    moebius.bench.x ...` for a module of this package (prefix e.g. "torchrun --nproc-per-node 2"), else argv."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return ""
+    rest = shlex.join(argv[1:])
+    if argv[1:2] == ["bench"] and (os.path.basename(argv[0]) == "moebius"
+                                   or _module_of(argv[0]) == "moebius.entrypoints.cli"):
+        return f"moebius {rest}".strip()
+    module = _module_of(argv[0])
+    if module is not None:
+        return f"{prefix} -m {module} {rest}".strip()
+    return shlex.join(argv)
+
+
+def params_of(args: Any, **more: Any) -> dict[str, Any]:
+    """A run's parameters as JSON: vars(args) (an argparse.Namespace or a dict) without what JSON cannot hold
+    (e.g. argparse's `func`), plus `more`."""
+    items = dict(vars(args) if not isinstance(args, Mapping) else args)
+    items.update(more)
+    out = {}
+    for k, v in items.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[k] = v
+    return out
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested dicts as one flat dict: {"best": {"gate_up": {"BN": 64}}} -> {"best.gate_up.BN": 64}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key, sep))
+        else:
+            out[key] = v
+    return out
+
+
+def _is_flat_value(v: Any) -> bool:
+    if isinstance(v, list | tuple):
+        return all(not isinstance(x, Mapping | list | tuple) for x in v)
+    return not isinstance(v, Mapping)
+
+
+def check_result(result: Mapping[str, Any], where: str = "result", allow_empty: bool = False) -> None:
+    """ValueError unless `result` has the schema above (exactly its keys, rows a non-empty list of flat dicts;
+    `allow_empty`: an empty list too)."""
+    keys = set(result)
+    missing = set(SCHEMA_KEYS) - keys
+    unknown = keys - set(SCHEMA_KEYS) - set(EXTRA_KEYS)
+    if missing or unknown:
+        raise ValueError(f"{where}: missing keys {sorted(missing)}, keys outside the schema {sorted(unknown)}")
+    if not isinstance(result["commit"], str) or not result["commit"]:
+        raise ValueError(f"{where}: commit must be a non-empty string")
+    if not isinstance(result["gpu"], str) or not isinstance(result["num_gpus"], int):
+        raise ValueError(f"{where}: gpu must be a string, num_gpus an int")
+    cmd = result["command"]
+    if not (isinstance(cmd, str) or (isinstance(cmd, list) and all(isinstance(c, str) for c in cmd))):
+        raise ValueError(f"{where}: command must be a string or a list of strings")
+    if not isinstance(result["params"], Mapping) or not isinstance(result["note"], str):
+        raise ValueError(f"{where}: params must be a dict, note a string")
+    if "other_results" in result and not isinstance(result["other_results"], Mapping):
+        raise ValueError(f"{where}: other_results must be a dict")
+    rows = result["rows"]
+    if not isinstance(rows, list) or not (rows or allow_empty):
+        raise ValueError(f"{where}: rows must be a non-empty list")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{where}: rows[{i}] is not a dict")
+        nested = [k for k, v in row.items() if not _is_flat_value(v)]
+        if nested:
+            raise ValueError(f"{where}: rows[{i}] is not flat (nested {nested}; see results.flatten)")
+
+
+def make_result(rows: Sequence[Mapping[str, Any]], *, params: Mapping[str, Any] | None = None, note: str = "",
+                command: str | Sequence[str] | None = None, num_gpus: int | None = None, gpu: str | None = None,
+                commit: str | None = None, other_results: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The result dict (checked); defaults: this checkout's commit, this machine's GPU, sys.argv's command."""
+    result: dict[str, Any] = {
+        "commit": commit or current_commit(),
+        "gpu": gpu or gpu_name(),
+        "num_gpus": default_num_gpus() if num_gpus is None else int(num_gpus),
+        "command": command_line() if command is None else (command if isinstance(command, str) else list(command)),
+        "params": dict(params or {}),
+        "rows": [dict(r) if isinstance(r, Mapping) else r for r in rows],
+        "note": note,
+    }
+    if other_results:
+        result["other_results"] = dict(other_results)
+    check_result(result, allow_empty=True)  # a run that measured nothing still records why (load_result refuses it)
+    return result
+
+
+def write_result(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], **kw: Any) -> dict[str, Any]:
+    """Write a result JSON at `path` (directories made) in the schema above and return it. Keyword arguments as
+    `make_result`: params, note, command, num_gpus, gpu, commit, other_results."""
+    result = make_result(rows, **kw)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    return result
+
+
+def load_result(path: str | os.PathLike) -> dict[str, Any]:
+    """A result JSON, checked against the schema (ValueError if it is not in it)."""
+    with open(path) as f:
+        result = json.load(f)
+    if not isinstance(result, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    check_result(result, str(path))
+    return result

@@ -1,0 +1,157 @@
+"""The benchmark results schema (moebius/bench/results.py): the helper writes it, every recorded result in
+benchmarks/results has it, and the benchmark code lives in one package that imports on the CPU without the
+entrypoints."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moebius.bench
+from moebius.bench import results
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BENCH = ROOT / "moebius" / "bench"
+KEYS = set(results.SCHEMA_KEYS)
+ALLOWED = KEYS | set(results.EXTRA_KEYS)
+
+
+def test_schema_is_the_asked_one() -> None:
+    assert KEYS == {"commit", "gpu", "num_gpus", "command", "params", "rows", "note"}
+    assert set(results.EXTRA_KEYS) == {"other_results"}
+    for key in results.EXTRA_KEYS:  # the docstring lists every extra key it allows
+        assert f'"{key}"' in results.__doc__
+
+
+def test_write_result_writes_the_schema(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MOEBIUS_COMMIT", raising=False)
+    rows = [{"mode": "tp", "batch": 1, "step_ms": 2.5, "cuda_graph": True, "tma": [False, True]},
+            {"mode": "ep", "batch": 1, "step_ms": 3.0, "cuda_graph": True, "tma": [False, True]}]
+    path = tmp_path / "sub" / "r.json"
+    written = results.write_result(path, rows, params={"batches": [1], "model": "x"}, note="a test",
+                                   other_results={"wall_s": 1.5})
+    got = json.loads(path.read_text())
+    assert got == written and set(got) == KEYS | {"other_results"}
+    assert got["rows"] == rows and got["params"] == {"batches": [1], "model": "x"} and got["note"] == "a test"
+    assert got["gpu"] == results.gpu_name() and isinstance(got["num_gpus"], int)
+    assert isinstance(got["command"], str) and got["command"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # a checkout: its HEAD, marked dirty when tracked files differ
+        assert got["commit"].removesuffix("-dirty") == head.stdout.strip()
+    else:
+        assert got["commit"] == "unknown"
+    assert results.load_result(path) == got
+    # without other_results the file has exactly the seven keys
+    bare = results.write_result(tmp_path / "bare.json", rows[:1], params={}, note="")
+    assert set(bare) == KEYS and set(json.loads((tmp_path / "bare.json").read_text())) == KEYS
+
+
+def test_commit_from_the_environment_or_unknown(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MOEBIUS_COMMIT", "abc123")
+    assert results.current_commit() == "abc123"
+    assert results.make_result([{"a": 1}], params={})["commit"] == "abc123"
+    monkeypatch.delenv("MOEBIUS_COMMIT")
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True).returncode != 0:
+        assert results.current_commit(cwd=tmp_path) == "unknown"  # a copy of the tree that is no checkout
+
+
+def test_command_line_forms() -> None:
+    moe_tune = str(BENCH / "moe_tune.py")
+    assert results.command_line([moe_tune, "--ranks", "2"]) == "python -m moebius.bench.moe_tune --ranks 2"
+    comm = str(BENCH / "comm_bench.py")
+    assert (results.command_line([comm, "--output", "c.json"], prefix="torchrun --nproc-per-node 2")
+            == "torchrun --nproc-per-node 2 -m moebius.bench.comm_bench --output c.json")
+    cli = str(ROOT / "moebius" / "entrypoints" / "cli.py")
+    assert results.command_line([cli, "bench", "sweep", "--num-ranks", "2"]) == "moebius bench sweep --num-ranks 2"
+    assert results.command_line(["/usr/bin/moebius", "bench", "sweep"]) == "moebius bench sweep"
+    assert results.command_line(["other.py", "a b"]) == "other.py 'a b'"
+
+
+def test_rows_must_be_flat_dicts_and_keys_in_the_schema(tmp_path) -> None:
+    with pytest.raises(ValueError, match="not flat"):
+        results.write_result(tmp_path / "x.json", [{"best": {"BN": 64}}])
+    with pytest.raises(ValueError, match="not a dict"):
+        results.write_result(tmp_path / "x.json", [[1, 2]])
+    assert results.flatten({"best": {"gate_up": {"BN": 64}}, "us": 1.0}) == {"best.gate_up.BN": 64, "us": 1.0}
+    good = results.make_result([{"a": 1}], params={}, note="")
+    with pytest.raises(ValueError, match="outside the schema"):
+        results.check_result({**good, "points": []})
+    with pytest.raises(ValueError, match="non-empty"):
+        results.check_result({**good, "rows": []})
+    assert results.params_of(argparse_namespace(x=1, func=print)) == {"x": 1}
+
+
+def argparse_namespace(**kw: object) -> object:
+    import argparse
+
+    return argparse.Namespace(**kw)
+
+
+RECORDED = sorted(glob.glob(str(RESULTS / "*.json")))
+
+
+def test_results_are_recorded() -> None:
+    assert len(RECORDED) >= 33
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[os.path.basename(p) for p in RECORDED])
+def test_every_recorded_result_has_the_schema(path: str) -> None:
+    with open(path) as f:
+        raw = json.load(f)
+    assert isinstance(raw, dict) and KEYS <= set(raw) <= ALLOWED, set(raw) ^ KEYS
+    result = results.load_result(path)  # also: rows a non-empty list of flat dicts, types of the other keys
+    assert result["rows"] and all(isinstance(r, dict) and r for r in result["rows"])
+    assert result["commit"] == "unknown" or len(result["commit"].removesuffix("-dirty")) == 40
+    assert result["gpu"] and result["note"]
+
+
+def _bench_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(moebius.bench.__path__))
+
+
+def test_benchmark_code_has_one_home() -> None:
+    assert not glob.glob(str(ROOT / "benchmarks" / "*.py")), "benchmark code belongs in moebius/bench"
+    assert {"moe_tune", "graph_timing", "tp_rank_model", "sweep", "results", "switch_phases"} <= set(_bench_modules())
+
+
+@pytest.mark.parametrize("name", _bench_modules())
+def test_bench_module_imports_on_the_cpu_and_says_how_to_run_it(name: str) -> None:
+    mod = importlib.import_module(f"moebius.bench.{name}")
+    assert mod.__doc__ and mod.__doc__.strip(), name
+    source = (BENCH / f"{name}.py").read_text()
+    if '__name__ == "__main__"' in source:  # runnable: its docstring gives the command
+        assert f"-m moebius.bench.{name}" in mod.__doc__, name
+    assert "sys.path" not in source, name
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_bench_never_imports_the_entrypoints() -> None:
+    """Not at the top, not inside functions, not for type checking: moebius.entrypoints.cli imports moebius.bench."""
+    for path in sorted(BENCH.glob("*.py")):
+        bad = [m for m in _imports(path) if m.startswith("moebius.entrypoints") or m in ("moebius.LLM",)]
+        assert not bad, (path.name, bad)
+
+
+def test_a_bench_module_runs_as_a_module() -> None:
+    r = subprocess.run([sys.executable, "-m", "moebius.bench.kernel_ab"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "usage: python -m moebius.bench.kernel_ab" in r.stderr
