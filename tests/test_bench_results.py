@@ -23,14 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCH = ROOT / "moebius" / "bench"
 KEYS = set(results.SCHEMA_KEYS)
-ALLOWED = KEYS | set(results.EXTRA_KEYS)
 
 
 def test_schema_is_the_asked_one() -> None:
     assert KEYS == {"commit", "gpu", "num_gpus", "command", "params", "rows", "note"}
-    assert set(results.EXTRA_KEYS) == {"other_results"}
-    for key in results.EXTRA_KEYS:  # the docstring lists every extra key it allows
+    assert not hasattr(results, "EXTRA_KEYS") and "other_results" not in results.__doc__
+    for key in KEYS:  # the docstring describes every key, and the rule for several tables
         assert f'"{key}"' in results.__doc__
+    assert '"table"' in results.__doc__ and '"summary"' in results.__doc__
 
 
 def test_write_result_writes_the_schema(tmp_path, monkeypatch) -> None:
@@ -38,10 +38,9 @@ def test_write_result_writes_the_schema(tmp_path, monkeypatch) -> None:
     rows = [{"mode": "tp", "batch": 1, "step_ms": 2.5, "cuda_graph": True, "tma": [False, True]},
             {"mode": "ep", "batch": 1, "step_ms": 3.0, "cuda_graph": True, "tma": [False, True]}]
     path = tmp_path / "sub" / "r.json"
-    written = results.write_result(path, rows, params={"batches": [1], "model": "x"}, note="a test",
-                                   other_results={"wall_s": 1.5})
+    written = results.write_result(path, rows, params={"batches": [1], "model": "x"}, note="a test")
     got = json.loads(path.read_text())
-    assert got == written and set(got) == KEYS | {"other_results"}
+    assert got == written and set(got) == KEYS
     assert got["rows"] == rows and got["params"] == {"batches": [1], "model": "x"} and got["note"] == "a test"
     assert got["gpu"] == results.gpu_name() and isinstance(got["num_gpus"], int)
     assert isinstance(got["command"], str) and got["command"]
@@ -51,9 +50,41 @@ def test_write_result_writes_the_schema(tmp_path, monkeypatch) -> None:
     else:
         assert got["commit"] == "unknown"
     assert results.load_result(path) == got
-    # without other_results the file has exactly the seven keys
-    bare = results.write_result(tmp_path / "bare.json", rows[:1], params={}, note="")
-    assert set(bare) == KEYS and set(json.loads((tmp_path / "bare.json").read_text())) == KEYS
+    # one table: untagged rows, read back whole whatever the name
+    assert results.table(got, "decode") == rows and results.table_names(got) == [] and results.summary_of(got) == {}
+
+
+def test_several_tables_are_tagged_rows_and_a_summary_row(tmp_path) -> None:
+    decode = [{"mode": "tp", "batch": 1, "step_ms": 2.5}, {"mode": "ep", "batch": 1, "step_ms": 3.0}]
+    switch = [{"to": "ep", "overhead_ms": 4.0}]
+    path = tmp_path / "multi.json"
+    written = results.write_result(path, tables={"decode": decode, "switch": switch, "skipped": []},
+                                   summary={"crossover_batch": 1, "switch_overhead_median_ms": {"ep": 4.0},
+                                            "wall_s": 1.5}, params={"batches": [1]}, note="t")
+    got = results.load_result(path)
+    assert got == written and set(got) == KEYS and set(json.loads(path.read_text())) == KEYS
+    assert [r["table"] for r in got["rows"]] == ["decode", "decode", "switch", "summary"]  # an empty table: no rows
+    assert results.table_names(got) == ["decode", "switch", "summary"]
+    assert results.table(got, "decode") == decode and results.table(got, "switch") == switch
+    assert results.table(got, "skipped") == []
+    # the summary: one row, nested names joined with dots
+    assert results.summary_of(got) == {"crossover_batch": 1, "switch_overhead_median_ms.ep": 4.0, "wall_s": 1.5}
+    assert got["params"] == {"batches": [1]}  # inputs only
+    with pytest.raises(ValueError, match="not both"):
+        results.make_result(decode, tables={"switch": switch})
+    with pytest.raises(ValueError, match="already holds"):
+        results.make_result(tables={"decode": [{"table": "x", "a": 1}]})
+    with pytest.raises(ValueError, match="other than"):
+        results.make_result(tables={"summary": decode})
+    with pytest.raises(ValueError, match="not flat"):  # tables' rows are checked like rows (flatten them first)
+        results.make_result(tables={"switch": [{"to": "ep", "ranks": {"0": 1.0}}]})
+    # a file mixing tagged and untagged rows, or with two summaries, is not in the schema
+    with pytest.raises(ValueError, match="names no table"):
+        results.check_result({**got, "rows": got["rows"] + [{"a": 1}]})
+    with pytest.raises(ValueError, match="more than one"):
+        results.check_result({**got, "rows": got["rows"] + [{"table": "summary", "a": 1}]})
+    with pytest.raises(ValueError, match="non-empty string"):
+        results.check_result({**got, "rows": got["rows"] + [{"table": 3, "a": 1}]})
 
 
 def test_commit_from_the_environment_or_unknown(tmp_path, monkeypatch) -> None:
@@ -86,6 +117,8 @@ def test_rows_must_be_flat_dicts_and_keys_in_the_schema(tmp_path) -> None:
     good = results.make_result([{"a": 1}], params={}, note="")
     with pytest.raises(ValueError, match="outside the schema"):
         results.check_result({**good, "points": []})
+    with pytest.raises(ValueError, match="outside the schema"):  # no eighth key, not even an optional one
+        results.check_result({**good, "other_results": {"wall_s": 1.0}})
     with pytest.raises(ValueError, match="non-empty"):
         results.check_result({**good, "rows": []})
     assert results.params_of(argparse_namespace(x=1, func=print)) == {"x": 1}
@@ -108,9 +141,18 @@ def test_results_are_recorded() -> None:
 def test_every_recorded_result_has_the_schema(path: str) -> None:
     with open(path) as f:
         raw = json.load(f)
-    assert isinstance(raw, dict) and KEYS <= set(raw) <= ALLOWED, set(raw) ^ KEYS
+    assert isinstance(raw, dict) and set(raw) == KEYS, set(raw) ^ KEYS  # exactly the seven keys
     result = results.load_result(path)  # also: rows a non-empty list of flat dicts, types of the other keys
-    assert result["rows"] and all(isinstance(r, dict) and r for r in result["rows"])
+    rows = result["rows"]
+    assert rows and all(isinstance(r, dict) and r for r in rows)
+    assert all(not isinstance(v, dict) for r in rows for v in r.values())  # flat
+    tagged = ["table" in r for r in rows]
+    assert all(tagged) or not any(tagged), "where any row names its table, every row does"
+    if any(tagged):
+        names = results.table_names(result)
+        assert len(names) > 1 and all(isinstance(n, str) and n for n in names)  # tags only where several tables
+        assert sum(r["table"] == "summary" for r in rows) <= 1
+        assert sum(len(results.table(result, n)) for n in names) == len(rows)
     assert result["commit"] == "unknown" or len(result["commit"].removesuffix("-dirty")) == 40
     assert result["gpu"] and result["note"]
 

@@ -2,7 +2,7 @@
 transformers' baselines on the same shapes, one process and tensor-parallel), and
 the recorded sweeps in benchmarks/results: both in the results schema (moebius/bench/results.py) with the sweep's
 rows in the form the GPU issue asks for (one per (mode, batch), with the step, its floor and their ratio; params
-holding the preset, other_results the crossover batch)."""
+holding the preset, the summary row the crossover batch; read through results.table / summary_of)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from moebius.bench.results import check_result, load_result
+from moebius.bench.results import check_result, load_result, summary_of, table
 from moebius.model.builtin import builtin_hf_config
 
 POINT_FIELDS = {"mode", "batch", "context_len", "step_ms", "floor_ms", "ratio_to_floor", "tokens_per_s", "cuda_graph"}
@@ -23,9 +23,10 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 
 
 def check_sweep(result: dict[str, Any], modes: set[str]) -> None:
-    check_result(result)  # commit, gpu, num_gpus, command, params, rows, note (+ other_results)
-    assert "preset" in result["params"] and "crossover_batch" in result["other_results"]
-    timed = [p for p in result["rows"] if "error" not in p]
+    check_result(result)  # exactly commit, gpu, num_gpus, command, params, rows, note
+    assert "preset" in result["params"] and "crossover_batch" in summary_of(result)
+    assert all("table" in r for r in result["rows"])  # several tables: every row tagged
+    timed = [p for p in table(result, "decode") if "error" not in p]
     for p in timed:
         assert POINT_FIELDS <= p.keys(), (p["mode"], p["batch"], POINT_FIELDS - p.keys())
         assert p["step_ms"] > 0 and p["floor_ms"] > 0
@@ -50,31 +51,36 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = load_result(out)
     check_sweep(result, {"tp", "ep"})
-    params, other = result["params"], result["other_results"]
+    params, summary, decode = result["params"], summary_of(result), table(result, "decode")
+    switches = table(result, "switch")
     assert result["num_gpus"] == 0 and result["gpu"] == "cpu" and params["num_ranks"] == 2
     assert result["command"].startswith("moebius bench sweep --model"), result["command"]
-    assert params["switch_transport"] == "peer" and other["switches"]
-    assert all(s["transport"] == "peer" and s["peer_exchanges"] > 0 for s in other["switches"]), other["switches"]
-    assert sorted((p["mode"], p["batch"]) for p in result["rows"] if not p["mode"].startswith("hf")) == sorted(
+    assert params["switch_transport"] == "peer" and switches
+    assert all(s["transport"] == "peer" and s["peer_exchanges"] > 0 for s in switches), switches
+    assert sorted((p["mode"], p["batch"]) for p in decode if not p["mode"].startswith("hf")) == sorted(
         (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
+    memory = table(result, "memory")  # a record per layout and rank
+    assert sorted((m["mode"], m["rank"]) for m in memory) == [("ep", 0), ("ep", 1), ("tp", 0), ("tp", 1)]
+    assert not table(result, "skipped") and "wall_s" in summary
     # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching, in one
     # process and with its tensor-parallel plan over the two ranks (two gloo processes here)
-    hf = {p["mode"]: p for p in result["rows"] if p["mode"].startswith("hf")}
+    hf = {p["mode"]: p for p in decode if p["mode"].startswith("hf")}
     assert set(hf) == {"hf-eager-1gpu", "hf-cb-1gpu", "hf-eager-tp2", "hf-cb-tp2"}
     assert all(p["batch"] == 2 and "error" not in p for p in hf.values()), hf
     assert hf["hf-cb-1gpu"]["method"] in ("token timestamps", "two output lengths")
     assert hf["hf-cb-tp2"]["method"] in ("token timestamps", "two output lengths")
     assert hf["hf-eager-tp2"]["floor_ms"] < hf["hf-eager-1gpu"]["floor_ms"]  # the floor of two GPUs
-    assert all("eager_step_ms" in p for p in result["rows"] if p["batch"] <= 2 and p["mode"] in ("tp", "ep"))
+    assert all("eager_step_ms" in p for p in decode if p["batch"] <= 2 and p["mode"] in ("tp", "ep"))
     # the switches after the sweep, each measured against its transfer
-    done = [s for s in other["switches"] if s.get("done")]
+    done = [s for s in switches if s.get("done")]
     assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)
-    assert all(s["batch"] == 3 for s in other["switches"])  # --switch-batch requests decoding during each
+    assert all(s["batch"] == 3 for s in switches)  # --switch-batch requests decoding during each
     assert params["switch_overlap"] and all(s["pipelined"] for s in done)  # --switch-overlap: the pipelined pass
-    assert set(other["switch_overhead_median_ms"]) == {"tp", "ep"}
-    for to, worst in other["switch_overhead_max_ms"].items():
-        assert worst == max(s["overhead_ms"] for s in other["switches"] if s.get("done") and s["to"] == to)
-        assert worst >= other["switch_overhead_median_ms"][to]
+    # the summary row: per target layout, flat keys (switch_overhead_median_ms.tp, ...)
+    for to in ("tp", "ep"):
+        worst = summary[f"switch_overhead_max_ms.{to}"]
+        assert worst == max(s["overhead_ms"] for s in done if s["to"] == to)
+        assert worst >= summary[f"switch_overhead_median_ms.{to}"]
     assert os.path.exists(tmp_path / "sweep.png") or not _has_matplotlib()  # the plot next to the JSON
 
 
@@ -127,11 +133,11 @@ def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any,
     res = load_result(out)
     assert res["gpu"] == "cpu" and res["num_gpus"] == 0 and res["params"]["switch_transport"] == transport
     assert res["command"].startswith("python -m moebius.bench.switch_phases --model builtin"), res["command"]
-    switches = res["other_results"]["switches"]
+    switches = table(res, "switch")
     assert [s["to"] for s in switches] == ["ep", "tp"] and all(s["done"] for s in switches)
     assert all(s["transport"] == transport and (s["peer_exchanges"] > 0) == (transport == "peer")
                for s in switches), switches
-    rows = res["rows"]
+    rows = table(res, "phases")
     assert sorted((p["rank"], p["to"]) for p in rows) == [(0, "ep"), (0, "tp"), (1, "ep"), (1, "tp")]
     for p in rows:
         local = p["unpack_ms"] if p["to"] == "ep" else p["pack_ms"]

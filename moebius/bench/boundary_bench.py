@@ -160,9 +160,9 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
         rows.append(row)
         del weights, step  # step holds the weights too
         torch.cuda.empty_cache()
-    write_result(args.output, rows, params=params_of(args), other_results={"stages": stage_rows},
-                 note=f"idealized decode step of one TP-{P} rank: one kernels.linear launch per dependent stage "
-                      "(other_results.stages: each stage's N x K elements read), against the TP floor")
+    write_result(args.output, tables={"chain": rows, "stage": stage_rows}, params=params_of(args),
+                 note=f"idealized decode step of one TP-{P} rank (table chain): one kernels.linear launch per "
+                      "dependent stage (table stage: each stage's N x K elements read), against the TP floor")
 
 
 def main() -> None:

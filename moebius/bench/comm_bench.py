@@ -8,7 +8,7 @@ capacity: `EPComm` through NCCL against `EPComm` through `kernels.symmetric.EPEx
 
     torchrun --nproc-per-node 2 -m moebius.bench.comm_bench --output comm.json
 
-Recorded: benchmarks/results/h200x2-comm.json (rows: TP, other_results.ep_rows: EP).
+Recorded: benchmarks/results/h200x2-comm.json (rows of table "tp": TP; of table "ep": EP).
 """
 
 from __future__ import annotations
@@ -78,10 +78,9 @@ def main() -> None:
     ep_rows = ep_exchange(a, group, dev, weight, eps)
     if rank == 0:
         world = dist.get_world_size()
-        write_result(a.output, rows, params=params_of(a, world=world), num_gpus=world,
+        write_result(a.output, tables={"tp": rows, "ep": ep_rows}, params=params_of(a, world=world), num_gpus=world,
                      command=command_line(prefix=f"torchrun --nproc-per-node {world}"),
-                     other_results={"ep_rows": ep_rows},
-                     note="TP (rows): all-reduce + residual add + RMSNorm; EP (other_results.ep_rows): dispatch + "
+                     note="TP (table tp): all-reduce + residual add + RMSNorm; EP (table ep): dispatch + "
                           "combine + add + RMSNorm; per call inside a CUDA graph")
     dist.barrier()
     dist.destroy_process_group()

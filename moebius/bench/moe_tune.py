@@ -4,7 +4,8 @@ For each layout's expert shard (TP: all experts, I/P columns; EP: E/P whole expe
 each global batch, checks the fused path against the torch reference, then times (inside CUDA graphs, so launch
 gaps count as they do in the engine) the align kernel and each GEMM kernel over candidate block shapes. Writes
 JSON: a row per (mode, batch) with the default and the best shapes (nested settings flattened: `best.gate_up.BN`),
-their times and the weight bandwidth they reach; every shape tried in other_results.tried.
+their times and the weight bandwidth they reach (table "per_batch"); every BM tried (table "tried"); wall_s (the
+"summary" row).
 
     python -m moebius.bench.moe_tune --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
     python -m moebius.bench.moe_tune --no-search --batches 256 512 1024 2048 --output moe_tma.json
@@ -130,10 +131,11 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             results.append(flatten(r))
             tried += [flatten(dict(mode=mode, batch=B, **t)) for t in rows]
-    write_result(a.output, results, params=params_of(a), other_results=dict(tried=tried, wall_s=time.time() - t0),
-                 note="fused MoE kernels per (mode, batch): µs per call inside a CUDA graph; default: the shapes "
-                      "fused_moe.config_for picks; best: the fastest searched (other_results.tried: every BM's best "
-                      "gate_up / down); floor_us: the hit experts' weights at 4.28 TB/s")
+    write_result(a.output, tables={"per_batch": results, "tried": tried}, summary={"wall_s": time.time() - t0},
+                 params=params_of(a),
+                 note="fused MoE kernels per (mode, batch) (table per_batch): µs per call inside a CUDA graph; "
+                      "default: the shapes fused_moe.config_for picks; best: the fastest searched (table tried: "
+                      "every BM's best gate_up / down); floor_us: the hit experts' weights at 4.28 TB/s")
 
 
 if __name__ == "__main__":

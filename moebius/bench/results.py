@@ -1,5 +1,5 @@
 """One schema for every benchmark result JSON (`benchmarks/results/*.json`), written by `write_result` and read by
-`load_result`:
+`load_result`: exactly these seven keys, nothing else at the top level.
 
     {
       "commit":   the commit measured: `git rev-parse HEAD` of the checkout holding this package, plus "-dirty" when
@@ -9,19 +9,27 @@
       "num_gpus": GPUs the run used (0 on the CPU, whatever its ranks),
       "command":  the command line that wrote the file (`python -m moebius.bench.X ...`, `moebius bench sweep ...`);
                   a list of strings where a file records several commands,
-      "params":   the run's inputs: its arguments (vars(args)), settings, environment knobs, scripts or patches used,
-      "rows":     the measured points, one flat dict each (values: numbers, strings, booleans, null, or lists of
-                  those; no nested dicts) holding the keys that identify the point (mode, batch, variant, ...),
-      "note":     a short text: what the numbers are, conclusions,
-      "other_results":  OPTIONAL, the one extra key allowed: every other measured or derived value that is not one
-                  row per point, by name: secondary tables (lists of flat dicts, e.g. comm_bench's `ep_rows`,
-                  switch_phases' `switches`), per-rank records, summaries and totals (the sweep's `switches`,
-                  `memory`, `skipped`, `crossover_batch`, `switch_overhead_median_ms`, `switch_overhead_max_ms`,
-                  `wall_s`).
+      "params":   the run's inputs only: its arguments (vars(args)), settings, environment knobs, scripts or patches
+                  used; never a measured or derived value,
+      "rows":     everything measured, one flat dict a row (values: numbers, strings, booleans, null, or lists of
+                  those; no nested dicts: see `flatten`, nested keys joined with dots) holding the keys that
+                  identify it (mode, batch, variant, ...),
+      "note":     a short text: what the numbers are, conclusions.
     }
 
-The rule, the same for every benchmark: inputs go into `params`, the main table into `rows`, anything else measured
-into `other_results`, prose into `note`. Plots are written next to the JSON (same name, .png).
+Tables. A file with one table (one kind of row) may leave its rows untagged. In a file with more than one table,
+EVERY row carries a "table" key naming its table, e.g. the sweep's "decode" (a point per mode and batch), "switch"
+(a measured switch), "memory" (a rank's memory in one layout), "skipped" (a point that could not run). The
+single-valued results of a run (totals, medians, a crossover, wall time) go into ONE row of table "summary", as flat
+keys (nested names joined with dots: `switch_overhead_median_ms.tp`). An empty table has no rows (so no name).
+
+The rule, the same for every benchmark: inputs go into `params`, every measured or derived value into `rows`
+(tagged by table when there are several), prose into `note`. Plots are written next to the JSON (same name, .png).
+
+Producers: `write_result(path, rows, ...)` for one table; `write_result(path, tables={name: rows, ...},
+summary={...})` for several (`tagged_rows` builds the tagged list, the summary flattened). Readers:
+`table(result, name)` (one table's rows, without the tag; every row of a one-table file), `summary_of(result)`,
+`table_names(result)`.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SCHEMA_KEYS = ("commit", "gpu", "num_gpus", "command", "params", "rows", "note")
-EXTRA_KEYS = ("other_results",)  # optional; nothing else may sit at the top level
+SCHEMA_KEYS = ("commit", "gpu", "num_gpus", "command", "params", "rows", "note")  # exactly these, nothing else
+TABLE = "table"  # the row key naming a row's table in a file of several tables
+SUMMARY = "summary"  # the table of the one row holding a run's single-valued results
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../moebius
 _CHECKOUT = _PACKAGE_ROOT.parent
@@ -147,10 +156,11 @@ def _is_flat_value(v: Any) -> bool:
 
 def check_result(result: Mapping[str, Any], where: str = "result", allow_empty: bool = False) -> None:
     """ValueError unless `result` has the schema above (exactly its keys, rows a non-empty list of flat dicts;
-    `allow_empty`: an empty list too)."""
+    `allow_empty`: an empty list too; where any row names its table, every row does, and one row at most is the
+    summary)."""
     keys = set(result)
     missing = set(SCHEMA_KEYS) - keys
-    unknown = keys - set(SCHEMA_KEYS) - set(EXTRA_KEYS)
+    unknown = keys - set(SCHEMA_KEYS)
     if missing or unknown:
         raise ValueError(f"{where}: missing keys {sorted(missing)}, keys outside the schema {sorted(unknown)}")
     if not isinstance(result["commit"], str) or not result["commit"]:
@@ -162,8 +172,6 @@ def check_result(result: Mapping[str, Any], where: str = "result", allow_empty: 
         raise ValueError(f"{where}: command must be a string or a list of strings")
     if not isinstance(result["params"], Mapping) or not isinstance(result["note"], str):
         raise ValueError(f"{where}: params must be a dict, note a string")
-    if "other_results" in result and not isinstance(result["other_results"], Mapping):
-        raise ValueError(f"{where}: other_results must be a dict")
     rows = result["rows"]
     if not isinstance(rows, list) or not (rows or allow_empty):
         raise ValueError(f"{where}: rows must be a non-empty list")
@@ -173,12 +181,52 @@ def check_result(result: Mapping[str, Any], where: str = "result", allow_empty: 
         nested = [k for k, v in row.items() if not _is_flat_value(v)]
         if nested:
             raise ValueError(f"{where}: rows[{i}] is not flat (nested {nested}; see results.flatten)")
+    tagged = [TABLE in row for row in rows]
+    if any(tagged):
+        if not all(tagged):
+            raise ValueError(f"{where}: rows[{tagged.index(False)}] names no table while others do (every row of "
+                             f"a file of several tables carries {TABLE!r})")
+        bad = [i for i, row in enumerate(rows) if not isinstance(row[TABLE], str) or not row[TABLE]]
+        if bad:
+            raise ValueError(f"{where}: rows{bad}: {TABLE!r} must be a non-empty string")
+        if sum(row[TABLE] == SUMMARY for row in rows) > 1:
+            raise ValueError(f"{where}: more than one {SUMMARY!r} row")
 
 
-def make_result(rows: Sequence[Mapping[str, Any]], *, params: Mapping[str, Any] | None = None, note: str = "",
+def tagged_rows(tables: Mapping[str, Sequence[Mapping[str, Any]]],
+                summary: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Several tables as one list of rows: each row `{"table": name, **row}` (tables in their order, an empty table
+    giving none), then the summary (flattened: nested names joined with dots) as one row of table "summary"."""
+    out: list[dict[str, Any]] = []
+    for name, rows in tables.items():
+        if not isinstance(name, str) or not name or name == SUMMARY:
+            raise ValueError(f"table name {name!r}: a non-empty string other than {SUMMARY!r} (see summary=)")
+        for row in rows:
+            if TABLE in row:
+                raise ValueError(f"table {name!r}: a row already holds the key {TABLE!r}")
+            out.append({TABLE: name, **row})
+    if summary:
+        flat = flatten(summary)
+        if TABLE in flat:
+            raise ValueError(f"summary: holds the key {TABLE!r}")
+        out.append({TABLE: SUMMARY, **flat})
+    return out
+
+
+def make_result(rows: Sequence[Mapping[str, Any]] | None = None, *,
+                tables: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+                summary: Mapping[str, Any] | None = None, params: Mapping[str, Any] | None = None, note: str = "",
                 command: str | Sequence[str] | None = None, num_gpus: int | None = None, gpu: str | None = None,
-                commit: str | None = None, other_results: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The result dict (checked); defaults: this checkout's commit, this machine's GPU, sys.argv's command."""
+                commit: str | None = None) -> dict[str, Any]:
+    """The result dict (checked). `rows`: the one table of a one-table run; or `tables` ({name: rows}, the main
+    one first) and/or `summary` (single-valued results): the rows tagged by table (`tagged_rows`). Defaults: this
+    checkout's commit, this machine's GPU, sys.argv's command."""
+    if tables is not None or summary is not None:
+        if rows is not None:
+            raise ValueError("give rows (one table) or tables / summary (several), not both")
+        rows = tagged_rows(tables or {}, summary)
+    elif rows is None:
+        raise ValueError("no rows: give rows, or tables / summary")
     result: dict[str, Any] = {
         "commit": commit or current_commit(),
         "gpu": gpu or gpu_name(),
@@ -188,15 +236,14 @@ def make_result(rows: Sequence[Mapping[str, Any]], *, params: Mapping[str, Any] 
         "rows": [dict(r) if isinstance(r, Mapping) else r for r in rows],
         "note": note,
     }
-    if other_results:
-        result["other_results"] = dict(other_results)
     check_result(result, allow_empty=True)  # a run that measured nothing still records why (load_result refuses it)
     return result
 
 
-def write_result(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], **kw: Any) -> dict[str, Any]:
-    """Write a result JSON at `path` (directories made) in the schema above and return it. Keyword arguments as
-    `make_result`: params, note, command, num_gpus, gpu, commit, other_results."""
+def write_result(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]] | None = None,
+                 **kw: Any) -> dict[str, Any]:
+    """Write a result JSON at `path` (directories made) in the schema above and return it. `rows`, or keyword
+    `tables` / `summary`, and the other keywords as `make_result`: params, note, command, num_gpus, gpu, commit."""
     result = make_result(rows, **kw)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -213,3 +260,25 @@ def load_result(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: not a JSON object")
     check_result(result, str(path))
     return result
+
+
+def table_names(result: Mapping[str, Any]) -> list[str]:
+    """The tables of a result in the order their rows first come; [] for a one-table file (no row tagged)."""
+    return list(dict.fromkeys(r[TABLE] for r in result["rows"] if TABLE in r))
+
+
+def table(result: Mapping[str, Any], name: str) -> list[dict[str, Any]]:
+    """The rows of table `name` (copies, without their "table" key; [] when it has none, e.g. an empty table); every
+    row of a file with one table (no row tagged), whatever the name."""
+    rows = result["rows"]
+    if not any(TABLE in r for r in rows):
+        return [dict(r) for r in rows]
+    return [{k: v for k, v in r.items() if k != TABLE} for r in rows if r.get(TABLE) == name]
+
+
+def summary_of(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The single-valued results: the "summary" row without its tag; {} when the file has none."""
+    if not any(TABLE in r for r in result["rows"]):
+        return {}
+    found = table(result, SUMMARY)
+    return found[0] if found else {}

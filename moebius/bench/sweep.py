@@ -4,8 +4,10 @@ One dual-mode engine serves both layouts (it switches between them, so the sweep
 switch). Each point times decode steps of `batch` requests holding `context` cached tokens through the real runner
 (CUDA graph when the per-rank batch has one, else eager), without prefill. Optionally a Hugging Face transformers
 baseline runs the same shape (moebius/bench/hf_baseline.py). Results: JSON in the schema of moebius/bench/results.py
-(`rows`: one point per mode and batch; `other_results`: the switches, memory per rank, skipped points, the switch
-overhead's median and max, the crossover batch, wall_s) and a PNG plot next to it.
+(`rows`, each tagged with its table: "decode", one point per mode and batch; "switch", each measured switch;
+"memory", a rank's memory in one layout; "skipped", a point that could not run; and one "summary" row: the switch
+overhead's median and max per target layout, the crossover batch, dual_over_static_ep, wall_s) and a PNG plot next
+to it.
 
     moebius bench sweep --model qwen3-30b-a3b --num-ranks 2 --context-len 512 --output sweep.json
 
@@ -26,7 +28,7 @@ import torch
 
 from moebius.bench.floor import decode_step_floor_ms
 from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
-from moebius.bench.results import command_line, gpus_used, params_of, write_result
+from moebius.bench.results import command_line, flatten, gpus_used, params_of, summary_of, table, write_result
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.engine.core import EngineCore
 from moebius.sampling_params import SamplingParams
@@ -35,7 +37,8 @@ log = logging.getLogger("moebius")
 
 
 def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(points, other results: switches, memory, skipped, switch_overhead_median_ms / _max_ms)."""
+    """(points, the rest: switches, memory ({mode: a record per rank}), skipped, switch_overhead_median_ms / _max_ms
+    ({target mode: ms}))."""
     top = max(args.batches)
     engine = EngineCore(EngineConfig.from_kwargs(
         model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
@@ -165,7 +168,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    rows, params = result["rows"], result["params"]
+    rows, params = table(result, "decode"), result["params"]
     modes = sorted({p["mode"] for p in rows if "step_ms" in p})
     for mode in modes:
         pts = sorted((p for p in rows if p["mode"] == mode and "step_ms" in p), key=lambda p: p["batch"])
@@ -239,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
         memory["static_ep"] = static_memory(args, "ep")
         dual = max(m["peak_reserved"] for m in memory["ep"])
         static = max(m["peak_reserved"] for m in memory["static_ep"])
-        memory["dual_over_static_ep"] = dual / static
+        other["dual_over_static_ep"] = dual / static
     if args.hf_baseline:
         spec = BaselineSpec(cfg_dict=cfg_dict, num_layers=cfg.num_layers, batches=args.hf_batches,
                             context_len=args.context_len, steps=args.steps, warmup=args.warmup)
@@ -252,15 +255,22 @@ def main(args: argparse.Namespace) -> int:
     params = params_of(args, preset=args.model, num_layers=cfg.num_layers)
     for plumbing in ("command", "bench", "static_kv_tokens"):
         params.pop(plumbing, None)
-    result = write_result(args.output, points, params=params, num_gpus=gpus_used(args.num_ranks),
-                          command=command_line(), other_results=other,
-                          note="decode step (ms) per mode and global batch against the floor; switches: each "
-                               "switch with --switch-batch requests decoding")
+    tables = {"decode": points, "switch": [flatten(s) for s in other["switches"]],
+              "memory": [{"mode": mode, "rank": rank, **flatten(rec)} for mode, recs in memory.items()
+                         for rank, rec in enumerate(recs)],
+              "skipped": other["skipped"]}
+    summary = {k: other[k] for k in ("crossover_batch", "switch_overhead_median_ms", "switch_overhead_max_ms",
+                                     "dual_over_static_ep", "wall_s") if k in other}
+    result = write_result(args.output, tables=tables, summary=summary, params=params,
+                          num_gpus=gpus_used(args.num_ranks), command=command_line(),
+                          note="decode step (ms) per mode and global batch against the floor (table decode); "
+                               "switch: each switch with --switch-batch requests decoding; memory: per layout and "
+                               "rank; summary: the switch overhead per target layout, the crossover batch")
     try:
         plot(result, os.path.splitext(args.output)[0] + ".png")
     except ImportError:
         log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+    print(json.dumps({**{k: v for k, v in result.items() if k != "rows"}, "summary": summary_of(result)}, indent=1))
     for p in points:
         if "step_ms" in p:
             print(f"{p['mode']:>14} {p['batch']:>5} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "

@@ -7,7 +7,7 @@ either transport (`--switch-transport peer`: the w13 and w2 exchanges each betwe
     python -m moebius.bench.switch_phases --model qwen3-30b-a3b --num-ranks 2 --output phases.json
     MOEBIUS_RESHARD_KERNEL=0 python -m moebius.bench.switch_phases ... (torch's permuted copies, not the row copy)
 
-Rows: per rank and switch, the phases' sums; other_results.switches: each switch_mode's answer.
+Rows: table "phases", per rank and switch, the phases' sums; table "switch", each switch_mode's answer.
 Recorded: benchmarks/results/h200x2-switch-phases.json.
 
 The ranks are spawned processes that import this module again, so the timing hooks below are installed in each.
@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.bench.results import flatten, gpus_used, params_of, write_result
 from moebius.config import EngineConfig
 from moebius.engine.core import EngineCore
 from moebius.switch import executor as ex
@@ -101,12 +101,12 @@ def main() -> None:
     with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:
         rows = [json.loads(line) for line in f]
     reshard_kernel = os.environ.get("MOEBIUS_RESHARD_KERNEL", "1") == "1"
-    write_result(a.output, rows, params=params_of(a, reshard_kernel=reshard_kernel),
+    write_result(a.output, tables={"phases": rows, "switch": [flatten(s) for s in switches]},
+                 params=params_of(a, reshard_kernel=reshard_kernel),
                  gpu=torch.cuda.get_device_name() if not cpu else "cpu", num_gpus=gpus_used(a.num_ranks, a.device),
-                 other_results={"switches": switches},
-                 note="a switch's weight time per rank and direction: the local permute (pack_ms / unpack_ms) and "
-                      "the two exchanges (exchange_w13_ms, exchange_w2_ms), summed over the layers, against the "
-                      "pass's weights_ms")
+                 note="a switch's weight time per rank and direction (table phases): the local permute (pack_ms / "
+                      "unpack_ms) and the two exchanges (exchange_w13_ms, exchange_w2_ms), summed over the layers, "
+                      "against the pass's weights_ms; table switch: each switch_mode's answer")
     for r in rows:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}))
 
