@@ -25,7 +25,7 @@ def test_torchrun_two_ranks_match_single_process(mode: str, tmp_path: object) ->
     # before torchrun binds it could be taken in between)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "moebius.entrypoints.cli", "generate", "--mode", mode,
-           "--max-tokens", "12", "--ignore-eos", "--no-progress", "--output", out, *PROMPTS]
+           "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--no-progress", "--output", out, *PROMPTS]
     run = subprocess.run(cmd, timeout=180, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
     with open(out) as f:

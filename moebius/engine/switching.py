@@ -24,7 +24,7 @@ from moebius.switch.executor import Switcher
 from moebius.switch.plan import LiveKV
 
 # The EP -> TP request list's first gather round carries this much of each rank's part: one round instead of two for
-# the request counts where a policy would switch (a 2-rank switch at 128 requests sends ~23 KB a rank).
+# the request counts where a policy would switch (a hundred or so requests a rank).
 REQUEST_LIST_INLINE = 65536
 
 

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from moebius.parallel.layout import MODES
+
 if TYPE_CHECKING:
     from moebius.engine.core import EngineCore
 
@@ -102,8 +104,8 @@ class AdminServer:
                     mode = body["mode"]
                 except (ValueError, KeyError, TypeError):
                     return self._reply(400, {"error": 'expected a JSON body {"mode": "tp" | "ep"}'})
-                if mode not in ("tp", "ep"):
-                    return self._reply(400, {"error": f"mode must be 'tp' or 'ep', got {mode!r}"})
+                if mode not in MODES:
+                    return self._reply(400, {"error": f"mode must be one of {list(MODES)}, got {mode!r}"})
                 fut: Future = Future()
                 server._jobs.put((mode, fut))
                 try:

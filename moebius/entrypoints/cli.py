@@ -10,18 +10,21 @@ import sys
 import time
 from typing import Any
 
+from moebius import __version__
 from moebius.config import ConfigError, EngineConfig
 from moebius.sampling_params import SamplingParams
 
-SAMPLING_FLAGS: list[tuple[str, type, Any, str]] = [
-    ("max_tokens", int, 64, "most tokens to generate per prompt"),
-    ("min_tokens", int, 0, "generate at least this many tokens before EOS / stop tokens may end a request"),
-    ("temperature", float, 0.0, "0 = greedy; higher = more random"),
-    ("top_p", float, 1.0, "nucleus sampling: keep the smallest set of tokens with this total probability"),
-    ("top_k", int, -1, "keep only the k most likely tokens (-1 = all)"),
-    ("n", int, 1, "samples per prompt"),
-    ("sampling_seed", int, None, "seed of every request (reproducible sampling); default: drawn from --seed"),
+# Sampling flags: the defaults of every prompt, with SamplingParams' own defaults (the API's, as in vLLM). A request's
+# seed comes from its JSONL line ("seed"), or is drawn from the engine's --seed, so runs are reproducible.
+SAMPLING_FLAGS: list[tuple[str, type, str]] = [
+    ("max_tokens", int, "most tokens to generate per prompt"),
+    ("min_tokens", int, "generate at least this many tokens before EOS / stop tokens may end a request"),
+    ("temperature", float, "0 = greedy; higher = more random"),
+    ("top_p", float, "nucleus sampling: keep the smallest set of tokens with this total probability"),
+    ("top_k", int, "keep only the k most likely tokens (-1 = all)"),
+    ("n", int, "samples per prompt"),
 ]
+_SAMPLING_DEFAULTS = SamplingParams()
 
 EXAMPLE_JSONL = ('{"prompt": "Hello"}  or  {"prompt_token_ids": [1, 2, 3]}  or  '
                  '{"messages": [{"role": "user", "content": "Hi"}]}, optionally with sampling keys such as '
@@ -31,6 +34,7 @@ EXAMPLE_JSONL = ('{"prompt": "Hello"}  or  {"prompt_token_ids": [1, 2, 3]}  or  
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moebius", description="Moebius: MoE serving that switches live between "
                                      "tensor and expert parallelism.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="run prompts offline and write JSONL results",
                          description="Generate completions for prompts given as arguments or in a JSONL file. "
@@ -43,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
     io.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     samp = gen.add_argument_group("sampling (defaults for every prompt)")
-    for name, kind, default, text in SAMPLING_FLAGS:
-        samp.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default, help=text)
+    for name, kind, text in SAMPLING_FLAGS:
+        samp.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
+                          default=getattr(_SAMPLING_DEFAULTS, name), help=text)
     samp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     samp.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     EngineConfig.add_cli_args(gen)
@@ -57,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _sampling(args: argparse.Namespace, overrides: dict[str, Any]) -> SamplingParams:
     base: dict[str, Any] = {name: getattr(args, name) for name, *_ in SAMPLING_FLAGS}
-    base["seed"] = base.pop("sampling_seed")
     base.update(stop=args.stop, ignore_eos=args.ignore_eos)
     fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
     unknown = sorted(set(overrides) - fields)

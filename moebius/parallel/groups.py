@@ -115,10 +115,9 @@ def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None
                     ) -> list[Any]:
     """Every rank sends `obj`; every rank returns the list of all of them in rank order (one round when every
     payload fits inline, else a second for the rest). `device`: through the device group (a CUDA device: NCCL;
-    for the switch, which has the device to itself anyway: its EP -> TP request list took 0.8-1.4 ms this way
-    against 1.0-1.6 through gloo on the H200 pair, mostly the ranks' skew) instead of the CPU group. inline: bytes
-    carried by the first round (every rank sends that many): a caller whose messages are long and rare saves the
-    second round."""
+    for the switch, which has the device to itself anyway: a little quicker than gloo for its EP -> TP request list)
+    instead of the CPU group. inline: bytes carried by the first round (every rank sends that many): a caller whose
+    messages are long and rare saves the second round."""
     if groups.world_size == 1:
         return [obj]
     if device is not None and device.type != "cuda":

@@ -1,0 +1,42 @@
+"""The command line agrees with the API: the same sampling defaults, `seed` per request in JSONL (no CLI-only
+seed flag), and `moebius --version`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from moebius import __version__
+from moebius.entrypoints.cli import SAMPLING_FLAGS, _read_prompts, _sampling, build_parser
+from moebius.sampling_params import SamplingParams
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moebius {__version__}"
+
+
+def test_sampling_defaults_are_the_api_defaults() -> None:
+    args = build_parser().parse_args(["generate", "hi"])
+    got = _sampling(args, {})
+    want = SamplingParams()
+    for f in dataclasses.fields(SamplingParams):
+        if f.init:
+            assert getattr(got, f.name) == getattr(want, f.name), f.name
+    assert {name for name, *_ in SAMPLING_FLAGS} <= {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_seed_comes_per_request_from_jsonl(tmp_path: object) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--sampling-seed", "3", "hi"])
+    path = f"{tmp_path}/in.jsonl"
+    with open(path, "w") as f:
+        f.write(json.dumps({"prompt": "a", "seed": 7, "temperature": 0.5}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    args = build_parser().parse_args(["generate", "--input", path, "--max-tokens", "5"])
+    items = _read_prompts(args)
+    params = [_sampling(args, overrides) for _, overrides in items]
+    assert [(p.seed, p.temperature, p.max_tokens) for p in params] == [(7, 0.5, 5), (None, 1.0, 5)]
