@@ -204,6 +204,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
+    disable_pdl: bool = _flag(False, "launch the Triton kernels without programmatic dependent launch (by default, on "
+                              "Hopper and newer, a kernel launches while the one before it finishes)")
+    disable_reshard_kernel: bool = _flag(False, "a switch's local expert permutes through torch's strided copies "
+                                         "instead of the Triton row copy (GPU)")
     admin_port: int | None = _flag(None, "serve operator endpoints (POST /admin/switch, GET /admin/status) on this "
                                    "port; 0 picks a free one")
     admin_host: str = _flag("127.0.0.1", "address the admin endpoints bind to")

@@ -11,8 +11,10 @@ import torch
 from attention_cases import paged_metadata, qk_norm_rope_kv_errors
 
 from moebius import LLM, SamplingParams
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.kernels.pairs import PairRows
 from moebius.layers.attention import paged_attention, paged_attention_ref
-from moebius.layers.moe import PairRows, experts, experts_ref
+from moebius.layers.moe import experts, experts_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -47,11 +49,7 @@ def test_paged_attention_matches_reference(heads: int, kv_heads: int, head_dim: 
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
 @pytest.mark.parametrize("T", [1, 77, 600])
 @pytest.mark.parametrize("first_expert,local", [(0, 8), (8, 8), (0, 16)])
-def test_experts_match_reference(first_expert: int, local: int, T: int, backend: str,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from moebius.kernels import moe as kmoe
-
-    monkeypatch.setattr(kmoe, "BACKEND", backend)
+def test_experts_match_reference(first_expert: int, local: int, T: int, backend: str) -> None:
     torch.manual_seed(0)
     K, D, I, E = 4, 256, 192, 16
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
@@ -59,7 +57,7 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
     w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
     w13 = torch.randn(local, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.05
     w2 = torch.randn(local, D, I, device="cuda", dtype=torch.bfloat16) * 0.05
-    out = experts(x, w, ids, w13, w2, first_expert)
+    out = experts(x, w, ids, w13, w2, first_expert, kc=KernelConfig(moe_backend=backend))
     ref = experts_ref(x.float(), w.float(), ids, w13.float(), w2.float(), first_expert)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 2e-2
@@ -210,17 +208,18 @@ def test_few_row_linear_matches_float32_product() -> None:
     for N, K in [(2560, 2048), (5120, 2048), (2048, 4096), (4608, 4096), (4096, 8192), (100, 300)]:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        with kernels.release_order(kernels.LATE):
-            assert fits(torch.zeros(2, K, device="cuda", dtype=torch.bfloat16), w)
-        assert not fits(torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), w)  # EARLY: it would hold the SMs
         LATE, EARLY = kernels.LATE, kernels.EARLY
+        assert fits(torch.zeros(2, K, device="cuda", dtype=torch.bfloat16), w, DEFAULT_KERNELS.with_release(LATE))
+        # EARLY: it would hold the SMs
+        assert not fits(torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), w, DEFAULT_KERNELS.with_release(EARLY))
         for T, bias, order, first in [(1, None, LATE, False), (1, b, EARLY, False), (2, b, LATE, False),
                                       (3, b, LATE, False), (2, None, LATE, True)]:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            kc = DEFAULT_KERNELS.with_release(order)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g), kernels.release_order(order):  # its input written by the kernel just before
-                h = add_rmsnorm(x, None, ones[:K], 1e-6)
-                y = linear(h, w, bias, wait_first=first)
+            with torch.cuda.graph(g):  # its input written by the kernel just before
+                h = add_rmsnorm(x, None, ones[:K], 1e-6, kc=kc)
+                y = linear(h, w, bias, wait_first=first, kc=kc)
             g.replay()
             torch.cuda.synchronize()
             want = torch.nn.functional.linear(h.float(), w.float(), None if bias is None else bias.float())
@@ -246,10 +245,11 @@ def test_few_row_tensor_core_linear_matches_float32_product() -> None:
                                (16, b, kernels.EARLY), (32, None, kernels.LATE), (33, None, kernels.EARLY)]:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
             assert kl.fits_mma(x, w) == (T <= kl.MMA_MAX_ROWS) and not kl.fits_mma(x[:2], w)
+            kc = DEFAULT_KERNELS.with_release(order)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g), kernels.release_order(order):  # its input written by the kernel just before
-                h = add_rmsnorm(x, None, ones[:K], 1e-6)
-                y = kl.linear_mma(h, w, bias) if T <= kl.MMA_MAX_ROWS else linear(h, w, bias)
+            with torch.cuda.graph(g):  # its input written by the kernel just before
+                h = add_rmsnorm(x, None, ones[:K], 1e-6, kc=kc)
+                y = kl.linear_mma(h, w, bias, kc=kc) if T <= kl.MMA_MAX_ROWS else linear(h, w, bias, kc=kc)
             g.replay()
             torch.cuda.synchronize()
             want = torch.nn.functional.linear(h.float(), w.float(), None if bias is None else bias.float())
@@ -258,10 +258,10 @@ def test_few_row_tensor_core_linear_matches_float32_product() -> None:
     calls = []
     kernel = kl.linear_mma
     try:
-        kl.linear_mma = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+        kl.linear_mma = lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw)
         for T in (2, 3, 32, 33):
-            with kernels.release_order(kernels.release_order_for(T, w.numel())):
-                linear(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), w)
+            linear(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), w,
+                   kc=DEFAULT_KERNELS.with_release(kernels.release_order_for(T, w.numel())))
     finally:
         kl.linear_mma = kernel
     assert calls == [3, 32]

@@ -14,6 +14,7 @@ import torch
 
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import write_result
+from moebius.kernels import DEFAULT_KERNELS
 from moebius.kernels import attention as A
 from moebius.kernels.pdl import pdl
 from moebius.layers.attention import num_splits_for
@@ -47,9 +48,10 @@ def tune(name: str, H: int, kvh: int, B: int, dev: torch.device) -> list[dict]:
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1),
                 cache.stride(2), cache.stride(3), bt.stride(0), q, q, q, q, q, q, 0.0, H, 0, NUM_SPLITS=ns, G=G,
                 BM=max(1, 16 // G), BN=BN, D=D, PAGE=PAGE, PREC="tf32", QK=False, num_warps=nw,
-                num_stages=st, **pdl(q))
+                num_stages=st, **pdl(q, DEFAULT_KERNELS))
             if ns > 1:
-                A._merge_splits[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, NUM_SPLITS=ns, D=D, **pdl(q))
+                A._merge_splits[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, NUM_SPLITS=ns, D=D,
+                                        **pdl(q, DEFAULT_KERNELS))
 
         try:
             us = graph_time_us(fn)

@@ -47,6 +47,8 @@ from moebius.config import PRESETS, ModelConfig
 from moebius.kernels.fused import add_rmsnorm
 from moebius.kernels.linear import TILE_ELEMS, linear
 
+LATE_KERNELS = kernels.DEFAULT_KERNELS.with_release(kernels.LATE)  # the order the engine runs 1-2 tokens a rank in
+
 
 @triton.jit
 def _chain(X, W, Count, S, H, BN: tl.constexpr, BK: tl.constexpr, PRELOAD: tl.constexpr):
@@ -88,9 +90,9 @@ def persistent(x: torch.Tensor, w: torch.Tensor, count: torch.Tensor, buf: torch
     return buf[S % 2]
 
 
-def launched(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def launched(x: torch.Tensor, w: torch.Tensor, kc: kernels.KernelConfig = LATE_KERNELS) -> torch.Tensor:
     for s in range(w.shape[0]):
-        x = linear(x[None], w[s])[0]
+        x = linear(x[None], w[s], kc=kc)[0]
     return x
 
 
@@ -136,15 +138,15 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
             for layer in layers:
                 for (name, _, k), w in zip(stages, layer, strict=True):
                     if name != "norm":
-                        linear(x[:, :k], w, wait_first=experts_wait and name in EXPERT_STAGES)
+                        linear(x[:, :k], w, wait_first=experts_wait and name in EXPERT_STAGES, kc=LATE_KERNELS)
                     elif not skip_norms:
-                        add_rmsnorm(h, res, norm_w, 1e-6)
+                        add_rmsnorm(h, res, norm_w, 1e-6, kc=LATE_KERNELS)
             F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1)
 
-        with kernels.release_order(kernels.LATE):  # the order the engine runs one or two tokens a rank in
-            ms, no_norms, ms_w, no_norms_w = (graph_time_us(functools.partial(step, skip, late), reps=1) / 1e3
-                                              for late in (False, True) for skip in (False, True))
-            lm_ms = graph_time_us(lambda x=x: F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1), reps=1) / 1e3
+        # in the LATE order, as the engine runs one or two tokens a rank
+        ms, no_norms, ms_w, no_norms_w = (graph_time_us(functools.partial(step, skip, late), reps=1) / 1e3
+                                          for late in (False, True) for skip in (False, True))
+        lm_ms = graph_time_us(lambda x=x: F.linear(x[:, :cfg.hidden_size], lm_head).argmax(-1), reps=1) / 1e3
         layer_bytes = sum(n * k * 2 for name, n, k in stages if name != "norm")
         floor = decode_step_floor_ms(cfg, P, "tp", B, args.context)
         stage_rows += [{"batch": B, "index": i, "stage": name, "N": n, "K": k, "bytes": n * k * 2}
@@ -193,14 +195,14 @@ def main() -> None:
         x = torch.randn(H, device=dev, generator=g).to(torch.bfloat16)
         count = torch.zeros(args.stages, dtype=torch.int32, device=dev)
         buf = torch.zeros(2, H, dtype=torch.bfloat16, device=dev)
-        with kernels.release_order(kernels.LATE):
-            ref = launched(x, w).clone()
+        ref = launched(x, w).clone()
         bytes_stage = H * H * 2
         row = {"hidden": H, "stages": args.stages, "programs": H // BN, "weight_bytes_per_stage": bytes_stage,
                "floor_us_per_stage": bytes_stage / hbm * 1e6}
         for name, order in (("launch_late", kernels.LATE), ("launch_early", kernels.EARLY)):
-            with kernels.release_order(order):
-                row[f"{name}_us_per_stage"] = graph_time_us(lambda x=x, w=w: launched(x, w), reps=1) / args.stages
+            kc = kernels.DEFAULT_KERNELS.with_release(order)
+            us = graph_time_us(lambda x=x, w=w, kc=kc: launched(x, w, kc), reps=1)
+            row[f"{name}_us_per_stage"] = us / args.stages
         for preload in (True, False):
             name = "persistent_preload" if preload else "persistent_after_wait"
             out = persistent(x, w, count, buf, BN, preload)

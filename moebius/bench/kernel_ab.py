@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import write_result
+from moebius.kernels import DEFAULT_KERNELS, fused
 from moebius.kernels import attention as A
-from moebius.kernels import fused
 from moebius.kernels.pdl import pdl
 from moebius.layers.attention import num_splits_for
 from moebius.layers.rotary import rope_table
@@ -91,7 +91,8 @@ def qk_case(name: str, H: int, kvh: int, T: int) -> dict[str, Any]:
     def one_head() -> None:
         fused._qk_norm_rope_kv[(T, H + kvh)](
             qkv, qn, kn, rope, pos, slots, cache, q, 1e-6, H, kvh, qkv.stride(0), cache.stride(0),
-            cache.stride(1), cache.stride(2), cache.stride(3), PAGE=page, D=d, HB=1, num_warps=1, **pdl(qkv))
+            cache.stride(1), cache.stride(2), cache.stride(3), PAGE=page, D=d, HB=1, num_warps=1,
+            **pdl(qkv, DEFAULT_KERNELS))
 
     return dict(mode=name, T=T, one_head_us=graph_time_us(one_head), picked_us=graph_time_us(
         lambda: fused.qk_norm_rope_kv(qkv, qn, kn, rope, pos, slots, cache, H, 1e-6)))

@@ -28,16 +28,17 @@ from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import flatten, params_of, write_result
 from moebius.config import PRESETS
 from moebius.kernels import fused_moe as fm
+from moebius.kernels.fused import sum_k
 from moebius.layers.moe import experts_ref
 
-SMALL = [fm.KernelConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
+SMALL = [fm.TileConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
     (16, 32, 64, 128), (128, 256), ((4, 3), (4, 4), (4, 6)))]
-LARGE = [fm.KernelConfig(bn, bk, w, s, tma) for bn, bk, (w, s), tma in itertools.product(
+LARGE = [fm.TileConfig(bn, bk, w, s, tma) for bn, bk, (w, s), tma in itertools.product(
     (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4), (8, 4)), (False, True))]
 
 
-def best_of(configs: list[fm.KernelConfig], run) -> tuple[fm.KernelConfig | None, float]:
-    out: tuple[fm.KernelConfig | None, float] = (None, float("inf"))
+def best_of(configs: list[fm.TileConfig], run) -> tuple[fm.TileConfig | None, float]:
+    out: tuple[fm.TileConfig | None, float] = (None, float("inf"))
     for c in configs:
         try:
             t = graph_time_us(lambda c=c: run(c))
@@ -101,7 +102,7 @@ def main() -> None:
             h = fm.gate_up(x, w13, blocks, K, cfg.gate_up)
             wflat = w_TK.reshape(-1).contiguous()
             y = fm.down(h, w2, blocks, wflat, cfg.down)
-            sum_us = graph_time_us(lambda: fm.sum_k(y, ids, 0, E))  # noqa: B023
+            sum_us = graph_time_us(lambda: sum_k(y, ids, 0, E))  # noqa: B023
             timed_default = {}
             for name, gu_c, dn_c in [("default_timed", cfg.gate_up, cfg.down),
                                      ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),

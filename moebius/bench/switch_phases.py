@@ -5,12 +5,13 @@ one-stream pass (its hooks wrap `Switcher._move_experts`, which --switch-overlap
 either transport (`--switch-transport peer`: the w13 and w2 exchanges each between their own pair of barriers).
 
     python -m moebius.bench.switch_phases --model qwen3-30b-a3b --num-ranks 2 --output phases.json
-    MOEBIUS_RESHARD_KERNEL=0 python -m moebius.bench.switch_phases ... (torch's permuted copies, not the row copy)
+    python -m moebius.bench.switch_phases ... --disable-reshard-kernel (torch's strided copies, not the row copy)
 
 Rows: table "phases", per rank and switch, the phases' sums; table "switch", each switch_mode's answer.
 Recorded: benchmarks/results/h200x2-switch-phases.json.
 
-The ranks are spawned processes that import this module again, so the timing hooks below are installed in each.
+The ranks are spawned processes that import this module again (as __mp_main__), so the timing hooks below are
+installed in each.
 It reaches into the switch executor's internals (`Switcher._move_experts`, `pass_times`)."""
 
 from __future__ import annotations
@@ -69,8 +70,15 @@ def _pass_times(self: ex.Switcher) -> dict | None:
     return out
 
 
-ex.Switcher._move_experts = _move_experts
-ex.Switcher.pass_times = _pass_times
+def install_hooks() -> None:
+    ex.Switcher._move_experts = _move_experts
+    ex.Switcher.pass_times = _pass_times
+
+
+# Run as a program (and in the rank processes it spawns, which import it as __mp_main__): the hooks go in; imported
+# as a module (tests), the switch stays untouched.
+if __name__ in ("__main__", "__mp_main__"):
+    install_hooks()
 
 
 def main() -> None:
@@ -82,6 +90,8 @@ def main() -> None:
     ap.add_argument("--switch-transport", default="collective", choices=["collective", "peer"],
                     help="the engine's --switch-transport (peer: each exchange between its own two barriers here)")
     ap.add_argument("--output", required=True)
+    ap.add_argument("--disable-reshard-kernel", action="store_true",
+                    help="the engine's flag: the permutes through torch's strided copies instead of the row copy")
     a = ap.parse_args()
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
@@ -91,6 +101,7 @@ def main() -> None:
         model=None if a.model == "builtin" else a.model, load_format="auto" if a.model == "builtin" else "dummy",
         num_ranks=a.num_ranks, mode="tp", max_running_requests=64, max_num_batched_tokens=2048, max_model_len=576,
         cuda_graph_max_bs=8, device=a.device, switch_transport=a.switch_transport,
+        disable_reshard_kernel=a.disable_reshard_kernel,
         **({"dtype": "float32"} if cpu else {})))
     switches = []
     try:
@@ -100,9 +111,8 @@ def main() -> None:
         engine.close()
     with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:
         rows = [json.loads(line) for line in f]
-    reshard_kernel = os.environ.get("MOEBIUS_RESHARD_KERNEL", "1") == "1"
     write_result(a.output, tables={"phases": rows, "switch": [flatten(s) for s in switches]},
-                 params=params_of(a, reshard_kernel=reshard_kernel),
+                 params=params_of(a),
                  gpu=torch.cuda.get_device_name() if not cpu else "cpu", num_gpus=gpus_used(a.num_ranks, a.device),
                  note="a switch's weight time per rank and direction (table phases): the local permute (pack_ms / "
                       "unpack_ms) and the two exchanges (exchange_w13_ms, exchange_w2_ms), summed over the layers, "

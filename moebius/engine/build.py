@@ -14,7 +14,7 @@ from moebius.config import EngineConfig
 from moebius.engine.lifecycle import StopRules
 from moebius.engine.rank import ModeRuntime, Rank, RankSpec
 from moebius.engine.runner import ModelRunner, StaticBuffers
-from moebius.kernels import moe as kmoe
+from moebius.kernels import KernelConfig
 from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -52,7 +52,6 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     device = torch.device(spec.device)
     if device.type == "cpu":
         torch.set_num_threads(ecfg.cpu_threads)
-    kmoe.BACKEND = ecfg.moe_kernel
     dtype = getattr(torch, spec.dtype)
     check_shapes(cfg, spec.world_size)
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
@@ -80,19 +79,21 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     other = [s for m in held if m != spec.mode for s in specs[m] if s.slot is None]
     load_weights(umm, specs[spec.mode] + other, ckpt, dtype, cfg)
 
+    kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
+                           reshard_kernel=not ecfg.disable_reshard_kernel)
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
         weights = build_weights(umm, cfg, lay, dtype)
         kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes,
                     kv_bytes // page_bytes[m], bs, lay.num_kv_heads, cfg.head_dim, dtype)
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
-                             StaticBuffers.build(umm, m, *buf_shape), bs, device)
+                             StaticBuffers.build(umm, m, *buf_shape), bs, device, kernels=kernels)
         modes[m] = ModeRuntime(lay, weights, kv, runner)
     tokenizer = (Tokenizer.builtin() if spec.use_builtin_tokenizer
                  else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
     switcher = Switcher(cfg, groups, device, bs, {m: rt.weights for m, rt in modes.items()},
                         {m: rt.kv.layers for m, rt in modes.items()},
-                        SwitchOptions(ecfg.switch_overlap, ecfg.switch_transport))
+                        SwitchOptions(ecfg.switch_overlap, ecfg.switch_transport, kernels.reshard_kernel))
     log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
              bs, {m: rt.kv.num_pages for m, rt in modes.items()})
     return Rank(spec, groups, umm, modes, switcher, StopRules(spec.eos_token_ids, tokenizer))

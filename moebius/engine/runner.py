@@ -17,10 +17,10 @@ from itertools import chain
 import numpy as np
 import torch
 
-from moebius import kernels
 from moebius.config import ModelConfig
 from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
 from moebius.engine.scheduler import ScheduledChunk
+from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for
 from moebius.layers.attention import AttentionMetadata, num_splits_for
 from moebius.layers.sampler import SamplingBatch, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
@@ -93,8 +93,8 @@ class StaticBuffers:
             start += n
         self.meta[:end].copy_(host_meta[:end], non_blocking=True)
         # The [B, W] table travels packed (one contiguous copy from pinned memory), then a device copy spreads it
-        # into the rows: a strided host-to-device copy would be staged through pageable memory, which measured
-        # 5-12 ms at 1024 rows on the GPU machine.
+        # into the rows: a strided host-to-device copy would be staged through pageable memory (milliseconds at
+        # large batches).
         B, W = table.shape
         n = B * W
         host_tables.numpy()[:n] = table.reshape(-1)
@@ -129,9 +129,13 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor], comm: Communicator,
-                 bufs: StaticBuffers, block_size: int, device: torch.device) -> None:
+                 bufs: StaticBuffers, block_size: int, device: torch.device,
+                 kernels: KernelConfig = DEFAULT_KERNELS) -> None:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
         self.qkv_elems = weights.layers[0].attn.qkv_QD.numel()  # picks the launch release order (forward)
+        # how this runtime's kernels run: a forward in its step's release order (`forward`), the kernels after it
+        # (sampling's vocabulary argmax) in the EARLY one (`_kc_sampling`)
+        self.kernels = kernels
         self.bufs, self.block_size, self.device = bufs, block_size, device
         self.graphs: CudaGraphs | None = None
         # Where sampled tokens come back: two pinned buffers and events, used in turn (a step is resolved before the
@@ -186,7 +190,7 @@ class ModelRunner:
     def _graph_step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a decode graph of bucket b runs: logits of every row and their greedy tokens."""
         logits = self.forward_logits(*self.decode_metadata(b))
-        return logits, self.comm.vocab_argmax(logits)
+        return logits, self.comm.vocab_argmax(logits, kc=self._kc_sampling())
 
     def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None, prev: PendingStep | None = None,
                   prev_rows: np.ndarray | None = None) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
@@ -251,9 +255,13 @@ class ModelRunner:
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # a few tokens on this rank: projections that stream their weights during the kernel before them, which
-        # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py)
-        with kernels.release_order(kernels.release_order_for(ids.shape[0], self.qkv_elems)):
-            return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm)
+        # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py); every kernel of the
+        # forward runs in the step's order
+        kc = self.kernels.with_release(release_order_for(ids.shape[0], self.qkv_elems))
+        return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc)
+
+    def _kc_sampling(self) -> KernelConfig:
+        return self.kernels.with_release(EARLY)
 
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [T, V] of every new token (used by decode graphs, where every row samples)."""
@@ -301,12 +309,12 @@ class ModelRunner:
                 return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
             logits = qwen3_moe.logits(hidden[rows], self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
-                return self._pending(self.comm.vocab_argmax(logits), prompt_logits)
+                return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits)
         if not stop_masks and all(r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs):
             # greedy or temperature only: every vocab id is scored on its own, so each rank scores its slice and
             # the best across ranks wins (no whole logits to gather)
             scores = race_scores(logits, self._sampling_batch(reqs), self.comm.vocab_first(logits.shape[1]))
-            return self._pending(self.comm.vocab_argmax(scores), prompt_logits)
+            return self._pending(self.comm.vocab_argmax(scores, kc=self._kc_sampling()), prompt_logits)
         logits = self.comm.gather_vocab(logits)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")

@@ -1,11 +1,15 @@
 """GPU fast paths. Each op here has its torch reference in `moebius.layers` (CPU and tests use the reference; the
-GPU tests compare the two). Triton is imported only when a CUDA tensor reaches a kernel."""
+GPU tests compare the two). Triton is imported only when a CUDA tensor reaches a kernel.
+
+How the kernels run (which expert kernel, programmatic dependent launch, the release order) is a `KernelConfig`
+handed down the call chain: the engine builds one per runtime, the runner derives each step's from it
+(`with_release`), and every kernel wrapper takes it as `kc`. Nothing here is process-wide state."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 
 @functools.cache
@@ -17,35 +21,52 @@ def triton_available() -> bool:
     return True
 
 
-# Programmatic dependent launch (kernels/pdl.py): a kernel lets the next one launch before / after it waits for the
-# one before it
+# Programmatic dependent launch (kernels/pdl.py): a kernel lets the next one launch before (EARLY) or after (LATE)
+# it waits for the one before it. EARLY: every kernel of a chain may launch (and wait) a few kernels ahead. LATE:
+# one ahead, so a kernel that loads its weights before it waits (kernels/linear.py) loads them during the kernel
+# just before it, not while expert kernels three launches back still need the SMs. Which order a step runs in:
+# `release_order_for`.
 EARLY, LATE = 1, 2
-_order = EARLY
 
 
-@contextlib.contextmanager
-def release_order(order: int) -> Iterator[None]:
-    """Kernels launched inside release the next one in this order. EARLY: every kernel of a chain may launch
-    (and wait) a few kernels ahead. LATE: one ahead, so a kernel that loads its weights before it waits
-    (kernels/linear.py) loads them during the kernel just before it, not while expert kernels three launches back
-    need the SMs (one token a rank: 2.44 -> 2.21 ms a 48-layer TP step on 2 H200s; with cuBLAS projections EARLY
-    is ~2% faster, h200x2-linear-pdl.json)."""
-    global _order
-    before, _order = _order, order
-    try:
-        yield
-    finally:
-        _order = before
+@dataclass(frozen=True)
+class KernelConfig:
+    """How this runtime's kernels run; immutable, so a step's config can be derived and passed without copies.
+
+    moe_backend: the GPU expert kernel for bf16: "triton" (kernels/fused_moe.py) or "grouped_mm" (kernels/moe.py).
+    pdl: programmatic dependent launch where the GPU supports it (kernels/pdl.py); off for A/B timing, debugging.
+    release: the order kernels release the next launch in (EARLY | LATE), chosen per step by the runner.
+    reshard_kernel: a switch's local expert permutes through kernels/copy.py (else torch's strided copies)."""
+
+    moe_backend: str = "triton"
+    pdl: bool = True
+    release: int = EARLY
+    reshard_kernel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.moe_backend not in ("triton", "grouped_mm"):
+            raise ValueError(f"moe_backend is 'triton' or 'grouped_mm', not {self.moe_backend!r}")
+        if self.release not in (EARLY, LATE):
+            raise ValueError(f"release is EARLY ({EARLY}) or LATE ({LATE}), not {self.release!r}")
+
+    def with_release(self, order: int) -> KernelConfig:
+        """This config with kernels releasing the next launch in `order` (self when it already does)."""
+        return self if order == self.release else _with_release(self, order)
 
 
-def release_order_now() -> int:
-    return _order
+@functools.lru_cache(maxsize=64)
+def _with_release(kc: KernelConfig, order: int) -> KernelConfig:
+    # a step derives its config on the host's hot path: the few distinct ones are made once
+    return dataclasses.replace(kc, release=order)
+
+
+DEFAULT_KERNELS = KernelConfig()
 
 
 # Steps of up to this many tokens a rank run their projections through kernels/linear.py in the LATE order; two
 # tokens only where the rank's qkv weight has at most PREFETCH_TWO_MAX_ELEMS elements: each program sums twice the
-# products, which paid at the 30B TP shard (2560 x 2048: batch 2 2.856 -> 2.804 ms a 48-layer step on 2 H200s) and
-# not at EP's whole one (5120 x 2048, two tokens a rank: 4.487 -> 4.616 ms; h200x2-prefetch-rows.json).
+# products, which paid off at a 30B TP shard (2560 x 2048) and not at EP's whole qkv (5120 x 2048); measured, see
+# docs/performance.md.
 PREFETCH_ROWS = 2
 PREFETCH_TWO_MAX_ELEMS = 4096 * 2048
 
@@ -55,9 +76,8 @@ def prefetch_rows(qkv_elems: int) -> int:
 
 
 # Steps of MMA_MIN_ROWS to MMA_MAX_ROWS tokens a rank run their projections through kernels/linear.py's tensor-core
-# kernel, also in the LATE order (against cuBLAS in the EARLY order, at 4-32 tokens on one H200: -1.4 to +0.4% with
-# the kernel in the EARLY order, -0.4 to -2.0% in the LATE one; h200-few-row-projections.json). Two tokens with a
-# large qkv keep cuBLAS (the kernel there: +1.6%).
+# kernel, also in the LATE order: against cuBLAS that kernel gains only in the LATE order (in the EARLY one it is
+# about even). Two tokens with a large qkv keep cuBLAS, where the kernel measured slower.
 MMA_MIN_ROWS, MMA_MAX_ROWS = 3, 32
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.fused import _qk_heads
 from moebius.kernels.pdl import enter, pdl
 
@@ -108,9 +109,9 @@ def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.
 
 
 def _decode_tiles(seq_heads: int, num_splits: int, D: int) -> tuple[int, int]:
-    """(KV tile, pipeline stages) of a decode launch, measured on H200 at the 30B shapes (context 512): short
-    splits of a small batch favour small tiles and two stages (1 request: 5.9 vs 7.0 us); a batch of about one
-    wave of (request, KV head) programs, each walking its whole sequence, favours long tiles (13.5 vs 16.2 us)."""
+    """(KV tile, pipeline stages) of a decode launch, tuned on H200 at the 30B shapes: short splits of a small
+    batch favour small tiles and two stages; a batch of about one wave of (request, KV head) programs, each walking
+    its whole sequence, favours long tiles (`python -m moebius.bench.attn_tune`)."""
     if D > 128:
         return 32, 2 if num_splits > 1 else 3
     if num_splits >= 32:
@@ -121,33 +122,33 @@ def _decode_tiles(seq_heads: int, num_splits: int, D: int) -> tuple[int, int]:
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1
-                    ) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1, *,
+                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1)."""
-    return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None)
+    return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc)
 
 
 # Decode steps up to this many tokens take q/k norm + RoPE + cache write inside the attention launch: there the
-# separate launch (~2.1 us + a gap on an H200) outweighs the prologue each attention program gains; at large batches
-# every one of B x KV-head programs would carry it while the separate kernel streams (8 us at 1024 tokens). 48-layer
-# steps at batch 1-64 on 2 H200s: 0.3-1.9% faster than two launches (h200x2-qk-decode-attention.json).
+# separate launch (and the gap before the next) outweighs the prologue each attention program gains; at large
+# batches every one of B x KV-head programs would carry it while the separate kernel streams. Measured on whole
+# decode steps: docs/performance.md.
 QK_FUSED_MAX_TOKENS = 64
 
 
 def qk_decode_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
                         positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float, num_splits: int = 1) -> torch.Tensor:
+                        scale: float, num_splits: int = 1, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """Decode (one new token a sequence): fused.qk_norm_rope_kv then paged_attention, in one launch."""
     T, D = qkv_TQ.shape[0], cache.shape[4]
     q = torch.empty(T, num_heads, D, dtype=qkv_TQ.dtype, device=qkv_TQ.device)
     return _launch(q, cache, block_tables, seq_lens, query_start_loc, 1, scale, num_splits,
-                   (qkv_TQ, q_norm, k_norm, rope, positions, slots, eps))
+                   (qkv_TQ, q_norm, k_norm, rope, positions, slots, eps), kc)
 
 
 def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int,
-            qk: tuple | None) -> torch.Tensor:
+            qk: tuple | None, kc: KernelConfig) -> torch.Tensor:
     T, H, D = q_THd.shape
     B = seq_lens.shape[0]
     kvh, page = cache.shape[3], cache.shape[2]
@@ -172,8 +173,8 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
                     qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
                     PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, num_warps=4,
-                    num_stages=stages, **pdl(q_THd))
+                    num_stages=stages, **pdl(q_THd, kc))
     if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
-                              **pdl(q_THd))
+                              **pdl(q_THd, kc))
     return out

@@ -1,5 +1,5 @@
 """Small fused kernels of the decoder layer (Triton). Each replaces a chain of torch ops that costs one launch per
-op; their references are the torch code in moebius.layers (norm.py, rotary.py, attention.py, moe.py)."""
+op; their references are the torch code in moebius.layers (norm.py, rotary.py, attention.py, moe.py, sampler.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.pdl import enter, pdl, release, wait
 
 
@@ -27,13 +28,14 @@ def _add_rmsnorm(X, R, W, Out, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexp
     tl.store(Out + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=m)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """rms_norm(residual + x) (residual updated in place), or rms_norm(x) without a residual. x: [T, N]."""
     out = torch.empty_like(x)
     T, N = x.shape
     if T:
         _add_rmsnorm[(T,)](x, residual if residual is not None else x, weight, out, N, eps,
-                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=4, **pdl(x))
+                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=4, **pdl(x, kc))
     return out
 
 
@@ -85,22 +87,22 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, st
 
 
 def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
-                    positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float
-                    ) -> torch.Tensor:
+                    positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float, *,
+                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """From the fused qkv projection [T, (H + 2 kvH) d]: per-head RMSNorm of q and k, RoPE, k and v written into
     the paged cache at `slots`; returns q [T, H, d]."""
     T = qkv.shape[0]
     kvh, D = cache.shape[3], cache.shape[4]
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     if T:
-        # a head per program at a few tokens; at many, a token's heads per program (one head each left ~40k
-        # programs of 256 bytes at 1024 tokens, 4x over the bytes' time)
+        # a head per program at a few tokens; at many, a token's heads per program (one head each leaves tens of
+        # thousands of tiny programs, whose overhead then outweighs the bytes they move)
         heads = num_heads + kvh
         HB = min(triton.next_power_of_2(heads), triton.next_power_of_2(max(1, heads * T // 512)))
         _qk_norm_rope_kv[(T, triton.cdiv(heads, HB))](
             qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, num_heads, kvh, qkv.stride(0),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D, HB=HB,
-            num_warps=1 if HB < 8 else 4, **pdl(qkv))
+            num_warps=1 if HB < 8 else 4, **pdl(qkv, kc))
     return q
 
 
@@ -158,22 +160,22 @@ def _topk_softmax(Logits, W, Ids, T, E, K: tl.constexpr, NORM: tl.constexpr, SPL
         p = tl.where(e == i, -1.0, p)
 
 
-def _topk(logits: torch.Tensor, T: int, E: int, splits: int, top_k: int, norm: bool, out_dtype: torch.dtype
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk(logits: torch.Tensor, T: int, E: int, splits: int, top_k: int, norm: bool, out_dtype: torch.dtype,
+          kc: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.empty(T, top_k, dtype=out_dtype, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         # one warp per token: the top-k loop is a chain of small reductions, cheapest within a warp
         _topk_softmax[(T,)](logits, w, ids, T, E, K=top_k, NORM=norm, SPLITS=splits,
-                            BLOCK=triton.next_power_of_2(E), num_warps=1, **pdl(logits))
+                            BLOCK=triton.next_power_of_2(E), num_warps=1, **pdl(logits, kc))
     return w, ids
 
 
-def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32), top-k, optional renormalisation: (weights [T, K] in out_dtype, ids [T, K])."""
     T, E = logits_TE.shape
-    return _topk(logits_TE, T, E, 0, top_k, norm, out_dtype)
+    return _topk(logits_TE, T, E, 0, top_k, norm, out_dtype, kc)
 
 
 ROUTER_MAX_ROWS = 16  # one tl.dot row tile; more tokens: cuBLAS then topk_softmax
@@ -185,10 +187,11 @@ def router_fits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> bool:
             and x_TD.dtype == gate_ED.dtype and x_TD.dtype in (torch.bfloat16, torch.float16))
 
 
-def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm: bool, *, kc: KernelConfig = DEFAULT_KERNELS
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """moebius.layers.moe.route for up to ROUTER_MAX_ROWS tokens (`router_fits`): the logits as float32 partials
-    over K-slices from many programs (cuBLAS spends ~5 us on these 0.5 MB at one token, its tiles leaving most SMs
-    idle), summed in order and rounded by the top-k kernel."""
+    over K-slices from many programs (cuBLAS's tiles leave most SMs idle on this small weight at a few tokens),
+    summed in order and rounded by the top-k kernel."""
     T, D = x_TD.shape
     E = gate_ED.shape[0]
     splits = triton.cdiv(D, ROUTER_BK)
@@ -197,8 +200,8 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm: bool) -> 
         BN = 16
         _router_partials[(triton.cdiv(E, BN), splits)](x_TD, gate_ED, part, T, E, D, x_TD.stride(0),
                                                        BT=ROUTER_MAX_ROWS, BN=BN, BK=ROUTER_BK, num_warps=4,
-                                                       **pdl(x_TD))
-    return _topk(part, T, E, splits, top_k, norm, x_TD.dtype)
+                                                       **pdl(x_TD, kc))
+    return _topk(part, T, E, splits, top_k, norm, x_TD.dtype, kc)
 
 
 @triton.jit
@@ -222,10 +225,10 @@ def _argmax_keys(Scores, Keys, V, stride, first, CHUNKS, BLOCK: tl.constexpr, PD
     tl.atomic_max(Keys + t, (ordered << 32) | low)
 
 
-def argmax_keys(scores_TV: torch.Tensor, first: int) -> torch.Tensor:
+def argmax_keys(scores_TV: torch.Tensor, first: int, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """moebius.layers.sampler.argmax_keys: a row's vocabulary in parts side by side, each program keeping a best
-    per lane over its part (torch's reductions take one block per row at decode sizes: ~22 µs for a 76k-wide bf16
-    row on an H200)."""
+    per lane over its part (torch's reductions take one block per row at decode sizes, so a vocabulary-wide row
+    runs on one SM)."""
     T, V = scores_TV.shape
     keys = torch.full((T,), -(2 ** 63), dtype=torch.int64, device=scores_TV.device)
     if T:
@@ -234,5 +237,34 @@ def argmax_keys(scores_TV: torch.Tensor, first: int) -> torch.Tensor:
         parts = max(1, min(chunks, 2048 // T))  # ~2k programs in all
         per = triton.cdiv(chunks, parts)
         _argmax_keys[(T, triton.cdiv(chunks, per))](scores_TV, keys, V, scores_TV.stride(0), first, per,
-                                                    BLOCK=BLOCK, num_warps=8, **pdl(scores_TV))
+                                                    BLOCK=BLOCK, num_warps=8, **pdl(scores_TV, kc))
     return keys
+
+
+@triton.jit
+def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = cols < D
+    acc = tl.zeros([BD], tl.float32)
+    for k in tl.static_range(K):
+        e = tl.load(Ids + t * K + k) - first
+        ok = (e >= 0) & (e < E)
+        # where(ok, cm, False), not cm & ok: the same mask, which Triton 3.9's interpreter rejects in the `&` form
+        # (it splats the scalar comparison as an integer)
+        acc += tl.load(Y + (t * K + k) * D + cols, mask=tl.where(ok, cm, False), other=0.0).to(tl.float32)
+    tl.store(Out + t * D + cols, acc.to(Out.dtype.element_ty), mask=cm)
+
+
+def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, *, kc: KernelConfig = DEFAULT_KERNELS
+          ) -> torch.Tensor:
+    """The fused MoE's last launch (kernels/fused_moe.py; `PairRows.sum`): [T, D], each token's sum over its pairs'
+    rows y_ND[t * K + k] whose expert is one of the E local ones from first_expert, float32 in k order, rounded once."""
+    T, K = ids_TK.shape
+    D = y_ND.shape[1]
+    out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
+    BD = min(1024, triton.next_power_of_2(D))
+    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, out, first_expert, E, D, K=K, BD=BD, num_warps=4, **pdl(y_ND, kc))
+    return out

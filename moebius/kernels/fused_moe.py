@@ -1,11 +1,12 @@
 """Fused MoE in Triton, four launches per layer at decode sizes: `_align` groups the (token, k) pairs by local
 expert into BM-row blocks (a counting sort; three passes over chunks for many pairs); `_gate_up_silu` computes each
 block's gate and up projections with SwiGLU applied on the way out; `_down` the down projection scaled by the
-routing weight, one row per pair; `_sum_k` adds each token's local pairs in float32. A handful of pairs skips the
-sort (`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch that hits 8
-experts reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair count), so
-it runs inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles come in
-through TMA. The torch reference is `moebius.layers.moe.experts_ref`.
+routing weight, one row per pair (`PairRows`); `sum_k` (kernels/fused.py, `PairRows.sum`) adds each token's local
+pairs in float32, unless the sublayer-end exchange sums them as it reads them (kernels/symmetric.py). A handful of
+pairs skips the sort (`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch
+that hits 8 experts reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair
+count), so it runs inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles
+come in through TMA. The torch reference is `moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from moebius import kernels
+from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
-from moebius.layers.moe import PairRows
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class TileConfig:
+    """One GEMM launch's tile shape."""
+
     BN: int
     BK: int
     num_warps: int
@@ -30,24 +34,26 @@ class KernelConfig:
     tma: bool = False  # weight tiles (and down's activation tiles) through TMA descriptors, where the GPU has TMA
 
 
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     BM: int  # rows (pairs) per block: every block belongs to one expert
-    gate_up: KernelConfig
-    down: KernelConfig
+    gate_up: TileConfig
+    down: TileConfig
 
 
-# (largest mean pairs per hit expert, config), measured on H200 for Qwen3-30B-A3B shards at decode sizes
-# (benchmarks/moe_tune.py; benchmarks/results/h200-moe-tune.json): few pairs per expert stream weights through
-# narrow column blocks; many pairs per expert need taller blocks so each weight tile is read fewer times.
+# (largest mean pairs per hit expert, config), tuned on H200 for Qwen3-30B-A3B shards at decode sizes
+# (`python -m moebius.bench.moe_tune`): few pairs per expert stream weights through narrow column blocks; many pairs
+# per expert need taller blocks so each weight tile is read fewer times.
 CONFIGS: list[tuple[float, MoEConfig]] = [
-    (2.5, MoEConfig(16, KernelConfig(32, 128, 4, 4), KernelConfig(128, 128, 4, 3))),
-    (12.0, MoEConfig(16, KernelConfig(64, 128, 4, 3), KernelConfig(128, 128, 4, 3))),
-    (24.0, MoEConfig(32, KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3))),
-    (96.0, MoEConfig(64, KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 8, 3))),
-    # TMA: gate_up 3% and down 7% faster at 8-16k pairs on H200, no gain at 4k (benchmarks/moe_tune.py --no-search:
-    # `default_timed` vs `tma_switched` in benchmarks/results/h200-moe-tma.json)
-    (float("inf"), MoEConfig(128, KernelConfig(128, 64, 8, 4, tma=True), KernelConfig(128, 64, 8, 3, tma=True))),
+    (2.5, MoEConfig(16, TileConfig(32, 128, 4, 4), TileConfig(128, 128, 4, 3))),
+    (12.0, MoEConfig(16, TileConfig(64, 128, 4, 3), TileConfig(128, 128, 4, 3))),
+    (24.0, MoEConfig(32, TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3))),
+    (96.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
+    # TMA only for the largest blocks: it measured faster at many thousands of pairs and no better below
+    # (`python -m moebius.bench.moe_tune --no-search`; docs/performance.md)
+    (float("inf"), MoEConfig(128, TileConfig(128, 64, 8, 4, tma=True), TileConfig(128, 64, 8, 3, tma=True))),
 ]
 
 
@@ -67,13 +73,13 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> object:
     return TensorDescriptor.from_tensor(t, block)
 
 
-def _use_tma(c: KernelConfig, *tensors: torch.Tensor) -> bool:
+def _use_tma(c: TileConfig, *tensors: torch.Tensor) -> bool:
     """TMA wants contiguous tensors (viewed as 2-D) with 16-byte aligned bases and rows."""
     return c.tma and tensors[0].is_cuda and tma_available(tensors[0].device.index or 0) and all(
         t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
 
 
-# Up to this many pairs the GEMMs take one pair per block, unsorted (`direct`): no align launch (~4 us on H200)
+# Up to this many pairs the GEMMs take one pair per block, unsorted (`direct`): no align launch
 DIRECT_MAX_PAIRS = 32
 
 
@@ -275,21 +281,6 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.const
                  mask=ok[:, None] & nm[None, :])
 
 
-@triton.jit
-def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written)."""
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    cm = cols < D
-    acc = tl.zeros([BD], tl.float32)
-    for k in tl.static_range(K):
-        e = tl.load(Ids + t * K + k) - first
-        ok = (e >= 0) & (e < E)
-        acc += tl.load(Y + (t * K + k) * D + cols, mask=cm & ok, other=0.0).to(tl.float32)
-    tl.store(Out + t * D + cols, acc.to(Out.dtype.element_ty), mask=cm)
-
-
 @dataclass
 class Blocks:
     """The GEMMs' work: programs of BM rows, each row a (token, k) pair of the block's expert."""
@@ -321,7 +312,8 @@ def direct(ids_TK: torch.Tensor, first_expert: int, BM: int) -> Blocks:
     return Blocks(ids_TK.reshape(-1), None, ids_TK.numel(), BM, first_expert)
 
 
-def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> Blocks:
+def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
+          kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> Blocks:
     """Pairs grouped by local expert into BM-row blocks: sorted pair ids, N for unused rows; the expert of each
     block, E for unused blocks. max_blocks bounds the blocks any routing of these pairs can need. One program when
     the pairs fit one chunk; else count, plan and scatter passes over chunks (a single program's atomics would
@@ -339,21 +331,22 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int) -> Blocks:
     if chunks == 1:
         cursor = torch.empty(EB, dtype=torch.int32, device=dev)
         _align[(1,)](ids_TK, N, first_expert, E, sorted_ids, block_expert, cursor, max_blocks * BM, max_blocks,
-                     BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK))
+                     BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK, kc))
     else:
         partial = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
         cursor = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
         ends = torch.empty(EB, dtype=torch.int32, device=dev)
         _align_count[(chunks,)](ids_TK, N, first_expert, E, partial, sorted_ids, max_blocks * BM, EB=EB,
-                                CHUNK=CHUNK, num_warps=8, **pdl(ids_TK))
+                                CHUNK=CHUNK, num_warps=8, **pdl(ids_TK, kc))
         _align_plan[(1,)](partial, chunks, E, cursor, ends, BM=BM, EB=EB, CB=max(1, min(16, 4096 // EB)),
-                          num_warps=8, **pdl(ids_TK))
+                          num_warps=8, **pdl(ids_TK, kc))
         _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, ends, block_expert, max_blocks,
-                                  BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK))
+                                  BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK, kc))
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
-def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: KernelConfig) -> torch.Tensor:
+def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
+            kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
     E, F, D = w13_EFD.shape
     I = F // 2
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
@@ -362,12 +355,12 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
         blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD))
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
-def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: KernelConfig
-         ) -> torch.Tensor:
+def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: TileConfig, *,
+         kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
     E, D, I = w2_EDF.shape
     N = w_TK.numel()
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
@@ -377,24 +370,16 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y))
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y, kc))
     return y
-
-
-def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int) -> torch.Tensor:
-    T, K = ids_TK.shape
-    D = y_ND.shape[1]
-    out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
-    BD = min(1024, triton.next_power_of_2(D))
-    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, out, first_expert, E, D, K=K, BD=BD, num_warps=4, **pdl(y_ND))
-    return out
 
 
 def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
                   w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None,
-                  config: MoEConfig | None = None, keep_pairs: bool = False) -> torch.Tensor | PairRows:
+                  config: MoEConfig | None = None, keep_pairs: bool = False, *,
+                  kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor | PairRows:
     """num_experts: the model's expert count (local pairs ~ pairs * E_local / num_experts, for block shapes).
-    keep_pairs: return the outputs per pair, for a consumer that sums them itself (no `_sum_k` launch)."""
+    keep_pairs: return the outputs per pair, for a consumer that sums them itself (no `sum_k` launch)."""
     T, K = ids_TK.shape
     E = w13_EFD.shape[0]
     if T == 0:
@@ -407,7 +392,7 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     if T * K <= DIRECT_MAX_PAIRS:
         blocks = direct(ids_TK, first_expert, c.BM)
     else:
-        blocks = align(ids_TK, first_expert, E, c.BM)
-    h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up)
-    pairs = PairRows(down(h, w2_EDF, blocks, w_TK, c.down), ids_TK, first_expert, E)
-    return pairs if keep_pairs else pairs.sum()
+        blocks = align(ids_TK, first_expert, E, c.BM, kc=kc)
+    h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up, kc=kc)
+    pairs = PairRows(down(h, w2_EDF, blocks, w_TK, c.down, kc=kc), ids_TK, first_expert, E)
+    return pairs if keep_pairs else pairs.sum(kc=kc)

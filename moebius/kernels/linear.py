@@ -1,14 +1,14 @@
 """Projections of a few rows (decode at a few tokens a rank), two kernels:
 - one or two rows (`fits`, `linear`): each program holds BN whole weight rows in registers, loaded before it waits
   for the kernel before it (programmatic dependent launch, kernels/pdl.py), so the weight stream overlaps that kernel
-  instead of following it. cuBLAS picks 64-column tiles here (40 programs for a 30B TP qkv shard on 132 SMs) and
-  starts only once the previous kernel has finished: ~6 us a projection where the weights alone take ~2 us of HBM.
-  `fits` takes them only in the LATE release order, which the runner sets for the steps that use them
-  (`moebius.kernels.release_order_for`): in the EARLY one these programs sit on the SMs, registers full, while the
-  expert kernels of the layer before still run.
+  instead of following it. cuBLAS picks narrow column tiles here (few programs for a 30B TP qkv shard, most SMs
+  idle) and starts only once the previous kernel has finished, so a projection takes several times what its weight
+  bytes take of HBM. `fits` takes them only in the LATE release order (`KernelConfig.release`), which the runner
+  picks for the steps that use them (`moebius.kernels.release_order_for`): in the EARLY one these programs sit on
+  the SMs, registers full, while the expert kernels of the layer before still run.
 - 3 to 32 rows (`fits_mma`, `linear_mma`): tensor-core tiles of MMA_BM weight rows against the rows (padded to 16
-  or 32), K streamed through shared memory; launched with PDL like every kernel of the step, which cuBLAS is not
-  (h200-few-row-projections.json). Their steps run in the LATE order too.
+  or 32), K streamed through shared memory; launched with PDL like every kernel of the step, which cuBLAS is not.
+  Their steps run in the LATE order too.
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ import triton
 import triton.language as tl
 
 from moebius import kernels
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.pdl import enter, pdl, release, wait
 
-# Each row costs every program a cross-thread sum of BN x K products: 4 rows were slower than cuBLAS (3.705 ->
-# 3.861 ms at TP batch 4; before, 2-4 rows 1-7%: h200x2-linear-pdl.json); 2 rows pay only at small weights
-# (`kernels.prefetch_rows`).
+# Each row costs every program a cross-thread sum of BN x K products: from 4 rows cuBLAS was faster; 2 rows pay
+# only at small weights (`kernels.prefetch_rows`).
 MAX_ROWS = kernels.PREFETCH_ROWS
-# Weight elements a program holds: 32 KiB of bf16, ~100 registers a thread at 8 warps, two programs an SM (64 KiB
-# took 179 registers, one program an SM, and 160 programs for a 30B TP qkv shard on 132 SMs: 2-3% slower steps).
+# Weight elements a program holds: 32 KiB of bf16, ~100 registers a thread at 8 warps, so two programs fit an SM
+# (twice that took one program an SM and more programs than SMs for a 30B TP qkv shard: slower steps).
 TILE_ELEMS = 8 * 2048
 MAX_K = 8192
 
 
-def fits(x_TD: torch.Tensor, w_ND: torch.Tensor) -> bool:
+def fits(x_TD: torch.Tensor, w_ND: torch.Tensor, kc: KernelConfig) -> bool:
     return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
             and w_ND.shape[1] == x_TD.shape[1] and w_ND.is_contiguous() and x_TD.dtype == w_ND.dtype
             and x_TD.dtype in (torch.bfloat16, torch.float16)  # anything else: F.linear (and its shape errors)
-            and kernels.release_order_now() == kernels.LATE)  # in EARLY it holds the SMs (module docstring)
+            and kc.release == kernels.LATE)  # in EARLY it holds the SMs (module docstring)
 
 
 @triton.jit
@@ -60,11 +60,11 @@ def _linear_rows(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constex
         tl.store(Out + t * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
 
 
-def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, wait_first: bool = False
-           ) -> torch.Tensor:
+def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, wait_first: bool = False,
+           *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear for any x [T, K] with K <= MAX_K (`fits` says where it is the faster one). wait_first: load the
-    weights only after the wait, as a kernel must whose weights the kernel before picks (benchmarks/boundary_bench.py's
-    stand-ins for the expert projections)."""
+    weights only after the wait, as a kernel must whose weights the kernel before picks (the stand-ins for the expert
+    projections in `python -m moebius.bench.boundary_bench`)."""
     T, K = x_TD.shape
     N = w_ND.shape[0]
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
@@ -72,13 +72,13 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
     BN = max(1, TILE_ELEMS // BK)
     _linear_rows[(triton.cdiv(N, BN),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
                                         x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None, BN=BN, BK=BK,
-                                        WAIT_FIRST=wait_first, num_warps=8, **pdl(x_TD))
+                                        WAIT_FIRST=wait_first, num_warps=8, **pdl(x_TD, kc))
     return out
 
 
 # Tensor-core tiles for 3 to 32 rows (`kernels.MMA_MIN_ROWS`, `MMA_MAX_ROWS`): weight rows a program x K a stage,
-# stages (h200-few-row-projections.json: 64 x 256 x 4 stages within 0.3 us a layer of the best shape at every row
-# count on the 30B TP-2 and EP shapes; 64 rows of tokens would not fit the shared memory)
+# stages. One shape for every row count: measured near the best one at each count on the 30B TP-2 and EP shapes
+# (docs/performance.md); 64 rows of tokens would not fit the shared memory.
 MMA_MIN_ROWS, MMA_MAX_ROWS = kernels.MMA_MIN_ROWS, kernels.MMA_MAX_ROWS
 MMA_BM, MMA_BK, MMA_STAGES = 64, 256, 4
 
@@ -110,7 +110,8 @@ def _linear_mma(X, W, B, Out, T, N, K, stride_x, stride_o, HAS_BIAS: tl.constexp
     tl.store(Out + rt[None, :] * stride_o + rm[:, None], acc.to(Out.dtype.element_ty), mask=mm[:, None] & mt[None, :])
 
 
-def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, *,
+               kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear for any x [T, K] (`fits_mma` says where it is the faster one)."""
     T, K = x_TD.shape
     N = w_ND.shape[0]
@@ -118,5 +119,5 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
     _linear_mma[(triton.cdiv(N, MMA_BM),)](x_TD, w_ND, w_ND if bias_N is None else bias_N, out, T, N, K,
                                            x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
                                            BT=max(16, triton.next_power_of_2(T)), BM=MMA_BM, BK=MMA_BK, num_warps=4,
-                                           num_stages=MMA_STAGES, **pdl(x_TD))
+                                           num_stages=MMA_STAGES, **pdl(x_TD, kc))
     return out

@@ -1,15 +1,12 @@
 """MoE expert compute on the GPU: (token, k) pairs sorted by expert, two grouped GEMMs (torch._grouped_mm),
-weighted scatter back. No host sync (group offsets stay on the device), so it runs inside CUDA graphs.
+weighted scatter back. No host sync (group offsets stay on the device), so it runs inside CUDA graphs. It serves
+bf16 where `KernelConfig.moe_backend` is "grouped_mm" (else kernels/fused_moe.py does).
 The torch reference is `moebius.layers.moe.experts`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-# Which GPU expert kernel serves bf16: "triton" (fused_moe.py) or "grouped_mm" (torch._grouped_mm, below).
-# Set once by the worker from --moe-kernel; a kernel choice, not layout state.
-BACKEND = "triton"
 
 
 def grouped_mm_available() -> bool:

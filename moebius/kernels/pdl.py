@@ -1,10 +1,10 @@
 """Programmatic dependent launch (Hopper+): a kernel launched with it may start while the kernel before it in the
 stream is finishing, so its launch overlaps the other's tail; it waits for that kernel (all of its writes) before
 reading anything. Every Triton kernel of the step does this, and lets the next one launch as soon as its own
-programs have all started (EARLY order) or, in the LATE order steps of one or two tokens a rank run in, once it
-has waited (`moebius.kernels.release_order`): ~0.45 us less per boundary between two small kernels on an H200, inside
-CUDA graphs too (benchmarks/results/h200-pdl.json). Kernels other than ours (cuBLAS, torch) launch and wait as
-usual."""
+programs have all started (EARLY order) or, in the LATE order the runner picks for steps of a few tokens a rank,
+once it has waited (`KernelConfig.release`, `moebius.kernels.release_order_for`). It shortens every boundary between
+two small kernels, inside CUDA graphs too (measured: docs/performance.md). Kernels other than ours (cuBLAS, torch)
+launch and wait as usual."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebius import kernels
+from moebius.kernels import KernelConfig
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -25,7 +25,7 @@ except ImportError:  # an older Triton: no PDL
 
 @triton.jit
 def release(PDL: tl.constexpr):
-    """In the EARLY order (moebius.kernels.release_order): let the next kernel in the stream launch now (its
+    """In the EARLY order (`KernelConfig.release`): let the next kernel in the stream launch now (its
     programs then wait in `wait`)."""
     if PDL == 1:
         gdc_launch_dependents()
@@ -50,13 +50,15 @@ def enter(PDL: tl.constexpr):
 
 @functools.cache
 def _capable(device_index: int) -> bool:
-    # MOEBIUS_PDL=0 switches it off (A/B timing, debugging)
+    """Whether kernels on this device can launch with PDL: Hopper or newer, a Triton that has it, and not Triton's
+    interpreter (TRITON_INTERPRET, Triton's own setting: its kernels are Python, nothing to overlap)."""
     return (gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("MOEBIUS_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index) >= (9, 0))
+            and torch.cuda.get_device_capability(device_index) >= (9, 0))
 
 
-def pdl(t: torch.Tensor) -> dict[str, int | bool]:
-    """Launch arguments of a kernel working on `t` (its `PDL` constexpr: 0 or the release order, and Triton's
-    launch_pdl)."""
-    on = t.is_cuda and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return {"PDL": kernels.release_order_now() if on else 0, "launch_pdl": on}
+def pdl(t: torch.Tensor, kc: KernelConfig) -> dict[str, int | bool]:
+    """Launch arguments of a kernel working on `t` (its `PDL` constexpr: 0 or kc's release order, and Triton's
+    launch_pdl): PDL where kc asks for it and the device can."""
+    on = kc.pdl and t.is_cuda and _capable(t.device.index if t.device.index is not None
+                                           else torch.cuda.current_device())
+    return {"PDL": kc.release if on else 0, "launch_pdl": on}

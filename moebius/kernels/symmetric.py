@@ -1,8 +1,8 @@
 """Cross-GPU exchanges through torch symmetric memory, fused with the math around them (Triton, one launch each).
 
 Every GPU of the group maps every peer's symmetric-memory buffers (torch `_symmetric_memory`), so a program writes
-rows into a peer's buffer over NVLink (posted stores: 1.5-2x faster than reading the peer's, which waits a round
-trip per load), tells the peer through a flag in the peer's memory, waits for the peers' flags, and reads what they
+rows into a peer's buffer over NVLink (posted stores: faster than reading the peer's, which waits a round trip
+per load), tells the peer through a flag in the peer's memory, waits for the peers' flags, and reads what they
 wrote locally. Flags carry call numbers: program p of every rank makes the same calls (the ranks run the same steps
 with the same sizes, so the grids agree), so in its call n program p sets its flag in each peer to n + 1 and waits
 until each peer's flag for p has reached n + 1. No host-side state, so the kernels replay inside CUDA graphs.
@@ -22,8 +22,8 @@ until each peer's flag for p has reached n + 1. No host-side state, so the kerne
   for the peer's combine, which the peer starts only after its experts finished reading its dispatch buffer; and
   the other way round. Reference: `EPComm`'s NCCL all-gather / reduce-scatter path.
 
-Both sublayer-end kernels also take the MoE's outputs per (token, k) pair (`layers.moe.PairRows`) and sum each
-token's local pairs as they read them (`_partial`, as fused_moe's `_sum_k` would before them), up to the sizes
+Both sublayer-end kernels also take the MoE's outputs per (token, k) pair (`kernels.pairs.PairRows`) and sum each
+token's local pairs as they read them (`_partial`, as fused.py's `_sum_k` would before them), up to the sizes
 where the separate sum measured faster. A rank's own partial rows, where it needs them after raising its flag, go
 to its own section of its buffer first (no peer writes there): the EP combine must not read the dispatched ids
 then, since a peer's next dispatch may already be overwriting them.
@@ -36,8 +36,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import pdl, release, wait
-from moebius.layers.moe import PairRows
 
 FLAG_STRIDE = 32  # int32s between flags: one 128-byte line each, so spinning programs do not share a line
 
@@ -75,7 +76,7 @@ def _flag_and_wait(flags, calls, pid, PHASE: tl.constexpr, RANK: tl.constexpr, P
         if r != RANK:
             flag = mine + ((PHASE * P + r) * MAX_PROGRAMS + pid) * STRIDE
             # cheap polling (the atomic below orders what follows) until the flag has reached calls + 1, counted
-            # modulo 2^32: call numbers wrap (an int32 a program, ~14 hours of 30B decode at batch 1)
+            # modulo 2^32: call numbers wrap (an int32 a program, which a long-running server exceeds)
             while ((tl.load(flag, volatile=True).to(tl.int64) - calls - 1) & 0xFFFFFFFF) >= 0x80000000:
                 pass
             tl.atomic_add(flag, 0, sem="acquire", scope="sys")
@@ -97,7 +98,7 @@ def _partial(X, Ids, row, rm, cols, N, first, E, K: tl.constexpr, PAIRS: tl.cons
              BLOCK: tl.constexpr):
     """This rank's partial rows [ROWS, BLOCK] in X's dtype (zero where masked): X's rows `row`, or (PAIRS) for each
     token row t the sum of its pairs' rows X[t * K + k] whose expert (Ids[t, k] - first) is one of the E local
-    ones, in float32 in k order, rounded once (as fused_moe's `_sum_k`, which this replaces)."""
+    ones, in float32 in k order, rounded once (as fused.py's `_sum_k`, which this replaces)."""
     m = rm[:, None] & (cols < N)[None, :]
     if PAIRS:
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -193,8 +194,8 @@ def _allreduce_add_rmsnorm(X, Ids, R, W, Out, Bufs, Flags, Count, T, N, sec_nume
                       PAIRS)
         return
     # Each rank's buffer: [2 slots][2 phases][P source ranks][rows, N], rows at their index in the batch. Rows
-    # travel as posted NVLink stores into the peer's buffer (pushed: 1.5-2x faster than reading the peer's, which
-    # waits a round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
+    # travel as posted NVLink stores into the peer's buffer (pushed: faster than reading the peer's, which waits a
+    # round trip per load), and are read locally. A program's rows are pid, pid + G, ...; it moves ROWS of
     # them per iteration, so more loads and stores are in flight.
     # One-shot: every rank receives every row and sums them all.
     # Two-shot: a program's j-th row belongs to rank j % P; each rank receives the partials of its rows, sums,
@@ -279,7 +280,7 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
     G = tl.num_programs(0)
     k = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    kc = tl.arange(0, KB)
+    kcols = tl.arange(0, KB)
     dt = X.dtype.element_ty
     calls = tl.load(Count + pid)
     for it in range(0, tl.cdiv(tl.cdiv(C - pid, G), ROWS)):
@@ -287,17 +288,17 @@ def _ep_dispatch(X, W, Ids, T, C, D, XW, IdBufs, Flags, Count, w_offset, RANK: t
         valid = (t < T)[:, None]
         inside = (t < C)[:, None]
         mx = cols[None, :] < D
-        mk = kc[None, :] < K
+        mk = kcols[None, :] < K
         x = tl.load(X + t[:, None] * D + cols[None, :], mask=valid & mx, other=0.0)
-        w = tl.load(W + t[:, None] * K + kc[None, :], mask=valid & mk, other=0.0)
-        ids = tl.load(Ids + t[:, None] * K + kc[None, :], mask=valid & mk, other=-1)
+        w = tl.load(W + t[:, None] * K + kcols[None, :], mask=valid & mk, other=0.0)
+        ids = tl.load(Ids + t[:, None] * K + kcols[None, :], mask=valid & mk, other=-1)
         row = (RANK * C + t)[:, None]
         for r in tl.static_range(P):
             xw = tl.load(XW + r).to(tl.pointer_type(dt))
             tl.store(xw + row * D + cols[None, :], x, mask=inside & mx)
-            tl.store(xw + w_offset + row * K + kc[None, :], w.to(dt), mask=inside & mk)
+            tl.store(xw + w_offset + row * K + kcols[None, :], w.to(dt), mask=inside & mk)
             idb = tl.load(IdBufs + r).to(tl.pointer_type(tl.int64))
-            tl.store(idb + row * K + kc[None, :], ids.to(tl.int64), mask=inside & mk)
+            tl.store(idb + row * K + kcols[None, :], ids.to(tl.int64), mask=inside & mk)
     _flag_and_wait(flags, calls, pid, 0, RANK, P, MAX_PROGRAMS, STRIDE)
     tl.store(Count + pid, calls + 1)
 
@@ -381,7 +382,7 @@ class SymmetricBuffers:
 class FusedAllReduceNorm:
     """TP's all-reduce + residual add + RMSNorm (`_allreduce_add_rmsnorm`) over [T, D] of at most `max_numel`."""
 
-    TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (H200 x2: benchmarks/comm_bench.py)
+    TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (`python -m moebius.bench.comm_bench`)
     # Up to this many elements (16 tokens of 2048), the low-latency protocol (`_allreduce_ll`), always on
     # LL_PROGRAMS programs: each value travels as an 8-byte word carrying the call number.
     LL_MAX_NUMEL = 16 * 2048
@@ -392,7 +393,7 @@ class FusedAllReduceNorm:
         self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype),
                                             "ll": (2 * P * self.LL_MAX_NUMEL, torch.int64)}, device, phases=2)
         self.P, self.rank, self.max_numel, self.dtype = P, self.sym.rank, max_numel, dtype
-        # grid cap, rows per iteration at most, warps per program (benchmarks/comm_bench.py varies them)
+        # grid cap, rows per iteration at most, warps per program (`python -m moebius.bench.comm_bench` varies them)
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -403,16 +404,16 @@ class FusedAllReduceNorm:
         return int(self.sym.count[0, 0])
 
     def __call__(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float,
-                 two_shot: bool | None = None) -> torch.Tensor:
+                 two_shot: bool | None = None, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(residual + sum over ranks of x) * weight; residual updated in place."""
         if not self.fits(x_TD):
             raise ValueError(f"fused all-reduce takes contiguous [T, D] {self.dtype} of at most {self.max_numel} "
                              f"elements, not {x_TD.dtype} {tuple(x_TD.shape)}")
-        return self._launch(x_TD, None, residual_TD, weight, eps, two_shot)
+        return self._launch(x_TD, None, residual_TD, weight, eps, two_shot, kc)
 
-    # One-shot calls of more rows sum pairs slower inside than `_sum_k` does before it (its grid is far wider):
-    # 30B TP on 2x H200 at 1024 tokens, 23.02 ms a step summing inside against 22.73 ms; two-shot (each rank sums
-    # half the rows) and fewer rows gain (2048 tokens: 35.35 against 35.94 ms; 256: 12.78 against 12.86)
+    # One-shot calls of more rows sum pairs slower inside than `_sum_k` does before it (its grid is far wider);
+    # two-shot calls (each rank sums half the rows) and one-shot calls of fewer rows gain (measured on whole steps:
+    # docs/performance.md)
     PAIRS_ONE_SHOT_MAX_ROWS = 512
 
     def _two_shot(self, T: int, N: int, dtype: torch.dtype) -> bool:
@@ -427,16 +428,16 @@ class FusedAllReduceNorm:
                 and (self._two_shot(T, y.shape[1], y.dtype) or T <= self.PAIRS_ONE_SHOT_MAX_ROWS))
 
     def sum_pairs(self, pairs: PairRows, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float,
-                  two_shot: bool | None = None) -> torch.Tensor:
+                  two_shot: bool | None = None, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """As the call, where x is each token's sum over its local pairs' expert outputs (summed in the kernel)."""
         if not self.fits_pairs(pairs):
             raise ValueError(f"fused all-reduce takes contiguous pair rows of [T, D] {self.dtype} of at most "
                              f"{self.max_numel} elements, not {pairs.y_ND.dtype} {tuple(pairs.y_ND.shape)} for "
                              f"{tuple(pairs.ids_TK.shape)} pairs")
-        return self._launch(pairs.y_ND, pairs, residual_TD, weight, eps, two_shot)
+        return self._launch(pairs.y_ND, pairs, residual_TD, weight, eps, two_shot, kc)
 
     def _launch(self, x: torch.Tensor, pairs: PairRows | None, residual_TD: torch.Tensor, weight: torch.Tensor,
-                eps: float, two_shot: bool | None) -> torch.Tensor:
+                eps: float, two_shot: bool | None, kc: KernelConfig) -> torch.Tensor:
         T, N = residual_TD.shape
         out = torch.empty_like(residual_TD)
         if two_shot is None:
@@ -452,7 +453,7 @@ class FusedAllReduceNorm:
                 T, N, self.max_numel, first, E, eps, self.sym.ptrs["ll"], self.LL_MAX_NUMEL, RANK=self.rank,
                 P=self.P, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
                 BLOCK=triton.next_power_of_2(N), TWO_SHOT=two_shot, K=K, PAIRS=pairs is not None, LL=ll,
-                num_warps=self.num_warps, **pdl(x))
+                num_warps=self.num_warps, **pdl(x, kc))
         return out
 
 
@@ -471,8 +472,8 @@ class EPExchange:
         self.hidden, self.top_k, self.dtype = hidden, top_k, dtype
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
 
-    # Past this capacity the combine sums expert outputs per pair slower than `_sum_k` before it (30B EP on
-    # 2x H200, 1024 tokens a rank: 33.62 ms a step against 33.42; at 512, 21.39 against 21.53 ms)
+    # Past this capacity the combine sums expert outputs per pair slower than `_sum_k` before it (measured on whole
+    # steps: docs/performance.md)
     PAIRS_MAX_CAPACITY = 512
 
     def fits(self, capacity: int) -> bool:
@@ -487,8 +488,8 @@ class EPExchange:
         grid = min(C, self.programs)
         return grid, min(self.max_rows, triton.next_power_of_2(-(-C // grid)))
 
-    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, capacity: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, capacity: int, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every rank's rows, padded to `capacity`: x [P * C, D], weights [P * C, K], ids [P * C, K] (views of this
         rank's buffer, valid until the next dispatch)."""
         C, D, K = capacity, self.hidden, self.top_k
@@ -500,19 +501,20 @@ class EPExchange:
             x_TD.contiguous(), w_TK.contiguous(), ids_TK.contiguous(), x_TD.shape[0], C, D, self.sym.ptrs["xw"],
             self.sym.ptrs["ids"], self.sym.ptrs["flags"], self.sym.count[0], self.w_offset, RANK=self.rank,
             P=self.P, K=K, MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-            BLOCK=triton.next_power_of_2(D), KB=triton.next_power_of_2(K), num_warps=self.num_warps, **pdl(x_TD))
+            BLOCK=triton.next_power_of_2(D), KB=triton.next_power_of_2(K), num_warps=self.num_warps, **pdl(x_TD, kc))
         xw, n = self.sym.bufs["xw"], self.P * C
         return (xw[: n * D].view(n, D), xw[self.w_offset: self.w_offset + n * K].view(n, K),
                 self.sym.bufs["ids"][: n * K].view(n, K))
 
     def combine_add_norm(self, y: torch.Tensor | PairRows, num_tokens: int, capacity: int,
-                         residual_TD: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+                         residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                         kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(residual + this rank's tokens' rows summed over ranks) * weight; residual updated in place.
         y: [P * C, D], or the expert outputs per pair of those rows, summed here over each token's local pairs (in
         the kernel up to PAIRS_MAX_CAPACITY, before it beyond)."""
         C, D = capacity, self.hidden
         if isinstance(y, PairRows) and C > self.PAIRS_MAX_CAPACITY:
-            y = y.sum()
+            y = y.sum(kc=kc)
         pairs = y if isinstance(y, PairRows) else None
         y_ND = pairs.y_ND if pairs else y
         ids, first, E, K = _pair_args(pairs, y_ND)
@@ -525,5 +527,5 @@ class EPExchange:
             y_ND.contiguous(), ids, residual_TD, weight, out, num_tokens, C, D, self.sym.ptrs["y"],
             self.sym.ptrs["flags"], self.sym.count[1], first, E, eps, RANK=self.rank, P=self.P,
             MAX_PROGRAMS=SymmetricBuffers.MAX_PROGRAMS, STRIDE=FLAG_STRIDE, ROWS=rows,
-            BLOCK=triton.next_power_of_2(D), K=K, PAIRS=pairs is not None, num_warps=self.num_warps, **pdl(y_ND))
+            BLOCK=triton.next_power_of_2(D), K=K, PAIRS=pairs is not None, num_warps=self.num_warps, **pdl(y_ND, kc))
         return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moebius.kernels import triton_available
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
 from moebius.layers.norm import rms_norm
 from moebius.layers.rotary import apply_rope
 
@@ -32,11 +32,10 @@ class AttentionMetadata:
     num_splits: int = 1  # decode on the GPU: KV splits of the flash-decoding kernel
 
 
-# (most sequence x KV-head pairs, KV splits) for decode, measured on H200 (132 SMs) at the 30B TP and EP shards,
-# context 512, the merge pass included (benchmarks/results/h200-attn-splits.json); not monotonic, so a table. From
-# 33 pairs the batch alone fills the GPU well enough that the merge pass costs more than the extra programs gain
-# (64 pairs: 13.0 us unsplit vs 15.4 us in 4 splits). At 16 pairs 4 splits beat 16 alone (8.0 vs 9.7 us) but made
-# the whole step 3% slower in the sweep (the batch-8 points), so 16 stay.
+# (most sequence x KV-head pairs, KV splits) for decode, tuned on H200 (132 SMs) at the 30B TP and EP shards, the
+# merge pass included (`python -m moebius.bench.attn_tune`); not monotonic, so a table. From 33 pairs the batch
+# alone fills the GPU well enough that the merge pass costs more than the extra programs gain. At 16 pairs 4 splits
+# beat 16 in the attention alone but made whole decode steps slower, so 16 stay.
 SPLITS = [(2, 32), (4, 16), (8, 32), (16, 16), (32, 8)]
 
 
@@ -57,7 +56,8 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
 
 
 def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
-                    cache: torch.Tensor, meta: AttentionMetadata, eps: float) -> torch.Tensor:
+                    cache: torch.Tensor, meta: AttentionMetadata, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
+                    ) -> torch.Tensor:
     """Split the fused q|k|v projection into heads, RMS-normalise q and k per head, rotate them by position, and
     store k and v in the paged cache. Returns q [T, H, d]. One Triton kernel on the GPU."""
     kvh, d = cache.shape[3], cache.shape[4]
@@ -65,7 +65,7 @@ def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     if qkv_TQ.is_cuda and triton_available():
         from moebius.kernels.fused import qk_norm_rope_kv as fast
 
-        return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps)
+        return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps, kc=kc)
     q, k, v = qkv_TQ.split([num_heads * d, kvh * d, kvh * d], dim=-1)
     q = apply_rope(rms_norm(q.unflatten(-1, (-1, d)), q_norm, eps), meta.positions, rope)
     k = apply_rope(rms_norm(k.unflatten(-1, (-1, d)), k_norm, eps), meta.positions, rope)
@@ -74,7 +74,8 @@ def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
 
 
 def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
-                  cache: torch.Tensor, meta: AttentionMetadata, eps: float, scale: float) -> torch.Tensor:
+                  cache: torch.Tensor, meta: AttentionMetadata, eps: float, scale: float, *,
+                  kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
     Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
     one Triton launch."""
@@ -85,19 +86,20 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tens
             kvh, d = cache.shape[3], cache.shape[4]
             return qk_decode_attention(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache,
                                        qkv_TQ.shape[1] // d - 2 * kvh, eps, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, scale, meta.num_splits)
-    q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps)
-    return paged_attention(q, cache, meta, scale)
+                                       meta.query_start_loc, scale, meta.num_splits, kc=kc)
+    q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc)
+    return paged_attention(q, cache, meta, scale, kc=kc)
 
 
-def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d].
     The Triton kernel on the GPU, the torch reference elsewhere."""
     if q_THd.is_cuda and triton_available():
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-                    meta.num_splits)
+                    meta.num_splits, kc=kc)
     return paged_attention_ref(q_THd, cache, meta, scale)
 
 

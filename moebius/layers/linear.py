@@ -6,15 +6,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moebius.kernels import triton_available
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
 
 
-def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, *,
+           kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     if x_TD.is_cuda and triton_available():
         from moebius.kernels import linear as kl
 
-        if kl.fits(x_TD, w_ND):
-            return kl.linear(x_TD, w_ND, bias_N)
+        if kl.fits(x_TD, w_ND, kc):
+            return kl.linear(x_TD, w_ND, bias_N, kc=kc)
         if kl.fits_mma(x_TD, w_ND):
-            return kl.linear_mma(x_TD, w_ND, bias_N)
+            return kl.linear_mma(x_TD, w_ND, bias_N, kc=kc)
     return F.linear(x_TD, w_ND, bias_N)

@@ -2,49 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from moebius.kernels import moe as kmoe
-from moebius.kernels import triton_available
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
+from moebius.kernels.pairs import PairRows
 from moebius.layers.linear import linear
 
 
-@dataclass
-class PairRows:
-    """Expert outputs per (token, k) pair before the sum over k (the GPU path hands these to the sublayer-end
-    exchange, which sums them on the way): row t * K + k holds pair (t, k)'s weighted output when its expert is one
-    of the `num_local` from `first_expert`; other rows are never written."""
-
-    y_ND: torch.Tensor  # [T * K, D]
-    ids_TK: torch.Tensor
-    first_expert: int
-    num_local: int
-
-    def sum(self) -> torch.Tensor:
-        """[T, D]: each token's sum over its local pairs (float32 in k order, rounded once)."""
-        from moebius.kernels.fused_moe import sum_k
-
-        return sum_k(self.y_ND, self.ids_TK, self.first_expert, self.num_local)
+def summed(y: torch.Tensor | PairRows, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """Expert outputs per token: y itself, or its pairs summed over k (`PairRows.sum`)."""
+    return y.sum(kc=kc) if isinstance(y, PairRows) else y
 
 
-def summed(y: torch.Tensor | PairRows) -> torch.Tensor:
-    return y.sum() if isinstance(y, PairRows) else y
-
-
-def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool, *,
+          kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, K] (in x's dtype) and expert ids [T, K], as transformers' Qwen3MoeTopKRouter."""
     if x_TD.is_cuda and triton_available():
         from moebius.kernels import fused
 
         if fused.router_fits(x_TD, gate_ED):
-            return fused.route(x_TD, gate_ED, top_k, norm_topk_prob)
-        return fused.topk_softmax(F.linear(x_TD, gate_ED), top_k, norm_topk_prob, x_TD.dtype)
+            return fused.route(x_TD, gate_ED, top_k, norm_topk_prob, kc=kc)
+        return fused.topk_softmax(F.linear(x_TD, gate_ED), top_k, norm_topk_prob, x_TD.dtype, kc=kc)
     logits = F.linear(x_TD, gate_ED)
     probs = torch.softmax(logits.float(), dim=-1)
     w_TK, ids_TK = torch.topk(probs, top_k, dim=-1)
@@ -59,22 +40,24 @@ def swiglu(h_TF2: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
-    return linear(swiglu(linear(x_TD, w13_FD)), w2_DF)
+def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS
+              ) -> torch.Tensor:
+    return linear(swiglu(linear(x_TD, w13_FD, kc=kc)), w2_DF, kc=kc)
 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-            w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None, keep_pairs: bool = False
-            ) -> torch.Tensor | PairRows:
-    """Grouped GEMMs on the GPU (bf16); a sync-free dense loop on the GPU in other dtypes; the torch reference on
-    the CPU. num_experts (the model's, when only some are local) picks the fused kernel's block shapes.
+            w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None, keep_pairs: bool = False, *,
+            kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | PairRows:
+    """Grouped GEMMs on the GPU (bf16: kc.moe_backend picks the fused Triton kernel or torch._grouped_mm); a
+    sync-free dense loop on the GPU in other dtypes; the torch reference on the CPU. num_experts (the model's, when
+    only some are local) picks the fused kernel's block shapes.
     keep_pairs: the fused kernel's outputs may come back per pair (`PairRows`), unsummed."""
     if x_TD.is_cuda:
-        if x_TD.dtype == torch.bfloat16 and kmoe.BACKEND == "triton" and triton_available():
+        if x_TD.dtype == torch.bfloat16 and kc.moe_backend == "triton" and triton_available():
             from moebius.kernels.fused_moe import fused_experts
 
             return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, num_experts,
-                                 keep_pairs=keep_pairs)
+                                 keep_pairs=keep_pairs, kc=kc)
         if x_TD.dtype == torch.bfloat16 and grouped_mm_available():
             return fast_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
         return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moebius.kernels import triton_available
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
 
 _M32 = 0xFFFFFFFF
 
@@ -65,14 +65,14 @@ def race_scores(logits_BV: torch.Tensor, sb: SamplingBatch, first: int = 0,
     return torch.where((sb.temperature > 0)[:, None], tempered_BV - torch.log(e), logits)
 
 
-def argmax_keys(scores_TV: torch.Tensor, first: int = 0) -> torch.Tensor:
+def argmax_keys(scores_TV: torch.Tensor, first: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """[T] int64 keys whose max over any split of the vocabulary is the row's argmax: the best score (float32,
     ordered as an integer) in the high 32 bits, then 2^32 - 1 - its vocab id (ids first.. for these columns), so
     equal scores go to the lowest id, as argmax does. A rank holding a slice sends T keys instead of logits."""
     if scores_TV.is_cuda and triton_available():
         from moebius.kernels.fused import argmax_keys as fast
 
-        return fast(scores_TV, first)
+        return fast(scores_TV, first, kc=kc)
     idx = scores_TV.argmax(dim=-1)
     bits = (scores_TV.gather(1, idx[:, None]).squeeze(1).float() + 0.0).view(torch.int32)  # -0.0 -> +0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()

@@ -1,8 +1,9 @@
 """Qwen3-MoE forward (transformers' Qwen3MoeForCausalLM semantics), reading weight views handed to it.
 
 The math is the same in every layout: head counts come from the weight shapes, and cross-rank sums/routing go
-through the `Communicator` passed in. Shapes: T tokens, D hidden, H heads, d head dim, E experts, F rows of a
-[gate | up] stack, K top-k, V vocab.
+through the `Communicator` passed in. How the kernels run (expert kernel, launch order) is the `KernelConfig` kc
+the runner passes for the step, handed to every layer and exchange. Shapes: T tokens, D hidden, H heads, d head
+dim, E experts, F rows of a [gate | up] stack, K top-k, V vocab.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ModelConfig
+from moebius.kernels import KernelConfig
+from moebius.kernels.pairs import PairRows
 from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
-from moebius.layers.moe import PairRows, dense_mlp, experts, route
+from moebius.layers.moe import dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
 from moebius.parallel.dispatch import Communicator
 
@@ -62,43 +65,44 @@ class ModelWeights:
 
 
 def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
-              cfg: ModelConfig, rope: torch.Tensor) -> torch.Tensor:
+              cfg: ModelConfig, rope: torch.Tensor, kc: KernelConfig) -> torch.Tensor:
     """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
-    qkv = linear(x_TD, w.qkv_QD, w.qkv_bias)
-    o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-    return linear(o.flatten(1), w.o_DQ)
+    qkv = linear(x_TD, w.qkv_QD, w.qkv_bias, kc=kc)
+    o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc)
+    return linear(o.flatten(1), w.o_DQ, kc=kc)
 
 
-def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator
+def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig
         ) -> tuple[torch.Tensor | PairRows, Any]:
     """This rank's expert outputs for the tokens dispatched to it (per (token, k) pair where the combine sums them),
     and the handle that combines them."""
-    w_TK, ids_TK = route(x_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob)
-    x, w_TK, ids_TK, handle = comm.dispatch(x_TD, w_TK, ids_TK)
-    return experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True), handle
+    w_TK, ids_TK = route(x_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob, kc=kc)
+    x, w_TK, ids_TK, handle = comm.dispatch(x_TD, w_TK, ids_TK, kc=kc)
+    y = experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True, kc=kc)
+    return y, handle
 
 
-def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator
+def mlp(x_TD: torch.Tensor, w: MoEWeights | DenseWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig
         ) -> tuple[torch.Tensor | PairRows, Any]:
     if isinstance(w, MoEWeights):
-        return moe(x_TD, w, cfg, comm)
-    return dense_mlp(x_TD, w.w13_FD, w.w2_DF), None  # no dispatch: nothing to combine
+        return moe(x_TD, w, cfg, comm, kc)
+    return dense_mlp(x_TD, w.w13_FD, w.w2_DF, kc=kc), None  # no dispatch: nothing to combine
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
-            cfg: ModelConfig, comm: Communicator) -> torch.Tensor:
+            cfg: ModelConfig, comm: Communicator, kc: KernelConfig) -> torch.Tensor:
     """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer).
     Each sublayer's output is summed over ranks (attention: `reduce_add_norm`; experts: `combine_add_norm`), added
     to the residual stream and normed for the next sublayer in one step (fused on GPUs)."""
     residual = F.embedding(input_ids_T, weights.embed_VD)
-    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, cfg.rms_norm_eps)
+    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, cfg.rms_norm_eps, kc=kc)
     norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
     eps = cfg.rms_norm_eps
     for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
-        a = attention(h, layer.attn, cache, meta, cfg, weights.rope)
-        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps)
-        y, handle = mlp(h, layer.mlp, cfg, comm)
-        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps)
+        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, kc)
+        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
+        y, handle = mlp(h, layer.mlp, cfg, comm, kc)
+        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
     return h
 
 

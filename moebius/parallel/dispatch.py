@@ -9,6 +9,7 @@
   all-gather of tokens and reduce-scatter of outputs (fused with the add and norm on GPUs). A handle of None (a
   dense MLP layer) is no combine. The fused GPU experts hand their outputs per (token, k) pair (`PairRows`); the
   symmetric-memory kernels sum each token's pairs as they read them, every other path sums them first.
+- The methods that may launch kernels take the step's `KernelConfig` (`kc`) and hand it to them.
 - `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
   (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks' local
   best (an all-gather of one int64 key per token: score and id, `argmax_keys`) and whole logits (top-k / top-p, stop
@@ -22,22 +23,25 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from moebius.layers.moe import PairRows, summed
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.kernels.pairs import PairRows
+from moebius.layers.moe import summed
 from moebius.layers.norm import add_rms_norm
 from moebius.layers.sampler import argmax_keys, key_ids
 
 
 class Communicator(Protocol):
-    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                        kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
+    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
     def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+                         weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
+                         ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
+    def vocab_argmax(self, logits_TV: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor: ...
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor: ...
 
@@ -61,8 +65,8 @@ class Communicator(Protocol):
 class WholeVocab:
     """Logits hold the whole vocabulary on every rank (one rank, or EP's replicated lm_head)."""
 
-    def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
-        return key_ids(argmax_keys(logits_TV))
+    def vocab_argmax(self, logits_TV: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+        return key_ids(argmax_keys(logits_TV, kc=kc))
 
     def gather_vocab(self, logits_TV: torch.Tensor) -> torch.Tensor:
         return logits_TV
@@ -74,20 +78,21 @@ class WholeVocab:
 class WholeOutputs:
     """Sublayer outputs are whole on the rank that holds their tokens (one rank, or EP after its combine)."""
 
-    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x_TD, residual_TD, weight, eps)
+    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                        kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x_TD, residual_TD, weight, eps, kc=kc)
 
     def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
+                         weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reduce_add_norm(summed(y, kc=kc), residual_TD, weight, eps, kc=kc)
 
 
 class LocalComm(WholeVocab, WholeOutputs):
     """A single rank (P = 1): nothing to exchange."""
 
-    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
     def begin_step(self, max_tokens: int) -> None:
@@ -104,9 +109,9 @@ class LocalComm(WholeVocab, WholeOutputs):
 class SymmetricAllReduce:
     """Sum across ranks through symmetric memory that every GPU of the group maps (torch's `_symmetric_memory`; no
     multicast needed; capture-safe). Up to FUSED_MAX_BYTES the sum at the end of a sublayer is one Triton launch
-    with the residual add and the next norm (`fused`, `kernels.symmetric`: 4.7 µs at one token against NCCL +
-    add_rmsnorm's 7.8, 9.5 against 17.3 at 256); above it, up to the buffer, torch's two-shot kernel (reduce-scatter
-    + all-gather: 43.9 µs with add_rmsnorm against NCCL's 55.3 at 8 MiB; benchmarks/results/h200x2-comm.json)."""
+    with the residual add and the next norm (`fused`, `kernels.symmetric`); above it, up to the buffer, torch's
+    two-shot kernel (reduce-scatter + all-gather). Both measured faster than NCCL's all-reduce + add_rmsnorm at
+    their sizes (`python -m moebius.bench.comm_bench`; docs/performance.md)."""
 
     FUSED_MAX_BYTES = 8 << 20
 
@@ -179,30 +184,31 @@ class TPComm:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                        kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
         if self.symmetric is not None and self.symmetric.fused.fits(x_TD):
-            return self.symmetric.fused(x_TD, residual_TD, weight, eps), residual_TD
-        return add_rms_norm(self.reduce(x_TD), residual_TD, weight, eps)
+            return self.symmetric.fused(x_TD, residual_TD, weight, eps, kc=kc), residual_TD
+        return add_rms_norm(self.reduce(x_TD), residual_TD, weight, eps, kc=kc)
 
-    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         return x_TD, w_TK, ids_TK, None
 
     def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """y: a partial sum over the expert shards (per pair: summed inside the fused all-reduce)."""
         if isinstance(y, PairRows) and self.symmetric is not None and self.symmetric.fused.fits_pairs(y):
-            return self.symmetric.fused.sum_pairs(y, residual_TD, weight, eps), residual_TD
-        return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
+            return self.symmetric.fused.sum_pairs(y, residual_TD, weight, eps, kc=kc), residual_TD
+        return self.reduce_add_norm(summed(y, kc=kc), residual_TD, weight, eps, kc=kc)
 
-    def vocab_argmax(self, logits_TV: torch.Tensor) -> torch.Tensor:
+    def vocab_argmax(self, logits_TV: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """The first id of the largest logit over the whole vocabulary (as argmax over whole logits gives)."""
         if not self.split_vocab:
-            return key_ids(argmax_keys(logits_TV))
+            return key_ids(argmax_keys(logits_TV, kc=kc))
         T = logits_TV.shape[0]
         every = logits_TV.new_empty((self.P * T,), dtype=torch.int64)  # gloo wants the parts stacked on dim 0
-        _all_gather(every, argmax_keys(logits_TV, self._vocab_first), self.group)
+        _all_gather(every, argmax_keys(logits_TV, self._vocab_first, kc=kc), self.group)
         return key_ids(every.view(self.P, T).max(dim=0).values)
 
     def vocab_first(self, local_vocab: int) -> int:
@@ -269,24 +275,25 @@ class EPComm(WholeVocab, WholeOutputs):
         _all_gather(out, padded, self.group)
         return out
 
-    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         T, C = x_TD.shape[0], self.capacity
         if T > C:
             raise RuntimeError(f"EP dispatch of {T} tokens exceeds the agreed capacity {C}")
         if self.symmetric is not None and self.symmetric.fits(C):
-            return (*self.symmetric.dispatch(x_TD, w_TK, ids_TK, C), (T, C, True))
+            return (*self.symmetric.dispatch(x_TD, w_TK, ids_TK, C, kc=kc), (T, C, True))
         # padding rows get expert id -1: no rank owns it, so they cost no expert compute
         return self._gather(x_TD, 0.0), self._gather(w_TK, 0.0), self._gather(ids_TK, -1), (T, C, False)
 
     def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         if handle is None:  # a dense layer: its output is whole already
-            return self.reduce_add_norm(summed(y), residual_TD, weight, eps)
+            return self.reduce_add_norm(summed(y, kc=kc), residual_TD, weight, eps, kc=kc)
         T, C, fused = handle
         if fused:  # takes expert outputs per pair too
-            return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps), residual_TD
-        y = summed(y)
+            return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps, kc=kc), residual_TD
+        y = summed(y, kc=kc)
         out = y.new_empty((C, y.shape[1]))
         _reduce_scatter(out, y, self.group)
-        return self.reduce_add_norm(out[:T], residual_TD, weight, eps)
+        return self.reduce_add_norm(out[:T], residual_TD, weight, eps, kc=kc)

@@ -1,0 +1,28 @@
+"""Expert outputs per (token, k) pair, before the sum over k: what the fused GPU experts (kernels/fused_moe.py) hand
+to the sublayer-end exchange, which sums them as it reads them (kernels/symmetric.py) or has them summed first
+(`PairRows.sum`). No Triton here: the layers and communicators that pass these along import it on any machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+
+
+@dataclass
+class PairRows:
+    """Row t * K + k holds pair (t, k)'s weighted output when its expert is one of the `num_local` from
+    `first_expert`; other rows are never written."""
+
+    y_ND: torch.Tensor  # [T * K, D]
+    ids_TK: torch.Tensor
+    first_expert: int
+    num_local: int
+
+    def sum(self, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+        """[T, D]: each token's sum over its local pairs (float32 in k order, rounded once)."""
+        from moebius.kernels.fused import sum_k
+
+        return sum_k(self.y_ND, self.ids_TK, self.first_expert, self.num_local, kc=kc)
