@@ -261,3 +261,18 @@ def test_switch_without_memory_for_staging_is_refused_before_anything_moves(llm,
     assert llm.switch_mode(target)["done"] is True
     assert_still_works(llm, ckpt("text"))
     assert llm.switch_mode(before_mode)["done"] is True
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: object) -> None:
+    """Spawned rank processes import the user's script again; one that builds a multi-rank engine at import time
+    gets an error naming the fix, not only 'rank process exited'."""
+    import subprocess
+    import sys
+
+    script = os.path.join(str(tmp_path), "no_guard.py")
+    with open(script, "w") as f:
+        f.write("from moebius import LLM\nllm = LLM(num_ranks=2)\nllm.close()\n")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    assert 'if __name__ == "__main__":' in run.stderr, run.stderr[-3000:]

@@ -263,6 +263,31 @@ def test_switch_riding_on_the_next_step_changes_nothing(engines: Any, ckpt: Any)
     assert_kv_free(llm, 2)
 
 
+def test_a_switch_into_ep_runs_each_request_where_the_front_end_placed_it(engines: Any, ckpt: Any) -> None:
+    """One placement rule, one table: the front end places every live request for the switch (arrivals in the same
+    plan too); each EP rank then runs exactly its own and keeps the specs of the others' requests."""
+    P = 2
+    llm = engines(P, "tp")
+    _prompt = prompts(301)
+    ids = [llm.add_request(list(_prompt(n)), greedy(12)) for n in (9, 30, 4, 17, 22)]
+    for _ in range(3):
+        llm.step()
+    late = llm.add_request(list(_prompt(6)), greedy(12))  # arrives in the plan that carries the switch
+    llm.engine.request_switch("ep")
+    llm.step()
+    assert llm.engine.last_switch and llm.engine.last_switch["done"], llm.engine.last_switch
+    held = llm.engine.query("requests")
+    placed = {rid: llm.engine.placement.owner(rid) for rid in [*ids, late]}
+    assert None not in placed.values(), placed
+    for rank, h in enumerate(held):
+        mine = set(h["running"]) | set(h["waiting"])
+        assert mine == {rid for rid, o in placed.items() if o == rank}, (rank, held, placed)
+        assert set(h["others"]) == set(placed) - mine
+    while llm.has_unfinished():
+        llm.step()
+    assert_kv_free(llm, P)
+
+
 def test_switch_to_the_current_mode_is_refused(engines: Any) -> None:
     llm = engines(1)
     out = llm.switch_mode("ep")

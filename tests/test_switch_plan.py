@@ -18,7 +18,7 @@ import torch
 
 from moebius.config import ModelConfig
 from moebius.parallel.layout import Layout
-from moebius.parallel.placement import partition
+from moebius.parallel.placement import Placement, partition
 from moebius.switch.plan import (
     KVMove,
     LiveKV,
@@ -239,6 +239,21 @@ def test_partition_balances_tokens_among_equal_counts() -> None:
     assert partition([1, 8, 9, 10], 2) == [0, 1, 1, 0]
     assert partition([], 3) == []
     assert partition([5, 5, 5], 1) == [0, 0, 0]
+
+
+def test_placement_places_releases_and_repartitions_by_the_one_rule() -> None:
+    """The front end's ownership table: new requests to the least-loaded rank (requests, then tokens), a release
+    frees its share, and a switch into EP places every live request at once as `partition` does."""
+    pl = Placement(2)
+    assert [pl.place(r, w) for r, w in [("a", 10), ("b", 3), ("c", 5), ("d", 1)]] == [0, 1, 1, 0]
+    assert pl.release("b") == 1 and pl.release("b") is None and pl.owner("b") is None
+    assert pl.place("e", 2) == 1  # rank 1 holds one request again, rank 0 two
+    weights = {"a": 1, "c": 8, "d": 9, "e": 10}
+    owners = pl.repartition(weights)
+    assert owners == dict(zip(weights, partition(list(weights.values()), 2), strict=True))
+    assert all(pl.owner(r) == o for r, o in owners.items())
+    pl.clear()
+    assert pl.owner("a") is None and pl.place("x", 1) == 0
 
 
 def test_token_slots() -> None:

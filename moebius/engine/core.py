@@ -310,12 +310,10 @@ class EngineCore:
         outcome = dict(result.switch or {})
         if outcome.get("done"):
             self.layout = Layout(self.model_config, target, 0, self.world_size)
-            if not self.layout.data_parallel:
-                self.placement.clear()
         else:
             log.warning("switch to %s refused: %s", target, outcome.get("reason"))
-            if not self.layout.data_parallel:
-                self.placement.clear()  # the owners planned for the target do not hold
+        if not self.layout.data_parallel:  # nothing placed (a refused switch into EP placed its requests in vain)
+            self.placement.clear()
         return outcome
 
     def query(self, name: str, **args: object) -> list[object]:

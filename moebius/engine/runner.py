@@ -3,7 +3,7 @@
 Host work is O(batch): one pass over the scheduled chunks builds flat index arrays; everything per token or per
 layer is done in batched device ops.
 
-A step is launched and resolved separately (`launch` returns a `PendingStep`), so the worker can launch step N+1
+A step is launched and resolved separately (`launch` returns a `PendingStep`), so the rank can launch step N+1
 while step N still runs on the device (overlap scheduling): a token that step N has not handed back yet is a
 placeholder on the host, and step N+1 takes it from step N's device output instead.
 """
