@@ -180,8 +180,26 @@ class EngineConfig:
     mem_fraction: float = _flag(0.85, "fraction of GPU memory for the unified buffer (weights + KV cache)")
     num_ranks: int = _flag(1, "ranks (one process per GPU) serving the model together on this machine; under "
                            "torchrun the world size is taken from the environment instead")
-    mode: str = _flag("tp", "parallel layout: tp (tensor parallel attention and experts) or ep (data-parallel "
-                      "attention, expert-parallel experts)", ("tp", "ep"))
+    mode: str | None = _flag(None, "parallel layout: tp (tensor parallel attention and experts), ep (data-parallel "
+                             "attention, expert-parallel experts), or auto (switch between them by load); default: "
+                             "auto with several ranks, tp with one", ("tp", "ep", "auto"))
+    switch_policy: str = _flag("threshold", "auto mode's policy: threshold (switch to EP above --switch-high running "
+                               "requests, back to TP below --switch-low) or cost (switch when the calibrated step "
+                               "times predict a saving over the work in flight larger than the switch's cost)",
+                               ("threshold", "cost"))
+    switch_profile: str = _flag("interactive", "auto mode's defaults: interactive (T_l = 0.8 T_h, window 8 steps, "
+                                "cooldown 5 s; starts in TP) or rollout (T_l = T_h, window 1; starts in EP)",
+                                ("interactive", "rollout"))
+    switch_high: float | None = _flag(None, "auto mode: switch TP -> EP when more requests than this run (T_h); "
+                                      "default: the crossover measured by calibration at start-up")
+    switch_low: float | None = _flag(None, "auto mode: switch EP -> TP when the mean running count over the window "
+                                     "falls below this (T_l <= T_h); default: from --switch-profile")
+    switch_window: int | None = _flag(None, "auto mode: steps the EP -> TP mean is taken over (W); default: from "
+                                      "--switch-profile")
+    switch_cooldown: float | None = _flag(None, "auto mode: seconds after a switch (or a refused one) before the "
+                                          "next is asked for (C); default: from --switch-profile")
+    calibration_dir: str | None = _flag(None, "where calibration profiles are kept and reused (keyed by model, "
+                                        "layers, ranks, GPU, dtype); default: ~/.cache/moebius/calibration")
     static_layout: bool = _flag(False, "hold only the --mode layout (no live switching): the fixed-layout engine "
                                 "the dual-layout one is compared against")
     switch_overlap: bool = _flag(False, "double-buffer a switch's expert pass: a layer's local permute runs while the "
@@ -231,6 +249,12 @@ class EngineConfig:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.switch_high is not None and self.switch_low is not None and self.switch_low > self.switch_high:
+            raise ConfigError(f"switch_low {self.switch_low} is above switch_high {self.switch_high} (T_l <= T_h)")
+        if self.switch_window is not None and self.switch_window < 1:
+            raise ConfigError(f"switch_window must be at least 1 step, got {self.switch_window}")
+        if self.switch_cooldown is not None and self.switch_cooldown < 0:
+            raise ConfigError(f"switch_cooldown must be >= 0 seconds, got {self.switch_cooldown}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -240,7 +264,8 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(names)}")
         for f in dataclasses.fields(cls):
             choices = f.metadata.get("choices")
-            if f.name in kwargs and choices and kwargs[f.name] not in choices:
+            if f.name in kwargs and choices and kwargs[f.name] not in (*choices, *([None] if f.default is None
+                                                                                 else [])):
                 raise ConfigError(f"{f.name}={kwargs[f.name]!r} is not one of {list(choices)}")
         return cls(**kwargs)
 
@@ -252,7 +277,8 @@ class EngineConfig:
             if str(f.type) == "bool":
                 group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
                 continue
-            kind = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
+            kind = {"int | None": int, "int": int, "float": float, "float | None": float, "str": str,
+                    "str | None": str}[str(f.type)]
             group.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                help=f.metadata["help"])
 

@@ -4,6 +4,7 @@ the ranks, and assembles their token deltas into per-request outputs (text, timi
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -14,18 +15,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
+from moebius.config import ConfigError, EngineConfig
+from moebius.engine.auto import AutoMode, needs_calibration, resolve_mode
+from moebius.engine.auto import build as build_auto
+from moebius.engine.calibrate import calibrate
 from moebius.engine.lifecycle import check_prompt, cut_at_stop, max_total_len, placement_weight
 from moebius.engine.messages import KVStats, StepPlan, StepResult, TokenDelta
 from moebius.engine.rank import RankSpec
 from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.engine.request import RequestSpec
-from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
+from moebius.engine.timeline import ModeTimeline
+from moebius.model.builtin import BUILTIN_NOTICE
+from moebius.model.source import resolve_model
 from moebius.outputs import CompletionOutput, RequestOutput
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.parallel.placement import Placement
 from moebius.sampling_params import SamplingParams
-from moebius.tokenizer import IncrementalDetokenizer, Tokenizer, load_generation_eos
+from moebius.switch import calibration as calibration_store
+from moebius.switch.calibration import Calibration, CalibrationKey
+from moebius.switch.policy import predicted_remaining
+from moebius.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("moebius")
 
@@ -69,40 +78,6 @@ def _child_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index) & (2**63 - 1)
 
 
-@dataclass(frozen=True)
-class ResolvedModel:
-    """What the flags name: the model config, where weights come from, and the tokenizer."""
-
-    config: ModelConfig
-    checkpoint: str | None
-    tokenizer: Tokenizer | None
-    tokenizer_dir: str | None
-    builtin_tokenizer: bool
-    eos_token_ids: tuple[int, ...]
-    is_builtin: bool
-
-
-def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
-    name = ecfg.model
-    if name is None:
-        tok = Tokenizer.builtin()
-        return ResolvedModel(ModelConfig.from_hf(builtin_hf_config(), ecfg.num_layers), None, tok, None, True,
-                             tok.eos_token_ids, True)
-    if name in PRESETS and not os.path.isdir(name):
-        if ecfg.load_format != "dummy":
-            raise ConfigError(f"preset {name!r} has no weights on disk; pass --load-format dummy")
-        tok = Tokenizer.from_dir(ecfg.tokenizer) if ecfg.tokenizer else Tokenizer.builtin()
-        return ResolvedModel(ModelConfig.from_hf(PRESETS[name], ecfg.num_layers), None, tok, ecfg.tokenizer,
-                             ecfg.tokenizer is None, tok.eos_token_ids, False)
-    hf = read_hf_config(name)
-    cfg = ModelConfig.from_hf(hf, ecfg.num_layers)
-    tok_dir = ecfg.tokenizer or (name if os.path.isfile(os.path.join(name, "tokenizer.json")) else None)
-    tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
-    eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
-    checkpoint = None if ecfg.load_format == "dummy" else name
-    return ResolvedModel(cfg, checkpoint, tok, tok_dir, False, eos, False)
-
-
 class EngineCore:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.config = ecfg
@@ -117,13 +92,14 @@ class EngineCore:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                               f"{cfg.max_position_embeddings}")
-        spec = RankSpec(
-            engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
-            eos_token_ids=resolved.eos_token_ids, tokenizer_dir=resolved.tokenizer_dir,
-            use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len, mode=ecfg.mode)
         env = torchrun_env()
         self.world_size = env[1] if env else ecfg.num_ranks
         check_shapes(cfg, self.world_size)
+        start, auto = resolve_mode(ecfg, self.world_size)
+        spec = RankSpec(
+            engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
+            eos_token_ids=resolved.eos_token_ids, tokenizer_dir=resolved.tokenizer_dir,
+            use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len, mode=start)
         if env and env[1] > 1:
             if env[0] != 0:  # a torchrun rank other than 0 follows rank 0's plans until it shuts down
                 serve_torchrun_rank(spec)
@@ -138,7 +114,7 @@ class EngineCore:
         else:
             self.ranks = LocalRanks(spec)
         self.kv_capacity = self.ranks.kv_capacity
-        self.layout = Layout(cfg, ecfg.mode, 0, self.world_size)  # the active layout, as rank 0 holds it
+        self.layout = Layout(cfg, start, 0, self.world_size)  # the active layout, as rank 0 holds it
         self._kv_stats: list[KVStats] = []
         self.placement = Placement(self.world_size)  # which rank runs each live request, where the layout places them
         self.device, self.dtype = device, dtype
@@ -151,11 +127,33 @@ class EngineCore:
         self._pending = StepPlan()
         self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
+        self.timeline = ModeTimeline(time.perf_counter())
+        self._switch_reason = ""  # why the pending switch was asked for
+        self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
+        self.auto: AutoMode | None = None
+        if auto:
+            self.auto = build_auto(ecfg, self.calibration() if needs_calibration(ecfg) else None)
+            log.info("auto mode, starting in %s: %s", start, self.auto.note)
 
     @property
     def mode(self) -> str:
         """The active layout: "tp" or "ep"."""
         return self.layout.mode
+
+    def calibration(self, fresh: bool = False) -> Calibration:
+        """The calibration profile of this model, ranks, GPU and dtype: the one kept from an earlier start, or
+        measured now (the engine must be idle) and kept. fresh: measure again."""
+        ecfg = self.config
+        key = CalibrationKey(ecfg.model or "builtin", self.model_config.num_layers, self.world_size,
+                             torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype)
+        directory = ecfg.calibration_dir or calibration_store.default_dir()
+        cal = None if fresh else calibration_store.load(directory, key)
+        if cal is None:
+            cal = calibrate(self, key, max_batch=min(ecfg.max_running_requests, ecfg.max_num_batched_tokens),
+                            max_context=self.max_model_len - 2)
+            path = calibration_store.save(directory, cal)
+            log.info("calibration kept in %s: %s", path, cal.summary())
+        return cal
 
     # ---- requests ----
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -238,12 +236,33 @@ class EngineCore:
             self._apply(d, now, touched)
         outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
         self._retire(touched)
+        kv = self.kv_stats()
+        used = 1.0 - kv["free_tokens"] / kv["total_tokens"] if kv["total_tokens"] else 0.0
+        self.timeline.sample(now, self.mode, result.running, result.waiting, used)
+        if self.auto is not None and self._pending.switch_to is None:
+            decision = self.auto.observe(now, self.mode, result.running, self._remaining)
+            if decision is not None:
+                self.request_switch(decision.target, reason=decision.reason)
         return outs
+
+    def _remaining(self) -> list[int]:
+        """Predicted remaining output tokens of every request in flight (the cost policy's input)."""
+        max_left, produced = [], []
+        for fr, i in self._child_to_parent.values():
+            n = len(fr.samples[i].out.token_ids)
+            limit = fr.params.max_tokens or (max_total_len(self.max_model_len, self.kv_capacity)
+                                             - len(fr.prompt_token_ids))
+            max_left.append(limit - n)
+            produced.append(n)
+        return predicted_remaining(max_left, produced, self._finished_lengths)
 
     def _retire(self, touched: dict[str, _FrontRequest]) -> None:
         for fr in touched.values():
             if fr.finished:
                 del self._requests[fr.request_id]
+                for s in fr.samples:
+                    if s.out.finish_reason != "abort":
+                        bisect.insort(self._finished_lengths, len(s.out.token_ids))
                 for c in fr.children:
                     del self._child_to_parent[c]
                     self._release(c, fr)
@@ -270,10 +289,12 @@ class EngineCore:
             fr.prompt_logits = d.prompt_logits
         touched[fr.request_id] = fr
 
-    def switch_mode(self, target: str) -> dict[str, object]:
+    def switch_mode(self, target: str, reason: str = "operator") -> dict[str, object]:
         """Switch every rank to `target` ("tp" | "ep") between two steps, keeping every request in flight.
-        Returns the outcome: done (bool), reason when refused, and the time of each phase in ms."""
+        Returns the outcome: done (bool), reason when refused, and the time of each phase in ms. reason: why (the
+        mode timeline keeps it)."""
         _check_mode(target)
+        self._switch_reason = reason
         plan, self._pending = self._pending, StepPlan()
         plan.run = False
         self._plan_switch(plan, target)
@@ -289,13 +310,13 @@ class EngineCore:
             self.last_switch.update(result.switch_times)
         return result
 
-    def request_switch(self, target: str) -> None:
+    def request_switch(self, target: str, reason: str = "operator") -> None:
         """Switch at the start of the next step(), in the same round trip to the ranks as that step (the lowest
         latency from decision to the first step in the new layout). The outcome lands in `last_switch`; its device
         times (weights_ms, kv_ms, span_ms, total_ms) join it with the step after, so that neither the first step in
         the new layout nor its tokens wait on the host for the end of the transfers."""
         _check_mode(target)
-        self._pending.switch_to = target
+        self._pending.switch_to, self._switch_reason = target, reason
 
     def _plan_switch(self, plan: StepPlan, target: str) -> None:
         """Put a switch into `plan`, with the rank of every live request where the target layout places them."""
@@ -308,12 +329,19 @@ class EngineCore:
 
     def _switched(self, target: str, result: StepResult) -> dict[str, object]:
         outcome = dict(result.switch or {})
-        if outcome.get("done"):
+        now, source, done = time.perf_counter(), self.mode, bool(outcome.get("done"))
+        if done:
             self.layout = Layout(self.model_config, target, 0, self.world_size)
+            log.info("switch %s -> %s (%s)", source, target, self._switch_reason)
         else:
-            log.warning("switch to %s refused: %s", target, outcome.get("reason"))
+            log.warning("switch to %s (%s) refused: %s", target, self._switch_reason, outcome.get("reason"))
         if not self.layout.data_parallel:  # nothing placed (a refused switch into EP placed its requests in vain)
             self.placement.clear()
+        if source != target:  # (a switch to the layout in use is refused at once: no event)
+            self.timeline.switch(now, source, target, done, self._switch_reason if done else
+                                 str(outcome.get("reason")), outcome.get("total_ms"))
+            if self.auto is not None:
+                (self.auto.switched if done else self.auto.refused)(now)
         return outcome
 
     def query(self, name: str, **args: object) -> list[object]:

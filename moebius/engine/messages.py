@@ -54,6 +54,8 @@ class RankReport:
 
     deltas: list[TokenDelta]
     kv: KVStats
+    running: int = 0  # requests this rank runs and waiting, where it reports them (Layout.reports_deltas)
+    waiting: int = 0
     switch: dict[str, Any] | None = None  # the switch outcome, when the plan asked for a switch
     query: Any = None  # the answer, when the plan asked a query
     # device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
@@ -66,13 +68,16 @@ class StepResult:
 
     deltas: list[TokenDelta]
     kv: list[KVStats]  # per rank
+    running: int = 0  # requests running and waiting on the ranks, each counted once
+    waiting: int = 0
     switch: dict[str, Any] | None = None  # rank 0's switch outcome
     query: list[Any] | None = None  # per rank
     switch_times: dict[str, Any] | None = None  # rank 0's
 
     @staticmethod
     def gather(reports: list[RankReport]) -> StepResult:
-        return StepResult([d for r in reports for d in r.deltas], [r.kv for r in reports], reports[0].switch,
+        return StepResult([d for r in reports for d in r.deltas], [r.kv for r in reports],
+                          sum(r.running for r in reports), sum(r.waiting for r in reports), reports[0].switch,
                           [r.query for r in reports], reports[0].switch_times)
 
 

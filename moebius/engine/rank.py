@@ -118,7 +118,9 @@ class Rank:
         before, after, outcome = self.step(plan)
         second = self.layout.reports_deltas
         # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
-        return RankReport((before if first else []) + (after if second else []), self.kv_stats(), outcome,
+        sched = self.scheduler
+        counts = (len(sched.running), len(sched.waiting)) if second else (0, 0)
+        return RankReport((before if first else []) + (after if second else []), self.kv_stats(), *counts, outcome,
                           switch_times=self._late_switch_times)
 
     def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:

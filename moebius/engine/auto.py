@@ -1,0 +1,86 @@
+"""Auto mode (`--mode auto`): which layout an engine starts in, and the switch policy the front end consults after
+every step, built from the flags and, where they leave the thresholds open, the calibration profile."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moebius.config import ConfigError, EngineConfig
+from moebius.switch.calibration import Calibration
+from moebius.switch.policy import PROFILES, CostPolicy, Decision, ThresholdPolicy, Thresholds
+
+log = logging.getLogger("moebius")
+
+
+def resolve_mode(ecfg: EngineConfig, world_size: int) -> tuple[str, bool]:
+    """(the layout the engine starts in, whether the policy switches it): --mode auto (the default with several
+    ranks) starts in TP for interactive serving, in EP for a rollout (one burst, then a drain)."""
+    auto = ecfg.mode == "auto" or (ecfg.mode is None and world_size > 1)
+    if not auto:
+        return ecfg.mode or "tp", False
+    if world_size == 1:  # one rank: both layouts are the same; nothing to decide
+        return "tp", False
+    if ecfg.static_layout:
+        raise ConfigError("--mode auto switches layouts: it needs both (drop --static-layout or pick --mode tp/ep)")
+    return ("ep" if ecfg.switch_profile == "rollout" else "tp"), True
+
+
+def needs_calibration(ecfg: EngineConfig) -> bool:
+    return ecfg.switch_policy == "cost" or ecfg.switch_high is None
+
+
+@dataclass
+class AutoMode:
+    policy: ThresholdPolicy | CostPolicy
+    note: str  # what it will do, in words (logged at start, reported by status)
+    cost_every: float = 0.25  # seconds between the cost policy's predictions (each sorts the requests in flight)
+    _next_cost: float = float("-inf")
+
+    def observe(self, now: float, mode: str, running: int, remaining: Callable[[], Sequence[int]]
+                ) -> Decision | None:
+        """After a step: the switch to ask for, if any. remaining(): the requests in flight's predicted remaining
+        output tokens (only the cost policy asks, at most every `cost_every` seconds)."""
+        if isinstance(self.policy, ThresholdPolicy):
+            return self.policy.observe(now, mode, running)
+        if now < self._next_cost:
+            return None
+        self._next_cost = now + self.cost_every
+        return self.policy.decide(now, mode, remaining())
+
+    def switched(self, now: float) -> None:
+        self.policy.switched(now)
+
+    def refused(self, now: float) -> None:
+        self.policy.refused(now)
+
+
+def build(ecfg: EngineConfig, calibration: Calibration | None) -> AutoMode:
+    """The policy the flags ask for (calibration: required where the flags leave T_h open, or for the cost
+    policy)."""
+    profile = PROFILES[ecfg.switch_profile]
+    cooldown = profile["cooldown"] if ecfg.switch_cooldown is None else ecfg.switch_cooldown
+    if ecfg.switch_policy == "cost":
+        assert calibration is not None
+        tp, ep = calibration.curves()
+        return AutoMode(CostPolicy(tp, ep, calibration.switch_ms, cooldown),
+                        f"cost policy over the calibrated steps ({calibration.summary()})")
+    high = ecfg.switch_high
+    note = ""
+    if high is None:
+        assert calibration is not None
+        x = calibration.crossover()
+        if x is None:
+            high, note = math.inf, "TP is faster at every calibrated batch: the policy stays in TP"
+        elif x == 0.0:
+            high, note = -1.0, "EP is faster at every calibrated batch: the policy stays in EP"
+        else:
+            high, note = x, f"T_h = the calibrated crossover {x:.1f}"
+    low = ecfg.switch_low if ecfg.switch_low is not None else (high if high < 0 else None)
+    t = Thresholds.of(ecfg.switch_profile, high, low, ecfg.switch_window, cooldown)
+    note = (note + "; " if note else "") + (f"threshold policy ({ecfg.switch_profile}): TP -> EP above {t.high:g} "
+                                            f"running, EP -> TP below a mean {t.low:g} over {t.window} steps, "
+                                            f"cooldown {t.cooldown:g} s")
+    return AutoMode(ThresholdPolicy(t), note)

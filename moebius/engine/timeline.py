@@ -1,0 +1,51 @@
+"""The engine's mode timeline: what layout it ran in, with how many requests, over time, and every switch (direction,
+outcome, phases, why). Kept by the front end; benchmarks and metrics read it."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float  # seconds since the engine started
+    mode: str
+    running: int
+    waiting: int
+    kv_used: float  # fraction of the KV pool in use (all ranks)
+
+
+@dataclass(frozen=True)
+class SwitchEvent:
+    t: float
+    source: str  # from
+    target: str  # to
+    done: bool
+    reason: str  # why it was asked for (policy, operator), or why it was refused
+    total_ms: float | None  # the switch on rank 0, when done (its device times may come a step later)
+
+
+class ModeTimeline:
+    """Samples at most every `interval` seconds (a step more often than that is skipped unless the layout changed),
+    the newest `maxlen` of them, and every switch."""
+
+    def __init__(self, start: float, interval: float = 0.05, maxlen: int = 200_000) -> None:
+        self.start, self.interval = start, interval
+        self.samples: deque[Sample] = deque(maxlen=maxlen)
+        self.switches: deque[SwitchEvent] = deque(maxlen=maxlen)
+
+    def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float) -> None:
+        t = now - self.start
+        last = self.samples[-1] if self.samples else None
+        if last is None or t - last.t >= self.interval or last.mode != mode:
+            self.samples.append(Sample(t, mode, running, waiting, kv_used))
+
+    def switch(self, now: float, source: str, target: str, done: bool, reason: str, total_ms: float | None) -> None:
+        self.switches.append(SwitchEvent(now - self.start, source, target, done, reason, total_ms))
+
+    def to_json(self, since: float = 0.0) -> dict[str, Any]:
+        """Samples and switches from `since` seconds on (all by default), as lists of dicts."""
+        return {"samples": [asdict(s) for s in self.samples if s.t >= since],
+                "switches": [asdict(s) for s in self.switches if s.t >= since]}

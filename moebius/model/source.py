@@ -1,0 +1,45 @@
+"""What the engine flags name as the model: its config, where its weights come from (a checkpoint directory, or
+random weights for a preset or the built-in demo model), its tokenizer and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
+from moebius.model.builtin import builtin_hf_config
+from moebius.tokenizer import Tokenizer, load_generation_eos
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What the flags name: the model config, where weights come from, and the tokenizer."""
+
+    config: ModelConfig
+    checkpoint: str | None
+    tokenizer: Tokenizer | None
+    tokenizer_dir: str | None
+    builtin_tokenizer: bool
+    eos_token_ids: tuple[int, ...]
+    is_builtin: bool
+
+
+def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
+    name = ecfg.model
+    if name is None:
+        tok = Tokenizer.builtin()
+        return ResolvedModel(ModelConfig.from_hf(builtin_hf_config(), ecfg.num_layers), None, tok, None, True,
+                             tok.eos_token_ids, True)
+    if name in PRESETS and not os.path.isdir(name):
+        if ecfg.load_format != "dummy":
+            raise ConfigError(f"preset {name!r} has no weights on disk; pass --load-format dummy")
+        tok = Tokenizer.from_dir(ecfg.tokenizer) if ecfg.tokenizer else Tokenizer.builtin()
+        return ResolvedModel(ModelConfig.from_hf(PRESETS[name], ecfg.num_layers), None, tok, ecfg.tokenizer,
+                             ecfg.tokenizer is None, tok.eos_token_ids, False)
+    hf = read_hf_config(name)
+    cfg = ModelConfig.from_hf(hf, ecfg.num_layers)
+    tok_dir = ecfg.tokenizer or (name if os.path.isfile(os.path.join(name, "tokenizer.json")) else None)
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
+    eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
+    checkpoint = None if ecfg.load_format == "dummy" else name
+    return ResolvedModel(cfg, checkpoint, tok, tok_dir, False, eos, False)

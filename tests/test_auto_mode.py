@@ -1,0 +1,71 @@
+"""--mode auto on the CPU: under a burst then a drain the engine switches TP -> EP and back by itself (small
+thresholds), every request's tokens equal a static run's, and the mode timeline records it all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import PROMPTS, make_llm, run_to_completion
+
+from moebius.config import ConfigError
+from moebius.sampling_params import SamplingParams
+
+AUTO = dict(mode="auto", switch_high=4, switch_low=2, switch_window=1, switch_cooldown=0)
+ENGINE = dict(max_running_requests=16, max_num_batched_tokens=16, max_total_tokens=1024)
+
+
+def burst(llm: Any) -> dict[str, Any]:
+    """Ten requests at once (greedy and seeded-sampled, 3 to 30 tokens), then the drain."""
+    ids = []
+    for i in range(10):
+        sp = (SamplingParams(temperature=0, max_tokens=3 + 3 * i, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=3 + 3 * i, ignore_eos=True))
+        ids.append(llm.add_request(list(PROMPTS[i % len(PROMPTS)]), sp))
+    outs = run_to_completion(llm)
+    return {i: [c.token_ids for c in outs[i].outputs] for i in ids}
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_auto_switches_on_a_burst_and_back_on_the_drain_with_static_tokens(ckpt: Any, P: int) -> None:
+    path = ckpt("tied_mha_nonorm")
+    with make_llm(path, num_ranks=P, mode="tp", **ENGINE) as static:
+        want = burst(static)
+    with make_llm(path, num_ranks=P, **AUTO, **ENGINE) as llm:
+        assert llm.mode == "tp" and llm.engine.auto is not None
+        got = burst(llm)
+        assert got == want
+        events = list(llm.engine.timeline.switches)
+        assert [(e.source, e.target, e.done) for e in events] == [("tp", "ep", True), ("ep", "tp", True)], events
+        assert "T_h" in events[0].reason and "T_l" in events[1].reason
+        samples = list(llm.engine.timeline.samples)
+        assert max(s.running + s.waiting for s in samples) == 10 and samples[-1].mode == "tp"
+        assert {s.mode for s in samples} == {"tp", "ep"}
+        assert llm.mode == "tp"
+        held = llm.engine.query("requests")
+        assert held == [{"running": [], "waiting": [], "others": []}] * P
+
+
+def test_auto_is_the_default_with_several_ranks_and_calibrates(ckpt: Any, tmp_path: Any) -> None:
+    """No thresholds given: the crossover comes from a calibration at start-up, kept in a file that the next start
+    reuses (no second calibration)."""
+    path = ckpt("tied_mha_nonorm")
+    kw = dict(num_ranks=2, calibration_dir=str(tmp_path), **ENGINE)
+    with make_llm(path, **kw) as llm:
+        assert llm.engine.auto is not None
+        cal = llm.engine.calibration()
+        assert cal.batches and len(cal.tp_ms) == len(cal.ep_ms) == len(cal.batches)
+        assert set(cal.switch_ms) == {"tp", "ep"}
+        events = [(e.source, e.target, e.reason) for e in llm.engine.timeline.switches]
+        assert events == [("tp", "ep", "calibration"), ("ep", "tp", "calibration")]
+        assert llm.mode == "tp"
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1
+    with make_llm(path, **kw) as llm:
+        assert list(llm.engine.timeline.switches) == []  # the kept profile: no switches at start
+        assert llm.engine.calibration() == cal
+
+
+def test_auto_refuses_a_static_layout() -> None:
+    with pytest.raises(ConfigError, match="static-layout"):
+        make_llm(None, num_ranks=2, mode="auto", static_layout=True)
