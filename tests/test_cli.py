@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import pytest
 
@@ -40,3 +41,15 @@ def test_seed_comes_per_request_from_jsonl(tmp_path: object) -> None:
     items = _read_prompts(args)
     params = [_sampling(args, overrides) for _, overrides in items]
     assert [(p.seed, p.temperature, p.max_tokens) for p in params] == [(7, 0.5, 5), (None, 1.0, 5)]
+
+
+def test_calibrate_writes_and_prints_the_profile(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from moebius.entrypoints.cli import main
+
+    args = ["calibrate", "--calibration-dir", str(tmp_path), "--batches", "1,4", "--context", "8", "--device", "cpu"]
+    assert main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["batches"] == [1, 4] and len(printed["tp_ms"]) == len(printed["ep_ms"]) == 2
+    assert set(printed["switch_ms"]) == {"tp", "ep"}
+    kept = list(pathlib.Path(str(tmp_path)).iterdir())
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == printed

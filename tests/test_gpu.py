@@ -94,7 +94,8 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
         pytest.skip(f"needs {num_ranks} GPUs")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (10,), generator=g)]
-    kw = dict(num_ranks=num_ranks, max_total_tokens=8192, max_model_len=512, cuda_graph_max_bs=16, dtype="float32")
+    kw = dict(num_ranks=num_ranks, mode="tp", max_total_tokens=8192, max_model_len=512, cuda_graph_max_bs=16,
+              dtype="float32")
     # float32 keeps both runs' argmax stable (bf16 reductions in different kernels could flip near-ties)
     with LLM(**kw) as llm:
         used = llm.engine.query("bench_decode", batch=2, context=8, steps=1, warmup=0, graphs=True)

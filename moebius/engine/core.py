@@ -140,9 +140,11 @@ class EngineCore:
         """The active layout: "tp" or "ep"."""
         return self.layout.mode
 
-    def calibration(self, fresh: bool = False) -> Calibration:
+    def calibration(self, fresh: bool = False, batches: tuple[int, ...] | None = None, context: int = 256
+                    ) -> Calibration:
         """The calibration profile of this model, ranks, GPU and dtype: the one kept from an earlier start, or
-        measured now (the engine must be idle) and kept. fresh: measure again."""
+        measured now (the engine must be idle; at these global batches and cached tokens a request) and kept.
+        fresh: measure again."""
         ecfg = self.config
         key = CalibrationKey(ecfg.model or "builtin", self.model_config.num_layers, self.world_size,
                              torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype)
@@ -150,7 +152,8 @@ class EngineCore:
         cal = None if fresh else calibration_store.load(directory, key)
         if cal is None:
             cal = calibrate(self, key, max_batch=min(ecfg.max_running_requests, ecfg.max_num_batched_tokens),
-                            max_context=self.max_model_len - 2)
+                            max_context=self.max_model_len - 2, context=context,
+                            **({"batches": batches} if batches else {}))
             path = calibration_store.save(directory, cal)
             log.info("calibration kept in %s: %s", path, cal.summary())
         return cal

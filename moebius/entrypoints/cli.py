@@ -53,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     samp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     samp.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     EngineConfig.add_cli_args(gen)
+    cal = sub.add_parser("calibrate", help="time both layouts for auto mode's policy; keep and print the profile",
+                         description="Time decode steps of both layouts over a few batch sizes and a switch each way, "
+                         "keep the profile where auto mode looks for it (--calibration-dir) and print it. Auto mode "
+                         "does this itself at start-up when no profile is kept for the model, ranks, GPU and dtype.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cal.add_argument("--fresh", action="store_true", help="measure again even if a profile is kept")
+    cal.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                     help="global decode batches to time, comma-separated (default: 1,4,16,64,128,256,512 up to "
+                     "what the engine runs)")
+    cal.add_argument("--context", type=int, default=256, help="cached tokens a request in the timed steps")
+    EngineConfig.add_cli_args(cal)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
     from moebius.bench import sweep
 
@@ -132,12 +143,26 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate(args: argparse.Namespace) -> int:
+    from moebius.engine.core import EngineCore
+
+    ecfg = EngineConfig.from_cli_args(args)
+    # a fixed start layout: auto mode would calibrate at start-up already
+    with EngineCore(dataclasses.replace(ecfg, mode=ecfg.mode if ecfg.mode in ("tp", "ep") else "tp")) as engine:
+        cal = engine.calibration(fresh=args.fresh, batches=args.batches, context=args.context)
+    print(json.dumps(cal.to_json(), indent=1))
+    print(cal.summary(), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "calibrate":
+            return calibrate(args)
         if args.command == "bench":
             return args.func(args)
     except (ValueError, ConfigError, FileNotFoundError, TypeError) as e:
