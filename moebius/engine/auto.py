@@ -56,6 +56,10 @@ class AutoMode:
     def refused(self, now: float) -> None:
         self.policy.refused(now)
 
+    def reset(self) -> None:
+        self.policy.reset()
+        self._next_cost = float("-inf")
+
 
 def build(ecfg: EngineConfig, calibration: Calibration | None) -> AutoMode:
     """The policy the flags ask for (calibration: required where the flags leave T_h open, or for the cost

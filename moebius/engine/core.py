@@ -140,6 +140,10 @@ class EngineCore:
         """The active layout: "tp" or "ep"."""
         return self.layout.mode
 
+    def set_auto(self, auto: AutoMode | None) -> None:
+        """Let `auto` decide the layout from the next step on (None: only explicit switches)."""
+        self.auto = auto
+
     def calibration(self, fresh: bool = False, batches: tuple[int, ...] | None = None, context: int = 256
                     ) -> Calibration:
         """The calibration profile of this model, ranks, GPU and dtype: the one kept from an earlier start, or

@@ -65,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--context", type=int, default=256, help="cached tokens a request in the timed steps")
     EngineConfig.add_cli_args(cal)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
-    from moebius.bench import sweep
+    from moebius.bench import bursty, rollout, sweep
 
-    sweep.add_parser(bench.add_subparsers(dest="bench", required=True))
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for tool in (sweep, rollout, bursty):
+        tool.add_parser(kinds)
     return parser
 
 

@@ -93,6 +93,11 @@ class ThresholdPolicy:
         """The asked-for switch was refused (capacity): try again after the cooldown."""
         self._quiet_until = now + self.t.cooldown
 
+    def reset(self) -> None:
+        """Forget what was observed (a new workload starts)."""
+        self._counts.clear()
+        self._quiet_until = float("-inf")
+
 
 @dataclass(frozen=True)
 class StepCurve:
@@ -168,6 +173,9 @@ class CostPolicy:
 
     def refused(self, now: float) -> None:
         self._quiet_until = now + self.cooldown
+
+    def reset(self) -> None:
+        self._quiet_until = float("-inf")
 
 
 def predicted_remaining(max_left: Sequence[int], produced: Sequence[int], finished_sorted: Sequence[int]
