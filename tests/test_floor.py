@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moebius.bench.floor import decode_step_floor_ms
+from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
 from moebius.bench.sweep import crossover
 from moebius.config import PRESETS, ModelConfig
 
@@ -30,6 +30,18 @@ def test_floor_agrees_with_reference(preset: str) -> None:
                 for context in (1, 512, 4096):
                     want = ref.step_floor(shape, P, mode, batch, context)["floor_ms"]
                     assert decode_step_floor_ms(cfg, P, mode, batch, context) == pytest.approx(want, rel=1e-9)
+        for kv_tokens in (0, 1000, 200_000):
+            want = ref.switch_floor(shape, P, kv_tokens)["floor_ms"]
+            assert switch_floor_ms(cfg, P, kv_tokens) == pytest.approx(want, rel=1e-9)
+
+
+def test_switch_floor_by_hand() -> None:
+    """Qwen3-30B-A3B on 2 ranks, no KV: half a rank's experts cross the link, the other half is copied in HBM."""
+    cfg = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    rank = 48 * 128 * 3 * 2048 * 768 * 2 / 2  # bytes of a rank's experts (bf16)
+    want = (rank / 2 / 395e9 + 2 * rank / 2 / 4.28e12) * 1e3
+    assert switch_floor_ms(cfg, 2, 0) == pytest.approx(want)
+    assert switch_floor_ms(cfg, 2, 1000) > want
 
 
 def test_floor_shape_tp_wins_small_ep_wins_large_on_8_ranks() -> None:

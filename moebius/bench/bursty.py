@@ -70,9 +70,7 @@ def latencies(run: Run, jobs: list[Job], t0: float) -> tuple[list[tuple[float, f
     return ttft, tpot
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bursty", help="a bursty arrival trace: static TP vs static EP vs auto (interactive profile)",
-                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--burst1-rate", type=float, default=80.0)
     w.add_argument("--burst1-s", type=float, default=3.0)
@@ -88,6 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--scale", type=float, default=1.0, help="multiply every length (small runs)")
     w.add_argument("--bin-s", type=float, default=10.0, help="width of the reporting bins")
     w.add_argument("--seed", type=int, default=0)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bursty", help="a bursty arrival trace: static TP vs static EP vs auto (interactive profile)",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_workload_args(p)
     add_engine_args(p, profile="interactive")
     p.add_argument("--output", default="benchmarks/results/bursty.json", help="JSON path (PNG next to it)")
     p.set_defaults(func=main)

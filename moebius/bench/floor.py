@@ -58,3 +58,17 @@ def decode_step_floor_ms(cfg: ModelConfig, P: int, mode: str, batch: int, contex
     hbm = L * ((attn_w + moe_w + kv) * b + moe_act) + lm * b
     t = max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + L * link / hw.link_bytes_per_s
     return t * 1e3
+
+
+def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int = 2, hw: Hardware = Hardware()
+                    ) -> float:
+    """The least time one EP <-> TP switch can take on a rank: the bytes whose owner changes over the link (one
+    direction; the KV of `kv_tokens` live tokens counted the EP -> TP way, the larger), plus the local share of the
+    experts read and written in HBM."""
+    b, L = dtype_bytes, cfg.num_layers
+    experts = L * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * b / P  # a rank's, either way
+    remote, local = experts * (P - 1) / P, experts / P
+    replicas = max(1, P // cfg.num_kv_heads)  # TP holds each KV head on this many ranks
+    kv = kv_tokens * L * cfg.num_kv_heads * cfg.head_dim * 2 * b / P * (P - 1) / P * replicas
+    return ((remote + kv) / hw.link_bytes_per_s + 2 * local / hw.hbm_bytes_per_s) * 1e3
+

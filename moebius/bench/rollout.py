@@ -43,9 +43,7 @@ def jobs_of(a: argparse.Namespace, vocab: int) -> list[Job]:
     return [Job(0.0, p, n) for p, n in zip(prompts_of(rng, prompts, vocab), outputs, strict=True)]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("rollout", help="an RL rollout step: static TP vs static EP vs auto (rollout profile)",
-                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=2048)
     w.add_argument("--prompt-median", type=float, default=120)
@@ -57,6 +55,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--scale", type=float, default=1.0, help="multiply every length (small runs)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--warmup-requests", type=int, default=8, help="an unmeasured run first (compilation)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rollout", help="an RL rollout step: static TP vs static EP vs auto (rollout profile)",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_workload_args(p)
     add_engine_args(p, profile="rollout")
     p.add_argument("--output", default="benchmarks/results/rollout.json", help="JSON path (PNG next to it)")
     p.set_defaults(func=main)

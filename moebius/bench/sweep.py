@@ -32,6 +32,7 @@ from moebius.bench.results import command_line, flatten, gpus_used, params_of, s
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.engine.core import EngineCore
 from moebius.sampling_params import SamplingParams
+from moebius.switch.policy import ep_ahead_from
 
 log = logging.getLogger("moebius")
 
@@ -152,13 +153,8 @@ def crossover(points: list[dict[str, Any]]) -> int | None:
     tp = {p["batch"]: p["step_ms"] for p in points if p["mode"] == "tp"}
     ep = {p["batch"]: p["step_ms"] for p in points if p["mode"] == "ep"}
     common = sorted(set(tp) & set(ep))
-    best = None
-    for b in reversed(common):
-        if ep[b] < tp[b]:
-            best = b
-        else:
-            break
-    return best
+    first = ep_ahead_from([tp[b] for b in common], [ep[b] for b in common])
+    return None if first is None else common[first]
 
 
 def plot(result: dict[str, Any], path: str) -> None:

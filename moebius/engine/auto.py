@@ -39,12 +39,12 @@ class AutoMode:
     cost_every: float = 0.25  # seconds between the cost policy's predictions (each sorts the requests in flight)
     _next_cost: float = float("-inf")
 
-    def observe(self, now: float, mode: str, running: int, remaining: Callable[[], Sequence[int]]
+    def observe(self, now: float, mode: str, in_flight: int, remaining: Callable[[], Sequence[int]]
                 ) -> Decision | None:
-        """After a step: the switch to ask for, if any. remaining(): the requests in flight's predicted remaining
-        output tokens (only the cost policy asks, at most every `cost_every` seconds)."""
+        """After a step: the switch to ask for, if any. in_flight: requests running or queued; remaining(): their
+        predicted remaining output tokens (only the cost policy asks, at most every `cost_every` seconds)."""
         if isinstance(self.policy, ThresholdPolicy):
-            return self.policy.observe(now, mode, running)
+            return self.policy.observe(now, mode, in_flight)
         if now < self._next_cost:
             return None
         self._next_cost = now + self.cost_every
@@ -85,6 +85,6 @@ def build(ecfg: EngineConfig, calibration: Calibration | None) -> AutoMode:
     low = ecfg.switch_low if ecfg.switch_low is not None else (high if high < 0 else None)
     t = Thresholds.of(ecfg.switch_profile, high, low, ecfg.switch_window, cooldown)
     note = (note + "; " if note else "") + (f"threshold policy ({ecfg.switch_profile}): TP -> EP above {t.high:g} "
-                                            f"running, EP -> TP below a mean {t.low:g} over {t.window} steps, "
+                                            f"in flight, EP -> TP below a mean {t.low:g} over {t.window} steps, "
                                             f"cooldown {t.cooldown:g} s")
     return AutoMode(ThresholdPolicy(t), note)

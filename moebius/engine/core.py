@@ -247,7 +247,8 @@ class EngineCore:
         used = 1.0 - kv["free_tokens"] / kv["total_tokens"] if kv["total_tokens"] else 0.0
         self.timeline.sample(now, self.mode, result.running, result.waiting, used)
         if self.auto is not None and self._pending.switch_to is None:
-            decision = self.auto.observe(now, self.mode, result.running, self._remaining)
+            # the signal: requests in flight, running or queued (a burst counts before its prefill is through)
+            decision = self.auto.observe(now, self.mode, result.running + result.waiting, self._remaining)
             if decision is not None:
                 self.request_switch(decision.target, reason=decision.reason)
         return outs

@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--context", type=int, default=256, help="cached tokens a request in the timed steps")
     EngineConfig.add_cli_args(cal)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
-    from moebius.bench import bursty, rollout, sweep
+    from moebius.bench import bursty, rollout, simulate, sweep
 
     kinds = bench.add_subparsers(dest="bench", required=True)
-    for tool in (sweep, rollout, bursty):
+    for tool in (sweep, rollout, bursty, simulate):
         tool.add_parser(kinds)
     return parser
 

@@ -1,10 +1,10 @@
 """When to switch: the front end's policy, a pure component fed one observation per step.
 
-Threshold policy (the paper's): the signal is the number of running requests. In TP, switch to EP as soon as the
-latest count exceeds the high threshold T_h; in EP, back to TP once the mean of the last W counts falls below the
-low threshold T_l (T_l <= T_h: the band between them is hysteresis). After every switch, and after a refused one
-(the target could not hold the live requests), nothing is asked for C seconds; the window restarts with the new
-layout.
+Threshold policy (the paper's): the signal is the number of requests in flight (running or queued). In TP, switch
+to EP as soon as the latest count exceeds the high threshold T_h; in EP, back to TP once the mean of the last W
+counts falls below the low threshold T_l (T_l <= T_h: the band between them is hysteresis). After every switch,
+and after a refused one (the target could not hold the live requests), nothing is asked for C seconds; the window
+restarts with the new layout.
 
 Cost policy (beyond the paper): with the calibrated step times of both layouts and the measured switch cost, switch
 when the predicted time saved over the work still in flight exceeds the switch cost (`CostPolicy`).
@@ -71,13 +71,13 @@ class ThresholdPolicy:
         self._counts: deque[int] = deque(maxlen=thresholds.window)
         self._quiet_until = float("-inf")
 
-    def observe(self, now: float, mode: str, running: int) -> Decision | None:
-        """The running count after a step (time `now`, layout `mode`); the switch to ask for, if any."""
-        self._counts.append(running)
+    def observe(self, now: float, mode: str, in_flight: int) -> Decision | None:
+        """The count of requests in flight after a step (time `now`, layout `mode`); the switch to ask for, if any."""
+        self._counts.append(in_flight)
         if now < self._quiet_until:
             return None
-        if mode == "tp" and running > self.t.high:
-            return Decision("ep", f"{running} running > T_h {self.t.high:g}")
+        if mode == "tp" and in_flight > self.t.high:
+            return Decision("ep", f"{in_flight} in flight > T_h {self.t.high:g}")
         if mode == "ep" and len(self._counts) == self.t.window:
             mean = sum(self._counts) / len(self._counts)
             if mean < self.t.low:
@@ -102,7 +102,7 @@ class ThresholdPolicy:
 @dataclass(frozen=True)
 class StepCurve:
     """Calibrated decode step time (ms) of one layout at a few global batch sizes (ascending), read between them
-    linearly; beyond the largest, the step grows in proportion to the batch."""
+    linearly; beyond the largest, along the last segment (never below the largest's time)."""
 
     batches: tuple[int, ...]
     step_ms: tuple[float, ...]
@@ -110,7 +110,22 @@ class StepCurve:
     def at(self, batch: np.ndarray | float) -> np.ndarray:
         b = np.asarray(batch, dtype=np.float64)
         inside = np.interp(b, self.batches, self.step_ms)
-        return np.where(b > self.batches[-1], self.step_ms[-1] * b / self.batches[-1], inside)
+        if len(self.batches) < 2:
+            return inside
+        (b0, b1), (t0, t1) = self.batches[-2:], self.step_ms[-2:]
+        beyond = np.maximum(t1 + (t1 - t0) / (b1 - b0) * (b - b1), t1)
+        return np.where(b > b1, beyond, inside)
+
+
+def ep_ahead_from(tp_ms: Sequence[float], ep_ms: Sequence[float]) -> int | None:
+    """The first index from which EP's time is below TP's at every later index (None: not at the last)."""
+    first = None
+    for i in reversed(range(len(tp_ms))):
+        if ep_ms[i] < tp_ms[i]:
+            first = i
+        else:
+            break
+    return first
 
 
 def crossover(tp: StepCurve, ep: StepCurve) -> float | None:
@@ -118,12 +133,7 @@ def crossover(tp: StepCurve, ep: StepCurve) -> float | None:
     last measured batch where TP is faster and the first where EP is; 0.0 when EP is faster everywhere, None when TP
     is faster at the largest measured batch."""
     b, t_tp, t_ep = tp.batches, tp.step_ms, ep.step_ms
-    first = None
-    for i in reversed(range(len(b))):
-        if t_ep[i] < t_tp[i]:
-            first = i
-        else:
-            break
+    first = ep_ahead_from(t_tp, t_ep)
     if first is None:
         return None
     if first == 0:
