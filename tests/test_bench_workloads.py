@@ -33,7 +33,7 @@ def test_bench_bursty_end_to_end(tmp_path: Any) -> None:
     out = f"{tmp_path}/bursty.json"
     trace = ["--burst1-rate", "30", "--burst1-s", "0.4", "--quiet-s", "1.5", "--quiet-rate-min", "1",
              "--quiet-rate-max", "2", "--burst2-rate", "30", "--burst2-s", "0.4", "--scale", "0.02", "--bin-s", "0.5"]
-    assert main(["bench", "bursty", *trace, *ENGINE, "--output", out]) == 0
+    assert main(["bench", "bursty", *trace, *ENGINE, "--no-warmup", "--output", out]) == 0
     result = load_result(out)
     phases = table(result, "phase")
     n = summary_of(result)["requests"]

@@ -56,7 +56,7 @@ def test_simulate_command_projects_and_validates(tmp_path: Any) -> None:
     trace = ["--requests", "16", "--scale", "0.02", "--seed", "3"]
     engine = ["--num-ranks", "2", "--device", "cpu", "--switch-high", "4", "--switch-cooldown", "0",
               "--calibration-dir", str(tmp_path)]
-    assert main(["bench", "rollout", *trace, *engine, "--output", real]) == 0
+    assert main(["bench", "rollout", *trace, *engine, "--no-warmup", "--output", real]) == 0
     assert main(["calibrate", "--num-ranks", "2", "--device", "cpu", "--calibration-dir", str(tmp_path),
                  "--batches", "1,4,16", "--context", "8"]) == 0
     profile = next(p for p in tmp_path.iterdir() if "-p2-" in p.name)  # the kept calibration

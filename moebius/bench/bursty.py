@@ -102,8 +102,7 @@ def main(a: argparse.Namespace) -> int:
     longest = round((a.prompt_max + a.output_max) * a.scale) + 2
     with EngineCore(model_len_for(cfg, longest)) as engine:
         jobs = jobs_of(a, engine.model_config.vocab_size)
-        warm = [Job(0.0, j.prompt[:16], 8) for j in jobs[:8]]
-        runs = run_systems(engine, jobs, a.systems.split(","), auto_start="tp", warmup=warm)
+        runs = run_systems(engine, jobs, a.systems.split(","), auto_start="tp", warmup=not a.no_warmup)
         auto_note = engine.auto.note if engine.auto is not None else "one rank: no switching"
     rows, bins, names = [], [], phases(a)
     for r in runs:

@@ -54,7 +54,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-cap", type=int, default=32768)
     w.add_argument("--scale", type=float, default=1.0, help="multiply every length (small runs)")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--warmup-requests", type=int, default=8, help="an unmeasured run first (compilation)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,8 +71,7 @@ def main(a: argparse.Namespace) -> int:
     longest = max(len(j.prompt) + j.output_len for j in probe) + 1
     with EngineCore(with_model_len(cfg, longest)) as engine:
         jobs = jobs_of(a, engine.model_config.vocab_size)
-        warm = [Job(0.0, j.prompt[:16], 8) for j in jobs[: a.warmup_requests]]
-        runs = run_systems(engine, jobs, a.systems.split(","), auto_start="ep", warmup=warm)
+        runs = run_systems(engine, jobs, a.systems.split(","), auto_start="ep", warmup=not a.no_warmup)
         auto_note = engine.auto.note if engine.auto is not None else "one rank: no switching"
     rows = [{"system": r.system, "completion_s": r.wall_s, "output_tokens": r.output_tokens,
              "output_tokens_per_s": r.output_tokens / r.wall_s, "tp_s": r.seconds_in("tp"),

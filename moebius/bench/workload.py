@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, profile: str) -> None:
     g.add_argument("--switch-cooldown", type=float, default=None)
     g.add_argument("--calibration-dir", default=None)
     g.add_argument("--systems", default=",".join(SYSTEMS), help="which of tp, ep, auto to run, in this order")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the unmeasured first run of the whole workload (it compiles the kernels for every "
+                   "step shape the workload meets, which would otherwise stall the first system's run)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -117,15 +120,19 @@ def drive(engine: EngineCore, jobs: Sequence[Job]) -> tuple[list[RequestOutput],
 
 
 def run_systems(engine: EngineCore, jobs: Sequence[Job], systems: Sequence[str], auto_start: str,
-                warmup: Sequence[Job] = ()) -> list[Run]:
+                warmup: bool = True) -> list[Run]:
     """The jobs on each system in turn: static TP, static EP (the engine pinned to a layout, policy off) and auto
-    (the policy on, from `auto_start`). warmup: run first, unmeasured (compilation and the like)."""
+    (the policy on, from `auto_start`). warmup: the jobs once first, unmeasured, in every layout the systems use
+    (arrivals at once: the kernels of every step shape are compiled before any run is timed)."""
     auto = engine.auto
     if "auto" in systems and auto is None:
         raise ValueError("auto needs an engine of several ranks in --mode auto")
     engine.set_auto(None)
     if warmup:
-        drive(engine, warmup)
+        for layout in dict.fromkeys(auto_start if s == "auto" else s for s in systems):
+            if engine.mode != layout:
+                engine.switch_mode(layout, reason="bench: warm-up")
+            drive(engine, [replace(j, arrival=0.0) for j in jobs])
     runs = []
     for system in systems:
         layout = auto_start if system == "auto" else system

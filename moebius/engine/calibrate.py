@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from moebius.switch.calibration import Calibration, CalibrationKey
 
-DEFAULT_BATCHES = (1, 4, 16, 64, 128, 256, 512)
+DEFAULT_BATCHES = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
 
 
 class Engine(Protocol):

@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cal.add_argument("--fresh", action="store_true", help="measure again even if a profile is kept")
     cal.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
-                     help="global decode batches to time, comma-separated (default: 1,4,16,64,128,256,512 up to "
-                     "what the engine runs)")
+                     help="global decode batches to time, comma-separated (default: 1,4,16,64,128,256,512,1024,2048, "
+                     "up to what the engine runs)")
     cal.add_argument("--context", type=int, default=256, help="cached tokens a request in the timed steps")
     EngineConfig.add_cli_args(cal)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
