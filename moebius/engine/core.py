@@ -243,9 +243,10 @@ class EngineCore:
             self._apply(d, now, touched)
         outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
         self._retire(touched)
-        kv = self.kv_stats()
-        used = 1.0 - kv["free_tokens"] / kv["total_tokens"] if kv["total_tokens"] else 0.0
-        self.timeline.sample(now, self.mode, result.running, result.waiting, used)
+        if self.timeline.due(now, self.mode):
+            total = sum(k.total_tokens for k in result.kv)
+            used = 1.0 - sum(k.free_tokens for k in result.kv) / total if total else 0.0
+            self.timeline.sample(now, self.mode, result.running, result.waiting, used)
         if self.auto is not None and self._pending.switch_to is None:
             # the signal: requests in flight, running or queued (a burst counts before its prefill is through)
             decision = self.auto.observe(now, self.mode, result.running + result.waiting, self._remaining)

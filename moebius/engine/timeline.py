@@ -36,11 +36,14 @@ class ModeTimeline:
         self.samples: deque[Sample] = deque(maxlen=maxlen)
         self.switches: deque[SwitchEvent] = deque(maxlen=maxlen)
 
-    def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float) -> None:
-        t = now - self.start
+    def due(self, now: float, mode: str) -> bool:
+        """Whether a sample now would be kept (the interval has passed, or the layout changed)."""
         last = self.samples[-1] if self.samples else None
-        if last is None or t - last.t >= self.interval or last.mode != mode:
-            self.samples.append(Sample(t, mode, running, waiting, kv_used))
+        return last is None or now - self.start - last.t >= self.interval or last.mode != mode
+
+    def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float) -> None:
+        if self.due(now, mode):
+            self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used))
 
     def switch(self, now: float, source: str, target: str, done: bool, reason: str, total_ms: float | None) -> None:
         self.switches.append(SwitchEvent(now - self.start, source, target, done, reason, total_ms))
