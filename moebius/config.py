@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,21 @@ def read_hf_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def _check_type(name: str, v: Any, annotation: str) -> None:
+    """ConfigError unless `v` fits the flag's annotation ("int", "float | None", ...): bools are not numbers, ints
+    are floats, numbers are finite."""
+    kinds = annotation.replace(" ", "").split("|")
+    if v is None and "None" in kinds:
+        return
+    ok = (("int" in kinds and isinstance(v, int) and not isinstance(v, bool))
+          or ("float" in kinds and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v))
+          or ("str" in kinds and isinstance(v, str)) or ("bool" in kinds and isinstance(v, bool)))
+    if not ok:
+        want = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+        raise ConfigError(f"{name} must be {' or '.join(want[k] for k in kinds if k in want)}"
+                          f"{' or None' if 'None' in kinds else ''}, got {v!r}")
+
+
 def _flag(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
@@ -234,6 +250,8 @@ class EngineConfig:
                              "one thread per rank avoids oversubscribing small machines)")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # types first: a later comparison with a wrong type names nothing
+            _check_type(f.name, getattr(self, f.name), str(f.type))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens <= 0:
@@ -249,6 +267,10 @@ class EngineConfig:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
+            raise ConfigError(f"admin_port must be a port number (0-65535; 0 picks a free one), got {self.admin_port}")
         if self.switch_high is not None and self.switch_low is not None and self.switch_low > self.switch_high:
             raise ConfigError(f"switch_low {self.switch_low} is above switch_high {self.switch_high} (T_l <= T_h)")
         if self.switch_window is not None and self.switch_window < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -31,31 +33,48 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        _int("n", self.n, lo=1)
+        _real("temperature", self.temperature, "must be a number >= 0", lambda v: v >= 0)
+        _real("top_p", self.top_p, "must be a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        _int("top_k", self.top_k, lo=-1, what="-1 (disabled) or a positive integer")
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, lo=1)
+        _int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} is larger than max_tokens {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "prompt_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.stop is not None and not isinstance(self.stop, str | list | tuple):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         self.stop_strings = tuple(stops)
-        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list | tuple):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            for t in self.stop_token_ids:
+                _int("stop_token_ids", t, lo=0, what="non-negative integers")
         if self.top_k == 0:
             self.top_k = -1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _int(name: str, v: object, lo: int | None = None, what: str | None = None) -> None:
+    """An integer (not a bool, not a float) of at least `lo`; ValueError naming the field otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        want = what or ("an integer" if lo is None else f"an integer >= {lo}")
+        raise ValueError(f"{name} must be {want}, got {v!r}")
+
+
+def _real(name: str, v: object, rule: str, ok: Callable[[float], bool]) -> None:
+    """A finite number (not a bool) that satisfies `ok`; ValueError naming the field otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not ok(float(v)):
+        raise ValueError(f"{name} {rule}, got {v!r}")
+

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,8 @@ class EngineCore:
         if resolved.is_builtin:
             log.warning(BUILTIN_NOTICE)
         device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda, but torch sees no CUDA GPU here (use --device cpu or auto)")
         dtype = ecfg.dtype if ecfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         self.max_model_len = ecfg.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -113,6 +116,8 @@ class EngineCore:
             self.ranks = SpawnedRanks(spec, self.world_size)
         else:
             self.ranks = LocalRanks(spec)
+        # an engine dropped without close() still ends its ranks in order (and at interpreter exit)
+        self._close_ranks = weakref.finalize(self, self.ranks.close)
         self.kv_capacity = self.ranks.kv_capacity
         self.layout = Layout(cfg, start, 0, self.world_size)  # the active layout, as rank 0 holds it
         self._kv_stats: list[KVStats] = []
@@ -167,6 +172,11 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid text: character {e.start} ({prompt[e.start]!r}) has no UTF-8 "
+                                 "form") from None
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (the model directory has no tokenizer.json); "
                                  "pass token ids or --tokenizer")
@@ -379,7 +389,7 @@ class EngineCore:
                 "per_rank": [{"free_tokens": r.free_tokens, "total_tokens": r.total_tokens} for r in per_rank]}
 
     def close(self) -> None:
-        self.ranks.close()
+        self._close_ranks()
 
     def __enter__(self) -> EngineCore:
         return self

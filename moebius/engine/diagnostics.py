@@ -83,6 +83,8 @@ def fingerprint(rank: Rank) -> dict[str, Any]:
 def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict[str, Any]:
     """Time steady-state decode steps of `batch` requests (global) with `context` cached tokens each, through
     the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
+    if steps < 1 or warmup < 0:  # an answer, not an exception: a rank that raised would take the engine down
+        return {"error": f"bench_decode needs steps >= 1 and warmup >= 0, got {steps} and {warmup}"}
     lay, alloc, groups = rank.layout, rank.allocator, rank.groups
     local = lay.local_batch(batch)
     ecfg = rank.spec.engine
@@ -114,7 +116,9 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
             runner.launch(chunks, [], sync, graphs=graphs).result()  # tokens on the host: a whole step
             times.append(time.perf_counter() - t)
             meta.append(runner.last_metadata_s)
-        overlapped = _time_overlapped(rank, chunks, sync, steps, warmup, graphs)
+        # overlap needs an asynchronous device: on the CPU a launch computes the step, so there is nothing to hide
+        overlapped = (_time_overlapped(rank, chunks, sync, steps, warmup, graphs) if rank.device.type == "cuda"
+                      else statistics.median(times[warmup:]) * 1e3)
         replay_ms = runner.time_replay(sync.max_tokens, steps) if used_graph else None
     finally:
         for c in chunks:

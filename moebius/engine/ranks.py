@@ -79,7 +79,10 @@ def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
     """The step loop of a rank. Rank 0 relays plans from the front end's pipe and results back."""
     running = True
     while running:
-        plan = conn.recv() if conn is not None else None
+        try:
+            plan = conn.recv() if conn is not None else None
+        except (EOFError, ConnectionError):  # the front end is gone (closed without close(), or killed): shut down
+            plan = None
         running, result = rank_step(rank, groups, plan)
         if conn is not None and running:
             conn.send(("ok", result))

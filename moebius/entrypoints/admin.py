@@ -20,12 +20,16 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from moebius.config import ConfigError
 from moebius.parallel.layout import MODES
 
 if TYPE_CHECKING:
     from moebius.engine.core import EngineCore
 
 log = logging.getLogger("moebius")
+
+MAX_BODY = 1 << 16  # bytes: a switch request is a few
+BODY_TIMEOUT_S = 5.0
 
 
 class AdminServer:
@@ -34,7 +38,10 @@ class AdminServer:
         self.core, self.api_key, self.timeout_s = core, api_key, timeout_s
         self._jobs: queue.Queue[tuple[str, Future]] = queue.Queue()
         self._status: dict[str, Any] = {}
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        except OSError as e:  # a busy or forbidden port, an address not of this machine
+            raise ConfigError(f"admin endpoints cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="moebius-admin", daemon=True)
@@ -93,14 +100,41 @@ class AdminServer:
                     return self._reply(404, {"error": f"no such endpoint {self.path}"})
                 self._reply(200, server._status or {"mode": server.core.mode})
 
+            def _wrong_method(self) -> None:
+                self._reply(405, {"error": f"{self.command} is not allowed here: GET /admin/status, POST "
+                                  "/admin/switch"})
+
+            do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _wrong_method  # noqa: N815 (http.server's naming)
+
+            def _body(self) -> bytes | None:
+                """The request body, or None after answering why not (too large, shorter than announced)."""
+                try:
+                    n = int(self.headers.get("Content-Length", "0"))
+                except ValueError:
+                    n = -1
+                if not 0 <= n <= MAX_BODY:
+                    self._reply(413 if n > MAX_BODY else 400, {"error": f"Content-Length must be 0-{MAX_BODY}"})
+                    return None
+                self.connection.settimeout(BODY_TIMEOUT_S)  # a client announcing more than it sends is not waited on
+                try:
+                    data = self.rfile.read(n)
+                except TimeoutError:
+                    data = b""
+                if len(data) != n:
+                    self._reply(400, {"error": f"the body has fewer bytes than its Content-Length {n}"})
+                    return None
+                return data
+
             def do_POST(self) -> None:  # noqa: N802
                 if not self._authorized():
                     return
                 if self.path != "/admin/switch":
                     return self._reply(404, {"error": f"no such endpoint {self.path}"})
+                data = self._body()
+                if data is None:
+                    return
                 try:
-                    n = int(self.headers.get("Content-Length", "0"))
-                    body = json.loads(self.rfile.read(min(n, 1 << 16)) or b"{}")
+                    body = json.loads(data or b"{}")
                     mode = body["mode"]
                 except (ValueError, KeyError, TypeError):
                     return self._reply(400, {"error": 'expected a JSON body {"mode": "tp" | "ep"}'})

@@ -36,6 +36,9 @@ class LLM:
         """Generate for every prompt; outputs in input order. A bad prompt raises before any is admitted."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, or a list of token ids)
+        if not isinstance(prompts, list | tuple):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
@@ -49,8 +52,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
                 checked.append(self.engine.validate(p, sp))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
         ids = [self.engine.add_request(p, sp, validated=c) for p, sp, c in zip(prompts, params, checked, strict=True)]
         return self._run(ids, use_tqdm)
 
