@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -92,6 +93,8 @@ def _rank_main(rank: int, world_size: int, spec: RankSpec, init_method: str | No
                conn: Connection | None) -> None:
     """Entry of a rank process (spawned, or a torchrun rank other than 0)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank}: %(message)s")
+    if init_method is not None:  # spawned: Ctrl-C in the terminal is the front end's to handle; it closes the ranks
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     local_rank = rank if init_method is not None else int(os.environ.get("LOCAL_RANK", 0))
     spec = dataclasses.replace(spec, rank=rank, world_size=world_size, device=_rank_device(spec, local_rank))
     groups = init_groups(rank, world_size, torch.device(spec.device), init_method)
