@@ -1,12 +1,17 @@
 """Start-up calibration of the switch policy: decode steps of both layouts timed over a few global batch sizes, and
-a switch each way with nothing in flight, through the engine itself (its graphs, its communicators)."""
+a switch each way with nothing in flight, through the engine itself: real requests served by `step()`, so a step's
+time holds everything a served step costs (graphs, communicators, sampling, the front end's own work)."""
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from moebius.sampling_params import SamplingParams
 from moebius.switch.calibration import Calibration, CalibrationKey
 
 DEFAULT_BATCHES = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
@@ -20,40 +25,61 @@ class Engine(Protocol):
 
     def switch_mode(self, target: str, reason: str = "operator") -> dict[str, Any]: ...
 
-    def query(self, name: str, **args: Any) -> list[Any]: ...
+    def add_request(self, prompt: list[int], params: SamplingParams) -> str: ...
+
+    def step(self) -> Sequence[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
 
 
-def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: int,
-              batches: tuple[int, ...] = DEFAULT_BATCHES, context: int = 256, steps: int = 5, warmup: int = 2,
+def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: int, vocab: int, kv_tokens: int,
+              batches: tuple[int, ...] = DEFAULT_BATCHES, context: int = 256, steps: int = 8, warmup: int = 3,
               progress: bool = True) -> Calibration:
-    """Time both layouts (the engine must be idle) at the global batches up to `max_batch` with `context` (at most
-    `max_context`) cached tokens a request; ends in the layout it started in. Batches that do not fit a layout's KV
-    pool are left out."""
-    context = max(1, min(context, max_context))
-    batches = tuple(b for b in batches if b <= max_batch) or (1,)
+    """Time both layouts (the engine must be idle, the policy off) at the global batches up to `max_batch`, each
+    request holding `context` (at most `max_context`) tokens; ends in the layout it started in. A batch whose KV
+    would not fit `kv_tokens` (a rank's pool in the smaller layout) is left out."""
+    context = max(1, min(context, max_context - warmup - steps - 2))
+    batches = tuple(b for b in batches if b <= max_batch and b * (context + warmup + steps + 2) <= kv_tokens) or (1,)
     start = core.mode
     order = [start, "ep" if start == "tp" else "tp"]
     times: dict[str, dict[int, float]] = {m: {} for m in order}
     switch_ms: dict[str, float] = {}
-    bar = tqdm(total=2 * len(batches), desc="calibrating the switch policy", unit="step", disable=not progress)
+    bar = tqdm(total=2 * len(batches), desc="calibrating the switch policy", unit="batch", disable=not progress)
     try:
         for mode in order:
             if core.mode != mode:
                 switch_ms[mode] = _switch(core, mode)
             for b in batches:
-                res = core.query("bench_decode", batch=b, context=context, steps=steps, warmup=warmup, graphs=True)
-                if not any("error" in r for r in res):
-                    times[mode][b] = max(r["step_ms"] for r in res)  # lockstep: the slowest rank's step
+                times[mode][b] = _served_step_ms(core, b, context, steps, warmup, vocab)
                 bar.update(1)
         switch_ms[start] = _switch(core, start)
     finally:
         bar.close()
-    both = [b for b in batches if b in times["tp"] and b in times["ep"]]
-    if not both:
-        raise RuntimeError(f"calibration: no batch of {list(batches)} fits both layouts with {context} cached tokens "
-                           "a request")
-    return Calibration(key, context, both, [times["tp"][b] for b in both],
-                       [times["ep"][b] for b in both], switch_ms)
+    return Calibration(key, context, list(batches), [times["tp"][b] for b in batches],
+                       [times["ep"][b] for b in batches], switch_ms)
+
+
+def _served_step_ms(core: Engine, batch: int, context: int, steps: int, warmup: int, vocab: int) -> float:
+    """ms a step of `batch` requests decoding with about `context` tokens each takes, as `step()` serves them."""
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    ids = {core.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)}
+    started: set[str] = set()
+    while len(started) < batch:  # prefill: until every request has its first token
+        started |= {o.request_id for o in core.step() if o.outputs[0].token_ids}
+    for _ in range(warmup):
+        core.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    for rid in ids:
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    return ms
 
 
 def _switch(core: Engine, target: str) -> float:

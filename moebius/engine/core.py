@@ -160,9 +160,14 @@ class EngineCore:
         directory = ecfg.calibration_dir or calibration_store.default_dir()
         cal = None if fresh else calibration_store.load(directory, key)
         if cal is None:
-            cal = calibrate(self, key, max_batch=min(ecfg.max_running_requests, ecfg.max_num_batched_tokens),
-                            max_context=self.max_model_len - 2, context=context,
-                            **({"batches": batches} if batches else {}))
+            auto, self.auto = self.auto, None  # no switches but calibration's own while it times
+            try:
+                cal = calibrate(self, key, max_batch=min(ecfg.max_running_requests, ecfg.max_num_batched_tokens),
+                                max_context=self.max_model_len, vocab=self.model_config.vocab_size,
+                                kv_tokens=self.kv_capacity, context=context,
+                                **({"batches": batches} if batches else {}))
+            finally:
+                self.auto = auto
             path = calibration_store.save(directory, cal)
             log.info("calibration kept in %s: %s", path, cal.summary())
         return cal
