@@ -35,13 +35,18 @@ class Engine(Protocol):
 
 
 def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: int, vocab: int, kv_tokens: int,
-              batches: tuple[int, ...] = DEFAULT_BATCHES, context: int = 256, steps: int = 8, warmup: int = 3,
-              progress: bool = True) -> Calibration:
+              budget: int, batches: tuple[int, ...] = DEFAULT_BATCHES, context: int = 256, steps: int = 8,
+              warmup: int = 3, progress: bool = True) -> Calibration:
     """Time both layouts (the engine must be idle, the policy off) at the global batches up to `max_batch`, each
-    request holding `context` (at most `max_context`) tokens; ends in the layout it started in. A batch whose KV
-    would not fit `kv_tokens` (a rank's pool in the smaller layout) is left out."""
-    context = max(1, min(context, max_context - warmup - steps - 2))
-    batches = tuple(b for b in batches if b <= max_batch and b * (context + warmup + steps + 2) <= kv_tokens) or (1,)
+    request holding about `context` tokens (at most half `max_context`); ends in the layout it started in. A batch
+    whose KV would not fit `kv_tokens` (a rank's pool in the smaller layout) is left out. budget: tokens a step."""
+    context = max(1, min(context, max_context // 2))
+
+    def length(b: int) -> int:  # tokens a request reaches: it decodes while the batch's other prompts prefill
+        return context + -(-b * context // budget) + warmup + steps + 2
+
+    batches = tuple(b for b in batches if b <= max_batch and b * length(b) <= kv_tokens
+                    and length(b) <= max_context) or (1,)
     start = core.mode
     order = [start, "ep" if start == "tp" else "tp"]
     times: dict[str, dict[int, float]] = {m: {} for m in order}
@@ -52,7 +57,7 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
             if core.mode != mode:
                 switch_ms[mode] = _switch(core, mode)
             for b in batches:
-                times[mode][b] = _served_step_ms(core, b, context, steps, warmup, vocab)
+                times[mode][b] = _served_step_ms(core, b, context, length(b), steps, warmup, vocab)
                 bar.update(1)
         switch_ms[start] = _switch(core, start)
     finally:
@@ -61,10 +66,12 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
                        [times["ep"][b] for b in batches], switch_ms)
 
 
-def _served_step_ms(core: Engine, batch: int, context: int, steps: int, warmup: int, vocab: int) -> float:
-    """ms a step of `batch` requests decoding with about `context` tokens each takes, as `step()` serves them."""
+def _served_step_ms(core: Engine, batch: int, context: int, length: int, steps: int, warmup: int, vocab: int
+                    ) -> float:
+    """ms a step of `batch` requests decoding with about `context` tokens each takes, as `step()` serves them (each
+    may reach `length` tokens: none ends before the timed steps are through)."""
     rng = random.Random(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=length - context, ignore_eos=True)
     ids = {core.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)}
     started: set[str] = set()
     while len(started) < batch:  # prefill: until every request has its first token

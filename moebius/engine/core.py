@@ -164,7 +164,7 @@ class EngineCore:
             try:
                 cal = calibrate(self, key, max_batch=min(ecfg.max_running_requests, ecfg.max_num_batched_tokens),
                                 max_context=self.max_model_len, vocab=self.model_config.vocab_size,
-                                kv_tokens=self.kv_capacity, context=context,
+                                kv_tokens=self.kv_capacity, budget=ecfg.max_num_batched_tokens, context=context,
                                 **({"batches": batches} if batches else {}))
             finally:
                 self.auto = auto
