@@ -59,6 +59,8 @@ def test_bad_prompts_name_their_index() -> None:
             llm.generate(["ok", "a\udcffb"])
         with pytest.raises(TypeError, match="prompt 0: .*float"):
             llm.generate([1.5])
+        with pytest.raises(ValueError, match="stop_token_ids 100000 is outside the vocabulary"):
+            llm.generate([[1, 2, 3]], SamplingParams(min_tokens=2, stop_token_ids=[100000]))  # crashed a rank
         assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].finished
 
 

@@ -208,6 +208,10 @@ class EngineCore:
         check_prompt(len(ids), self.max_model_len, self.kv_capacity)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
+        V = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids or () if t >= V]
+        if bad:  # (min_tokens masks them in the logits: an id beyond them would fail inside a rank)
+            raise ValueError(f"stop_token_ids {bad[0]} is outside the vocabulary [0, {V})")
         return text, ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -1,4 +1,5 @@
-"""The `moebius` command line: `moebius generate` runs prompts offline and writes JSONL results."""
+"""The `moebius` command line: `moebius generate` runs prompts offline and writes JSONL results; `moebius serve` serves
+an OpenAI-compatible HTTP API (moebius/entrypoints/openai/)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "up to what the engine runs)")
     cal.add_argument("--context", type=int, default=256, help="cached tokens a request in the timed steps")
     EngineConfig.add_cli_args(cal)
+    from moebius.entrypoints.openai import server  # (imports no web package until it serves)
+
+    server.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
     from moebius.bench import bursty, rollout, simulate, sweep
 
@@ -165,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "calibrate":
             return calibrate(args)
+        if args.command == "serve":
+            from moebius.entrypoints.openai.server import serve
+
+            return serve(args)
         if args.command == "bench":
             return args.func(args)
     except (ValueError, ConfigError, FileNotFoundError, TypeError) as e:

@@ -1,0 +1,267 @@
+"""The FastAPI application: routes, the API-key and body-size guard (a plain ASGI middleware, so streams and client
+disconnects pass through untouched), and every error in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from moebius import __version__
+from moebius.entrypoints.openai.engine_loop import EngineLoop, status
+from moebius.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from moebius.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SwitchRequest
+from moebius.entrypoints.openai.serving import (
+    Answer,
+    Generation,
+    chat_prompt,
+    check_model,
+    completion_inputs,
+    sampling_params,
+)
+from moebius.parallel.layout import MODES
+
+log = logging.getLogger("moebius")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context length
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    served_model_name: str
+    model_path: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    switch_timeout_s: float = 600.0
+    open_paths: tuple[str, ...] = ("/health",)  # reachable without the API key (load balancers' probes)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _send_error(send: Send, e: APIError) -> None:
+    await _error(e)({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class Guard:
+    """Before anything is parsed: the API key (constant-time compare) and the body size (Content-Length, and the
+    bytes actually received for bodies sent without one)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, open_paths: tuple[str, ...]) -> None:
+        self.app, self.max_body, self.open_paths = app, max_body_bytes, open_paths
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in self.open_paths:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return await _send_error(send, APIError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _send_error(send, APIError(400, "malformed Content-Length header"))
+            if int(length) > self.max_body:
+                return await _send_error(send, self._too_large())
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body:  # raised into the body parser, which passes HTTP errors on
+                raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_body} bytes", code="request_too_large")
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # pydantic's union branch names in a location
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """pydantic's first complaint as one readable sentence naming the field."""
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON ({detail})" if detail else
+                        "the request body is not valid JSON")
+    loc = [x for x in e.get("loc", ()) if x != "body" and not (isinstance(x, str) and _TYPE_TAG.search(x))]
+    if not loc:
+        return APIError(400, "the request body is missing: send a JSON object" if e.get("type") == "missing" else
+                        "the request body must be a JSON object")
+    path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    if e.get("type") == "missing":
+        return APIError(400, f"{path} is required", param=str(loc[0]))
+    return APIError(400, f"{path}: {str(e.get('msg', 'invalid')).removeprefix('Value error, ')}", param=str(loc[0]))
+
+
+def _finite(obj: Any) -> Any:
+    """JSON-safe: non-finite floats (an unbounded threshold) become null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read by then, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)
+
+
+def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+    app = FastAPI(title="Moebius", version=__version__, description="OpenAI-compatible API over the Moebius engine")
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,  # type: ignore[arg-type]
+                       open_paths=settings.open_paths)
+    served, info, created = settings.served_model_name, loop.info, int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(_validation_error(list(e.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            return _error(APIError(404, f"no route {request.url.path}", code="not_found"))
+        if e.status_code == 405:
+            return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                   code="method_not_allowed", headers=dict(e.headers or {})))
+        code = "request_too_large" if e.status_code == 413 else None
+        return _error(APIError(e.status_code, str(e.detail), code=code, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in a request")
+        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+    async def respond(request: Request, gen: Generation, chat: bool, body: CompletionRequest | ChatCompletionRequest
+                      ) -> Response:
+        try:
+            await gen.start()
+        except asyncio.CancelledError:
+            gen.abort()
+            raise
+        answer = Answer(gen, chat, served, body.return_token_ids)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            # the background abort covers a client gone before the stream's first event (its generator never ran)
+            return StreamingResponse(answer.stream(usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(gen.abort))
+        whole = asyncio.ensure_future(answer.whole())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():  # the client went away (or we are cancelled): free its KV now
+                whole.cancel()
+                gen.abort()
+        if not whole.done() or whole.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(whole.result())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body, served)
+        prompts = completion_inputs(body)
+        params = sampling_params(body, info, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await respond(request, Generation(loop, [(p, params) for p in prompts], "prompt"), False, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body, served)
+        params = sampling_params(body, info, None)
+        prompt = await run_in_threadpool(chat_prompt, body, info)  # a template render: off the event loop
+        return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": served, "object": "model", "created": created, "owned_by": "moebius",
+                "root": settings.model_path or served, "max_model_len": info.max_model_len}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != served:
+            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.error is not None or not loop.healthy:
+            raise APIError(503, f"the engine failed: {loop.error or 'its loop is not running'}", code="engine_dead")
+        if loop.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are off", code="not_found")
+        metrics.waiting.set(loop.waiting)  # fresher than the engine thread's last step
+        metrics.running.set(loop.running)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def on_engine(fn: Any, admit_while_draining: bool = False) -> Any:
+        fut = loop.call(fn, admit_while_draining)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), settings.switch_timeout_s)
+        except TimeoutError:
+            raise APIError(503, "the engine did not reach a step boundary in time", code="timeout") from None
+        except APIError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        except Exception as e:
+            raise APIError(500, f"{type(e).__name__}: {e}", code="engine_error") from None
+
+    @app.post("/admin/switch")
+    async def switch(body: SwitchRequest) -> Response:
+        if body.mode not in MODES:
+            raise APIError(400, f"mode must be one of {list(MODES)}, got {body.mode!r}", param="mode")
+        outcome = await on_engine(lambda engine: engine.switch_mode(body.mode, reason="operator"))
+        return JSONResponse(_finite(outcome))
+
+    @app.get("/admin/status")
+    async def admin_status() -> Response:
+        snapshot = await on_engine(lambda engine: status(engine, loop), admit_while_draining=True)
+        return JSONResponse(_finite({**snapshot, "draining": loop.draining}))
+
+    return app

@@ -1,0 +1,393 @@
+"""The engine loop: one thread owns the EngineCore (it is not thread-safe). HTTP handlers never touch it; they send
+commands through a thread-safe queue (add requests with their sink, abort, a call such as a switch or a status
+snapshot), which the thread takes at step boundaries. It steps while there is work and blocks on the queue when idle
+(no busy loop). Each step's outputs go to the sink of their request as deltas (new token ids and the text so far),
+through `loop.call_soon_threadsafe`, so nothing the engine mutates later is shared with the event loop.
+
+If the engine raises, the loop fails every request in flight (500), answers later ones with 503, reports itself
+unhealthy, closes the engine and ends: the server stays up to say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from moebius.entrypoints.openai.protocol import APIError
+from moebius.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moebius.engine.core import EngineCore, Prompt
+    from moebius.entrypoints.openai.metrics import ServerMetrics
+    from moebius.outputs import RequestOutput
+    from moebius.tokenizer import Tokenizer
+
+log = logging.getLogger("moebius")
+
+STATUS_TAIL = 100  # timeline samples and switches that /admin/status returns
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about the engine that do not change while it serves, read by the HTTP side."""
+
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    vocab_size: int
+    world_size: int
+
+
+# ---- events: engine thread -> one HTTP request ----
+@dataclass(frozen=True)
+class Accepted:
+    request_ids: list[str]
+    prompt_token_ids: list[list[int]]
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    index: int
+    token_ids: list[int]  # new since the last update
+    text: str  # the whole text so far (final: cut at a stop string)
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class Update:
+    prompt_index: int
+    samples: list[SampleDelta]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class Failure:
+    error: APIError
+
+
+Event = Accepted | Update | Failure
+
+
+class Sink:
+    """The HTTP side's end of one request: the engine thread puts events, the event loop reads them."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids  # the engine requests' ids, known before the engine admits them
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (shut down): nobody is listening any more
+            pass
+
+    async def get(self) -> Event:
+        return await self._queue.get()
+
+
+# ---- commands: HTTP side -> engine thread ----
+@dataclass
+class _Add:
+    items: list[tuple[Prompt, SamplingParams]]
+    sink: Sink
+    param: str
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[EngineCore], Any]
+    future: Future
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Route:
+    """Where one engine request's outputs go, and how much of them went."""
+
+    sink: Sink
+    prompt_index: int
+    sent: list[int]  # tokens delivered, per sample
+    done: list[bool]
+    started: bool = False  # its first token is out
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, metrics: ServerMetrics | None = None,
+                 max_waiting: int | None = None) -> None:
+        self._engine = engine
+        self.info = EngineInfo(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
+                               engine.world_size)
+        self.metrics, self.max_waiting = metrics, max_waiting
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards the counters and flags below, and orders puts against shutdown
+        self._waiting = 0  # engine requests submitted that have no token yet
+        self._in_flight = 0  # engine requests submitted and not finished
+        self._running = 0  # engine requests with a token out, not finished
+        self._closed = False  # no more submissions (draining, stopped or failed)
+        self.draining = False
+        self.error: str | None = None
+        self._routes: dict[str, _Route] = {}  # engine thread only
+        self._tags = itertools.count()
+        self._switches_seen = len(engine.timeline.switches)
+        self._thread = threading.Thread(target=self._run, name="moebius-engine-loop", daemon=True)
+        if metrics is not None:
+            metrics.set_layout(engine.mode)
+
+    # ---- the HTTP side (any thread) ----
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def _refusal(self) -> APIError | None:
+        if self.error is not None:
+            return APIError(503, f"the engine failed and serves no more requests ({self.error})", code="engine_dead")
+        if self._closed or self.draining:
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        return None
+
+    def submit(self, items: Sequence[tuple[Prompt, SamplingParams]], param: str = "prompt") -> Sink:
+        """Queue engine requests (validated, then admitted together, or refused together with a 400 Failure).
+        Must be called on the event loop that reads the sink. Raises APIError 503 / 429."""
+        with self._lock:
+            if (refusal := self._refusal()) is not None:
+                raise refusal
+            if self.max_waiting is not None and self._waiting >= self.max_waiting:
+                raise APIError(429, f"the server is busy: {self._waiting} requests are waiting to start (limit "
+                               f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+            self._waiting += len(items)
+            self._in_flight += len(items)
+            tag = f"r{next(self._tags)}"
+            sink = Sink([f"{tag}-{i}" for i in range(len(items))])
+            self._commands.put(_Add(list(items), sink, param))
+        return sink
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort engine requests (a client went away); their KV pages are freed at the next step."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put(_Abort(list(request_ids)))
+
+    def call(self, fn: Callable[[EngineCore], Any], admit_while_draining: bool = False) -> Future:
+        """Run fn(engine) on the engine thread at the next step boundary; its result or exception in the future."""
+        fut: Future = Future()
+        with self._lock:
+            refusal = self._refusal()
+            if refusal is not None and not (admit_while_draining and self.error is None and not self._closed):
+                fut.set_exception(refusal)
+            else:
+                self._commands.put(_Call(fn, fut))
+        return fut
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the loop (requests still in flight fail with 503) and close the engine (rank processes end)."""
+        with self._lock:
+            self.draining = True
+            if not self._closed:
+                self._commands.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        elif not self._thread.ident:  # never started: the engine is still ours to close
+            self._engine.close()
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while True:
+                for cmd in self._take(block=not engine.has_unfinished()):
+                    if isinstance(cmd, _Stop):
+                        return
+                    self._handle(cmd)
+                if engine.has_unfinished():
+                    self._deliver(engine.step())
+                self._publish()
+        except BaseException as e:  # noqa: B036 - reported to every request and to /health, never silent
+            log.exception("the engine loop failed; the server now answers 503")
+            self._fail(e)
+        finally:
+            self._shutdown()
+
+    def _take(self, block: bool) -> list[_Add | _Abort | _Call | _Stop]:
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Add):
+            self._add(cmd)
+        elif isinstance(cmd, _Abort):
+            for rid in cmd.request_ids:
+                route = self._routes.pop(rid, None)
+                if route is not None:
+                    self._engine.abort(rid)
+                    self._settle(route)
+                    if self.metrics is not None:
+                        self.metrics.success.labels(self.metrics.model_name, "abort").inc()
+        elif cmd.future.set_running_or_notify_cancel():
+            try:
+                cmd.future.set_result(cmd.fn(self._engine))
+            except Exception as e:  # the caller's error (e.g. a bad switch target); the engine goes on
+                cmd.future.set_exception(e)
+
+    def _add(self, cmd: _Add) -> None:
+        engine, many = self._engine, len(cmd.items) > 1
+        checked = []
+        for i, (prompt, params) in enumerate(cmd.items):
+            try:
+                checked.append(engine.validate(prompt, params))
+            except (ValueError, TypeError) as e:
+                with self._lock:
+                    self._waiting -= len(cmd.items)
+                    self._in_flight -= len(cmd.items)
+                cmd.sink.put(Failure(APIError(400, f"prompt {i}: {e}" if many else str(e), param=cmd.param)))
+                return
+        ids = []
+        for i, ((prompt, params), valid) in enumerate(zip(cmd.items, checked, strict=True)):
+            rid = cmd.sink.request_ids[i]
+            engine.add_request(prompt, params, request_id=rid, validated=valid)
+            self._routes[rid] = _Route(cmd.sink, i, [0] * params.n, [False] * params.n)
+            ids.append(rid)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(valid[1]))
+        cmd.sink.put(Accepted(ids, [v[1] for v in checked]))
+
+    def _settle(self, route: _Route) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if route.started:
+                self._running -= 1
+            else:
+                self._waiting -= 1
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        m, now = self.metrics, time.perf_counter()
+        for out in outs:
+            route = self._routes.get(out.request_id)
+            if route is None:  # aborted: its client is gone
+                continue
+            samples = []
+            for o in out.outputs:
+                i = o.index
+                new = o.token_ids[route.sent[i]:]  # a copy: the engine extends its list in place
+                if route.done[i] or (not new and o.finish_reason is None):
+                    continue
+                route.sent[i] += len(new)
+                route.done[i] = o.finish_reason is not None
+                samples.append(SampleDelta(i, new, o.text, o.finish_reason, o.stop_reason))
+                if m is not None:
+                    m.generation_tokens.inc(len(new))
+            if not route.started and any(route.sent):
+                route.started = True
+                with self._lock:
+                    self._waiting -= 1
+                    self._running += 1
+                if m is not None and out.ttft is not None:
+                    m.ttft.observe(max(0.0, out.ttft))
+            if samples or out.finished:
+                route.sink.put(Update(route.prompt_index, samples, out.finished))
+            if out.finished:
+                del self._routes[out.request_id]
+                self._settle(route)
+                if m is not None:
+                    first = out.outputs[0]
+                    times = first.token_times
+                    m.finished(first.finish_reason, out.arrival_time, times[0] if times else None,
+                               times[-1] if times else None, len(first.token_ids), now)
+
+    def _publish(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        engine = self._engine
+        m.running.set(self._running)
+        m.waiting.set(self._waiting)
+        kv = engine.kv_stats()
+        total = int(kv["total_tokens"])  # type: ignore[call-overload]
+        m.kv_usage.set(1.0 - int(kv["free_tokens"]) / total if total else 0.0)  # type: ignore[call-overload]
+        switches = engine.timeline.switches
+        if len(switches) > self._switches_seen:
+            for ev in itertools.islice(switches, self._switches_seen, None):
+                m.switch(ev.source, ev.target, ev.done)
+            self._switches_seen = len(switches)
+            m.set_layout(engine.mode)
+
+    def _fail(self, e: BaseException) -> None:
+        msg = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self.error = msg
+            self._closed = True
+        if self.metrics is not None:
+            self.metrics.healthy.set(0)
+        for route in self._routes.values():
+            route.sink.put(Failure(APIError(500, f"the engine failed: {msg}", code="engine_error")))
+        self._routes.clear()
+
+    def _shutdown(self) -> None:
+        with self._lock:  # after this no command is queued any more
+            self._closed = True
+            self._waiting = self._in_flight = self._running = 0
+        gone = APIError(503, "the server shut down before the request finished", code="shutting_down")
+        for route in self._routes.values():
+            route.sink.put(Failure(gone))
+        self._routes.clear()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.sink.put(Failure(self._refusal() or gone))
+            elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(self._refusal() or gone)
+        try:
+            self._engine.close()
+        except Exception:
+            log.exception("closing the engine failed")
+
+
+def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
+    """What GET /admin/status reports (run on the engine thread through EngineLoop.call)."""
+    tl = engine.timeline
+    samples = list(itertools.islice(reversed(tl.samples), STATUS_TAIL))[::-1]
+    switches = list(itertools.islice(reversed(tl.switches), STATUS_TAIL))[::-1]
+    return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
+            "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
+            "unfinished": engine.has_unfinished(), "world_size": engine.world_size,
+            "last_switch": engine.last_switch,
+            "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}

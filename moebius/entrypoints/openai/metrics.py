@@ -1,0 +1,68 @@
+"""Prometheus metrics of the server (vLLM's names under `moebius:`, plus the layout and its switches). One registry per
+server, so that several servers in one process (tests) do not collide; prometheus_client's metrics are thread-safe,
+and the engine loop's thread records them."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from moebius.parallel.layout import MODES
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry, self.model_name = CollectorRegistry(), model_name
+        r, name = self.registry, ["model_name"]
+        self.running = Gauge("moebius:num_requests_running", "Requests generating tokens (their first token is out)",
+                             name, registry=r).labels(model_name)
+        self.waiting = Gauge("moebius:num_requests_waiting", "Requests admitted that have no token yet", name,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge("moebius:kv_cache_usage_perc", "Fraction of the KV cache in use (all ranks; 1 = full)",
+                              name, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("moebius:prompt_tokens", "Prompt tokens admitted", name,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("moebius:generation_tokens", "Tokens generated", name,
+                                         registry=r).labels(model_name)
+        self.success = Counter("moebius:request_success", "Requests finished, by finish reason",
+                               [*name, "finished_reason"], registry=r)
+        self.ttft = Histogram("moebius:time_to_first_token_seconds", "Seconds from arrival to the first token", name,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("moebius:time_per_output_token_seconds", "Seconds between output tokens (a request's "
+                              "mean after its first)", name, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("moebius:e2e_request_latency_seconds", "Seconds from arrival to the last token", name,
+                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.layout = Gauge("moebius:layout", "The active parallel layout (1) and the other (0)", ["layout"],
+                            registry=r)
+        self.switches = Counter("moebius:switches", "Layout switches asked for (operator or policy), by direction "
+                                "(tp_to_ep, ep_to_tp) and outcome (done, refused)", ["direction", "outcome"],
+                                registry=r)
+        self.healthy = Gauge("moebius:engine_healthy", "1 while the engine loop runs, 0 after it failed", registry=r)
+        self.healthy.set(1)
+
+    def set_layout(self, mode: str) -> None:
+        for m in MODES:
+            self.layout.labels(m).set(1 if m == mode else 0)
+
+    def switch(self, source: str, target: str, done: bool) -> None:
+        self.switches.labels(f"{source}_to_{target}", "done" if done else "refused").inc()
+
+    def finished(self, reason: str | None, arrival: float, first: float | None, last: float | None, tokens: int,
+                 now: float) -> None:
+        """One request finished: its finish reason, arrival / first / last token times and tokens of its first
+        sample (perf_counter seconds)."""
+        self.success.labels(self.model_name, reason or "unknown").inc()
+        self.e2e.observe(max(0.0, now - arrival))
+        if first is not None and last is not None and tokens > 1:
+            self.tpot.observe(max(0.0, (last - first) / (tokens - 1)))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,127 @@
+"""`moebius serve`: the command line, start-up, and the graceful shutdown. SIGTERM / SIGINT: new requests get 503
+(and /health too), requests in flight run to their end (at most --drain-timeout seconds; what is left then fails with
+503), the engine closes (its rank processes end), and the process exits 0. A second signal stops at once.
+
+The web packages are imported only when the server starts, so `moebius --help` works without them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from moebius.config import EngineConfig
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from moebius.entrypoints.openai.engine_loop import EngineLoop
+
+log = logging.getLogger("moebius")
+
+DEMO_MODEL_NAME = "moebius-demo"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The `serve` subcommand (sub: the subparsers of the `moebius` parser)."""
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, metrics, admin)",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /version, "
+                       "/metrics and the operator endpoints /admin/switch and /admin/status on one port. With no "
+                       "--model, serves the small built-in model (random weights: its text is meaningless). "
+                       "--api-key protects every route but /health.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    http = p.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    http.add_argument("--port", type=int, default=8000, help="port to bind")
+    http.add_argument("--served-model-name", default=None,
+                      help=f"the name clients send as `model` (default: the --model value, or {DEMO_MODEL_NAME!r})")
+    http.add_argument("--max-waiting-requests", type=int, default=None,
+                      help="answer 429 while this many requests wait for their first token (default: no limit)")
+    http.add_argument("--drain-timeout", type=float, default=30.0,
+                      help="seconds a shutdown waits for requests in flight to finish")
+    EngineConfig.add_cli_args(p)
+    return p
+
+
+def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop, drain_timeout: float) -> uvicorn.Server:
+    """A uvicorn.Server whose first signal drains instead of closing at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self._aio: asyncio.AbstractEventLoop | None = None
+            self._draining = False
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._aio = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Not recorded in _captured_signals: uvicorn would raise it again on the way out (exit code -15).
+            aio = self._aio
+            if self._draining or aio is None:
+                self.force_exit = self._draining
+                self.should_exit = True
+                return
+            self._draining = True
+            engine_loop.draining = True
+            log.info("signal %d: draining (%d requests in flight, at most %.0f s)", sig, engine_loop.in_flight,
+                     drain_timeout)
+            aio.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # kept: tasks are weakly held
+
+        async def _drain(self) -> None:
+            deadline = time.monotonic() + drain_timeout
+            while engine_loop.in_flight and time.monotonic() < deadline and not self.should_exit:
+                await asyncio.sleep(0.05)
+            if engine_loop.in_flight:
+                log.warning("drain timeout: %d requests still in flight fail with 503", engine_loop.in_flight)
+            await asyncio.to_thread(engine_loop.stop)  # the engine closes while the HTTP side still answers
+            self.should_exit = True
+
+    return Server()
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from moebius.entrypoints.openai.app import ServeSettings, create_app
+        from moebius.entrypoints.openai.engine_loop import EngineLoop
+        from moebius.entrypoints.openai.metrics import ServerMetrics
+    except ImportError as e:
+        raise ValueError(f"`moebius serve` needs the web packages ({e.name} is missing): "
+                         "pip install 'moebius[serve]'") from None
+    from moebius.engine.core import EngineCore
+
+    ecfg = EngineConfig.from_cli_args(args)
+    if ecfg.admin_port is not None:
+        raise ValueError("--admin-port: `moebius serve` hosts /admin/switch and /admin/status on --port itself")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    name = args.served_model_name or ecfg.model or DEMO_MODEL_NAME
+    engine = EngineCore(ecfg)  # (spawned ranks ignore SIGINT: Ctrl+C drains through this process)
+    metrics = ServerMetrics(name)
+    loop = EngineLoop(engine, metrics, args.max_waiting_requests)
+    loop.start()
+    try:
+        settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key)
+        config = uvicorn.Config(create_app(loop, settings, metrics), host=args.host, port=args.port,
+                                log_level="info", timeout_graceful_shutdown=10)
+        log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s)", name, args.host, args.port,
+                 engine.mode, engine.world_size, "" if engine.world_size == 1 else "s")
+        if ecfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without --api-key: anyone who reaches it can generate and switch layouts",
+                        args.host)
+        _draining_server(config, loop, args.drain_timeout).run()
+    finally:
+        loop.stop()
+    log.info("server stopped")
+    return 0

@@ -1,0 +1,265 @@
+"""Completions and chat completions: request -> SamplingParams (or a 400), then the answer, whole or as server-sent
+events. Text is streamed as it grows; with stop strings the last (longest stop - 1) characters are held back until the
+request ends, since the engine cuts the final text before a stop string that may have begun in earlier tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, EngineLoop, Failure, SampleDelta, Sink, Update
+from moebius.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    unsupported,
+)
+from moebius.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moebius.engine.core import Prompt
+
+_PARAMS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+NO_LOGPROBS = "is not supported: the engine cannot return log-probabilities yet"
+
+
+def check_model(req: SamplingFields, served: str) -> None:
+    if req.model is not None and req.model != served:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: int | None) -> SamplingParams:
+    """The engine's parameters for a request, or a 400 naming the parameter."""
+    if req.min_p not in (None, 0) and "min_p" not in _PARAMS:
+        raise unsupported("min_p", "is not supported")
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        if getattr(req, name) not in (None, neutral):
+            raise unsupported(name, "is not supported")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "is not supported")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens is not None and max_tokens > info.max_model_len:
+        raise APIError(400, f"max_tokens {max_tokens} exceeds the model's context length {info.max_model_len}",
+                       param="max_tokens")
+    if req.stop_token_ids and max(req.stop_token_ids) >= info.vocab_size:
+        raise APIError(400, f"stop_token_ids must be below the vocabulary size {info.vocab_size}",
+                       param="stop_token_ids")
+    extra: dict[str, Any] = {"min_p": req.min_p} if req.min_p is not None and "min_p" in _PARAMS else {}
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            **extra)
+    except (ValueError, TypeError) as e:  # SamplingParams names the parameter first ("min_tokens 10 is ...")
+        words = re.findall(r"[a-z_]+", str(e))
+        raise APIError(400, str(e), param=next((w for w in words if w in _PARAMS), None)) from None
+
+
+def completion_inputs(req: CompletionRequest) -> list[Prompt]:
+    if req.logprobs:
+        raise unsupported("logprobs", NO_LOGPROBS)
+    if req.echo:
+        raise unsupported("echo", "is not supported")
+    if req.suffix:
+        raise unsupported("suffix", "is not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported("best_of", "other than n is not supported")
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
+
+
+def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
+    """The conversation rendered by the model's chat template (pure: runs off the event loop)."""
+    if req.logprobs or req.top_logprobs:
+        raise unsupported("logprobs" if req.logprobs else "top_logprobs", NO_LOGPROBS)
+    if req.tools:
+        raise unsupported("tools", "are not supported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "other than text is not supported")
+    if info.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, hence no chat template: use /v1/completions with token ids",
+                       param="messages")
+    kwargs = req.chat_template_kwargs or {}
+    if reserved := sorted({"messages", "add_generation_prompt"} & set(kwargs)):
+        raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "\n".join(part.text or "" for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        return info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), as the HTTP side follows them."""
+
+    def __init__(self, loop: EngineLoop, items: Sequence[tuple[Prompt, SamplingParams]], param: str) -> None:
+        self.loop, self.params = loop, items[0][1]
+        self.sink: Sink = loop.submit(items, param)  # 429 / 503 here
+        self.pending = set(range(len(items)))  # prompts not finished
+        self.accepted: Accepted | None = None
+
+    async def start(self) -> Accepted:
+        """Wait until the engine admitted the requests (or refused them: the 400 is raised here)."""
+        ev = await self.sink.get()
+        if isinstance(ev, Failure):
+            self.pending.clear()
+            raise ev.error
+        assert isinstance(ev, Accepted)
+        self.accepted = ev
+        return ev
+
+    async def updates(self) -> AsyncIterator[Update]:
+        while self.pending:
+            ev = await self.sink.get()
+            if isinstance(ev, Failure):
+                self.pending.clear()
+                raise ev.error
+            assert isinstance(ev, Update)
+            if ev.finished:
+                self.pending.discard(ev.prompt_index)
+            yield ev
+
+    def abort(self) -> None:
+        """Abort what has not finished (the client went away); nothing when all finished."""
+        if self.pending:
+            self.loop.abort([self.sink.request_ids[i] for i in sorted(self.pending)])
+            self.pending.clear()
+
+
+class _Choice:
+    """One choice of the answer: what it got and how much of its text went out."""
+
+    def __init__(self, holdback: int) -> None:
+        self.holdback, self.sent = holdback, 0
+        self.text = ""
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.opened = False  # its first chunk went out
+
+    def apply(self, d: SampleDelta) -> str:
+        """Take a delta; return the text to stream now."""
+        self.tokens += d.token_ids
+        self.text = d.text
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+        end = len(d.text) if d.finish_reason is not None else len(d.text) - self.holdback
+        out = d.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+
+def _holdback(params: SamplingParams) -> int:
+    if not params.stop_strings or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop_strings) - 1
+
+
+class Answer:
+    """Builds the JSON of one completions or chat request, whole or chunk by chunk."""
+
+    def __init__(self, gen: Generation, chat: bool, model: str, return_token_ids: bool) -> None:
+        self.gen, self.chat, self.model, self.return_ids = gen, chat, model, return_token_ids
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n = gen.params.n
+        hold = _holdback(gen.params)
+        self.choices = [_Choice(hold) for _ in range(len(gen.sink.request_ids) * self.n)]
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict[str, int]:
+        assert self.gen.accepted is not None
+        prompt = sum(len(ids) for ids in self.gen.accepted.prompt_token_ids)
+        completion = sum(len(c.tokens) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        assert self.gen.accepted is not None
+        return self.gen.accepted.prompt_token_ids[index // self.n]
+
+    async def whole(self) -> dict[str, Any]:
+        async for upd in self.gen.updates():
+            for d in upd.samples:
+                self.choices[upd.prompt_index * self.n + d.index].apply(d)
+        out = []
+        for i, c in enumerate(self.choices):
+            if self.chat:
+                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
+                                          "logprobs": None, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            choice["stop_reason"] = c.stop_reason
+            if self.return_ids:
+                choice.update(prompt_token_ids=self._prompt_ids(i), token_ids=c.tokens)
+            out.append(choice)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
+                "usage": self.usage()}
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events ending in `data: [DONE]`; an engine failure becomes an error event. Cancelled (client
+        gone) or not, what has not finished is aborted."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": None} if include_usage else {}
+
+        def event(choice: dict[str, Any]) -> str:
+            return f"data: {json.dumps({**self._head(obj), 'choices': [choice], **extra})}\n\n"
+
+        try:
+            if self.chat:  # the role first, as OpenAI sends it
+                for i, c in enumerate(self.choices):
+                    c.opened = True
+                    first: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}
+                    if self.return_ids:
+                        first["prompt_token_ids"] = self._prompt_ids(i)
+                    yield event(first)
+            async for upd in self.gen.updates():
+                for d in upd.samples:
+                    i = upd.prompt_index * self.n + d.index
+                    c = self.choices[i]
+                    text = c.apply(d)
+                    if not (text or d.finish_reason or (self.return_ids and d.token_ids)):
+                        continue
+                    if self.chat:
+                        choice: dict[str, Any] = {"index": i, "delta": {"content": text} if text else {},
+                                                  "logprobs": None, "finish_reason": d.finish_reason}
+                    else:
+                        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": d.finish_reason,
+                                  "stop_reason": d.stop_reason}
+                    if self.return_ids:
+                        choice["token_ids"] = d.token_ids
+                        if not c.opened:
+                            choice["prompt_token_ids"] = self._prompt_ids(i)
+                    c.opened = True
+                    yield event(choice)
+            if include_usage:
+                yield f"data: {json.dumps({**self._head(obj), 'choices': [], 'usage': self.usage()})}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            self.gen.abort()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,580 @@
+"""`moebius serve`: the OpenAI-compatible server, started as a process on a loopback port with the built-in model and
+spoken to over raw HTTP. Its tokens equal the offline API's (`moebius.LLM`) for the same prompt ids and parameters,
+also across a live switch; bad input is a 400 in OpenAI's error shape that disturbs no one else; a client that goes
+away frees its KV; a full queue is a 429; SIGTERM drains and exits 0; an engine failure is a 500/503, never silent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from conftest import free_port  # noqa: E402
+
+from moebius import LLM, SamplingParams  # noqa: E402
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+IDS = [[72, 101, 108, 108, 111], [5, 6, 7, 8, 9, 10, 11, 12], list(range(40, 80))]
+GREEDY = dict(temperature=0, max_tokens=16, ignore_eos=True)
+SEEDED = dict(temperature=0.8, seed=1234, max_tokens=16, ignore_eos=True)
+
+
+class Server:
+    """`moebius serve` in a subprocess (output to a log file), ready once /health answers 200."""
+
+    def __init__(self, tmp: Any, *flags: str, key: str | None = KEY) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.log = open(os.path.join(str(tmp), f"serve-{self.port}.log"), "w+")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "serve", "--device", "cpu", "--port", str(self.port),
+               *(["--api-key", key] if key else []), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.tail()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server did not start:\n{self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def post(self, path: str, body: Any = None, raw: bytes | None = None, **kw: Any) -> Any:
+        headers = {**self.headers, **kw.pop("headers", {})}
+        if raw is not None:
+            return httpx.post(self.url + path, content=raw, headers={"Content-Type": "application/json", **headers},
+                              timeout=kw.pop("timeout", 60), **kw)
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=kw.pop("timeout", 60), **kw)
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return httpx.get(self.url + path, headers={**self.headers, **kw.pop("headers", {})}, timeout=30, **kw)
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any] | str]:
+        """The events of a streamed answer: dicts, then "[DONE]"."""
+        with httpx.stream("POST", self.url + path, json={**body, "stream": True}, headers=self.headers,
+                          timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    yield data if data == "[DONE]" else json.loads(data)
+
+    def wait_idle(self, timeout: float = 20) -> dict[str, Any]:
+        """/admin/status once nothing is in flight and the whole KV cache is free again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.get("/admin/status").json()
+            if st["in_flight"] == 0 and st["kv"]["free_tokens"] == st["kv"]["total_tokens"]:
+                return st
+            assert time.monotonic() < deadline, st
+            time.sleep(0.1)
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def collect(events: Iterator[dict[str, Any] | str]) -> tuple[dict[int, list[int]], dict[int, str], list[Any]]:
+    """Token ids and text per choice index of a stream, and every event ([DONE] last)."""
+    toks: dict[int, list[int]] = {}
+    text: dict[int, str] = {}
+    seen = list(events)
+    assert seen and seen[-1] == "[DONE]" and "[DONE]" not in seen[:-1]
+    for ev in seen[:-1]:
+        assert isinstance(ev, dict) and "error" not in ev, ev
+        for c in ev["choices"]:
+            toks.setdefault(c["index"], []).extend(c.get("token_ids", []))
+            piece = c["delta"].get("content") if "delta" in c else c["text"]
+            text[c["index"]] = text.get(c["index"], "") + (piece or "")
+    return toks, text, seen
+
+
+@pytest.fixture(scope="module")
+def ref() -> Iterator[LLM]:
+    llm = LLM(device="cpu")
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("serve"))
+    yield s
+    assert s.close() == 0, s.tail()
+
+
+def offline(ref: LLM, prompt: Any, **kw: Any) -> Any:
+    return ref.generate([prompt], SamplingParams(**kw))[0]
+
+
+# ---- completions and chat, equal to the offline API ----
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completion_equals_offline(server: Server, ref: LLM, params: dict[str, Any]) -> None:
+    for ids in IDS:
+        want = offline(ref, ids, **params)
+        r = server.post("/v1/completions", {"model": "moebius-demo", "prompt": ids, "return_token_ids": True,
+                                            **params})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["model"] == "moebius-demo"
+        (choice,) = body["choices"]
+        assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
+        assert choice["finish_reason"] == "length" and choice["prompt_token_ids"] == ids
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 16, "total_tokens": len(ids) + 16}
+
+
+def test_completion_streamed_with_usage(server: Server, ref: LLM) -> None:
+    want = offline(ref, IDS[1], **GREEDY)
+    toks, text, events = collect(server.stream("/v1/completions", {"prompt": IDS[1], "return_token_ids": True,
+                                                                   "stream_options": {"include_usage": True},
+                                                                   **GREEDY}))
+    assert toks[0] == want.token_ids and text[0] == want.text
+    *chunks, usage, _ = events
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16
+    assert usage["usage"]["prompt_tokens"] == len(IDS[1])
+    assert all(c["usage"] is None for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    _, _, plain = collect(server.stream("/v1/completions", {"prompt": IDS[1], **GREEDY}))
+    assert all("usage" not in e for e in plain[:-1])  # no usage chunk without include_usage
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_streamed_equal_whole(server: Server, ref: LLM, include: bool) -> None:
+    out = offline(ref, IDS[2], **{**GREEDY, "max_tokens": 32})
+    text, tok = out.text, ref.tokenizer
+    assert tok is not None
+    # a stop string across the boundary of two tokens (its start already streamed unless held back), seen once
+    cuts = [len(tok.decode(out.token_ids[:k])) for k in range(8, 24)]
+    stop = next(text[c - 1:c + 2] for c in cuts if 0 < c < len(text) - 2 and text.count(text[c - 1:c + 2]) == 1
+                and text[c - 1:c + 2].isprintable())
+    params = {**GREEDY, "max_tokens": 32, "stop": [stop, "never-seen"], "include_stop_str_in_output": include}
+    want = offline(ref, IDS[2], **params)
+    assert want.finish_reason == "stop" and want.text.endswith(stop) == include
+    whole = server.post("/v1/completions", {"prompt": IDS[2], **params}).json()["choices"][0]
+    assert (whole["text"], whole["finish_reason"], whole["stop_reason"]) == (want.text, "stop", stop)
+    _, streamed, _ = collect(server.stream("/v1/completions", {"prompt": IDS[2], **params}))
+    assert streamed[0] == want.text
+
+
+def test_prompt_forms_and_n(server: Server, ref: LLM) -> None:
+    r = server.post("/v1/completions", {"prompt": ["Hello", "The quick brown fox"], "n": 2, **SEEDED})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    want = ref.generate(["Hello", "The quick brown fox"], SamplingParams(n=2, **SEEDED))
+    assert [c["text"] for c in body["choices"]] == [o.text for w in want for o in w.outputs]
+    assert body["usage"]["completion_tokens"] == 64
+    r = server.post("/v1/completions", {"prompt": IDS[:2], "n": 2, "return_token_ids": True, **SEEDED})
+    want = ref.generate(IDS[:2], SamplingParams(n=2, **SEEDED))
+    assert [c["token_ids"] for c in r.json()["choices"]] == [o.token_ids for w in want for o in w.outputs]
+    toks, _, _ = collect(server.stream("/v1/completions", {"prompt": IDS[0], "n": 2, "return_token_ids": True,
+                                                           **SEEDED}))
+    assert [toks[0], toks[1]] == [o.token_ids for o in offline(ref, IDS[0], n=2, **SEEDED).outputs]
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "an_unknown_field": {"x": 1}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_chat(server: Server, ref: LLM) -> None:
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    flat = [messages[0], {"role": "user", "content": "What is the capital of France?"}]
+    want = ref.chat(flat, SamplingParams(**GREEDY))[0]
+    r = server.post("/v1/chat/completions", {"messages": messages, "return_token_ids": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": want.text}
+    assert choice["token_ids"] == want.token_ids and body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    toks, text, events = collect(server.stream("/v1/chat/completions", {
+        "messages": flat, "return_token_ids": True, "stream_options": {"include_usage": True}, **GREEDY}))
+    assert toks[0] == want.token_ids and text[0] == want.text
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[0]["object"] == "chat.completion.chunk" and events[-2]["usage"]["completion_tokens"] == 16
+    r = server.post("/v1/chat/completions", {"messages": flat, "max_completion_tokens": 3, "temperature": 0})
+    assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_info_routes(server: Server) -> None:
+    models = server.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["moebius-demo"] and models["data"][0]["max_model_len"] == 4096
+    assert server.get("/v1/models/moebius-demo").json()["id"] == "moebius-demo"
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # open without the key
+    import moebius
+
+    assert server.get("/version").json() == {"version": moebius.__version__}
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_metrics(server: Server) -> None:
+    before = server.get("/metrics").text
+    assert server.post("/v1/completions", {"prompt": IDS[0], **GREEDY}).status_code == 200
+    after = server.get("/metrics")
+    assert after.headers["content-type"].startswith("text/plain")
+    for name in ("moebius:num_requests_running", "moebius:num_requests_waiting", "moebius:kv_cache_usage_perc",
+                 "moebius:prompt_tokens_total", "moebius:generation_tokens_total",
+                 "moebius:time_to_first_token_seconds_bucket", "moebius:time_per_output_token_seconds_bucket",
+                 "moebius:e2e_request_latency_seconds_bucket", 'moebius:layout{layout="tp"}'):
+        assert name in after.text, name
+    gen = "moebius:generation_tokens_total"
+    assert _metric(after.text, gen) - _metric(before, gen) == 16
+    prompt = "moebius:prompt_tokens_total"
+    assert _metric(after.text, prompt) - _metric(before, prompt) == len(IDS[0])
+    count = "moebius:e2e_request_latency_seconds_count"
+    assert _metric(after.text, count) - _metric(before, count) == 1
+
+
+# ---- operator switches ----
+def test_admin_switch_and_status(server: Server) -> None:
+    r = server.post("/admin/switch", {"mode": "ep"})
+    assert r.status_code == 200 and r.json()["done"] and r.json()["to"] == "ep"
+    st = server.get("/admin/status").json()
+    assert st["mode"] == "ep" and st["timeline"]["switches"][-1]["target"] == "ep"
+    assert {"kv", "running", "waiting", "policy", "timeline"} <= set(st) and len(st["timeline"]["samples"]) <= 100
+    assert server.post("/admin/switch", {"mode": "ep"}).json()["done"] is False  # already there: refused
+    assert server.post("/admin/switch", {"mode": "tp"}).json()["done"]
+    text = server.get("/metrics").text
+    assert 'moebius:layout{layout="tp"} 1.0' in text and 'moebius:layout{layout="ep"} 0.0' in text
+    assert 'moebius:switches_total{direction="tp_to_ep",outcome="done"}' in text
+    assert 'moebius:switches_total{direction="ep_to_tp",outcome="done"}' in text
+
+
+def test_switch_while_streaming_keeps_tokens(server: Server, ref: LLM) -> None:
+    params = {**GREEDY, "max_tokens": 48}
+    want = [o.token_ids for o in ref.generate(IDS, SamplingParams(**params))]
+    got: dict[int, list[int]] = {}
+    first = [threading.Event() for _ in IDS]
+
+    def run(i: int) -> None:
+        toks: list[int] = []
+        for ev in server.stream("/v1/completions", {"prompt": IDS[i], "return_token_ids": True, **params}):
+            if isinstance(ev, dict):
+                toks += ev["choices"][0]["token_ids"]
+                first[i].set()
+        got[i] = toks
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(IDS))]
+    for t in threads:
+        t.start()
+    for e in first:
+        assert e.wait(30)
+    assert server.post("/admin/switch", {"mode": "ep"}).json()["done"]
+    time.sleep(0.05)
+    assert server.post("/admin/switch", {"mode": "tp"}).json()["done"]
+    for t in threads:
+        t.join(60)
+    assert [got[i] for i in range(len(IDS))] == want
+
+
+# ---- refusals ----
+def test_api_key(server: Server) -> None:
+    body = {"prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for path in ("/v1/completions", "/admin/switch"):
+            r = httpx.post(server.url + path, json=body, headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/v1/models", "/metrics", "/admin/status", "/version", "/nope"):
+            assert httpx.get(server.url + path, headers=headers, timeout=10).status_code == 401
+    assert server.post("/v1/completions", body).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_not_found_method_and_size(server: Server) -> None:
+    r = server.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
+    assert server.get("/v1/models/gpt-4").status_code == 404
+    r = server.get("/v1/nothing-here")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = server.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.put(server.url + "/v1/models", headers=server.headers).status_code == 405
+    big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    r = server.post("/v1/completions", raw=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = server.post("/v1/completions", raw=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]))
+    assert r.status_code == 413  # chunked, no Content-Length: counted as it arrives
+
+
+MSG = [{"role": "user", "content": "hi"}]
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _c(**kw: Any) -> tuple[str, dict[str, Any]]:
+    return CMPL, {"prompt": "hi", **kw}
+
+
+def _chat(**kw: Any) -> tuple[str, dict[str, Any]]:
+    return CHAT, {"messages": MSG, **kw}
+
+
+BAD: list[tuple[str, Any]] = [  # (route, JSON body or raw bytes): each must be a 400 (404 for the model)
+    (CMPL, {"prompt": 5}), (CMPL, {"prompt": []}), (CMPL, {"prompt": ""}), (CMPL, {"prompt": [1, "a"]}),
+    (CMPL, {"prompt": [[1, 2], []]}), (CMPL, {"prompt": [100000]}), (CMPL, {"prompt": [-1]}), (CMPL, {}),
+    (CMPL, {"prompt": [1] * 5000}), (CMPL, {"prompt": [True, False]}), (CMPL, {"prompt": ["x"] * 65}),
+    _c(max_tokens=0), _c(max_tokens="8"), _c(max_tokens=1.5), _c(max_tokens=10**9), _c(temperature=-1),
+    _c(temperature=True), _c(top_p=0), _c(top_p=1.5), _c(top_k=-2), _c(n=0), _c(n=17), _c(stop=["x"] * 17),
+    _c(stop=[""]), _c(stop=3), _c(seed="abc"), _c(seed=2**64), _c(min_tokens=10, max_tokens=5), _c(logprobs=1),
+    _c(min_p=0.1), _c(stop_token_ids=[100000], min_tokens=2), _c(stream="yes"),
+    _c(stream_options={"include_usage": True}), _c(presence_penalty=0.5), _c(echo=True), _c(model="other-model"),
+    (CMPL, b'{"prompt": "hi"'), (CMPL, b"[1, 2]"), (CMPL, b""), (CMPL, b'{"prompt": "hi", "temperature": NaN}'),
+    (CMPL, b"\xff\xfe"),
+    (CHAT, {"messages": []}), (CHAT, {"messages": "hi"}), (CHAT, {"messages": [{"content": "hi"}]}),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+    _chat(logprobs=True), _chat(top_logprobs=2), _chat(tools=[{"type": "function"}]),
+    _chat(chat_template_kwargs={"add_generation_prompt": 1}), _chat(max_completion_tokens=-3),
+    ("/admin/switch", {"mode": "xp"}), ("/admin/switch", {}),
+]
+
+
+def test_bad_inputs_leave_a_running_stream_alone(server: Server, ref: LLM) -> None:
+    params = {**GREEDY, "max_tokens": 200}
+    want = offline(ref, IDS[2], **params).token_ids
+    events: list[Any] = []
+    started = threading.Event()
+
+    def run() -> None:
+        for ev in server.stream("/v1/completions", {"prompt": IDS[2], "return_token_ids": True, **params}):
+            events.append(ev)
+            started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(30)
+    for path, body in BAD:
+        r = server.post(path, raw=body) if isinstance(body, bytes) else server.post(path, body)
+        expected = 404 if isinstance(body, dict) and body.get("model") else 400
+        assert r.status_code == expected, (path, body if len(str(body)) < 200 else "...", r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert err["type"] == "invalid_request_error"
+    assert "logprob" in server.post("/v1/completions", {"prompt": "hi", "logprobs": 2}).json()["error"]["message"]
+    err = server.post("/v1/completions", {"prompt": "hi", "temperature": -1}).json()["error"]
+    assert err["param"] == "temperature" and "temperature" in err["message"]
+    assert "not supported" in server.post("/v1/completions", {"prompt": "hi", "min_p": 0.5}).json()["error"]["message"]
+    assert server.post("/v1/completions", {"prompt": "hi", "min_p": 0, "max_tokens": 1}).status_code == 200
+    t.join(60)
+    toks, _, _ = collect(iter(events))
+    assert toks[0] == want
+    assert server.get("/health").status_code == 200
+
+
+def test_disconnect_aborts_and_frees_kv(server: Server) -> None:
+    server.wait_idle()
+    body = {"prompt": IDS[2], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert server.get("/admin/status").json()["in_flight"] == 1
+    st = server.wait_idle(10)  # 4000 tokens would take far longer: it was aborted
+    assert st["running"] == 0
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+        server.post("/v1/completions", {**body, "stream": False}, timeout=1.0)
+    server.wait_idle(10)
+    assert _metric(server.get("/metrics").text, "moebius:kv_cache_usage_perc") == 0
+
+
+# ---- load, shutdown, failure ----
+def test_full_queue_is_429(tmp_path: Any) -> None:
+    s = Server(tmp_path, "--max-waiting-requests", "2", "--max-running-requests", "1", key=None)
+    try:
+        codes: list[Any] = []
+
+        def one() -> None:
+            r = s.post("/v1/completions", {"prompt": IDS[1], "max_tokens": 40, "ignore_eos": True})
+            codes.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+        threads = [threading.Thread(target=one) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        refused = [c for c in codes if c[0] == 429]
+        done = [c for c in codes if c[0] == 200]
+        assert refused and done and len(refused) + len(done) == 12, codes
+        assert all(c[1] is not None and int(c[1]) >= 1 for c in refused)
+        assert refused[0][2]["error"]["type"] == "rate_limit_error"
+        assert all(c[2]["usage"]["completion_tokens"] == 40 for c in done)
+        s.wait_idle()
+    finally:
+        assert s.close() == 0, s.tail()
+
+
+def test_sigterm_drains_then_exits_0(tmp_path: Any, ref: LLM) -> None:
+    s = Server(tmp_path, key=None)
+    params = {**GREEDY, "max_tokens": 300}
+    events: list[Any] = []
+    started = threading.Event()
+
+    def run() -> None:
+        for ev in s.stream("/v1/completions", {"prompt": IDS[0], "return_token_ids": True, **params}):
+            events.append(ev)
+            started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(30)
+    s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while s.get("/health").status_code == 200:  # the signal lands within moments
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = s.post("/v1/completions", {"prompt": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    t.join(60)
+    toks, _, _ = collect(iter(events))  # the stream in flight ran to its end
+    assert toks[0] == offline(ref, IDS[0], **params).token_ids
+    assert s.proc.wait(60) == 0, s.tail()
+    s.close()
+
+
+def test_engine_failure_is_reported() -> None:
+    """An exception inside the engine loop fails the requests in flight and makes /health unhealthy; the server stays
+    up to say so. (In process, to inject the failure into the engine's step.)"""
+    import uvicorn
+
+    from moebius.config import EngineConfig
+    from moebius.engine.core import EngineCore
+    from moebius.entrypoints.openai.app import ServeSettings, create_app
+    from moebius.entrypoints.openai.engine_loop import EngineLoop
+    from moebius.entrypoints.openai.metrics import ServerMetrics
+
+    engine = EngineCore(EngineConfig(device="cpu"))
+    boom = threading.Event()
+    step = engine.step
+
+    def failing_step() -> Any:
+        if boom.is_set():
+            raise RuntimeError("injected failure")
+        return step()
+
+    engine.step = failing_step  # type: ignore[method-assign]
+    metrics = ServerMetrics("moebius-demo")
+    loop = EngineLoop(engine, metrics)
+    loop.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(loop, ServeSettings("moebius-demo"), metrics),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        body = {"prompt": IDS[0], "max_tokens": 3000, "ignore_eos": True}
+        results: dict[str, Any] = {}
+
+        def whole() -> None:
+            results["whole"] = httpx.post(url + "/v1/completions", json=body, timeout=30)
+
+        events: list[Any] = []
+        waiter = threading.Thread(target=whole)
+        waiter.start()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            while httpx.get(url + "/admin/status", timeout=10).json()["running"] < 2:  # both generating
+                time.sleep(0.01)
+            boom.set()
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        waiter.join(30)
+        assert events[-1] == "[DONE]" and "injected failure" in json.loads(events[-2])["error"]["message"]
+        assert results["whole"].status_code == 500
+        assert "injected failure" in results["whole"].json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and "injected failure" in health.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "moebius:engine_healthy 0.0" in httpx.get(url + "/metrics", timeout=10).text
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        loop.stop()
+
+
+@pytest.mark.slow
+def test_two_ranks(tmp_path: Any) -> None:
+    s = Server(tmp_path, "--num-ranks", "2", "--mode", "tp", key=None)
+    try:
+        params = {**GREEDY, "max_tokens": 40}
+        with LLM(device="cpu", num_ranks=2, mode="tp") as ref2:
+            want = [o.token_ids for o in ref2.generate(IDS, SamplingParams(**params))]
+        toks, _, _ = collect(s.stream("/v1/completions", {"prompt": IDS[0], "return_token_ids": True, **params}))
+        assert toks[0] == want[0]
+        got: dict[int, list[int]] = {}
+        first = threading.Event()
+
+        def run(i: int) -> None:
+            toks: list[int] = []
+            for ev in s.stream("/v1/completions", {"prompt": IDS[i], "return_token_ids": True, **params}):
+                if isinstance(ev, dict):
+                    toks += ev["choices"][0]["token_ids"]
+                    first.set()
+            got[i] = toks
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(IDS))]
+        for t in threads:
+            t.start()
+        assert first.wait(30)
+        outcome = s.post("/admin/switch", {"mode": "ep"}).json()  # a real reshard, with the streams running
+        assert outcome["done"], outcome
+        for t in threads:
+            t.join(60)
+        assert [got[i] for i in range(len(IDS))] == want
+        assert s.get("/admin/status").json()["mode"] == "ep"
+    finally:
+        assert s.close() == 0, s.tail()
+
+
+def test_openai_client(server: Server, ref: LLM) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["moebius-demo"]
+    want = offline(ref, "The quick brown fox", **GREEDY)
+    out = client.completions.create(model="moebius-demo", prompt="The quick brown fox", max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want.text and out.usage.completion_tokens == 16
+    msgs = [{"role": "user", "content": "Hello there"}]
+    want = ref.chat(msgs, SamplingParams(**GREEDY))[0]
+    chunks = list(client.chat.completions.create(model="moebius-demo", messages=msgs, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
+        client.chat.completions.create(model="moebius-demo", messages=msgs, logprobs=True)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
