@@ -53,3 +53,28 @@ def test_calibrate_writes_and_prints_the_profile(tmp_path: object, capsys: pytes
     assert set(printed["switch_ms"]) == {"tp", "ep"}
     kept = list(pathlib.Path(str(tmp_path)).iterdir())
     assert len(kept) == 1 and json.loads(kept[0].read_text()) == printed
+
+
+def test_generate_rejects_bad_input_before_loading_the_model(tmp_path: object, capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    from moebius.entrypoints.cli import main
+
+    def fails(args: list[str], words: str) -> None:
+        assert main(["generate", "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+
+    fails(["--temperature", "-1", "hi"], "temperature")
+    fails(["--output", f"{tmp_path}/missing/out.jsonl", "hi"], "its folder does not exist")
+    bad_key = f"{tmp_path}/bad_key.jsonl"
+    with open(bad_key, "w") as f:
+        f.write(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", "temprature": 1}) + "\n")
+    fails(["--input", bad_key], "bad_key.jsonl:2: unknown sampling key")
+    bad_value = f"{tmp_path}/bad_value.jsonl"
+    with open(bad_value, "w") as f:
+        f.write(json.dumps({"prompt": "a", "top_p": 2}) + "\n")
+    fails(["--input", bad_value], "bad_value.jsonl:1: top_p")
+    not_utf8 = f"{tmp_path}/latin1.jsonl"
+    with open(not_utf8, "wb") as f:
+        f.write(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    fails(["--input", not_utf8], "latin1.jsonl:2: not UTF-8")

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -91,8 +92,9 @@ def _read_prompts(args: argparse.Namespace) -> list[tuple[Any, dict[str, Any]]]:
     """(prompt or messages, sampling overrides) per request."""
     items: list[tuple[Any, dict[str, Any]]] = [(p, {}) for p in args.prompts]
     if args.input:
-        with open(args.input) as f:
-            for n, line in enumerate(f, 1):
+        with open(args.input, "rb") as f:
+            lines = _lines(f.read(), args.input)
+            for n, line in lines:
                 if not line.strip():
                     continue
                 try:
@@ -104,15 +106,34 @@ def _read_prompts(args: argparse.Namespace) -> list[tuple[Any, dict[str, Any]]]:
                 keys = [k for k in ("prompt", "prompt_token_ids", "messages") if k in obj]
                 if len(keys) != 1:
                     raise ValueError(f"{args.input}:{n}: give exactly one of prompt, prompt_token_ids, messages")
-                items.append((("messages", obj.pop("messages")) if keys[0] == "messages" else obj.pop(keys[0]), obj))
+                prompt = ("messages", obj.pop("messages")) if keys[0] == "messages" else obj.pop(keys[0])
+                try:
+                    _sampling(args, obj)  # checked here, where the line is known, and before the model loads
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{args.input}:{n}: {e}") from None
+                items.append((prompt, obj))
     if not items:
         items = [("The quick brown fox", {})]
     return items
 
 
+def _lines(data: bytes, name: str) -> list[tuple[int, str]]:
+    """(line number, line) of a file's bytes, or a ValueError naming the first line that is not UTF-8."""
+    out = []
+    for n, raw in enumerate(data.splitlines(), 1):
+        try:
+            out.append((n, raw.decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return out
+
+
 def generate(args: argparse.Namespace) -> int:
     from moebius.entrypoints.llm import LLM
 
+    _sampling(args, {})  # the flags, before the model loads
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ValueError(f"--output {args.output}: its folder does not exist")
     items = _read_prompts(args)
     llm = LLM(**dataclasses.asdict(EngineConfig.from_cli_args(args)))
     tok = llm.tokenizer
@@ -178,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError, FileNotFoundError, TypeError) as e:
         print(f"moebius: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the engine's ranks are closed by its finalizer
+        print("moebius: interrupted", file=sys.stderr)
+        return 130
     return 1
 
 

@@ -26,8 +26,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         c = self.config
         # operator endpoints (--admin-port): what they ask for runs here, between two steps
-        self.admin = (AdminServer(self.engine, c.admin_host, c.admin_port, c.api_key) if c.admin_port is not None
-                      else None)
+        try:
+            self.admin = (AdminServer(self.engine, c.admin_host, c.admin_port, c.api_key) if c.admin_port is not None
+                          else None)
+        except Exception:
+            self.engine.close()  # the ranks are up: do not leave them behind
+            raise
 
     # ---- batch API ----
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -1,5 +1,5 @@
 """`moebius serve`: the command line, start-up, and the graceful shutdown. SIGTERM / SIGINT: new requests get 503
-(and /health too), requests in flight run to their end (at most --drain-timeout seconds; what is left then fails with
+(and /health too), requests in flight run to their end (at most --shutdown-timeout seconds; what is left then fails with
 503), the engine closes (its rank processes end), and the process exits 0. A second signal stops at once.
 
 The web packages are imported only when the server starts, so `moebius --help` works without them."""
@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help=f"the name clients send as `model` (default: the --model value, or {DEMO_MODEL_NAME!r})")
     http.add_argument("--max-waiting-requests", type=int, default=None,
                       help="answer 429 while this many requests wait for their first token (default: no limit)")
-    http.add_argument("--drain-timeout", type=float, default=30.0,
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds a shutdown waits for requests in flight to finish")
     EngineConfig.add_cli_args(p)
     return p
@@ -104,8 +104,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--admin-port: `moebius serve` hosts /admin/switch and /admin/status on --port itself")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
-    if args.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     name = args.served_model_name or ecfg.model or DEMO_MODEL_NAME
     engine = EngineCore(ecfg)  # (spawned ranks ignore SIGINT: Ctrl+C drains through this process)
     metrics = ServerMetrics(name)
@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
         if ecfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without --api-key: anyone who reaches it can generate and switch layouts",
                         args.host)
-        _draining_server(config, loop, args.drain_timeout).run()
+        _draining_server(config, loop, args.shutdown_timeout).run()
     finally:
         loop.stop()
     log.info("server stopped")
