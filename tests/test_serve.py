@@ -5,6 +5,7 @@ away frees its KV; a full queue is a 429; SIGTERM drains and exits 0; an engine 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -268,6 +269,31 @@ def test_admin_switch_and_status(server: Server) -> None:
     assert 'moebius:layout{layout="tp"} 1.0' in text and 'moebius:layout{layout="ep"} 0.0' in text
     assert 'moebius:switches_total{direction="tp_to_ep",outcome="done"}' in text
     assert 'moebius:switches_total{direction="ep_to_tp",outcome="done"}' in text
+    for phase in ("total", "weights", "kv"):
+        assert f'moebius:switch_duration_seconds_count{{phase="{phase}"}}' in text
+
+
+def test_pause_holds_requests_until_resume(server: Server, ref: LLM) -> None:
+    """RL weight-update windows: while paused no step runs, requests still come in; resume finishes them."""
+    params = {**GREEDY, "max_tokens": 8}
+    want = ref.generate(IDS[0], SamplingParams(**params))[0].token_ids
+    assert server.post("/admin/pause", {}).json() == {"paused": True}
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(server.post("/v1/completions", {
+        "prompt": IDS[0], "return_token_ids": True, **params}).json()))
+    t.start()
+    t.join(1.5)
+    assert t.is_alive() and server.get("/admin/status").json()["paused"] is True  # held, not lost
+    assert server.post("/admin/resume", {}).json() == {"paused": False}
+    t.join(30)
+    assert got["choices"][0]["token_ids"] == want
+
+
+def test_policy_is_refused_on_one_rank(server: Server) -> None:
+    r = server.post("/admin/policy", {"policy": "threshold", "high": 4})
+    assert r.status_code == 400 and "one rank" in r.json()["error"]["message"]
+    assert server.post("/admin/policy", {"policy": "off"}).json() == {"policy": None}
+    assert server.post("/admin/policy", {"high": "x"}).status_code == 400
 
 
 def test_switch_while_streaming_keeps_tokens(server: Server, ref: LLM) -> None:
@@ -553,6 +579,14 @@ def test_two_ranks(tmp_path: Any) -> None:
             t.join(60)
         assert [got[i] for i in range(len(IDS))] == want
         assert s.get("/admin/status").json()["mode"] == "ep"
+        # the policy, changed live: back to TP once fewer than 2 are in flight (idle now), then nothing moves it
+        r = s.post("/admin/policy", {"policy": "threshold", "high": 2, "low": 2, "window": 1, "cooldown": 0})
+        assert r.status_code == 200 and "T_h" not in r.json()["policy"] and "above 2" in r.json()["policy"]
+        toks, _, _ = collect(s.stream("/v1/completions", {"prompt": IDS[0], "return_token_ids": True, **params}))
+        assert toks[0] == want[0]
+        st = s.get("/admin/status").json()
+        assert st["mode"] == "tp" and st["timeline"]["switches"][-1]["target"] == "tp", st["timeline"]["switches"]
+        assert s.post("/admin/policy", {"policy": "off"}).json() == {"policy": None}
     finally:
         assert s.close() == 0, s.tail()
 
@@ -578,3 +612,30 @@ def test_openai_client(server: Server, ref: LLM) -> None:
         client.completions.create(model="gpt-4", prompt="hi")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_stats_line_while_busy(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stats line (throughput, running, waiting, KV use, layout) every STATS_EVERY_S seconds while busy."""
+    import logging
+
+    from moebius.config import EngineConfig
+    from moebius.engine.core import EngineCore
+    from moebius.entrypoints.openai import engine_loop
+    from moebius.entrypoints.openai.engine_loop import EngineLoop
+
+    monkeypatch.setattr(engine_loop, "STATS_EVERY_S", 0.0)
+    loop = EngineLoop(EngineCore(EngineConfig(device="cpu")))
+    with caplog.at_level(logging.INFO, logger="moebius"):
+        loop.start()
+        asyncio.run(_one_request(loop))
+        loop.stop()
+    lines = [r.getMessage() for r in caplog.records if "tokens/s generated" in r.getMessage()]
+    assert lines and "running" in lines[0] and "KV" in lines[0] and "layout tp" in lines[0], lines
+
+
+async def _one_request(loop: Any) -> None:
+    sink = loop.submit([(list(IDS[0]), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))])
+    while True:
+        ev = await sink.get()
+        if getattr(ev, "finished", False) or type(ev).__name__ == "Failure":
+            return

@@ -149,14 +149,22 @@ class EngineCore:
         """Let `auto` decide the layout from the next step on (None: only explicit switches)."""
         self.auto = auto
 
+    def kept_calibration(self) -> Calibration | None:
+        """The calibration profile kept for this model, ranks, GPU and dtype, if any (nothing is measured)."""
+        return calibration_store.load(self.config.calibration_dir or calibration_store.default_dir(),
+                                      self._calibration_key())
+
+    def _calibration_key(self) -> CalibrationKey:
+        return CalibrationKey(self.config.model or "builtin", self.model_config.num_layers, self.world_size,
+                              torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype)
+
     def calibration(self, fresh: bool = False, batches: tuple[int, ...] | None = None, context: int = 256
                     ) -> Calibration:
         """The calibration profile of this model, ranks, GPU and dtype: the one kept from an earlier start, or
         measured now (the engine must be idle; at these global batches and cached tokens a request) and kept.
         fresh: measure again."""
         ecfg = self.config
-        key = CalibrationKey(ecfg.model or "builtin", self.model_config.num_layers, self.world_size,
-                             torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype)
+        key = self._calibration_key()
         directory = ecfg.calibration_dir or calibration_store.default_dir()
         cal = None if fresh else calibration_store.load(directory, key)
         if cal is None:
@@ -336,6 +344,7 @@ class EngineCore:
         result = self.ranks.step(plan)
         if result.switch_times and self.last_switch is not None:  # a switch that rode on a step: its device times
             self.last_switch.update(result.switch_times)
+            self.timeline.complete(result.switch_times)
         return result
 
     def request_switch(self, target: str, reason: str = "operator") -> None:
@@ -367,7 +376,7 @@ class EngineCore:
             self.placement.clear()
         if source != target:  # (a switch to the layout in use is refused at once: no event)
             self.timeline.switch(now, source, target, done, self._switch_reason if done else
-                                 str(outcome.get("reason")), outcome.get("total_ms"))
+                                 str(outcome.get("reason")), outcome)
             if self.auto is not None:
                 (self.auto.switched if done else self.auto.refused)(now)
         return outcome

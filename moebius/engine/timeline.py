@@ -4,7 +4,7 @@ outcome, phases, why). Kept by the front end; benchmarks and metrics read it."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -24,7 +24,9 @@ class SwitchEvent:
     target: str  # to
     done: bool
     reason: str  # why it was asked for (policy, operator), or why it was refused
-    total_ms: float | None  # the switch on rank 0, when done (its device times may come a step later)
+    total_ms: float | None = None  # rank 0's times of a switch done (a switch riding on a step: a step later)
+    weights_ms: float | None = None
+    kv_ms: float | None = None
 
 
 class ModeTimeline:
@@ -45,8 +47,18 @@ class ModeTimeline:
         if self.due(now, mode):
             self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used))
 
-    def switch(self, now: float, source: str, target: str, done: bool, reason: str, total_ms: float | None) -> None:
-        self.switches.append(SwitchEvent(now - self.start, source, target, done, reason, total_ms))
+    def switch(self, now: float, source: str, target: str, done: bool, reason: str,
+               times: dict[str, Any] | None = None) -> None:
+        t = times or {}
+        self.switches.append(SwitchEvent(now - self.start, source, target, done, reason, t.get("total_ms"),
+                                         t.get("weights_ms"), t.get("kv_ms")))
+
+    def complete(self, times: dict[str, Any]) -> None:
+        """The device times of the last switch, which came with the step after it."""
+        if self.switches and self.switches[-1].done:
+            last = self.switches.pop()
+            self.switches.append(replace(last, total_ms=times.get("total_ms"), weights_ms=times.get("weights_ms"),
+                                         kv_ms=times.get("kv_ms")))
 
     def to_json(self, since: float = 0.0) -> dict[str, Any]:
         """Samples and switches from `since` seconds on (all by default), as lists of dicts."""

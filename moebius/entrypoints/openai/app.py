@@ -21,9 +21,16 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moebius import __version__
-from moebius.entrypoints.openai.engine_loop import EngineLoop, status
+from moebius.entrypoints.openai.control import set_policy, status
+from moebius.entrypoints.openai.engine_loop import EngineLoop
 from moebius.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from moebius.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SwitchRequest
+from moebius.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    PolicyRequest,
+    SwitchRequest,
+)
 from moebius.entrypoints.openai.serving import (
     Answer,
     Generation,
@@ -258,6 +265,20 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics
             raise APIError(400, f"mode must be one of {list(MODES)}, got {body.mode!r}", param="mode")
         outcome = await on_engine(lambda engine: engine.switch_mode(body.mode, reason="operator"))
         return JSONResponse(_finite(outcome))
+
+    @app.post("/admin/policy")
+    async def policy(body: PolicyRequest) -> Response:
+        return JSONResponse(await on_engine(lambda engine: set_policy(engine, body.model_dump())))
+
+    @app.post("/admin/pause")
+    async def pause() -> Response:  # RL weight updates: requests stay, no step runs until /admin/resume
+        await on_engine(lambda engine: loop.set_paused(True))
+        return JSONResponse({"paused": True})
+
+    @app.post("/admin/resume")
+    async def resume() -> Response:
+        await on_engine(lambda engine: loop.set_paused(False))
+        return JSONResponse({"paused": False})
 
     @app.get("/admin/status")
     async def admin_status() -> Response:

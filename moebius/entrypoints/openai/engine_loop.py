@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moebius.entrypoints.openai.protocol import APIError
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moebius")
 
-STATUS_TAIL = 100  # timeline samples and switches that /admin/status returns
+STATS_EVERY_S = 10.0  # the stats line's period while the engine is busy
+
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,9 @@ class EngineLoop:
         self.draining = False
         self.error: str | None = None
         self._routes: dict[str, _Route] = {}  # engine thread only
+        self.paused = False  # engine thread only (/admin/pause): requests are taken, no step runs
+        self._tokens_out = 0  # engine thread only: tokens delivered, for the stats line
+        self._stats_at = (time.perf_counter(), 0)  # (when, tokens) of the last stats line
         self._tags = itertools.count()
         self._switches_seen = len(engine.timeline.switches)
         self._thread = threading.Thread(target=self._run, name="moebius-engine-loop", daemon=True)
@@ -222,17 +226,22 @@ class EngineLoop:
         elif not self._thread.ident:  # never started: the engine is still ours to close
             self._engine.close()
 
+    def set_paused(self, flag: bool) -> None:
+        """On the engine thread (through `call`): stop or restart stepping; requests keep coming in."""
+        self.paused = flag
+
     # ---- the engine thread ----
     def _run(self) -> None:
         engine = self._engine
         try:
             while True:
-                for cmd in self._take(block=not engine.has_unfinished()):
+                for cmd in self._take(block=self.paused or not engine.has_unfinished()):
                     if isinstance(cmd, _Stop):
                         return
                     self._handle(cmd)
-                if engine.has_unfinished():
+                if engine.has_unfinished() and not self.paused:
                     self._deliver(engine.step())
+                    self._log_stats()
                 self._publish()
         except BaseException as e:  # noqa: B036 - reported to every request and to /health, never silent
             log.exception("the engine loop failed; the server now answers 503")
@@ -308,6 +317,7 @@ class EngineLoop:
                 if route.done[i] or (not new and o.finish_reason is None):
                     continue
                 route.sent[i] += len(new)
+                self._tokens_out += len(new)
                 route.done[i] = o.finish_reason is not None
                 samples.append(SampleDelta(i, new, o.text, o.finish_reason, o.stop_reason))
                 if m is not None:
@@ -330,6 +340,20 @@ class EngineLoop:
                     m.finished(first.finish_reason, out.arrival_time, times[0] if times else None,
                                times[-1] if times else None, len(first.token_ids), now)
 
+    def _log_stats(self) -> None:
+        """A line every STATS_EVERY_S seconds while busy: throughput, requests, KV use, layout."""
+        now = time.perf_counter()
+        t0, n0 = self._stats_at
+        if now - t0 < STATS_EVERY_S:
+            return
+        engine, kv = self._engine, self._engine.kv_stats()
+        total = int(kv["total_tokens"])  # type: ignore[call-overload]
+        used = 1.0 - int(kv["free_tokens"]) / total if total else 0.0  # type: ignore[call-overload]
+        log.info("%.1f tokens/s generated, %d running, %d waiting, KV %.1f%% used, layout %s%s",
+                 (self._tokens_out - n0) / (now - t0), self._running, self._waiting, 100 * used, engine.mode,
+                 " (paused)" if self.paused else "")
+        self._stats_at = (now, self._tokens_out)
+
     def _publish(self) -> None:
         m = self.metrics
         if m is None:
@@ -343,8 +367,11 @@ class EngineLoop:
         switches = engine.timeline.switches
         if len(switches) > self._switches_seen:
             for ev in itertools.islice(switches, self._switches_seen, None):
-                m.switch(ev.source, ev.target, ev.done)
-            self._switches_seen = len(switches)
+                if ev.done and ev.total_ms is None:
+                    break  # its device times come with the next step: recorded then
+                m.switch(ev.source, ev.target, ev.done, {"total": ev.total_ms, "weights": ev.weights_ms,
+                                                         "kv": ev.kv_ms})
+                self._switches_seen += 1
             m.set_layout(engine.mode)
 
     def _fail(self, e: BaseException) -> None:
@@ -379,15 +406,3 @@ class EngineLoop:
             self._engine.close()
         except Exception:
             log.exception("closing the engine failed")
-
-
-def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
-    """What GET /admin/status reports (run on the engine thread through EngineLoop.call)."""
-    tl = engine.timeline
-    samples = list(itertools.islice(reversed(tl.samples), STATUS_TAIL))[::-1]
-    switches = list(itertools.islice(reversed(tl.switches), STATUS_TAIL))[::-1]
-    return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
-            "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
-            "unfinished": engine.has_unfinished(), "world_size": engine.world_size,
-            "last_switch": engine.last_switch,
-            "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}

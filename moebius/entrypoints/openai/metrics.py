@@ -45,6 +45,10 @@ class ServerMetrics:
         self.switches = Counter("moebius:switches", "Layout switches asked for (operator or policy), by direction "
                                 "(tp_to_ep, ep_to_tp) and outcome (done, refused)", ["direction", "outcome"],
                                 registry=r)
+        self.switch_seconds = Histogram("moebius:switch_duration_seconds", "A done switch's time on rank 0, by "
+                                        "phase: total, weights (expert reshard), kv (KV migration)", ["phase"],
+                                        buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+                                        registry=r)
         self.healthy = Gauge("moebius:engine_healthy", "1 while the engine loop runs, 0 after it failed", registry=r)
         self.healthy.set(1)
 
@@ -52,8 +56,11 @@ class ServerMetrics:
         for m in MODES:
             self.layout.labels(m).set(1 if m == mode else 0)
 
-    def switch(self, source: str, target: str, done: bool) -> None:
+    def switch(self, source: str, target: str, done: bool, phases_ms: dict[str, float | None]) -> None:
         self.switches.labels(f"{source}_to_{target}", "done" if done else "refused").inc()
+        for phase, ms in phases_ms.items():
+            if done and ms is not None:
+                self.switch_seconds.labels(phase).observe(ms / 1e3)
 
     def finished(self, reason: str | None, arrival: float, first: float | None, last: float | None, tokens: int,
                  now: float) -> None:

@@ -137,3 +137,15 @@ class ChatCompletionRequest(SamplingFields):
 
 class SwitchRequest(_Model):
     mode: str
+
+
+class PolicyRequest(_Model):
+    """POST /admin/policy: "off", or the policy's settings (the engine flags without `switch_`)."""
+
+    policy: str | None = None  # "threshold" | "cost" | "off"
+    profile: str | None = None  # "interactive" | "rollout"
+    high: float | None = None
+    low: float | None = None
+    window: int | None = None
+    cooldown: float | None = None
+

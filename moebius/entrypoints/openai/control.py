@@ -1,0 +1,49 @@
+"""The operator's side of the server (`/admin/...`): what the status reports and how a policy change applies, both run
+on the engine thread through `EngineLoop.call`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from moebius.config import EngineConfig
+from moebius.engine.auto import build as build_auto
+from moebius.engine.auto import needs_calibration
+
+if TYPE_CHECKING:
+    from moebius.engine.core import EngineCore
+    from moebius.entrypoints.openai.engine_loop import EngineLoop
+
+STATUS_TAIL = 100  # timeline samples and switches that /admin/status returns
+
+
+def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
+    """What GET /admin/status reports (run on the engine thread through EngineLoop.call)."""
+    tl = engine.timeline
+    samples = list(itertools.islice(reversed(tl.samples), STATUS_TAIL))[::-1]
+    switches = list(itertools.islice(reversed(tl.switches), STATUS_TAIL))[::-1]
+    return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
+            "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
+            "unfinished": engine.has_unfinished(), "world_size": engine.world_size, "paused": loop.paused,
+            "last_switch": engine.last_switch,
+            "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
+
+
+def set_policy(engine: EngineCore, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /admin/policy (on the engine thread): auto mode off, or on with these settings (the engine's flags'
+    names without `switch_`: policy, profile, high, low, window, cooldown), each left as it was where not given."""
+    if body.get("policy") == "off":
+        engine.set_auto(None)
+        return {"policy": None}
+    if engine.world_size == 1:
+        raise ValueError("one rank: both layouts are the same, there is nothing for a policy to decide")
+    given = {f"switch_{k}": v for k, v in body.items() if v is not None}
+    cfg = EngineConfig.from_kwargs(**{**dataclasses.asdict(engine.config), **given})
+    calibration = engine.kept_calibration() if needs_calibration(cfg) else None
+    if needs_calibration(cfg) and calibration is None:
+        raise ValueError("no calibration is kept for this engine: give high (T_h), or run moebius calibrate first")
+    auto = build_auto(cfg, calibration)
+    engine.set_auto(auto)
+    return {"policy": auto.note}
