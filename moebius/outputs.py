@@ -17,6 +17,9 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS / stop token / stop string), "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     token_times: list[float] = field(default_factory=list)  # wall time (time.perf_counter) of each output token
+    # with SamplingParams.logprobs: per output token, {token id: log-probability} of the token itself first, then
+    # of the most likely ones (the raw distribution of the model)
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

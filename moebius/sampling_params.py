@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most top tokens a step returns per output token (OpenAI's top_logprobs limit)
+
 
 @dataclass
 class SamplingParams:
@@ -20,6 +22,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: all tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0: off)
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
@@ -30,6 +33,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Return the logits of every prompt position (float32, on CPU) in the output: for scoring and tests.
     prompt_logits: bool = False
+    # Return each output token's log-probability under the model (the raw distribution, before temperature and
+    # cuts) and the `logprobs` most likely tokens' (0: the sampled token's alone; None: nothing), as vLLM does.
+    logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -37,6 +43,11 @@ class SamplingParams:
         _real("temperature", self.temperature, "must be a number >= 0", lambda v: v >= 0)
         _real("top_p", self.top_p, "must be a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
         _int("top_k", self.top_k, lo=-1, what="-1 (disabled) or a positive integer")
+        _real("min_p", self.min_p, "must be a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, lo=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, lo=1)
         _int("min_tokens", self.min_tokens, lo=0)

@@ -371,18 +371,45 @@ BAD: list[tuple[str, Any]] = [  # (route, JSON body or raw bytes): each must be 
     (CMPL, {"prompt": [1] * 5000}), (CMPL, {"prompt": [True, False]}), (CMPL, {"prompt": ["x"] * 65}),
     _c(max_tokens=0), _c(max_tokens="8"), _c(max_tokens=1.5), _c(max_tokens=10**9), _c(temperature=-1),
     _c(temperature=True), _c(top_p=0), _c(top_p=1.5), _c(top_k=-2), _c(n=0), _c(n=17), _c(stop=["x"] * 17),
-    _c(stop=[""]), _c(stop=3), _c(seed="abc"), _c(seed=2**64), _c(min_tokens=10, max_tokens=5), _c(logprobs=1),
-    _c(min_p=0.1), _c(stop_token_ids=[100000], min_tokens=2), _c(stream="yes"),
+    _c(stop=[""]), _c(stop=3), _c(seed="abc"), _c(seed=2**64), _c(min_tokens=10, max_tokens=5), _c(logprobs=21),
+    _c(min_p=1.5), _c(logprobs=-1), _c(stop_token_ids=[100000], min_tokens=2), _c(stream="yes"),
     _c(stream_options={"include_usage": True}), _c(presence_penalty=0.5), _c(echo=True), _c(model="other-model"),
     (CMPL, b'{"prompt": "hi"'), (CMPL, b"[1, 2]"), (CMPL, b""), (CMPL, b'{"prompt": "hi", "temperature": NaN}'),
     (CMPL, b"\xff\xfe"),
     (CHAT, {"messages": []}), (CHAT, {"messages": "hi"}), (CHAT, {"messages": [{"content": "hi"}]}),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
-    _chat(logprobs=True), _chat(top_logprobs=2), _chat(tools=[{"type": "function"}]),
+    _chat(logprobs=True, top_logprobs=21), _chat(top_logprobs=2), _chat(tools=[{"type": "function"}]),
     _chat(chat_template_kwargs={"add_generation_prompt": 1}), _chat(max_completion_tokens=-3),
     ("/admin/switch", {"mode": "xp"}), ("/admin/switch", {}),
 ]
+
+
+def test_logprobs_and_min_p(server: Server, ref: LLM) -> None:
+    """logprobs equal the offline API's (the model's log-probabilities of each token and its top k), whole and
+    streamed, completions and chat; min_p = 1 keeps only the most likely token: a sample equals the greedy tokens."""
+    params = {**GREEDY, "max_tokens": 6}
+    want = ref.generate(IDS[1], SamplingParams(**params, logprobs=3))[0].outputs[0]
+    body = {"prompt": IDS[1], "return_token_ids": True, "logprobs": 3, **params}
+    got = server.post("/v1/completions", body).json()["choices"][0]
+    assert got["token_ids"] == want.token_ids
+    lp = got["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([e[t] for t, e in zip(want.token_ids, want.logprobs, strict=True)])
+    assert all(len(top) in (3, 4) for top in lp["top_logprobs"]) and len(lp["text_offset"]) == 6
+    streamed = [ev["choices"][0]["logprobs"]["token_logprobs"] for ev in server.stream(
+        "/v1/completions", {**body, "stream": True}) if isinstance(ev, dict) and ev["choices"][0]["logprobs"]]
+    assert [x for chunk in streamed for x in chunk] == pytest.approx(lp["token_logprobs"])
+    msgs = [{"role": "user", "content": "Hello there"}]
+    chat = server.post("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 2,
+                                                **{**GREEDY, "max_tokens": 4}}).json()["choices"][0]["logprobs"]
+    offline_chat = ref.chat(msgs, SamplingParams(**{**GREEDY, "max_tokens": 4}, logprobs=2))[0].outputs[0]
+    assert [c["logprob"] for c in chat["content"]] == pytest.approx(
+        [e[t] for t, e in zip(offline_chat.token_ids, offline_chat.logprobs, strict=True)])
+    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] is not None for c in chat["content"])
+    greedy = offline(ref, IDS[0], **{**GREEDY, "max_tokens": 12}).token_ids
+    sampled = server.post("/v1/completions", {"prompt": IDS[0], "return_token_ids": True, "temperature": 1.5,
+                                              "seed": 7, "min_p": 1.0, "max_tokens": 12, "ignore_eos": True}).json()
+    assert sampled["choices"][0]["token_ids"] == greedy
 
 
 def test_bad_inputs_leave_a_running_stream_alone(server: Server, ref: LLM) -> None:
@@ -406,11 +433,8 @@ def test_bad_inputs_leave_a_running_stream_alone(server: Server, ref: LLM) -> No
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
         assert err["type"] == "invalid_request_error"
-    assert "logprob" in server.post("/v1/completions", {"prompt": "hi", "logprobs": 2}).json()["error"]["message"]
     err = server.post("/v1/completions", {"prompt": "hi", "temperature": -1}).json()["error"]
     assert err["param"] == "temperature" and "temperature" in err["message"]
-    assert "not supported" in server.post("/v1/completions", {"prompt": "hi", "min_p": 0.5}).json()["error"]["message"]
-    assert server.post("/v1/completions", {"prompt": "hi", "min_p": 0, "max_tokens": 1}).status_code == 200
     t.join(60)
     toks, _, _ = collect(iter(events))
     assert toks[0] == want
@@ -606,8 +630,11 @@ def test_openai_client(server: Server, ref: LLM) -> None:
                                                  extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert chunks[-1].usage.completion_tokens == 16
-    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
-        client.chat.completions.create(model="moebius-demo", messages=msgs, logprobs=True)
+    lp = client.chat.completions.create(model="moebius-demo", messages=msgs, max_tokens=4, temperature=0,
+                                        logprobs=True, top_logprobs=2).choices[0].logprobs
+    assert len(lp.content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp.content)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="moebius-demo", messages=msgs, top_logprobs=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi")
     with pytest.raises(openai.AuthenticationError):

@@ -12,7 +12,6 @@ import random
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +19,8 @@ from moebius.config import ConfigError, EngineConfig
 from moebius.engine.auto import AutoMode, needs_calibration, resolve_mode
 from moebius.engine.auto import build as build_auto
 from moebius.engine.calibrate import calibrate
-from moebius.engine.lifecycle import check_prompt, cut_at_stop, max_total_len, placement_weight
+from moebius.engine.front_request import FrontRequest, Sample, child_seed
+from moebius.engine.lifecycle import check_prompt, max_total_len, placement_weight
 from moebius.engine.messages import KVStats, StepPlan, StepResult, TokenDelta
 from moebius.engine.rank import RankSpec
 from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
@@ -42,41 +42,9 @@ log = logging.getLogger("moebius")
 Prompt = str | list[int]
 
 
-@dataclass
-class _Sample:
-    """Front-end state of one sample (one rank-side request)."""
-
-    out: CompletionOutput
-    detok: IncrementalDetokenizer | None
-
-
-@dataclass
-class _FrontRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    samples: list[_Sample]
-    prompt_logits: torch.Tensor | None = None
-    children: list[str] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.out.finished for s in self.samples)
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.out for s in self.samples],
-                             self.finished, self.arrival_time, self.prompt_logits)
-
-
 def _check_mode(target: str) -> None:
     if target not in MODES:
         raise ValueError(f"mode must be {' or '.join(map(repr, MODES))}, got {target!r}")
-
-
-def _child_seed(seed: int, index: int) -> int:
-    return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index) & (2**63 - 1)
 
 
 class EngineCore:
@@ -127,8 +95,8 @@ class EngineCore:
         self._rng = random.Random(ecfg.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._requests: dict[str, _FrontRequest] = {}
-        self._child_to_parent: dict[str, tuple[_FrontRequest, int]] = {}
+        self._requests: dict[str, FrontRequest] = {}
+        self._child_to_parent: dict[str, tuple[FrontRequest, int]] = {}
         self._pending = StepPlan()
         self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
@@ -231,15 +199,15 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         limit = max_total_len(self.max_model_len, self.kv_capacity)
-        fr = _FrontRequest(rid, text, ids, params, time.perf_counter(), [])
+        fr = FrontRequest(rid, text, ids, params, time.perf_counter(), [])
         for i in range(params.n):
             child = rid if params.n == 1 else f"{rid}#{i}"
             detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                      if self.tokenizer is not None else None)
-            fr.samples.append(_Sample(CompletionOutput(i, [], "", None), detok))
+            fr.samples.append(Sample(CompletionOutput(i, [], "", None), detok))
             fr.children.append(child)
             self._child_to_parent[child] = (fr, i)
-            self._pending.new.append(RequestSpec(child, ids, params, _child_seed(base_seed, i), limit,
+            self._pending.new.append(RequestSpec(child, ids, params, child_seed(base_seed, i), limit,
                                                  next(self._arrivals)))
             if self.layout.data_parallel:
                 self._pending.owners[child] = self.placement.place(child, placement_weight(len(ids), params))
@@ -265,7 +233,7 @@ class EngineCore:
         if plan.switch_to is not None:
             self.last_switch = self._switched(plan.switch_to, result)
         now = time.perf_counter()
-        touched: dict[str, _FrontRequest] = {}
+        touched: dict[str, FrontRequest] = {}
         for d in result.deltas:
             self._apply(d, now, touched)
         outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
@@ -292,7 +260,7 @@ class EngineCore:
             produced.append(n)
         return predicted_remaining(max_left, produced, self._finished_lengths)
 
-    def _retire(self, touched: dict[str, _FrontRequest]) -> None:
+    def _retire(self, touched: dict[str, FrontRequest]) -> None:
         for fr in touched.values():
             if fr.finished:
                 del self._requests[fr.request_id]
@@ -303,26 +271,13 @@ class EngineCore:
                     del self._child_to_parent[c]
                     self._release(c, fr)
 
-    def _release(self, child: str, fr: _FrontRequest) -> None:
+    def _release(self, child: str, fr: FrontRequest) -> None:
         if self.placement.release(child) is not None:  # an EP rank's: the others forget its spec
             self._pending.retired.append(child)
 
-    def _apply(self, d: TokenDelta, now: float, touched: dict[str, _FrontRequest]) -> None:
+    def _apply(self, d: TokenDelta, now: float, touched: dict[str, FrontRequest]) -> None:
         fr, i = self._child_to_parent[d.request_id]
-        s = fr.samples[i]
-        out = s.out
-        out.token_ids += d.new_token_ids
-        out.token_times += [now] * len(d.new_token_ids)
-        if s.detok is not None:
-            out.text += "".join(s.detok.append(t) for t in d.new_token_ids)
-        if d.finish_reason is not None:
-            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
-            if s.detok is not None:
-                out.text += s.detok.finish()
-            if isinstance(d.stop_reason, str):
-                out.text = cut_at_stop(out.text, d.stop_reason, fr.params.include_stop_str_in_output)
-        if d.prompt_logits is not None and i == 0:
-            fr.prompt_logits = d.prompt_logits
+        fr.apply(i, d, now)
         touched[fr.request_id] = fr
 
     def switch_mode(self, target: str, reason: str = "operator") -> dict[str, object]:
@@ -393,7 +348,7 @@ class EngineCore:
 
     def _absorb(self, deltas: list[TokenDelta]) -> None:
         """Deltas of a call that is not a step (aborts sent with a switch or query): the next step() returns them."""
-        touched: dict[str, _FrontRequest] = {}
+        touched: dict[str, FrontRequest] = {}
         for d in deltas:
             self._apply(d, time.perf_counter(), touched)
         self._undelivered += [fr.output() for fr in touched.values()]

@@ -40,6 +40,9 @@ class TokenDelta:
     finish_reason: str | None
     stop_reason: int | str | None = None
     prompt_logits: torch.Tensor | None = None
+    # (SamplingParams.logprobs) the new token's log-probability then its top k's, and their ids (the token's first)
+    logprobs: list[float] | None = None
+    logprob_ids: list[int] | None = None
 
 
 @dataclass

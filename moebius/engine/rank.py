@@ -220,6 +220,7 @@ class Rank:
             return []
         flight, self.inflight = self.inflight, None
         tokens, _ = flight.pending.result()
+        logprobs = flight.pending.logprobs()
         deltas: list[TokenDelta] = []
         for row, req in enumerate(flight.sampling):
             if req.finished:
@@ -231,5 +232,8 @@ class Rank:
                 self.scheduler.finish(req)
                 if req.params.prompt_logits:
                     logits = torch.cat(req.prompt_logits)
-            deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits))
+            lp = logprobs[row] if logprobs is not None and req.params.logprobs is not None else None
+            k = (req.params.logprobs or 0) + 1  # the step computed the largest k any of its requests asked for
+            deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits,
+                                     lp[0][:k] if lp else None, lp[1][:k] if lp else None))
         return deltas

@@ -22,11 +22,12 @@ from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
 from moebius.engine.scheduler import ScheduledChunk
 from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for
 from moebius.layers.attention import AttentionMetadata, num_splits_for
-from moebius.layers.sampler import SamplingBatch, race_scores, sample
+from moebius.layers.sampler import SamplingBatch, logprobs_of, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.dispatch import Communicator
+from moebius.sampling_params import MAX_LOGPROBS
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "fill_dst", "fill_src",
            "query_start_loc", "seq_lens")
@@ -113,18 +114,32 @@ class StepSync:
     all_decode: bool
 
 
+# A step's log-probabilities, per sampling row: (the sampled token's, then its top k's values; their ids)
+Logprobs = tuple[list[float], list[int]]
+
+
 class PendingStep:
     """A launched step: its sampled tokens on the device ([n] int64, one per sampling chunk, batch order), on their
-    way to a pinned host buffer; `result()` waits for them."""
+    way to a pinned host buffer (with their log-probabilities, when the step's requests ask for them); `result()`
+    waits for them."""
 
     def __init__(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor], host: torch.Tensor,
-                 done: torch.cuda.Event | None) -> None:
+                 done: torch.cuda.Event | None, logprobs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.tokens, self.prompt_logits, self._host, self._done = tokens, prompt_logits, host, done
+        self._logprobs = logprobs  # host (pinned) [n, 1 + k] values and ids
 
     def result(self) -> tuple[list[int], dict[int, torch.Tensor]]:
         if self._done is not None:
             self._done.synchronize()
         return self._host.tolist(), self.prompt_logits
+
+    def logprobs(self) -> list[Logprobs] | None:
+        """Per sampling row: the sampled token's log-probability then its top k's, and their ids (after
+        `result()`); None when no request of the step asked."""
+        if self._logprobs is None:
+            return None
+        vals, ids = self._logprobs
+        return list(zip(vals.tolist(), ids.tolist(), strict=True))
 
 
 class ModelRunner:
@@ -142,6 +157,10 @@ class ModelRunner:
         # step after next is launched), so a decode step allocates nothing for its read-back.
         self._readback = [(torch.zeros(bufs.seq_lens.shape[0], dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                           for _ in "ab"] if device.type == "cuda" else []
+        n = bufs.seq_lens.shape[0]  # ... and their log-probabilities, when asked for
+        self._lp_readback = [(torch.zeros(n, 1 + MAX_LOGPROBS, pin_memory=True),
+                              torch.zeros(n, 1 + MAX_LOGPROBS, dtype=torch.int64, pin_memory=True))
+                             for _ in "ab"] if device.type == "cuda" else []
         self._turn = 0
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
 
@@ -281,7 +300,8 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(sync.max_tokens) if use and self.graphs is not None else None
         prompt_logits: dict[int, torch.Tensor] = {}
         reqs = [c.req for c in batch if c.samples]
-        greedy = not stop_masks and all(r.params.temperature == 0 for r in reqs)
+        k_lp = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
+        greedy = not stop_masks and k_lp is None and all(r.params.temperature == 0 for r in reqs)
         if bucket is not None:  # every rank decodes only: replay the bucket's graph
             self._metadata(batch, pad_to=bucket, prev=prev, prev_rows=prev_rows)
             logits, tokens = self.graphs.replay(bucket)
@@ -310,28 +330,46 @@ class ModelRunner:
             logits = qwen3_moe.logits(hidden[rows], self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
                 return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits)
-        if not stop_masks and all(r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in reqs):
+        tokens, whole = self._sample(logits, reqs, stop_masks)
+        if k_lp is None:
+            return self._pending(tokens, prompt_logits)
+        whole = whole if whole is not None else self.comm.gather_vocab(logits)
+        return self._pending(tokens, prompt_logits, logprobs_of(whole, tokens, k_lp))
+
+    def _sample(self, logits: torch.Tensor, reqs: list, stop_masks: list[tuple[int, list[int]]]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled tokens, and the whole vocabulary's logits where they were gathered for it (TP: else each
+        rank holds a slice)."""
+        if not stop_masks and all(r.params.top_k <= 0 and r.params.top_p >= 1.0 and r.params.min_p == 0
+                                  for r in reqs):
             # greedy or temperature only: every vocab id is scored on its own, so each rank scores its slice and
             # the best across ranks wins (no whole logits to gather)
             scores = race_scores(logits, self._sampling_batch(reqs), self.comm.vocab_first(logits.shape[1]))
-            return self._pending(self.comm.vocab_argmax(scores, kc=self._kc_sampling()), prompt_logits)
+            return self.comm.vocab_argmax(scores, kc=self._kc_sampling()), None
         logits = self.comm.gather_vocab(logits)
         for row, banned in stop_masks:
             logits[row, banned] = float("-inf")
         if all(r.params.temperature == 0 for r in reqs):
-            return self._pending(logits.argmax(dim=-1), prompt_logits)
-        return self._pending(sample(logits, self._sampling_batch(reqs)), prompt_logits)
+            return logits.argmax(dim=-1), logits
+        return sample(logits, self._sampling_batch(reqs)), logits
 
-    def _pending(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor]) -> PendingStep:
+    def _pending(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor],
+                 logprobs: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingStep:
         """Start the tokens' copy to the host (into this turn's pinned buffer) and mark when it is done."""
         if not self._readback:
-            return PendingStep(tokens, prompt_logits, tokens, None)
+            return PendingStep(tokens, prompt_logits, tokens, None, logprobs)
         host, done = self._readback[self._turn]
-        self._turn ^= 1
         host = host[: tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
+        lp_host = None
+        if logprobs is not None:
+            n, width = logprobs[0].shape
+            lp_host = tuple(buf[:n, :width] for buf in self._lp_readback[self._turn])
+            for dst, src in zip(lp_host, logprobs, strict=True):
+                dst.copy_(src, non_blocking=True)
+        self._turn ^= 1
         done.record()
-        return PendingStep(tokens, prompt_logits, host, done)
+        return PendingStep(tokens, prompt_logits, host, done, lp_host)
 
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size
@@ -347,4 +385,6 @@ class ModelRunner:
             seeds=dev([r.spec.seed for r in reqs], torch.int64),
             steps=dev([len(r.output_token_ids) for r in reqs], torch.int64),
             all_greedy=all(t == 0 for t in temp), any_top_k=any(k < V for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p))
+            any_top_p=any(p < 1.0 for p in top_p),
+            min_p=dev([r.params.min_p for r in reqs], torch.float32) if any(r.params.min_p > 0 for r in reqs)
+            else None)

@@ -45,6 +45,7 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    min_p: torch.Tensor | None = None  # [B] float32, where any row has min_p > 0
 
 
 def race_scores(logits_BV: torch.Tensor, sb: SamplingBatch, first: int = 0,
@@ -87,7 +88,7 @@ def key_ids(keys: torch.Tensor) -> torch.Tensor:
 def sample(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Next token of each row: argmax for greedy rows, else a draw from the tempered, top-k/top-p-cut softmax."""
     logits = logits_BV.float()
-    if sb.all_greedy or not (sb.any_top_k or sb.any_top_p):
+    if sb.all_greedy or not (sb.any_top_k or sb.any_top_p or sb.min_p is not None):
         return race_scores(logits, sb).argmax(dim=-1)
     B, V = logits.shape
     t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
@@ -103,4 +104,18 @@ def sample(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         drop = (sp.cumsum(dim=-1) - sp) >= sb.top_p[:, None]
         cut = sorted_l.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values
         tempered = tempered.masked_fill(tempered < cut, float("-inf"))
+    if sb.min_p is not None:  # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p), in tempered logits
+        floor = tempered.max(dim=-1, keepdim=True).values + torch.log(sb.min_p.clamp_min(1e-30))[:, None]
+        tempered = tempered.masked_fill((tempered < floor) & (sb.min_p > 0)[:, None], float("-inf"))
     return race_scores(logits, sb, tempered_BV=tempered).argmax(dim=-1)
+
+
+def logprobs_of(logits_BV: torch.Tensor, tokens_B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's log-probabilities (the raw distribution: softmax of the whole vocabulary's logits) of each row's
+    sampled token and of its k most likely tokens: ([B, 1 + k] float32, [B, 1 + k] int64 ids), the sampled first."""
+    lp = torch.log_softmax(logits_BV.float(), dim=-1)
+    vals, ids = lp.gather(1, tokens_B[:, None]), tokens_B[:, None]
+    if k:
+        top_v, top_i = lp.topk(k, dim=-1)
+        vals, ids = torch.cat([vals, top_v], dim=1), torch.cat([ids, top_i], dim=1)
+    return vals, ids

@@ -179,7 +179,7 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics
         except asyncio.CancelledError:
             gen.abort()
             raise
-        answer = Answer(gen, chat, served, body.return_token_ids)
+        answer = Answer(gen, chat, served, body.return_token_ids, info)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             # the background abort covers a client gone before the stream's first event (its generator never ran)
@@ -202,13 +202,13 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body, served)
         prompts = completion_inputs(body)
-        params = sampling_params(body, info, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        params = sampling_params(body, info, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
         return await respond(request, Generation(loop, [(p, params) for p in prompts], "prompt"), False, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body, served)
-        params = sampling_params(body, info, None)
+        params = sampling_params(body, info, None, (body.top_logprobs or 0) if body.logprobs else None)
         prompt = await run_in_threadpool(chat_prompt, body, info)  # a template render: off the event loop
         return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body)
 

@@ -60,6 +60,7 @@ class SampleDelta:
     text: str  # the whole text so far (final: cut at a stop string)
     finish_reason: str | None
     stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None = None  # of the new tokens (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -316,10 +317,11 @@ class EngineLoop:
                 new = o.token_ids[route.sent[i]:]  # a copy: the engine extends its list in place
                 if route.done[i] or (not new and o.finish_reason is None):
                     continue
+                lps = o.logprobs[route.sent[i]: route.sent[i] + len(new)] if o.logprobs is not None else None
                 route.sent[i] += len(new)
                 self._tokens_out += len(new)
                 route.done[i] = o.finish_reason is not None
-                samples.append(SampleDelta(i, new, o.text, o.finish_reason, o.stop_reason))
+                samples.append(SampleDelta(i, new, o.text, o.finish_reason, o.stop_reason, lps))
                 if m is not None:
                     m.generation_tokens.inc(len(new))
             if not route.started and any(route.sent):

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from moebius.engine.core import Prompt
 
 _PARAMS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
-NO_LOGPROBS = "is not supported: the engine cannot return log-probabilities yet"
 
 
 def check_model(req: SamplingFields, served: str) -> None:
@@ -35,10 +34,10 @@ def check_model(req: SamplingFields, served: str) -> None:
                        code="model_not_found")
 
 
-def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: int | None) -> SamplingParams:
-    """The engine's parameters for a request, or a 400 naming the parameter."""
-    if req.min_p not in (None, 0) and "min_p" not in _PARAMS:
-        raise unsupported("min_p", "is not supported")
+def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: int | None,
+                    logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters for a request, or a 400 naming the parameter. logprobs: top tokens to return a
+    log-probability for with each output token (0: the token's own; None: none)."""
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
         if getattr(req, name) not in (None, neutral):
             raise unsupported(name, "is not supported")
@@ -54,7 +53,7 @@ def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: i
     if req.stop_token_ids and max(req.stop_token_ids) >= info.vocab_size:
         raise APIError(400, f"stop_token_ids must be below the vocabulary size {info.vocab_size}",
                        param="stop_token_ids")
-    extra: dict[str, Any] = {"min_p": req.min_p} if req.min_p is not None and "min_p" in _PARAMS else {}
+    extra: dict[str, Any] = {"min_p": req.min_p} if req.min_p is not None else {}
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -62,15 +61,13 @@ def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: i
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            **extra)
+            logprobs=logprobs, **extra)
     except (ValueError, TypeError) as e:  # SamplingParams names the parameter first ("min_tokens 10 is ...")
         words = re.findall(r"[a-z_]+", str(e))
         raise APIError(400, str(e), param=next((w for w in words if w in _PARAMS), None)) from None
 
 
 def completion_inputs(req: CompletionRequest) -> list[Prompt]:
-    if req.logprobs:
-        raise unsupported("logprobs", NO_LOGPROBS)
     if req.echo:
         raise unsupported("echo", "is not supported")
     if req.suffix:
@@ -85,8 +82,8 @@ def completion_inputs(req: CompletionRequest) -> list[Prompt]:
 
 def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
     """The conversation rendered by the model's chat template (pure: runs off the event loop)."""
-    if req.logprobs or req.top_logprobs:
-        raise unsupported("logprobs" if req.logprobs else "top_logprobs", NO_LOGPROBS)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.tools:
         raise unsupported("tools", "are not supported")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -158,10 +155,13 @@ class _Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.opened = False  # its first chunk went out
+        self.logprobs: list[tuple[int, dict[int, float]]] = []  # (token, {id: log-probability}) per token
 
     def apply(self, d: SampleDelta) -> str:
         """Take a delta; return the text to stream now."""
         self.tokens += d.token_ids
+        if d.logprobs is not None:
+            self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
         self.text = d.text
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
@@ -177,11 +177,39 @@ def _holdback(params: SamplingParams) -> int:
     return max(len(s) for s in params.stop_strings) - 1
 
 
+def logprobs_json(entries: Sequence[tuple[int, dict[int, float]]], k: int, chat: bool, info: EngineInfo
+                  ) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a choice (or a chunk): per token its log-probability and the k most likely tokens'
+    (entries: (token id, {id: log-probability}, the token's own first)); None when none were asked for."""
+    if not entries:
+        return None
+
+    def text(t: int) -> str:
+        return info.tokenizer.decode([t], skip_special_tokens=False) if info.tokenizer else f"token_id:{t}"
+
+    def top(lps: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+
+    if chat:
+        def item(t: int, lp: float) -> dict[str, Any]:
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+
+        return {"content": [{**item(t, lps[t]), "top_logprobs": [item(u, v) for u, v in top(lps)]}
+                            for t, lps in entries]}
+    tokens = [text(t) for t, _ in entries]
+    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lps[t] for t, lps in entries],
+            "top_logprobs": [{text(u): v for u, v in [(t, lps[t]), *top(lps)]} for t, lps in entries],
+            "text_offset": offsets}
+
+
 class Answer:
     """Builds the JSON of one completions or chat request, whole or chunk by chunk."""
 
-    def __init__(self, gen: Generation, chat: bool, model: str, return_token_ids: bool) -> None:
-        self.gen, self.chat, self.model, self.return_ids = gen, chat, model, return_token_ids
+    def __init__(self, gen: Generation, chat: bool, model: str, return_token_ids: bool, info: EngineInfo) -> None:
+        self.gen, self.chat, self.model, self.return_ids, self.info = gen, chat, model, return_token_ids, info
+        self.k = gen.params.logprobs or 0
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = gen.params.n
@@ -207,11 +235,12 @@ class Answer:
                 self.choices[upd.prompt_index * self.n + d.index].apply(d)
         out = []
         for i, c in enumerate(self.choices):
+            lp = logprobs_json(c.logprobs, self.k, self.chat, self.info)
             if self.chat:
                 choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
-                                          "logprobs": None, "finish_reason": c.finish_reason}
+                                          "logprobs": lp, "finish_reason": c.finish_reason}
             else:
-                choice = {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             choice["stop_reason"] = c.stop_reason
             if self.return_ids:
                 choice.update(prompt_token_ids=self._prompt_ids(i), token_ids=c.tokens)
@@ -242,13 +271,15 @@ class Answer:
                     i = upd.prompt_index * self.n + d.index
                     c = self.choices[i]
                     text = c.apply(d)
-                    if not (text or d.finish_reason or (self.return_ids and d.token_ids)):
+                    lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
+                                       self.info) if d.logprobs else None
+                    if not (text or d.finish_reason or lp or (self.return_ids and d.token_ids)):
                         continue
                     if self.chat:
                         choice: dict[str, Any] = {"index": i, "delta": {"content": text} if text else {},
-                                                  "logprobs": None, "finish_reason": d.finish_reason}
+                                                  "logprobs": lp, "finish_reason": d.finish_reason}
                     else:
-                        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": d.finish_reason,
+                        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                                   "stop_reason": d.stop_reason}
                     if self.return_ids:
                         choice["token_ids"] = d.token_ids
