@@ -575,3 +575,27 @@ def test_peer_switch_transport_moves_what_the_collective_one_moves() -> None:
             got.append(([[(p["experts"], p["kv"]) for p in ranks] for ranks in prints],
                         [outs[i].token_ids for i in ids]))
     assert got[0] == got[1] == got[2]
+
+
+def test_logprobs_graph_and_eager_agree() -> None:
+    """Log-probabilities through decode graphs (the graph's logits, the pinned read-back) equal eager steps'; min_p = 1
+    gives the greedy tokens; k up to 20; a request that asks nothing gets nothing."""
+    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(20 + i)] for i in range(5)]
+    sp = [SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=1, max_tokens=6, logprobs=0, ignore_eos=True),
+          SamplingParams(temperature=1.2, seed=2, min_p=1.0, max_tokens=6, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=6, logprobs=20, ignore_eos=True)]
+    runs = []
+    for graphs in (True, False):
+        with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=2, mem_fraction=0.3, max_model_len=256,
+                 cuda_graph_max_bs=8, dtype="float32", disable_cuda_graph=not graphs) as llm:
+            runs.append(llm.generate(prompts, sp))
+            greedy = llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+            assert runs[-1][2].token_ids == greedy.token_ids
+    graph, eager = runs
+    assert graph[3].outputs[0].logprobs is None and all(len(e) in (20, 21) for e in graph[4].outputs[0].logprobs)
+    for a, b in zip(graph, eager, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-3 and x[k] <= 0 for k in x), (x, y)
