@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
     from moebius.bench import bursty, rollout, simulate, sweep
+    from moebius.bench import serve as bench_serve
 
     kinds = bench.add_subparsers(dest="bench", required=True)
-    for tool in (sweep, rollout, bursty, simulate):
+    for tool in (sweep, rollout, bursty, simulate, bench_serve):
         tool.add_parser(kinds)
     return parser
 
