@@ -46,7 +46,8 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "sweep", "--model", str(model), "--num-ranks",
            "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
            "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--switch-transport", "peer",
-           "--hf-baseline", "--hf-batches", "2", "--output", str(out)]
+           "--hf-baseline", "--hf-batches", "2", "--prefill-chunks", "8,40", "--prefill-prefix", "4",
+           "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = load_result(out)
@@ -81,6 +82,13 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
         worst = summary[f"switch_overhead_max_ms.{to}"]
         assert worst == max(s["overhead_ms"] for s in done if s["to"] == to)
         assert worst >= summary[f"switch_overhead_median_ms.{to}"]
+    # prefill steps of one chunk a rank, each against the floor of its work (EP: a chunk on every rank)
+    prefill = {(p["mode"], p["tokens"]): p for p in table(result, "prefill")}
+    assert set(prefill) == {(m, n) for m in ("tp", "ep") for n in (8, 40)}, prefill
+    for (mode, n), p in prefill.items():
+        assert p["prefix"] == 4 and p["step_tokens"] == n * (2 if mode == "ep" else 1)
+        assert p["step_ms"] > 0 and p["floor_ms"] > 0 and abs(p["ratio_to_floor"] - p["step_ms"] / p["floor_ms"]) < 1e-9
+    assert prefill[("tp", 40)]["floor_ms"] > prefill[("tp", 8)]["floor_ms"]
     assert os.path.exists(tmp_path / "sweep.png") or not _has_matplotlib()  # the plot next to the JSON
 
 

@@ -54,3 +54,40 @@ def test_crossover_is_where_ep_stays_ahead() -> None:
     series = {"tp": {1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0}, "ep": {1: 1.5, 2: 1.9, 4: 3.5, 8: 3.0}}
     pts = [dict(mode=m, batch=b, step_ms=t) for m, s in series.items() for b, t in s.items()]
     assert crossover(pts) == 8
+
+
+def test_prefill_floor_by_hand() -> None:
+    """A chunk of 10 tokens after 6 cached ones on a tiny model, its bytes and FLOPs counted by hand."""
+    from moebius.bench.floor import Hardware, prefill_floor_ms, prefill_work, step_floor_ms
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=8, top_k=2, norm_topk_prob=True,
+                      rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512)
+    work = prefill_work(10, prefix=6)
+    assert (work.tokens, work.kv_tokens, work.attended, work.sampled) == (10, 16, 10 * 6 + 55, 1)
+    attn_w = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2  # q and o, k and v: 12288 elements
+    experts_hit = 8 * (1 - 0.75 ** 10)  # 10 tokens, top-2 of 8
+    moe_w = experts_hit * 3 * 64 * 32
+    kv = (16 + 10) * 2 * 16 * 2  # read 16 tokens' K and V, write 10
+    act = 20 * (3 * 64 + 2 * 32) * 2  # 20 (token, expert) pairs, bf16
+    hbm = 2 * ((attn_w + moe_w + kv) * 2 + act) + 256 * 64 * 2  # two layers, then lm_head once
+    flops = 2 * (10 * 2 * attn_w + 2 * 20 * 3 * 64 * 32 + 4 * 115 * 4 * 16) + 2 * 256 * 64 * 1
+    hw = Hardware()
+    want = max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) * 1e3
+    assert prefill_floor_ms(cfg, 1, "tp", 10, prefix=6) == pytest.approx(want, rel=1e-12)
+    assert step_floor_ms(cfg, 1, "ep", work) == pytest.approx(want, rel=1e-12)  # one rank: the same work
+    # large chunks are bound by FLOPs: 4x the tokens, more than 4x the time (attention grows with the square)
+    big = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    assert prefill_floor_ms(big, 1, "tp", 16384) > 4 * prefill_floor_ms(big, 1, "tp", 4096)
+
+
+def test_step_floor_of_a_decode_batch_is_the_decode_floor() -> None:
+    from moebius.bench.floor import step_floor_ms
+    from moebius.engine.messages import StepWork
+
+    cfg = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    for P, mode, B, ctx in ((1, "tp", 64, 512), (2, "tp", 8, 1024), (2, "ep", 256, 512)):
+        work = StepWork(tokens=B, decode_tokens=B, sequences=B, kv_tokens=B * ctx, attended=B * ctx, sampled=B)
+        # the step floor also writes the new tokens' KV, which the decode floor leaves out
+        assert step_floor_ms(cfg, P, mode, work) == pytest.approx(decode_step_floor_ms(cfg, P, mode, B, ctx),
+                                                                   rel=5e-3)

@@ -1,5 +1,6 @@
-"""Floors: the least time a decode step can take on the given hardware (the project's copy of the reference model
-in ../shared/tools/floor.py, in terms of ModelConfig; tests check the two agree).
+"""Floors: the least time a decode step, any engine step (prefill chunks and decodes mixed) and a switch can take on
+the given hardware (the decode and switch floors are the project's copy of the team's reference model, in terms of
+ModelConfig; tests check the two agree).
 
 floor = max(HBM bytes / HBM bandwidth, FLOPs / matmul rate) + link bytes / link bandwidth, where HBM bytes count the
 layout's attention weights, the distinct experts the batch hits (uniform routing), the batch's KV, the MoE
@@ -13,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from moebius.config import ModelConfig
+from moebius.engine.messages import StepWork
 
 
 @dataclass(frozen=True)
@@ -71,4 +73,48 @@ def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int =
     replicas = max(1, P // cfg.num_kv_heads)  # TP holds each KV head on this many ranks
     kv = kv_tokens * L * cfg.num_kv_heads * cfg.head_dim * 2 * b / P * (P - 1) / P * replicas
     return ((remote + kv) / hw.link_bytes_per_s + 2 * local / hw.hbm_bytes_per_s) * 1e3
+
+
+def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_bytes: int = 2,
+                  hw: Hardware = Hardware()) -> float:
+    """The least time one engine step of this work (prefill chunks and decodes together, `engine.messages.StepWork`)
+    can take: as the decode floor, with the step's own terms: weights read once (attention, the experts its tokens
+    hit, lm_head when a row samples), the KV its attention reads (every sequence's length) and writes (its new
+    tokens), the MoE activations of its (token, expert) pairs; FLOPs of the projections and experts per token,
+    attention per (query, key) pair, lm_head per sampled row; TP's all-reduces or EP's exchange per token. EP
+    spreads the work evenly over the ranks."""
+    b, D, d, L = dtype_bytes, cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    T, expert = work.tokens, 3 * D * cfg.moe_intermediate_size
+    ep = mode == "ep"
+    if mode not in ("tp", "ep"):
+        raise ValueError(f"mode must be tp or ep, not {mode!r}")
+    share = 1.0 / P if ep else 1.0  # of the tokens, KV, pairs and sampled rows a rank computes
+    tp = 1 if ep else P  # the tensor-parallel degree of attention, experts and lm_head
+    kvh, qh = max(1, cfg.num_kv_heads // tp), cfg.num_heads // tp
+    attn_w = D * qh * d * 2 + D * kvh * d * 2
+    moe_w = _experts_hit(cfg, T, cfg.num_experts / (P if ep else 1)) * expert / tp
+    kv = (work.kv_tokens + T) * share * kvh * d * 2  # read every sequence's KV, write the new tokens'
+    lm = cfg.vocab_size * D / tp if work.sampled else 0.0
+    pairs, inter = T * cfg.top_k * share, cfg.moe_intermediate_size / tp
+    flops = (L * (T * share * 2 * attn_w + 2 * pairs * expert / tp + 4 * work.attended * share * qh * d)
+             + 2 * lm * work.sampled * share)
+    if ep:
+        remote = (P - 1) * (1.0 - (1.0 - 1.0 / P) ** cfg.top_k) if P > 1 else 0.0
+        link = 2 * math.ceil(T / P) * remote * D * b
+    else:
+        link = 2 * (2 * (P - 1) / P) * T * D * b if P > 1 else 0.0
+    hbm = L * ((attn_w + moe_w + kv) * b + pairs * (3 * D + 2 * inter) * b) + lm * b
+    return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + L * link / hw.link_bytes_per_s) * 1e3
+
+
+def prefill_work(tokens: int, prefix: int = 0) -> StepWork:
+    """One prompt chunk of `tokens` tokens after `prefix` cached ones, its last token sampled."""
+    return StepWork(tokens=tokens, sequences=1, kv_tokens=prefix + tokens,
+                    attended=tokens * prefix + tokens * (tokens + 1) // 2, sampled=1)
+
+
+def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: int = 0, dtype_bytes: int = 2,
+                     hw: Hardware = Hardware()) -> float:
+    """The least time a prefill step of one chunk can take (`step_floor_ms` of `prefill_work`)."""
+    return step_floor_ms(cfg, P, mode, prefill_work(tokens, prefix), dtype_bytes, hw)
 

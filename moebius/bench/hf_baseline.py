@@ -227,6 +227,63 @@ def _cb_step(model: Any, b: int, spec: BaselineSpec, vocab: int, dev: torch.devi
     return (long - short) / (2 * steps) * 1e3, {"method": "two output lengths"}
 
 
+def run_throughput(cfg_dict: dict[str, Any], num_layers: int, jobs: list[tuple[list[int], int]],
+                   warmup_requests: int = 8) -> dict[str, Any]:
+    """`moebius bench throughput --hf-baseline`: the same requests (prompt ids, output length; no EOS) through
+    transformers' continuous batching (`init_continuous_batching`: its paged cache and scheduler) on one GPU (the CPU
+    without one), every request added at once; wall time from the first added to the last finished, after an
+    unmeasured run of the first `warmup_requests`. {"error": ...} where this transformers cannot run it."""
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model = _build(BaselineSpec(cfg_dict, num_layers, [], 0, 0, 0), dev)
+    try:
+        if warmup_requests:
+            _serve_cb(model, jobs[:warmup_requests], dev)
+        wall, out = _serve_cb(model, jobs, dev)
+    except Exception as e:  # noqa: BLE001 - its continuous-batching API moves between versions: keep our result
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"wall_s": wall, "output_tokens": out, "requests_per_s": len(jobs) / wall,
+            "output_tokens_per_s": out / wall}
+
+
+def _serve_cb(model: Any, jobs: list[tuple[list[int], int]], dev: torch.device) -> tuple[float, int]:
+    """(wall seconds, output tokens) of the jobs through one continuous-batching manager."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max(n for _, n in jobs), do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    kw: dict[str, Any] = {}
+    if dev.type == "cpu":  # its cache takes a share of free memory: size it to the work (pages of 256 tokens)
+        from transformers import ContinuousBatchingConfig
+
+        pages = sum(-(-(len(p) + n) // 256) for p, n in jobs) + 2
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=1024)
+    manager = model.init_continuous_batching(generation_config=cfg, **kw)
+    manager.start()
+    try:
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(jobs):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+        done: dict[str, int] = {}
+        while len(done) < len(jobs):
+            r = manager.get_result(timeout=1)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"its generation thread stopped with {len(jobs) - len(done)} requests left")
+                continue
+            if r.is_finished():
+                if r.error is not None:
+                    raise RuntimeError(f"request {r.request_id}: {r.error}")
+                done[r.request_id] = len(r.generated_tokens)
+        return time.perf_counter() - t0, sum(done.values())
+    finally:
+        manager.stop(block=True)
+
+
 def _worker(spec_path: str, out_path: str) -> None:
     """One rank of the tensor-parallel baseline (under torch.distributed.run)."""
     from transformers import Qwen3MoeForCausalLM

@@ -5,7 +5,8 @@ switch). Each point times decode steps of `batch` requests holding `context` cac
 (CUDA graph when the per-rank batch has one, else eager), without prefill. Optionally a Hugging Face transformers
 baseline runs the same shape (moebius/bench/hf_baseline.py). Results: JSON in the schema of moebius/bench/results.py
 (`rows`, each tagged with its table: "decode", one point per mode and batch; "switch", each measured switch;
-"memory", a rank's memory in one layout; "skipped", a point that could not run; and one "summary" row: the switch
+"memory", a rank's memory in one layout; "skipped", a point that could not run; "prefill" (with --prefill-chunks),
+a step of one prompt chunk per rank against its floor; and one "summary" row: the switch
 overhead's median and max per target layout, the crossover batch, dual_over_static_ep, wall_s) and a PNG plot next
 to it.
 
@@ -26,11 +27,12 @@ from typing import Any
 
 import torch
 
-from moebius.bench.floor import decode_step_floor_ms
+from moebius.bench.floor import decode_step_floor_ms, prefill_work, step_floor_ms
 from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
 from moebius.bench.results import command_line, flatten, gpus_used, params_of, summary_of, table, write_result
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.engine.core import EngineCore
+from moebius.engine.messages import StepWork
 from moebius.sampling_params import SamplingParams
 from moebius.switch.policy import ep_ahead_from
 
@@ -40,15 +42,15 @@ log = logging.getLogger("moebius")
 def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(points, the rest: switches, memory ({mode: a record per rank}), skipped, switch_overhead_median_ms / _max_ms
     ({target mode: ms}))."""
-    top = max(args.batches)
+    top, chunk = max(args.batches), max(args.prefill_chunks, default=0)
     engine = EngineCore(EngineConfig.from_kwargs(
         model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
-        mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048),
-        max_model_len=args.context_len + 64, mem_fraction=args.mem_fraction,
+        mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048, chunk),
+        max_model_len=max(args.context_len + 64, args.prefill_prefix + chunk + 1), mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
         moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap, switch_transport=args.switch_transport))
     points: list[dict[str, Any]] = []
-    out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": []}
+    out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": [], "prefill": []}
     try:
         for mode in args.modes:
             if engine.mode != mode:
@@ -81,6 +83,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
                 points.append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
                          f" eager {extra['eager_step_ms']:.3f} ms" if "eager_step_ms" in extra else "")
+            out["prefill"] += prefill_points(engine, args, cfg, mode)
         if len(set(args.modes)) == 2:  # more switches back and forth: one switch is one noisy sample
             for _ in range(args.switch_repeats):
                 res = measure_switch(engine, "tp" if engine.mode == "ep" else "ep", args.context_len,
@@ -96,6 +99,27 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
     finally:
         engine.close()
     return points, out
+
+
+def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfig, mode: str
+                   ) -> list[dict[str, Any]]:
+    """The prefill table: a step of one prompt chunk of each --prefill-chunks size per rank (after --prefill-prefix
+    cached tokens) against its floor; in EP every rank prefills its own chunk, so the step's work is P chunks."""
+    rows = []
+    for n in args.prefill_chunks:
+        res = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
+                           warmup=args.warmup)
+        if any("error" in r for r in res):
+            rows.append({"mode": mode, "tokens": n, "error": [r.get("error") for r in res]})
+            continue
+        work = prefill_work(n, args.prefill_prefix)
+        work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
+        step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
+        rows.append({"mode": mode, "tokens": n, "prefix": args.prefill_prefix, "step_tokens": work.tokens,
+                     "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,
+                     "tokens_per_s": work.tokens / step * 1e3})
+        log.info("%s prefill %d: %.3f ms (floor %.3f, x%.2f)", mode, n, step, floor, step / floor)
+    return rows
 
 
 def measure_switch(engine: EngineCore, target: str, context_len: int, batch: int = 8) -> dict[str, Any]:
@@ -196,6 +220,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-len", type=int, default=1024, help="cached tokens per request")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per point (median)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--prefill-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                   help="also time prefill steps of one prompt chunk of these sizes per rank, comma-separated "
+                   "(e.g. 512,1024,2048,4096,8192,16384; table prefill)")
+    p.add_argument("--prefill-prefix", type=int, default=0, help="cached tokens before each prefill chunk")
     p.add_argument("--eager-up-to", type=int, default=8, help="also time eager steps up to this batch")
     p.add_argument("--mem-fraction", type=float, default=0.88)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
@@ -254,14 +282,15 @@ def main(args: argparse.Namespace) -> int:
     tables = {"decode": points, "switch": [flatten(s) for s in other["switches"]],
               "memory": [{"mode": mode, "rank": rank, **flatten(rec)} for mode, recs in memory.items()
                          for rank, rec in enumerate(recs)],
-              "skipped": other["skipped"]}
+              "skipped": other["skipped"], "prefill": other["prefill"]}
     summary = {k: other[k] for k in ("crossover_batch", "switch_overhead_median_ms", "switch_overhead_max_ms",
                                      "dual_over_static_ep", "wall_s") if k in other}
     result = write_result(args.output, tables=tables, summary=summary, params=params,
                           num_gpus=gpus_used(args.num_ranks), command=command_line(),
                           note="decode step (ms) per mode and global batch against the floor (table decode); "
                                "switch: each switch with --switch-batch requests decoding; memory: per layout and "
-                               "rank; summary: the switch overhead per target layout, the crossover batch")
+                               "rank; prefill: a step of one prompt chunk per rank against its floor (bench/floor.py "
+                               "step_floor_ms); summary: the switch overhead per target layout, the crossover batch")
     try:
         plot(result, os.path.splitext(args.output)[0] + ".png")
     except ImportError:
@@ -273,4 +302,8 @@ def main(args: argparse.Namespace) -> int:
                   f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s  graph={p['cuda_graph']}"
                   + (f"  eager {p['eager_step_ms']:.3f} ms ({p['graph_speedup']:.1f}x)" if "eager_step_ms" in p
                      else ""))
+    for p in other["prefill"]:
+        if "step_ms" in p:
+            print(f"{p['mode']:>14} prefill {p['tokens']:>6} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "
+                  f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s")
     return 0

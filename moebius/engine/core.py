@@ -21,7 +21,7 @@ from moebius.engine.auto import build as build_auto
 from moebius.engine.calibrate import calibrate
 from moebius.engine.front_request import FrontRequest, Sample, child_seed
 from moebius.engine.lifecycle import check_prompt, max_total_len, placement_weight
-from moebius.engine.messages import KVStats, StepPlan, StepResult, TokenDelta
+from moebius.engine.messages import KVStats, StepPlan, StepResult, StepWork, TokenDelta
 from moebius.engine.rank import RankSpec
 from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.engine.request import RequestSpec
@@ -101,6 +101,7 @@ class EngineCore:
         self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
         self.timeline = ModeTimeline(time.perf_counter())
+        self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
         self._switch_reason = ""  # why the pending switch was asked for
         self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
         self.auto: AutoMode | None = None
@@ -229,7 +230,7 @@ class EngineCore:
         if plan.switch_to is not None:
             self._plan_switch(plan, plan.switch_to)
         result = self._to_ranks(plan)
-        self._kv_stats = result.kv
+        self._kv_stats, self.last_work = result.kv, result.work
         if plan.switch_to is not None:
             self.last_switch = self._switched(plan.switch_to, result)
         now = time.perf_counter()
@@ -339,7 +340,8 @@ class EngineCore:
     def query(self, name: str, **args: object) -> list[object]:
         """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
         "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
-        "bench_decode" (batch, context, steps, warmup, graphs), "comm" (each layout's communicator)."""
+        "bench_decode" (batch, context, steps, warmup, graphs), "bench_prefill" (tokens, context, steps, warmup),
+        "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self._to_ranks(plan)

@@ -1,6 +1,5 @@
 """Questions a plan may ask every rank, outside the serving path: fingerprints of what a switch must preserve,
-memory, how the collectives run, which requests a rank holds, and steady-state decode timing for benchmarks.
-"""
+memory, how the collectives run, which requests a rank holds, and decode and prefill step timing for benchmarks."""
 
 from __future__ import annotations
 
@@ -36,6 +35,8 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
                 "waiting": [r.request_id for r in sched.waiting], "others": sorted(rank.others)}
     if name == "bench_decode":
         return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
+    if name == "bench_prefill":
+        return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"])
     if name == "comm":  # how each layout's collectives run
         return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
     raise ValueError(f"unknown query {name!r}")
@@ -127,6 +128,39 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
     return {"step_ms": overlapped if rank.overlap else sync_ms, "step_ms_overlap": overlapped,
             "step_ms_no_overlap": sync_ms, "local_batch": local, "cuda_graph": used_graph,
             "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
+
+
+def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Time a prefill step: on every rank one prompt chunk of `tokens` tokens after `context` cached ones (the KV
+    pages hold whatever is there), its last token sampled, through the real runner as the engine runs prefill
+    (eager, tokens read back)."""
+    if steps < 1 or warmup < 0 or tokens < 1 or context < 0:
+        return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1 and warmup >= 0, got {tokens}, "
+                         f"{context}, {steps} and {warmup}"}
+    alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
+    pages = -(-(context + tokens) // ecfg.block_size)
+    ok = pages <= alloc.num_free and tokens <= ecfg.max_num_batched_tokens
+    if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
+        return {"error": "does not fit on every rank"}
+    if not ok:
+        return {"error": f"needs {pages} KV pages ({alloc.num_free} free) and a token budget of {tokens} "
+                         f"({ecfg.max_num_batched_tokens})"}
+    V = rank.cfg.vocab_size
+    ids = [(groups.rank * 7919 + j * 104729) % V for j in range(context + tokens)]
+    req = Request(RequestSpec("bench-prefill", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
+                              context + tokens + 1))
+    req.pages, req.num_computed = alloc.allocate(pages), context
+    chunks, sync, times = [ScheduledChunk(req, context, tokens)], StepSync(tokens, False), []
+    try:
+        for _ in range(warmup + steps):
+            if rank.device.type == "cuda":
+                torch.cuda.synchronize(rank.device)
+            t = time.perf_counter()
+            rank.runner.launch(chunks, [], sync, graphs=False).result()
+            times.append(time.perf_counter() - t)
+    finally:
+        alloc.free(req.pages)
+    return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context}
 
 
 def _time_overlapped(rank: Rank, chunks: list[ScheduledChunk], sync: StepSync, steps: int, warmup: int,

@@ -3,6 +3,7 @@ rank's report, and a switch's request list."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,23 @@ class TokenDelta:
 
 
 @dataclass
+class StepWork:
+    """What a launched step computes (the floor model prices it): new tokens (prefill chunks and decodes), the
+    sequences they belong to, KV tokens its attention reads (each sequence's length after the step), the (query,
+    key) pairs attention computes (each new token's position + 1), and the rows sampled."""
+
+    tokens: int = 0
+    decode_tokens: int = 0  # of `tokens`: decodes (one output-position token that samples)
+    sequences: int = 0
+    kv_tokens: int = 0
+    attended: int = 0
+    sampled: int = 0
+
+    def __add__(self, other: StepWork) -> StepWork:
+        return StepWork(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+
+@dataclass
 class KVStats:
     free_tokens: int
     total_tokens: int
@@ -59,6 +77,7 @@ class RankReport:
     kv: KVStats
     running: int = 0  # requests this rank runs and waiting, where it reports them (Layout.reports_deltas)
     waiting: int = 0
+    work: StepWork = field(default_factory=StepWork)  # the step it launched, where it reports (as the counts)
     switch: dict[str, Any] | None = None  # the switch outcome, when the plan asked for a switch
     query: Any = None  # the answer, when the plan asked a query
     # device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
@@ -73,6 +92,7 @@ class StepResult:
     kv: list[KVStats]  # per rank
     running: int = 0  # requests running and waiting on the ranks, each counted once
     waiting: int = 0
+    work: StepWork = field(default_factory=StepWork)  # the steps launched, summed over the ranks that ran distinct ones
     switch: dict[str, Any] | None = None  # rank 0's switch outcome
     query: list[Any] | None = None  # per rank
     switch_times: dict[str, Any] | None = None  # rank 0's
@@ -80,8 +100,9 @@ class StepResult:
     @staticmethod
     def gather(reports: list[RankReport]) -> StepResult:
         return StepResult([d for r in reports for d in r.deltas], [r.kv for r in reports],
-                          sum(r.running for r in reports), sum(r.waiting for r in reports), reports[0].switch,
-                          [r.query for r in reports], reports[0].switch_times)
+                          sum(r.running for r in reports), sum(r.waiting for r in reports),
+                          sum((r.work for r in reports), StepWork()), reports[0].switch, [r.query for r in reports],
+                          reports[0].switch_times)
 
 
 # ---- a switch's request list ----

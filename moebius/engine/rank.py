@@ -21,10 +21,10 @@ import torch
 
 from moebius.config import EngineConfig, ModelConfig
 from moebius.engine.lifecycle import StopRules
-from moebius.engine.messages import KVStats, RankReport, StepPlan, TokenDelta
+from moebius.engine.messages import KVStats, RankReport, StepPlan, StepWork, TokenDelta
 from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
 from moebius.engine.runner import ModelRunner, PendingStep, StepSync
-from moebius.engine.scheduler import Scheduler
+from moebius.engine.scheduler import ScheduledChunk, Scheduler
 from moebius.engine.switching import RankRequests, SwitchResult, switch_requests
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import UnifiedMemory
@@ -62,6 +62,19 @@ class ModeRuntime:
     runner: ModelRunner
 
 
+def step_work(batch: list[ScheduledChunk]) -> StepWork:
+    """What a scheduled batch computes (the floor model's terms)."""
+    w = StepWork(sequences=len(batch))
+    for c in batch:
+        n, p = c.num_tokens, c.start
+        w.tokens += n
+        w.decode_tokens += n == 1 and c.samples and p >= c.req.num_prompt  # not a prompt's one-token last chunk
+        w.kv_tokens += p + n
+        w.attended += n * p + n * (n + 1) // 2
+        w.sampled += c.samples
+    return w
+
+
 @dataclass
 class InFlight:
     """A launched step not yet resolved: the requests it samples for (row order) and where the tokens come back."""
@@ -88,6 +101,7 @@ class Rank:
         self.overlap = not ecfg.disable_overlap_schedule
         self.inflight: InFlight | None = None
         self._late_switch_times: dict[str, Any] | None = None  # see report()
+        self._work = StepWork()  # what the last launched step computes (see report())
 
     @property
     def layout(self) -> Layout:
@@ -120,13 +134,14 @@ class Rank:
         # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
         sched = self.scheduler
         counts = (len(sched.running), len(sched.waiting)) if second else (0, 0)
-        return RankReport((before if first else []) + (after if second else []), self.kv_stats(), *counts, outcome,
-                          switch_times=self._late_switch_times)
+        return RankReport((before if first else []) + (after if second else []), self.kv_stats(), *counts,
+                          self._work if second else StepWork(), outcome, switch_times=self._late_switch_times)
 
     def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
         """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
         the switch (aborts), those of the step, and the switch outcome (None when the plan did not switch)."""
         sched = self.scheduler
+        self._work = StepWork()  # (a plan without a step launches nothing)
         self._late_switch_times = self.switcher.pass_times()
         # a switch moves requests and a query looks at them: both need every token on the host
         t = time.perf_counter()
@@ -182,6 +197,7 @@ class Rank:
         batch = self.scheduler.schedule()
         n_tokens = sum(c.num_tokens for c in batch)
         decode = all(c.num_tokens == 1 and c.samples for c in batch)
+        self._work = step_work(batch)
         if self.layout.data_parallel:
             # attention is per rank, but every rank joins each layer's collectives while any rank has work, and all
             # must agree on the dispatch size (and on the graph bucket)

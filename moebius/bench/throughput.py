@@ -1,0 +1,189 @@
+"""`moebius bench throughput`: offline end-to-end speed, as `vllm bench throughput` measures it. N requests (prompt
+and output lengths fixed, uniform, or from a JSONL of lengths; EOS ignored, so each decodes exactly its length) are
+added at once and served to the end through the engine's own loop. Reports requests/s, input and output tokens/s,
+the time spent in prefill, mixed and decode steps, the first request's TTFT, and the ratio to an end-to-end floor:
+the sum over the steps the engine ran of each step's floor (`bench/floor.py` `step_floor_ms`: the larger of its
+FLOPs at the dense bf16 rate and its weight / KV bytes at HBM speed). JSON + a plot of step time against its floor.
+
+    moebius bench throughput --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 \\
+        --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --output benchmarks/results/tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import time
+from typing import Any
+
+from moebius.bench.floor import step_floor_ms
+from moebius.bench.hf_baseline import run_throughput
+from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.config import PRESETS, EngineConfig, read_hf_config
+from moebius.engine.core import EngineCore
+from moebius.engine.messages import StepWork
+from moebius.model.builtin import builtin_hf_config
+from moebius.sampling_params import SamplingParams
+
+log = logging.getLogger("moebius")
+
+
+def _lengths(rng: random.Random, n: int, dist: str, fixed: int, span: str | None, what: str) -> list[int]:
+    if dist == "fixed":
+        return [fixed] * n
+    if span is None:
+        raise ValueError(f"--{what}-len-dist uniform needs --{what}-len-range A,B")
+    lo, hi = (int(x) for x in span.split(","))
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--{what}-len-range must be A,B with 1 <= A <= B, got {span!r}")
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def workload(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request."""
+    rng = random.Random(a.seed)
+    if a.lengths:
+        with open(a.lengths) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        pairs = [(int(r["prompt_len"]), int(r["output_len"])) for r in rows]
+    else:
+        pairs = list(zip(_lengths(rng, a.num_prompts, a.prompt_len_dist, a.prompt_len, a.prompt_len_range, "prompt"),
+                         _lengths(rng, a.num_prompts, a.output_len_dist, a.output_len, a.output_len_range, "output"),
+                         strict=True))
+    return [([rng.randrange(vocab) for _ in range(p)], o) for p, o in pairs]
+
+
+def hf_config(model: str | None) -> dict[str, Any]:
+    """The HF config.json of what --model names (the built-in model, a preset, a directory)."""
+    if model is None:
+        return builtin_hf_config()
+    return PRESETS[model] if model in PRESETS and not os.path.isdir(model) else read_hf_config(model)
+
+
+def kind(w: StepWork) -> str:
+    """prefill (no decode), decode (only decodes) or mixed; idle when the call launched nothing."""
+    if not w.tokens:
+        return "idle"
+    return "decode" if w.decode_tokens == w.tokens else "prefill" if not w.decode_tokens else "mixed"
+
+
+def run(engine: EngineCore, jobs: list[tuple[list[int], int]]) -> tuple[list[Any], list[dict[str, Any]], float]:
+    """Add every request at once, step to the end; (outputs in job order, a row per step call, wall seconds)."""
+    P, cfg = engine.world_size, engine.model_config
+    t0 = time.perf_counter()
+    ids = {engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)): i
+           for i, (p, n) in enumerate(jobs)}
+    done: dict[int, Any] = {}
+    steps = []
+    while len(done) < len(jobs):
+        t = time.perf_counter()
+        outs = engine.step()
+        w = engine.last_work
+        steps.append({"t_s": t - t0, "wall_ms": (time.perf_counter() - t) * 1e3, "kind": kind(w), "mode": engine.mode,
+                      "tokens": w.tokens, "decode_tokens": w.decode_tokens, "sequences": w.sequences,
+                      "floor_ms": step_floor_ms(cfg, P, engine.mode, w) if w.tokens else 0.0})
+        done.update({ids[o.request_id]: o for o in outs if o.finished and o.request_id in ids})
+    return [done[i] for i in range(len(jobs))], steps, time.perf_counter() - t0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline end-to-end speed of N requests against an end-to-end floor",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", default=None, help="preset or model directory (default: the built-in model)")
+    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    e.add_argument("--num-layers", type=int, default=None)
+    e.add_argument("--num-ranks", type=int, default=1)
+    e.add_argument("--mode", default="tp", choices=["tp", "ep"])
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--max-running-requests", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--mem-fraction", type=float, default=0.85)
+    e.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=256)
+    for what, length in (("prompt", 256), ("output", 128)):
+        w.add_argument(f"--{what}-len-dist", default="fixed", choices=["fixed", "uniform"])
+        w.add_argument(f"--{what}-len", type=int, default=length)
+        w.add_argument(f"--{what}-len-range", default=None, help="A,B for the uniform distribution")
+    w.add_argument("--lengths", default=None, help='a JSONL of {"prompt_len": ..., "output_len": ...} per request')
+    w.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="also serve the same requests through transformers' continuous batching (random weights of "
+                   "the same shapes; after the engine has exited)")
+    w.add_argument("--warmup-requests", type=int, default=0,
+                   help="serve this many of the requests first, unmeasured (default none: the first request after "
+                   "start-up is part of what is measured)")
+    p.add_argument("--output", default="benchmarks/results/throughput.json", help="JSON path (PNG next to it)")
+    p.set_defaults(func=main)
+
+
+def main(a: argparse.Namespace) -> int:
+    cfg = EngineConfig.from_kwargs(
+        model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks, mode=a.mode,
+        device=a.device, max_running_requests=a.max_running_requests, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs)
+    with EngineCore(cfg) as engine:
+        jobs = workload(a, engine.model_config.vocab_size)
+        if a.warmup_requests:
+            run(engine, jobs[: a.warmup_requests])
+        outs, steps, wall = run(engine, jobs)
+    inp, out = sum(len(p) for p, _ in jobs), sum(o.num_output_tokens for o in outs)
+    floor = sum(s["floor_ms"] for s in steps) / 1e3
+    summary: dict[str, Any] = {
+        "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall, "input_tokens": inp,
+        "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
+        "first_ttft_s": outs[0].ttft, "steps": len(steps), "floor_s": floor, "ratio_to_floor": wall / floor,
+        **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
+        **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
+           for k in ("prefill", "mixed", "decode")}}
+    if a.hf_baseline:
+        hf = run_throughput(hf_config(a.model), engine.model_config.num_layers, jobs)
+        summary.update({f"hf_{k}": v for k, v in hf.items()})
+        if "wall_s" in hf:
+            summary["speedup_vs_hf"] = hf["wall_s"] / wall
+    write_result(a.output, tables={"step": steps}, summary=summary, params=params_of(a),
+                 num_gpus=gpus_used(a.num_ranks, a.device),
+                 note="offline end-to-end: every request added at once and served to the end (EOS ignored); a step "
+                      "row is one engine step() call (what it launched: its kind, tokens and floor; its wall time, "
+                      "which with overlap scheduling is mostly the step before); ratio_to_floor = wall / the sum of "
+                      "the steps' floors")
+    try:
+        plot(steps, os.path.splitext(a.output)[0] + ".png", f"{len(jobs)} requests: {wall:.2f} s, "
+             f"{wall / floor:.2f}x the floor")
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
+    if "hf_wall_s" in summary:
+        print(f"transformers' continuous batching: {summary['hf_wall_s']:.2f} s; moebius "
+              f"{summary['speedup_vs_hf']:.1f}x faster")
+    elif a.hf_baseline:
+        print(f"transformers' continuous batching failed: {summary['hf_error']}")
+    print(f"{len(jobs)} requests in {wall:.2f} s: {len(jobs) / wall:.2f} req/s, {inp / wall:.0f} input and "
+          f"{out / wall:.0f} output tok/s; first TTFT {outs[0].ttft:.3f} s; prefill {summary['prefill_s']:.2f} s, "
+          f"mixed {summary['mixed_s']:.2f} s, decode {summary['decode_s']:.2f} s; {wall / floor:.2f}x the floor "
+          f"({floor:.2f} s)")
+    return 0
+
+
+def plot(steps: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, color in (("prefill", "tab:red"), ("mixed", "tab:orange"), ("decode", "tab:blue")):
+        pts = [s for s in steps if s["kind"] == k]
+        ax.scatter([s["t_s"] for s in pts], [s["wall_ms"] for s in pts], s=6, color=color, label=f"{k} step")
+        ax.scatter([s["t_s"] for s in pts], [s["floor_ms"] for s in pts], s=3, color=color, marker="_", alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("step (ms; dashes: its floor)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
