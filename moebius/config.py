@@ -235,6 +235,12 @@ class EngineConfig:
     disable_overlap_schedule: bool = _flag(False, "resolve each step before scheduling the next; by default the "
                                            "next step is launched while the device still runs the current one "
                                            "(its input tokens are taken on the device), hiding host work")
+    warmup: str = _flag("auto", "start-up kernel warm-up: full runs one eager step of every shape class the engine "
+                        "launches outside its decode graphs (prefill chunks of 1 to --max-num-batched-tokens tokens, "
+                        "mixed steps, larger decode batches, sampling) in both layouts before serving, so Triton "
+                        "compiles, or loads from its on-disk cache (TRITON_CACHE_DIR), every kernel variant at start "
+                        "and not under the first requests; none compiles on first use; auto: full on GPU, none on "
+                        "CPU", ("auto", "full", "none"))
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))

@@ -4,13 +4,17 @@ adds up to the run (kinds, tokens, floors), and the result is in the schema."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import random
+import statistics
 import subprocess
 import sys
 
 import pytest
 
 from moebius.bench.results import load_result, summary_of, table
-from moebius.bench.throughput import kind
+from moebius.bench.throughput import _lengths, kind, workload
 from moebius.engine.messages import StepWork
 
 
@@ -21,6 +25,21 @@ def test_kind_of_a_step() -> None:
     assert kind(StepWork(tokens=40, decode_tokens=3, sequences=5)) == "mixed"
 
 
+def test_length_distributions(tmp_path) -> None:
+    rng = random.Random(0)
+    assert _lengths(rng, 3, "fixed", 7, None, "output") == [7, 7, 7]
+    assert all(4 <= n <= 9 for n in _lengths(rng, 100, "uniform", 0, "4,9", "output"))
+    tail = _lengths(rng, 2000, "lognormal", 300, "1,2048", "output")  # median 300, 99th percentile at the cap
+    assert 1 <= min(tail) and max(tail) == 2048 and 250 < statistics.median(tail) < 350
+    assert 0.002 < sum(n == 2048 for n in tail) / len(tail) < 0.03
+    with pytest.raises(ValueError, match="--prompt-len-range"):
+        _lengths(rng, 3, "uniform", 0, None, "prompt")
+    path = tmp_path / "lengths.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_len": p, "output_len": o}) for p, o in ((3, 5), (10, 1))) + "\n")
+    jobs = workload(argparse.Namespace(seed=0, lengths=str(path)), vocab=50)
+    assert [(len(p), o) for p, o in jobs] == [(3, 5), (10, 1)] and all(0 <= t < 50 for p, _ in jobs for t in p)
+
+
 @pytest.mark.parametrize("ranks,mode", [(1, "tp"), (2, "tp"), (2, "ep")])
 def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     """Two ranks: a TP step is counted once (every rank runs it), EP ranks' steps are summed."""
@@ -29,7 +48,7 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
            "--num-ranks", str(ranks), "--mode", mode,
            "--num-prompts", "8", "--prompt-len-dist", "uniform", "--prompt-len-range", "8,32",
            "--output-len-dist", "uniform", "--output-len-range", "4,8", "--max-num-batched-tokens", "64",
-           "--output", str(out)] + (["--hf-baseline"] if ranks == 1 else [])
+           "--output", str(out)] + (["--hf-baseline", "--probe-requests", "3"] if ranks == 1 else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "req/s" in r.stdout and "the floor" in r.stdout
@@ -44,9 +63,12 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     assert {st["kind"] for st in steps} >= {"prefill", "decode"}
     assert s["floor_s"] > 0 and abs(s["ratio_to_floor"] - s["wall_s"] / s["floor_s"]) < 1e-9 * s["ratio_to_floor"]
     assert abs(sum(s[f"{k}_floor_s"] for k in ("prefill", "mixed", "decode")) - s["floor_s"]) < 1e-9
-    assert 0 < s["first_ttft_s"] <= s["wall_s"] and s["steps"] == len(steps)
+    assert 0 < s["first_ttft_s"] <= s["wall_s"] and s["steps"] == len(steps) and s["startup_s"] > 0
     assert abs(s["output_tokens_per_s"] - s["output_tokens"] / s["wall_s"]) < 1e-6 * s["output_tokens_per_s"]
-    if ranks == 1:  # transformers' continuous batching served the same requests to the same lengths
+    if ranks == 1:  # the probes, one at a time after start-up; transformers' continuous batching on the same work
+        probes = table(result, "probe")
+        assert [p["request"] for p in probes] == [0, 1, 2] and all(p["latency_s"] >= p["ttft_s"] > 0 for p in probes)
+        assert s["first_over_last_probe"] == probes[0]["latency_s"] / probes[-1]["latency_s"]
         assert "hf_error" not in s, s.get("hf_error")
         assert s["hf_output_tokens"] == s["output_tokens"]
         assert abs(s["speedup_vs_hf"] - s["hf_wall_s"] / s["wall_s"]) < 1e-9 * s["speedup_vs_hf"]

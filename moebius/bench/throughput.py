@@ -1,9 +1,10 @@
 """`moebius bench throughput`: offline end-to-end speed, as `vllm bench throughput` measures it. N requests (prompt
-and output lengths fixed, uniform, or from a JSONL of lengths; EOS ignored, so each decodes exactly its length) are
-added at once and served to the end through the engine's own loop. Reports requests/s, input and output tokens/s,
-the time spent in prefill, mixed and decode steps, the first request's TTFT, and the ratio to an end-to-end floor:
-the sum over the steps the engine ran of each step's floor (`bench/floor.py` `step_floor_ms`: the larger of its
-FLOPs at the dense bf16 rate and its weight / KV bytes at HBM speed). JSON + a plot of step time against its floor.
+and output lengths fixed, uniform, log-normal, or from a JSONL of lengths; EOS ignored, so each decodes exactly its
+length) are added at once and served to the end through the engine's own loop. Reports requests/s, input and output
+tokens/s, the time spent in prefill, mixed and decode steps, the first request's TTFT, and the ratio to an
+end-to-end floor: the sum over the steps the engine ran of each step's floor (`bench/floor.py` `step_floor_ms`: the
+larger of its FLOPs at the dense bf16 rate and its weight / KV bytes at HBM speed). JSON + a plot of step time
+against its floor.
 
     moebius bench throughput --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 \\
         --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --output benchmarks/results/tp.json
@@ -22,6 +23,7 @@ from typing import Any
 from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.bench.workload import lognormal
 from moebius.config import PRESETS, EngineConfig, read_hf_config
 from moebius.engine.core import EngineCore
 from moebius.engine.messages import StepWork
@@ -35,10 +37,12 @@ def _lengths(rng: random.Random, n: int, dist: str, fixed: int, span: str | None
     if dist == "fixed":
         return [fixed] * n
     if span is None:
-        raise ValueError(f"--{what}-len-dist uniform needs --{what}-len-range A,B")
+        raise ValueError(f"--{what}-len-dist {dist} needs --{what}-len-range A,B")
     lo, hi = (int(x) for x in span.split(","))
     if not 1 <= lo <= hi:
         raise ValueError(f"--{what}-len-range must be A,B with 1 <= A <= B, got {span!r}")
+    if dist == "lognormal":  # long-tailed (RL rollouts): median --X-len, 99th percentile at B, clipped to [A, B]
+        return lognormal(rng, n, fixed, hi, lo, hi)
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
@@ -89,6 +93,17 @@ def run(engine: EngineCore, jobs: list[tuple[list[int], int]]) -> tuple[list[Any
     return [done[i] for i in range(len(jobs))], steps, time.perf_counter() - t0
 
 
+def probe(engine: EngineCore, jobs: list[tuple[list[int], int]], n: int) -> list[dict[str, Any]]:
+    """Serve the first `n` jobs one after another; a row per request with its lengths, latency and TTFT."""
+    rows = []
+    for i, (prompt, out) in enumerate(jobs[:n]):
+        t = time.perf_counter()
+        (o,), _, _ = run(engine, [(prompt, out)])
+        rows.append({"request": i, "prompt_len": len(prompt), "output_len": out,
+                     "latency_s": time.perf_counter() - t, "ttft_s": o.ttft})
+    return rows
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline end-to-end speed of N requests against an end-to-end floor",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -104,17 +119,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--mem-fraction", type=float, default=0.85)
     e.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    e.add_argument("--warmup", default="auto", choices=["auto", "full", "none"],
+                   help="the engine's start-up kernel warm-up (start-up time is reported: run with a fresh "
+                   "TRITON_CACHE_DIR for a cold cache)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256)
     for what, length in (("prompt", 256), ("output", 128)):
-        w.add_argument(f"--{what}-len-dist", default="fixed", choices=["fixed", "uniform"])
-        w.add_argument(f"--{what}-len", type=int, default=length)
-        w.add_argument(f"--{what}-len-range", default=None, help="A,B for the uniform distribution")
+        w.add_argument(f"--{what}-len-dist", default="fixed", choices=["fixed", "uniform", "lognormal"])
+        w.add_argument(f"--{what}-len", type=int, default=length, help="the length (fixed), the median (lognormal)")
+        w.add_argument(f"--{what}-len-range", default=None,
+                       help="A,B: uniform on [A, B]; lognormal: clipped to [A, B], its 99th percentile at B")
     w.add_argument("--lengths", default=None, help='a JSONL of {"prompt_len": ..., "output_len": ...} per request')
     w.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-baseline", action="store_true",
                    help="also serve the same requests through transformers' continuous batching (random weights of "
                    "the same shapes; after the engine has exited)")
+    w.add_argument("--probe-requests", type=int, default=0,
+                   help="before the workload, serve its first N requests one at a time right after start-up and "
+                   "report each one's latency and TTFT (table probe): with fixed lengths, the first against the last "
+                   "shows what start-up left to compile; with --lengths, TTFT against prompt length")
     w.add_argument("--warmup-requests", type=int, default=0,
                    help="serve this many of the requests first, unmeasured (default none: the first request after "
                    "start-up is part of what is measured)")
@@ -126,17 +149,21 @@ def main(a: argparse.Namespace) -> int:
     cfg = EngineConfig.from_kwargs(
         model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks, mode=a.mode,
         device=a.device, max_running_requests=a.max_running_requests, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs)
+        max_model_len=a.max_model_len, mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs,
+        warmup=a.warmup)
+    t0 = time.perf_counter()
     with EngineCore(cfg) as engine:
+        startup = time.perf_counter() - t0
         jobs = workload(a, engine.model_config.vocab_size)
+        probes = probe(engine, jobs, a.probe_requests)
         if a.warmup_requests:
             run(engine, jobs[: a.warmup_requests])
         outs, steps, wall = run(engine, jobs)
     inp, out = sum(len(p) for p, _ in jobs), sum(o.num_output_tokens for o in outs)
     floor = sum(s["floor_ms"] for s in steps) / 1e3
     summary: dict[str, Any] = {
-        "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall, "input_tokens": inp,
-        "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
+        "startup_s": startup, "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall,
+        "input_tokens": inp, "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
         "first_ttft_s": outs[0].ttft, "steps": len(steps), "floor_s": floor, "ratio_to_floor": wall / floor,
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
@@ -146,17 +173,24 @@ def main(a: argparse.Namespace) -> int:
         summary.update({f"hf_{k}": v for k, v in hf.items()})
         if "wall_s" in hf:
             summary["speedup_vs_hf"] = hf["wall_s"] / wall
-    write_result(a.output, tables={"step": steps}, summary=summary, params=params_of(a),
+    if probes:
+        summary.update(first_probe_s=probes[0]["latency_s"], last_probe_s=probes[-1]["latency_s"],
+                       first_over_last_probe=probes[0]["latency_s"] / probes[-1]["latency_s"])
+    write_result(a.output, tables={"step": steps, "probe": probes}, summary=summary, params=params_of(a),
                  num_gpus=gpus_used(a.num_ranks, a.device),
                  note="offline end-to-end: every request added at once and served to the end (EOS ignored); a step "
                       "row is one engine step() call (what it launched: its kind, tokens and floor; its wall time, "
                       "which with overlap scheduling is mostly the step before); ratio_to_floor = wall / the sum of "
-                      "the steps' floors")
+                      "the steps' floors; probe: --probe-requests requests served one at a time right after start-up, "
+                      "before the workload (is the first as fast as the last?)")
     try:
         plot(steps, os.path.splitext(a.output)[0] + ".png", f"{len(jobs)} requests: {wall:.2f} s, "
              f"{wall / floor:.2f}x the floor")
     except ImportError:
         log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
+    if probes:
+        print(f"probe requests one at a time: first {probes[0]['latency_s']:.3f} s, last "
+              f"{probes[-1]['latency_s']:.3f} s")
     if "hf_wall_s" in summary:
         print(f"transformers' continuous batching: {summary['hf_wall_s']:.2f} s; moebius "
               f"{summary['speedup_vs_hf']:.1f}x faster")
@@ -165,7 +199,7 @@ def main(a: argparse.Namespace) -> int:
     print(f"{len(jobs)} requests in {wall:.2f} s: {len(jobs) / wall:.2f} req/s, {inp / wall:.0f} input and "
           f"{out / wall:.0f} output tok/s; first TTFT {outs[0].ttft:.3f} s; prefill {summary['prefill_s']:.2f} s, "
           f"mixed {summary['mixed_s']:.2f} s, decode {summary['decode_s']:.2f} s; {wall / floor:.2f}x the floor "
-          f"({floor:.2f} s)")
+          f"({floor:.2f} s); start-up {startup:.1f} s")
     return 0
 
 

@@ -14,6 +14,7 @@ from moebius.config import EngineConfig
 from moebius.engine.lifecycle import StopRules
 from moebius.engine.rank import ModeRuntime, Rank, RankSpec
 from moebius.engine.runner import ModelRunner, StaticBuffers
+from moebius.engine.warmup import warm_up
 from moebius.kernels import KernelConfig
 from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
@@ -124,3 +125,6 @@ def prepare_rank(rank: Rank) -> None:
         for m, rt in rank.modes.items():
             n, secs = rt.runner.capture_graphs(cap, pool)
             log.info("rank %d: captured %d %s decode graphs (batch <= %d) in %.1f s", groups.rank, n, m, cap, secs)
+    if ecfg.warmup == "full" or (ecfg.warmup == "auto" and device.type == "cuda"):
+        steps, secs = warm_up(rank, progress=groups.rank == 0)
+        log.info("rank %d: warmed up %d kernel shapes in %.1f s", groups.rank, steps, secs)

@@ -1,0 +1,104 @@
+"""Start-up warm-up: before serving, one eager step of every shape class the engine launches outside its decode
+graphs, in both layouts, so that Triton compiles each kernel variant then (or loads it from its on-disk cache,
+`TRITON_CACHE_DIR`, by default ~/.triton/cache) and not under the first requests. A kernel variant is picked by a
+step's token count: power-of-two blocks, ranges at least twice as wide (the MoE tile configs by pairs per expert,
+the few-row projections), and Triton's own specialization of integer arguments (1, multiples of 16); and by whether
+the step decodes only, prefills, or samples. The steps read and write only the reserved KV page 0, as graph
+capture's warm-up does, so they need no switch and leave no trace."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from moebius.engine.request import Request, RequestSpec
+from moebius.engine.runner import ModelRunner, StepSync
+from moebius.engine.scheduler import ScheduledChunk
+from moebius.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moebius.engine.rank import Rank
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=1)  # the gathered-vocabulary path
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    """One step: (start, tokens) per sequence (start: tokens already cached); its rows sample (else greedy)."""
+
+    chunks: tuple[tuple[int, int], ...]
+    sampled: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 and s > 0 for s, n in self.chunks)
+
+
+def token_ladder(budget: int) -> list[int]:
+    """1, 2, 3, every power of two and the count one past it, and the budget itself: a count in every power-of-two
+    bucket, on both sides of Triton's divisible-by-16 specialization."""
+    counts = {1, 2, 3, budget}
+    p = 1
+    while p <= budget:
+        counts |= {p, p + 1}
+        p *= 2
+    return sorted(c for c in counts if c <= budget)
+
+
+def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed: set[int]) -> list[WarmupStep]:
+    """The steps for one layout: per ladder count T, a whole prompt of T tokens; a chunk after a cached page with up
+    to T/2 decodes beside it (a mixed step); T decodes where no graph holds a batch of T; then one sampled step.
+    `graphed`: the decode batches the layout's graphs replay."""
+    steps = []
+    for T in token_ladder(min(budget, max_len - 1)):
+        steps.append(WarmupStep(((0, T),)))
+        start = page if page + T < max_len else 0
+        d = min(T // 2, max_running - 1, T - 2)  # the chunk keeps 2+ tokens: a prefill, not one more decode
+        if d:
+            steps.append(WarmupStep(((page, 1),) * d + ((start, T - d),)))
+        if T <= max_running and T not in graphed:
+            steps.append(WarmupStep(((page, 1),) * T))
+    steps.append(WarmupStep(((0, 2), (page, 1)), sampled=True))
+    return steps
+
+
+def _chunks(step: WarmupStep, page: int, vocab: int) -> list[ScheduledChunk]:
+    """Requests whose every page is the reserved page 0 (token ids spread so routing looks like real traffic)."""
+    out = []
+    for i, (start, n) in enumerate(step.chunks):
+        ids = [(i * 7919 + j * 104729) % vocab for j in range(start + n)]
+        req = Request(RequestSpec(f"warmup{i}", ids, SAMPLED if step.sampled else GREEDY, i, start + n + 1))
+        req.pages, req.num_computed = [0] * -(-(start + n) // page), start
+        out.append(ScheduledChunk(req, start, n))
+    return out
+
+
+def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
+    """Run every layout's warm-up steps on this rank (every rank the same steps in the same order: EP's steps run
+    collectives); returns (steps, seconds)."""
+    ecfg, page, t0 = rank.spec.engine, rank.spec.engine.block_size, time.perf_counter()
+    plans: list[tuple[ModelRunner, list[WarmupStep]]] = []
+    for rt in rank.modes.values():
+        budget = min(ecfg.max_num_batched_tokens, rank.spec.max_model_len)
+        graphed = {b for b in range(1, budget + 1) if rt.runner.has_graph(b)}
+        plans.append((rt.runner, warmup_steps(ecfg.max_num_batched_tokens, ecfg.max_running_requests,
+                                              rank.spec.max_model_len, page, graphed)))
+    total = sum(len(s) for _, s in plans)
+    with tqdm(total=total, desc="compiling kernels", unit="step", disable=not progress) as bar:
+        for runner, steps in plans:
+            for step in steps:
+                sync = StepSync(step.tokens, step.decode_only)
+                runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync, graphs=False).result()
+                bar.update()
+    if rank.device.type == "cuda":
+        torch.cuda.synchronize(rank.device)
+    return total, time.perf_counter() - t0

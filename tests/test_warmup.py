@@ -1,0 +1,75 @@
+"""Start-up warm-up (engine/warmup.py): the shapes it runs cover every token-count bucket and kernel path, stay inside
+the engine's limits and touch only the reserved KV page 0; an engine warmed up serves the same tokens as one that
+was not, in both layouts and on two ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore
+from moebius.engine.runner import ModelRunner
+from moebius.engine.warmup import _chunks, token_ladder, warmup_steps
+from moebius.sampling_params import SamplingParams
+
+
+def test_token_ladder_has_a_count_in_every_bucket() -> None:
+    assert token_ladder(64) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64]
+    ladder = token_ladder(2000)
+    assert ladder[-1] == 2000 and 1025 in ladder and 2048 not in ladder
+    for p in (2 ** k for k in range(11)):  # every power-of-two bucket, and a count past each multiple of 16
+        assert any(p <= t < 2 * p for t in ladder)
+    assert any(t % 16 for t in ladder if t > 16) and any(t % 16 == 0 for t in ladder)
+
+
+def test_warmup_steps_stay_in_the_engine_limits() -> None:
+    budget, running, max_len, page = 64, 8, 48, 16
+    graphed = {1, 2, 3, 4}
+    steps = warmup_steps(budget, running, max_len, page, graphed)
+    for s in steps:
+        assert s.tokens <= budget and len(s.chunks) <= running
+        assert all(start + n < max_len for start, n in s.chunks)  # room for the sampled token
+    decodes = {s.tokens for s in steps if s.decode_only}
+    assert decodes == {5, 8}  # decode batches the graphs do not hold, up to the running limit
+    assert {s.tokens for s in steps if len(s.chunks) == 1 and not s.sampled} == set(token_ladder(47))
+    mixed = [s for s in steps if not s.decode_only and len(s.chunks) > 1]
+    assert mixed and all(s.chunks[-1][1] > 1 and s.chunks[0] == (page, 1) for s in mixed if not s.sampled)
+    assert sum(s.sampled for s in steps) == 1
+    for s in steps:  # every page of every request is the reserved page 0
+        assert all(set(c.req.pages) == {0} and len(c.req.pages) * page >= c.start + c.num_tokens
+                   for c in _chunks(s, page, 100))
+
+
+def test_warmup_launches_every_count_in_both_layouts(monkeypatch) -> None:
+    seen: dict[int, set[int]] = {}
+    launch = ModelRunner.launch
+
+    def spy(self, batch, stop_masks, sync, *args, **kwargs):
+        seen.setdefault(id(self), set()).add(sync.max_tokens)
+        return launch(self, batch, stop_masks, sync, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "launch", spy)
+    with EngineCore(EngineConfig.from_kwargs(device="cpu", warmup="full", max_num_batched_tokens=64)):
+        pass
+    assert len(seen) == 2  # both layouts' runners
+    assert all(set(token_ladder(64)) <= counts for counts in seen.values())
+    seen.clear()
+    with EngineCore(EngineConfig.from_kwargs(device="cpu", max_num_batched_tokens=64)):  # auto: none on the CPU
+        pass
+    assert not seen
+
+
+def _serve(P: int, mode: str, warmup: str) -> list[list[int]]:
+    cfg = EngineConfig.from_kwargs(num_ranks=P, mode=mode, device="cpu", warmup=warmup, max_num_batched_tokens=64)
+    with EngineCore(cfg) as e:
+        sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        ids = [e.add_request([(i * 37 + j) % 200 + 1 for j in range(5 + 7 * i)], sp) for i in range(5)]
+        outs: dict[str, list[int]] = {}
+        while len(outs) < len(ids):
+            outs.update({o.request_id: o.outputs[0].token_ids for o in e.step() if o.finished})
+    return [outs[i] for i in ids]
+
+
+@pytest.mark.parametrize("P,mode", [(1, "tp"), (2, "ep")])
+def test_warmed_up_engine_serves_the_same_tokens(P: int, mode: str) -> None:
+    assert _serve(P, mode, "full") == _serve(P, mode, "none")
