@@ -252,6 +252,10 @@ class EngineConfig:
                                    "port; 0 picks a free one")
     admin_host: str = _flag("127.0.0.1", "address the admin endpoints bind to")
     api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on the admin endpoints")
+    watchdog_timeout: float = _flag(300.0, "seconds a step (or switch, or query) may take before the ranks are "
+                                    "declared stuck (a collective waiting on a rank that no longer takes part) and "
+                                    "stopped, so the engine fails with an error instead of hanging; 0 waits forever "
+                                    "(spawned ranks; a dead rank process is noticed at once either way)")
     cpu_threads: int = _flag(1, "torch threads per rank when running on CPU (the CPU path serves tests and demos; "
                              "one thread per rank avoids oversubscribing small machines)")
 
@@ -281,6 +285,8 @@ class EngineConfig:
             raise ConfigError(f"switch_low {self.switch_low} is above switch_high {self.switch_high} (T_l <= T_h)")
         if self.switch_window is not None and self.switch_window < 1:
             raise ConfigError(f"switch_window must be at least 1 step, got {self.switch_window}")
+        if self.watchdog_timeout < 0:
+            raise ConfigError(f"watchdog_timeout must be >= 0 seconds (0: no limit), got {self.watchdog_timeout}")
         if self.switch_cooldown is not None and self.switch_cooldown < 0:
             raise ConfigError(f"switch_cooldown must be >= 0 seconds, got {self.switch_cooldown}")
 

@@ -36,7 +36,8 @@ def test_bad_sampling_params_name_the_field(kwargs: dict[str, Any], field: str) 
 BAD_FLAGS = [({"num_ranks": "2"}, "num_ranks"), ({"block_size": "16"}, "block_size"), ({"cpu_threads": 0}, "cpu"),
              ({"mem_fraction": float("nan")}, "mem_fraction"), ({"admin_port": 70000}, "admin_port"),
              ({"disable_pdl": 1}, "disable_pdl"), ({"model": 5}, "model"), ({"switch_window": 0}, "switch_window"),
-             ({"switch_high": 2, "switch_low": 3}, "switch_low"), ({"mode": "dp"}, "mode")]
+             ({"switch_high": 2, "switch_low": 3}, "switch_low"), ({"mode": "dp"}, "mode"),
+             ({"watchdog_timeout": -1}, "watchdog_timeout"), ({"warmup": "some"}, "warmup")]
 
 
 @pytest.mark.parametrize("kwargs,field", BAD_FLAGS, ids=[f"{k}" for k, _ in BAD_FLAGS])

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import random
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -485,6 +486,29 @@ def test_rank_killed_mid_run_raises_rank_error(ckpt_root: str, victim: int) -> N
                 llm.generate([PROMPTS[3]], greedy(2))
         finally:
             with deadline(60, "closing after a rank died"):
+                llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_stuck_rank_trips_the_watchdog(ckpt_root: str, victim: int) -> None:
+    """A rank process that stops answering but stays alive (SIGSTOP: as a rank stuck in a collective whose peer
+    left): the next step raises RankError after --watchdog-timeout instead of hanging, and the ranks are stopped."""
+    path = _checkpoint(ckpt_root, "gqa8")
+    with no_leftover_processes():
+        with deadline(START_TIMEOUT, "starting 2 ranks"):
+            llm = LLM(model=path, num_ranks=2, mode="tp", watchdog_timeout=3, **ENGINE_KW)
+        try:
+            assert llm.generate([PROMPTS[2]], greedy(2))[0].token_ids == reference(path, PROMPTS[2])[0][:2]
+            procs = _rank_processes(llm)
+            os.kill(procs[victim].pid, signal.SIGSTOP)
+            t = time.monotonic()
+            with deadline(60, "a step with a stuck rank"), pytest.raises(RankError, match="no answer in 3 s"):
+                llm.generate([PROMPTS[3]], greedy(2))
+            assert time.monotonic() - t < 30
+            assert not any(p.is_alive() for p in procs)  # the watchdog stopped them (a stopped process too)
+        finally:
+            with deadline(60, "closing after the watchdog"):
                 llm.close()
 
 

@@ -615,6 +615,49 @@ def test_two_ranks(tmp_path: Any) -> None:
         assert s.close() == 0, s.tail()
 
 
+def _rank_pids(parent: int) -> list[int]:
+    """The spawned rank processes of a server (its children running multiprocessing's spawn_main)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in cmd:
+            pids.append(int(d))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
+def test_rank_killed_under_the_server(tmp_path: Any) -> None:
+    """A rank process killed while a request streams: that request ends with an error naming the dead rank, /health
+    turns 503, new requests get 503 engine_dead, and the server stays up to say so, then exits 0 on SIGTERM."""
+    s = Server(tmp_path, "--num-ranks", "2", "--mode", "ep", key=None)
+    try:
+        pids = _rank_pids(s.proc.pid)
+        assert len(pids) == 2, pids
+        events = s.stream("/v1/completions", {"prompt": IDS[0], "max_tokens": 3000, "ignore_eos": True})
+        assert isinstance(next(events), dict)  # generating
+        os.kill(max(pids), signal.SIGKILL)  # the later-started one: rank 1
+        rest = list(events)
+        assert rest[-1] == "[DONE]" and "exited unexpectedly" in rest[-2]["error"]["message"], rest[-2:]
+        health = s.get("/health")
+        assert health.status_code == 503 and "exited unexpectedly" in health.json()["error"]["message"]
+        r = s.post("/v1/completions", {"prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert s.proc.poll() is None
+    finally:
+        assert s.close() == 0, s.tail()
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
+        assert time.monotonic() < deadline, "rank processes left running"
+        time.sleep(0.2)
+
+
 def test_openai_client(server: Server, ref: LLM) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)

@@ -15,9 +15,10 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as mp
@@ -163,6 +164,7 @@ class SpawnedRanks:
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.world_size = world_size
+        self._watchdog = spec.engine.watchdog_timeout
         self._conn, child = ctx.Pipe()
         self._procs = [ctx.Process(target=_rank_main, args=(r, world_size, spec, init_method,
                                                              child if r == 0 else None), daemon=True)
@@ -180,20 +182,34 @@ class SpawnedRanks:
             raise RankError("; ".join(payload))
         self.kv_capacity = int(payload)
 
-    def _recv(self) -> tuple[str, Any]:
+    def _recv(self, timeout: float | None = None) -> tuple[str, Any]:
+        """Rank 0's next message. While waiting, a rank process that dies (rank 0 itself, or a peer that rank 0
+        may wait on forever inside a collective) raises RankError at once; so does no answer within `timeout`
+        seconds (a stuck collective), after the ranks are killed."""
+        start = time.monotonic()
         try:
+            while not self._conn.poll(1.0):
+                if any(not p.is_alive() for p in self._procs):
+                    self._died()
+                if timeout and time.monotonic() - start > timeout:
+                    self._kill()
+                    raise RankError(f"the ranks gave no answer in {timeout:g} s (a collective stuck on a rank that "
+                                    "no longer takes part?): the rank processes were stopped (--watchdog-timeout)")
             return self._conn.recv()
         except (EOFError, ConnectionError):
-            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-            raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
+            self._died()
+
+    def _died(self) -> NoReturn:
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        self._kill()  # the survivors would wait in their next collective for a rank that is gone
+        raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
 
     def step(self, plan: StepPlan) -> StepResult:
         try:
             self._conn.send(plan)
         except (BrokenPipeError, ConnectionError, OSError):
-            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-            raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
-        _, result = self._recv()
+            self._died()
+        _, result = self._recv(self._watchdog)
         return result
 
     def _kill(self) -> None:
