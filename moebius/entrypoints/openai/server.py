@@ -1,6 +1,9 @@
 """`moebius serve`: the command line, start-up, and the graceful shutdown. SIGTERM / SIGINT: new requests get 503
 (and /health too), requests in flight run to their end (at most --shutdown-timeout seconds; what is left then fails with
-503), the engine closes (its rank processes end), and the process exits 0. A second signal stops at once.
+503), the engine closes (its rank processes end), and the process exits 0. A second signal stops at once. If the engine
+fails (a rank process died, the watchdog found a stuck step), requests in flight end with the error, the server
+answers 503 for a few seconds (so clients and health checks see why), logs the cause and exits 1 for a supervisor to
+restart it.
 
 The web packages are imported only when the server starts, so `moebius --help` works without them."""
 
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("moebius")
 
 DEMO_MODEL_NAME = "moebius-demo"
+FAILED_EXIT_AFTER_S = 3.0  # after the engine fails: answering 503 this long before the port closes
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -54,10 +58,23 @@ def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop, drain_time
             super().__init__(config)
             self._aio: asyncio.AbstractEventLoop | None = None
             self._draining = False
+            self.failed = False
 
         async def startup(self, sockets: Any = None) -> None:
             self._aio = asyncio.get_running_loop()
+            self._watch_task = self._aio.create_task(self._watch_engine())  # kept: tasks are weakly held
             await super().startup(sockets)
+
+        async def _watch_engine(self) -> None:
+            while not self.should_exit:
+                if engine_loop.error is not None:
+                    log.error("the engine failed (%s): the server exits in %.0f s; restart it", engine_loop.error,
+                              FAILED_EXIT_AFTER_S)
+                    self.failed = True
+                    await asyncio.sleep(FAILED_EXIT_AFTER_S)
+                    self.should_exit = True
+                    return
+                await asyncio.sleep(0.2)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Not recorded in _captured_signals: uvicorn would raise it again on the way out (exit code -15).
@@ -120,8 +137,9 @@ def serve(args: argparse.Namespace) -> int:
         if ecfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without --api-key: anyone who reaches it can generate and switch layouts",
                         args.host)
-        _draining_server(config, loop, args.shutdown_timeout).run()
+        server = _draining_server(config, loop, args.shutdown_timeout)
+        server.run()
     finally:
         loop.stop()
     log.info("server stopped")
-    return 0
+    return 1 if server.failed else 0
