@@ -577,37 +577,42 @@ def test_engine_failure_is_reported() -> None:
 def test_two_ranks(tmp_path: Any) -> None:
     s = Server(tmp_path, "--num-ranks", "2", "--mode", "tp", key=None)
     try:
-        params = {**GREEDY, "max_tokens": 40}
+        params, long = {**GREEDY, "max_tokens": 40}, {**GREEDY, "max_tokens": 96}
+        prompts = [[(i * 31 + j * 7) % 250 + 1 for j in range(4 + i % 9)] for i in range(32)]
         with LLM(device="cpu", num_ranks=2, mode="tp") as ref2:
-            want = [o.token_ids for o in ref2.generate(IDS, SamplingParams(**params))]
+            want = [o.token_ids for o in ref2.generate(prompts, SamplingParams(**long))]
+            want += [o.token_ids for o in ref2.generate(IDS[:1], SamplingParams(**params))]
         toks, _, _ = collect(s.stream("/v1/completions", {"prompt": IDS[0], "return_token_ids": True, **params}))
-        assert toks[0] == want[0]
+        assert toks[0] == want[-1]
         got: dict[int, list[int]] = {}
-        first = threading.Event()
+        first = [threading.Event() for _ in prompts]
 
         def run(i: int) -> None:
             toks: list[int] = []
-            for ev in s.stream("/v1/completions", {"prompt": IDS[i], "return_token_ids": True, **params}):
+            for ev in s.stream("/v1/completions", {"prompt": prompts[i], "return_token_ids": True, **long}):
                 if isinstance(ev, dict):
                     toks += ev["choices"][0]["token_ids"]
-                    first.set()
+                    first[i].set()
             got[i] = toks
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(IDS))]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
-        assert first.wait(30)
-        outcome = s.post("/admin/switch", {"mode": "ep"}).json()  # a real reshard, with the streams running
+        for e in first:
+            assert e.wait(60)
+        assert s.get("/admin/status").json()["running"] == 32  # all streaming
+        outcome = s.post("/admin/switch", {"mode": "ep"}).json()  # a real reshard, with 32 streams running
         assert outcome["done"], outcome
         for t in threads:
-            t.join(60)
-        assert [got[i] for i in range(len(IDS))] == want
+            t.join(120)
+        assert [got[i] for i in range(len(prompts))] == want[:-1]
+        assert all(len(got[i]) == 96 for i in got)
         assert s.get("/admin/status").json()["mode"] == "ep"
         # the policy, changed live: back to TP once fewer than 2 are in flight (idle now), then nothing moves it
         r = s.post("/admin/policy", {"policy": "threshold", "high": 2, "low": 2, "window": 1, "cooldown": 0})
         assert r.status_code == 200 and "T_h" not in r.json()["policy"] and "above 2" in r.json()["policy"]
         toks, _, _ = collect(s.stream("/v1/completions", {"prompt": IDS[0], "return_token_ids": True, **params}))
-        assert toks[0] == want[0]
+        assert toks[0] == want[-1]
         st = s.get("/admin/status").json()
         assert st["mode"] == "tp" and st["timeline"]["switches"][-1]["target"] == "tp", st["timeline"]["switches"]
         assert s.post("/admin/policy", {"policy": "off"}).json() == {"policy": None}
