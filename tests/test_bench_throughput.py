@@ -48,7 +48,8 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
            "--num-ranks", str(ranks), "--mode", mode,
            "--num-prompts", "8", "--prompt-len-dist", "uniform", "--prompt-len-range", "8,32",
            "--output-len-dist", "uniform", "--output-len-range", "4,8", "--max-num-batched-tokens", "64",
-           "--output", str(out)] + (["--hf-baseline", "--probe-requests", "3"] if ranks == 1 else [])
+           "--output", str(out)] + (["--hf-baseline", "--probe-requests", "3", "--long-prompt", "100",
+                                     "--long-prompt-decoders", "3"] if ranks == 1 else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "req/s" in r.stdout and "the floor" in r.stdout
@@ -69,6 +70,16 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
         probes = table(result, "probe")
         assert [p["request"] for p in probes] == [0, 1, 2] and all(p["latency_s"] >= p["ttft_s"] > 0 for p in probes)
         assert s["first_over_last_probe"] == probes[0]["latency_s"] / probes[-1]["latency_s"]
+        # the long prompt among 3 decoding requests: 16 decode steps, then its 100 tokens in chunks of the budget
+        # beside the 3 decodes (61 + 39 tokens), until its first token
+        lp = table(result, "long_prompt")
+        before, during = ([r for r in lp if r["phase"] == ph] for ph in ("before", "during"))
+        assert len(before) == 16 and all(r["kind"] == "decode" and r["decode_tokens"] == 3 for r in before)
+        assert sum(r["tokens"] - r["decode_tokens"] for r in during) == 100
+        assert all(r["decode_tokens"] == 3 and r["tokens"] <= 64 for r in during if r["kind"] != "idle")
+        assert s["long_prompt_steps"] == len(during) >= 2
+        assert s["itl_during_max_ms"] == max(r["wall_ms"] for r in during)
+        assert 0 < s["long_prompt_ttft_s"] and "a 100-token prompt among 3 decoding requests" in r.stdout
         assert "hf_error" not in s, s.get("hf_error")
         assert s["hf_output_tokens"] == s["output_tokens"]
         assert abs(s["speedup_vs_hf"] - s["hf_wall_s"] / s["wall_s"]) < 1e-9 * s["speedup_vs_hf"]

@@ -38,6 +38,8 @@ def test_warmup_steps_stay_in_the_engine_limits() -> None:
     for s in steps:  # every page of every request is the reserved page 0
         assert all(set(c.req.pages) == {0} and len(c.req.pages) * page >= c.start + c.num_tokens
                    for c in _chunks(s, page, 100))
+    # one request running at a time (`bench sweep --batches 1`): no step holds two, the sampled one neither
+    assert all(len(s.chunks) == 1 for s in warmup_steps(budget, 1, max_len, page, {1}))
 
 
 def test_warmup_launches_every_count_in_both_layouts(monkeypatch) -> None:

@@ -26,7 +26,7 @@ from moebius.bench import bursty, rollout
 from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
 from moebius.bench.results import load_result, params_of, table, write_result
 from moebius.bench.workload import SYSTEMS, Job
-from moebius.config import PRESETS, EngineConfig, ModelConfig
+from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig
 from moebius.engine.auto import AutoMode
 from moebius.engine.auto import build as build_auto
 from moebius.switch.calibration import Calibration, CalibrationKey
@@ -131,7 +131,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         src.add_argument("--efficiency", type=float, default=1.4, help="step time / floor (measured: ~1.3-1.5)")
         src.add_argument("--switch-efficiency", type=float, default=2.0, help="switch time / floor (measured: ~2)")
         eng = w.add_argument_group("engine")
-        eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        eng.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET)
         eng.add_argument("--max-running-requests", type=int, default=2048, help="requests running at once, all ranks")
         eng.add_argument("--switch-policy", default="threshold", choices=["threshold", "cost"])
         eng.add_argument("--switch-profile", default="rollout" if name == "rollout" else "interactive",

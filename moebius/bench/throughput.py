@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, write_result
 from moebius.bench.workload import lognormal
-from moebius.config import PRESETS, EngineConfig, read_hf_config
+from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, read_hf_config
 from moebius.engine.core import EngineCore
 from moebius.engine.messages import StepWork
 from moebius.model.builtin import builtin_hf_config
@@ -104,6 +105,39 @@ def probe(engine: EngineCore, jobs: list[tuple[list[int], int]], n: int) -> list
     return rows
 
 
+def long_prompt(engine: EngineCore, vocab: int, n: int, decoders: int, seed: int) -> list[dict[str, Any]]:
+    """What a long prompt arriving does to requests already decoding: `decoders` requests decode (16 steps once all
+    decode), then one prompt of `n` tokens arrives; a row per step call from then until its first token (phase
+    "during"), after 16 of "before": the step's wall time is the inter-token gap every decoder sees."""
+    rng = random.Random(seed)
+    keep = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)  # aborted once the prompt is in
+    ids = [engine.add_request([rng.randrange(vocab) for _ in range(64)], keep) for _ in range(decoders)]
+    rows: list[dict[str, Any]] = []
+    first: dict[str, int] = {}
+    long_id = None
+    while long_id is None or long_id not in first:
+        t = time.perf_counter()
+        outs = engine.step()
+        wall, w = (time.perf_counter() - t) * 1e3, engine.last_work
+        for o in outs:
+            first.setdefault(o.request_id, len(rows))
+        if long_id is not None or len(first) == decoders:
+            rows.append({"phase": "during" if long_id is not None else "before", "wall_ms": wall, "kind": kind(w),
+                         "tokens": w.tokens, "decode_tokens": w.decode_tokens})
+        if long_id is None and sum(r["phase"] == "before" for r in rows) == 16:
+            long_id = engine.add_request([rng.randrange(vocab) for _ in range(n)],
+                                         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            t_long = time.perf_counter()
+    ttft = time.perf_counter() - t_long
+    for i in ids:
+        engine.abort(i)
+    while engine.has_unfinished():
+        engine.step()
+    for r in rows:
+        r["long_prompt_ttft_s"] = ttft
+    return rows
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline end-to-end speed of N requests against an end-to-end floor",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -115,7 +149,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--mode", default="tp", choices=["tp", "ep"])
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     e.add_argument("--max-running-requests", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--mem-fraction", type=float, default=0.85)
     e.add_argument("--cuda-graph-max-bs", type=int, default=256)
@@ -138,6 +172,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="before the workload, serve its first N requests one at a time right after start-up and "
                    "report each one's latency and TTFT (table probe): with fixed lengths, the first against the last "
                    "shows what start-up left to compile; with --lengths, TTFT against prompt length")
+    w.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                   help="before the workload, with --long-prompt-decoders requests decoding, add one prompt of N "
+                   "tokens: the decoders' inter-token gap before and while it is prefilled, and its TTFT (table "
+                   "long_prompt): what the token budget per step costs running requests")
+    w.add_argument("--long-prompt-decoders", type=int, default=64)
     w.add_argument("--warmup-requests", type=int, default=0,
                    help="serve this many of the requests first, unmeasured (default none: the first request after "
                    "start-up is part of what is measured)")
@@ -154,8 +193,11 @@ def main(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with EngineCore(cfg) as engine:
         startup = time.perf_counter() - t0
-        jobs = workload(a, engine.model_config.vocab_size)
+        vocab, layers = engine.model_config.vocab_size, engine.model_config.num_layers
+        jobs = workload(a, vocab)
         probes = probe(engine, jobs, a.probe_requests)
+        interference = long_prompt(engine, vocab, a.long_prompt, a.long_prompt_decoders, a.seed) if a.long_prompt \
+            else []
         if a.warmup_requests:
             run(engine, jobs[: a.warmup_requests])
         outs, steps, wall = run(engine, jobs)
@@ -168,21 +210,28 @@ def main(a: argparse.Namespace) -> int:
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
            for k in ("prefill", "mixed", "decode")}}
-    if a.hf_baseline:
-        hf = run_throughput(hf_config(a.model), engine.model_config.num_layers, jobs)
+    if a.hf_baseline:  # the engine has exited: its memory is free for transformers' model
+        hf = run_throughput(hf_config(a.model), layers, jobs)
         summary.update({f"hf_{k}": v for k, v in hf.items()})
         if "wall_s" in hf:
             summary["speedup_vs_hf"] = hf["wall_s"] / wall
     if probes:
         summary.update(first_probe_s=probes[0]["latency_s"], last_probe_s=probes[-1]["latency_s"],
                        first_over_last_probe=probes[0]["latency_s"] / probes[-1]["latency_s"])
-    write_result(a.output, tables={"step": steps, "probe": probes}, summary=summary, params=params_of(a),
+    if interference:
+        gaps = {ph: [r["wall_ms"] for r in interference if r["phase"] == ph] for ph in ("before", "during")}
+        summary.update(long_prompt_ttft_s=interference[0]["long_prompt_ttft_s"],
+                       long_prompt_steps=len(gaps["during"]), itl_before_ms=statistics.median(gaps["before"]),
+                       itl_during_mean_ms=statistics.fmean(gaps["during"]), itl_during_max_ms=max(gaps["during"]))
+    write_result(a.output, tables={"step": steps, "probe": probes, "long_prompt": interference}, summary=summary,
+                 params=params_of(a),
                  num_gpus=gpus_used(a.num_ranks, a.device),
                  note="offline end-to-end: every request added at once and served to the end (EOS ignored); a step "
                       "row is one engine step() call (what it launched: its kind, tokens and floor; its wall time, "
                       "which with overlap scheduling is mostly the step before); ratio_to_floor = wall / the sum of "
                       "the steps' floors; probe: --probe-requests requests served one at a time right after start-up, "
-                      "before the workload (is the first as fast as the last?)")
+                      "before the workload (is the first as fast as the last?); long_prompt: --long-prompt's steps, "
+                      "before and while the long prompt is prefilled (a step's wall time: each decoder's gap)")
     try:
         plot(steps, os.path.splitext(a.output)[0] + ".png", f"{len(jobs)} requests: {wall:.2f} s, "
              f"{wall / floor:.2f}x the floor")
@@ -191,6 +240,11 @@ def main(a: argparse.Namespace) -> int:
     if probes:
         print(f"probe requests one at a time: first {probes[0]['latency_s']:.3f} s, last "
               f"{probes[-1]['latency_s']:.3f} s")
+    if interference:
+        print(f"a {a.long_prompt}-token prompt among {a.long_prompt_decoders} decoding requests: TTFT "
+              f"{summary['long_prompt_ttft_s']:.3f} s; their inter-token gap {summary['itl_before_ms']:.1f} ms "
+              f"before, {summary['itl_during_mean_ms']:.1f} ms mean and {summary['itl_during_max_ms']:.1f} ms max "
+              f"over its {summary['long_prompt_steps']} steps")
     if "hf_wall_s" in summary:
         print(f"transformers' continuous batching: {summary['hf_wall_s']:.2f} s; moebius "
               f"{summary['speedup_vs_hf']:.1f}x faster")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from moebius.config import EngineConfig
+from moebius.config import DEFAULT_TOKEN_BUDGET, EngineConfig
 from moebius.engine.core import EngineCore
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser, profile: str) -> None:
     g.add_argument("--num-ranks", type=int, default=2)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-running-requests", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--mem-fraction", type=float, default=0.85)
     g.add_argument("--cuda-graph-max-bs", type=int, default=256)

@@ -67,7 +67,7 @@ def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed
             steps.append(WarmupStep(((page, 1),) * d + ((start, T - d),)))
         if T <= max_running and T not in graphed:
             steps.append(WarmupStep(((page, 1),) * T))
-    steps.append(WarmupStep(((0, 2), (page, 1)), sampled=True))
+    steps.append(WarmupStep(((0, 2), (page, 1))[:max_running], sampled=True))  # no more sequences than may run
     return steps
 
 
