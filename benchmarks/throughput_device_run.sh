@@ -11,6 +11,7 @@
 #             their inter-token gap and its TTFT (what the default budget costs running requests)
 #   prefill   prefill steps of 512 .. 16k tokens against their floor; TTFT against prompt length (1k .. 32k)
 #   rollout   a rollout-shaped run (1024 requests, prompts 128-1024, log-normal outputs up to 2048)
+#   profile   the kernels of prefill steps of 2048 and 8192 tokens and an eager decode step of 1024 requests
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
 # Results (JSON + PNG) come back in $OUT/results.tgz, logs in $OUT/logs.tgz. Usage (device):
@@ -42,6 +43,8 @@ prefill)
   t ttft 130 $B throughput $M --lengths $W/ttft.jsonl --probe-requests 8 --max-model-len $((32800 / N)) --output $R/h200-p1-ttft.json ;;
 rollout)
   t rollout 230 $B throughput $M --num-prompts $((1024 / N)) --prompt-len-dist uniform --prompt-len-range $((128 / N)),$((1024 / N)) --output-len-dist lognormal --output-len $((300 / N)) --output-len-range 1,$((2048 / N)) --max-running-requests 1024 --output $R/h200-p1-throughput-rollout.json ;;
+profile)
+  t profile 200 python3 -m moebius.bench.profile_steps --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((1024 / N)) ;;
 serve)
   python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
   for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"

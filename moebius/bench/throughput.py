@@ -25,7 +25,7 @@ from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, write_result
 from moebius.bench.workload import lognormal
-from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, read_hf_config
+from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig, read_hf_config
 from moebius.engine.core import EngineCore
 from moebius.engine.messages import StepWork
 from moebius.model.builtin import builtin_hf_config
@@ -167,7 +167,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-baseline", action="store_true",
                    help="also serve the same requests through transformers' continuous batching (random weights of "
-                   "the same shapes; after the engine has exited)")
+                   "the same shapes; before the engine starts)")
     w.add_argument("--probe-requests", type=int, default=0,
                    help="before the workload, serve its first N requests one at a time right after start-up and "
                    "report each one's latency and TTFT (table probe): with fixed lengths, the first against the last "
@@ -190,11 +190,14 @@ def main(a: argparse.Namespace) -> int:
         device=a.device, max_running_requests=a.max_running_requests, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs,
         warmup=a.warmup)
+    model_cfg = ModelConfig.from_hf(hf_config(a.model), a.num_layers)
+    jobs = workload(a, model_cfg.vocab_size)
+    # transformers first, on a free GPU (its model is freed before the engine takes its share of the memory)
+    hf = run_throughput(hf_config(a.model), model_cfg.num_layers, jobs) if a.hf_baseline else {}
     t0 = time.perf_counter()
     with EngineCore(cfg) as engine:
         startup = time.perf_counter() - t0
-        vocab, layers = engine.model_config.vocab_size, engine.model_config.num_layers
-        jobs = workload(a, vocab)
+        vocab = engine.model_config.vocab_size
         probes = probe(engine, jobs, a.probe_requests)
         interference = long_prompt(engine, vocab, a.long_prompt, a.long_prompt_decoders, a.seed) if a.long_prompt \
             else []
@@ -210,8 +213,7 @@ def main(a: argparse.Namespace) -> int:
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
            for k in ("prefill", "mixed", "decode")}}
-    if a.hf_baseline:  # the engine has exited: its memory is free for transformers' model
-        hf = run_throughput(hf_config(a.model), layers, jobs)
+    if a.hf_baseline:
         summary.update({f"hf_{k}": v for k, v in hf.items()})
         if "wall_s" in hf:
             summary["speedup_vs_hf"] = hf["wall_s"] / wall

@@ -1,0 +1,62 @@
+"""Where a prefill step's and an eager decode step's GPU time goes (P = 1, in-process): the kernels of one step,
+by total device time, from torch.profiler; printed (no JSON). For finding what keeps a step off its floor.
+
+    python -m moebius.bench.profile_steps --prefill 2048 8192 --decode 1024 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moebius.config import EngineConfig
+from moebius.engine.core import EngineCore
+
+
+def table(prof: profile, steps: int, rows: int) -> str:
+    """The top kernels by device time, per step."""
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / steps / 1e3
+    lines = [f"  device time per step {total:.2f} ms"]
+    for e in events[:rows]:
+        ms = e.device_time_total / steps / 1e3
+        lines.append(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{e.count // steps:<4d} {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b", help="preset (dummy weights); 'builtin': the demo model")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192], help="prompt chunk sizes")
+    ap.add_argument("--decode", type=int, nargs="*", default=[1024], help="decode batches (eager, no graphs)")
+    ap.add_argument("--context", type=int, default=1024, help="cached tokens per decoding request")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=15)
+    a = ap.parse_args()
+    budget = max([*a.prefill, *a.decode, 2048])
+    engine = EngineCore(EngineConfig.from_kwargs(
+        model=None if a.model == "builtin" else a.model, load_format="dummy", num_layers=a.num_layers,
+        max_model_len=max(budget, a.context) + 64,
+        max_running_requests=max([*a.decode, 1]), max_num_batched_tokens=budget, mem_fraction=0.8,
+        cuda_graph_max_bs=1, warmup="full"))
+    try:
+        points = [("prefill", n, dict(tokens=n, context=0)) for n in a.prefill]
+        points += [("decode", b, dict(batch=b, context=a.context, graphs=False)) for b in a.decode]
+        for kind, n, args in points:
+            query = "bench_prefill" if kind == "prefill" else "bench_decode"
+            engine.query(query, steps=1, warmup=1, **args)  # compiled and allocated before the profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                res = engine.query(query, steps=a.steps, warmup=0, **args)[0]
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            print(f"{kind} {n}: {res}\n{table(prof, a.steps, a.rows)}", flush=True)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
