@@ -131,7 +131,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def _bench(url: str, out: str, *flags: str) -> dict[str, Any]:
     assert main(["bench", "serve", "--base-url", url, "--api-key", KEY, "--status-every", "0.2", "--output", out,
-                 *flags]) == 0
+                 "--save-chunks", *flags]) == 0
     result = load_result(out)
     assert result["gpu"] == "cpu" and result["num_gpus"] == 0
     for r in table(result, "request"):
@@ -241,6 +241,6 @@ def test_bare_server_without_token_ids_or_status(tmp_path: Any) -> None:
     rows, s = table(result, "request"), summary_of(result)
     assert [(r["status"], r["output_tokens"], r["tokens_from"]) for r in rows] == \
         [(200, 4, "usage"), (500, 0, "chunks"), (200, 6, "usage")]
-    assert rows[0]["prompt_len"] == 9 and rows[0]["chunk_tokens"] == [1, 1, 1, 1]
+    assert rows[0]["prompt_len"] == 9 and "chunk_tokens" not in rows[0]  # no --save-chunks
     assert s["failed"] == 1 and s["errors"][0].startswith("1 x HTTP 500") and s["completed"] == 2
     assert not s["status_available"] and table(result, "timeline") == [] and table(result, "switch") == []

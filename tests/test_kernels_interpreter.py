@@ -51,7 +51,8 @@ def attention_cases() -> None:
     g = torch.Generator().manual_seed(0)
     bs, pages = 16, 96
     for heads, kvh, d in [(8, 2, 64), (4, 4, 32)]:
-        for ctx, q_lens in [([1, 17, 100, 64], [1] * 4), ([5, 40], [5, 40]), ([40, 33, 90, 9], [1, 20, 1, 9])]:
+        for ctx, q_lens in [([1, 17, 100, 64], [1] * 4), ([5, 40], [5, 40]), ([40, 33, 90, 9], [1, 20, 1, 9]),
+                            ([150, 70], [130, 1])]:  # many query blocks: unmasked tiles below each block's diagonal
             meta = paged_metadata(q_lens, ctx, bs, pages, "cpu", seed=len(ctx) + heads)
             cache = torch.randn(pages, 2, bs, kvh, d, generator=g)
             q = torch.randn(sum(q_lens), heads, d, generator=g)

@@ -281,6 +281,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         w.add_argument(f"--{what}-len-range", type=span, default=None, metavar="A,B", help="bounds, inclusive")
     p.add_argument("--goodput", default=None, metavar="ttft:MS,tpot:MS",
                    help="SLOs a request must meet to count in goodput (either optional)")
+    p.add_argument("--save-chunks", action="store_true", help="keep every streamed chunk's time and tokens in the "
+                   "request table (chunk_s, chunk_tokens; large for long runs)")
     p.add_argument("--output", default="benchmarks/results/serve.json", help="JSON path (PNG next to it)")
     bursty.add_workload_args(p)  # --trace bursty's shape, and --bin-s and --seed for every mode
     p.set_defaults(func=main)
@@ -308,7 +310,8 @@ def main(a: argparse.Namespace) -> int:
     bins, gpu = bins_of(recs, a.bin_s, duration, changes), gpu_name()
     where = "replay " + a.replay if a.replay else a.trace if a.trace == "bursty" else f"Poisson {a.request_rate:g}/s"
     result = write_result(
-        a.output, tables={"request": [r.row() for r in recs], "bin": bins, "timeline": samples, "switch": switches},
+        a.output, tables={"request": [r.row(a.save_chunks) for r in recs], "bin": bins, "timeline": samples,
+                          "switch": switches},
         summary=summary, params=params_of(a, model=model), gpu=gpu,
         num_gpus=tl.world_size if tl.world_size and gpu != "cpu" else default_num_gpus(),
         note=f"{len(recs)} requests ({where}) streamed from {a.base_url}/v1/completions (model {model}); TTFT from "

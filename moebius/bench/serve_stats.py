@@ -51,9 +51,12 @@ class Rec:
         """(s, ms) of every gap between two chunks, timed at its end."""
         return [(b, (b - a) * 1e3) for a, b in zip(self.chunk_s, self.chunk_s[1:], strict=False)]
 
-    def row(self) -> Row:
-        d = {k: v for k, v in asdict(self).items() if k != "prompt"}
-        d["chunk_s"] = [round(t, 6) for t in self.chunk_s]  # microseconds are plenty, and the file stays small
+    def row(self, chunks: bool = False) -> Row:
+        """The request's table row; `chunks`: with every chunk's time and tokens (a token's worth of numbers each:
+        megabytes for a long run)."""
+        d = {k: v for k, v in asdict(self).items() if k != "prompt" and (chunks or not k.startswith("chunk_"))}
+        if chunks:
+            d["chunk_s"] = [round(t, 6) for t in self.chunk_s]  # microseconds are plenty
         return {**d, "ttft_ms": self.ttft_ms(), "tpot_ms": self.tpot_ms(), "e2el_ms": self.e2el_ms()}
 
 

@@ -19,6 +19,32 @@ from moebius.kernels.pdl import enter, pdl
 
 
 @triton.jit
+def _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh, stride_hd, start, hi, qpos, d,
+          m_i, l_i, acc, scale2, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr, MASK: tl.constexpr):
+    """One KV tile of the online softmax (base 2); MASK: the tile may hold keys past `hi` or past a row's position."""
+    j = start + tl.arange(0, BN)
+    jv = j < hi
+    page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
+    base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok + kvh * stride_hd
+    if MASK:
+        k = tl.load(Cache + base[:, None] + d[None, :], mask=jv[:, None], other=0.0)
+        v = tl.load(Cache + stride_kv + base[:, None] + d[None, :], mask=jv[:, None], other=0.0)
+    else:
+        k = tl.load(Cache + base[:, None] + d[None, :])
+        v = tl.load(Cache + stride_kv + base[:, None] + d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
+    if MASK:
+        s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale,
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
               QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t,
@@ -61,22 +87,15 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
         m_i = tl.full([BM * G], float("-inf"), tl.float32)
         l_i = tl.zeros([BM * G], tl.float32)
         acc = tl.zeros([BM * G, D], tl.float32)
-        for start in range(lo, hi, BN):
-            j = start + tl.arange(0, BN)
-            jv = j < hi
-            page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
-            base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok + kvh * stride_hd
-            k = tl.load(Cache + base[:, None] + d[None, :], mask=jv[:, None], other=0.0)
-            v = tl.load(Cache + stride_kv + base[:, None] + d[None, :], mask=jv[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-            s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+        scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
+        # keys up to the block's first query position are visible to every row: whole tiles there skip the mask
+        full = lo + tl.maximum(tl.minimum(hi, seq_len - qlen + m0 + 1) - lo, 0) // BN * BN
+        for start in range(lo, full, BN):
+            m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
+                                  stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, False)
+        for start in range(full, hi, BN):
+            m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
+                                  stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, True)
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(Out + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -100,7 +119,7 @@ def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.
     m = tl.load(PartML + idx * 2)
     l = tl.load(PartML + idx * 2 + 1)
     m_max = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))  # log2 units
     L = tl.sum(l * w, 0)
     d = tl.arange(0, D)
     acc = tl.load(PartAcc + idx[:, None] * D + d[None, :])
@@ -119,6 +138,12 @@ def _decode_tiles(seq_heads: int, num_splits: int, D: int) -> tuple[int, int]:
     if num_splits > 1:
         return 64, 2
     return (128, 3) if seq_heads <= 132 else (64, 3)
+
+
+def prefill_tiles(D: int) -> tuple[int, int, int, int]:
+    """(query rows = tokens x heads of one KV head, KV tile, warps, pipeline stages) of a launch with prompt chunks
+    (`python -m moebius.bench.attn_prefill_tune`)."""
+    return (64, 64, 4, 3) if D <= 128 else (64, 32, 4, 3)
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -156,8 +181,11 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
     out = torch.empty_like(q_THd)
     if T == 0:
         return out
-    BM = max(1, (16 if max_query_len == 1 else 64) // G)
-    BN, stages = _decode_tiles(B * kvh, num_splits, D) if max_query_len == 1 else (64 if D <= 128 else 32, 3)
+    if max_query_len == 1:
+        BM, (BN, stages), warps = max(1, 16 // G), _decode_tiles(B * kvh, num_splits, D), 4
+    else:
+        rows, BN, warps, stages = prefill_tiles(D)
+        BM = max(1, rows // G)
     if B > 65535:
         raise ValueError(f"paged attention takes at most 65535 sequences a launch (the grid's third axis), not {B}")
     grid = (kvh * num_splits, triton.cdiv(max_query_len, BM), B)
@@ -172,7 +200,7 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
                     cache.stride(2), cache.stride(3), block_tables.stride(0),
                     qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
-                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, num_warps=4,
+                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, num_warps=warps,
                     num_stages=stages, **pdl(q_THd, kc))
     if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,

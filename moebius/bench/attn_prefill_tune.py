@@ -1,0 +1,98 @@
+"""Prefill attention launch shapes (query rows a program, KV tile, warps, pipeline stages) at the 30B shapes on one
+GPU: ms per launch and TFLOP/s for prompt chunks with and without a cached prefix, each checked against the torch
+reference; JSON with a row per shape and case, the best marked. Chose `kernels.attention.prefill_tiles`.
+
+    python -m moebius.bench.attn_prefill_tune benchmarks/results/h200-attn-prefill-tiles.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from moebius.bench.results import write_result
+from moebius.kernels import DEFAULT_KERNELS
+from moebius.kernels import attention as A
+from moebius.kernels.pdl import pdl
+from moebius.layers.attention import AttentionMetadata, paged_attention_ref
+
+PAGE, D = 16, 128
+SHAPES = (("tp1", 32, 4), ("tp2", 16, 2))  # (name, heads, KV heads): one rank of P = 1 and of TP-2
+CASES = ((2048, 0), (8192, 0), (8192, 8192))  # (chunk tokens, cached prefix)
+CONFIGS = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))  # rows, BN, warps, stages
+
+
+def time_ms(fn, iters: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def case_rows(name: str, H: int, kvh: int, T: int, prefix: int, dev: torch.device) -> list[dict]:
+    L = prefix + T
+    pages = -(-L // PAGE)
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = torch.randn(pages + 1, 2, PAGE, kvh, D, device=dev, dtype=torch.bfloat16, generator=g)
+    bt = (torch.randperm(pages, device=dev, generator=g) + 1).view(1, pages).int().contiguous()
+    seq = torch.tensor([L], device=dev, dtype=torch.int64)
+    qsl = torch.tensor([0, T], device=dev, dtype=torch.int64)
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(prefix, L, device=dev)
+    meta = AttentionMetadata(pos, pos, qsl, seq, bt, torch.zeros_like(pos), pos - prefix, T, L, PAGE)
+    ref = paged_attention_ref(q.float(), cache.float(), meta, D ** -0.5)
+    flops = 4 * H * D * (T * prefix + T * (T + 1) / 2)
+    rows = []
+    for r, BN, nw, st in CONFIGS:
+        BM = max(1, r // (H // kvh))
+        out = torch.empty_like(q)
+
+        def fn(BM=BM, BN=BN, nw=nw, st=st, out=out) -> None:
+            A._attn_fwd[(kvh, -(-T // BM), 1)](
+                q, cache, out, out, out, bt, seq, qsl, D ** -0.5,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
+                cache.stride(2), cache.stride(3), bt.stride(0), q, q, q, q, q, q, 0.0, H, 0, NUM_SPLITS=1,
+                G=H // kvh, BM=BM, BN=BN, D=D, PAGE=PAGE, PREC="tf32", QK=False, num_warps=nw, num_stages=st,
+                **pdl(q, DEFAULT_KERNELS))
+
+        try:
+            ms = time_ms(fn)
+        except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
+            print(name, T, prefix, r, BN, nw, st, "failed:", str(e)[:100], flush=True)
+            continue
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        rows.append({"shape": name, "heads": H, "kv_heads": kvh, "tokens": T, "prefix": prefix, "rows": r, "BN": BN,
+                     "warps": nw, "stages": st, "ms": ms, "tflops": flops / ms / 1e9, "rel_err": err,
+                     "default": (r, BN, nw, st) == A.prefill_tiles(D)})
+        print(f"{name} T={T} prefix={prefix} rows={r} BN={BN} warps={nw} stages={st}: {ms:.3f} ms "
+              f"{flops / ms / 1e9:.0f} TFLOP/s err {err:.1e}", flush=True)
+    ok = [x for x in rows if x["rel_err"] < 2e-2]
+    if ok:
+        best = min(ok, key=lambda x: x["ms"])
+        best["best"] = True
+        print(f"best {name} T={T} prefix={prefix}: {best}", flush=True)
+    return rows
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/attn-prefill-tiles.json"
+    dev = torch.device("cuda")
+    rows = [row for name, H, kvh in SHAPES for T, prefix in CASES for row in case_rows(name, H, kvh, T, prefix, dev)]
+    write_result(out, rows=rows, params={"page": PAGE, "head_dim": D},
+                 command="python -m moebius.bench.attn_prefill_tune " + out,
+                 note="one prompt chunk of `tokens` after `prefix` cached tokens; ms: median of 10 launches (CUDA "
+                      "events); tflops: causal attention FLOPs / time; rel_err against the float32 torch reference; "
+                      "best: the fastest shape within 2e-2; default: kernels.attention.prefill_tiles")
+
+
+if __name__ == "__main__":
+    main()
