@@ -28,3 +28,36 @@ def test_garbage_past_sequence_end_does_not_leak() -> None:
         seq_lens=torch.tensor([3]), block_tables=torch.tensor([[1]], dtype=torch.int32), token_seq=torch.tensor([0]),
         token_qpos=torch.tensor([0]), max_query_len=1, max_seq_len=3, block_size=bs)
     torch.testing.assert_close(paged_attention_ref(q[:1], cache, alone, d ** -0.5), out[:1])
+
+
+def test_mixed_step_equals_each_sequence_alone(monkeypatch) -> None:
+    """Decodes and prompt chunks in one step (the reference takes them apart so that a decode is not padded to a
+    chunk's length): every token's output equals dense causal attention over its own sequence."""
+    from attention_cases import paged_metadata
+
+    torch.manual_seed(0)
+    bs, kvh, heads, d = 4, 2, 4, 16
+    q_lens, ctx = [1, 30, 1, 5, 1], [40, 50, 9, 20, 3]
+    meta = paged_metadata(q_lens, ctx, bs, 64, "cpu")
+    cache = torch.randn(64, 2, bs, kvh, d)
+    q = torch.randn(sum(q_lens), heads, d)
+    import moebius.layers.attention as A
+
+    calls = []
+    inner = A.paged_attention_ref
+
+    def spy(q, cache, meta, scale):
+        calls.append((meta.seq_lens.numel(), meta.max_query_len))
+        return inner(q, cache, meta, scale)
+
+    monkeypatch.setattr(A, "paged_attention_ref", spy)
+    out = A.paged_attention_ref(q, cache, meta, d ** -0.5)
+    assert calls == [(5, 30), (3, 1), (2, 30)]  # the 3 decodes apart: none padded to 30 query rows
+    for b, (n, L) in enumerate(zip(q_lens, ctx, strict=True)):
+        j = torch.arange(L)
+        kv = cache[meta.block_tables[b, j // bs].long(), :, j % bs]  # [L, 2, kvh, d]
+        k, v = (x.repeat_interleave(heads // kvh, dim=1) for x in (kv[:, 0], kv[:, 1]))  # [L, heads, d]
+        rows = slice(int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]))
+        s = torch.einsum("thd,lhd->htl", q[rows], k) * d ** -0.5
+        s = s.masked_fill(j[None, None, :] > (L - n + torch.arange(n))[None, :, None], float("-inf"))
+        torch.testing.assert_close(out[rows], torch.einsum("htl,lhd->thd", s.softmax(-1), v))

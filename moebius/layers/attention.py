@@ -6,7 +6,7 @@ This is the torch reference path (CPU and tests); it reads the block tables dire
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -103,12 +103,36 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     return paged_attention_ref(q_THd, cache, meta, scale)
 
 
+def _sequences(meta: AttentionMetadata, sel: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The metadata of the sequences `sel` [B] bool picks, and which of the step's tokens are theirs."""
+    idx = sel.nonzero().flatten()
+    q_len = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[idx]
+    rows = sel[meta.token_seq]
+    renumber = torch.full_like(sel, -1, dtype=torch.int64)
+    renumber[idx] = torch.arange(idx.numel(), device=idx.device)
+    qsl = torch.zeros(idx.numel() + 1, dtype=meta.query_start_loc.dtype, device=idx.device)
+    qsl[1:] = q_len.cumsum(0)
+    sub = replace(meta, positions=meta.positions[rows], slot_mapping=meta.slot_mapping[rows], query_start_loc=qsl,
+                  seq_lens=meta.seq_lens[idx], block_tables=meta.block_tables[idx],
+                  token_seq=renumber[meta.token_seq[rows]], token_qpos=meta.token_qpos[rows],
+                  max_query_len=int(q_len.max()), max_seq_len=int(meta.seq_lens[idx].max()))
+    return sub, rows
+
+
 def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
                         ) -> torch.Tensor:
-    """The torch reference: gathers each sequence's KV through its block table into a padded batch."""
+    """The torch reference: gathers each sequence's KV through its block table into a padded batch (decodes and
+    prompt chunks apart, so that no decode is padded to a chunk's length)."""
     T, H, d = q_THd.shape
     if T == 0:  # a rank with no requests this step (EP) still runs the layer for its collectives
         return q_THd.new_zeros(0, H, d)
+    decode = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
+    if meta.max_query_len > 1 and bool(decode.any()):
+        out = torch.empty_like(q_THd)
+        for sel in (decode, ~decode):
+            sub, rows = _sequences(meta, sel)
+            out[rows] = paged_attention_ref(q_THd[rows], cache, sub, scale)
+        return out
     B, L, Q = meta.seq_lens.shape[0], meta.max_seq_len, meta.max_query_len
     kvh = cache.shape[3]
     g = H // kvh
