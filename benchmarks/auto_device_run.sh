@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: calibration, the rollout and bursty benchmarks and their simulations, at P = 1 (30B shapes,
 # 16 layers); results into benchmarks/results, the profile into benchmarks/profiles via $OUT. Usage (device):
-# MOEBIUS_COMMIT=<hash> bash benchmarks/auto_device_run.sh
+# MOEBIUS_COMMIT=<full hash> bash benchmarks/auto_device_run.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the commit measured> (the device tree is a copy)}
+export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
+[ ${#MOEBIUS_COMMIT} -ge 40 ] || { echo "MOEBIUS_COMMIT must be the full hash (git rev-parse HEAD), not $MOEBIUS_COMMIT"; exit 2; }
 W=/tmp/g; mkdir -p $W/cal; R=benchmarks/results
 M="--model qwen3-30b-a3b --load-format dummy --num-layers 16 --num-ranks 1"
 t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|return func" $W/$n.log | tail -6; }

@@ -15,9 +15,10 @@
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
 # Results (JSON + PNG) come back in $OUT/results.tgz, logs in $OUT/logs.tgz. Usage (device):
-# MOEBIUS_COMMIT=<hash> bash benchmarks/throughput_device_run.sh tests cold work ...
+# MOEBIUS_COMMIT=<full hash> bash benchmarks/throughput_device_run.sh tests cold work ...
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the commit measured> (the device tree is a copy)}
+export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
+[ ${#MOEBIUS_COMMIT} -ge 40 ] || { echo "MOEBIUS_COMMIT must be the full hash (git rev-parse HEAD), not $MOEBIUS_COMMIT"; exit 2; }
 W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypoints.cli bench"; touch $W/stamp
 M=${M:-"--model qwen3-30b-a3b --load-format dummy --num-ranks 1"}  # M, N and V: smaller for a dry run on a CPU
 N=${N:-1}; V=${V:-151936}; export TRITON_CACHE_DIR=$W/triton
