@@ -62,6 +62,7 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     assert sum(st["decode_tokens"] for st in steps) == s["output_tokens"] - s["requests"]
     assert max(st["tokens"] for st in steps) <= 64 * (ranks if mode == "ep" else 1)  # each rank's budget held
     assert {st["kind"] for st in steps} >= {"prefill", "decode"}
+    assert s["preemptions"] == sum(st["preempted"] for st in steps) == 0  # the KV pool holds every request
     assert s["floor_s"] > 0 and abs(s["ratio_to_floor"] - s["wall_s"] / s["floor_s"]) < 1e-9 * s["ratio_to_floor"]
     assert abs(sum(s[f"{k}_floor_s"] for k in ("prefill", "mixed", "decode")) - s["floor_s"]) < 1e-9
     assert 0 < s["first_ttft_s"] <= s["wall_s"] and s["steps"] == len(steps) and s["startup_s"] > 0

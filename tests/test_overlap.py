@@ -37,7 +37,7 @@ def _run(path: str, overlap: bool, **kw) -> tuple[list, int]:
     jobs = _workload(llm)
     outs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert_kv_all_free(llm)
-    preemptions = llm.engine.ranks.rank.scheduler.num_preemptions
+    preemptions = llm.kv_stats()["preemptions"]
     llm.close()
     return outs, preemptions
 

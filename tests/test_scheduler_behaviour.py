@@ -89,6 +89,7 @@ def test_preemption_with_tiny_kv_pool(ckpt):
         assert out.token_ids == ref.token_ids == hf_greedy(path, prompt, N_OUT)
         assert out.finish_reason == "length"
     assert_kv_all_free(llm)
+    assert llm.kv_stats()["preemptions"] > 0  # the engine reports them (metrics: moebius:num_preemptions)
 
 
 def test_preemption_step_by_step_keeps_kv_accounting(ckpt):

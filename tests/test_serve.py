@@ -246,7 +246,8 @@ def test_metrics(server: Server) -> None:
     for name in ("moebius:num_requests_running", "moebius:num_requests_waiting", "moebius:kv_cache_usage_perc",
                  "moebius:prompt_tokens_total", "moebius:generation_tokens_total",
                  "moebius:time_to_first_token_seconds_bucket", "moebius:time_per_output_token_seconds_bucket",
-                 "moebius:e2e_request_latency_seconds_bucket", 'moebius:layout{layout="tp"}'):
+                 "moebius:e2e_request_latency_seconds_bucket", 'moebius:layout{layout="tp"}',
+                 "moebius:num_preemptions_total"):
         assert name in after.text, name
     gen = "moebius:generation_tokens_total"
     assert _metric(after.text, gen) - _metric(before, gen) == 16

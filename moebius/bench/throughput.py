@@ -89,6 +89,7 @@ def run(engine: EngineCore, jobs: list[tuple[list[int], int]]) -> tuple[list[Any
         w = engine.last_work
         steps.append({"t_s": t - t0, "wall_ms": (time.perf_counter() - t) * 1e3, "kind": kind(w), "mode": engine.mode,
                       "tokens": w.tokens, "decode_tokens": w.decode_tokens, "sequences": w.sequences,
+                      "preempted": w.preempted,
                       "floor_ms": step_floor_ms(cfg, P, engine.mode, w) if w.tokens else 0.0})
         done.update({ids[o.request_id]: o for o in outs if o.finished and o.request_id in ids})
     return [done[i] for i in range(len(jobs))], steps, time.perf_counter() - t0
@@ -209,7 +210,8 @@ def main(a: argparse.Namespace) -> int:
     summary: dict[str, Any] = {
         "startup_s": startup, "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall,
         "input_tokens": inp, "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
-        "first_ttft_s": outs[0].ttft, "steps": len(steps), "floor_s": floor, "ratio_to_floor": wall / floor,
+        "first_ttft_s": outs[0].ttft, "steps": len(steps), "preemptions": sum(s["preempted"] for s in steps),
+        "floor_s": floor, "ratio_to_floor": wall / floor,
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
            for k in ("prefill", "mixed", "decode")}}

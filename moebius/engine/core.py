@@ -102,6 +102,7 @@ class EngineCore:
         self._undelivered: list[RequestOutput] = []
         self.timeline = ModeTimeline(time.perf_counter())
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
+        self._preemptions = 0  # requests preempted so far (KV freed to make room; they recompute)
         self._switch_reason = ""  # why the pending switch was asked for
         self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
         self.auto: AutoMode | None = None
@@ -231,6 +232,7 @@ class EngineCore:
             self._plan_switch(plan, plan.switch_to)
         result = self._to_ranks(plan)
         self._kv_stats, self.last_work = result.kv, result.work
+        self._preemptions += result.work.preempted
         if plan.switch_to is not None:
             self.last_switch = self._switched(plan.switch_to, result)
         now = time.perf_counter()
@@ -357,10 +359,11 @@ class EngineCore:
         self._retire(touched)
 
     def kv_stats(self) -> dict[str, object]:
-        """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step)."""
+        """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step), and the requests
+        preempted so far to make room (they recompute their tokens)."""
         per_rank = self._kv_stats or [KVStats(self.kv_capacity, self.kv_capacity)]
         return {"free_tokens": sum(r.free_tokens for r in per_rank),
-                "total_tokens": sum(r.total_tokens for r in per_rank),
+                "total_tokens": sum(r.total_tokens for r in per_rank), "preemptions": self._preemptions,
                 "per_rank": [{"free_tokens": r.free_tokens, "total_tokens": r.total_tokens} for r in per_rank]}
 
     def close(self) -> None:

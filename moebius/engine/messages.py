@@ -58,6 +58,7 @@ class StepWork:
     kv_tokens: int = 0
     attended: int = 0
     sampled: int = 0
+    preempted: int = 0  # requests preempted to schedule it (their KV freed; they recompute)
 
     def __add__(self, other: StepWork) -> StepWork:
         return StepWork(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))

@@ -62,9 +62,9 @@ class ModeRuntime:
     runner: ModelRunner
 
 
-def step_work(batch: list[ScheduledChunk]) -> StepWork:
-    """What a scheduled batch computes (the floor model's terms)."""
-    w = StepWork(sequences=len(batch))
+def step_work(batch: list[ScheduledChunk], preempted: int = 0) -> StepWork:
+    """What a scheduled batch computes (the floor model's terms), and the requests preempted to schedule it."""
+    w = StepWork(sequences=len(batch), preempted=preempted)
     for c in batch:
         n, p = c.num_tokens, c.start
         w.tokens += n
@@ -194,10 +194,11 @@ class Rank:
     def _forward_step(self) -> list[TokenDelta]:
         """Schedule and launch a step, then resolve the step before it (overlap) or this one. Returns the deltas
         of the step resolved."""
+        preempted = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         n_tokens = sum(c.num_tokens for c in batch)
         decode = all(c.num_tokens == 1 and c.samples for c in batch)
-        self._work = step_work(batch)
+        self._work = step_work(batch, self.scheduler.num_preemptions - preempted)
         if self.layout.data_parallel:
             # attention is per rank, but every rank joins each layer's collectives while any rank has work, and all
             # must agree on the dispatch size (and on the graph bucket)

@@ -116,7 +116,7 @@ class LLM:
         return self.engine.mode
 
     def kv_stats(self) -> dict[str, object]:
-        """KV-cache tokens free / in total (summed over ranks, and "per_rank")."""
+        """KV-cache tokens free / in total (summed over ranks, and "per_rank"); requests preempted so far."""
         return self.engine.kv_stats()
 
     def close(self) -> None:

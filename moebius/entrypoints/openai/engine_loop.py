@@ -151,6 +151,7 @@ class EngineLoop:
         self._stats_at = (time.perf_counter(), 0)  # (when, tokens) of the last stats line
         self._tags = itertools.count()
         self._switches_seen = len(engine.timeline.switches)
+        self._preemptions_seen = 0
         self._thread = threading.Thread(target=self._run, name="moebius-engine-loop", daemon=True)
         if metrics is not None:
             metrics.set_layout(engine.mode)
@@ -366,6 +367,9 @@ class EngineLoop:
         kv = engine.kv_stats()
         total = int(kv["total_tokens"])  # type: ignore[call-overload]
         m.kv_usage.set(1.0 - int(kv["free_tokens"]) / total if total else 0.0)  # type: ignore[call-overload]
+        preempted = int(kv["preemptions"])  # type: ignore[call-overload]
+        m.preemptions.inc(preempted - self._preemptions_seen)
+        self._preemptions_seen = preempted
         switches = engine.timeline.switches
         if len(switches) > self._switches_seen:
             for ev in itertools.islice(switches, self._switches_seen, None):

@@ -32,6 +32,8 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("moebius:generation_tokens", "Tokens generated", name,
                                          registry=r).labels(model_name)
+        self.preemptions = Counter("moebius:num_preemptions", "Requests preempted to free KV cache (they recompute "
+                                   "their tokens)", name, registry=r).labels(model_name)
         self.success = Counter("moebius:request_success", "Requests finished, by finish reason",
                                [*name, "finished_reason"], registry=r)
         self.ttft = Histogram("moebius:time_to_first_token_seconds", "Seconds from arrival to the first token", name,
