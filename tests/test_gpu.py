@@ -89,7 +89,8 @@ def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, l
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
 def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
-    """Graphs (overlap scheduling on, the default) = eager = graphs with each step resolved first."""
+    """Graphs (overlap scheduling on, the default) = eager = graphs with each step resolved first; every engine
+    warmed up at start (the default on a GPU; the other tests here skip it for time)."""
     if torch.cuda.device_count() < num_ranks:
         pytest.skip(f"needs {num_ranks} GPUs")
     g = torch.Generator().manual_seed(0)
@@ -304,7 +305,8 @@ def test_symmetric_exchange_gives_the_tokens_nccl_gives(mode: str) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     kw = dict(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, num_ranks=2, mode=mode,
-              max_total_tokens=65536, max_model_len=4096, max_running_requests=64, max_num_batched_tokens=4096)
+              max_total_tokens=65536, max_model_len=4096, max_running_requests=64, max_num_batched_tokens=4096,
+              warmup="none")
     prompts = [[(7 * i + 13 * j) % 150000 + 1 for j in range(5 + 9 * i)] for i in range(12)]
     prompts.append([(j * 31) % 150000 + 1 for j in range(3000)])  # an EP prefill chunk past 2048 tokens: NCCL
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -529,7 +531,7 @@ def test_pipelined_switch_moves_what_the_one_stream_pass_moves(monkeypatch: pyte
     for overlap, hold in ((False, ""), (True, "exchange"), (True, "permute")):
         held[:] = [hold]
         with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, mode="ep", mem_fraction=0.3,
-                 max_model_len=256, cuda_graph_max_bs=4, switch_overlap=overlap) as llm:
+                 max_model_len=256, cuda_graph_max_bs=4, switch_overlap=overlap, warmup="none") as llm:
             ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
             outs = {}
             for _ in range(4):
@@ -558,7 +560,7 @@ def test_peer_switch_transport_moves_what_the_collective_one_moves() -> None:
     for transport, overlap in (("collective", False), ("peer", False), ("peer", True)):
         with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=4, num_ranks=2, mode="ep",
                  mem_fraction=0.3, max_model_len=512, cuda_graph_max_bs=8, switch_overlap=overlap,
-                 switch_transport=transport) as llm:
+                 switch_transport=transport, warmup="none") as llm:
             ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
             outs = {}
             for _ in range(4):
@@ -589,7 +591,7 @@ def test_logprobs_graph_and_eager_agree() -> None:
     runs = []
     for graphs in (True, False):
         with LLM(model="qwen3-30b-a3b", load_format="dummy", num_layers=2, mem_fraction=0.3, max_model_len=256,
-                 cuda_graph_max_bs=8, dtype="float32", disable_cuda_graph=not graphs) as llm:
+                 cuda_graph_max_bs=8, dtype="float32", disable_cuda_graph=not graphs, warmup="none") as llm:
             runs.append(llm.generate(prompts, sp))
             greedy = llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
             assert runs[-1][2].token_ids == greedy.token_ids
