@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from moebius.bench.graph_timing import event_time_ms
 from moebius.bench.results import write_result
 from moebius.kernels import DEFAULT_KERNELS
 from moebius.kernels import attention as A
@@ -22,20 +23,6 @@ PAGE, D = 16, 128
 SHAPES = (("tp1", 32, 4), ("tp2", 16, 2))  # (name, heads, KV heads): one rank of P = 1 and of TP-2
 CASES = ((2048, 0), (8192, 0), (8192, 8192))  # (chunk tokens, cached prefix)
 CONFIGS = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))  # rows, BN, warps, stages
-
-
-def time_ms(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 def case_rows(name: str, H: int, kvh: int, T: int, prefix: int, dev: torch.device) -> list[dict]:
@@ -65,7 +52,7 @@ def case_rows(name: str, H: int, kvh: int, T: int, prefix: int, dev: torch.devic
                 **pdl(q, DEFAULT_KERNELS))
 
         try:
-            ms = time_ms(fn)
+            ms = event_time_ms(fn)
         except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
             print(name, T, prefix, r, BN, nw, st, "failed:", str(e)[:100], flush=True)
             continue

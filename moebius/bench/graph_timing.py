@@ -1,6 +1,7 @@
-"""Timing GPU work as the engine runs it: inside a CUDA graph, so launch gaps count as they do in a replayed step.
+"""Timing GPU work as the engine runs it: inside a CUDA graph, so launch gaps count as they do in a replayed step
+(`graph_time_us`), or as eager launches (`event_time_ms`, for work too long for launch gaps to matter).
 
-A helper the kernel benchmarks share (`from moebius.bench.graph_timing import graph_time_us`), not run by itself."""
+Helpers the kernel benchmarks share (`from moebius.bench.graph_timing import graph_time_us`), not run by itself."""
 
 from __future__ import annotations
 
@@ -35,3 +36,18 @@ def graph_time_us(fn: Callable[[], object], reps: int = 20, barrier: Callable[[]
         best = min(best, start.elapsed_time(end) * 1e3 / reps)
     g.reset()
     return best
+
+
+def event_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median time (ms) of one eager call of `fn` between CUDA events, after one untimed call (compilation)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]

@@ -15,12 +15,15 @@ from moebius.config import EngineConfig
 from moebius.engine.core import EngineCore
 
 
-def table(prof: profile, steps: int, rows: int) -> str:
-    """The top kernels by device time, per step."""
+def table(prof: profile, layers: int, rows: int) -> str:
+    """The top kernels by device time, per step. The steps are counted from the kernels, not from what was asked:
+    `bench_decode` launches more steps than it times (a first one, then with and without overlap); a step runs its
+    per-layer kernels `layers` times each, so the fewest multiples of `layers` any kernel ran is the step count."""
     events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
+    steps = min((e.count // layers for e in events if e.count >= layers and e.count % layers == 0), default=1)
     total = sum(e.device_time_total for e in events) / steps / 1e3
-    lines = [f"  device time per step {total:.2f} ms"]
+    lines = [f"  {steps} steps profiled; device time per step {total:.2f} ms"]
     for e in events[:rows]:
         ms = e.device_time_total / steps / 1e3
         lines.append(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{e.count // steps:<4d} {e.key[:110]}")
@@ -53,7 +56,7 @@ def main() -> None:
                 res = engine.query(query, steps=a.steps, warmup=0, **args)[0]
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-            print(f"{kind} {n}: {res}\n{table(prof, a.steps, a.rows)}", flush=True)
+            print(f"{kind} {n}: {res}\n{table(prof, engine.model_config.num_layers, a.rows)}", flush=True)
     finally:
         engine.close()
 

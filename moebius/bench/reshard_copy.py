@@ -15,24 +15,11 @@ import json
 
 import torch
 
+from moebius.bench.graph_timing import event_time_ms
 from moebius.bench.results import params_of, write_result
 from moebius.config import PRESETS
 from moebius.kernels import copy as copy_kernel
 from moebius.switch import plan
-
-
-def time_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -64,7 +51,7 @@ def main() -> None:
 
     def run(variant: str, **kw: object) -> None:
         for name, fn in (("pack", pack), ("unpack", unpack)):
-            ms = time_ms(fn)
+            ms = event_time_ms(fn)
             points.append(dict(variant=variant, op=name, ms=ms, hbm_tb_s=moved / ms / 1e9, **kw))
             print(json.dumps(points[-1]), flush=True)
 

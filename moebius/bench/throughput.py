@@ -24,8 +24,8 @@ from typing import Any
 from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, write_result
-from moebius.bench.workload import lognormal
-from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig, read_hf_config
+from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
+from moebius.config import PRESETS, EngineConfig, ModelConfig, read_hf_config
 from moebius.engine.core import EngineCore
 from moebius.engine.messages import StepWork
 from moebius.model.builtin import builtin_hf_config
@@ -106,16 +106,18 @@ def probe(engine: EngineCore, jobs: list[tuple[list[int], int]], n: int) -> list
     return rows
 
 
-def long_prompt(engine: EngineCore, vocab: int, n: int, decoders: int, seed: int) -> list[dict[str, Any]]:
+def long_prompt(engine: EngineCore, vocab: int, n: int, decoders: int, seed: int
+                ) -> tuple[list[dict[str, Any]], float]:
     """What a long prompt arriving does to requests already decoding: `decoders` requests decode (16 steps once all
     decode), then one prompt of `n` tokens arrives; a row per step call from then until its first token (phase
-    "during"), after 16 of "before": the step's wall time is the inter-token gap every decoder sees."""
+    "during"), after 16 of "before": the step's wall time is the inter-token gap every decoder sees. Returns the
+    rows and the long prompt's TTFT (s)."""
     rng = random.Random(seed)
     keep = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)  # aborted once the prompt is in
     ids = [engine.add_request([rng.randrange(vocab) for _ in range(64)], keep) for _ in range(decoders)]
     rows: list[dict[str, Any]] = []
     first: dict[str, int] = {}
-    long_id = None
+    long_id, before = None, 0
     while long_id is None or long_id not in first:
         t = time.perf_counter()
         outs = engine.step()
@@ -125,7 +127,8 @@ def long_prompt(engine: EngineCore, vocab: int, n: int, decoders: int, seed: int
         if long_id is not None or len(first) == decoders:
             rows.append({"phase": "during" if long_id is not None else "before", "wall_ms": wall, "kind": kind(w),
                          "tokens": w.tokens, "decode_tokens": w.decode_tokens})
-        if long_id is None and sum(r["phase"] == "before" for r in rows) == 16:
+            before += long_id is None
+        if long_id is None and before == 16:
             long_id = engine.add_request([rng.randrange(vocab) for _ in range(n)],
                                          SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             t_long = time.perf_counter()
@@ -134,26 +137,15 @@ def long_prompt(engine: EngineCore, vocab: int, n: int, decoders: int, seed: int
         engine.abort(i)
     while engine.has_unfinished():
         engine.step()
-    for r in rows:
-        r["long_prompt_ttft_s"] = ttft
-    return rows
+    return rows, ttft
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline end-to-end speed of N requests against an end-to-end floor",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e = p.add_argument_group("engine")
-    e.add_argument("--model", default=None, help="preset or model directory (default: the built-in model)")
-    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    e.add_argument("--num-layers", type=int, default=None)
-    e.add_argument("--num-ranks", type=int, default=1)
+    add_engine_shape_args(e, num_ranks=1)
     e.add_argument("--mode", default="tp", choices=["tp", "ep"])
-    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    e.add_argument("--max-running-requests", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--mem-fraction", type=float, default=0.85)
-    e.add_argument("--cuda-graph-max-bs", type=int, default=256)
     e.add_argument("--warmup", default="auto", choices=["auto", "full", "none"],
                    help="the engine's start-up kernel warm-up (start-up time is reported: run with a fresh "
                    "TRITON_CACHE_DIR for a cold cache)")
@@ -186,22 +178,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    cfg = EngineConfig.from_kwargs(
-        model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks, mode=a.mode,
-        device=a.device, max_running_requests=a.max_running_requests, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs,
-        warmup=a.warmup)
-    model_cfg = ModelConfig.from_hf(hf_config(a.model), a.num_layers)
-    jobs = workload(a, model_cfg.vocab_size)
+    cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup)
+    hf_cfg = hf_config(a.model)
+    model_cfg = ModelConfig.from_hf(hf_cfg, a.num_layers)
+    vocab = model_cfg.vocab_size
+    jobs = workload(a, vocab)
     # transformers first, on a free GPU (its model is freed before the engine takes its share of the memory)
-    hf = run_throughput(hf_config(a.model), model_cfg.num_layers, jobs) if a.hf_baseline else {}
+    hf = run_throughput(hf_cfg, model_cfg.num_layers, jobs) if a.hf_baseline else {}
     t0 = time.perf_counter()
     with EngineCore(cfg) as engine:
         startup = time.perf_counter() - t0
-        vocab = engine.model_config.vocab_size
         probes = probe(engine, jobs, a.probe_requests)
-        interference = long_prompt(engine, vocab, a.long_prompt, a.long_prompt_decoders, a.seed) if a.long_prompt \
-            else []
+        interference, long_ttft = (long_prompt(engine, vocab, a.long_prompt, a.long_prompt_decoders, a.seed)
+                                   if a.long_prompt else ([], 0.0))
         if a.warmup_requests:
             run(engine, jobs[: a.warmup_requests])
         outs, steps, wall = run(engine, jobs)
@@ -224,7 +213,7 @@ def main(a: argparse.Namespace) -> int:
                        first_over_last_probe=probes[0]["latency_s"] / probes[-1]["latency_s"])
     if interference:
         gaps = {ph: [r["wall_ms"] for r in interference if r["phase"] == ph] for ph in ("before", "during")}
-        summary.update(long_prompt_ttft_s=interference[0]["long_prompt_ttft_s"],
+        summary.update(long_prompt_ttft_s=long_ttft,
                        long_prompt_steps=len(gaps["during"]), itl_before_ms=statistics.median(gaps["before"]),
                        itl_during_mean_ms=statistics.fmean(gaps["during"]), itl_during_max_ms=max(gaps["during"]))
     write_result(a.output, tables={"step": steps, "probe": probes, "long_prompt": interference}, summary=summary,

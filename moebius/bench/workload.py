@@ -38,18 +38,31 @@ def prompts_of(rng: random.Random, lengths: Sequence[int], vocab: int) -> list[l
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def add_engine_args(p: argparse.ArgumentParser, profile: str) -> None:
-    g = p.add_argument_group("engine (each system runs on the same engine, one after the other)")
+def add_engine_shape_args(g: argparse._ArgumentGroup, num_ranks: int) -> None:
+    """The engine flags every in-process benchmark takes: model, ranks, device, limits, memory, graphs."""
     g.add_argument("--model", default=None, help="preset name or model directory (default: the built-in model)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--num-ranks", type=int, default=2)
+    g.add_argument("--num-ranks", type=int, default=num_ranks)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-running-requests", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--mem-fraction", type=float, default=0.85)
     g.add_argument("--cuda-graph-max-bs", type=int, default=256)
+
+
+def engine_shape_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keywords of `add_engine_shape_args`'s flags."""
+    return dict(model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks,
+                device=a.device, max_running_requests=a.max_running_requests,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs)
+
+
+def add_engine_args(p: argparse.ArgumentParser, profile: str) -> None:
+    g = p.add_argument_group("engine (each system runs on the same engine, one after the other)")
+    add_engine_shape_args(g, num_ranks=2)
     g.add_argument("--switch-policy", default="threshold", choices=["threshold", "cost"])
     g.add_argument("--switch-profile", default=profile, choices=["interactive", "rollout"])
     g.add_argument("--switch-high", type=float, default=None, help="T_h (default: calibrated)")
@@ -65,12 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser, profile: str) -> None:
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(
-        model=a.model, load_format=a.load_format, num_layers=a.num_layers, num_ranks=a.num_ranks, device=a.device,
-        max_running_requests=a.max_running_requests, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len, mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs,
-        mode="auto" if a.num_ranks > 1 else "tp", switch_policy=a.switch_policy, switch_profile=a.switch_profile,
-        switch_high=a.switch_high, switch_low=a.switch_low, switch_window=a.switch_window,
-        switch_cooldown=a.switch_cooldown, calibration_dir=a.calibration_dir)
+        **engine_shape_kwargs(a), mode="auto" if a.num_ranks > 1 else "tp", switch_policy=a.switch_policy,
+        switch_profile=a.switch_profile, switch_high=a.switch_high, switch_low=a.switch_low,
+        switch_window=a.switch_window, switch_cooldown=a.switch_cooldown, calibration_dir=a.calibration_dir)
 
 
 @dataclass
