@@ -11,6 +11,8 @@
 #             their inter-token gap and its TTFT (what the default budget costs running requests)
 #   prefill   prefill steps of 512 .. 16k tokens against their floor; TTFT against prompt length (1k .. 32k)
 #   rollout   a rollout-shaped run (1024 requests, prompts 128-1024, log-normal outputs up to 2048)
+#   attntune  the prefill attention kernel at its default tiles beside torch's SDPA backends
+#   moetune   the fused MoE block shapes at prefill sizes (2k, 8k, 16k tokens)
 #   profile   the kernels of prefill steps of 2048 and 8192 tokens and an eager decode step of 1024 requests
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
@@ -44,6 +46,10 @@ prefill)
   t ttft 130 $B throughput $M --lengths $W/ttft.jsonl --probe-requests 8 --max-model-len $((32800 / N)) --output $R/h200-p1-ttft.json ;;
 rollout)
   t rollout 230 $B throughput $M --num-prompts $((1024 / N)) --prompt-len-dist uniform --prompt-len-range $((128 / N)),$((1024 / N)) --output-len-dist lognormal --output-len $((300 / N)) --output-len-range 1,$((2048 / N)) --max-running-requests 1024 --output $R/h200-p1-throughput-rollout.json ;;
+attntune)
+  t attn_tune 150 python3 -m moebius.bench.attn_prefill_tune $R/h200-attn-prefill-default.json --default-only ;;
+moetune)
+  t moe_tune 330 python3 -m moebius.bench.moe_tune --ranks 1 --modes tp --batches 2048 8192 16384 --output $R/h200-moe-prefill.json ;;
 profile)
   t profile 200 python3 -m moebius.bench.profile_steps --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((1024 / N)) ;;
 serve)
@@ -53,4 +59,4 @@ serve)
   kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/server.log ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
-find $R -name 'h200-p1-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude='cold*' --exclude=triton .
+find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude='cold*' --exclude=triton .

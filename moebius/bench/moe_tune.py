@@ -9,6 +9,7 @@ their times and the weight bandwidth they reach (table "per_batch"); every BM tr
 
     python -m moebius.bench.moe_tune --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
     python -m moebius.bench.moe_tune --no-search --batches 256 512 1024 2048 --output moe_tma.json
+    python -m moebius.bench.moe_tune --ranks 1 --modes tp --batches 2048 8192 16384 --output moe_prefill.json
 
 Recorded: benchmarks/results/h200-moe-tune.json, h200-moe-tma.json (`--no-search`).
 """
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[2 ** i for i in range(12)])
+    ap.add_argument("--modes", default="tp,ep", help="the layouts' shards to tune (at --ranks 1 they are the same)")
     ap.add_argument("--output", default="moe_tune.json")
     ap.add_argument("--old", help="path of a previous fused_moe.py to time for comparison")
     ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
@@ -75,7 +77,7 @@ def main() -> None:
     dev = "cuda"
     results, tried = [], []
     t0 = time.time()
-    for mode in ("tp", "ep"):
+    for mode in a.modes.split(","):
         E, I = (E_all, I_full // P) if mode == "tp" else (E_all // P, I_full)
         torch.manual_seed(0)
         w13 = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16) * 0.02
@@ -113,7 +115,7 @@ def main() -> None:
                     down_us=graph_time_us(lambda c=dn_c: fm.down(h, w2, blocks, wflat, c)))  # noqa: B023
             ppe = local / max(hit, 1)
             rows = []
-            bms = [16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128]
+            bms = [16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128] if ppe <= 256 else [64, 128]
             for bm_try in [] if a.no_search else bms:
                 b2 = fm.align(ids, 0, E, bm_try)
                 cands = SMALL if bm_try == 16 else LARGE

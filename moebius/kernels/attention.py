@@ -32,12 +32,13 @@ def _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok,
     else:
         k = tl.load(Cache + base[:, None] + d[None, :])
         v = tl.load(Cache + stride_kv + base[:, None] + d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASK:
         s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # scaled after the row max (scale2 > 0), so each score takes one fused multiply-add before exp2
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * scale2 - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
@@ -57,7 +58,9 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scal
     # head of a token is one run of bytes) are read together
     kvh = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
-    mblk = tl.program_id(1)
+    # the blocks of a sequence's last queries (the longest KV walks) are scheduled first, so the launch does not end
+    # on a wave of its longest programs
+    mblk = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q0 = tl.load(QStart + b)
     qlen = tl.load(QStart + b + 1) - q0
