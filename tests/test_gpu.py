@@ -46,6 +46,25 @@ def test_paged_attention_matches_reference(heads: int, kv_heads: int, head_dim: 
         assert _rel(out, ref) < 1e-2, (kind, splits)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(32, 4), (16, 2)])
+def test_fresh_chunk_attention_matches_reference(heads: int, kv_heads: int) -> None:
+    """A long first chunk alone in its step goes to cuDNN (kernels.attention.fresh_chunk): the reference's output,
+    and the paged kernel's within bf16 noise."""
+    from moebius.kernels import attention as A
+
+    torch.manual_seed(0)
+    T, bs, d = 2500, 16, 128
+    meta = paged_metadata([T], [T], bs, 200, "cuda")
+    cache = torch.randn(200, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(T, heads, d, device="cuda", dtype=torch.bfloat16)
+    assert A.fresh_chunk(meta.block_tables, meta.max_query_len, meta.max_seq_len)
+    assert A.cudnn_attention_works(0), "cuDNN attention failed on this GPU: every step takes the paged kernel"
+    out = paged_attention(q, cache, meta, d ** -0.5)
+    kernel = A.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, T, d ** -0.5)
+    ref = paged_attention_ref(q.float(), cache.float(), meta, d ** -0.5)
+    assert _rel(out, ref) < 1e-2 and _rel(out, kernel) < 1e-2
+
+
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
 @pytest.mark.parametrize("T", [1, 77, 600])
 @pytest.mark.parametrize("first_expert,local", [(0, 8), (8, 8), (0, 16)])

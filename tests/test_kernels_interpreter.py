@@ -191,6 +191,19 @@ def test_paged_attention_under_the_interpreter() -> None:
     _run("attention")
 
 
+def test_only_a_long_fresh_chunk_alone_takes_cudnn() -> None:
+    """The step shapes kernels.attention.fresh_chunk sends to cuDNN: one sequence, no cached prefix, long enough."""
+    from moebius.kernels.attention import FRESH_CHUNK_MIN_TOKENS as N
+    from moebius.kernels.attention import fresh_chunk
+
+    one, two = torch.zeros(1, 8, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32)
+    assert fresh_chunk(one, N, N) and fresh_chunk(one, 4 * N, 4 * N)
+    assert not fresh_chunk(one, N - 1, N - 1)  # short: the paged kernel is as fast
+    assert not fresh_chunk(one, N, N + 16)  # after a prefix (a later chunk, or a cached prefix)
+    assert not fresh_chunk(two, N, N)  # several sequences (or a padded batch)
+    assert not fresh_chunk(one, 1, 0)  # a decode
+
+
 def reshard_cases() -> None:
     from moebius.kernels.copy import copy_rows
     from moebius.parallel.layout import expert_block, expert_shard

@@ -4,10 +4,13 @@ A program handles BM query tokens of one sequence and all G query heads of one K
 walks the sequence's KV in tiles of BN tokens gathered through the block table (online softmax). For decode, the
 KV range is split over NUM_SPLITS programs (flash-decoding) and a second kernel merges the partial results, so a
 small batch still fills the GPU. No host value is needed at launch beyond the grid, so it can run inside a CUDA
-graph. The torch reference is `moebius.layers.attention.paged_attention`.
+graph. The torch reference is `moebius.layers.attention.paged_attention`. A long first chunk of a prompt alone in
+its step goes to cuDNN's fused attention instead (`fresh_chunk`), which is faster there.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -151,10 +154,60 @@ def prefill_tiles(D: int) -> tuple[int, int, int, int]:
     return (128, 128, 8, 3) if D <= 128 else (64, 32, 4, 3)
 
 
+# A step that is one prompt chunk with nothing cached before it, of at least this many tokens, takes cuDNN's fused
+# attention (through torch SDPA) instead of the kernel above: on H200 at the 30B shapes an 8k chunk took 1.00 ms
+# against 1.50 (548 against 366 TFLOP/s), a 2k chunk 0.14 against 0.18 ms; torch's FlashAttention-2 backend was
+# slower than the kernel above (1.85 ms at 8k) (`python -m moebius.bench.attn_prefill_tune --default-only`,
+# benchmarks/results/h200-attn-prefill-default.json). Chunks after a prefix keep the paged kernel.
+FRESH_CHUNK_MIN_TOKENS = 2048
+
+
+def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int) -> bool:
+    """Whether a step's attention is one sequence's first chunk (no cached prefix) of at least
+    FRESH_CHUNK_MIN_TOKENS tokens: host values only, so asking costs no device round trip."""
+    return block_tables.shape[0] == 1 and max_seq_len == max_query_len >= FRESH_CHUNK_MIN_TOKENS
+
+
+@functools.cache
+def cudnn_attention_works(device_index: int) -> bool:
+    """cuDNN's fused attention runs on this GPU in this build: tried once on a tiny causal GQA problem (where it
+    does not, the paged kernel serves every step)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    x = torch.zeros(1, 4, 64, 128, dtype=torch.bfloat16, device=f"cuda:{device_index}")
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            scaled_dot_product_attention(x, x[:, :2], x[:, :2], is_causal=True, enable_gqa=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, scale: float
+                          ) -> torch.Tensor:
+    """Causal attention of one sequence's first chunk (q [T, H, d]; its keys and values are already in the pages
+    of block_tables[0]) through cuDNN, the KV heads shared by their query heads (GQA) inside the kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    T, page = q_THd.shape[0], cache.shape[2]
+    pages = block_tables[0, : triton.cdiv(T, page)].long()
+    k, v = (cache[pages, i].flatten(0, 1)[:T].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, kvh, T, d]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = scaled_dot_product_attention(q_THd.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1, *,
-                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1)."""
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1,
+                    max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
+    max_seq_len: the longest sequence (a host value), for `fresh_chunk`."""
+    if (fresh_chunk(block_tables, max_query_len, max_seq_len) and q_THd.dtype in (torch.bfloat16, torch.float16)
+            and cudnn_attention_works(q_THd.device.index or 0)):
+        return fresh_chunk_attention(q_THd, cache, block_tables, scale)
     return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc)
 
 

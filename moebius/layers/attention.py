@@ -99,7 +99,7 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-                    meta.num_splits, kc=kc)
+                    meta.num_splits, meta.max_seq_len, kc=kc)
     return paged_attention_ref(q_THd, cache, meta, scale)
 
 
