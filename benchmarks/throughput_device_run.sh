@@ -51,7 +51,7 @@ attntune)
 moetune)
   t moe_tune 330 python3 -m moebius.bench.moe_tune --ranks 1 --modes tp --batches 2048 8192 16384 --output $R/h200-moe-prefill.json ;;
 profile)
-  t profile 200 python3 -m moebius.bench.profile_steps --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((1024 / N)) ;;
+  t profile 200 python3 -m moebius.bench.profile_steps --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((512 / N)) ;;
 serve)
   python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
   for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"

@@ -33,6 +33,18 @@ def test_simulated_steps_by_hand() -> None:
                                                                                pytest.approx(0.02)]
 
 
+def test_simulated_mixed_steps_take_the_mixed_curve() -> None:
+    """A profile with mixed steps (eager in the engine): a step holding a prompt chunk takes the mixed time."""
+    jobs = [Job(0.0, [0], n) for n in (2, 3, 5)] + [Job(0.035, [0, 0], 1)]
+    mixed = StepCurve((1, 1000), (30.0, 30.0))
+    run = simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "tp", None, budget=64, max_running=8, system="tp",
+                   mixed={"tp": mixed, "ep": mixed})
+    # the first step prefills three prompts (30 ms), decodes follow at 10 ms, and the prompt arriving at 35 ms is
+    # prefilled beside the decodes of the step from 40 ms (30 ms more)
+    assert [x for _, x, _ in run.steps] == pytest.approx([0.03, 0.01, 0.03, 0.01, 0.01])
+    assert run.ttft[-1] == (0.035, pytest.approx(0.035))
+
+
 def test_simulated_auto_switches_where_the_policy_says() -> None:
     tp, ep = StepCurve((1, 64), (1.0, 64.0)), StepCurve((1, 64), (10.0, 12.0))  # EP ahead from ~10 requests
     jobs = [Job(0.0, [0], n) for n in range(1, 41)]  # a burst draining one request a step

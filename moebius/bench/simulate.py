@@ -7,7 +7,9 @@ run of the same trace (`moebius bench rollout|bursty` with the same workload fla
 
 The model: each step runs the running requests' next token and prefill chunks under the token budget (admission up
 to `--max-running-requests`, first come first served, no preemption); a step of T tokens takes the layout's
-calibrated decode step at batch T; a switch takes the profile's switch time plus its KV bytes over the link.
+calibrated decode step at batch T, or, where it holds a prompt chunk and the profile measured mixed steps (eager in
+the engine), the calibrated mixed step of T tokens; a switch takes the profile's switch time plus its KV bytes over
+the link.
 
     moebius bench simulate rollout --floor-model qwen3-235b-a22b --floor-ranks 8 --requests 2048 \\
         --output benchmarks/results/sim-235b-p8-rollout.json
@@ -46,8 +48,10 @@ class SimRun:
 
 
 def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str, float], start: str,
-             auto: AutoMode | None, budget: int, max_running: int, system: str) -> SimRun:
-    """One system's run of the jobs in the model above (auto None: the layout stays `start`)."""
+             auto: AutoMode | None, budget: int, max_running: int, system: str,
+             mixed: dict[str, StepCurve] | None = None) -> SimRun:
+    """One system's run of the jobs in the model above (auto None: the layout stays `start`). mixed: the step time
+    by tokens of a step that holds a prompt chunk (None: as a decode step of as many tokens)."""
     run = SimRun(system)
     arrivals = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
     pending = [(jobs[i].arrival, i) for i in arrivals]
@@ -76,7 +80,7 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
             running[i] = [len(jobs[i].prompt), 0]
             chunks[i] = min(len(jobs[i].prompt), tokens)
             tokens -= chunks[i]
-        step = float(curves[mode].at(budget - tokens)) / 1e3
+        step = float((mixed if mixed and chunks else curves)[mode].at(budget - tokens)) / 1e3
         t += step
         run.seconds[mode] += step
         run.steps.append((t, step, len(decoding)))
@@ -155,6 +159,7 @@ def main(a: argparse.Namespace) -> int:
         cal = floor_profile(a.floor_model, a.floor_ranks, a.floor_context, a.efficiency, a.switch_efficiency)
     tp, ep = cal.curves()
     curves = {"tp": tp, "ep": ep}
+    mixed = dict(zip(("tp", "ep"), cal.mixed_curves(), strict=True)) if cal.mixed_curves() else None
     module = rollout if a.workload == "rollout" else bursty
     jobs = module.jobs_of(a, vocab=1)
     ecfg = EngineConfig.from_kwargs(mode="auto", switch_policy=a.switch_policy, switch_profile=a.switch_profile,
@@ -165,7 +170,7 @@ def main(a: argparse.Namespace) -> int:
     for system in SYSTEMS:
         auto = build_auto(ecfg, cal) if system == "auto" else None
         runs.append(simulate(jobs, curves, cal.switch_ms, start if auto else system, auto,
-                             a.max_num_batched_tokens, a.max_running_requests, system))
+                             a.max_num_batched_tokens, a.max_running_requests, system, mixed))
     rows = []
     for r in runs:
         decode = sum(n for _, _, n in r.steps)

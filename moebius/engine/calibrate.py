@@ -1,6 +1,8 @@
-"""Start-up calibration of the switch policy: decode steps of both layouts timed over a few global batch sizes, and
-a switch each way with nothing in flight, through the engine itself: real requests served by `step()`, so a step's
-time holds everything a served step costs (graphs, communicators, sampling, the front end's own work)."""
+"""Start-up calibration of the switch policy: decode steps of both layouts timed over a few global batch sizes, the
+same batches with a new prompt's chunk in each step (mixed steps: eager, no graphs), and a switch each way with
+nothing in flight, through the engine itself: real requests served by `step()`, so a step's time holds everything a
+served step costs (graphs, communicators, sampling, the front end's own work). The policy reads the decode steps;
+`bench simulate` both."""
 
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
     start = core.mode
     order = [start, "ep" if start == "tp" else "tp"]
     times: dict[str, dict[int, float]] = {m: {} for m in order}
+    mixed: dict[str, dict[int, float]] = {m: {} for m in order}
+    chunk = context
     switch_ms: dict[str, float] = {}
     bar = tqdm(total=2 * len(batches), desc="calibrating the switch policy", unit="batch", disable=not progress)
     try:
@@ -58,29 +62,42 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
                 switch_ms[mode] = _switch(core, mode)
             for b in batches:
                 times[mode][b] = _served_step_ms(core, b, context, length(b), steps, warmup, vocab)
+                if b < max_batch and b + chunk <= budget:  # room for the new prompt beside the batch
+                    mixed[mode][b] = _served_step_ms(core, b, context, length(b), steps, warmup, vocab, chunk)
                 bar.update(1)
         switch_ms[start] = _switch(core, start)
     finally:
         bar.close()
+    mixed_batches = [b for b in batches if b in mixed["tp"]]
     return Calibration(key, context, list(batches), [times["tp"][b] for b in batches],
-                       [times["ep"][b] for b in batches], switch_ms)
+                       [times["ep"][b] for b in batches], switch_ms, chunk if mixed_batches else 0, mixed_batches,
+                       [mixed["tp"][b] for b in mixed_batches], [mixed["ep"][b] for b in mixed_batches])
 
 
-def _served_step_ms(core: Engine, batch: int, context: int, length: int, steps: int, warmup: int, vocab: int
-                    ) -> float:
+def _served_step_ms(core: Engine, batch: int, context: int, length: int, steps: int, warmup: int, vocab: int,
+                    chunk: int = 0) -> float:
     """ms a step of `batch` requests decoding with about `context` tokens each takes, as `step()` serves them (each
-    may reach `length` tokens: none ends before the timed steps are through)."""
+    may reach `length` tokens: none ends before the timed steps are through). chunk: before each step a new request
+    of `chunk` prompt tokens arrives (one token out: it ends with the step that prefills it), so every step is
+    mixed."""
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=length - context, ignore_eos=True)
     ids = {core.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)}
     started: set[str] = set()
     while len(started) < batch:  # prefill: until every request has its first token
         started |= {o.request_id for o in core.step() if o.outputs[0].token_ids}
-    for _ in range(warmup):
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def step() -> None:
+        if chunk:
+            core.add_request([rng.randrange(vocab) for _ in range(chunk)], one)
         core.step()
+
+    for _ in range(warmup):
+        step()
     t = time.perf_counter()
     for _ in range(steps):
-        core.step()
+        step()
     ms = (time.perf_counter() - t) / steps * 1e3
     for rid in ids:
         core.abort(rid)

@@ -1,6 +1,7 @@
-"""A calibration profile: decode step times of both layouts over a few global batch sizes and the switch's cost,
-measured at start-up (`engine/calibrate.py`), kept in a JSON file keyed by what they depend on (model, its layers,
-ranks, GPU, dtype) so that a restart reuses them. The policy reads its crossover and curves from it.
+"""A calibration profile: decode step times of both layouts over a few global batch sizes, the same batches' steps
+with a new prompt's chunk beside them (mixed steps, which run eagerly), and the switch's cost, measured at start-up
+(`engine/calibrate.py`), kept in a JSON file keyed by what they depend on (model, its layers, ranks, GPU, dtype) so
+that a restart reuses them. The policy reads its crossover and curves from it; `bench simulate` the mixed steps too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from moebius.switch.policy import StepCurve, crossover
 
-FORMAT = 1
+FORMAT = 2  # 2: mixed steps (format 1 files, without them, are still read)
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,21 @@ class Calibration:
     tp_ms: list[float]
     ep_ms: list[float]
     switch_ms: dict[str, float] = field(default_factory=dict)  # target layout -> ms of a switch with nothing in flight
+    # mixed steps: mixed_batches[i] requests decoding beside one new prompt of mixed_chunk tokens (none: not measured)
+    mixed_chunk: int = 0
+    mixed_batches: list[int] = field(default_factory=list)
+    tp_mixed_ms: list[float] = field(default_factory=list)
+    ep_mixed_ms: list[float] = field(default_factory=list)
 
     def curves(self) -> tuple[StepCurve, StepCurve]:
         return StepCurve(tuple(self.batches), tuple(self.tp_ms)), StepCurve(tuple(self.batches), tuple(self.ep_ms))
+
+    def mixed_curves(self) -> tuple[StepCurve, StepCurve] | None:
+        """Mixed step time by the step's tokens (decodes + the chunk), or None where not measured."""
+        if not self.mixed_batches:
+            return None
+        tokens = tuple(b + self.mixed_chunk for b in self.mixed_batches)
+        return StepCurve(tokens, tuple(self.tp_mixed_ms)), StepCurve(tokens, tuple(self.ep_mixed_ms))
 
     def crossover(self) -> float | None:
         """See `policy.crossover`: where EP starts to win (0.0: everywhere; None: nowhere measured)."""
@@ -52,7 +65,10 @@ class Calibration:
                  "TP is faster at every batch measured" if x is None else f"EP is faster from batch {x:.1f}")
         rows = ", ".join(f"{b}: TP {t:.2f} / EP {e:.2f} ms" for b, t, e in zip(self.batches, self.tp_ms, self.ep_ms,
                                                                              strict=True))
-        return f"{where} ({rows}); switch to TP {self.switch_ms.get('tp', 0):.1f} ms, to EP " \
+        mixed = ", ".join(f"{b}: TP {t:.2f} / EP {e:.2f} ms" for b, t, e in zip(
+            self.mixed_batches, self.tp_mixed_ms, self.ep_mixed_ms, strict=True))
+        mixed = f"; with a {self.mixed_chunk}-token prompt beside them {mixed}" if mixed else ""
+        return f"{where} ({rows}){mixed}; switch to TP {self.switch_ms.get('tp', 0):.1f} ms, to EP " \
                f"{self.switch_ms.get('ep', 0):.1f} ms"
 
     def to_json(self) -> dict[str, Any]:
@@ -60,10 +76,12 @@ class Calibration:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Calibration:
-        if d.get("format") != FORMAT:
-            raise ValueError(f"calibration file format {d.get('format')!r}, expected {FORMAT}")
+        if d.get("format") not in (1, FORMAT):
+            raise ValueError(f"calibration file format {d.get('format')!r}, expected 1 or {FORMAT}")
         return Calibration(CalibrationKey(**d["key"]), d["context_len"], list(d["batches"]), list(d["tp_ms"]),
-                           list(d["ep_ms"]), dict(d["switch_ms"]))
+                           list(d["ep_ms"]), dict(d["switch_ms"]), d.get("mixed_chunk", 0),
+                           list(d.get("mixed_batches", [])), list(d.get("tp_mixed_ms", [])),
+                           list(d.get("ep_mixed_ms", [])))
 
 
 def default_dir() -> str:
