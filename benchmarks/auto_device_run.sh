@@ -11,7 +11,7 @@ M="--model qwen3-30b-a3b --load-format dummy --num-layers 16 --num-ranks 1"
 t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|return func" $W/$n.log | tail -6; }
 date +%T
 t calibrate 200 python3 -m moebius.entrypoints.cli calibrate $M --calibration-dir $W/cal --batches 1,4,16,64,128,256,512,1024,2048 --context 256 --max-running-requests 2048 --cuda-graph-max-bs 512
-CAL=$(ls $W/cal/*.json | head -1); cp $CAL benchmarks/profiles/h200-p1-qwen3-30b-16l.json
+CAL=benchmarks/profiles/h200-p1-qwen3-30b-16l.json; cp $(ls $W/cal/*.json | head -1) $CAL
 ROLL="--requests 512 --scale 0.1 --seed 0"
 t rollout 220 python3 -m moebius.entrypoints.cli bench rollout $M $ROLL --systems tp,ep --max-running-requests 512 --cuda-graph-max-bs 512 --output $R/h200-p1-rollout.json
 t sim_rollout 60 python3 -m moebius.entrypoints.cli bench simulate rollout $ROLL --profile $CAL --max-running-requests 512 --validate $R/h200-p1-rollout.json --output $R/h200-p1-sim-rollout.json
