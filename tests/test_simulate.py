@@ -54,6 +54,25 @@ def test_simulated_auto_switches_where_the_policy_says() -> None:
     assert [(s["source"], s["target"]) for s in run.switches] == [("ep", "tp")]
     static = {m: simulate(jobs, {"tp": tp, "ep": ep}, {}, m, None, 64, 64, m).wall_s for m in ("tp", "ep")}
     assert run.wall_s < min(static.values())  # the drain in TP, the burst in EP
+    # KV in flight makes the switch longer: 0.5 ms for each token the running requests hold (prompt + outputs)
+    auto = AutoMode(ThresholdPolicy(Thresholds.of("rollout", 10, cooldown=0)), "test")
+    slow = simulate(jobs, {"tp": tp, "ep": ep}, {"tp": 1.0, "ep": 1.0}, "ep", auto, budget=64, max_running=64,
+                    system="auto", kv_ms_per_token=0.5)
+    # after step 31 the 9 requests left (outputs 32..40) hold 1 prompt + 31 output tokens each
+    held = 9 * 32
+    assert len(slow.steps) > 31 and slow.switches[0]["t"] == pytest.approx(slow.steps[30][0])
+    assert slow.switches[0]["ms"] == pytest.approx(1.0 + 0.5 * held)
+    assert slow.wall_s == pytest.approx(run.wall_s + 0.5 * held / 1e3)
+
+
+def test_kv_switch_time_per_token() -> None:
+    from moebius.bench.simulate import kv_switch_ms_per_token
+    from moebius.config import PRESETS, ModelConfig
+
+    cfg = ModelConfig.from_hf(PRESETS["qwen3-235b-a22b"])
+    assert kv_switch_ms_per_token(cfg, 1, 2.0) == 0.0  # one rank: no KV changes owner
+    one = kv_switch_ms_per_token(cfg, 8, 1.0)
+    assert one > 0 and kv_switch_ms_per_token(cfg, 8, 2.0) == pytest.approx(2 * one)
 
 
 def test_simulate_command_projects_and_validates(tmp_path: Any) -> None:

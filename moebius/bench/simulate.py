@@ -8,8 +8,8 @@ run of the same trace (`moebius bench rollout|bursty` with the same workload fla
 The model: each step runs the running requests' next token and prefill chunks under the token budget (admission up
 to `--max-running-requests`, first come first served, no preemption); a step of T tokens takes the layout's
 calibrated decode step at batch T, or, where it holds a prompt chunk and the profile measured mixed steps (eager in
-the engine), the calibrated mixed step of T tokens; a switch takes the profile's switch time plus its KV bytes over
-the link.
+the engine), the calibrated mixed step of T tokens; a switch takes the profile's switch time (nothing in flight)
+plus the running requests' KV over the link (the floor model's KV term times `--switch-efficiency`).
 
     moebius bench simulate rollout --floor-model qwen3-235b-a22b --floor-ranks 8 --requests 2048 \\
         --output benchmarks/results/sim-235b-p8-rollout.json
@@ -49,9 +49,10 @@ class SimRun:
 
 def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str, float], start: str,
              auto: AutoMode | None, budget: int, max_running: int, system: str,
-             mixed: dict[str, StepCurve] | None = None) -> SimRun:
+             mixed: dict[str, StepCurve] | None = None, kv_ms_per_token: float = 0.0) -> SimRun:
     """One system's run of the jobs in the model above (auto None: the layout stays `start`). mixed: the step time
-    by tokens of a step that holds a prompt chunk (None: as a decode step of as many tokens)."""
+    by tokens of a step that holds a prompt chunk (None: as a decode step of as many tokens). kv_ms_per_token: what
+    a switch adds for each token of KV the running requests hold (switch_ms is a switch with nothing in flight)."""
     run = SimRun(system)
     arrivals = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
     pending = [(jobs[i].arrival, i) for i in arrivals]
@@ -101,13 +102,28 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
             d = auto.observe(t, mode, len(running) + len(waiting),
                              lambda: [jobs[i].output_len - st[1] for i, st in running.items()])
             if d is not None:
-                cost = switch_ms[d.target] / 1e3
+                kv = sum(len(jobs[i].prompt) - st[0] + st[1] for i, st in running.items())
+                cost = (switch_ms[d.target] + kv * kv_ms_per_token) / 1e3
                 run.switches.append({"t": t, "source": mode, "target": d.target, "reason": d.reason, "ms": cost * 1e3})
                 t += cost
                 mode = d.target
                 auto.switched(t)
     run.wall_s = t
     return run
+
+
+def kv_switch_ms_per_token(cfg: ModelConfig, P: int, switch_efficiency: float) -> float:
+    """A switch's time for each live token of KV: the floor model's KV term over the link, times the switch's
+    measured distance from its floor."""
+    n = 1 << 20
+    return (switch_floor_ms(cfg, P, n) - switch_floor_ms(cfg, P, 0)) / n * switch_efficiency
+
+
+def profile_model(key: CalibrationKey) -> ModelConfig | None:
+    """The model a profile was measured on, where it is a preset (a checkpoint path may not be at hand)."""
+    if key.model not in PRESETS:
+        return None
+    return ModelConfig.from_hf(PRESETS[key.model], num_layers=key.num_layers)
 
 
 def floor_profile(preset: str, P: int, context: int, efficiency: float, switch_efficiency: float) -> Calibration:
@@ -160,6 +176,10 @@ def main(a: argparse.Namespace) -> int:
     tp, ep = cal.curves()
     curves = {"tp": tp, "ep": ep}
     mixed = dict(zip(("tp", "ep"), cal.mixed_curves(), strict=True)) if cal.mixed_curves() else None
+    model = profile_model(cal.key)
+    kv_ms = kv_switch_ms_per_token(model, cal.key.num_ranks, a.switch_efficiency) if model else 0.0
+    if model is None:
+        print(f"the profile's model {cal.key.model!r} is not a preset: switches cost no more with KV in flight")
     module = rollout if a.workload == "rollout" else bursty
     jobs = module.jobs_of(a, vocab=1)
     ecfg = EngineConfig.from_kwargs(mode="auto", switch_policy=a.switch_policy, switch_profile=a.switch_profile,
@@ -170,7 +190,7 @@ def main(a: argparse.Namespace) -> int:
     for system in SYSTEMS:
         auto = build_auto(ecfg, cal) if system == "auto" else None
         runs.append(simulate(jobs, curves, cal.switch_ms, start if auto else system, auto,
-                             a.max_num_batched_tokens, a.max_running_requests, system, mixed))
+                             a.max_num_batched_tokens, a.max_running_requests, system, mixed, kv_ms))
     rows = []
     for r in runs:
         decode = sum(n for _, _, n in r.steps)
