@@ -7,6 +7,7 @@ reference; JSON with a row per shape and case, the best marked. Chose `kernels.a
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 
@@ -101,9 +102,13 @@ def library_rows(name: str, H: int, kvh: int, T: int, q: torch.Tensor, cache: to
 
 
 def main() -> None:
-    args = [x for x in sys.argv[1:] if x != "--default-only"]
-    out = args[0] if args else "benchmarks/results/attn-prefill-tiles.json"
-    if "--default-only" in sys.argv:  # time the shape prefill_tiles picks (and the library kernels), no search
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output", nargs="?", default="benchmarks/results/attn-prefill-tiles.json")
+    ap.add_argument("--default-only", action="store_true",
+                    help="time the shape prefill_tiles picks (and the library kernels), no search")
+    a = ap.parse_args()
+    out = a.output
+    if a.default_only:
         CONFIGS[:] = [A.prefill_tiles(D)]
     dev = torch.device("cuda")
     rows = [row for name, H, kvh in SHAPES for T, prefix in CASES for row in case_rows(name, H, kvh, T, prefix, dev)]

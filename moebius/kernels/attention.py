@@ -15,6 +15,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention
 
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.fused import _qk_heads
@@ -172,9 +174,6 @@ def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int
 def cudnn_attention_works(device_index: int) -> bool:
     """cuDNN's fused attention runs on this GPU in this build: tried once on a tiny causal GQA problem (where it
     does not, the paged kernel serves every step)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention
-
     x = torch.zeros(1, 4, 64, 128, dtype=torch.bfloat16, device=f"cuda:{device_index}")
     try:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -188,9 +187,6 @@ def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables
                           ) -> torch.Tensor:
     """Causal attention of one sequence's first chunk (q [T, H, d]; its keys and values are already in the pages
     of block_tables[0]) through cuDNN, the KV heads shared by their query heads (GQA) inside the kernel."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention
-
     T, page = q_THd.shape[0], cache.shape[2]
     pages = block_tables[0, : triton.cdiv(T, page)].long()
     k, v = (cache[pages, i].flatten(0, 1)[:T].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, kvh, T, d]
