@@ -54,12 +54,13 @@ def test_fresh_chunk_attention_matches_reference(heads: int, kv_heads: int) -> N
 
     torch.manual_seed(0)
     T, bs, d = 2500, 16, 128
+    kc = KernelConfig(fresh_chunk_lengths=frozenset({T}))
     meta = paged_metadata([T], [T], bs, 200, "cuda")
     cache = torch.randn(200, 2, bs, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(T, heads, d, device="cuda", dtype=torch.bfloat16)
-    assert A.fresh_chunk(meta.block_tables, meta.max_query_len, meta.max_seq_len)
+    assert A.fresh_chunk(meta.block_tables, meta.max_query_len, meta.max_seq_len, kc.fresh_chunk_lengths)
     assert A.cudnn_attention_works(0), "cuDNN attention failed on this GPU: every step takes the paged kernel"
-    out = paged_attention(q, cache, meta, d ** -0.5)
+    out = paged_attention(q, cache, meta, d ** -0.5, kc=kc)
     kernel = A.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, T, d ** -0.5)
     ref = paged_attention_ref(q.float(), cache.float(), meta, d ** -0.5)
     assert _rel(out, ref) < 1e-2 and _rel(out, kernel) < 1e-2

@@ -10,6 +10,7 @@ from moebius.config import EngineConfig
 from moebius.engine.core import EngineCore
 from moebius.engine.runner import ModelRunner
 from moebius.engine.warmup import _chunks, token_ladder, warmup_steps
+from moebius.kernels import fresh_chunk_lengths
 from moebius.sampling_params import SamplingParams
 
 
@@ -40,6 +41,20 @@ def test_warmup_steps_stay_in_the_engine_limits() -> None:
                    for c in _chunks(s, page, 100))
     # one request running at a time (`bench sweep --batches 1`): no step holds two, the sampled one neither
     assert all(len(s.chunks) == 1 for s in warmup_steps(budget, 1, max_len, page, {1}))
+
+
+def test_cudnn_prefill_lengths_are_lengths_the_warmup_runs() -> None:
+    """A fresh chunk takes cuDNN attention only at lengths whose cuDNN graph the warm-up built (a whole prompt of that
+    length in every layout), so no request pays a graph build."""
+    for budget, max_len in [(8192, 40960), (8192, 5000), (16384, 32768), (1024, 4096)]:
+        largest = min(budget, max_len - 1)
+        whole = {s.tokens for s in warmup_steps(budget, 256, max_len, 16, set())
+                 if len(s.chunks) == 1 and s.chunks[0][0] == 0 and not s.sampled}
+        assert fresh_chunk_lengths(largest) <= whole
+    with EngineCore(EngineConfig.from_kwargs(device="cpu", max_num_batched_tokens=4096)) as e:
+        rank = e.ranks.rank
+        want = fresh_chunk_lengths(min(4096, rank.spec.max_model_len - 1))
+        assert want and all(rt.runner.kernels.fresh_chunk_lengths == want for rt in rank.modes.values())
 
 
 def test_warmup_launches_every_count_in_both_layouts(monkeypatch) -> None:

@@ -15,7 +15,7 @@ from moebius.engine.lifecycle import StopRules
 from moebius.engine.rank import ModeRuntime, Rank, RankSpec
 from moebius.engine.runner import ModelRunner, StaticBuffers
 from moebius.engine.warmup import warm_up
-from moebius.kernels import KernelConfig
+from moebius.kernels import KernelConfig, fresh_chunk_lengths
 from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -81,7 +81,9 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     load_weights(umm, specs[spec.mode] + other, ckpt, dtype, cfg)
 
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
-                           reshard_kernel=not ecfg.disable_reshard_kernel)
+                           reshard_kernel=not ecfg.disable_reshard_kernel,
+                           fresh_chunk_lengths=fresh_chunk_lengths(min(ecfg.max_num_batched_tokens,
+                                                                       spec.max_model_len - 1)))
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
         weights = build_weights(umm, cfg, lay, dtype)

@@ -5,7 +5,8 @@ walks the sequence's KV in tiles of BN tokens gathered through the block table (
 KV range is split over NUM_SPLITS programs (flash-decoding) and a second kernel merges the partial results, so a
 small batch still fills the GPU. No host value is needed at launch beyond the grid, so it can run inside a CUDA
 graph. The torch reference is `moebius.layers.attention.paged_attention`. A long first chunk of a prompt alone in
-its step goes to cuDNN's fused attention instead (`fresh_chunk`), which is faster there.
+its step, at a length the start-up warm-up runs, goes to cuDNN's fused attention instead (`fresh_chunk`), which is
+faster there.
 """
 
 from __future__ import annotations
@@ -156,18 +157,16 @@ def prefill_tiles(D: int) -> tuple[int, int, int, int]:
     return (128, 128, 8, 3) if D <= 128 else (64, 32, 4, 3)
 
 
-# A step that is one prompt chunk with nothing cached before it, of at least this many tokens, takes cuDNN's fused
-# attention (through torch SDPA) instead of the kernel above: on H200 at the 30B shapes an 8k chunk took 1.00 ms
-# against 1.50 (548 against 366 TFLOP/s), a 2k chunk 0.14 against 0.18 ms; torch's FlashAttention-2 backend was
-# slower than the kernel above (1.85 ms at 8k) (`python -m moebius.bench.attn_prefill_tune --default-only`,
-# benchmarks/results/h200-attn-prefill-default.json). Chunks after a prefix keep the paged kernel.
-FRESH_CHUNK_MIN_TOKENS = 2048
-
-
-def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int) -> bool:
-    """Whether a step's attention is one sequence's first chunk (no cached prefix) of at least
-    FRESH_CHUNK_MIN_TOKENS tokens: host values only, so asking costs no device round trip."""
-    return block_tables.shape[0] == 1 and max_seq_len == max_query_len >= FRESH_CHUNK_MIN_TOKENS
+# A step that is one prompt chunk with nothing cached before it, at one of the runtime's `fresh_chunk_lengths`
+# (kernels/__init__.py: from 2048 tokens, the lengths the warm-up runs), takes cuDNN's fused attention (through torch
+# SDPA) instead of the kernel above: on H200 at the 30B shapes an 8k chunk took 1.00 ms against 1.50 (548 against 366
+# TFLOP/s), a 2k chunk 0.14 against 0.18 ms; torch's FlashAttention-2 backend was slower than the kernel above (1.85
+# ms at 8k) (`python -m moebius.bench.attn_prefill_tune --default-only`,
+# benchmarks/results/h200-attn-prefill-default.json). Chunks after a prefix, and other lengths, keep the paged kernel.
+def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int, lengths: frozenset[int]) -> bool:
+    """Whether a step's attention is one sequence's first chunk (no cached prefix) of one of `lengths` tokens: host
+    values only, so asking costs no device round trip."""
+    return block_tables.shape[0] == 1 and max_seq_len == max_query_len and max_query_len in lengths
 
 
 @functools.cache
@@ -201,8 +200,8 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
                     max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
     max_seq_len: the longest sequence (a host value), for `fresh_chunk`."""
-    if (fresh_chunk(block_tables, max_query_len, max_seq_len) and q_THd.dtype in (torch.bfloat16, torch.float16)
-            and cudnn_attention_works(q_THd.device.index or 0)):
+    if (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
+            and q_THd.dtype in (torch.bfloat16, torch.float16) and cudnn_attention_works(q_THd.device.index or 0)):
         return fresh_chunk_attention(q_THd, cache, block_tables, scale)
     return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc)
 
