@@ -193,14 +193,11 @@ def test_paged_attention_under_the_interpreter() -> None:
 
 def test_only_a_long_fresh_chunk_alone_takes_cudnn() -> None:
     """The step shapes kernels.attention.fresh_chunk sends to cuDNN: one sequence, no cached prefix, a length the
-    runtime allows (kernels.fresh_chunk_lengths: from 2048 tokens, the lengths the warm-up runs)."""
+    runtime allows (KernelConfig.fresh_chunk_lengths; which those are: tests/test_warmup.py)."""
     from moebius.kernels import FRESH_CHUNK_MIN_TOKENS as N
-    from moebius.kernels import fresh_chunk_lengths
     from moebius.kernels.attention import fresh_chunk
 
-    allowed = fresh_chunk_lengths(8192)
-    assert allowed == {N, 2 * N, 8192} and fresh_chunk_lengths(6000) == {N, 4096, 6000}
-    assert fresh_chunk_lengths(N - 1) == frozenset()  # a budget below 2048: never
+    allowed = frozenset({N, 2 * N, 8192})
     one, two = torch.zeros(1, 8, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32)
     assert fresh_chunk(one, N, N, allowed) and fresh_chunk(one, 8192, 8192, allowed)
     assert not fresh_chunk(one, 3000, 3000, allowed)  # a length the warm-up did not meet: cuDNN would build a graph

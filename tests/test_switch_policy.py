@@ -118,7 +118,7 @@ def test_calibration_is_kept_and_reused(tmp_path: object) -> None:
     assert store.load(str(tmp_path), key) is None  # a broken file is measured anew, not an error
     assert "EP is faster from batch" in cal.summary()
     assert cal.mixed_curves() is None  # a profile without mixed steps (format 1 files too)
-    with_mixed = Calibration(key, 256, [1, 64], [2.0, 10.0], [3.0, 10.2], {"tp": 90.0, "ep": 88.0}, 256, [1, 64],
+    with_mixed = Calibration(key, 256, [1, 64], [2.0, 10.0], [3.0, 10.2], {"tp": 90.0, "ep": 88.0}, [1, 64],
                              [20.0, 30.0], [21.0, 31.0])
     path = store.save(str(tmp_path), with_mixed)
     assert store.load(str(tmp_path), key) == with_mixed and "256-token prompt beside them" in with_mixed.summary()

@@ -9,8 +9,8 @@ import pytest
 from moebius.config import EngineConfig
 from moebius.engine.core import EngineCore
 from moebius.engine.runner import ModelRunner
-from moebius.engine.warmup import _chunks, token_ladder, warmup_steps
-from moebius.kernels import fresh_chunk_lengths
+from moebius.engine.warmup import _chunks, fresh_chunk_lengths, token_ladder, warmup_steps
+from moebius.kernels import FRESH_CHUNK_MIN_TOKENS
 from moebius.sampling_params import SamplingParams
 
 
@@ -45,15 +45,16 @@ def test_warmup_steps_stay_in_the_engine_limits() -> None:
 
 def test_cudnn_prefill_lengths_are_lengths_the_warmup_runs() -> None:
     """A fresh chunk takes cuDNN attention only at lengths whose cuDNN graph the warm-up built (a whole prompt of that
-    length in every layout), so no request pays a graph build."""
-    for budget, max_len in [(8192, 40960), (8192, 5000), (16384, 32768), (1024, 4096)]:
-        largest = min(budget, max_len - 1)
+    length in every layout), so no request pays a graph build; the budget's own length is among them."""
+    for budget, max_len in [(8192, 40960), (8192, 5000), (16384, 32768)]:
         whole = {s.tokens for s in warmup_steps(budget, 256, max_len, 16, set())
                  if len(s.chunks) == 1 and s.chunks[0][0] == 0 and not s.sampled}
-        assert fresh_chunk_lengths(largest) <= whole
+        lengths = fresh_chunk_lengths(budget, max_len)
+        assert lengths <= whole and min(lengths) == FRESH_CHUNK_MIN_TOKENS and max(lengths) == min(budget, max_len - 1)
+    assert fresh_chunk_lengths(1024, 4096) == frozenset()  # a budget below 2048: never
     with EngineCore(EngineConfig.from_kwargs(device="cpu", max_num_batched_tokens=4096)) as e:
         rank = e.ranks.rank
-        want = fresh_chunk_lengths(min(4096, rank.spec.max_model_len - 1))
+        want = fresh_chunk_lengths(4096, rank.spec.max_model_len)
         assert want and all(rt.runner.kernels.fresh_chunk_lengths == want for rt in rank.modes.values())
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from moebius.config import ModelConfig
-from moebius.engine.messages import StepWork
+from moebius.engine.messages import StepWork, attended_pairs
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
 
 def prefill_work(tokens: int, prefix: int = 0) -> StepWork:
     """One prompt chunk of `tokens` tokens after `prefix` cached ones, its last token sampled."""
-    return StepWork(tokens=tokens, sequences=1, kv_tokens=prefix + tokens,
-                    attended=tokens * prefix + tokens * (tokens + 1) // 2, sampled=1)
+    return StepWork(tokens=tokens, sequences=1, kv_tokens=prefix + tokens, attended=attended_pairs(prefix, tokens),
+                    sampled=1)
 
 
 def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: int = 0, dtype_bytes: int = 2,

@@ -25,10 +25,10 @@ from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, write_result
 from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
-from moebius.config import PRESETS, EngineConfig, ModelConfig, read_hf_config
+from moebius.config import EngineConfig, ModelConfig
 from moebius.engine.core import EngineCore
 from moebius.engine.messages import StepWork
-from moebius.model.builtin import builtin_hf_config
+from moebius.model.source import hf_config_of
 from moebius.sampling_params import SamplingParams
 
 log = logging.getLogger("moebius")
@@ -59,13 +59,6 @@ def workload(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
                          _lengths(rng, a.num_prompts, a.output_len_dist, a.output_len, a.output_len_range, "output"),
                          strict=True))
     return [([rng.randrange(vocab) for _ in range(p)], o) for p, o in pairs]
-
-
-def hf_config(model: str | None) -> dict[str, Any]:
-    """The HF config.json of what --model names (the built-in model, a preset, a directory)."""
-    if model is None:
-        return builtin_hf_config()
-    return PRESETS[model] if model in PRESETS and not os.path.isdir(model) else read_hf_config(model)
 
 
 def kind(w: StepWork) -> str:
@@ -179,7 +172,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(a: argparse.Namespace) -> int:
     cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup)
-    hf_cfg = hf_config(a.model)
+    hf_cfg = hf_config_of(a.model)
     model_cfg = ModelConfig.from_hf(hf_cfg, a.num_layers)
     vocab = model_cfg.vocab_size
     jobs = workload(a, vocab)

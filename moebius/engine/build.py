@@ -14,8 +14,8 @@ from moebius.config import EngineConfig
 from moebius.engine.lifecycle import StopRules
 from moebius.engine.rank import ModeRuntime, Rank, RankSpec
 from moebius.engine.runner import ModelRunner, StaticBuffers
-from moebius.engine.warmup import warm_up
-from moebius.kernels import KernelConfig, fresh_chunk_lengths
+from moebius.engine.warmup import fresh_chunk_lengths, warm_up
+from moebius.kernels import KernelConfig
 from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -82,8 +82,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
                            reshard_kernel=not ecfg.disable_reshard_kernel,
-                           fresh_chunk_lengths=fresh_chunk_lengths(min(ecfg.max_num_batched_tokens,
-                                                                       spec.max_model_len - 1)))
+                           fresh_chunk_lengths=fresh_chunk_lengths(ecfg.max_num_batched_tokens, spec.max_model_len))
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
         weights = build_weights(umm, cfg, lay, dtype)

@@ -52,8 +52,7 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
     start = core.mode
     order = [start, "ep" if start == "tp" else "tp"]
     times: dict[str, dict[int, float]] = {m: {} for m in order}
-    mixed: dict[str, dict[int, float]] = {m: {} for m in order}
-    chunk = context
+    mixed: dict[str, dict[int, float]] = {m: {} for m in order}  # with a new prompt of `context` tokens a step
     switch_ms: dict[str, float] = {}
     bar = tqdm(total=2 * len(batches), desc="calibrating the switch policy", unit="batch", disable=not progress)
     try:
@@ -62,15 +61,15 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
                 switch_ms[mode] = _switch(core, mode)
             for b in batches:
                 times[mode][b] = _served_step_ms(core, b, context, length(b), steps, warmup, vocab)
-                if b < max_batch and b + chunk <= budget:  # room for the new prompt beside the batch
-                    mixed[mode][b] = _served_step_ms(core, b, context, length(b), steps, warmup, vocab, chunk)
+                if b < max_batch and b + context <= budget:  # room for the new prompt beside the batch
+                    mixed[mode][b] = _served_step_ms(core, b, context, length(b), steps, warmup, vocab, context)
                 bar.update(1)
         switch_ms[start] = _switch(core, start)
     finally:
         bar.close()
     mixed_batches = [b for b in batches if b in mixed["tp"]]
     return Calibration(key, context, list(batches), [times["tp"][b] for b in batches],
-                       [times["ep"][b] for b in batches], switch_ms, chunk if mixed_batches else 0, mixed_batches,
+                       [times["ep"][b] for b in batches], switch_ms, mixed_batches,
                        [mixed["tp"][b] for b in mixed_batches], [mixed["ep"][b] for b in mixed_batches])
 
 

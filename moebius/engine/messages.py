@@ -46,6 +46,11 @@ class TokenDelta:
     logprob_ids: list[int] | None = None
 
 
+def attended_pairs(start: int, tokens: int) -> int:
+    """(query, key) pairs a causal chunk of `tokens` new tokens after `start` cached ones computes."""
+    return tokens * start + tokens * (tokens + 1) // 2
+
+
 @dataclass
 class StepWork:
     """What a launched step computes (the floor model prices it): new tokens (prefill chunks and decodes), the

@@ -21,7 +21,7 @@ import torch
 
 from moebius.config import EngineConfig, ModelConfig
 from moebius.engine.lifecycle import StopRules
-from moebius.engine.messages import KVStats, RankReport, StepPlan, StepWork, TokenDelta
+from moebius.engine.messages import KVStats, RankReport, StepPlan, StepWork, TokenDelta, attended_pairs
 from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
 from moebius.engine.runner import ModelRunner, PendingStep, StepSync
 from moebius.engine.scheduler import ScheduledChunk, Scheduler
@@ -66,12 +66,12 @@ def step_work(batch: list[ScheduledChunk], preempted: int = 0) -> StepWork:
     """What a scheduled batch computes (the floor model's terms), and the requests preempted to schedule it."""
     w = StepWork(sequences=len(batch), preempted=preempted)
     for c in batch:
-        n, p = c.num_tokens, c.start
+        n, p, samples = c.num_tokens, c.start, c.samples
         w.tokens += n
-        w.decode_tokens += n == 1 and c.samples and p >= c.req.num_prompt  # not a prompt's one-token last chunk
+        w.decode_tokens += n == 1 and samples and p >= c.req.num_prompt  # not a prompt's one-token last chunk
         w.kv_tokens += p + n
-        w.attended += n * p + n * (n + 1) // 2
-        w.sampled += c.samples
+        w.attended += attended_pairs(p, n)
+        w.sampled += samples
     return w
 
 
@@ -196,9 +196,8 @@ class Rank:
         of the step resolved."""
         preempted = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
-        n_tokens = sum(c.num_tokens for c in batch)
-        decode = all(c.num_tokens == 1 and c.samples for c in batch)
-        self._work = step_work(batch, self.scheduler.num_preemptions - preempted)
+        self._work = w = step_work(batch, self.scheduler.num_preemptions - preempted)
+        n_tokens, decode = w.tokens, w.tokens == w.sequences == w.sampled  # one token a sequence, every one sampled
         if self.layout.data_parallel:
             # attention is per rank, but every rank joins each layer's collectives while any rank has work, and all
             # must agree on the dispatch size (and on the graph bucket)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from moebius.engine.request import Request, RequestSpec
 from moebius.engine.runner import ModelRunner, StepSync
 from moebius.engine.scheduler import ScheduledChunk
+from moebius.kernels import FRESH_CHUNK_MIN_TOKENS
 from moebius.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +53,12 @@ def token_ladder(budget: int) -> list[int]:
         counts |= {p, p + 1}
         p *= 2
     return sorted(c for c in counts if c <= budget)
+
+
+def fresh_chunk_lengths(budget: int, max_len: int) -> frozenset[int]:
+    """The whole-prompt lengths the warm-up runs from FRESH_CHUNK_MIN_TOKENS: the chunk lengths at which cuDNN's
+    attention may serve a fresh prompt (its graph for the length is built here, not under a request)."""
+    return frozenset(T for T in token_ladder(min(budget, max_len - 1)) if T >= FRESH_CHUNK_MIN_TOKENS)
 
 
 def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed: set[int]) -> list[WarmupStep]:

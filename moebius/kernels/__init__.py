@@ -31,19 +31,9 @@ EARLY, LATE = 1, 2
 
 # A step that is one prompt's first chunk (no cached prefix) of at least this many tokens may take cuDNN's fused
 # attention (kernels/attention.py `fresh_chunk`). cuDNN builds a graph for each new chunk length on first use (a few
-# hundred ms reported), so a runtime allows it only at the lengths its start-up warm-up runs: `fresh_chunk_lengths`.
+# hundred ms reported), so a runtime allows it only at the lengths its start-up warm-up runs as whole prompts
+# (`KernelConfig.fresh_chunk_lengths`, from engine/warmup.py `token_ladder`).
 FRESH_CHUNK_MIN_TOKENS = 2048
-
-
-def fresh_chunk_lengths(largest: int) -> frozenset[int]:
-    """The powers of two from FRESH_CHUNK_MIN_TOKENS to `largest`, and `largest` (the largest chunk a step can
-    hold): whole prompts the warm-up runs (`engine.warmup.token_ladder`)."""
-    lengths = {largest} if largest >= FRESH_CHUNK_MIN_TOKENS else set()
-    p = FRESH_CHUNK_MIN_TOKENS
-    while p <= largest:
-        lengths.add(p)
-        p *= 2
-    return frozenset(lengths)
 
 
 @dataclass(frozen=True)
@@ -55,7 +45,7 @@ class KernelConfig:
     release: the order kernels release the next launch in (EARLY | LATE), chosen per step by the runner.
     reshard_kernel: a switch's local expert permutes through kernels/copy.py (else torch's strided copies).
     fresh_chunk_lengths: the chunk lengths at which a step of one fresh prompt chunk takes cuDNN's attention (empty:
-    never; the engine's: `fresh_chunk_lengths` of its largest chunk)."""
+    never; the engine's: the warm-up's whole-prompt lengths from FRESH_CHUNK_MIN_TOKENS)."""
 
     moe_backend: str = "triton"
     pdl: bool = True

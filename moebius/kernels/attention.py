@@ -158,10 +158,10 @@ def prefill_tiles(D: int) -> tuple[int, int, int, int]:
 
 
 # A step that is one prompt chunk with nothing cached before it, at one of the runtime's `fresh_chunk_lengths`
-# (kernels/__init__.py: from 2048 tokens, the lengths the warm-up runs), takes cuDNN's fused attention (through torch
-# SDPA) instead of the kernel above: on H200 at the 30B shapes an 8k chunk took 1.00 ms against 1.50 (548 against 366
-# TFLOP/s), a 2k chunk 0.14 against 0.18 ms; torch's FlashAttention-2 backend was slower than the kernel above (1.85
-# ms at 8k) (`python -m moebius.bench.attn_prefill_tune --default-only`,
+# (KernelConfig: from 2048 tokens, the whole-prompt lengths the warm-up runs), takes cuDNN's fused attention
+# (through torch SDPA) instead of the kernel above: on H200 at the 30B shapes an 8k chunk took 1.00 ms against 1.50
+# (548 against 366 TFLOP/s), a 2k chunk 0.14 against 0.18 ms; torch's FlashAttention-2 backend was slower than the
+# kernel above (1.85 ms at 8k) (`python -m moebius.bench.attn_prefill_tune --default-only`,
 # benchmarks/results/h200-attn-prefill-default.json). Chunks after a prefix, and other lengths, keep the paged kernel.
 def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int, lengths: frozenset[int]) -> bool:
     """Whether a step's attention is one sequence's first chunk (no cached prefix) of one of `lengths` tokens: host

@@ -39,8 +39,7 @@ class Calibration:
     tp_ms: list[float]
     ep_ms: list[float]
     switch_ms: dict[str, float] = field(default_factory=dict)  # target layout -> ms of a switch with nothing in flight
-    # mixed steps: mixed_batches[i] requests decoding beside one new prompt of mixed_chunk tokens (none: not measured)
-    mixed_chunk: int = 0
+    # mixed steps: mixed_batches[i] requests decoding beside one new prompt of context_len tokens (none: not measured)
     mixed_batches: list[int] = field(default_factory=list)
     tp_mixed_ms: list[float] = field(default_factory=list)
     ep_mixed_ms: list[float] = field(default_factory=list)
@@ -52,7 +51,7 @@ class Calibration:
         """Mixed step time by the step's tokens (decodes + the chunk), or None where not measured."""
         if not self.mixed_batches:
             return None
-        tokens = tuple(b + self.mixed_chunk for b in self.mixed_batches)
+        tokens = tuple(b + self.context_len for b in self.mixed_batches)
         return StepCurve(tokens, tuple(self.tp_mixed_ms)), StepCurve(tokens, tuple(self.ep_mixed_ms))
 
     def crossover(self) -> float | None:
@@ -63,11 +62,9 @@ class Calibration:
         x = self.crossover()
         where = ("EP is faster at every batch measured" if x == 0.0 else
                  "TP is faster at every batch measured" if x is None else f"EP is faster from batch {x:.1f}")
-        rows = ", ".join(f"{b}: TP {t:.2f} / EP {e:.2f} ms" for b, t, e in zip(self.batches, self.tp_ms, self.ep_ms,
-                                                                             strict=True))
-        mixed = ", ".join(f"{b}: TP {t:.2f} / EP {e:.2f} ms" for b, t, e in zip(
-            self.mixed_batches, self.tp_mixed_ms, self.ep_mixed_ms, strict=True))
-        mixed = f"; with a {self.mixed_chunk}-token prompt beside them {mixed}" if mixed else ""
+        rows = _rows(self.batches, self.tp_ms, self.ep_ms)
+        mixed = _rows(self.mixed_batches, self.tp_mixed_ms, self.ep_mixed_ms)
+        mixed = f"; with a {self.context_len}-token prompt beside them {mixed}" if mixed else ""
         return f"{where} ({rows}){mixed}; switch to TP {self.switch_ms.get('tp', 0):.1f} ms, to EP " \
                f"{self.switch_ms.get('ep', 0):.1f} ms"
 
@@ -79,9 +76,12 @@ class Calibration:
         if d.get("format") not in (1, FORMAT):
             raise ValueError(f"calibration file format {d.get('format')!r}, expected 1 or {FORMAT}")
         return Calibration(CalibrationKey(**d["key"]), d["context_len"], list(d["batches"]), list(d["tp_ms"]),
-                           list(d["ep_ms"]), dict(d["switch_ms"]), d.get("mixed_chunk", 0),
-                           list(d.get("mixed_batches", [])), list(d.get("tp_mixed_ms", [])),
-                           list(d.get("ep_mixed_ms", [])))
+                           list(d["ep_ms"]), dict(d["switch_ms"]), list(d.get("mixed_batches", [])),
+                           list(d.get("tp_mixed_ms", [])), list(d.get("ep_mixed_ms", [])))
+
+
+def _rows(batches: list[int], tp_ms: list[float], ep_ms: list[float]) -> str:
+    return ", ".join(f"{b}: TP {t:.2f} / EP {e:.2f} ms" for b, t, e in zip(batches, tp_ms, ep_ms, strict=True))
 
 
 def default_dir() -> str:
