@@ -3,10 +3,11 @@ bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct bl
 program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
 (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables),
 the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
-norm + RoPE + cache write, the router (K-split logits, then top-k) and the vocabulary argmax keys
-(moebius/kernels/fused.py). The interpreter is chosen when Triton defines the kernels, so the cases run in a fresh
-interpreter (this file as a script). Needs Triton (the `gpu` extra); skipped without it. tests/test_gpu.py runs the
-same kernels compiled, in bf16. (The symmetric-memory kernels: tests/test_symmetric_protocol.py.)"""
+norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
+with and without the expert pairs summed inside it (moebius/kernels/fused.py). The interpreter is chosen when Triton
+defines the kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra);
+skipped without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
+tests/test_symmetric_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -207,6 +208,33 @@ def test_only_a_long_fresh_chunk_alone_takes_cudnn() -> None:
     assert not fresh_chunk(one, N, N, frozenset())  # the default KernelConfig: never
 
 
+def norm_cases() -> None:
+    from moebius.kernels.fused import add_rmsnorm
+    from moebius.kernels.pairs import PairRows
+    from moebius.layers.norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for T, D, first, local in [(3, 48, 0, 16), (9, 100, 4, 8)]:  # D under a power of two; a slice of the experts
+        x, res, w = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g), torch.rand(D, generator=g) + 0.5
+        got_res = res.clone()
+        assert torch.allclose(add_rmsnorm(x, got_res, w, 1e-6), rms_norm(res + x, w, 1e-6), atol=1e-5)
+        assert torch.allclose(got_res, res + x) and torch.allclose(add_rmsnorm(x, None, w, 1e-6), rms_norm(x, w, 1e-6),
+                                                                   atol=1e-5)
+        ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(T)])
+        mine = (ids >= first) & (ids < first + local)
+        y = torch.randn(T * 4, D, generator=g)
+        want_sum = (y.view(T, 4, D) * mine[..., None]).sum(1)
+        y[~mine.flatten()] = float("nan")  # another rank's pairs: never written
+        got_res = res.clone()
+        got = PairRows(y, ids, first, local).add_rms_norm(got_res, w, 1e-6)
+        assert torch.allclose(got_res, res + want_sum, atol=1e-5), (T, D)
+        assert torch.allclose(got, rms_norm(res + want_sum, w, 1e-6), atol=1e-5), (T, D)
+
+
+def test_add_rmsnorm_and_pairs_summed_inside_it_under_the_interpreter() -> None:
+    _run("norm")
+
+
 def reshard_cases() -> None:
     from moebius.kernels.copy import copy_rows
     from moebius.parallel.layout import expert_block, expert_shard
@@ -258,5 +286,5 @@ def _run(case: str) -> None:
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
              "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
-             "reshard": reshard_cases}
+             "reshard": reshard_cases, "norm": norm_cases}
     cases[sys.argv[1]]()

@@ -35,7 +35,8 @@ from moebius.layers.moe import experts_ref
 SMALL = [fm.TileConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
     (16, 32, 64, 128), (128, 256), ((4, 3), (4, 4), (4, 6)))]
 LARGE = [fm.TileConfig(bn, bk, w, s, tma) for bn, bk, (w, s), tma in itertools.product(
-    (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4), (8, 4)), (False, True))]
+    (64, 128), (64, 128), ((4, 3), (8, 3), (4, 4), (8, 4)), (False, True))] + [
+    fm.TileConfig(256, 64, 8, s, True) for s in (2, 3)]  # one N = 256 MMA a K step (down; gate_up's two spill)
 
 
 def best_of(configs: list[fm.TileConfig], run) -> tuple[fm.TileConfig | None, float]:

@@ -12,20 +12,25 @@ from moebius.kernels.pdl import enter, pdl, release, wait
 
 
 @triton.jit
+def _add_norm_row(x, R, W, Out, row, N, cols, m, eps, HAS_RES: tl.constexpr):
+    """One row of rms_norm(residual + x) (residual updated in place), or of rms_norm(x)."""
+    if HAS_RES:  # residual += x, rounded to the storage dtype like the unfused add
+        x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=m, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
+        tl.store(R + row * N + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / N
+    y = (xf * tl.rsqrt(var + eps)).to(Out.dtype.element_ty)
+    w = tl.load(W + cols, mask=m, other=0.0)
+    tl.store(Out + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _add_rmsnorm(X, R, W, Out, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    x = tl.load(X + row * N + cols, mask=m, other=0.0)
-    if HAS_RES:  # residual += x, rounded to the storage dtype like the unfused add
-        x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(R + row * N + cols, x, mask=m)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
-    w = tl.load(W + cols, mask=m, other=0.0)
-    tl.store(Out + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=m)
+    _add_norm_row(tl.load(X + row * N + cols, mask=m, other=0.0), R, W, Out, row, N, cols, m, eps, HAS_RES)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
@@ -36,6 +41,36 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if T:
         _add_rmsnorm[(T,)](x, residual if residual is not None else x, weight, out, N, eps,
                            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=4, **pdl(x, kc))
+    return out
+
+
+@triton.jit
+def _sum_k_add_rmsnorm(Y, Ids, R, W, Out, first, E, N, eps, K: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Token t: its local pairs' rows Y[t*K + k] summed (float32 in k order, rounded once: as `_sum_k`), added to
+    the residual and normed (as `_add_rmsnorm`)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(K):
+        e = tl.load(Ids + t * K + k) - first
+        ok = (e >= 0) & (e < E)
+        acc += tl.load(Y + (t * K + k) * N + cols, mask=tl.where(ok, m, False), other=0.0).to(tl.float32)
+    _add_norm_row(acc.to(Y.dtype.element_ty), R, W, Out, t, N, cols, m, eps, True)
+
+
+def sum_k_add_rmsnorm(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, residual: torch.Tensor,
+                      weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """`sum_k` then `add_rmsnorm` in one launch (`PairRows.add_rms_norm`), bit for bit: the per-token sum never
+    goes through memory (at 8k tokens the two launches read and wrote it once more each)."""
+    T, K = ids_TK.shape
+    N = y_ND.shape[1]
+    out = torch.empty(T, N, dtype=y_ND.dtype, device=y_ND.device)
+    if T:
+        _sum_k_add_rmsnorm[(T,)](y_ND, ids_TK, residual, weight, out, first_expert, E, N, eps, K=K,
+                                 BLOCK=triton.next_power_of_2(N), num_warps=4, **pdl(y_ND, kc))
     return out
 
 

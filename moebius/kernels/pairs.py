@@ -26,3 +26,12 @@ class PairRows:
         from moebius.kernels.fused import sum_k
 
         return sum_k(self.y_ND, self.ids_TK, self.first_expert, self.num_local, kc=kc)
+
+    def add_rms_norm(self, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+        """rms_norm(residual + the summed pairs), residual updated in place: `sum` and the fused add + norm in one
+        launch, the same bits."""
+        from moebius.kernels.fused import sum_k_add_rmsnorm
+
+        return sum_k_add_rmsnorm(self.y_ND, self.ids_TK, self.first_expert, self.num_local, residual_TD, weight, eps,
+                                 kc=kc)

@@ -10,11 +10,21 @@ from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
 from moebius.kernels.pairs import PairRows
 from moebius.layers.linear import linear
+from moebius.layers.norm import add_rms_norm
 
 
 def summed(y: torch.Tensor | PairRows, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """Expert outputs per token: y itself, or its pairs summed over k (`PairRows.sum`)."""
     return y.sum(kc=kc) if isinstance(y, PairRows) else y
+
+
+def summed_add_rms_norm(y: torch.Tensor | PairRows, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                        kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` of the expert outputs per token; pairs are summed inside the norm's launch (`PairRows` only
+    comes from the fused GPU kernels)."""
+    if isinstance(y, PairRows):
+        return y.add_rms_norm(residual_TD, weight, eps, kc=kc), residual_TD
+    return add_rms_norm(y, residual_TD, weight, eps, kc=kc)
 
 
 def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob: bool, *,

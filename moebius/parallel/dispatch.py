@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.pairs import PairRows
-from moebius.layers.moe import summed
+from moebius.layers.moe import summed, summed_add_rms_norm
 from moebius.layers.norm import add_rms_norm
 from moebius.layers.sampler import argmax_keys, key_ids
 
@@ -85,7 +85,7 @@ class WholeOutputs:
     def combine_add_norm(self, y: torch.Tensor | PairRows, handle: Any, residual_TD: torch.Tensor,
                          weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.reduce_add_norm(summed(y, kc=kc), residual_TD, weight, eps, kc=kc)
+        return summed_add_rms_norm(y, residual_TD, weight, eps, kc=kc)
 
 
 class LocalComm(WholeVocab, WholeOutputs):
