@@ -61,3 +61,50 @@ def test_mixed_step_equals_each_sequence_alone(monkeypatch) -> None:
         s = torch.einsum("thd,lhd->htl", q[rows], k) * d ** -0.5
         s = s.masked_fill(j[None, None, :] > (L - n + torch.arange(n))[None, :, None], float("-inf"))
         torch.testing.assert_close(out[rows], torch.einsum("htl,lhd->thd", s.softmax(-1), v))
+
+
+def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> None:
+    """The layer's side of the step pieces (engine/cuda_graphs.StepPieces): with an AttentionCut in the metadata,
+    q goes into the cut's buffer (k and v into the cache as always) and the layer's output is whatever the cut
+    hands back; attention run there over the step's metadata gives the uncut layer's output and cache."""
+    from dataclasses import replace
+
+    from attention_cases import paged_metadata
+
+    from moebius.layers.attention import paged_attention, qkv_attention
+    from moebius.layers.rotary import rope_table
+
+    torch.manual_seed(0)
+    bs, kvh, heads, d = 4, 2, 4, 16
+    meta = paged_metadata([1, 30, 5], [40, 50, 20], bs, 64, "cpu")
+    T = 36
+    qkv = torch.randn(T, (heads + 2 * kvh) * d)
+    qn, kn, rope = torch.rand(d) + 0.5, torch.rand(d) + 0.5, rope_table(d, 256, 1e6, "cpu")
+    cache = torch.randn(64, 2, bs, kvh, d)
+
+    class Cut:
+        def __init__(self) -> None:
+            self.q, self.o, self.calls = torch.zeros(64, heads, d), torch.zeros(64, heads, d), 0
+
+        def q_buffer(self, n: int) -> torch.Tensor:
+            return self.q[:n]
+
+        def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, kc: object) -> torch.Tensor:
+            assert q.data_ptr() == self.q.data_ptr()  # the layer wrote q into the static buffer
+            self.calls += 1
+            return paged_attention(q, cache, meta, scale, out=self.o[: q.shape[0]])
+
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = qkv_attention(qkv, qn, kn, rope, want_cache, meta, 1e-6, d ** -0.5)
+    cut = Cut()
+    got = qkv_attention(qkv, qn, kn, rope, got_cache, replace(meta, cut=cut), 1e-6, d ** -0.5)
+    assert cut.calls == 1 and got.data_ptr() == cut.o.data_ptr()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_cache, want_cache)
+
+
+def test_step_piece_buckets() -> None:
+    from moebius.engine.cuda_graphs import piece_buckets
+
+    assert piece_buckets(4096) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096]
+    assert piece_buckets(100) == [16, 32, 64, 100] and piece_buckets(16) == [16] and piece_buckets(0) == []

@@ -121,6 +121,8 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
     with LLM(**kw) as llm:
         used = llm.engine.query("bench_decode", batch=2, context=8, steps=1, warmup=0, graphs=True)
         assert all(r["cuda_graph"] for r in used)  # decode steps of this engine do replay graphs
+        used = llm.engine.query("bench_prefill", tokens=40, context=8, steps=1, warmup=0)
+        assert all(r["pieces"] for r in used)  # ... and steps with prompt chunks their pieces
         graph = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
     with LLM(disable_cuda_graph=True, **kw) as llm:
         eager = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
@@ -128,6 +130,34 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
     with LLM(disable_overlap_schedule=True, **kw) as llm:
         resolved = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
     assert graph == eager == resolved
+
+
+def test_step_pieces_match_eager_steps_in_bf16() -> None:
+    """Steps with prompt chunks replay graph pieces around eager attention: a fresh 2048-token chunk alone (cuDNN,
+    writing into the pieces' static output) and chunks beside decodes (the paged kernel, over padded buckets) give
+    the prompt logits and tokens of the same steps run eagerly."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (2048, 300, 45)]
+    kw = dict(mode="tp", max_total_tokens=16384, max_model_len=4096, max_num_batched_tokens=4096, dtype="bfloat16")
+
+    def run(llm: LLM) -> list[tuple[torch.Tensor, list[int]]]:
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logits=True)
+        ids = [llm.add_request(prompts[0], sp)]
+        outs = {}
+        for step in range(40):
+            if step in (1, 3):  # arrive while the first decodes: mixed steps
+                ids.append(llm.add_request(prompts[(step + 1) // 2], sp))
+            outs.update({o.request_id: o for o in llm.step() if o.finished})
+        return [(outs[i].prompt_logits, outs[i].token_ids) for i in ids]
+
+    with LLM(**kw) as llm:
+        assert all(r["pieces"] for r in llm.engine.query("bench_prefill", tokens=2048, context=0, steps=1, warmup=0))
+        pieces = run(llm)
+    with LLM(disable_cuda_graph=True, **kw) as llm:
+        eager = run(llm)
+    for (lp, tp), (le, te) in zip(pieces, eager, strict=True):
+        assert lp.shape == le.shape and _rel(lp, le) < 1e-2
+        assert tp[:2] == te[:2]  # bf16: later tokens may part at a near-tie
 
 
 def test_add_rmsnorm_matches_reference() -> None:

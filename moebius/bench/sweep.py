@@ -115,9 +115,14 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
         work = prefill_work(n, args.prefill_prefix)
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
         step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
-        rows.append({"mode": mode, "tokens": n, "prefix": args.prefill_prefix, "step_tokens": work.tokens,
-                     "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,
-                     "tokens_per_s": work.tokens / step * 1e3})
+        row = {"mode": mode, "tokens": n, "prefix": args.prefill_prefix, "step_tokens": work.tokens, "step_ms": step,
+               "floor_ms": floor, "ratio_to_floor": step / floor, "tokens_per_s": work.tokens / step * 1e3,
+               "cuda_graph": all(r["pieces"] for r in res)}
+        if row["cuda_graph"]:  # the same step eagerly, for comparison
+            eager = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
+                                 warmup=args.warmup, graphs=False)
+            row["eager_ms"] = max(r["step_ms"] for r in eager)
+        rows.append(row)
         log.info("%s prefill %d: %.3f ms (floor %.3f, x%.2f)", mode, n, step, floor, step / floor)
     return rows
 
@@ -305,5 +310,6 @@ def main(args: argparse.Namespace) -> int:
     for p in other["prefill"]:
         if "step_ms" in p:
             print(f"{p['mode']:>14} prefill {p['tokens']:>6} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "
-                  f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s")
+                  f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s  graph={p['cuda_graph']}"
+                  + (f"  eager {p['eager_ms']:.3f} ms" if "eager_ms" in p else ""))
     return 0

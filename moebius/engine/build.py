@@ -126,6 +126,11 @@ def prepare_rank(rank: Rank) -> None:
         for m, rt in rank.modes.items():
             n, secs = rt.runner.capture_graphs(cap, pool)
             log.info("rank %d: captured %d %s decode graphs (batch <= %d) in %.1f s", groups.rank, n, m, cap, secs)
+        cap = min(ecfg.cuda_graph_max_tokens, ecfg.max_num_batched_tokens)
+        for m, rt in rank.modes.items() if cap > 0 else ():  # into the same pool: no two graphs run at once
+            n, secs = rt.runner.capture_pieces(cap, pool)
+            log.info("rank %d: captured %s step pieces of %d token buckets (<= %d) in %.1f s", groups.rank, m, n,
+                     cap, secs)
     if ecfg.warmup == "full" or (ecfg.warmup == "auto" and device.type == "cuda"):
         steps, secs = warm_up(rank, progress=groups.rank == 0)
         log.info("rank %d: warmed up %d kernel shapes in %.1f s", groups.rank, steps, secs)

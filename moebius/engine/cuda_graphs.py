@@ -1,8 +1,10 @@
-"""CUDA graphs of the decode step, one per batch bucket, per mode; captured once at start and kept resident.
+"""CUDA graphs, per mode, captured once at start and kept resident: the decode step, one graph per batch bucket
+(`CudaGraphs`); steps with prompt chunks (alone or beside decodes), one set of pieces per token bucket, the forward
+cut at each layer's attention, which runs eagerly between the pieces (`StepPieces`).
 
-A graph reads the mode's static buffers (unified-memory views: fixed addresses) and writes logits into its own
-output. A switch never recaptures: it only changes which mode's graphs the rank replays. The runner says what a
-graph runs (`ModelRunner.capture_graphs`); this class knows only buckets and graphs.
+A graph reads the mode's static buffers (unified-memory views: fixed addresses) and writes into its own outputs. A
+switch never recaptures: it only changes which mode's graphs the rank replays. The runner says what a graph runs
+(`ModelRunner.capture_graphs`, `capture_pieces`); these classes know only buckets and graphs.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import torch
+
+from moebius.kernels import KernelConfig
 
 log = logging.getLogger("moebius")
 
@@ -80,3 +85,121 @@ class CudaGraphs:
         for g in self.set.graphs.values():
             g.reset()
         self.set = GraphSet()
+
+
+def piece_buckets(cap: int) -> list[int]:
+    """Token buckets of step pieces: 16 to 512 by powers of two, then multiples of 512, up to cap (cap last)."""
+    out = [b for b in (16, 32, 64, 128, 256, 512) if b < cap]
+    b = 1024
+    while b < cap:
+        out.append(b)
+        b += 512
+    return out + [cap] if cap > 0 else []
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One layer's attention between two pieces: its KV cache and how it was launched at capture."""
+
+    cache: torch.Tensor
+    scale: float
+    kc: KernelConfig
+
+
+@dataclass
+class PieceSet:
+    """The captured pieces of one token bucket: graphs[i] runs up to layer i's attention (calls[i]); the last runs
+    after the last layer's and writes `hidden`."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    calls: list[AttentionCall]
+    hidden: torch.Tensor  # [bucket, D]: final-normed hidden states (static output)
+
+
+class _Cut:
+    """The `AttentionCut` a forward runs with while its pieces are warmed up (capture=False: attention skipped; the
+    output buffer keeps old, finite values) or captured: each attention ends the graph being captured and begins
+    the next."""
+
+    def __init__(self, q: torch.Tensor, o: torch.Tensor, pool: object | None) -> None:
+        self.q, self.o, self.pool = q, o, pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[AttentionCall] = []
+        if pool is not None:
+            self._begin()
+
+    def _begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        self.graphs.append(g)
+        g.capture_begin(self.pool)
+
+    def end(self) -> None:
+        if self.pool is not None:
+            self.graphs[-1].capture_end()
+
+    def q_buffer(self, T: int) -> torch.Tensor:
+        return self.q[:T]
+
+    def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig) -> torch.Tensor:
+        self.calls.append(AttentionCall(cache, scale, kc))
+        if self.pool is not None:
+            self.end()
+            self._begin()
+        return self.o[: q_THd.shape[0]]
+
+
+class StepPieces:
+    """Graphs of steps that hold prompt chunks, per token bucket: eager, such a step launches ~15 kernels a layer
+    from Python, which at a few thousand tokens takes longer than the GPU does. The pieces replay everything but
+    attention, whose launch depends on the step's sequences (host values); attention reads q from and writes its
+    output to static buffers between them. Padding tokens (past the step's own) write only the reserved KV page 0."""
+
+    def __init__(self, buckets: list[int], pool: object, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.buckets = sorted(buckets)
+        self.pool = pool
+        shape = (self.buckets[-1], heads, head_dim)
+        self.q = torch.zeros(shape, dtype=dtype, device=device)
+        self.o = torch.zeros(shape, dtype=dtype, device=device)  # zeros: padding rows stay finite
+        self.sets: dict[int, PieceSet] = {}
+
+    def capture(self, inputs: Callable[[int], None], forward: Callable[[int, _Cut], torch.Tensor]) -> float:
+        """Capture every bucket b (largest first): `inputs(b)` writes its static inputs, `forward(b, cut)` runs the
+        step with `cut` as its metadata's AttentionCut and returns the final hidden states. Returns seconds."""
+        t = time.perf_counter()
+        stream = torch.cuda.Stream()
+        for b in reversed(self.buckets):
+            inputs(b)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compilation and library set-up stay out of the graphs
+                    forward(b, _Cut(self.q, self.o, None))
+                stream.synchronize()
+                cut = _Cut(self.q, self.o, self.pool)
+                hidden = forward(b, cut)
+                cut.end()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.sets[b] = PieceSet(cut.graphs, cut.calls, hidden)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    def bucket_for(self, n: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, max(n, 1))
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def replay(self, b: int, T: int, attend: Callable[[AttentionCall, torch.Tensor, torch.Tensor], object]
+               ) -> torch.Tensor:
+        """Run a step of T tokens (T <= b) on bucket b's pieces: `attend(call, q, out)` runs each layer's attention
+        on the step's own tokens between them. Returns the final hidden states of the bucket's rows."""
+        s = self.sets[b]
+        for g, call in zip_longest(s.graphs, s.calls):
+            g.replay()
+            if call is not None:
+                attend(call, self.q[:T], self.o[:T])
+        return s.hidden
+
+    def destroy(self) -> None:
+        for s in self.sets.values():
+            for g in s.graphs:
+                g.reset()
+        self.sets = {}

@@ -36,7 +36,7 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
     if name == "bench_decode":
         return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
     if name == "bench_prefill":
-        return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"])
+        return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True))
     if name == "comm":  # how each layout's collectives run
         return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
     raise ValueError(f"unknown query {name!r}")
@@ -130,10 +130,11 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
             "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
 
 
-def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int) -> dict[str, Any]:
+def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int, graphs: bool = True
+                  ) -> dict[str, Any]:
     """Time a prefill step: on every rank one prompt chunk of `tokens` tokens after `context` cached ones (the KV
     pages hold whatever is there), its last token sampled, through the real runner as the engine runs prefill
-    (eager, tokens read back)."""
+    (graph pieces up to --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back)."""
     if steps < 1 or warmup < 0 or tokens < 1 or context < 0:
         return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1 and warmup >= 0, got {tokens}, "
                          f"{context}, {steps} and {warmup}"}
@@ -156,11 +157,12 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
             if rank.device.type == "cuda":
                 torch.cuda.synchronize(rank.device)
             t = time.perf_counter()
-            rank.runner.launch(chunks, [], sync, graphs=False).result()
+            rank.runner.launch(chunks, [], sync, graphs=graphs).result()
             times.append(time.perf_counter() - t)
     finally:
         alloc.free(req.pages)
-    return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context}
+    return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context,
+            "pieces": graphs and rank.runner.pieces is not None and rank.runner.pieces.bucket_for(tokens) is not None}
 
 
 def _time_overlapped(rank: Rank, chunks: list[ScheduledChunk], sync: StepSync, steps: int, warmup: int,

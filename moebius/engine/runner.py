@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from moebius.config import ModelConfig
-from moebius.engine.cuda_graphs import CudaGraphs, default_buckets
+from moebius.engine.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
 from moebius.engine.scheduler import ScheduledChunk
 from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for
-from moebius.layers.attention import AttentionMetadata, num_splits_for
+from moebius.layers.attention import AttentionCut, AttentionMetadata, num_splits_for, paged_attention
 from moebius.layers.sampler import SamplingBatch, logprobs_of, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
@@ -153,6 +153,7 @@ class ModelRunner:
         self.kernels = kernels
         self.bufs, self.block_size, self.device = bufs, block_size, device
         self.graphs: CudaGraphs | None = None
+        self.pieces: StepPieces | None = None
         # Where sampled tokens come back: two pinned buffers and events, used in turn (a step is resolved before the
         # step after next is launched), so a decode step allocates nothing for its read-back.
         self._readback = [(torch.zeros(bufs.seq_lens.shape[0], dtype=torch.int64, pin_memory=True), torch.cuda.Event())
@@ -174,6 +175,33 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.destroy()
             self.graphs = None
+        if self.pieces is not None:
+            self.pieces.destroy()
+            self.pieces = None
+
+    # ---- graph pieces of steps with prompt chunks ----
+    def capture_pieces(self, cap: int, pool: object) -> tuple[int, float]:
+        """Capture the step pieces of up to `cap` tokens into `pool`; returns (buckets, seconds)."""
+        kvh, d = self.kv[0].shape[3], self.kv[0].shape[4]
+        heads = self.weights.layers[0].attn.qkv_QD.shape[0] // d - 2 * kvh
+        self.pieces = StepPieces(piece_buckets(cap), pool, heads, d, self.kv[0].dtype, self.device)
+        return len(self.pieces.buckets), self.pieces.capture(self._piece_inputs, self._piece_forward)
+
+    def _piece_inputs(self, b: int) -> None:
+        """Static inputs a capture of bucket b records: tokens that read and write only the reserved page 0."""
+        for t in (self.bufs.input_ids, self.bufs.positions, self.bufs.slot_mapping):
+            t[:b].zero_()
+        self.comm.begin_step(b)
+
+    def _piece_forward(self, b: int, cut: AttentionCut) -> torch.Tensor:
+        """What bucket b's pieces run: the forward over the static token fields, cut at each attention (which reads
+        nothing else of the metadata)."""
+        buf = self.bufs
+        meta = AttentionMetadata(
+            positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b], query_start_loc=buf.query_start_loc[:2],
+            seq_lens=buf.seq_lens[:1], block_tables=buf.block_tables[:1], token_seq=buf.token_seq[:b],
+            token_qpos=buf.token_qpos[:b], max_query_len=b, max_seq_len=b, block_size=self.block_size, cut=cut)
+        return self.forward(buf.input_ids[:b], meta)
 
     def has_graph(self, n: int) -> bool:
         return self.graphs is not None and self.graphs.bucket_for(n) is not None
@@ -212,10 +240,13 @@ class ModelRunner:
         return logits, self.comm.vocab_argmax(logits, kc=self._kc_sampling())
 
     def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None, prev: PendingStep | None = None,
-                  prev_rows: np.ndarray | None = None) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
+                  prev_rows: np.ndarray | None = None, pad_tokens_to: int | None = None
+                  ) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
         """Write the batch's metadata into the static buffers. pad_to (decode graphs): pad to that many one-token
-        rows that read and write only the reserved page 0. prev_rows[b] >= 0: the last token of chunk b is row
-        prev_rows[b] of `prev`'s sampled tokens (still on the device; a placeholder on the host)."""
+        rows that read and write only the reserved page 0. pad_tokens_to (step pieces): the token fields padded to
+        that many with tokens that write only page 0 (no sequence holds them; the metadata returned has the step's
+        own). prev_rows[b] >= 0: the last token of chunk b is row prev_rows[b] of `prev`'s sampled tokens (still on
+        the device; a placeholder on the host)."""
         t0 = time.perf_counter()
         bs, buf = self.block_size, self.bufs
         B = len(batch)
@@ -250,9 +281,15 @@ class ModelRunner:
         ids[fill_dst] = 0
         if (ids < 0).any():
             raise RuntimeError("a placeholder token reached a step without the step that produces it")
-        v = buf.upload(dict(input_ids=ids, positions=positions, slot_mapping=slots, token_seq=token_seq,
-                            token_qpos=token_qpos, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
+        token_fields = dict(input_ids=ids, positions=positions, slot_mapping=slots, token_seq=token_seq,
+                            token_qpos=token_qpos)
+        if pad_tokens_to:
+            pad = np.zeros(pad_tokens_to - T, np.int64)
+            token_fields = {k: np.concatenate([a, pad]) for k, a in token_fields.items()}
+        v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
                             seq_lens=seq_lens), table)
+        if pad_tokens_to:
+            v.update({k: v[k][:T] for k in token_fields})
         if fill_dst.size:  # tokens the host does not have yet: from the previous step's output, on the device
             v["input_ids"].index_copy_(0, v["fill_dst"], prev.tokens.index_select(0, v["fill_src"]))
         meta = AttentionMetadata(
@@ -279,6 +316,11 @@ class ModelRunner:
         kc = self.kernels.with_release(release_order_for(ids.shape[0], self.qkv_elems))
         return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc)
 
+    @staticmethod
+    def _attend(call: AttentionCall, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
+        """A layer's attention between two step pieces, over the step's own tokens and sequences."""
+        paged_attention(q, call.cache, meta, call.scale, kc=call.kc, out=out)
+
     def _kc_sampling(self) -> KernelConfig:
         return self.kernels.with_release(EARLY)
 
@@ -298,6 +340,10 @@ class ModelRunner:
         """
         use = graphs and self.graphs is not None and sync.all_decode
         bucket = self.graphs.bucket_for(sync.max_tokens) if use and self.graphs is not None else None
+        # steps a decode graph does not hold replay the pieces of their token bucket (every rank alike: the
+        # choice rests on what the ranks agreed)
+        pieces = (self.pieces.bucket_for(sync.max_tokens) if bucket is None and graphs and self.pieces is not None
+                  else None)
         prompt_logits: dict[int, torch.Tensor] = {}
         reqs = [c.req for c in batch if c.samples]
         k_lp = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
@@ -311,10 +357,13 @@ class ModelRunner:
             logits = logits[: len(batch)]
         else:
             self.comm.begin_step(sync.max_tokens)
-            ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows)
+            ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows, pad_tokens_to=pieces)
             if meta.max_query_len == 1 and self.device.type == "cuda":
                 meta.num_splits = num_splits_for(len(batch), self.kv[0].shape[3])
-            hidden = self.forward(ids, meta)
+            if pieces is not None:
+                hidden = self.pieces.replay(pieces, ids.shape[0], lambda c, q, o: self._attend(c, q, o, meta))
+            else:
+                hidden = self.forward(ids, meta)
             rows = [int(qsl[b + 1]) - 1 for b, c in enumerate(batch) if c.samples]
             for b, c in enumerate(batch):
                 if c.req.wants_prompt_logits:

@@ -182,28 +182,32 @@ def cudnn_attention_works(device_index: int) -> bool:
     return True
 
 
-def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, scale: float
-                          ) -> torch.Tensor:
+def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's first chunk (q [T, H, d]; its keys and values are already in the pages
     of block_tables[0]) through cuDNN, the KV heads shared by their query heads (GQA) inside the kernel."""
     T, page = q_THd.shape[0], cache.shape[2]
     pages = block_tables[0, : triton.cdiv(T, page)].long()
     k, v = (cache[pages, i].flatten(0, 1)[:T].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, kvh, T, d]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = scaled_dot_product_attention(q_THd.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    return out[0].transpose(0, 1)
+        o = scaled_dot_product_attention(q_THd.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    o = o[0].transpose(0, 1)
+    return o if out is None else out.copy_(o)  # SDPA has no output argument
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1,
-                    max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+                    max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
-    max_seq_len: the longest sequence (a host value), for `fresh_chunk`."""
+    max_seq_len: the longest sequence (a host value), for `fresh_chunk`. out: where to write the result ([T, H, d],
+    the last dim contiguous; a new tensor when None)."""
     if (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
             and q_THd.dtype in (torch.bfloat16, torch.float16) and cudnn_attention_works(q_THd.device.index or 0)):
-        return fresh_chunk_attention(q_THd, cache, block_tables, scale)
-    return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc)
+        return fresh_chunk_attention(q_THd, cache, block_tables, scale, out)
+    return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc,
+                   out)
 
 
 # Decode steps up to this many tokens take q/k norm + RoPE + cache write inside the attention launch: there the
@@ -226,12 +230,12 @@ def qk_decode_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torc
 
 def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int,
-            qk: tuple | None, kc: KernelConfig) -> torch.Tensor:
+            qk: tuple | None, kc: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     T, H, D = q_THd.shape
     B = seq_lens.shape[0]
     kvh, page = cache.shape[3], cache.shape[2]
     G = H // kvh
-    out = torch.empty_like(q_THd)
+    out = torch.empty_like(q_THd) if out is None else out
     if T == 0:
         return out
     if max_query_len == 1:

@@ -123,12 +123,12 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, st
 
 def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
                     positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float, *,
-                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+                    kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
     """From the fused qkv projection [T, (H + 2 kvH) d]: per-head RMSNorm of q and k, RoPE, k and v written into
-    the paged cache at `slots`; returns q [T, H, d]."""
+    the paged cache at `slots`; returns q [T, H, d] (in `out` when given: contiguous)."""
     T = qkv.shape[0]
     kvh, D = cache.shape[3], cache.shape[4]
-    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device) if out is None else out
     if T:
         # a head per program at a few tokens; at many, a token's heads per program (one head each leaves tens of
         # thousands of tiny programs, whose overhead then outweighs the bytes they move)

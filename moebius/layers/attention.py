@@ -7,12 +7,26 @@ This is the torch reference path (CPU and tests); it reads the block tables dire
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
 from moebius.layers.norm import rms_norm
 from moebius.layers.rotary import apply_rope
+
+
+class AttentionCut(Protocol):
+    """Where a step's forward is cut at each layer's attention (engine/cuda_graphs.StepPieces: the parts between
+    are CUDA graphs, attention runs eagerly between them, its launch depending on the step's sequences)."""
+
+    def q_buffer(self, T: int) -> torch.Tensor:
+        """The static [T, H, d] buffer the layer's q is written into."""
+        ...
+
+    def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig) -> torch.Tensor:
+        """The layer's attention output [T, H, d] (a static buffer, written between the graphs)."""
+        ...
 
 
 @dataclass
@@ -30,6 +44,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_splits: int = 1  # decode on the GPU: KV splits of the flash-decoding kernel
+    cut: AttentionCut | None = None  # a forward being captured in pieces around attention (engine/cuda_graphs.py)
 
 
 # (most sequence x KV-head pairs, KV splits) for decode, tuned on H200 (132 SMs) at the 30B TP and EP shards, the
@@ -56,21 +71,22 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
 
 
 def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
-                    cache: torch.Tensor, meta: AttentionMetadata, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS
-                    ) -> torch.Tensor:
+                    cache: torch.Tensor, meta: AttentionMetadata, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Split the fused q|k|v projection into heads, RMS-normalise q and k per head, rotate them by position, and
-    store k and v in the paged cache. Returns q [T, H, d]. One Triton kernel on the GPU."""
+    store k and v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel on the GPU."""
     kvh, d = cache.shape[3], cache.shape[4]
     num_heads = qkv_TQ.shape[1] // d - 2 * kvh
     if qkv_TQ.is_cuda and triton_available():
         from moebius.kernels.fused import qk_norm_rope_kv as fast
 
-        return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps, kc=kc)
+        return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps, kc=kc,
+                    out=out)
     q, k, v = qkv_TQ.split([num_heads * d, kvh * d, kvh * d], dim=-1)
     q = apply_rope(rms_norm(q.unflatten(-1, (-1, d)), q_norm, eps), meta.positions, rope)
     k = apply_rope(rms_norm(k.unflatten(-1, (-1, d)), k_norm, eps), meta.positions, rope)
     write_kv(cache, k, v.unflatten(-1, (-1, d)), meta)
-    return q
+    return q if out is None else out.copy_(q)
 
 
 def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
@@ -78,7 +94,11 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tens
                   kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
     Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
-    one Triton launch."""
+    one Triton launch. A forward captured in pieces (`meta.cut`) leaves attention itself to run between them."""
+    if meta.cut is not None:
+        q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc,
+                            out=meta.cut.q_buffer(qkv_TQ.shape[0]))
+        return meta.cut.attend(q, cache, scale, kc)
     if qkv_TQ.is_cuda and triton_available() and meta.max_query_len == 1:
         from moebius.kernels.attention import QK_FUSED_MAX_TOKENS, qk_decode_attention
 
@@ -92,15 +112,16 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tens
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d].
-    The Triton kernel on the GPU, the torch reference elsewhere."""
+                    kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d]
+    (in `out` when given). The Triton kernel on the GPU, the torch reference elsewhere."""
     if q_THd.is_cuda and triton_available():
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-                    meta.num_splits, meta.max_seq_len, kc=kc)
-    return paged_attention_ref(q_THd, cache, meta, scale)
+                    meta.num_splits, meta.max_seq_len, kc=kc, out=out)
+    o = paged_attention_ref(q_THd, cache, meta, scale)
+    return o if out is None else out.copy_(o)
 
 
 def _sequences(meta: AttentionMetadata, sel: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
