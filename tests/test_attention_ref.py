@@ -106,5 +106,6 @@ def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> N
 def test_step_piece_buckets() -> None:
     from moebius.engine.cuda_graphs import piece_buckets
 
-    assert piece_buckets(4096) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096]
+    assert piece_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
+                                   7168, 8192]
     assert piece_buckets(100) == [16, 32, 64, 100] and piece_buckets(16) == [16] and piece_buckets(0) == []
