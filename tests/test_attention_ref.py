@@ -109,3 +109,18 @@ def test_step_piece_buckets() -> None:
     assert piece_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
                                    7168, 8192]
     assert piece_buckets(100) == [16, 32, 64, 100] and piece_buckets(16) == [16] and piece_buckets(0) == []
+
+
+def test_query_blocks_cover_every_chunk_once_longest_key_walk_first() -> None:
+    """The attention launch's table for steps with prompt chunks: every (sequence, block) of each chunk once, none
+    past a chunk's end (a decode is one block), ordered by the keys the block's last query sees, most first."""
+    import numpy as np
+
+    from moebius.layers.attention import query_blocks
+
+    q_lens, seq_lens = np.array([1, 40, 1, 16, 17]), np.array([90, 40, 5, 116, 17])
+    got = query_blocks(q_lens, seq_lens, 16)
+    want = {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (3, 0), (4, 0), (4, 1)}
+    assert {tuple(r) for r in got.tolist()} == want and len(got) == len(want)
+    keys = [seq_lens[b] - q_lens[b] + min((m + 1) * 16, q_lens[b]) for b, m in got.tolist()]
+    assert keys == sorted(keys, reverse=True) and got[0].tolist() == [3, 0]

@@ -1,7 +1,8 @@
 """Triton kernels on the CPU under the Triton interpreter, against their torch references, in float32 (the interpreter's
 bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of pairs, the one-
 program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
-(moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables),
+(moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables;
+prompt chunks also from the host's query-block table),
 the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
 with and without the expert pairs summed inside it (moebius/kernels/fused.py). The interpreter is chosen when Triton
@@ -44,10 +45,11 @@ def moe_cases() -> None:
 
 
 def attention_cases() -> None:
+    import numpy as np
     from attention_cases import paged_metadata
 
-    from moebius.kernels.attention import paged_attention
-    from moebius.layers.attention import paged_attention_ref
+    from moebius.kernels.attention import paged_attention, query_block_tokens
+    from moebius.layers.attention import paged_attention_ref, query_blocks
 
     g = torch.Generator().manual_seed(0)
     bs, pages = 16, 96
@@ -63,6 +65,12 @@ def attention_cases() -> None:
                                       meta.max_query_len, d ** -0.5, splits)
                 err = ((out - ref).norm() / ref.norm()).item()
                 assert err < 1e-5, (heads, kvh, q_lens, splits, err)
+            if max(q_lens) > 1:  # one program per query block from the host's table
+                blocks = query_blocks(np.array(q_lens), np.array(ctx), query_block_tokens(d, heads // kvh))
+                out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.max_query_len, d ** -0.5, q_blocks=torch.from_numpy(blocks))
+                err = ((out - ref).norm() / ref.norm()).item()
+                assert err < 1e-5, (heads, kvh, q_lens, "table", err)
 
 
 def argmax_cases() -> None:

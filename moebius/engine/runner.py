@@ -20,8 +20,8 @@ import torch
 from moebius.config import ModelConfig
 from moebius.engine.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
 from moebius.engine.scheduler import ScheduledChunk
-from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for
-from moebius.layers.attention import AttentionCut, AttentionMetadata, num_splits_for, paged_attention
+from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for, triton_available
+from moebius.layers.attention import AttentionCut, AttentionMetadata, num_splits_for, paged_attention, query_blocks
 from moebius.layers.sampler import SamplingBatch, logprobs_of, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
@@ -30,11 +30,12 @@ from moebius.parallel.dispatch import Communicator
 from moebius.sampling_params import MAX_LOGPROBS
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "fill_dst", "fill_src",
-           "query_start_loc", "seq_lens")
+           "query_start_loc", "seq_lens", "q_blocks")
 
 
 def _field_sizes(max_tokens: int, max_seqs: int) -> list[int]:
-    return [max_tokens] * 7 + [max_seqs + 1, max_seqs]
+    # a chunk of n tokens has at most n query blocks, and one more for its part block
+    return [max_tokens] * 7 + [max_seqs + 1, max_seqs, 2 * (max_tokens + max_seqs)]
 
 
 @dataclass
@@ -54,6 +55,7 @@ class StaticBuffers:
     fill_src: torch.Tensor  # [max_tokens] int64: ... and the output row each one takes
     query_start_loc: torch.Tensor  # [max_seqs + 1] int64
     seq_lens: torch.Tensor  # [max_seqs] int64
+    q_blocks: torch.Tensor  # [2 * (max_tokens + max_seqs)] int64: a step's attention query blocks (GPU, prompts)
     block_tables: torch.Tensor  # [max_seqs, max_pages] int32
     table_stage: torch.Tensor  # [max_seqs * max_pages] int32: the step's [B, W] table, packed
     meta: torch.Tensor  # the int64 region holding the fields above, in order
@@ -164,6 +166,18 @@ class ModelRunner:
                              for _ in "ab"] if device.type == "cuda" else []
         self._turn = 0
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
+        # tokens per query block of the GPU attention kernel, for the block tables of steps with prompt chunks
+        self.q_block: int | None = None
+        if device.type == "cuda" and triton_available():
+            from moebius.kernels.attention import query_block_tokens
+
+            heads, kvh, d = self._heads()
+            self.q_block = query_block_tokens(d, heads // kvh)
+
+    def _heads(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of this rank's attention."""
+        kvh, d = self.kv[0].shape[3], self.kv[0].shape[4]
+        return self.weights.layers[0].attn.qkv_QD.shape[0] // d - 2 * kvh, kvh, d
 
     # ---- decode graphs ----
     def capture_graphs(self, cap: int, pool: object) -> tuple[int, float]:
@@ -182,8 +196,7 @@ class ModelRunner:
     # ---- graph pieces of steps with prompt chunks ----
     def capture_pieces(self, cap: int, pool: object) -> tuple[int, float]:
         """Capture the step pieces of up to `cap` tokens into `pool`; returns (buckets, seconds)."""
-        kvh, d = self.kv[0].shape[3], self.kv[0].shape[4]
-        heads = self.weights.layers[0].attn.qkv_QD.shape[0] // d - 2 * kvh
+        heads, _, d = self._heads()
         self.pieces = StepPieces(piece_buckets(cap), pool, heads, d, self.kv[0].dtype, self.device)
         return len(self.pieces.buckets), self.pieces.capture(self._piece_inputs, self._piece_forward)
 
@@ -286,8 +299,11 @@ class ModelRunner:
         if pad_tokens_to:
             pad = np.zeros(pad_tokens_to - T, np.int64)
             token_fields = {k: np.concatenate([a, pad]) for k, a in token_fields.items()}
+        max_q = int(lens.max(initial=0))
+        blocks = (query_blocks(lens, seq_lens, self.q_block).reshape(-1) if self.q_block and max_q > 1
+                  else np.zeros(0, np.int64))
         v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
-                            seq_lens=seq_lens), table)
+                            seq_lens=seq_lens, q_blocks=blocks), table)
         if pad_tokens_to:
             v.update({k: v[k][:T] for k in token_fields})
         if fill_dst.size:  # tokens the host does not have yet: from the previous step's output, on the device
@@ -295,8 +311,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             positions=v["positions"], slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
             seq_lens=v["seq_lens"], block_tables=v["block_tables"], token_seq=v["token_seq"],
-            token_qpos=v["token_qpos"], max_query_len=int(lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)), block_size=bs)
+            token_qpos=v["token_qpos"], max_query_len=max_q, max_seq_len=int(seq_lens.max(initial=0)),
+            block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None)
         self.last_metadata_s = time.perf_counter() - t0
         return v["input_ids"], meta, qsl
 

@@ -52,22 +52,28 @@ def _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok,
 
 
 @triton.jit
-def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale,
+def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlocks, scale,
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
               QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr):
+              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
     """QK (decode only): Q receives q here, from the fused qkv projection (q/k RMSNorm, RoPE; the new k and v go to
-    the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise."""
+    the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise.
+    TABLE: program p takes query block QBlocks[p] = (sequence, block) (`query_blocks`); else a grid of every
+    sequence x its longest chunk's blocks, whose programs past a shorter chunk's end exit at once."""
     enter(PDL)
     # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
     # head of a token is one run of bytes) are read together
     kvh = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
-    # the blocks of a sequence's last queries (the longest KV walks) are scheduled first, so the launch does not end
-    # on a wave of its longest programs
-    mblk = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(2)
+    if TABLE:
+        b = tl.load(QBlocks + 2 * tl.program_id(1)).to(tl.int32)
+        mblk = tl.load(QBlocks + 2 * tl.program_id(1) + 1).to(tl.int32)
+    else:
+        # the blocks of a sequence's last queries (the longest KV walks) are scheduled first, so the launch does
+        # not end on a wave of its longest programs
+        mblk = tl.num_programs(1) - 1 - tl.program_id(1)
+        b = tl.program_id(2)
     q0 = tl.load(QStart + b)
     qlen = tl.load(QStart + b + 1) - q0
     seq_len = tl.load(SeqLens + b)
@@ -149,6 +155,12 @@ def _decode_tiles(seq_heads: int, num_splits: int, D: int) -> tuple[int, int]:
     return (128, 3) if seq_heads <= 132 else (64, 3)
 
 
+def query_block_tokens(D: int, G: int) -> int:
+    """Query tokens per program of a launch with prompt chunks (its query rows hold every head of a KV head's group
+    G for each token): the block `layers.attention.query_blocks` tables are built in."""
+    return max(1, prefill_tiles(D)[0] // G)
+
+
 def prefill_tiles(D: int) -> tuple[int, int, int, int]:
     """(query rows = tokens x heads of one KV head, KV tile, warps, pipeline stages) of a launch with prompt chunks.
     On H200 at the 30B shapes (`python -m moebius.bench.attn_prefill_tune`, benchmarks/results/
@@ -198,16 +210,18 @@ def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1,
-                    max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None,
+                    q_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
     max_seq_len: the longest sequence (a host value), for `fresh_chunk`. out: where to write the result ([T, H, d],
-    the last dim contiguous; a new tensor when None)."""
+    the last dim contiguous; a new tensor when None). q_blocks: [N, 2] (sequence, query block) of
+    `query_block_tokens` tokens, one program each (a launch with prompt chunks: no programs for blocks past a
+    shorter chunk's end)."""
     if (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
             and q_THd.dtype in (torch.bfloat16, torch.float16) and cudnn_attention_works(q_THd.device.index or 0)):
         return fresh_chunk_attention(q_THd, cache, block_tables, scale, out)
     return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc,
-                   out)
+                   out, q_blocks)
 
 
 # Decode steps up to this many tokens take q/k norm + RoPE + cache write inside the attention launch: there the
@@ -230,7 +244,8 @@ def qk_decode_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torc
 
 def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int,
-            qk: tuple | None, kc: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+            qk: tuple | None, kc: KernelConfig, out: torch.Tensor | None = None,
+            q_blocks: torch.Tensor | None = None) -> torch.Tensor:
     T, H, D = q_THd.shape
     B = seq_lens.shape[0]
     kvh, page = cache.shape[3], cache.shape[2]
@@ -245,19 +260,24 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
         BM = max(1, rows // G)
     if B > 65535:
         raise ValueError(f"paged attention takes at most 65535 sequences a launch (the grid's third axis), not {B}")
-    grid = (kvh * num_splits, triton.cdiv(max_query_len, BM), B)
+    table = q_blocks is not None and max_query_len > 1 and q_blocks.shape[0] <= 65535  # (the grid's y axis)
+    if table and BM != query_block_tokens(D, G):
+        raise ValueError(f"query blocks of {query_block_tokens(D, G)} tokens expected, the launch takes {BM}")
+    grid = (kvh * num_splits, q_blocks.shape[0], 1) if table else (kvh * num_splits, triton.cdiv(max_query_len, BM), B)
     if num_splits > 1:
         part_acc = torch.empty(T * H * num_splits, D, dtype=torch.float32, device=q_THd.device)
         part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_THd.device)
     else:
         part_acc = part_ml = out
     qkv, q_norm, k_norm, rope, positions, slots, eps = qk if qk is not None else (q_THd,) * 6 + (0.0,)
-    _attn_fwd[grid](q_THd, cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, scale,
+    _attn_fwd[grid](q_THd, cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc,
+                    q_blocks if table else seq_lens, scale,
                     q_THd.stride(0), q_THd.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
                     cache.stride(2), cache.stride(3), block_tables.stride(0),
                     qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
-                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, num_warps=warps,
+                    PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, TABLE=table,
+                    num_warps=warps,
                     num_stages=stages, **pdl(q_THd, kc))
     if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
