@@ -248,10 +248,11 @@ class EngineConfig:
                         "and not under the first requests; none compiles on first use; auto: full on GPU, none on "
                         "CPU", ("auto", "full", "none"))
     cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
-    cuda_graph_max_tokens: int = _flag(8192, "largest per-rank step of other kinds (prompt chunks, alone or beside "
+    cuda_graph_max_tokens: int = _flag(2048, "largest per-rank step of other kinds (prompt chunks, alone or beside "
                                        "decodes; decode batches past --cuda-graph-max-bs) that replays CUDA graphs: "
                                        "captured per token bucket in pieces around each layer's attention, which "
-                                       "runs eagerly between them; larger steps, or all at 0, run eagerly")
+                                       "runs eagerly between them (a step is padded to its bucket); larger steps, or "
+                                       "all at 0, run eagerly (there the GPU, not the launches, sets their time)")
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
     disable_pdl: bool = _flag(False, "launch the Triton kernels without programmatic dependent launch (by default, on "

@@ -106,9 +106,9 @@ def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> N
 def test_step_piece_buckets() -> None:
     from moebius.engine.cuda_graphs import piece_buckets
 
-    assert piece_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144,
-                                   7168, 8192]
+    assert piece_buckets(2048) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
     assert piece_buckets(100) == [16, 32, 64, 100] and piece_buckets(16) == [16] and piece_buckets(0) == []
+    assert piece_buckets(3000)[-3:] == [2560, 2816, 3000]
 
 
 def test_query_blocks_cover_every_chunk_once_longest_key_walk_first() -> None:

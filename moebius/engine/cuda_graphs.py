@@ -88,13 +88,14 @@ class CudaGraphs:
 
 
 def piece_buckets(cap: int) -> list[int]:
-    """Token buckets of step pieces: 16 to 512 by powers of two, multiples of 512 to 4096, of 1024 beyond, up to
-    cap (cap last): at most ~12% of a step's tokens are padding from 1024 tokens."""
-    out = [b for b in (16, 32, 64, 128, 256, 512) if b < cap]
-    b = 1024
+    """Token buckets of step pieces: 16 to 256 by powers of two, multiples of 128 to 1024, of 256 beyond, up to cap
+    (cap last): a step pays for its padding tokens (past ~1k tokens the GPU, not the host, sets a step's time), so
+    the buckets stay within ~25% of each other."""
+    out = [b for b in (16, 32, 64, 128, 256) if b < cap]
+    b = 384
     while b < cap:
         out.append(b)
-        b += 512 if b < 4096 else 1024
+        b += 128 if b < 1024 else 256
     return out + [cap] if cap > 0 else []
 
 
