@@ -168,3 +168,15 @@ def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
                for lay in (rank, alone)]
         assert got[0] == got[1], (preset, got)
         assert cut.vocab_size * 2 == full.vocab_size and cut.hidden_size == full.hidden_size
+
+
+def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
+    """`bench_prefill` with `sequences`: one step of that many prompts (a burst's); a split it cannot make is an
+    error naming its numbers."""
+    from moebius import LLM
+
+    with LLM() as llm:
+        res = llm.engine.query("bench_prefill", tokens=40, context=4, steps=2, warmup=1, sequences=3)
+        assert all(r["sequences"] == 3 and r["step_ms"] > 0 and r["tokens"] == 40 for r in res), res
+        bad = llm.engine.query("bench_prefill", tokens=4, context=0, steps=1, warmup=0, sequences=5)
+        assert all("sequences" in r["error"] and "5" in r["error"] for r in bad), bad

@@ -91,3 +91,13 @@ def test_step_floor_of_a_decode_batch_is_the_decode_floor() -> None:
         # the step floor also writes the new tokens' KV, which the decode floor leaves out
         assert step_floor_ms(cfg, P, mode, work) == pytest.approx(decode_step_floor_ms(cfg, P, mode, B, ctx),
                                                                    rel=5e-3)
+
+
+def test_prefill_work_of_several_prompts() -> None:
+    """A step of 10 prompt tokens split over 3 prompts (4, 3, 3), each after 6 cached tokens: every prompt samples
+    its last token, reads its own prefix and attends only within itself."""
+    from moebius.bench.floor import prefill_work
+
+    work = prefill_work(10, prefix=6, sequences=3)
+    assert (work.tokens, work.sequences, work.kv_tokens, work.sampled) == (10, 3, 28, 3)
+    assert work.attended == (4 * 6 + 10) + 2 * (3 * 6 + 6)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from moebius.config import ModelConfig
-from moebius.engine.messages import StepWork, attended_pairs
+from moebius.engine.messages import StepWork, attended_pairs, split_evenly
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,12 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + L * link / hw.link_bytes_per_s) * 1e3
 
 
-def prefill_work(tokens: int, prefix: int = 0) -> StepWork:
-    """One prompt chunk of `tokens` tokens after `prefix` cached ones, its last token sampled."""
-    return StepWork(tokens=tokens, sequences=1, kv_tokens=prefix + tokens, attended=attended_pairs(prefix, tokens),
-                    sampled=1)
+def prefill_work(tokens: int, prefix: int = 0, sequences: int = 1) -> StepWork:
+    """Prompt chunks of `tokens` tokens in all, split evenly over `sequences` prompts (`split_evenly`), each after
+    `prefix` cached tokens, each prompt's last token sampled."""
+    chunks = split_evenly(tokens, sequences)
+    return StepWork(tokens=tokens, sequences=sequences, kv_tokens=sequences * prefix + tokens,
+                    attended=sum(attended_pairs(prefix, n) for n in chunks), sampled=sequences)
 
 
 def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: int = 0, dtype_bytes: int = 2,

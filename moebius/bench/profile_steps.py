@@ -2,6 +2,7 @@
 by total device time, from torch.profiler; printed (no JSON). For finding what keeps a step off its floor.
 
     python -m moebius.bench.profile_steps --prefill 2048 8192 --decode 1024 --context 1024
+    python -m moebius.bench.profile_steps --prefill 8192 --prompts 28 --decode   # a burst's step of short prompts
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b", help="preset (dummy weights); 'builtin': the demo model")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192], help="prompt chunk sizes")
+    ap.add_argument("--prompts", type=int, default=1, help="split each prefill step over this many prompts")
     ap.add_argument("--decode", type=int, nargs="*", default=[1024], help="decode batches (eager, no graphs)")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per decoding request")
     ap.add_argument("--steps", type=int, default=3)
@@ -44,10 +46,10 @@ def main() -> None:
     engine = EngineCore(EngineConfig.from_kwargs(
         model=None if a.model == "builtin" else a.model, load_format="dummy", num_layers=a.num_layers,
         max_model_len=max(budget, a.context) + 64,
-        max_running_requests=max([*a.decode, 1]), max_num_batched_tokens=budget, mem_fraction=0.8,
+        max_running_requests=max([*a.decode, a.prompts]), max_num_batched_tokens=budget, mem_fraction=0.8,
         cuda_graph_max_bs=1, warmup="full"))
     try:
-        points = [("prefill", n, dict(tokens=n, context=0)) for n in a.prefill]
+        points = [("prefill", n, dict(tokens=n, context=0, sequences=a.prompts)) for n in a.prefill]
         points += [("decode", b, dict(batch=b, context=a.context, graphs=False)) for b in a.decode]
         for kind, n, args in points:
             query = "bench_prefill" if kind == "prefill" else "bench_decode"

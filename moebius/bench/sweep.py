@@ -45,7 +45,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
     top, chunk = max(args.batches), max(args.prefill_chunks, default=0)
     engine = EngineCore(EngineConfig.from_kwargs(
         model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
-        mode=args.modes[0], max_running_requests=top, max_num_batched_tokens=max(top, 2048, chunk),
+        mode=args.modes[0], max_running_requests=max(top, args.prefill_sequences if chunk else 1),
+        max_num_batched_tokens=max(top, 2048, chunk),
         max_model_len=max(args.context_len + 64, args.prefill_prefix + chunk + 1), mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
         moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap, switch_transport=args.switch_transport))
@@ -107,20 +108,22 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
     cached tokens) against its floor; in EP every rank prefills its own chunk, so the step's work is P chunks."""
     rows = []
     for n in args.prefill_chunks:
+        S = args.prefill_sequences
         res = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
-                           warmup=args.warmup)
+                           warmup=args.warmup, sequences=S)
         if any("error" in r for r in res):
             rows.append({"mode": mode, "tokens": n, "error": [r.get("error") for r in res]})
             continue
-        work = prefill_work(n, args.prefill_prefix)
+        work = prefill_work(n, args.prefill_prefix, S)
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
         step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
-        row = {"mode": mode, "tokens": n, "prefix": args.prefill_prefix, "step_tokens": work.tokens, "step_ms": step,
+        row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, "step_tokens": work.tokens,
+               "step_ms": step,
                "floor_ms": floor, "ratio_to_floor": step / floor, "tokens_per_s": work.tokens / step * 1e3,
                "cuda_graph": all(r["pieces"] for r in res)}
         if row["cuda_graph"]:  # the same step eagerly, for comparison
             eager = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
-                                 warmup=args.warmup, graphs=False)
+                                 warmup=args.warmup, graphs=False, sequences=S)
             row["eager_ms"] = max(r["step_ms"] for r in eager)
         rows.append(row)
         log.info("%s prefill %d: %.3f ms (floor %.3f, x%.2f)", mode, n, step, floor, step / floor)
@@ -229,6 +232,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also time prefill steps of one prompt chunk of these sizes per rank, comma-separated "
                    "(e.g. 512,1024,2048,4096,8192,16384; table prefill)")
     p.add_argument("--prefill-prefix", type=int, default=0, help="cached tokens before each prefill chunk")
+    p.add_argument("--prefill-sequences", type=int, default=1,
+                   help="split each prefill step's tokens evenly over this many prompts (a burst's step)")
     p.add_argument("--eager-up-to", type=int, default=8, help="also time eager steps up to this batch")
     p.add_argument("--mem-fraction", type=float, default=0.88)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)

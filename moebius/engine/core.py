@@ -343,7 +343,7 @@ class EngineCore:
         """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
         "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
         "bench_decode" (batch, context, steps, warmup, graphs),
-        "bench_prefill" (tokens, context, steps, warmup, graphs), "comm" (each layout's communicator)."""
+        "bench_prefill" (tokens, context, steps, warmup, graphs, sequences), "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self._to_ranks(plan)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from moebius.engine.messages import split_evenly
 from moebius.engine.request import Request, RequestSpec
 from moebius.engine.runner import PendingStep, StepSync
 from moebius.engine.scheduler import ScheduledChunk
@@ -36,7 +37,8 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
     if name == "bench_decode":
         return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
     if name == "bench_prefill":
-        return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True))
+        return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True),
+                             q.get("sequences", 1))
     if name == "comm":  # how each layout's collectives run
         return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
     raise ValueError(f"unknown query {name!r}")
@@ -130,28 +132,35 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
             "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
 
 
-def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int, graphs: bool = True
-                  ) -> dict[str, Any]:
-    """Time a prefill step: on every rank one prompt chunk of `tokens` tokens after `context` cached ones (the KV
-    pages hold whatever is there), its last token sampled, through the real runner as the engine runs prefill
-    (graph pieces up to --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back)."""
-    if steps < 1 or warmup < 0 or tokens < 1 or context < 0:
-        return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1 and warmup >= 0, got {tokens}, "
-                         f"{context}, {steps} and {warmup}"}
+def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int, graphs: bool = True,
+                  sequences: int = 1) -> dict[str, Any]:
+    """Time a prefill step: on every rank prompt chunks of `tokens` tokens in all, split evenly over `sequences`
+    prompts (many short prompts: a burst's step), each after `context` cached tokens (the KV pages hold whatever is
+    there), each prompt's last token sampled, through the real runner as the engine runs prefill (graph pieces up to
+    --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back)."""
+    if steps < 1 or warmup < 0 or tokens < 1 or context < 0 or not 1 <= sequences <= tokens:
+        return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1, warmup >= 0 and 1 <= sequences "
+                         f"<= tokens, got {tokens}, {context}, {steps}, {warmup} and {sequences}"}
     alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
-    pages = -(-(context + tokens) // ecfg.block_size)
-    ok = pages <= alloc.num_free and tokens <= ecfg.max_num_batched_tokens
+    sizes = split_evenly(tokens, sequences)
+    pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
+    ok = (sum(pages) <= alloc.num_free and tokens <= ecfg.max_num_batched_tokens
+          and sequences <= ecfg.max_running_requests)
     if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
         return {"error": "does not fit on every rank"}
     if not ok:
-        return {"error": f"needs {pages} KV pages ({alloc.num_free} free) and a token budget of {tokens} "
-                         f"({ecfg.max_num_batched_tokens})"}
+        return {"error": f"needs {sum(pages)} KV pages ({alloc.num_free} free), a token budget of {tokens} "
+                         f"({ecfg.max_num_batched_tokens}) and room for {sequences} requests "
+                         f"({ecfg.max_running_requests})"}
     V = rank.cfg.vocab_size
-    ids = [(groups.rank * 7919 + j * 104729) % V for j in range(context + tokens)]
-    req = Request(RequestSpec("bench-prefill", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
-                              context + tokens + 1))
-    req.pages, req.num_computed = alloc.allocate(pages), context
-    chunks, sync, times = [ScheduledChunk(req, context, tokens)], StepSync(tokens, False), []
+    chunks = []
+    for s, (n, p) in enumerate(zip(sizes, pages, strict=True)):
+        ids = [(groups.rank * 7919 + s * 7 + j * 104729) % V for j in range(context + n)]
+        req = Request(RequestSpec(f"bench-prefill-{s}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
+                                  context + n + 1))
+        req.pages, req.num_computed = alloc.allocate(p), context
+        chunks.append(ScheduledChunk(req, context, n))
+    sync, times = StepSync(tokens, False), []
     try:
         for _ in range(warmup + steps):
             if rank.device.type == "cuda":
@@ -160,8 +169,10 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
             rank.runner.launch(chunks, [], sync, graphs=graphs).result()
             times.append(time.perf_counter() - t)
     finally:
-        alloc.free(req.pages)
+        for c in chunks:
+            alloc.free(c.req.pages)
     return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context,
+            "sequences": sequences,
             "pieces": graphs and rank.runner.pieces is not None and rank.runner.pieces.bucket_for(tokens) is not None}
 
 

@@ -46,6 +46,11 @@ class TokenDelta:
     logprob_ids: list[int] | None = None
 
 
+def split_evenly(total: int, parts: int) -> list[int]:
+    """`parts` sizes as equal as integers allow (the larger first) that add up to `total`."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
 def attended_pairs(start: int, tokens: int) -> int:
     """(query, key) pairs a causal chunk of `tokens` new tokens after `start` cached ones computes."""
     return tokens * start + tokens * (tokens + 1) // 2
