@@ -46,10 +46,11 @@ def case_rows(name: str, H: int, kvh: int, T: int, prefix: int, dev: torch.devic
 
         def fn(BM=BM, BN=BN, nw=nw, st=st, out=out) -> None:
             A._attn_fwd[(kvh, -(-T // BM), 1)](
-                q, cache, out, out, out, bt, seq, qsl, D ** -0.5,
+                q, cache, out, out, out, bt, seq, qsl, seq, D ** -0.5,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
                 cache.stride(2), cache.stride(3), bt.stride(0), q, q, q, q, q, q, 0.0, H, 0, NUM_SPLITS=1,
-                G=H // kvh, BM=BM, BN=BN, D=D, PAGE=PAGE, PREC="tf32", QK=False, num_warps=nw, num_stages=st,
+                G=H // kvh, BM=BM, BN=BN, D=D, PAGE=PAGE, PREC="tf32", QK=False, TABLE=False, num_warps=nw,
+                num_stages=st,
                 **pdl(q, DEFAULT_KERNELS))
 
         try:

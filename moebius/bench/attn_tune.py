@@ -44,10 +44,10 @@ def tune(name: str, H: int, kvh: int, B: int, dev: torch.device) -> list[dict]:
 
         def fn(ns=ns, BN=BN, nw=nw, st=st, o=o, pa=pa, pm=pm) -> None:
             A._attn_fwd[(kvh * ns, 1, B)](
-                q, cache, o, pa if ns > 1 else o, pm if ns > 1 else o, bt, seq, qsl, D ** -0.5,
+                q, cache, o, pa if ns > 1 else o, pm if ns > 1 else o, bt, seq, qsl, seq, D ** -0.5,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), cache.stride(0), cache.stride(1),
                 cache.stride(2), cache.stride(3), bt.stride(0), q, q, q, q, q, q, 0.0, H, 0, NUM_SPLITS=ns, G=G,
-                BM=max(1, 16 // G), BN=BN, D=D, PAGE=PAGE, PREC="tf32", QK=False, num_warps=nw,
+                BM=max(1, 16 // G), BN=BN, D=D, PAGE=PAGE, PREC="tf32", QK=False, TABLE=False, num_warps=nw,
                 num_stages=st, **pdl(q, DEFAULT_KERNELS))
             if ns > 1:
                 A._merge_splits[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, NUM_SPLITS=ns, D=D,
