@@ -232,8 +232,9 @@ class EngineConfig:
                                   "into or out of its peers' expert staging: symmetric memory over NVLink on GPUs, "
                                   "shared-memory files on the CPU; the staging is then allocated once at start and "
                                   "kept)", ("collective", "peer"))
-    disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default decode steps replay CUDA "
-                                     "graphs captured at start for both layouts")
+    disable_cuda_graph: bool = _flag(False, "run every step eagerly (debugging); by default steps replay CUDA graphs "
+                                     "captured at start for both layouts (decode steps whole, other steps in pieces "
+                                     "around attention)")
     disable_custom_all_reduce: bool = _flag(False, "TP all-reduces through NCCL only; by default activations up to "
                                             "the step's token budget are summed through symmetric-memory buffers "
                                             "peer GPUs write and read over NVLink (lower latency; up to 8 MiB one "
@@ -247,7 +248,8 @@ class EngineConfig:
                         "compiles, or loads from its on-disk cache (TRITON_CACHE_DIR), every kernel variant at start "
                         "and not under the first requests; none compiles on first use; auto: full on GPU, none on "
                         "CPU", ("auto", "full", "none"))
-    cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a CUDA graph; larger batches run eagerly")
+    cuda_graph_max_bs: int = _flag(256, "largest per-rank decode batch with a whole-step CUDA graph; larger batches "
+                                   "take step pieces (--cuda-graph-max-tokens) or run eagerly")
     cuda_graph_max_tokens: int = _flag(2048, "largest per-rank step of other kinds (prompt chunks, alone or beside "
                                        "decodes; decode batches past --cuda-graph-max-bs) that replays CUDA graphs: "
                                        "captured per token bucket in pieces around each layer's attention, which "

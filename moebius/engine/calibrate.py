@@ -1,8 +1,8 @@
 """Start-up calibration of the switch policy: decode steps of both layouts timed over a few global batch sizes, the
-same batches with a new prompt's chunk in each step (mixed steps: eager, no graphs), and a switch each way with
-nothing in flight, through the engine itself: real requests served by `step()`, so a step's time holds everything a
-served step costs (graphs, communicators, sampling, the front end's own work). The policy reads the decode steps;
-`bench simulate` both."""
+same batches with a new prompt's chunk in each step (mixed steps: step pieces, or eager past their largest bucket),
+and a switch each way with nothing in flight, through the engine itself: real requests served by `step()`, so a
+step's time holds everything a served step costs (graphs, communicators, sampling, the front end's own work). The
+policy reads the decode steps; `bench simulate` both."""
 
 from __future__ import annotations
 

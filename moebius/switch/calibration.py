@@ -1,5 +1,5 @@
 """A calibration profile: decode step times of both layouts over a few global batch sizes, the same batches' steps
-with a new prompt's chunk beside them (mixed steps, which run eagerly), and the switch's cost, measured at start-up
+with a new prompt's chunk beside them (mixed steps: step pieces or eager), and the switch's cost, measured at start-up
 (`engine/calibrate.py`), kept in a JSON file keyed by what they depend on (model, its layers, ranks, GPU, dtype) so
 that a restart reuses them. The policy reads its crossover and curves from it; `bench simulate` the mixed steps too.
 """
