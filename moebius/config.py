@@ -298,6 +298,12 @@ class EngineConfig:
             raise ConfigError(f"switch_low {self.switch_low} is above switch_high {self.switch_high} (T_l <= T_h)")
         if self.switch_window is not None and self.switch_window < 1:
             raise ConfigError(f"switch_window must be at least 1 step, got {self.switch_window}")
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1 (--disable-cuda-graph turns graphs off), got "
+                              f"{self.cuda_graph_max_bs}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ConfigError(f"cuda_graph_max_tokens must be >= 0 (0: steps with prompt chunks run eagerly), got "
+                              f"{self.cuda_graph_max_tokens}")
         if self.watchdog_timeout < 0:
             raise ConfigError(f"watchdog_timeout must be >= 0 seconds (0: no limit), got {self.watchdog_timeout}")
         if self.switch_cooldown is not None and self.switch_cooldown < 0:
