@@ -63,54 +63,6 @@ def test_mixed_step_equals_each_sequence_alone(monkeypatch) -> None:
         torch.testing.assert_close(out[rows], torch.einsum("htl,lhd->thd", s.softmax(-1), v))
 
 
-def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> None:
-    """The layer's side of the step pieces (engine/cuda_graphs.StepPieces): with an AttentionCut in the metadata,
-    q goes into the cut's buffer (k and v into the cache as always) and the layer's output is whatever the cut
-    hands back; attention run there over the step's metadata gives the uncut layer's output and cache."""
-    from dataclasses import replace
-
-    from attention_cases import paged_metadata
-
-    from moebius.layers.attention import paged_attention, qkv_attention
-    from moebius.layers.rotary import rope_table
-
-    torch.manual_seed(0)
-    bs, kvh, heads, d = 4, 2, 4, 16
-    meta = paged_metadata([1, 30, 5], [40, 50, 20], bs, 64, "cpu")
-    T = 36
-    qkv = torch.randn(T, (heads + 2 * kvh) * d)
-    qn, kn, rope = torch.rand(d) + 0.5, torch.rand(d) + 0.5, rope_table(d, 256, 1e6, "cpu")
-    cache = torch.randn(64, 2, bs, kvh, d)
-
-    class Cut:
-        def __init__(self) -> None:
-            self.q, self.o, self.calls = torch.zeros(64, heads, d), torch.zeros(64, heads, d), 0
-
-        def q_buffer(self, n: int) -> torch.Tensor:
-            return self.q[:n]
-
-        def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, kc: object) -> torch.Tensor:
-            assert q.data_ptr() == self.q.data_ptr()  # the layer wrote q into the static buffer
-            self.calls += 1
-            return paged_attention(q, cache, meta, scale, out=self.o[: q.shape[0]])
-
-    want_cache, got_cache = cache.clone(), cache.clone()
-    want = qkv_attention(qkv, qn, kn, rope, want_cache, meta, 1e-6, d ** -0.5)
-    cut = Cut()
-    got = qkv_attention(qkv, qn, kn, rope, got_cache, replace(meta, cut=cut), 1e-6, d ** -0.5)
-    assert cut.calls == 1 and got.data_ptr() == cut.o.data_ptr()
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_cache, want_cache)
-
-
-def test_step_piece_buckets() -> None:
-    from moebius.engine.cuda_graphs import piece_buckets
-
-    assert piece_buckets(2048) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
-    assert piece_buckets(100) == [16, 32, 64, 100] and piece_buckets(16) == [16] and piece_buckets(0) == []
-    assert piece_buckets(3000)[-3:] == [2560, 2816, 3000]
-
-
 def test_query_blocks_cover_every_chunk_once_longest_key_walk_first() -> None:
     """The attention launch's table for steps with prompt chunks: every (sequence, block) of each chunk once, none
     past a chunk's end (a decode is one block), ordered by the keys the block's last query sees, most first."""
