@@ -221,7 +221,8 @@ class EngineConfig:
     switch_cooldown: float | None = _flag(None, "auto mode: seconds after a switch (or a refused one) before the "
                                           "next is asked for (C); default: from --switch-profile")
     calibration_dir: str | None = _flag(None, "where calibration profiles are kept and reused (keyed by model, "
-                                        "layers, ranks, GPU, dtype); default: ~/.cache/moebius/calibration")
+                                        "layers, ranks, GPU, dtype, step settings); default: "
+                                        "~/.cache/moebius/calibration")
     static_layout: bool = _flag(False, "hold only the --mode layout (no live switching): the fixed-layout engine "
                                 "the dual-layout one is compared against")
     switch_overlap: bool = _flag(False, "double-buffer a switch's expert pass: a layer's local permute runs while the "

@@ -113,6 +113,8 @@ def test_calibration_is_kept_and_reused(tmp_path: object) -> None:
     assert path.endswith(key.file_name()) and store.load(str(tmp_path), key) == cal
     other = CalibrationKey("qwen3-30b-a3b", 48, 4, "NVIDIA H200", "bfloat16")
     assert store.load(str(tmp_path), other) is None  # another key: measured anew
+    graphs = CalibrationKey("qwen3-30b-a3b", 48, 2, "NVIDIA H200", "bfloat16", "budget 8192, eager, experts triton")
+    assert store.load(str(tmp_path), graphs) is None  # the same model run another way: its steps take other times
     with open(path, "w") as f:
         f.write("{not json")
     assert store.load(str(tmp_path), key) is None  # a broken file is measured anew, not an error

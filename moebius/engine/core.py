@@ -120,19 +120,24 @@ class EngineCore:
         self.auto = auto
 
     def kept_calibration(self) -> Calibration | None:
-        """The calibration profile kept for this model, ranks, GPU and dtype, if any (nothing is measured)."""
+        """The calibration profile kept for this model, ranks, GPU, dtype and step settings, if any (nothing is
+        measured)."""
         return calibration_store.load(self.config.calibration_dir or calibration_store.default_dir(),
                                       self._calibration_key())
 
     def _calibration_key(self) -> CalibrationKey:
-        return CalibrationKey(self.config.model or "builtin", self.model_config.num_layers, self.world_size,
-                              torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype)
+        c = self.config
+        graphs = ("eager" if c.disable_cuda_graph or self.device != "cuda"
+                  else f"graphs to batch {c.cuda_graph_max_bs} / {c.cuda_graph_max_tokens} tokens")
+        return CalibrationKey(c.model or "builtin", self.model_config.num_layers, self.world_size,
+                              torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype,
+                              f"budget {c.max_num_batched_tokens}, {graphs}, experts {c.moe_kernel}")
 
     def calibration(self, fresh: bool = False, batches: tuple[int, ...] | None = None, context: int = 256
                     ) -> Calibration:
-        """The calibration profile of this model, ranks, GPU and dtype: the one kept from an earlier start, or
-        measured now (the engine must be idle; at these global batches and cached tokens a request) and kept.
-        fresh: measure again."""
+        """The calibration profile of this model, ranks, GPU, dtype and step settings: the one kept from an earlier
+        start, or measured now (the engine must be idle; at these global batches and cached tokens a request) and
+        kept. fresh: measure again."""
         ecfg = self.config
         key = self._calibration_key()
         directory = ecfg.calibration_dir or calibration_store.default_dir()

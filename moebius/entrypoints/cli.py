@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="time both layouts for auto mode's policy; keep and print the profile",
                          description="Time decode steps of both layouts over a few batch sizes and a switch each way, "
                          "keep the profile where auto mode looks for it (--calibration-dir) and print it. Auto mode "
-                         "does this itself at start-up when no profile is kept for the model, ranks, GPU and dtype.",
+                         "does this itself at start-up when no profile is kept for the model, ranks, GPU, dtype and "
+                         "step settings.",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cal.add_argument("--fresh", action="store_true", help="measure again even if a profile is kept")
     cal.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,

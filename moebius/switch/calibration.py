@@ -1,7 +1,8 @@
 """A calibration profile: decode step times of both layouts over a few global batch sizes, the same batches' steps
 with a new prompt's chunk beside them (mixed steps: step pieces or eager), and the switch's cost, measured at start-up
-(`engine/calibrate.py`), kept in a JSON file keyed by what they depend on (model, its layers, ranks, GPU, dtype) so
-that a restart reuses them. The policy reads its crossover and curves from it; `bench simulate` the mixed steps too.
+(`engine/calibrate.py`), kept in a JSON file keyed by what they depend on (model, its layers, ranks, GPU, dtype, how
+steps run) so that a restart reuses them. The policy reads its crossover and curves from it; `bench simulate` the
+mixed steps too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class CalibrationKey:
     num_ranks: int
     device: str  # the GPU's name, or "cpu"
     dtype: str
+    # how the engine runs its steps (token budget, CUDA graph settings, expert kernel): what else sets a step's time;
+    # profiles kept before it was part of the key read as "" and are measured anew
+    steps: str = ""
 
     def file_name(self) -> str:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
