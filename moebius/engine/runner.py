@@ -34,7 +34,7 @@ _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", 
 
 
 def _field_sizes(max_tokens: int, max_seqs: int) -> list[int]:
-    # a chunk of n tokens has at most n query blocks, and one more for its part block
+    # q_blocks: two ints a query block, and a step has at most a block a token (plus slack of one a sequence)
     return [max_tokens] * 7 + [max_seqs + 1, max_seqs, 2 * (max_tokens + max_seqs)]
 
 
