@@ -7,8 +7,8 @@ run of the same trace (`moebius bench rollout|bursty` with the same workload fla
 
 The model: each step runs the running requests' next token and prefill chunks under the token budget (admission up
 to `--max-running-requests`, first come first served, no preemption); a step of T tokens takes the layout's
-calibrated decode step at batch T, or, where it holds a prompt chunk and the profile measured mixed steps (eager in
-the engine), the calibrated mixed step of T tokens; a switch takes the profile's switch time (nothing in flight)
+calibrated decode step at batch T, or, where it holds a prompt chunk and the profile measured mixed steps (as the
+engine runs them), the calibrated mixed step of T tokens; a switch takes the profile's switch time (nothing in flight)
 plus the running requests' KV over the link (the floor model's KV term times `--switch-efficiency`).
 
     moebius bench simulate rollout --floor-model qwen3-235b-a22b --floor-ranks 8 --requests 2048 \\

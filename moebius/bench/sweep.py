@@ -118,9 +118,8 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
         step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
         row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, "step_tokens": work.tokens,
-               "step_ms": step,
-               "floor_ms": floor, "ratio_to_floor": step / floor, "tokens_per_s": work.tokens / step * 1e3,
-               "cuda_graph": all(r["pieces"] for r in res)}
+               "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,
+               "tokens_per_s": work.tokens / step * 1e3, "cuda_graph": all(r["pieces"] for r in res)}
         if row["cuda_graph"]:  # the same step eagerly, for comparison
             eager = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
                                  warmup=args.warmup, graphs=False, sequences=S)

@@ -44,6 +44,26 @@ class GraphSet:
     greedy: dict[int, torch.Tensor] = field(default_factory=dict)  # [bucket] int64: argmax over the whole vocab
 
 
+def _capture_buckets(buckets: list[int], inputs: Callable[[int], None], warm: Callable[[int], object],
+                     capture: Callable[[int], None]) -> float:
+    """For every bucket b, largest first (smaller graphs reuse its pool memory): `inputs(b)` writes its static
+    inputs, `warm(b)` runs the step twice uncaptured (Triton compilation, NCCL and cuBLAS set-up stay out of the
+    graphs), then `capture(b)` captures it; both on a side stream. Returns seconds."""
+    t = time.perf_counter()
+    stream = torch.cuda.Stream()
+    for b in reversed(buckets):
+        inputs(b)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                warm(b)
+            stream.synchronize()
+            capture(b)
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 class CudaGraphs:
     """The decode graphs of one mode's runner, one per batch bucket."""
 
@@ -54,23 +74,16 @@ class CudaGraphs:
 
     def capture(self, inputs: Callable[[int], None], step: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
                 ) -> float:
-        """Capture every bucket b (largest first, so smaller graphs reuse its pool memory): `inputs(b)` writes its
-        static inputs, `step(b)` runs the step and returns (logits, greedy tokens). Returns seconds."""
-        t = time.perf_counter()
-        stream = torch.cuda.Stream()
-        for b in reversed(self.buckets):
-            inputs(b)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compilation, NCCL and cuBLAS set-up stay out of the graph
-                    step(b)
-            torch.cuda.current_stream().wait_stream(stream)
+        """Capture every bucket b: `inputs(b)` writes its static inputs, `step(b)` runs the step and returns
+        (logits, greedy tokens). Returns seconds."""
+
+        def one(b: int) -> None:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 self.set.logits[b], self.set.greedy[b] = step(b)
             self.set.graphs[b] = g
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+
+        return _capture_buckets(self.buckets, inputs, step, one)
 
     def bucket_for(self, n: int) -> int | None:
         i = bisect.bisect_left(self.buckets, max(n, 1))
@@ -166,24 +179,16 @@ class StepPieces:
         self.sets: dict[int, PieceSet] = {}
 
     def capture(self, inputs: Callable[[int], None], forward: Callable[[int, _Cut], torch.Tensor]) -> float:
-        """Capture every bucket b (largest first): `inputs(b)` writes its static inputs, `forward(b, cut)` runs the
-        step with `cut` as its metadata's AttentionCut and returns the final hidden states. Returns seconds."""
-        t = time.perf_counter()
-        stream = torch.cuda.Stream()
-        for b in reversed(self.buckets):
-            inputs(b)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compilation and library set-up stay out of the graphs
-                    forward(b, _Cut(self.q, self.o, None))
-                stream.synchronize()
-                cut = _Cut(self.q, self.o, self.pool)
-                hidden = forward(b, cut)
-                cut.end()
-            torch.cuda.current_stream().wait_stream(stream)
+        """Capture every bucket b: `inputs(b)` writes its static inputs, `forward(b, cut)` runs the step with `cut`
+        as its metadata's AttentionCut and returns the final hidden states. Returns seconds."""
+
+        def one(b: int) -> None:  # on the side stream: a capture must not run on the default stream
+            cut = _Cut(self.q, self.o, self.pool)
+            hidden = forward(b, cut)
+            cut.end()
             self.sets[b] = PieceSet(cut.graphs, cut.calls, hidden)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+
+        return _capture_buckets(self.buckets, inputs, lambda b: forward(b, _Cut(self.q, self.o, None)), one)
 
     def bucket_for(self, n: int) -> int | None:
         i = bisect.bisect_left(self.buckets, max(n, 1))

@@ -172,8 +172,8 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
         for c in chunks:
             alloc.free(c.req.pages)
     return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context,
-            "sequences": sequences,
-            "pieces": graphs and rank.runner.pieces is not None and rank.runner.pieces.bucket_for(tokens) is not None}
+            "chunk_tokens": [c.num_tokens for c in chunks],
+            "pieces": graphs and rank.runner.pieces_bucket(sync.max_tokens) is not None}
 
 
 def _time_overlapped(rank: Rank, chunks: list[ScheduledChunk], sync: StepSync, steps: int, warmup: int,

@@ -219,6 +219,10 @@ class ModelRunner:
     def has_graph(self, n: int) -> bool:
         return self.graphs is not None and self.graphs.bucket_for(n) is not None
 
+    def pieces_bucket(self, n: int) -> int | None:
+        """The token bucket whose step pieces a step of n tokens (per rank) that no decode graph holds replays."""
+        return self.pieces.bucket_for(n) if self.pieces is not None else None
+
     def time_replay(self, n: int, steps: int) -> float:
         """ms of the decode graph for n tokens alone, replayed back to back (same metadata as the last step)."""
         assert self.graphs is not None
@@ -358,8 +362,7 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(sync.max_tokens) if use and self.graphs is not None else None
         # steps a decode graph does not hold replay the pieces of their token bucket (every rank alike: the
         # choice rests on what the ranks agreed)
-        pieces = (self.pieces.bucket_for(sync.max_tokens) if bucket is None and graphs and self.pieces is not None
-                  else None)
+        pieces = self.pieces_bucket(sync.max_tokens) if bucket is None and graphs else None
         prompt_logits: dict[int, torch.Tensor] = {}
         reqs = [c.req for c in batch if c.samples]
         k_lp = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)

@@ -256,13 +256,11 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
     if max_query_len == 1:
         BM, (BN, stages), warps = max(1, 16 // G), _decode_tiles(B * kvh, num_splits, D), 4
     else:
-        rows, BN, warps, stages = prefill_tiles(D)
-        BM = max(1, rows // G)
+        _, BN, warps, stages = prefill_tiles(D)
+        BM = query_block_tokens(D, G)  # the block the host's q_blocks table is cut in
     if B > 65535:
         raise ValueError(f"paged attention takes at most 65535 sequences a launch (the grid's third axis), not {B}")
     table = q_blocks is not None and max_query_len > 1 and q_blocks.shape[0] <= 65535  # (the grid's y axis)
-    if table and BM != query_block_tokens(D, G):
-        raise ValueError(f"query blocks of {query_block_tokens(D, G)} tokens expected, the launch takes {BM}")
     grid = (kvh * num_splits, q_blocks.shape[0], 1) if table else (kvh * num_splits, triton.cdiv(max_query_len, BM), B)
     if num_splits > 1:
         part_acc = torch.empty(T * H * num_splits, D, dtype=torch.float32, device=q_THd.device)
@@ -277,8 +275,7 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
                     qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
                     PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, TABLE=table,
-                    num_warps=warps,
-                    num_stages=stages, **pdl(q_THd, kc))
+                    num_warps=warps, num_stages=stages, **pdl(q_THd, kc))
     if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
                               **pdl(q_THd, kc))

@@ -45,19 +45,29 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 @triton.jit
-def _sum_k_add_rmsnorm(Y, Ids, R, W, Out, first, E, N, eps, K: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Token t: its local pairs' rows Y[t*K + k] summed (float32 in k order, rounded once: as `_sum_k`), added to
-    the residual and normed (as `_add_rmsnorm`)."""
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < N
+def _pair_sum(Y, Ids, t, first, E, D, cols, m, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns `cols` of token t's sum over its local pairs' rows Y[t*K + k] (other rows were never written),
+    float32 in k order."""
     acc = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(K):
         e = tl.load(Ids + t * K + k) - first
         ok = (e >= 0) & (e < E)
-        acc += tl.load(Y + (t * K + k) * N + cols, mask=tl.where(ok, m, False), other=0.0).to(tl.float32)
+        # where(ok, m, False), not m & ok: the same mask, which Triton 3.9's interpreter rejects in the `&` form
+        # (it splats the scalar comparison as an integer)
+        acc += tl.load(Y + (t * K + k) * D + cols, mask=tl.where(ok, m, False), other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _sum_k_add_rmsnorm(Y, Ids, R, W, Out, first, E, N, eps, K: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Token t: its local pairs summed (rounded once, as `_sum_k`), added to the residual and normed (as
+    `_add_rmsnorm`)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    acc = _pair_sum(Y, Ids, t, first, E, N, cols, m, K, BLOCK)
     _add_norm_row(acc.to(Y.dtype.element_ty), R, W, Out, t, N, cols, m, eps, True)
 
 
@@ -283,13 +293,7 @@ def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, PDL: tl.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = cols < D
-    acc = tl.zeros([BD], tl.float32)
-    for k in tl.static_range(K):
-        e = tl.load(Ids + t * K + k) - first
-        ok = (e >= 0) & (e < E)
-        # where(ok, cm, False), not cm & ok: the same mask, which Triton 3.9's interpreter rejects in the `&` form
-        # (it splats the scalar comparison as an integer)
-        acc += tl.load(Y + (t * K + k) * D + cols, mask=tl.where(ok, cm, False), other=0.0).to(tl.float32)
+    acc = _pair_sum(Y, Ids, t, first, E, D, cols, cm, K, BD)
     tl.store(Out + t * D + cols, acc.to(Out.dtype.element_ty), mask=cm)
 
 
