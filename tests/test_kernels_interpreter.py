@@ -1,8 +1,8 @@
 """Triton kernels on the CPU under the Triton interpreter, against their torch references, in float32 (the interpreter's
 bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of pairs, the one-
-program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
-(moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables;
-prompt chunks also from the host's query-block table),
+program align and the chunked align passes, all local experts and a slice of them as in EP, blocks whose used rows
+fit their first half run at half height), paged attention (moebius/kernels/attention.py: decode with and without
+KV splits, prefill, mixed chunks, over shuffled block tables; prompt chunks also from the host's query-block table),
 the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
 with and without the expert pairs summed inside it (moebius/kernels/fused.py). The interpreter is chosen when Triton
@@ -38,10 +38,18 @@ def moe_cases() -> None:
         w = torch.rand(T, K, generator=g).softmax(-1)
         w13 = torch.randn(E, 2 * I, D, generator=g) * 0.1
         w2 = torch.randn(E, D, I, generator=g) * 0.1
-        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
         ref = experts_ref(x, w, ids, w13, w2, first)
-        err = ((out - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, (T, E, first, err)
+        configs = [None]
+        if T * K > fm.DIRECT_MAX_PAIRS:  # blocks whose used rows fit their first half run as half-height tiles
+            split = fm.TileConfig(32, 32, 4, 1, split=True)
+            configs.append(fm.MoEConfig(16, split, split))
+            rows = fm.align(ids, first, E, 16).rows.view(-1, 16)
+            used = (rows < T * K).sum(1)
+            assert ((used > 0) & (used <= 8)).any() and (used > 8).any(), (T, E)  # both tile heights run
+        for c in configs:
+            out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, config=c)
+            err = ((out - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, (T, E, first, c, err)
 
 
 def attention_cases() -> None:
