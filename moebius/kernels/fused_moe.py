@@ -266,8 +266,8 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.c
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
         if _rows_in_use(pair, N, BM, SPLIT):
-            e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
-            _gate_up_tile(X, W13, Out, e, nb, pair, rows, N, D, I, K_TOP, BM // 2, BN, BK, TMA)
+            _, half_pair, half_rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
+            _gate_up_tile(X, W13, Out, e, nb, half_pair, half_rows, N, D, I, K_TOP, BM // 2, BN, BK, TMA)
         else:
             _gate_up_tile(X, W13, Out, e, nb, pair, rows, N, D, I, K_TOP, BM, BN, BK, TMA)
 
@@ -308,8 +308,8 @@ def _down(H, H_half, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: 
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):
         if _rows_in_use(pair, N, BM, SPLIT):
-            e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
-            _down_tile(H_half, W2, RouteW, Out, e, nb, blk * BM, pair, rows, N, D, I, BM // 2, BN, BK, TMA)
+            _, half_pair, half_rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
+            _down_tile(H_half, W2, RouteW, Out, e, nb, blk * BM, half_pair, half_rows, N, D, I, BM // 2, BN, BK, TMA)
         else:
             _down_tile(H, W2, RouteW, Out, e, nb, blk * BM, pair, rows, N, D, I, BM, BN, BK, TMA)
 
