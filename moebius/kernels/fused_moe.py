@@ -216,13 +216,10 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 
 
 @triton.jit
-def _rows_in_use(pair, N, BM: tl.constexpr, SPLIT: tl.constexpr):
-    """SPLIT: whether a block's used rows (a prefix: an expert's padding rows come last) fit its first half, which
-    then runs alone as a BM / 2-row tile instead of multiplying the padding."""
-    if SPLIT:
-        return tl.sum((pair < N).to(tl.int32)) <= BM // 2
-    else:
-        return False
+def _half_used(pair, N, BM: tl.constexpr):
+    """Whether a block's used rows (a prefix: an expert's padding rows come last) fit its first half, which then runs
+    alone as a BM / 2-row tile instead of multiplying the padding (SPLIT)."""
+    return tl.sum((pair < N).to(tl.int32)) <= BM // 2
 
 
 @triton.jit
@@ -265,7 +262,9 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.c
     blk = tl.program_id(1)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
-        if _rows_in_use(pair, N, BM, SPLIT):
+        if not SPLIT:
+            _gate_up_tile(X, W13, Out, e, nb, pair, rows, N, D, I, K_TOP, BM, BN, BK, TMA)
+        elif _half_used(pair, N, BM):
             _, half_pair, half_rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
             _gate_up_tile(X, W13, Out, e, nb, half_pair, half_rows, N, D, I, K_TOP, BM // 2, BN, BK, TMA)
         else:
@@ -307,7 +306,9 @@ def _down(H, H_half, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: 
     blk = tl.program_id(1)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):
-        if _rows_in_use(pair, N, BM, SPLIT):
+        if not SPLIT:
+            _down_tile(H, W2, RouteW, Out, e, nb, blk * BM, pair, rows, N, D, I, BM, BN, BK, TMA)
+        elif _half_used(pair, N, BM):
             _, half_pair, half_rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
             _down_tile(H_half, W2, RouteW, Out, e, nb, blk * BM, half_pair, half_rows, N, D, I, BM // 2, BN, BK, TMA)
         else:
