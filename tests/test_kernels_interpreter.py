@@ -32,6 +32,7 @@ def moe_cases() -> None:
 
     g = torch.Generator().manual_seed(0)
     K, D, I = 4, 64, 32
+    heights = set()  # the split launches' tile heights that had blocks
     for T, E_all, E, first in CASES:
         x = torch.randn(T, D, generator=g)
         ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
@@ -42,14 +43,14 @@ def moe_cases() -> None:
         configs = [None]
         if T * K > fm.DIRECT_MAX_PAIRS:  # blocks whose used rows fit their first half run as half-height tiles
             split = fm.TileConfig(32, 32, 4, 1, split=True)
-            configs.append(fm.MoEConfig(16, split, split))
-            rows = fm.align(ids, first, E, 16).rows.view(-1, 16)
-            used = (rows < T * K).sum(1)
-            assert ((used > 0) & (used <= 8)).any() and (used > 8).any(), (T, E)  # both tile heights run
+            configs.append(fm.MoEConfig(32, split, split))
+            used = (fm.align(ids, first, E, 32).rows.view(-1, 32) < T * K).sum(1)
+            heights.update(["half"] * bool(((used > 0) & (used <= 16)).any()) + ["full"] * bool((used > 16).any()))
         for c in configs:
             out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, config=c)
             err = ((out - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (T, E, first, c, err)
+    assert heights == {"half", "full"}
 
 
 def attention_cases() -> None:

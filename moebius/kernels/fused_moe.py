@@ -32,7 +32,8 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # weight tiles (and down's activation tiles) through TMA descriptors, where the GPU has TMA
-    split: bool = False  # a block whose used rows fit its first half runs as a BM / 2-row tile (sorted blocks)
+    # sorted blocks whose used rows fit their first half run in a second launch of half-height tiles (`PART`)
+    split: bool = False
 
 
 
@@ -201,118 +202,93 @@ def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_b
 
 
 @triton.jit
-def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr, STRIDE: tl.constexpr = 0):
+def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr):
     """Block blk's expert (local index; outside [0, E): nothing to do), the pair of each of its rows (N: none) and
     the rows it owns of the buffer between the GEMMs. Sorted: Rows holds the sorted pair ids. DIRECT: one pair per
-    block, no sort; Rows holds the routing's expert ids. STRIDE: the blocks' row stride where it is not BM (the first
-    BM rows of a block of STRIDE rows)."""
+    block, no sort; Rows holds the routing's expert ids. PART (sorted blocks; a block's used rows are a prefix, an
+    expert's padding comes last): 0 every block; 1 only blocks whose used rows do not fit their first half; 2 only
+    those that do, as tiles of BM rows, half their height (the blocks are 2 * BM rows apart)."""
     i = tl.arange(0, BM)
     if DIRECT:
         e = tl.load(Rows + blk).to(tl.int32) - first
         return e, tl.where(i == 0, blk, N), tl.where(i == 0, blk, 0)
     else:
-        rows = blk * (STRIDE if STRIDE else BM) + i
-        return tl.load(BlockExpert + blk), tl.load(Rows + rows), rows
-
-
-@triton.jit
-def _half_used(pair, N, BM: tl.constexpr):
-    """Whether a block's used rows (a prefix: an expert's padding rows come last) fit its first half, which then runs
-    alone as a BM / 2-row tile instead of multiplying the padding (SPLIT)."""
-    return tl.sum((pair < N).to(tl.int32)) <= BM // 2
-
-
-@triton.jit
-def _gate_up_tile(X, W13, Out, e, nb, pair, rows, N, D, I, K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, TMA: tl.constexpr):
-    ok = pair < N
-    tok = tl.where(ok, pair // K_TOP, 0).to(tl.int64)
-    n = nb * BN + tl.arange(0, BN)
-    nm = n < I
-    kk = tl.arange(0, BK)
-    acc_g = tl.zeros([BM, BN], tl.float32)
-    acc_u = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, D, BK):
-        km = k0 + kk < D
-        a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
-        if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
-            g = W13.load([e * 2 * I + nb * BN, k0])
-            u = W13.load([e * 2 * I + I + nb * BN, k0])
-        else:
-            wbase = W13 + e.to(tl.int64) * 2 * I * D
-            g = tl.load(wbase + n[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            u = tl.load(wbase + (I + n)[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :],
-                        other=0.0)
-        acc_g = tl.dot(a, tl.trans(g), acc_g)
-        acc_u = tl.dot(a, tl.trans(u), acc_u)
-    gb = acc_g.to(Out.dtype.element_ty).to(tl.float32)  # round like the unfused bf16 GEMM output
-    ub = acc_u.to(Out.dtype.element_ty).to(tl.float32)
-    h = (gb / (1.0 + tl.exp(-gb))).to(Out.dtype.element_ty).to(tl.float32) * ub
-    tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(Out.dtype.element_ty),
-             mask=ok[:, None] & nm[None, :])
+        start = blk * BM * (2 if PART == 2 else 1)
+        e = tl.load(BlockExpert + blk)
+        if PART == 1:
+            e = tl.where(tl.load(Rows + start + BM // 2) < N, e, -1)
+        elif PART == 2:
+            e = tl.where(tl.load(Rows + start + BM) < N, -1, e)
+        return e, tl.load(Rows + start + i), start + i
 
 
 @triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, SPLIT: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
                   PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights, as a pointer or (TMA) a descriptor of [BN, BK] tiles."""
     enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
-    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT, PART)
     if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
-        if not SPLIT:
-            _gate_up_tile(X, W13, Out, e, nb, pair, rows, N, D, I, K_TOP, BM, BN, BK, TMA)
-        elif _half_used(pair, N, BM):
-            _, half_pair, half_rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
-            _gate_up_tile(X, W13, Out, e, nb, half_pair, half_rows, N, D, I, K_TOP, BM // 2, BN, BK, TMA)
-        else:
-            _gate_up_tile(X, W13, Out, e, nb, pair, rows, N, D, I, K_TOP, BM, BN, BK, TMA)
+        ok = pair < N
+        tok = tl.where(ok, pair // K_TOP, 0).to(tl.int64)
+        n = nb * BN + tl.arange(0, BN)
+        nm = n < I
+        kk = tl.arange(0, BK)
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, D, BK):
+            km = k0 + kk < D
+            a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
+            if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
+                g = W13.load([e * 2 * I + nb * BN, k0])
+                u = W13.load([e * 2 * I + I + nb * BN, k0])
+            else:
+                wbase = W13 + e.to(tl.int64) * 2 * I * D
+                g = tl.load(wbase + n[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                u = tl.load(wbase + (I + n)[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :],
+                            other=0.0)
+            acc_g = tl.dot(a, tl.trans(g), acc_g)
+            acc_u = tl.dot(a, tl.trans(u), acc_u)
+        gb = acc_g.to(Out.dtype.element_ty).to(tl.float32)  # round like the unfused bf16 GEMM output
+        ub = acc_u.to(Out.dtype.element_ty).to(tl.float32)
+        h = (gb / (1.0 + tl.exp(-gb))).to(Out.dtype.element_ty).to(tl.float32) * ub
+        tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(Out.dtype.element_ty),
+                 mask=ok[:, None] & nm[None, :])
 
 
 @triton.jit
-def _down_tile(H, W2, RouteW, Out, e, nb, row0, pair, rows, N, D, I, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, TMA: tl.constexpr):
-    ok = pair < N
-    n = nb * BN + tl.arange(0, BN)
-    nm = n < D
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, I, BK):
-        if TMA:  # padding rows of H hold garbage: their results are never stored
-            a = H.load([row0, k0])
-            b = W2.load([e * D + nb * BN, k0])
-        else:
-            km = k0 + kk < I
-            a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
-                        other=0.0)
-            b = tl.load(W2 + e.to(tl.int64) * D * I + n[:, None] * I + (k0 + kk)[None, :],
-                        mask=nm[:, None] & km[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
-    w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
-    y = acc.to(Out.dtype.element_ty).to(tl.float32) * w[:, None]
-    tl.store(Out + tl.where(ok, pair, 0).to(tl.int64)[:, None] * D + n[None, :], y.to(Out.dtype.element_ty),
-             mask=ok[:, None] & nm[None, :])
-
-
-@triton.jit
-def _down(H, H_half, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """H [rows, I] and W2 [E * D, I]: pointers, or (TMA, sorted blocks) descriptors of [BM, BK] (H_half:
-    [BM / 2, BK], for SPLIT) and [BN, BK] tiles."""
+def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr, PDL: tl.constexpr):
+    """H [rows, I] and W2 [E * D, I]: pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and [BN, BK]
+    tiles."""
     enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
-    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT, PART)
     if (e >= 0) & (e < E):
-        if not SPLIT:
-            _down_tile(H, W2, RouteW, Out, e, nb, blk * BM, pair, rows, N, D, I, BM, BN, BK, TMA)
-        elif _half_used(pair, N, BM):
-            _, half_pair, half_rows = _block(Rows, BlockExpert, blk, N, first, BM // 2, DIRECT, BM)
-            _down_tile(H_half, W2, RouteW, Out, e, nb, blk * BM, half_pair, half_rows, N, D, I, BM // 2, BN, BK, TMA)
-        else:
-            _down_tile(H, W2, RouteW, Out, e, nb, blk * BM, pair, rows, N, D, I, BM, BN, BK, TMA)
+        ok = pair < N
+        n = nb * BN + tl.arange(0, BN)
+        nm = n < D
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, I, BK):
+            if TMA:  # padding rows of H hold garbage: their results are never stored
+                a = H.load([blk * BM * (2 if PART == 2 else 1), k0])
+                b = W2.load([e * D + nb * BN, k0])
+            else:
+                km = k0 + kk < I
+                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
+                            other=0.0)
+                b = tl.load(W2 + e.to(tl.int64) * D * I + n[:, None] * I + (k0 + kk)[None, :],
+                            mask=nm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+        w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
+        y = acc.to(Out.dtype.element_ty).to(tl.float32) * w[:, None]
+        tl.store(Out + tl.where(ok, pair, 0).to(tl.int64)[:, None] * D + n[None, :], y.to(Out.dtype.element_ty),
+                 mask=ok[:, None] & nm[None, :])
 
 
 @dataclass
@@ -379,6 +355,15 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
+def _parts(blocks: Blocks, c: TileConfig) -> list[tuple[int, int, int]]:
+    """(PART, rows per tile, warps) of each launch: one over every block, or with c.split (sorted blocks of at
+    least 32 rows: tl.dot takes 16 and more) the full-height blocks, then the blocks whose used rows fit their first half at half height (an
+    expert's last block is that about half the time: its padding is not multiplied)."""
+    if c.split and not blocks.direct and blocks.BM >= 32:
+        return [(1, blocks.BM, c.num_warps), (2, blocks.BM // 2, max(4, c.num_warps // 2))]
+    return [(0, blocks.BM, c.num_warps)]
+
+
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
             kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
     E, F, D = w13_EFD.shape
@@ -386,10 +371,11 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
-    _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
-        x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
-        blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
-        SPLIT=c.split and not blocks.direct, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
+    for part, bm, warps in _parts(blocks, c):
+        _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
+            x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
+            blocks.first_expert, K_TOP=K, BM=bm, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, PART=part,
+            num_warps=warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
@@ -399,15 +385,12 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     N = w_TK.numel()
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
-    split = c.split and not blocks.direct
-    h_half = h
-    if tma:
-        h_half = _descriptor(h, [blocks.BM // 2, c.BK]) if split else None
-        h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
-    _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
-        h, h_half, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
-        blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, SPLIT=split,
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y, kc))
+    w2 = _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK]) if tma else w2_EDF
+    for part, bm, warps in _parts(blocks, c):
+        _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
+            _descriptor(h, [bm, c.BK]) if tma else h, w2, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
+            blocks.first_expert, BM=bm, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, PART=part,
+            num_warps=warps, num_stages=c.num_stages, **pdl(y, kc))
     return y
 
 
