@@ -83,30 +83,6 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
     assert _rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_half_height_tail_blocks_match_full_blocks(tma: bool) -> None:
-    """An expert's last block with at most BM / 2 used rows runs as a half-height tile: same outputs as the full
-    block (the rows are the same dot products), and some blocks of this routing take each path."""
-    from moebius.kernels import fused_moe as fm
-
-    torch.manual_seed(0)
-    T, K, D, I, E = 600, 4, 256, 192, 16
-    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-    w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
-    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.05
-    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.05
-    used = (fm.align(ids, 0, E, 128).rows.view(-1, 128) < T * K).sum(1)
-    assert ((used > 0) & (used <= 64)).any() and (used > 64).any()
-    outs = []
-    for split in (False, True):
-        tile = fm.TileConfig(128, 64, 8, 3, tma=tma, split=split)
-        outs.append(fm.fused_experts(x, w, ids, w13, w2, 0, E, config=fm.MoEConfig(128, tile, tile)))
-    ref = experts_ref(x.float(), w.float(), ids, w13.float(), w2.float(), 0)
-    assert _rel(outs[1], ref) < 2e-2
-    assert torch.equal(outs[0], outs[1])
-
-
 def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, list[int]]:
     """Greedy and seeded requests (top-p: whole logits; temperature only: TP's per-slice scores) arriving over time,
     with layout switches at the given steps: on their own (switch_mode) or riding on the step (request_switch)."""

@@ -62,8 +62,7 @@ def main() -> None:
     ap.add_argument("--output", default="moe_tune.json")
     ap.add_argument("--old", help="path of a previous fused_moe.py to time for comparison")
     ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
-                    "and `tma_switched` / `split_switched`: them with TMA or half-height tail blocks switched), no "
-                    "search over others")
+                    "and `tma_switched`: them with TMA switched), no search over others")
     a = ap.parse_args()
     hf = PRESETS[a.preset]
     D, I_full, E_all, K = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"], hf["num_experts_per_tok"]
@@ -110,17 +109,14 @@ def main() -> None:
             timed_default = {}
             for name, gu_c, dn_c in [("default_timed", cfg.gate_up, cfg.down),
                                      ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),
-                                      dataclasses.replace(cfg.down, tma=not cfg.down.tma)),
-                                     ("split_switched", dataclasses.replace(cfg.gate_up, split=not cfg.gate_up.split),
-                                      dataclasses.replace(cfg.down, split=not cfg.down.split))]:
+                                      dataclasses.replace(cfg.down, tma=not cfg.down.tma))]:
                 timed_default[name] = dict(
                     tma=[gu_c.tma, dn_c.tma],
                     gate_up_us=graph_time_us(lambda c=gu_c: fm.gate_up(x, w13, blocks, K, c)),  # noqa: B023
                     down_us=graph_time_us(lambda c=dn_c: fm.down(h, w2, blocks, wflat, c)))  # noqa: B023
             if not blocks.direct:  # rows the GEMMs multiply: used, and padding up to each expert's last block
                 used = (blocks.rows.view(-1, bm) < T * K).sum(1)
-                timed_default.update(rows_used=int(used.sum()), blocks_used=int((used > 0).sum()),
-                                     blocks_half_used=int(((used > 0) & (used <= bm // 2)).sum()))
+                timed_default.update(rows_used=int(used.sum()), blocks_used=int((used > 0).sum()))
             ppe = local / max(hit, 1)
             rows = []
             bms = [16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128] if ppe <= 256 else [64, 128]

@@ -32,8 +32,6 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # weight tiles (and down's activation tiles) through TMA descriptors, where the GPU has TMA
-    # sorted blocks whose used rows fit their first half run in a second launch of half-height tiles (`PART`)
-    split: bool = False
 
 
 
@@ -202,35 +200,27 @@ def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_b
 
 
 @triton.jit
-def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr):
+def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr):
     """Block blk's expert (local index; outside [0, E): nothing to do), the pair of each of its rows (N: none) and
     the rows it owns of the buffer between the GEMMs. Sorted: Rows holds the sorted pair ids. DIRECT: one pair per
-    block, no sort; Rows holds the routing's expert ids. PART (sorted blocks; a block's used rows are a prefix, an
-    expert's padding comes last): 0 every block; 1 only blocks whose used rows do not fit their first half; 2 only
-    those that do, as tiles of BM rows, half their height (the blocks are 2 * BM rows apart)."""
+    block, no sort; Rows holds the routing's expert ids."""
     i = tl.arange(0, BM)
     if DIRECT:
         e = tl.load(Rows + blk).to(tl.int32) - first
         return e, tl.where(i == 0, blk, N), tl.where(i == 0, blk, 0)
     else:
-        start = blk * BM * (2 if PART == 2 else 1)
-        e = tl.load(BlockExpert + blk)
-        if PART == 1:
-            e = tl.where(tl.load(Rows + start + BM // 2) < N, e, -1)
-        elif PART == 2:
-            e = tl.where(tl.load(Rows + start + BM) < N, -1, e)
-        return e, tl.load(Rows + start + i), start + i
+        rows = blk * BM + i
+        return tl.load(BlockExpert + blk), tl.load(Rows + rows), rows
 
 
 @triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
-                  PDL: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights, as a pointer or (TMA) a descriptor of [BN, BK] tiles."""
     enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
-    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT, PART)
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
         ok = pair < N
         tok = tl.where(ok, pair // K_TOP, 0).to(tl.int64)
@@ -261,13 +251,13 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.c
 
 @triton.jit
 def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr, PDL: tl.constexpr):
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I]: pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and [BN, BK]
     tiles."""
     enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
-    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT, PART)
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):
         ok = pair < N
         n = nb * BN + tl.arange(0, BN)
@@ -276,7 +266,7 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.const
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, I, BK):
             if TMA:  # padding rows of H hold garbage: their results are never stored
-                a = H.load([blk * BM * (2 if PART == 2 else 1), k0])
+                a = H.load([blk * BM, k0])
                 b = W2.load([e * D + nb * BN, k0])
             else:
                 km = k0 + kk < I
@@ -355,15 +345,6 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
-def _parts(blocks: Blocks, c: TileConfig) -> list[tuple[int, int, int]]:
-    """(PART, rows per tile, warps) of each launch: one over every block, or with c.split (sorted blocks of at
-    least 32 rows: tl.dot takes 16 and more) the full-height blocks, then the blocks whose used rows fit their first half at half height (an
-    expert's last block is that about half the time: its padding is not multiplied)."""
-    if c.split and not blocks.direct and blocks.BM >= 32:
-        return [(1, blocks.BM, c.num_warps), (2, blocks.BM // 2, max(4, c.num_warps // 2))]
-    return [(0, blocks.BM, c.num_warps)]
-
-
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
             kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
     E, F, D = w13_EFD.shape
@@ -371,11 +352,10 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
-    for part, bm, warps in _parts(blocks, c):
-        _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
-            x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
-            blocks.first_expert, K_TOP=K, BM=bm, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, PART=part,
-            num_warps=warps, num_stages=c.num_stages, **pdl(x_TD, kc))
+    _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
+        x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
+        blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
@@ -385,12 +365,12 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     N = w_TK.numel()
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
-    w2 = _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK]) if tma else w2_EDF
-    for part, bm, warps in _parts(blocks, c):
-        _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
-            _descriptor(h, [bm, c.BK]) if tma else h, w2, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
-            blocks.first_expert, BM=bm, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, PART=part,
-            num_warps=warps, num_stages=c.num_stages, **pdl(y, kc))
+    if tma:
+        h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
+    _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
+        h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
+        blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y, kc))
     return y
 
 
