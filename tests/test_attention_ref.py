@@ -76,3 +76,15 @@ def test_query_blocks_cover_every_chunk_once_longest_key_walk_first() -> None:
     assert {tuple(r) for r in got.tolist()} == want and len(got) == len(want)
     keys = [seq_lens[b] - q_lens[b] + min((m + 1) * 16, q_lens[b]) for b, m in got.tolist()]
     assert keys == sorted(keys, reverse=True) and got[0].tolist() == [3, 0]
+    # the leading decodes attending apart: the table holds the sequences after them, a later decode included
+    rest = query_blocks(q_lens, seq_lens, 16, first=1)
+    assert rest.tolist() == [r for r in got.tolist() if r[0] >= 1]
+
+
+def test_leading_decodes() -> None:
+    import numpy as np
+
+    from moebius.layers.attention import leading_decodes
+
+    assert leading_decodes(np.array([1, 1, 1, 40, 1])) == 3
+    assert leading_decodes(np.array([40, 1])) == 0 and leading_decodes(np.array([1, 1])) == 2

@@ -47,7 +47,7 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
            "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
            "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--switch-transport", "peer",
            "--hf-baseline", "--hf-batches", "2", "--prefill-chunks", "8,40", "--prefill-prefix", "4",
-           "--output", str(out)]
+           "--prefill-decodes", "2", "--prefill-decode-context", "12", "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = load_result(out)
@@ -82,11 +82,12 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
         worst = summary[f"switch_overhead_max_ms.{to}"]
         assert worst == max(s["overhead_ms"] for s in done if s["to"] == to)
         assert worst >= summary[f"switch_overhead_median_ms.{to}"]
-    # prefill steps of one chunk a rank, each against the floor of its work (EP: a chunk on every rank)
+    # prefill steps of one chunk a rank beside 2 decoding requests, each against the floor of its work (EP: a
+    # chunk and the decodes on every rank)
     prefill = {(p["mode"], p["tokens"]): p for p in table(result, "prefill")}
     assert set(prefill) == {(m, n) for m in ("tp", "ep") for n in (8, 40)}, prefill
     for (mode, n), p in prefill.items():
-        assert p["prefix"] == 4 and p["step_tokens"] == n * (2 if mode == "ep" else 1)
+        assert p["prefix"] == 4 and p["decodes"] == 2 and p["step_tokens"] == (n + 2) * (2 if mode == "ep" else 1)
         assert p["step_ms"] > 0 and p["floor_ms"] > 0 and abs(p["ratio_to_floor"] - p["step_ms"] / p["floor_ms"]) < 1e-9
     assert prefill[("tp", 40)]["floor_ms"] > prefill[("tp", 8)]["floor_ms"]
     assert os.path.exists(tmp_path / "sweep.png") or not _has_matplotlib()  # the plot next to the JSON
@@ -172,7 +173,7 @@ def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
 
 def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
     """`bench_prefill` with `sequences`: one step of that many prompts (a burst's); a split it cannot make is an
-    error naming its numbers."""
+    error naming its numbers; with `decodes`, running requests beside them (a mixed step)."""
     from moebius import LLM
 
     with LLM() as llm:
@@ -180,3 +181,7 @@ def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
         assert all(r["chunk_tokens"] == [14, 13, 13] and r["step_ms"] > 0 for r in res), res
         bad = llm.engine.query("bench_prefill", tokens=4, context=0, steps=1, warmup=0, sequences=5)
         assert all("sequences" in r["error"] and "5" in r["error"] for r in bad), bad
+        # a mixed step: 6 requests decoding after 30 cached tokens come first, then the prompts
+        res = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=6,
+                               decode_context=30)
+        assert all(r["chunk_tokens"] == [14, 13, 13] and r["decodes"] == 6 and r["step_ms"] > 0 for r in res), res

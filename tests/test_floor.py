@@ -101,3 +101,7 @@ def test_prefill_work_of_several_prompts() -> None:
     work = prefill_work(10, prefix=6, sequences=3)
     assert (work.tokens, work.sequences, work.kv_tokens, work.sampled) == (10, 3, 28, 3)
     assert work.attended == (4 * 6 + 10) + 2 * (3 * 6 + 6)
+    # beside them 5 requests decoding a token each after 20 cached ones: each reads and attends 21 keys, samples
+    mixed = prefill_work(10, prefix=6, sequences=3, decodes=5, decode_context=20)
+    assert (mixed.tokens, mixed.decode_tokens, mixed.sequences, mixed.sampled) == (15, 5, 8, 8)
+    assert (mixed.kv_tokens, mixed.attended) == (28 + 5 * 21, work.attended + 5 * 21)

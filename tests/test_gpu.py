@@ -132,10 +132,12 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
     assert graph == eager == resolved
 
 
-def test_step_pieces_match_eager_steps_in_bf16() -> None:
+@pytest.mark.parametrize("mixed", ["shared", "apart"])
+def test_step_pieces_match_eager_steps_in_bf16(mixed: str) -> None:
     """Steps with prompt chunks replay graph pieces around eager attention: a fresh 2048-token chunk alone (cuDNN,
-    writing into the pieces' static output) and chunks beside decodes (the paged kernel, over padded buckets) give
-    the prompt logits and tokens of the same steps run eagerly."""
+    writing into the pieces' static output) and chunks beside decodes (the paged kernel, over padded buckets; with
+    --mixed-attention apart the decodes in a launch of their own) give the prompt logits and tokens of the same
+    steps run eagerly with the decodes in the chunks' launch."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (2048, 300, 45)]
     kw = dict(mode="tp", max_total_tokens=16384, max_model_len=4096, max_num_batched_tokens=4096, dtype="bfloat16")
@@ -150,7 +152,7 @@ def test_step_pieces_match_eager_steps_in_bf16() -> None:
             outs.update({o.request_id: o for o in llm.step() if o.finished})
         return [(outs[i].prompt_logits, outs[i].token_ids) for i in ids]
 
-    with LLM(**kw) as llm:
+    with LLM(mixed_attention=mixed, **kw) as llm:
         assert all(r["pieces"] for r in llm.engine.query("bench_prefill", tokens=2048, context=0, steps=1, warmup=0))
         pieces = run(llm)
     with LLM(disable_cuda_graph=True, **kw) as llm:

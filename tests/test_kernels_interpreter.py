@@ -2,7 +2,7 @@
 bf16 dots are not exact): the fused MoE (moebius/kernels/fused_moe.py: direct blocks for a handful of pairs, the one-
 program align and the chunked align passes, all local experts and a slice of them as in EP), paged attention
 (moebius/kernels/attention.py: decode with and without KV splits, prefill, mixed chunks, over shuffled block tables;
-prompt chunks also from the host's query-block table),
+prompt chunks also from the host's query-block table, a step's leading decodes also in a launch of their own),
 the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
 with and without the expert pairs summed inside it (moebius/kernels/fused.py). The interpreter is chosen when Triton
@@ -49,13 +49,14 @@ def attention_cases() -> None:
     from attention_cases import paged_metadata
 
     from moebius.kernels.attention import paged_attention, query_block_tokens
-    from moebius.layers.attention import paged_attention_ref, query_blocks
+    from moebius.layers.attention import leading_decodes, paged_attention_ref, query_blocks
 
     g = torch.Generator().manual_seed(0)
     bs, pages = 16, 96
     for heads, kvh, d in [(8, 2, 64), (4, 4, 32)]:
         for ctx, q_lens in [([1, 17, 100, 64], [1] * 4), ([5, 40], [5, 40]), ([40, 33, 90, 9], [1, 20, 1, 9]),
-                            ([150, 70], [130, 1])]:  # many query blocks: unmasked tiles below each block's diagonal
+                            ([150, 70], [130, 1]),  # many query blocks: unmasked tiles below each block's diagonal
+                            ([30, 47, 100, 64, 12], [1, 1, 1, 40, 1])]:  # decodes, then a chunk, then a decode
             meta = paged_metadata(q_lens, ctx, bs, pages, "cpu", seed=len(ctx) + heads)
             cache = torch.randn(pages, 2, bs, kvh, d, generator=g)
             q = torch.randn(sum(q_lens), heads, d, generator=g)
@@ -71,6 +72,15 @@ def attention_cases() -> None:
                                       meta.max_query_len, d ** -0.5, q_blocks=torch.from_numpy(blocks))
                 err = ((out - ref).norm() / ref.norm()).item()
                 assert err < 1e-5, (heads, kvh, q_lens, "table", err)
+                decodes = leading_decodes(np.array(q_lens))
+                if decodes:  # the leading decodes in their own launch (KV splits), the table over the rest
+                    blocks = query_blocks(np.array(q_lens), np.array(ctx), query_block_tokens(d, heads // kvh),
+                                          decodes)
+                    out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          meta.max_query_len, d ** -0.5, 4, q_blocks=torch.from_numpy(blocks),
+                                          decodes=decodes)
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    assert err < 1e-5, (heads, kvh, q_lens, "decodes apart", err)
 
 
 def argmax_cases() -> None:

@@ -92,3 +92,32 @@ def test_a_pieces_step_pads_its_token_fields_and_tables_its_query_blocks() -> No
             assert not t[T:bucket].any() and t[bucket] == 7  # padding up to the bucket, nothing past it
         want = query_blocks(np.array([30, 1, 20]), np.array([30, 9, 36]), 8)
         assert meta.q_blocks is not None and meta.q_blocks.tolist() == want.tolist()
+
+
+def test_leading_decodes_of_a_step_with_chunks_attend_apart() -> None:
+    """--mixed-attention apart: the metadata of a step with prompt chunks says how many of its first sequences are
+    decodes (they attend in a decode launch of their own, with the KV splits of a decode batch that size) and its
+    query-block table holds only the sequences after them; shared (the default) tables every sequence."""
+    from moebius.layers.attention import num_splits_for
+
+    for how in ("apart", "shared"):
+        with EngineCore(EngineConfig.from_kwargs(device="cpu", mixed_attention=how)) as e:
+            rank = e.ranks.rank
+            runner, alloc, bs = rank.runner, rank.allocator, rank.spec.engine.block_size
+            chunks = []
+            for i, (prompt, start, n) in enumerate([(9, 8, 1), (12, 11, 1), (30, 0, 30), (20, 19, 1)]):
+                req = Request(RequestSpec(f"r{i}", list(range(1, prompt + 1)), SamplingParams(max_tokens=4), 0, 64))
+                req.pages = alloc.allocate(-(-(start + n) // bs))
+                chunks.append(ScheduledChunk(req, start, n))
+            runner.q_block = 8  # the GPU kernel's block (CPU runners build no table)
+            try:
+                _, meta, _ = runner._metadata(chunks)
+            finally:
+                runner.q_block = None
+                for c in chunks:
+                    alloc.free(c.req.pages)
+            first = 2 if how == "apart" else 0
+            want = query_blocks(np.array([1, 1, 30, 1]), np.array([9, 12, 30, 20]), 8, first)
+            assert meta.q_blocks is not None and meta.q_blocks.tolist() == want.tolist()
+            assert meta.decodes == first
+            assert meta.num_splits == (num_splits_for(2, runner.kv[0].shape[3]) if first else 1)

@@ -107,12 +107,16 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + L * link / hw.link_bytes_per_s) * 1e3
 
 
-def prefill_work(tokens: int, prefix: int = 0, sequences: int = 1) -> StepWork:
+def prefill_work(tokens: int, prefix: int = 0, sequences: int = 1, decodes: int = 0, decode_context: int = 0
+                 ) -> StepWork:
     """Prompt chunks of `tokens` tokens in all, split evenly over `sequences` prompts (`split_evenly`), each after
-    `prefix` cached tokens, each prompt's last token sampled."""
+    `prefix` cached tokens, each prompt's last token sampled; beside them `decodes` requests each decoding a token
+    after `decode_context` cached ones (a mixed step)."""
     chunks = split_evenly(tokens, sequences)
-    return StepWork(tokens=tokens, sequences=sequences, kv_tokens=sequences * prefix + tokens,
-                    attended=sum(attended_pairs(prefix, n) for n in chunks), sampled=sequences)
+    n = decode_context + 1
+    return StepWork(tokens=tokens + decodes, decode_tokens=decodes, sequences=sequences + decodes,
+                    kv_tokens=sequences * prefix + tokens + decodes * n,
+                    attended=sum(attended_pairs(prefix, c) for c in chunks) + decodes * n, sampled=sequences + decodes)
 
 
 def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: int = 0, dtype_bytes: int = 2,

@@ -3,6 +3,7 @@ by total device time, from torch.profiler; printed (no JSON). For finding what k
 
     python -m moebius.bench.profile_steps --prefill 2048 8192 --decode 1024 --context 1024
     python -m moebius.bench.profile_steps --prefill 8192 --prompts 28 --decode   # a burst's step of short prompts
+    python -m moebius.bench.profile_steps --prefill 512 --beside 255 --decode --mixed-attention apart  # mixed
 """
 
 from __future__ import annotations
@@ -37,19 +38,25 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192], help="prompt chunk sizes")
     ap.add_argument("--prompts", type=int, default=1, help="split each prefill step over this many prompts")
+    ap.add_argument("--beside", type=int, default=0,
+                    help="requests decoding beside each prefill step's prompts, each after --context cached tokens "
+                    "(a mixed step)")
+    ap.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
+                    help="how those decodes attend (the engine's --mixed-attention)")
     ap.add_argument("--decode", type=int, nargs="*", default=[1024], help="decode batches (eager, no graphs)")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per decoding request")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=15)
     a = ap.parse_args()
-    budget = max([*a.prefill, *a.decode, 2048])
+    budget = max([*(n + a.beside for n in a.prefill), *a.decode, 2048])
     engine = EngineCore(EngineConfig.from_kwargs(
         model=None if a.model == "builtin" else a.model, load_format="dummy", num_layers=a.num_layers,
         max_model_len=max(budget, a.context) + 64,
-        max_running_requests=max([*a.decode, a.prompts]), max_num_batched_tokens=budget, mem_fraction=0.8,
-        cuda_graph_max_bs=1, warmup="full"))
+        max_running_requests=max([*a.decode, a.prompts + a.beside]), max_num_batched_tokens=budget, mem_fraction=0.8,
+        cuda_graph_max_bs=1, warmup="full", mixed_attention=a.mixed_attention))
     try:
-        points = [("prefill", n, dict(tokens=n, context=0, sequences=a.prompts)) for n in a.prefill]
+        points = [("prefill", n, dict(tokens=n, context=0, sequences=a.prompts, decodes=a.beside,
+                                      decode_context=a.context)) for n in a.prefill]
         points += [("decode", b, dict(batch=b, context=a.context, graphs=False)) for b in a.decode]
         for kind, n, args in points:
             query = "bench_prefill" if kind == "prefill" else "bench_decode"

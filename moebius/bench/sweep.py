@@ -45,11 +45,13 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
     top, chunk = max(args.batches), max(args.prefill_chunks, default=0)
     engine = EngineCore(EngineConfig.from_kwargs(
         model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
-        mode=args.modes[0], max_running_requests=max(top, args.prefill_sequences if chunk else 1),
-        max_num_batched_tokens=max(top, 2048, chunk),
-        max_model_len=max(args.context_len + 64, args.prefill_prefix + chunk + 1), mem_fraction=args.mem_fraction,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-        moe_kernel=args.moe_kernel, switch_overlap=args.switch_overlap, switch_transport=args.switch_transport))
+        mode=args.modes[0],
+        max_running_requests=max(top, args.prefill_sequences + args.prefill_decodes if chunk else 1),
+        max_num_batched_tokens=max(top, 2048, chunk + args.prefill_decodes),
+        max_model_len=max(args.context_len + 64, args.prefill_prefix + chunk + 1, args.prefill_decode_context + 2),
+        mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph, moe_kernel=args.moe_kernel, mixed_attention=args.mixed_attention,
+        switch_overlap=args.switch_overlap, switch_transport=args.switch_transport))
     points: list[dict[str, Any]] = []
     out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": [], "prefill": []}
     try:
@@ -107,22 +109,24 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
     """The prefill table: a step of one prompt chunk of each --prefill-chunks size per rank (after --prefill-prefix
     cached tokens) against its floor; in EP every rank prefills its own chunk, so the step's work is P chunks."""
     rows = []
+    mixed = dict(decodes=args.prefill_decodes, decode_context=args.prefill_decode_context)
     for n in args.prefill_chunks:
         S = args.prefill_sequences
         res = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
-                           warmup=args.warmup, sequences=S)
+                           warmup=args.warmup, sequences=S, **mixed)
         if any("error" in r for r in res):
             rows.append({"mode": mode, "tokens": n, "error": [r.get("error") for r in res]})
             continue
-        work = prefill_work(n, args.prefill_prefix, S)
+        work = prefill_work(n, args.prefill_prefix, S, **mixed)
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
         step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
-        row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, "step_tokens": work.tokens,
+        row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, **mixed,
+               "mixed_attention": args.mixed_attention, "step_tokens": work.tokens,
                "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,
                "tokens_per_s": work.tokens / step * 1e3, "cuda_graph": all(r["pieces"] for r in res)}
         if row["cuda_graph"]:  # the same step eagerly, for comparison
             eager = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
-                                 warmup=args.warmup, graphs=False, sequences=S)
+                                 warmup=args.warmup, graphs=False, sequences=S, **mixed)
             row["eager_ms"] = max(r["step_ms"] for r in eager)
         rows.append(row)
         log.info("%s prefill %d: %.3f ms (floor %.3f, x%.2f)", mode, n, step, floor, step / floor)
@@ -233,6 +237,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-prefix", type=int, default=0, help="cached tokens before each prefill chunk")
     p.add_argument("--prefill-sequences", type=int, default=1,
                    help="split each prefill step's tokens evenly over this many prompts (a burst's step)")
+    p.add_argument("--prefill-decodes", type=int, default=0,
+                   help="running requests decoding a token each beside each prefill step's prompts (a mixed step)")
+    p.add_argument("--prefill-decode-context", type=int, default=1024,
+                   help="cached tokens of each --prefill-decodes request")
+    p.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
+                   help="how the decodes of a step with prompt chunks attend (the engine's --mixed-attention)")
     p.add_argument("--eager-up-to", type=int, default=8, help="also time eager steps up to this batch")
     p.add_argument("--mem-fraction", type=float, default=0.88)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)

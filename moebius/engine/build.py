@@ -82,6 +82,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
                            reshard_kernel=not ecfg.disable_reshard_kernel,
+                           decodes_apart=ecfg.mixed_attention == "apart",
                            fresh_chunk_lengths=fresh_chunk_lengths(ecfg.max_num_batched_tokens, spec.max_model_len))
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():

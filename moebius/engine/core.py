@@ -131,7 +131,8 @@ class EngineCore:
                   else f"graphs to batch {c.cuda_graph_max_bs} / {c.cuda_graph_max_tokens} tokens")
         return CalibrationKey(c.model or "builtin", self.model_config.num_layers, self.world_size,
                               torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype,
-                              f"budget {c.max_num_batched_tokens}, {graphs}, experts {c.moe_kernel}")
+                              f"budget {c.max_num_batched_tokens}, {graphs}, experts {c.moe_kernel}, mixed "
+                              f"attention {c.mixed_attention}")
 
     def calibration(self, fresh: bool = False, batches: tuple[int, ...] | None = None, context: int = 256
                     ) -> Calibration:
@@ -348,7 +349,8 @@ class EngineCore:
         """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
         "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
         "bench_decode" (batch, context, steps, warmup, graphs),
-        "bench_prefill" (tokens, context, steps, warmup, graphs, sequences), "comm" (each layout's communicator)."""
+        "bench_prefill" (tokens, context, steps, warmup, graphs, sequences, decodes,
+        decode_context), "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self._to_ranks(plan)

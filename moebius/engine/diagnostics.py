@@ -38,7 +38,7 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
         return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
     if name == "bench_prefill":
         return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True),
-                             q.get("sequences", 1))
+                             q.get("sequences", 1), q.get("decodes", 0), q.get("decode_context", 0))
     if name == "comm":  # how each layout's collectives run
         return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
     raise ValueError(f"unknown query {name!r}")
@@ -133,34 +133,45 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
 
 
 def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int, graphs: bool = True,
-                  sequences: int = 1) -> dict[str, Any]:
+                  sequences: int = 1, decodes: int = 0, decode_context: int = 0) -> dict[str, Any]:
     """Time a prefill step: on every rank prompt chunks of `tokens` tokens in all, split evenly over `sequences`
     prompts (many short prompts: a burst's step), each after `context` cached tokens (the KV pages hold whatever is
     there), each prompt's last token sampled, through the real runner as the engine runs prefill (graph pieces up to
-    --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back)."""
-    if steps < 1 or warmup < 0 or tokens < 1 or context < 0 or not 1 <= sequences <= tokens:
-        return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1, warmup >= 0 and 1 <= sequences "
-                         f"<= tokens, got {tokens}, {context}, {steps}, {warmup} and {sequences}"}
+    --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back). decodes: that many running
+    requests first in the step, each decoding one token after `decode_context` cached ones (a mixed step: a prompt
+    arriving while others decode)."""
+    if (steps < 1 or warmup < 0 or tokens < 1 or context < 0 or not 1 <= sequences <= tokens or decodes < 0
+            or decode_context < 0):
+        return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1, warmup >= 0, 1 <= sequences "
+                         f"<= tokens, decodes >= 0 and decode_context >= 0, got {tokens}, {context}, {steps}, "
+                         f"{warmup}, {sequences}, {decodes} and {decode_context}"}
     alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
     sizes = split_evenly(tokens, sequences)
     pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
-    ok = (sum(pages) <= alloc.num_free and tokens <= ecfg.max_num_batched_tokens
-          and sequences <= ecfg.max_running_requests)
+    pages += [-(-(decode_context + 1) // ecfg.block_size)] * decodes
+    ok = (sum(pages) <= alloc.num_free and tokens + decodes <= ecfg.max_num_batched_tokens
+          and sequences + decodes <= ecfg.max_running_requests)
     if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
         return {"error": "does not fit on every rank"}
     if not ok:
-        return {"error": f"needs {sum(pages)} KV pages ({alloc.num_free} free), a token budget of {tokens} "
-                         f"({ecfg.max_num_batched_tokens}) and room for {sequences} requests "
+        return {"error": f"needs {sum(pages)} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
+                         f"({ecfg.max_num_batched_tokens}) and room for {sequences + decodes} requests "
                          f"({ecfg.max_running_requests})"}
     V = rank.cfg.vocab_size
     chunks = []
-    for s, (n, p) in enumerate(zip(sizes, pages, strict=True)):
+    for i in range(decodes):  # running requests come first in a step (the scheduler's order)
+        ids = [(groups.rank * 7919 + i * 104729 + j * 31) % V for j in range(decode_context + 1)]
+        req = Request(RequestSpec(f"bench-decode-{i}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
+                                  decode_context + 2))
+        req.pages, req.num_computed = alloc.allocate(pages[len(sizes) + i]), decode_context
+        chunks.append(ScheduledChunk(req, decode_context, 1))
+    for s, (n, p) in enumerate(zip(sizes, pages[:len(sizes)], strict=True)):
         ids = [(groups.rank * 7919 + s * 7 + j * 104729) % V for j in range(context + n)]
         req = Request(RequestSpec(f"bench-prefill-{s}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
                                   context + n + 1))
         req.pages, req.num_computed = alloc.allocate(p), context
         chunks.append(ScheduledChunk(req, context, n))
-    sync, times = StepSync(tokens, False), []
+    sync, times = StepSync(tokens + decodes, False), []
     try:
         for _ in range(warmup + steps):
             if rank.device.type == "cuda":
@@ -172,7 +183,7 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
         for c in chunks:
             alloc.free(c.req.pages)
     return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context,
-            "chunk_tokens": [c.num_tokens for c in chunks],
+            "chunk_tokens": [c.num_tokens for c in chunks[decodes:]], "decodes": decodes,
             "pieces": graphs and rank.runner.pieces_bucket(sync.max_tokens) is not None}
 
 

@@ -21,7 +21,14 @@ from moebius.config import ModelConfig
 from moebius.engine.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
 from moebius.engine.scheduler import ScheduledChunk
 from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for, triton_available
-from moebius.layers.attention import AttentionCut, AttentionMetadata, num_splits_for, paged_attention, query_blocks
+from moebius.layers.attention import (
+    AttentionCut,
+    AttentionMetadata,
+    leading_decodes,
+    num_splits_for,
+    paged_attention,
+    query_blocks,
+)
 from moebius.layers.sampler import SamplingBatch, logprobs_of, race_scores, sample
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
@@ -304,7 +311,9 @@ class ModelRunner:
             pad = np.zeros(pad_tokens_to - T, np.int64)
             token_fields = {k: np.concatenate([a, pad]) for k, a in token_fields.items()}
         max_q = int(lens.max(initial=0))
-        blocks = (query_blocks(lens, seq_lens, self.q_block).reshape(-1) if self.q_block and max_q > 1
+        # with prompt chunks, the leading decodes in a launch of their own (KernelConfig.decodes_apart)
+        decodes = leading_decodes(lens) if self.kernels.decodes_apart and self.q_block and max_q > 1 else 0
+        blocks = (query_blocks(lens, seq_lens, self.q_block, decodes).reshape(-1) if self.q_block and max_q > 1
                   else np.zeros(0, np.int64))
         v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
                             seq_lens=seq_lens, q_blocks=blocks), table)
@@ -316,7 +325,8 @@ class ModelRunner:
             positions=v["positions"], slot_mapping=v["slot_mapping"], query_start_loc=v["query_start_loc"],
             seq_lens=v["seq_lens"], block_tables=v["block_tables"], token_seq=v["token_seq"],
             token_qpos=v["token_qpos"], max_query_len=max_q, max_seq_len=int(seq_lens.max(initial=0)),
-            block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None)
+            block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None, decodes=decodes,
+            num_splits=num_splits_for(decodes, self.kv[0].shape[3]) if decodes else 1)
         self.last_metadata_s = time.perf_counter() - t0
         return v["input_ids"], meta, qsl
 

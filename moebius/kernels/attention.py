@@ -211,15 +211,21 @@ def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1,
                     max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None,
-                    q_blocks: torch.Tensor | None = None) -> torch.Tensor:
+                    q_blocks: torch.Tensor | None = None, decodes: int = 0) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
     max_seq_len: the longest sequence (a host value), for `fresh_chunk`. out: where to write the result ([T, H, d],
     the last dim contiguous; a new tensor when None). q_blocks: [N, 2] (sequence, query block) of
     `query_block_tokens` tokens, one program each (a launch with prompt chunks: no programs for blocks past a
-    shorter chunk's end)."""
+    shorter chunk's end). decodes (with q_blocks): the first `decodes` sequences have one token each and attend in
+    a decode launch of their own, with num_splits; q_blocks covers the rest."""
     if (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
             and q_THd.dtype in (torch.bfloat16, torch.float16) and cudnn_attention_works(q_THd.device.index or 0)):
         return fresh_chunk_attention(q_THd, cache, block_tables, scale, out)
+    if decodes and q_blocks is not None and max_query_len > 1:
+        out = torch.empty_like(q_THd) if out is None else out
+        _launch(q_THd[:decodes], cache, block_tables[:decodes], seq_lens[:decodes], query_start_loc[:decodes + 1], 1,
+                scale, num_splits, None, kc, out[:decodes])
+        num_splits = 1
     return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc,
                    out, q_blocks)
 

@@ -47,6 +47,8 @@ class AttentionMetadata:
     num_splits: int = 1  # decode on the GPU: KV splits of the flash-decoding kernel
     cut: AttentionCut | None = None  # a forward being captured in pieces around attention (engine/cuda_graphs.py)
     q_blocks: torch.Tensor | None = None  # GPU, prompt chunks: [N, 2] int64 (sequence, query block), `query_blocks`
+    decodes: int = 0  # GPU, prompt chunks: leading one-token sequences that attend in their own decode launch
+    # (num_splits is theirs); q_blocks then holds only the sequences after them
 
 
 # (most sequence x KV-head pairs, KV splits) for decode, tuned on H200 (132 SMs) at the 30B TP and EP shards, the
@@ -62,16 +64,24 @@ def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
     return next((splits for most, splits in SPLITS if pairs <= most), 1)
 
 
-def query_blocks(q_lens: np.ndarray, seq_lens: np.ndarray, block: int) -> np.ndarray:
-    """[N, 2] (sequence, block) of every `block`-token query block of a step's chunks, the one whose last query
-    sees the most keys first (so the attention launch does not end on a wave of its longest programs); the GPU
-    kernel runs one program per block, none for blocks past a shorter chunk's end. Host-side, O(blocks)."""
+def query_blocks(q_lens: np.ndarray, seq_lens: np.ndarray, block: int, first: int = 0) -> np.ndarray:
+    """[N, 2] (sequence, block) of every `block`-token query block of a step's chunks (of the sequences from
+    `first` on), the one whose last query sees the most keys first (so the attention launch does not end on a wave
+    of its longest programs); the GPU kernel runs one program per block, none for blocks past a shorter chunk's
+    end. Host-side, O(blocks)."""
     n = -(-q_lens // block)
+    n[:first] = 0
     seq = np.repeat(np.arange(len(q_lens), dtype=np.int64), n)
     m = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
     keys = (seq_lens - q_lens)[seq] + np.minimum((m + 1) * block, q_lens[seq])
     order = np.argsort(-keys, kind="stable")
     return np.stack([seq[order], m[order]], axis=1)
+
+
+def leading_decodes(q_lens: np.ndarray) -> int:
+    """How many of a step's first sequences have one new token each (a decode's, or a prompt's last chunk of one)."""
+    other = np.flatnonzero(q_lens != 1)
+    return int(other[0]) if other.size else len(q_lens)
 
 
 def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -133,7 +143,7 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-                    meta.num_splits, meta.max_seq_len, kc=kc, out=out, q_blocks=meta.q_blocks)
+                    meta.num_splits, meta.max_seq_len, kc=kc, out=out, q_blocks=meta.q_blocks, decodes=meta.decodes)
     o = paged_attention_ref(q_THd, cache, meta, scale)
     return o if out is None else out.copy_(o)
 
