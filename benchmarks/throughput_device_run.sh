@@ -55,7 +55,7 @@ profile)
 serve)
   python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
   for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"
-  t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --output $R/h200-p1-serve-bursty.json
+  t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --server-args "$M" --output $R/h200-p1-serve-bursty.json
   kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/server.log ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done

@@ -264,6 +264,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "refuses it): a chunk with text counts as one token, the total comes from usage")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (None: no limit)")
     s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
+    s.add_argument("--server-args", default=None, help="how the server was started (its flags), recorded in the "
+                   "result's params: the server's settings are not otherwise in the result")
     s.add_argument("--status-every", type=float, default=1.0, help="seconds between GET /admin/status reads of the "
                    "layout timeline (it returns the newest 100 samples)")
     w = p.add_argument_group("arrivals (Poisson unless --trace bursty or --replay)")
