@@ -4,6 +4,7 @@ by total device time, from torch.profiler; printed (no JSON). For finding what k
     python -m moebius.bench.profile_steps --prefill 2048 8192 --decode 1024 --context 1024
     python -m moebius.bench.profile_steps --prefill 8192 --prompts 28 --decode   # a burst's step of short prompts
     python -m moebius.bench.profile_steps --prefill 512 --beside 255 --decode --mixed-attention apart  # mixed
+    python -m moebius.bench.profile_steps --prefill --decode 512 1024 --pieces  # decode batches in step pieces
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
                     help="how those decodes attend (the engine's --mixed-attention)")
     ap.add_argument("--decode", type=int, nargs="*", default=[1024], help="decode batches (eager, no graphs)")
+    ap.add_argument("--pieces", action="store_true", help="the decode batches as the engine runs those past its decode "
+                    "graphs: in step pieces (up to --cuda-graph-max-tokens, 2048), not eagerly")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per decoding request")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=15)
@@ -57,7 +60,7 @@ def main() -> None:
     try:
         points = [("prefill", n, dict(tokens=n, context=0, sequences=a.prompts, decodes=a.beside,
                                       decode_context=a.context)) for n in a.prefill]
-        points += [("decode", b, dict(batch=b, context=a.context, graphs=False)) for b in a.decode]
+        points += [("decode", b, dict(batch=b, context=a.context, graphs=a.pieces)) for b in a.decode]
         for kind, n, args in points:
             query = "bench_prefill" if kind == "prefill" else "bench_decode"
             engine.query(query, steps=1, warmup=1, **args)  # compiled and allocated before the profile
