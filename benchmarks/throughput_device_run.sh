@@ -14,6 +14,9 @@
 #   attntune  the prefill attention kernel at its default tiles beside torch's SDPA backends
 #   moetune   the fused MoE block shapes at prefill sizes (2k, 8k, 16k tokens)
 #   profile   the kernels of prefill steps of 2048 and 8192 tokens and an eager decode step of 1024 requests
+#   mixed     a 512-token prompt beside 255 decoding requests (1500 cached tokens each), their attention shared with
+#             the prompt's launch and apart (--mixed-attention), timed (sweep) and profiled; decode batches of 512
+#             and 1024 profiled in step pieces (the rollout's batches past the decode graphs)
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
 # Results (JSON + PNG) come back in $OUT/results.tgz, logs in $OUT/logs.tgz. Usage (device):
@@ -52,6 +55,12 @@ moetune)
   t moe_tune 330 python3 -m moebius.bench.moe_tune --ranks 1 --modes tp --batches 2048 8192 16384 --output $R/h200-moe-prefill.json ;;
 profile)
   t profile 200 python3 -m moebius.bench.profile_steps --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((512 / N)) ;;
+mixed)
+  for how in shared apart; do
+    t mixed_$how 150 $B sweep $M --modes tp --batches 1 --steps 5 --warmup 2 --prefill-chunks $((512 / N)) --prefill-decodes $((255 / N)) --prefill-decode-context $((1500 / N)) --mixed-attention $how --output $R/h200-p1-mixed-$how.json
+    t mixed_prof_$how 150 python3 -m moebius.bench.profile_steps --prefill $((512 / N)) --beside $((255 / N)) --context $((1500 / N)) --decode --mixed-attention $how --rows 12
+  done
+  t pieces_prof 200 python3 -m moebius.bench.profile_steps --prefill --decode $((512 / N)) $((1024 / N)) --context $((512 / N)) --pieces --rows 12 ;;
 serve)
   python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
   for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"
