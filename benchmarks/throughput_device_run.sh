@@ -17,7 +17,8 @@
 #   mixed     a 512-token prompt beside 255 decoding requests (1500 cached tokens each), their attention shared with
 #             the prompt's launch and apart (--mixed-attention), timed (sweep) and profiled; decode batches of 512
 #             and 1024 profiled in step pieces (the rollout's batches past the decode graphs)
-#   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace (needs the serve wheels: carry
+#   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace, into h200-p1-serve-bursty-$SERVE_TAG
+#             (default "new": the kept runs are not overwritten; the server flags are M) (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
 # Results (JSON + PNG) come back in $OUT/results.tgz, logs in $OUT/logs.tgz. Usage (device):
 # MOEBIUS_COMMIT=<full hash> bash benchmarks/throughput_device_run.sh tests cold work ...
@@ -64,7 +65,7 @@ mixed)
 serve)
   python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
   for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"
-  t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --server-args "$M" --output $R/h200-p1-serve-bursty.json
+  t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --server-args "$M" --output $R/h200-p1-serve-bursty-${SERVE_TAG:-new}.json
   kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/server.log ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
