@@ -83,6 +83,19 @@ def fingerprint(rank: Rank) -> dict[str, Any]:
     return {"mode": rank.mode, "ptrs": ptrs, "experts": experts, "kv": kv}
 
 
+def _decoding(rank: Rank, n: int, context: int) -> list[ScheduledChunk]:
+    """n requests each decoding one token after `context` cached ones (their pages allocated; the KV holds whatever
+    is there), with distinct tokens per request, so the batch routes like real traffic (not all to one expert)."""
+    params, V, r = SamplingParams(temperature=0.0, max_tokens=1), rank.cfg.vocab_size, rank.groups.rank
+    chunks = []
+    for i in range(n):
+        ids = [(r * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
+        req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
+        req.pages, req.num_computed = rank.allocator.allocate(-(-(context + 1) // rank.spec.engine.block_size)), context
+        chunks.append(ScheduledChunk(req, context, 1))
+    return chunks
+
+
 def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict[str, Any]:
     """Time steady-state decode steps of `batch` requests (global) with `context` cached tokens each, through
     the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
@@ -98,15 +111,7 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
         return {"error": "does not fit on every rank"}
     if not ok:
         return {"error": f"needs {need} KV pages, {alloc.num_free} free"}
-    chunks = []
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    V = rank.cfg.vocab_size
-    for i in range(local):
-        # distinct tokens per request, so the batch routes like real traffic (not all to the same experts)
-        ids = [(groups.rank * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
-        req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
-        req.pages, req.num_computed = alloc.allocate(pages_each), context
-        chunks.append(ScheduledChunk(req, context, 1))
+    chunks = _decoding(rank, local, context)
     sync = StepSync(lay.step_tokens(batch), True)
     runner = rank.runner
     used_graph = graphs and runner.has_graph(sync.max_tokens)
@@ -148,24 +153,18 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
     alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
     sizes = split_evenly(tokens, sequences)
     pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
-    pages += [-(-(decode_context + 1) // ecfg.block_size)] * decodes
-    ok = (sum(pages) <= alloc.num_free and tokens + decodes <= ecfg.max_num_batched_tokens
+    need = sum(pages) + decodes * -(-(decode_context + 1) // ecfg.block_size)
+    ok = (need <= alloc.num_free and tokens + decodes <= ecfg.max_num_batched_tokens
           and sequences + decodes <= ecfg.max_running_requests)
     if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
         return {"error": "does not fit on every rank"}
     if not ok:
-        return {"error": f"needs {sum(pages)} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
+        return {"error": f"needs {need} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
                          f"({ecfg.max_num_batched_tokens}) and room for {sequences + decodes} requests "
                          f"({ecfg.max_running_requests})"}
     V = rank.cfg.vocab_size
-    chunks = []
-    for i in range(decodes):  # running requests come first in a step (the scheduler's order)
-        ids = [(groups.rank * 7919 + i * 104729 + j * 31) % V for j in range(decode_context + 1)]
-        req = Request(RequestSpec(f"bench-decode-{i}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
-                                  decode_context + 2))
-        req.pages, req.num_computed = alloc.allocate(pages[len(sizes) + i]), decode_context
-        chunks.append(ScheduledChunk(req, decode_context, 1))
-    for s, (n, p) in enumerate(zip(sizes, pages[:len(sizes)], strict=True)):
+    chunks = _decoding(rank, decodes, decode_context)  # running requests come first in a step (the scheduler's order)
+    for s, (n, p) in enumerate(zip(sizes, pages, strict=True)):
         ids = [(groups.rank * 7919 + s * 7 + j * 104729) % V for j in range(context + n)]
         req = Request(RequestSpec(f"bench-prefill-{s}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
                                   context + n + 1))

@@ -326,9 +326,14 @@ class ModelRunner:
             seq_lens=v["seq_lens"], block_tables=v["block_tables"], token_seq=v["token_seq"],
             token_qpos=v["token_qpos"], max_query_len=max_q, max_seq_len=int(seq_lens.max(initial=0)),
             block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None, decodes=decodes,
-            num_splits=num_splits_for(decodes, self.kv[0].shape[3]) if decodes else 1)
+            num_splits=self._kv_splits(len(batch) if max_q == 1 else decodes))
         self.last_metadata_s = time.perf_counter() - t0
         return v["input_ids"], meta, qsl
+
+    def _kv_splits(self, decodes: int) -> int:
+        """KV splits of the Triton attention launch over `decodes` one-token sequences (1 without them, or where
+        that kernel does not run: q_block is None)."""
+        return num_splits_for(decodes, self.kv[0].shape[3]) if decodes and self.q_block is not None else 1
 
     def decode_metadata(self, b: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """The static-buffer views a decode graph of bucket b reads (contents written before each replay)."""
@@ -337,7 +342,7 @@ class ModelRunner:
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b], query_start_loc=buf.query_start_loc[:b + 1],
             seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b], token_seq=buf.token_seq[:b],
             token_qpos=buf.token_qpos[:b], max_query_len=1, max_seq_len=0, block_size=self.block_size,
-            num_splits=num_splits_for(b, self.kv[0].shape[3]) if self.device.type == "cuda" else 1)
+            num_splits=self._kv_splits(b))
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # a few tokens on this rank: projections that stream their weights during the kernel before them, which
@@ -387,8 +392,6 @@ class ModelRunner:
         else:
             self.comm.begin_step(sync.max_tokens)
             ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows, pad_tokens_to=pieces)
-            if meta.max_query_len == 1 and self.device.type == "cuda":
-                meta.num_splits = num_splits_for(len(batch), self.kv[0].shape[3])
             if pieces is not None:
                 hidden = self.pieces.replay(pieces, ids.shape[0], lambda c, q, o: self._attend(c, q, o, meta))
             else:
