@@ -185,3 +185,7 @@ def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
         res = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=6,
                                decode_context=30)
         assert all(r["chunk_tokens"] == [14, 13, 13] and r["decodes"] == 6 and r["step_ms"] > 0 for r in res), res
+        # the decodes are requests of the step: 3 prompts and 254 decodes do not fit 256 running requests
+        bad = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=254,
+                               decode_context=30)
+        assert all("room for 257 requests" in r["error"] for r in bad), bad
