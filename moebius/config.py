@@ -256,9 +256,9 @@ class EngineConfig:
                                        "captured per token bucket in pieces around each layer's attention, which "
                                        "runs eagerly between them (a step is padded to its bucket); larger steps, or "
                                        "all at 0, run eagerly (there the GPU, not the launches, sets their time)")
-    mixed_attention: str = _flag("shared", "how the decodes of a step with prompt chunks attend on the GPU: shared "
-                                 "(as one-token query blocks of the chunks' launch) or apart (a decode launch of "
-                                 "their own, with KV splits)", ("shared", "apart"))
+    mixed_attention: str = _flag("apart", "how the decodes of a step with prompt chunks attend on the GPU: apart (a "
+                                 "decode launch of their own, with KV splits) or shared (as one-token query blocks "
+                                 "of the chunks' launch)", ("apart", "shared"))
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
     disable_pdl: bool = _flag(False, "launch the Triton kernels without programmatic dependent launch (by default, on "

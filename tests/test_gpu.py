@@ -155,11 +155,42 @@ def test_step_pieces_match_eager_steps_in_bf16(mixed: str) -> None:
     with LLM(mixed_attention=mixed, **kw) as llm:
         assert all(r["pieces"] for r in llm.engine.query("bench_prefill", tokens=2048, context=0, steps=1, warmup=0))
         pieces = run(llm)
-    with LLM(disable_cuda_graph=True, **kw) as llm:
+    with LLM(disable_cuda_graph=True, mixed_attention="shared", **kw) as llm:
         eager = run(llm)
     for (lp, tp), (le, te) in zip(pieces, eager, strict=True):
         assert lp.shape == le.shape and _rel(lp, le) < 1e-2
         assert tp[:2] == te[:2]  # bf16: later tokens may part at a near-tie
+
+
+def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
+    """Start-up's warm-up (the default on a GPU) runs every kernel variant the engine's steps launch, on the path each
+    step is served on: afterwards, prompts arriving one a step beside 1 to ~30 decoding requests (decodes attending
+    apart, with KV splits by their count), decode batches past the decode graphs, greedy and sampled, in both layouts,
+    make Triton compile (or load from disk) no kernel: the first requests run at steady-state speed."""
+    import triton
+
+    g = torch.Generator().manual_seed(2)
+    kw = dict(mode="tp", max_model_len=512, max_num_batched_tokens=512, cuda_graph_max_bs=8,
+              cuda_graph_max_tokens=256, dtype="bfloat16")
+    compiled: dict[str, list[str]] = {}
+    with LLM(**kw) as llm:
+        for layout in ("tp", "ep"):
+            if llm.mode != layout:
+                assert llm.switch_mode(layout)["done"]  # a switch's own kernels are not the steps' (not counted)
+            seen = compiled.setdefault(layout, [])
+            triton.knobs.runtime.jit_cache_hook = lambda seen=seen, **kw: seen.append(kw["repr"].split("(")[0])
+            try:
+                for i in range(30):
+                    n = int(torch.randint(2, 400, (1,), generator=g))
+                    sp = SamplingParams(max_tokens=int(torch.randint(20, 60, (1,), generator=g)), ignore_eos=True,
+                                        **(dict(temperature=0.8, top_p=0.9, seed=i) if i % 7 == 3 else {}))
+                    llm.add_request(torch.randint(0, 384, (n,), generator=g).tolist(), sp)
+                    llm.step()
+                while llm.has_unfinished():
+                    llm.step()
+            finally:
+                triton.knobs.runtime.jit_cache_hook = None
+    assert compiled == {"tp": [], "ep": []}
 
 
 def test_add_rmsnorm_matches_reference() -> None:

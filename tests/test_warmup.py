@@ -9,7 +9,7 @@ import pytest
 from moebius.config import EngineConfig
 from moebius.engine.core import EngineCore
 from moebius.engine.runner import ModelRunner
-from moebius.engine.warmup import _chunks, fresh_chunk_lengths, token_ladder, warmup_steps
+from moebius.engine.warmup import APART_DECODES, _chunks, fresh_chunk_lengths, token_ladder, warmup_steps
 from moebius.kernels import FRESH_CHUNK_MIN_TOKENS
 from moebius.sampling_params import SamplingParams
 
@@ -41,6 +41,25 @@ def test_warmup_steps_stay_in_the_engine_limits() -> None:
                    for c in _chunks(s, page, 100))
     # one request running at a time (`bench sweep --batches 1`): no step holds two, the sampled one neither
     assert all(len(s.chunks) == 1 for s in warmup_steps(budget, 1, max_len, page, {1}))
+
+
+def test_decodes_attending_apart_are_warmed_up_in_each_count_class() -> None:
+    """With --mixed-attention apart a mixed step's decodes launch with KV splits chosen by their count: beside a
+    chunk of every power-of-two count from 16, each of APART_DECODES decodes (that fits), and no more steps than that
+    when they attend shared."""
+    budget, running, max_len, page = 256, 20, 400, 16
+    shared = warmup_steps(budget, running, max_len, page, set())
+    apart = warmup_steps(budget, running, max_len, page, set(), decodes_apart=True)
+
+    def mixed(steps: list) -> set[tuple[int, int]]:  # (step tokens, decodes beside its chunk)
+        return {(s.tokens, len(s.chunks) - 1) for s in steps if len(s.chunks) > 1 and not s.sampled}
+
+    extra = mixed(apart) - mixed(shared)
+    assert set(shared) <= set(apart) and len(apart) == len(shared) + len(extra)
+    assert extra == {(T, n) for T in (16, 32, 64, 128, 256) for n in APART_DECODES if n < min(T // 2, running - 1)}
+    assert {n for _, n in mixed(apart)} >= {1, 2, 4, 8, 16, running - 1}
+    for s in apart:
+        assert s.tokens <= budget and len(s.chunks) <= running and all(start + n < max_len for start, n in s.chunks)
 
 
 def test_cudnn_prefill_lengths_are_lengths_the_warmup_runs() -> None:

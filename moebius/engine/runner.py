@@ -181,6 +181,12 @@ class ModelRunner:
             heads, kvh, d = self._heads()
             self.q_block = query_block_tokens(d, heads // kvh)
 
+    @property
+    def decodes_apart(self) -> bool:
+        """Whether the leading decodes of a step with prompt chunks attend in a launch of their own (on the GPU, as
+        KernelConfig.decodes_apart asks)."""
+        return self.kernels.decodes_apart and self.q_block is not None
+
     def _heads(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) of this rank's attention."""
         kvh, d = self.kv[0].shape[3], self.kv[0].shape[4]
@@ -312,7 +318,7 @@ class ModelRunner:
             token_fields = {k: np.concatenate([a, pad]) for k, a in token_fields.items()}
         max_q = int(lens.max(initial=0))
         # with prompt chunks, the leading decodes in a launch of their own (KernelConfig.decodes_apart)
-        decodes = leading_decodes(lens) if self.kernels.decodes_apart and self.q_block and max_q > 1 else 0
+        decodes = leading_decodes(lens) if self.decodes_apart and max_q > 1 else 0
         blocks = (query_blocks(lens, seq_lens, self.q_block, decodes).reshape(-1) if self.q_block and max_q > 1
                   else np.zeros(0, np.int64))
         v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,

@@ -1,10 +1,13 @@
-"""Start-up warm-up: before serving, one eager step of every shape class the engine launches outside its decode
-graphs, in both layouts, so that Triton compiles each kernel variant then (or loads it from its on-disk cache,
-`TRITON_CACHE_DIR`, by default ~/.triton/cache) and not under the first requests. A kernel variant is picked by a
-step's token count: power-of-two blocks, ranges at least twice as wide (the MoE tile configs by pairs per expert,
-the few-row projections), and Triton's own specialization of integer arguments (1, multiples of 16); and by whether
-the step decodes only, prefills, or samples. The steps read and write only the reserved KV page 0, as graph
-capture's warm-up does, so they need no switch and leave no trace."""
+"""Start-up warm-up: before serving, one step of every shape class the engine launches outside its decode graphs,
+in both layouts, so that Triton compiles each kernel variant then (or loads it from its on-disk cache,
+`TRITON_CACHE_DIR`, by default ~/.triton/cache) and not under the first requests. Each step runs the path a served
+step of its shape runs (the step pieces of its token bucket where it has one, their attention launched as the
+pieces' capture set it up; else eagerly). A kernel variant is picked by a step's token count: power-of-two blocks,
+ranges at least twice as wide (the MoE tile configs by pairs per expert, the few-row projections, a bucket's release
+order), and Triton's own specialization of integer arguments (1, multiples of 16); by whether the step decodes only,
+prefills, or samples; and, where a step's decodes attend in a launch of their own (`--mixed-attention apart`), by
+how many decodes it holds (its KV splits). The steps read and write only the reserved KV page 0, as graph capture's
+warm-up does, so they need no switch and leave no trace."""
 
 from __future__ import annotations
 
@@ -61,17 +64,25 @@ def fresh_chunk_lengths(budget: int, max_len: int) -> frozenset[int]:
     return frozenset(T for T in token_ladder(min(budget, max_len - 1)) if T >= FRESH_CHUNK_MIN_TOKENS)
 
 
-def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed: set[int]) -> list[WarmupStep]:
+# decodes beside a chunk where they attend apart: a count in each class of KV splits
+# (`layers.attention.num_splits_for`: by decodes x KV heads, up to 32 pairs for a rank of one KV head)
+APART_DECODES = (1, 2, 4, 8, 16, 32)
+
+
+def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed: set[int],
+                 decodes_apart: bool = False) -> list[WarmupStep]:
     """The steps for one layout: per ladder count T, a whole prompt of T tokens; a chunk after a cached page with up
-    to T/2 decodes beside it (a mixed step); T decodes where no graph holds a batch of T; then one sampled step.
+    to T/2 decodes beside it (a mixed step) and, where decodes attend apart, at every power of two T from 16 also
+    with each of APART_DECODES beside it; T decodes where no graph holds a batch of T; then one sampled step.
     `graphed`: the decode batches the layout's graphs replay."""
     steps = []
     for T in token_ladder(min(budget, max_len - 1)):
         steps.append(WarmupStep(((0, T),)))
         start = page if page + T < max_len else 0
         d = min(T // 2, max_running - 1, T - 2)  # the chunk keeps 2+ tokens: a prefill, not one more decode
-        if d:
-            steps.append(WarmupStep(((page, 1),) * d + ((start, T - d),)))
+        few = {n for n in APART_DECODES if n < d} if decodes_apart and T >= 16 and T & (T - 1) == 0 else set()
+        for n in sorted(few) + ([d] if d else []):
+            steps.append(WarmupStep(((page, 1),) * n + ((start, T - n),)))
         if T <= max_running and T not in graphed:
             steps.append(WarmupStep(((page, 1),) * T))
     steps.append(WarmupStep(((0, 2), (page, 1))[:max_running], sampled=True))  # no more sequences than may run
@@ -98,13 +109,13 @@ def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
         budget = min(ecfg.max_num_batched_tokens, rank.spec.max_model_len)
         graphed = {b for b in range(1, budget + 1) if rt.runner.has_graph(b)}
         plans.append((rt.runner, warmup_steps(ecfg.max_num_batched_tokens, ecfg.max_running_requests,
-                                              rank.spec.max_model_len, page, graphed)))
+                                              rank.spec.max_model_len, page, graphed, rt.runner.decodes_apart)))
     total = sum(len(s) for _, s in plans)
     with tqdm(total=total, desc="compiling kernels", unit="step", disable=not progress) as bar:
         for runner, steps in plans:
             for step in steps:
                 sync = StepSync(step.tokens, step.decode_only)
-                runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync, graphs=False).result()
+                runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync).result()  # as served
                 bar.update()
     if rank.device.type == "cuda":
         torch.cuda.synchronize(rank.device)
