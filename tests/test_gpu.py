@@ -165,7 +165,8 @@ def test_step_pieces_match_eager_steps_in_bf16(mixed: str) -> None:
 def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
     """Start-up's warm-up (the default on a GPU) runs every kernel variant the engine's steps launch, on the path each
     step is served on: afterwards, prompts arriving one a step beside 1 to ~30 decoding requests (decodes attending
-    apart, with KV splits by their count), decode batches past the decode graphs, greedy and sampled, in both layouts,
+    apart, with KV splits by their count), decode batches past the decode graphs, steps past the step pieces and
+    short of the budget, greedy, temperature-only and top-p sampling, in both layouts,
     make Triton compile (or load from disk) no kernel: the first requests run at steady-state speed."""
     import triton
 
@@ -178,12 +179,15 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
             if llm.mode != layout:
                 assert llm.switch_mode(layout)["done"]  # a switch's own kernels are not the steps' (not counted)
             seen = compiled.setdefault(layout, [])
-            triton.knobs.runtime.jit_cache_hook = lambda seen=seen, **kw: seen.append(kw["repr"].split("(")[0])
+            triton.knobs.runtime.jit_cache_hook = lambda seen=seen, **kw: seen.append(
+                f"{kw['repr'].split('(')[0]} {kw['compile']['key']}")
             try:
                 for i in range(30):
                     n = int(torch.randint(2, 400, (1,), generator=g))
+                    how = [dict(temperature=0.0), {}, dict(temperature=0.8, top_p=0.9, seed=i)][i % 3]  # {}: the
+                    # default parameters (temperature 1)
                     sp = SamplingParams(max_tokens=int(torch.randint(20, 60, (1,), generator=g)), ignore_eos=True,
-                                        **(dict(temperature=0.8, top_p=0.9, seed=i) if i % 7 == 3 else {}))
+                                        **how)
                     llm.add_request(torch.randint(0, 384, (n,), generator=g).tolist(), sp)
                     llm.step()
                 while llm.has_unfinished():

@@ -27,8 +27,10 @@ from moebius.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from moebius.engine.rank import Rank
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=1)  # the gathered-vocabulary path
+# how a step's rows sample: greedy (the logits' argmax), temperature alone (scores raced per vocabulary id, the
+# default sampling parameters' path) and top-k / top-p (the whole vocabulary gathered, ModelRunner._sample)
+SAMPLING = {"greedy": SamplingParams(temperature=0.0, max_tokens=1), "temperature": SamplingParams(max_tokens=1),
+            "top-k/p": SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=1)}
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,15 @@ class WarmupStep:
     """One step: (start, tokens) per sequence (start: tokens already cached); its rows sample (else greedy)."""
 
     chunks: tuple[tuple[int, int], ...]
-    sampled: bool = False
+    sampling: str = "greedy"  # a key of SAMPLING
 
     @property
     def tokens(self) -> int:
         return sum(n for _, n in self.chunks)
+
+    @property
+    def sampled(self) -> bool:
+        return self.sampling != "greedy"
 
     @property
     def decode_only(self) -> bool:
@@ -48,14 +54,15 @@ class WarmupStep:
 
 
 def token_ladder(budget: int) -> list[int]:
-    """1, 2, 3, every power of two and the count one past it, and the budget itself: a count in every power-of-two
-    bucket, on both sides of Triton's divisible-by-16 specialization."""
-    counts = {1, 2, 3, budget}
+    """1, 2, 3, every power of two and the count one past it, the budget itself and the multiple of 16 at or below it:
+    a count in every power-of-two bucket, on both sides of Triton's divisible-by-16 specialization (the last bucket
+    too, where the budget cuts it short)."""
+    counts = {1, 2, 3, budget, budget - budget % 16}
     p = 1
     while p <= budget:
         counts |= {p, p + 1}
         p *= 2
-    return sorted(c for c in counts if c <= budget)
+    return sorted(c for c in counts if 1 <= c <= budget)
 
 
 def fresh_chunk_lengths(budget: int, max_len: int) -> frozenset[int]:
@@ -73,7 +80,8 @@ def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed
                  decodes_apart: bool = False) -> list[WarmupStep]:
     """The steps for one layout: per ladder count T, a whole prompt of T tokens; a chunk after a cached page with up
     to T/2 decodes beside it (a mixed step) and, where decodes attend apart, at every power of two T from 16 also
-    with each of APART_DECODES beside it; T decodes where no graph holds a batch of T; then one sampled step.
+    with each of APART_DECODES beside it; T decodes where no graph holds a batch of T; then a step in each
+    sampling path but greedy.
     `graphed`: the decode batches the layout's graphs replay."""
     steps = []
     for T in token_ladder(min(budget, max_len - 1)):
@@ -85,7 +93,8 @@ def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed
             steps.append(WarmupStep(((page, 1),) * n + ((start, T - n),)))
         if T <= max_running and T not in graphed:
             steps.append(WarmupStep(((page, 1),) * T))
-    steps.append(WarmupStep(((0, 2), (page, 1))[:max_running], sampled=True))  # no more sequences than may run
+    for how in [h for h in SAMPLING if h != "greedy"]:  # a list: every rank takes them in the same order
+        steps.append(WarmupStep(((0, 2), (page, 1))[:max_running], sampling=how))  # no more sequences than may run
     return steps
 
 
@@ -94,7 +103,7 @@ def _chunks(step: WarmupStep, page: int, vocab: int) -> list[ScheduledChunk]:
     out = []
     for i, (start, n) in enumerate(step.chunks):
         ids = [(i * 7919 + j * 104729) % vocab for j in range(start + n)]
-        req = Request(RequestSpec(f"warmup{i}", ids, SAMPLED if step.sampled else GREEDY, i, start + n + 1))
+        req = Request(RequestSpec(f"warmup{i}", ids, SAMPLING[step.sampling], i, start + n + 1))
         req.pages, req.num_computed = [0] * -(-(start + n) // page), start
         out.append(ScheduledChunk(req, start, n))
     return out

@@ -249,7 +249,7 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm: bool, *, 
     return _topk(part, T, E, splits, top_k, norm, x_TD.dtype, kc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CHUNKS"])  # a count by the step's rows: one variant for all
 def _argmax_keys(Scores, Keys, V, stride, first, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)

@@ -120,7 +120,10 @@ def _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_block
     return ends - padded
 
 
-@triton.jit
+# The align passes take step-sized counts (pairs, rows, blocks, chunks) unspecialized: Triton would otherwise compile
+# another variant wherever one happens to be 1 or a multiple of 16, which the start-up warm-up's token counts
+# cannot all foresee (block and chunk counts are not linear in the tokens), and a request would wait for it.
+@triton.jit(do_not_specialize=["N", "num_rows", "max_blocks"])
 def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_blocks, BM: tl.constexpr,
            EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr):
     """All pairs in one program (N <= CHUNK). Pairs of local expert e get rows [start_e, start_e + count_e) of
@@ -138,7 +141,7 @@ def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_block
     tl.store(SortedIds + row, offs, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_rows"])
 def _align_count(Ids, N, first, E, Partial, SortedIds, num_rows, EB: tl.constexpr, CHUNK: tl.constexpr,
                  PDL: tl.constexpr):
     """Many chunks, first pass: each program counts its chunk's pairs per expert and pads its strip of SortedIds
@@ -153,7 +156,7 @@ def _align_count(Ids, N, first, E, Partial, SortedIds, num_rows, EB: tl.constexp
         tl.store(SortedIds + r, N, mask=r < tl.minimum((c + 1) * strip, num_rows))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
                 PDL: tl.constexpr):
     """Second pass (one program, expert-sized work only): the experts' padded ends and each chunk's first row per
@@ -177,7 +180,7 @@ def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.c
         run += tl.sum(part, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "max_blocks"])
 def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_blocks, BM: tl.constexpr,
                    EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr):
     """Third pass: each chunk's pairs claim rows from the chunk's own cursors (no contention across programs), and
