@@ -4,8 +4,8 @@ For each layout's expert shard (TP: all experts, I/P columns; EP: E/P whole expe
 each global batch, checks the fused path against the torch reference, then times (inside CUDA graphs, so launch
 gaps count as they do in the engine) the align kernel and each GEMM kernel over candidate block shapes. Writes
 JSON: a row per (mode, batch) with the default and the best shapes (nested settings flattened: `best.gate_up.BN`),
-their times and the weight bandwidth they reach (table "per_batch"); every BM tried (table "tried"); wall_s (the
-"summary" row).
+their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs on the same pairs as a reference
+(table "per_batch"); every BM tried (table "tried"); wall_s (the "summary" row).
 
     python -m moebius.bench.moe_tune --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
     python -m moebius.bench.moe_tune --no-search --batches 256 512 1024 2048 --output moe_tma.json
@@ -117,6 +117,15 @@ def main() -> None:
                     tma=[gu_c.tma, dn_c.tma],
                     gate_up_us=graph_time_us(lambda c=gu_c: fm.gate_up(x, w13, blocks, K, c)),  # noqa: B023
                     down_us=graph_time_us(lambda c=dn_c: fm.down(h, w2, blocks, wflat, c)))  # noqa: B023
+            if hasattr(torch, "_grouped_mm"):  # the library's grouped GEMM on the same pairs, sorted by expert and
+                # gathered beforehand (kernels/moe.py): a reference for the fused kernels' GEMMs
+                key = torch.where(ids < E, ids, E).flatten()
+                order = torch.argsort(key, stable=True)
+                offs = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0, dtype=torch.int32)
+                xs, hs = x[order // K], torch.randn(T * K, I, device=dev, dtype=torch.bfloat16)
+                timed_default["grouped_mm"] = dict(
+                    gate_up_us=graph_time_us(lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)),  # noqa: B023
+                    down_us=graph_time_us(lambda: torch._grouped_mm(hs, w2.transpose(1, 2), offs=offs)))  # noqa: B023
             if not blocks.direct:  # rows the GEMMs multiply: used, and padding up to each expert's last block
                 used = (blocks.rows.view(-1, bm) < T * K).sum(1)
                 timed_default.update(rows_used=int(used.sum()), blocks_used=int((used > 0).sum()))
@@ -146,7 +155,8 @@ def main() -> None:
                  params=params_of(a),
                  note="fused MoE kernels per (mode, batch) (table per_batch): µs per call inside a CUDA graph; "
                       "default: the shapes fused_moe.config_for picks; best: the fastest searched (table tried: "
-                      "every BM's best gate_up / down); floor_us: the hit experts' weights at 4.28 TB/s")
+                      "every BM's best gate_up / down); grouped_mm: torch._grouped_mm's two GEMMs on the same pairs "
+                      "(sorted and gathered beforehand); floor_us: the hit experts' weights at 4.28 TB/s")
 
 
 if __name__ == "__main__":
