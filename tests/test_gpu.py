@@ -197,6 +197,41 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
     assert compiled == {"tp": [], "ep": []}
 
 
+def test_steps_launch_without_waiting_for_the_gpu(monkeypatch) -> None:
+    """Launching a step never waits for the GPU: a sync there (e.g. a host list indexing a device tensor) holds the
+    host until the step before and this one have run, so the host's work for the next step no longer overlaps the
+    GPU's (at ~1000 running requests that work is milliseconds). Under torch's sync debug mode set to raise: prompt
+    chunks alone and beside decodes (in step pieces, and eagerly past them), decode batches past the decode graphs
+    and inside them, greedy, temperature-only, top-p, min_tokens (banned tokens) and logprobs rows, both layouts."""
+    from moebius.engine.runner import ModelRunner
+
+    launch = ModelRunner.launch
+
+    def strict(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    g = torch.Generator().manual_seed(3)
+    kinds = [dict(temperature=0.0), {}, dict(temperature=0.8, top_p=0.9), dict(temperature=0.0, min_tokens=4),
+             dict(temperature=0.7, logprobs=2)]
+    with LLM(mode="tp", max_model_len=512, max_num_batched_tokens=512, cuda_graph_max_bs=8,
+             cuda_graph_max_tokens=256, dtype="bfloat16") as llm:
+        monkeypatch.setattr(ModelRunner, "launch", strict)
+        for layout in ("tp", "ep"):
+            if llm.mode != layout:
+                assert llm.switch_mode(layout)["done"]
+            for i in range(20):
+                n = int(torch.randint(2, 400, (1,), generator=g))
+                llm.add_request(torch.randint(0, 384, (n,), generator=g).tolist(),
+                                SamplingParams(max_tokens=12, ignore_eos=i % 5 != 3, seed=i, **kinds[i % 5]))
+                llm.step()
+            while llm.has_unfinished():
+                llm.step()
+
+
 def test_add_rmsnorm_matches_reference() -> None:
     from moebius.kernels.fused import add_rmsnorm
     from moebius.layers.norm import rms_norm

@@ -10,6 +10,7 @@ placeholder on the host, and step N+1 takes it from step N's device output inste
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -414,7 +415,8 @@ class ModelRunner:
                         prompt_logits[b] = whole.float().cpu()
             if not rows:
                 return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
-            logits = qwen3_moe.logits(hidden[rows], self.weights)
+            # (rows as a device index: a list would reach the device by a copy that waits for this step's kernels)
+            logits = qwen3_moe.logits(hidden.index_select(0, self._to_device(rows, torch.int64)), self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
                 return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits)
         tokens, whole = self._sample(logits, reqs, stop_masks)
@@ -434,8 +436,10 @@ class ModelRunner:
             scores = race_scores(logits, self._sampling_batch(reqs), self.comm.vocab_first(logits.shape[1]))
             return self.comm.vocab_argmax(scores, kc=self._kc_sampling()), None
         logits = self.comm.gather_vocab(logits)
-        for row, banned in stop_masks:
-            logits[row, banned] = float("-inf")
+        if stop_masks:
+            at = [(row, t) for row, banned in stop_masks for t in banned]
+            where = (self._to_device([r for r, _ in at], torch.int64), self._to_device([t for _, t in at], torch.int64))
+            logits.index_put_(where, logits.new_full((len(at),), -math.inf))
         if all(r.params.temperature == 0 for r in reqs):
             return logits.argmax(dim=-1), logits
         return sample(logits, self._sampling_batch(reqs)), logits
@@ -458,15 +462,20 @@ class ModelRunner:
         done.record()
         return PendingStep(tokens, prompt_logits, host, done, lp_host)
 
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A step's small host list on the device without waiting for the GPU: staged through pinned memory (from
+        pageable memory the copy may wait for the stream's queued kernels, the previous step's and this one's, and
+        the host's work for the next step would no longer overlap them)."""
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size
         temp = [r.params.temperature for r in reqs]
         top_k = [r.params.top_k if r.params.top_k > 0 else V for r in reqs]
         top_p = [r.params.top_p for r in reqs]
 
-        def dev(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-
+        dev = self._to_device
         return SamplingBatch(
             temperature=dev(temp, torch.float32), top_k=dev(top_k, torch.int64), top_p=dev(top_p, torch.float32),
             seeds=dev([r.spec.seed for r in reqs], torch.int64),
