@@ -81,7 +81,7 @@ def test_a_pieces_step_pads_its_token_fields_and_tables_its_query_blocks() -> No
             t.fill_(7)  # what earlier, larger steps left in the host mirrors the fields are uploaded from
         runner.q_block = 8  # the GPU kernel's block (CPU runners build no table)
         try:
-            ids, meta, _ = runner._metadata(chunks, pad_tokens_to=bucket)
+            ids, meta, *_ = runner._metadata(chunks, pad_tokens_to=bucket)
         finally:
             runner.q_block = None
             for c in chunks:
@@ -111,7 +111,7 @@ def test_leading_decodes_of_a_step_with_chunks_attend_apart() -> None:
                 chunks.append(ScheduledChunk(req, start, n))
             runner.q_block = 8  # the GPU kernel's block (CPU runners build no table)
             try:
-                _, meta, _ = runner._metadata(chunks)
+                _, meta, *_ = runner._metadata(chunks)
             finally:
                 runner.q_block = None
                 for c in chunks:

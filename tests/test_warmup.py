@@ -47,20 +47,22 @@ def test_warmup_steps_stay_in_the_engine_limits() -> None:
 
 
 def test_decodes_attending_apart_are_warmed_up_in_each_count_class() -> None:
-    """With --mixed-attention apart a mixed step's decodes launch with KV splits chosen by their count: beside a
-    chunk of every power-of-two count from 16, each of APART_DECODES decodes (that fits), and no more steps than that
-    when they attend shared."""
-    budget, running, max_len, page = 256, 20, 400, 16
+    """With --mixed-attention apart a mixed step's decodes launch with KV splits chosen by their count, in the step's
+    release order: each of APART_DECODES beside a chunk once per release order (the first power-of-two step of
+    that order with room for it), and no more steps than that; none when they attend shared."""
+    budget, running, max_len, page = 256, 40, 400, 16
     shared = warmup_steps(budget, running, max_len, page, set())
-    apart = warmup_steps(budget, running, max_len, page, set(), decodes_apart=True)
+    order = {T: 2 if T <= 32 else 1 for T in range(1, budget + 1)}  # LATE to 32 tokens, then EARLY (the 30B's)
+    apart = warmup_steps(budget, running, max_len, page, set(), apart_release=order.__getitem__)
 
-    def mixed(steps: list) -> set[tuple[int, int]]:  # (step tokens, decodes beside its chunk)
-        return {(s.tokens, len(s.chunks) - 1) for s in steps if len(s.chunks) > 1 and not s.sampled}
+    def mixed(steps: list) -> list[tuple[int, int]]:  # (step tokens, decodes beside its chunk)
+        return [(s.tokens, len(s.chunks) - 1) for s in steps if len(s.chunks) > 1 and not s.sampled]
 
-    extra = mixed(apart) - mixed(shared)
+    extra = [m for m in mixed(apart) if m not in mixed(shared)]
     assert set(shared) <= set(apart) and len(apart) == len(shared) + len(extra)
-    assert extra == {(T, n) for T in (16, 32, 64, 128, 256) for n in APART_DECODES if n < min(T // 2, running - 1)}
-    assert {n for _, n in mixed(apart)} >= {1, 2, 4, 8, 16, running - 1}
+    # LATE: 1, 2, 4 beside 16 tokens (8 and 16: the T/2 steps of 16 and 32); EARLY: 1-16 beside 64 (32: its own)
+    assert sorted(extra) == [(16, 1), (16, 2), (16, 4), (64, 1), (64, 2), (64, 4), (64, 8), (64, 16)]
+    assert {n for _, n in mixed(apart)} >= set(APART_DECODES)
     for s in apart:
         assert s.tokens <= budget and len(s.chunks) <= running and all(start + n < max_len for start, n in s.chunks)
 

@@ -38,12 +38,12 @@ from moebius.parallel.dispatch import Communicator
 from moebius.sampling_params import MAX_LOGPROBS
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "fill_dst", "fill_src",
-           "query_start_loc", "seq_lens", "q_blocks")
+           "query_start_loc", "seq_lens", "q_blocks", "sample_rows")
 
 
 def _field_sizes(max_tokens: int, max_seqs: int) -> list[int]:
     # q_blocks: two ints a query block, and a step has at most a block a token (plus slack of one a sequence)
-    return [max_tokens] * 7 + [max_seqs + 1, max_seqs, 2 * (max_tokens + max_seqs)]
+    return [max_tokens] * 7 + [max_seqs + 1, max_seqs, 2 * (max_tokens + max_seqs), max_seqs]
 
 
 @dataclass
@@ -64,6 +64,7 @@ class StaticBuffers:
     query_start_loc: torch.Tensor  # [max_seqs + 1] int64
     seq_lens: torch.Tensor  # [max_seqs] int64
     q_blocks: torch.Tensor  # [2 * (max_tokens + max_seqs)] int64: a step's attention query blocks (GPU, prompts)
+    sample_rows: torch.Tensor  # [max_seqs] int64: the token rows a step samples from (outside the decode graphs)
     block_tables: torch.Tensor  # [max_seqs, max_pages] int32
     table_stage: torch.Tensor  # [max_seqs * max_pages] int32: the step's [B, W] table, packed
     meta: torch.Tensor  # the int64 region holding the fields above, in order
@@ -272,12 +273,15 @@ class ModelRunner:
 
     def _metadata(self, batch: list[ScheduledChunk], pad_to: int | None = None, prev: PendingStep | None = None,
                   prev_rows: np.ndarray | None = None, pad_tokens_to: int | None = None
-                  ) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray]:
+                  ) -> tuple[torch.Tensor, AttentionMetadata, np.ndarray, torch.Tensor]:
         """Write the batch's metadata into the static buffers. pad_to (decode graphs): pad to that many one-token
         rows that read and write only the reserved page 0. pad_tokens_to (step pieces): the token fields padded to
         that many with tokens that write only page 0 (no sequence holds them; the metadata returned has the step's
         own). prev_rows[b] >= 0: the last token of chunk b is row prev_rows[b] of `prev`'s sampled tokens (still on
-        the device; a placeholder on the host)."""
+        the device; a placeholder on the host). Returns the input ids, the attention metadata, the query start of
+        each sequence (host) and the rows the step samples from (device; none for a decode graph, which samples
+        every row), all uploaded in the one copy (a host list indexing a device tensor would reach it by a copy
+        that waits for the step's kernels)."""
         t0 = time.perf_counter()
         bs, buf = self.block_size, self.bufs
         B = len(batch)
@@ -318,12 +322,14 @@ class ModelRunner:
             pad = np.zeros(pad_tokens_to - T, np.int64)
             token_fields = {k: np.concatenate([a, pad]) for k, a in token_fields.items()}
         max_q = int(lens.max(initial=0))
+        rows = (np.zeros(0, np.int64) if pad_to else
+                qsl[1:len(batch) + 1][np.fromiter((c.samples for c in batch), dtype=bool, count=len(batch))] - 1)
         # with prompt chunks, the leading decodes in a launch of their own (KernelConfig.decodes_apart)
         decodes = leading_decodes(lens) if self.decodes_apart and max_q > 1 else 0
         blocks = (query_blocks(lens, seq_lens, self.q_block, decodes).reshape(-1) if self.q_block and max_q > 1
                   else np.zeros(0, np.int64))
         v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
-                            seq_lens=seq_lens, q_blocks=blocks), table)
+                            seq_lens=seq_lens, q_blocks=blocks, sample_rows=rows), table)
         if pad_tokens_to:
             v.update({k: v[k][:T] for k in token_fields})
         if fill_dst.size:  # tokens the host does not have yet: from the previous step's output, on the device
@@ -335,7 +341,7 @@ class ModelRunner:
             block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None, decodes=decodes,
             num_splits=self._kv_splits(len(batch) if max_q == 1 else decodes))
         self.last_metadata_s = time.perf_counter() - t0
-        return v["input_ids"], meta, qsl
+        return v["input_ids"], meta, qsl, v["sample_rows"]
 
     def _kv_splits(self, decodes: int) -> int:
         """KV splits of the Triton attention launch over `decodes` one-token sequences (1 without them, or where
@@ -351,11 +357,15 @@ class ModelRunner:
             token_qpos=buf.token_qpos[:b], max_query_len=1, max_seq_len=0, block_size=self.block_size,
             num_splits=self._kv_splits(b))
 
+    def release_order(self, tokens: int) -> int:
+        """The release order (EARLY | LATE) the kernels of a forward of `tokens` tokens on this rank launch in."""
+        return release_order_for(tokens, self.qkv_elems)
+
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # a few tokens on this rank: projections that stream their weights during the kernel before them, which
         # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py); every kernel of the
         # forward runs in the step's order
-        kc = self.kernels.with_release(release_order_for(ids.shape[0], self.qkv_elems))
+        kc = self.kernels.with_release(self.release_order(ids.shape[0]))
         return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc)
 
     @staticmethod
@@ -398,12 +408,11 @@ class ModelRunner:
             logits = logits[: len(batch)]
         else:
             self.comm.begin_step(sync.max_tokens)
-            ids, meta, qsl = self._metadata(batch, prev=prev, prev_rows=prev_rows, pad_tokens_to=pieces)
+            ids, meta, qsl, rows = self._metadata(batch, prev=prev, prev_rows=prev_rows, pad_tokens_to=pieces)
             if pieces is not None:
                 hidden = self.pieces.replay(pieces, ids.shape[0], lambda c, q, o: self._attend(c, q, o, meta))
             else:
                 hidden = self.forward(ids, meta)
-            rows = [int(qsl[b + 1]) - 1 for b, c in enumerate(batch) if c.samples]
             for b, c in enumerate(batch):
                 if c.req.wants_prompt_logits:
                     # positions not collected yet (a preempted request recomputes ones it already has)
@@ -413,10 +422,9 @@ class ModelRunner:
                         h = hidden[int(qsl[b]) + lo - c.start: int(qsl[b]) + hi - c.start]
                         whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights))
                         prompt_logits[b] = whole.float().cpu()
-            if not rows:
+            if not rows.numel():
                 return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
-            # (rows as a device index: a list would reach the device by a copy that waits for this step's kernels)
-            logits = qwen3_moe.logits(hidden.index_select(0, self._to_device(rows, torch.int64)), self.weights)
+            logits = qwen3_moe.logits(hidden.index_select(0, rows), self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
                 return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits)
         tokens, whole = self._sample(logits, reqs, stop_masks)
@@ -463,9 +471,9 @@ class ModelRunner:
         return PendingStep(tokens, prompt_logits, host, done, lp_host)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A step's small host list on the device without waiting for the GPU: staged through pinned memory (from
-        pageable memory the copy may wait for the stream's queued kernels, the previous step's and this one's, and
-        the host's work for the next step would no longer overlap them)."""
+        """Small host values on the device without waiting for the GPU: staged through pinned memory (from pageable
+        memory the copy may wait for the stream's queued kernels, the previous step's and this one's, and the
+        host's work for the next step would no longer overlap them)."""
         t = torch.tensor(values, dtype=dtype)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
@@ -474,13 +482,12 @@ class ModelRunner:
         temp = [r.params.temperature for r in reqs]
         top_k = [r.params.top_k if r.params.top_k > 0 else V for r in reqs]
         top_p = [r.params.top_p for r in reqs]
-
-        dev = self._to_device
+        min_p = [r.params.min_p for r in reqs]
+        # two copies: the float parameters, the integer ones
+        f = self._to_device([temp, top_p, min_p], torch.float32)
+        i = self._to_device([top_k, [r.spec.seed for r in reqs], [len(r.output_token_ids) for r in reqs]],
+                            torch.int64)
         return SamplingBatch(
-            temperature=dev(temp, torch.float32), top_k=dev(top_k, torch.int64), top_p=dev(top_p, torch.float32),
-            seeds=dev([r.spec.seed for r in reqs], torch.int64),
-            steps=dev([len(r.output_token_ids) for r in reqs], torch.int64),
+            temperature=f[0], top_k=i[0], top_p=f[1], seeds=i[1], steps=i[2],
             all_greedy=all(t == 0 for t in temp), any_top_k=any(k < V for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-            min_p=dev([r.params.min_p for r in reqs], torch.float32) if any(r.params.min_p > 0 for r in reqs)
-            else None)
+            any_top_p=any(p < 1.0 for p in top_p), min_p=f[2] if any(p > 0 for p in min_p) else None)

@@ -12,6 +12,7 @@ warm-up does, so they need no switch and leave no trace."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,19 +78,24 @@ APART_DECODES = (1, 2, 4, 8, 16, 32)
 
 
 def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed: set[int],
-                 decodes_apart: bool = False) -> list[WarmupStep]:
+                 apart_release: Callable[[int], int] | None = None) -> list[WarmupStep]:
     """The steps for one layout: per ladder count T, a whole prompt of T tokens; a chunk after a cached page with up
-    to T/2 decodes beside it (a mixed step) and, where decodes attend apart, at every power of two T from 16 also
-    with each of APART_DECODES beside it; T decodes where no graph holds a batch of T; then a step in each
-    sampling path but greedy.
-    `graphed`: the decode batches the layout's graphs replay."""
-    steps = []
+    to T/2 decodes beside it (a mixed step); T decodes where no graph holds a batch of T; then a step in each
+    sampling path but greedy. `graphed`: the decode batches the layout's graphs replay.
+    apart_release (where decodes attend apart): the release order of a step of T tokens. Their launch's variant
+    follows only their count's KV splits and that order, so each of APART_DECODES beside a chunk once per order,
+    at the first power of two T from 16 with room for it."""
+    steps, apart_done = [], set()
     for T in token_ladder(min(budget, max_len - 1)):
         steps.append(WarmupStep(((0, T),)))
         start = page if page + T < max_len else 0
         d = min(T // 2, max_running - 1, T - 2)  # the chunk keeps 2+ tokens: a prefill, not one more decode
-        few = {n for n in APART_DECODES if n < d} if decodes_apart and T >= 16 and T & (T - 1) == 0 else set()
-        for n in sorted(few) + ([d] if d else []):
+        few = []
+        if apart_release is not None and T >= 16 and T & (T - 1) == 0:
+            order = apart_release(T)
+            few = [n for n in APART_DECODES if n < d and (order, n) not in apart_done]
+            apart_done |= {(order, n) for n in [*few, d]}  # (its T/2 step covers its own count)
+        for n in few + ([d] if d else []):
             steps.append(WarmupStep(((page, 1),) * n + ((start, T - n),)))
         if T <= max_running and T not in graphed:
             steps.append(WarmupStep(((page, 1),) * T))
@@ -118,7 +124,8 @@ def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
         budget = min(ecfg.max_num_batched_tokens, rank.spec.max_model_len)
         graphed = {b for b in range(1, budget + 1) if rt.runner.has_graph(b)}
         plans.append((rt.runner, warmup_steps(ecfg.max_num_batched_tokens, ecfg.max_running_requests,
-                                              rank.spec.max_model_len, page, graphed, rt.runner.decodes_apart)))
+                                              rank.spec.max_model_len, page, graphed,
+                                              rt.runner.release_order if rt.runner.decodes_apart else None)))
     total = sum(len(s) for _, s in plans)
     with tqdm(total=total, desc="compiling kernels", unit="step", disable=not progress) as bar:
         for runner, steps in plans:
