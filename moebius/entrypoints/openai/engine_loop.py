@@ -2,7 +2,8 @@
 commands through a thread-safe queue (add requests with their sink, abort, a call such as a switch or a status
 snapshot), which the thread takes at step boundaries. It steps while there is work and blocks on the queue when idle
 (no busy loop). Each step's outputs go to the sink of their request as deltas (new token ids and the text so far),
-through `loop.call_soon_threadsafe`, so nothing the engine mutates later is shared with the event loop.
+all of a step's in one `loop.call_soon_threadsafe` (`post`), so nothing the engine mutates later is shared with the
+event loop.
 
 If the engine raises, the loop fails every request in flight (500), answers later ones with 503, reports itself
 unhealthy, closes the engine and ends: the server stays up to say so.
@@ -79,21 +80,39 @@ Event = Accepted | Update | Failure
 
 
 class Sink:
-    """The HTTP side's end of one request: the engine thread puts events, the event loop reads them."""
+    """The HTTP side's end of one request: the engine thread posts events (`post`), the event loop reads them."""
 
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids  # the engine requests' ids, known before the engine admits them
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
 
-    def put(self, event: Event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the event loop is closed (shut down): nobody is listening any more
-            pass
+    def receive(self, event: Event) -> None:
+        """On the event loop: queue an event for the reader."""
+        self._queue.put_nowait(event)
 
     async def get(self) -> Event:
         return await self._queue.get()
+
+
+def _receive_all(events: list[tuple[Sink, Event]]) -> None:
+    for sink, event in events:
+        sink.receive(event)
+
+
+def post(events: Sequence[tuple[Sink, Event]]) -> None:
+    """From the engine thread: hand events to their sinks, in order, with one wake-up of each event loop however many
+    there are. A wake-up writes to the loop's socket and gives up the GIL, so that the HTTP side, busy streaming, may
+    hold it for a switch interval: one a request each step (256 a step at 256 streams) held the engine for
+    milliseconds."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Event]]] = {}
+    for sink, event in events:
+        by_loop.setdefault(sink.loop, []).append((sink, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_receive_all, batch)
+        except RuntimeError:  # the event loop is closed (shut down): nobody is listening any more
+            pass
 
 
 # ---- commands: HTTP side -> engine thread ----
@@ -286,7 +305,7 @@ class EngineLoop:
                 with self._lock:
                     self._waiting -= len(cmd.items)
                     self._in_flight -= len(cmd.items)
-                cmd.sink.put(Failure(APIError(400, f"prompt {i}: {e}" if many else str(e), param=cmd.param)))
+                post([(cmd.sink, Failure(APIError(400, f"prompt {i}: {e}" if many else str(e), param=cmd.param)))])
                 return
         ids = []
         for i, ((prompt, params), valid) in enumerate(zip(cmd.items, checked, strict=True)):
@@ -296,7 +315,7 @@ class EngineLoop:
             ids.append(rid)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(valid[1]))
-        cmd.sink.put(Accepted(ids, [v[1] for v in checked]))
+        post([(cmd.sink, Accepted(ids, [v[1] for v in checked]))])
 
     def _settle(self, route: _Route) -> None:
         with self._lock:
@@ -308,6 +327,7 @@ class EngineLoop:
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         m, now = self.metrics, time.perf_counter()
+        events: list[tuple[Sink, Event]] = []
         for out in outs:
             route = self._routes.get(out.request_id)
             if route is None:  # aborted: its client is gone
@@ -333,7 +353,7 @@ class EngineLoop:
                 if m is not None and out.ttft is not None:
                     m.ttft.observe(max(0.0, out.ttft))
             if samples or out.finished:
-                route.sink.put(Update(route.prompt_index, samples, out.finished))
+                events.append((route.sink, Update(route.prompt_index, samples, out.finished)))
             if out.finished:
                 del self._routes[out.request_id]
                 self._settle(route)
@@ -342,6 +362,7 @@ class EngineLoop:
                     times = first.token_times
                     m.finished(first.finish_reason, out.arrival_time, times[0] if times else None,
                                times[-1] if times else None, len(first.token_ids), now)
+        post(events)
 
     def _log_stats(self) -> None:
         """A line every STATS_EVERY_S seconds while busy: throughput, requests, KV use, layout."""
@@ -387,8 +408,8 @@ class EngineLoop:
             self._closed = True
         if self.metrics is not None:
             self.metrics.healthy.set(0)
-        for route in self._routes.values():
-            route.sink.put(Failure(APIError(500, f"the engine failed: {msg}", code="engine_error")))
+        failed = Failure(APIError(500, f"the engine failed: {msg}", code="engine_error"))
+        post([(route.sink, failed) for route in self._routes.values()])
         self._routes.clear()
 
     def _shutdown(self) -> None:
@@ -396,8 +417,7 @@ class EngineLoop:
             self._closed = True
             self._waiting = self._in_flight = self._running = 0
         gone = APIError(503, "the server shut down before the request finished", code="shutting_down")
-        for route in self._routes.values():
-            route.sink.put(Failure(gone))
+        post([(route.sink, Failure(gone)) for route in self._routes.values()])
         self._routes.clear()
         while True:
             try:
@@ -405,7 +425,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                cmd.sink.put(Failure(self._refusal() or gone))
+                post([(cmd.sink, Failure(self._refusal() or gone))])
             elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(self._refusal() or gone)
         try:
