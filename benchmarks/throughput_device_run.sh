@@ -17,6 +17,8 @@
 #   mixed     a 512-token prompt beside 255 decoding requests (1500 cached tokens each), their attention shared with
 #             the prompt's launch and apart (--mixed-attention), timed (sweep) and profiled; decode batches of 512
 #             and 1024 profiled in step pieces (the rollout's batches past the decode graphs)
+#   steady    256 streams of 128 -> 512 tokens, all at once: served (`moebius bench serve`) against the same work
+#             offline (`bench throughput`): what serving adds to a decode step (needs the serve wheels)
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace, into h200-p1-serve-bursty-$SERVE_TAG
 #             (default "new": the kept runs are not overwritten; the server flags are M) (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
@@ -29,6 +31,10 @@ W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypo
 M=${M:-"--model qwen3-30b-a3b --load-format dummy --num-ranks 1"}  # M, N and V: smaller for a dry run on a CPU
 N=${N:-1}; V=${V:-151936}; export TRITON_CACHE_DIR=$W/triton
 WORK="--num-prompts $((256 / N)) --prompt-len-dist uniform --prompt-len-range 64,512 --output-len $((128 / N)) --probe-requests 10"
+STEADY="--num-prompts $((256 / N)) --prompt-len-dist fixed --prompt-len $((128 / N)) --output-len $((512 / N))"
+up() { python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
+  for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"; }
+down() { kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/server.log; }
 t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|return func\|compiling kernels" $W/$n.log | tail -4; }
 date +%T
 for step in "$@"; do case $step in
@@ -63,10 +69,14 @@ mixed)
   done
   t pieces_prof 200 python3 -m moebius.bench.profile_steps --prefill --decode $((512 / N)) $((1024 / N)) --context $((512 / N)) --pieces --rows 12 ;;
 serve)
-  python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
-  for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"
+  up
   t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --server-args "$M" --output $R/h200-p1-serve-bursty-${SERVE_TAG:-new}.json
-  kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/server.log ;;
+  down ;;
+steady)
+  t steady_offline 150 $B throughput $M $STEADY --output $R/h200-p1-steady256-offline.json
+  up
+  t steady 150 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V $STEADY --server-args "$M" --output $R/h200-p1-serve-steady256-${SERVE_TAG:-new}.json
+  down ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
 find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude='cold*' --exclude=triton .
