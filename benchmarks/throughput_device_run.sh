@@ -17,8 +17,9 @@
 #   mixed     a 512-token prompt beside 255 decoding requests (1500 cached tokens each), their attention shared with
 #             the prompt's launch and apart (--mixed-attention), timed (sweep) and profiled; decode batches of 512
 #             and 1024 profiled in step pieces (the rollout's batches past the decode graphs)
-#   steady    256 streams of 128 -> 512 tokens, all at once: served (`moebius bench serve`) against the same work
-#             offline (`bench throughput`): what serving adds to a decode step (needs the serve wheels)
+#   steady    STREAMS (256) streams of 128 -> STEADY_OUT (512) tokens, all at once: served (`moebius bench serve`)
+#             against the same work offline (`bench throughput`): what serving adds to a decode step (needs the
+#             serve wheels; past 256 streams give M a larger --max-running-requests)
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace, into h200-p1-serve-bursty-$SERVE_TAG
 #             (default "new": the kept runs are not overwritten; the server flags are M) (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
@@ -31,7 +32,7 @@ W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypo
 M=${M:-"--model qwen3-30b-a3b --load-format dummy --num-ranks 1"}  # M, N and V: smaller for a dry run on a CPU
 N=${N:-1}; V=${V:-151936}; export TRITON_CACHE_DIR=$W/triton
 WORK="--num-prompts $((256 / N)) --prompt-len-dist uniform --prompt-len-range 64,512 --output-len $((128 / N)) --probe-requests 10"
-STEADY="--num-prompts $((256 / N)) --prompt-len-dist fixed --prompt-len $((128 / N)) --output-len $((512 / N))"
+STREAMS=${STREAMS:-256}; STEADY="--num-prompts $((STREAMS / N)) --prompt-len-dist fixed --prompt-len $((128 / N)) --output-len $((${STEADY_OUT:-512} / N))"
 up() { python3 -m moebius.entrypoints.cli serve $M --port 8011 > $W/server.log 2>&1 & S=$!
   for _ in $(seq 150); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done; echo "server up $(date +%T)"; }
 down() { kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/server.log; }
@@ -73,9 +74,9 @@ serve)
   t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --server-args "$M" --output $R/h200-p1-serve-bursty-${SERVE_TAG:-new}.json
   down ;;
 steady)
-  t steady_offline 150 $B throughput $M $STEADY --output $R/h200-p1-steady256-offline.json
+  t steady_offline 150 $B throughput $M $STEADY --output $R/h200-p1-steady${STREAMS}-offline.json
   up
-  t steady 150 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V $STEADY --server-args "$M" --output $R/h200-p1-serve-steady256-${SERVE_TAG:-new}.json
+  t steady 150 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V $STEADY --server-args "$M" --output $R/h200-p1-serve-steady${STREAMS}-${SERVE_TAG:-new}.json
   down ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
