@@ -202,6 +202,10 @@ class EngineConfig:
     mem_fraction: float = _flag(0.85, "fraction of GPU memory for the unified buffer (weights + KV cache)")
     num_ranks: int = _flag(1, "ranks (one process per GPU) serving the model together on this machine; under "
                            "torchrun the world size is taken from the environment instead")
+    rank_process: str = _flag("auto", "with one rank: run it in a process of its own, as every rank runs with "
+                              "several (on), or in the front end's process (off); auto: its own under `moebius "
+                              "serve`, where the HTTP side would otherwise share the GIL with the step launches, "
+                              "else in process", ("auto", "on", "off"))
     mode: str | None = _flag(None, "parallel layout: tp (tensor parallel attention and experts), ep (data-parallel "
                              "attention, expert-parallel experts), or auto (switch between them by load); default: "
                              "auto with several ranks, tp with one", ("tp", "ep", "auto"))

@@ -234,6 +234,23 @@ def test_info_routes(server: Server) -> None:
     assert server.get("/version").json() == {"version": moebius.__version__}
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
+def test_one_rank_serves_from_a_process_of_its_own(server: Server, ref: LLM) -> None:
+    """Under `moebius serve` the one rank runs in a process of its own (--rank-process auto): its launches (each
+    gives up the GIL) would otherwise wait on the HTTP side's Python. Its tokens are the in-process engine's."""
+    assert len(_rank_pids(server.proc.pid)) == 1
+    toks, _, _ = collect(server.stream("/v1/completions", {"prompt": IDS[1], "return_token_ids": True, **GREEDY}))
+    assert toks[0] == offline(ref, IDS[1], **GREEDY).token_ids
+
+
+def test_rank_process_on_gives_the_in_process_tokens(ref: LLM) -> None:
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    with LLM(device="cpu", rank_process="on") as spawned:
+        assert type(spawned.engine.ranks).__name__ == "SpawnedRanks"
+        got = [o.token_ids for o in spawned.generate(IDS, params)]
+    assert got == [o.token_ids for o in ref.generate(IDS, params)]
+
+
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 

@@ -80,7 +80,7 @@ class EngineCore:
                 sys.stderr.flush()
                 os._exit(0)
             self.ranks: LocalRanks | SpawnedRanks | TorchrunRanks = TorchrunRanks(spec)
-        elif self.world_size > 1:
+        elif self.world_size > 1 or ecfg.rank_process == "on":
             self.ranks = SpawnedRanks(spec, self.world_size)
         else:
             self.ranks = LocalRanks(spec)

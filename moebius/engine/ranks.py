@@ -1,4 +1,5 @@
-"""Running the ranks: in this process (P = 1), as spawned processes on one machine (--num-ranks P), or under
+"""Running the ranks: in this process (P = 1), as spawned processes on one machine (--num-ranks P, or one with
+--rank-process on: `moebius serve` does so, since its HTTP side would share the GIL with the launches), or under
 torchrun (env:// rendezvous, possibly across machines) with the front end in rank 0's process.
 
 Every step is lockstep: rank 0 broadcasts the StepPlan (JSON on the CPU group), every rank applies it
@@ -150,8 +151,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-MAIN_GUARD = ("with --num-ranks > 1 the engine spawns one process per rank, and each of them imports the main "
-              "script again: build the engine under `if __name__ == \"__main__\":` in a script")
+MAIN_GUARD = ("with --num-ranks > 1 (or --rank-process on) the engine spawns one process per rank, and each of "
+              "them imports the main script again: build the engine under `if __name__ == \"__main__\":` in a script")
 
 
 class SpawnedRanks:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,8 @@ def serve(args: argparse.Namespace) -> int:
     from moebius.engine.core import EngineCore
 
     ecfg = EngineConfig.from_cli_args(args)
+    if ecfg.rank_process == "auto":  # the step launches must not wait for the GIL the HTTP side holds
+        ecfg = dataclasses.replace(ecfg, rank_process="on")
     if ecfg.admin_port is not None:
         raise ValueError("--admin-port: `moebius serve` hosts /admin/switch and /admin/status on --port itself")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
