@@ -516,6 +516,9 @@ def test_sigterm_drains_then_exits_0(tmp_path: Any, ref: LLM) -> None:
     t.start()
     assert started.wait(30)
     s.proc.send_signal(signal.SIGTERM)
+    for pid in _rank_pids(s.proc.pid) if os.path.isdir("/proc") else []:  # as a signal to the process group
+        # (systemd's stop) reaches the rank too
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 5
     while s.get("/health").status_code == 200:  # the signal lands within moments
         assert time.monotonic() < deadline

@@ -95,8 +95,11 @@ def _rank_main(rank: int, world_size: int, spec: RankSpec, init_method: str | No
                conn: Connection | None) -> None:
     """Entry of a rank process (spawned, or a torchrun rank other than 0)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank}: %(message)s")
-    if init_method is not None:  # spawned: Ctrl-C in the terminal is the front end's to handle; it closes the ranks
+    if init_method is not None:  # spawned: Ctrl-C, or a SIGTERM to the whole process group (systemd's default
+        # stop), is the front end's to handle: a server drains its requests, then closes the ranks (a plan of None,
+        # or its end of the pipe closing when it dies)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     local_rank = rank if init_method is not None else int(os.environ.get("LOCAL_RANK", 0))
     spec = dataclasses.replace(spec, rank=rank, world_size=world_size, device=_rank_device(spec, local_rank))
     groups = init_groups(rank, world_size, torch.device(spec.device), init_method)
