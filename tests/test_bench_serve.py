@@ -34,6 +34,8 @@ from moebius.bench.serve_stats import (  # noqa: E402
     layouts_in,
     percentile,
     stats,
+    step_intervals,
+    step_ms,
     summarize,
     token_gaps,
 )
@@ -88,6 +90,14 @@ def test_summary_and_bins_by_hand() -> None:
     assert bins[0]["tpot_ms.mean"] == pytest.approx(100) and bins[1]["tpot_ms.mean"] is None
     assert bins[2]["tpot_ms.p99"] == pytest.approx(400) and bins[0]["itl_ms.p50"] == pytest.approx(150)
     assert bins[2]["modes"] == ["tp"]
+    # the server's step time: the seconds between samples over the steps run between them (none while idle)
+    samples = [{"run_t_s": -1.0, "steps": 10}, {"run_t_s": 0.1, "steps": 20}, {"run_t_s": 0.3, "steps": 30},
+               {"run_t_s": 0.6, "steps": 30}, {"run_t_s": 0.9, "steps": 36}, {"run_t_s": None, "steps": 40}]
+    assert step_intervals(samples) == [(0.1, pytest.approx(1.1), 10), (0.3, pytest.approx(0.2), 10),
+                                       (0.9, pytest.approx(0.3), 6)]
+    bins = bins_of([a, b, bad], bin_s=0.5, duration=1.3, changes=changes, samples=samples)
+    assert [x["step_ms"] for x in bins] == [pytest.approx(1e3 * 1.3 / 20), pytest.approx(50), None]
+    assert step_ms(step_intervals(samples), 0.0, 1.3) == pytest.approx(1e3 * 1.6 / 26)
 
 
 def test_align_puts_the_first_busy_sample_at_the_first_send() -> None:
@@ -151,6 +161,8 @@ def _bench(url: str, out: str, *flags: str) -> dict[str, Any]:
     assert s["status_available"] and timeline and all(x["mode"] == "tp" for x in timeline)
     assert any(x["run_t_s"] is not None and 0 <= x["run_t_s"] <= s["duration_s"] for x in timeline)
     assert len({x["t"] for x in timeline}) == len(timeline)  # de-duplicated
+    steps = [x["steps"] for x in sorted(timeline, key=lambda x: x["t"])]
+    assert steps == sorted(steps) and s["step_ms"] > 0  # the server's step count, hence its step time
     png = os.path.splitext(out)[0] + ".png"
     try:
         import matplotlib  # noqa: F401

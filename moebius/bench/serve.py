@@ -25,7 +25,17 @@ from typing import Any
 
 from moebius.bench import bursty
 from moebius.bench.results import default_num_gpus, gpu_name, params_of, summary_of, write_result
-from moebius.bench.serve_stats import Rec, Row, align, bins_of, layout_changes, report, summarize
+from moebius.bench.serve_stats import (
+    Rec,
+    Row,
+    align,
+    bins_of,
+    layout_changes,
+    report,
+    step_intervals,
+    step_ms,
+    summarize,
+)
 from moebius.bench.workload import lognormal, prompts_of
 
 log = logging.getLogger("moebius")
@@ -306,10 +316,11 @@ def main(a: argparse.Namespace) -> int:
                          for d in (tl.samples, tl.switches))
     offset = align(samples, switches, before_t, min((r.sent_s for r in recs if r.sent_s is not None), default=None))
     summary = {**summarize(recs, duration, slo), "timeline_samples": len(samples), "timeline_offset_s": offset,
+               "step_ms": step_ms(step_intervals(samples), 0.0, duration),
                "switches_done": sum(w["done"] and w["run_t_s"] is not None and w["run_t_s"] >= 0 for w in switches),
                "status_available": bool(tl.available)}
     changes = layout_changes(samples, switches)
-    bins, gpu = bins_of(recs, a.bin_s, duration, changes), gpu_name()
+    bins, gpu = bins_of(recs, a.bin_s, duration, changes, samples), gpu_name()
     where = "replay " + a.replay if a.replay else a.trace if a.trace == "bursty" else f"Poisson {a.request_rate:g}/s"
     result = write_result(
         a.output, tables={"request": [r.row(a.save_chunks) for r in recs], "bin": bins, "timeline": samples,

@@ -3,6 +3,7 @@ server's timeline put on the run's clock, and the printed table (pure: no I/O)."
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -110,10 +111,28 @@ def layouts_in(changes: Sequence[tuple[float, str]], lo: float, hi: float) -> li
     return sorted(set(before + [m for t, m in changes if lo <= t < hi]))
 
 
+def step_intervals(samples: Sequence[Row]) -> list[tuple[float, float, int]]:
+    """(end run_t_s, seconds, engine steps) between consecutive timeline samples that ran steps (samples carry the
+    server's step count since it has one; older ones give nothing)."""
+    marks = sorted((s["run_t_s"], s["steps"]) for s in samples
+                   if s.get("run_t_s") is not None and s.get("steps") is not None)
+    return [(t1, t1 - t0, n1 - n0) for (t0, n0), (t1, n1) in itertools.pairwise(marks) if n1 > n0]
+
+
+def step_ms(intervals: Sequence[tuple[float, float, int]], lo: float = -math.inf, hi: float = math.inf
+            ) -> float | None:
+    """The server's mean step time (ms) over the intervals ending in [lo, hi); None without steps there."""
+    spans = [(dt, n) for t, dt, n in intervals if lo <= t < hi]
+    steps = sum(n for _, n in spans)
+    return 1e3 * sum(dt for dt, _ in spans) / steps if steps else None
+
+
 def bins_of(recs: Sequence[Rec], bin_s: float, duration: float,
-            changes: Sequence[tuple[float, str]] = ()) -> list[Row]:
+            changes: Sequence[tuple[float, str]] = (), samples: Sequence[Row] = ()) -> list[Row]:
     """Bins covering [0, duration]: TTFT over the requests arriving (scheduled) in a bin, TPOT over the tokens
-    emitted in it (a chunk's gap per token), ITL over the chunk gaps ending in it, tokens and completions in it."""
+    emitted in it (a chunk's gap per token), ITL over the chunk gaps ending in it, tokens and completions in it, and
+    the server's mean step time from its timeline `samples` (put on the run's clock by `align`)."""
+    intervals = step_intervals(samples)
     good = [r for r in recs if r.ok]
     per = {"tpot_ms": [g for r in good for g in token_gaps(r)], "itl_ms": [g for r in good for g in r.itl_ms()]}
     emitted = [(t, n) for r in good for t, n in zip(r.chunk_s, r.chunk_tokens, strict=True)]
@@ -124,7 +143,7 @@ def bins_of(recs: Sequence[Rec], bin_s: float, duration: float,
         row: Row = {"bin_start_s": lo, "bin_end_s": hi, "arrivals": sum(lo <= r.scheduled_s < hi for r in recs),
                     "completed": sum(r.end_s is not None and lo <= r.end_s < hi for r in good),
                     "output_tokens": tokens, "output_throughput": tokens / bin_s,
-                    "modes": layouts_in(changes, lo, hi)}
+                    "modes": layouts_in(changes, lo, hi), "step_ms": step_ms(intervals, lo, hi)}
         xs = {"ttft_ms": [x for r in good if lo <= r.scheduled_s < hi and (x := r.ttft_ms()) is not None],
               **{name: [ms for t, ms in gaps if lo <= t < hi] for name, gaps in per.items()}}
         rows.append(row | {f"{name}.{q}": v for name, vals in xs.items() for q, v in stats(vals).items()})

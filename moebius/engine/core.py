@@ -103,6 +103,7 @@ class EngineCore:
         self.timeline = ModeTimeline(time.perf_counter())
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
         self._preemptions = 0  # requests preempted so far (KV freed to make room; they recompute)
+        self._steps = self._tokens = 0  # steps run and output tokens made so far (the timeline's samples)
         self._switch_reason = ""  # why the pending switch was asked for
         self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
         self.auto: AutoMode | None = None
@@ -239,6 +240,8 @@ class EngineCore:
         result = self._to_ranks(plan)
         self._kv_stats, self.last_work = result.kv, result.work
         self._preemptions += result.work.preempted
+        self._steps += 1
+        self._tokens += sum(len(d.new_token_ids) for d in result.deltas)
         if plan.switch_to is not None:
             self.last_switch = self._switched(plan.switch_to, result)
         now = time.perf_counter()
@@ -250,7 +253,7 @@ class EngineCore:
         if self.timeline.due(now, self.mode):
             total = sum(k.total_tokens for k in result.kv)
             used = 1.0 - sum(k.free_tokens for k in result.kv) / total if total else 0.0
-            self.timeline.sample(now, self.mode, result.running, result.waiting, used)
+            self.timeline.sample(now, self.mode, result.running, result.waiting, used, self._steps, self._tokens)
         if self.auto is not None and self._pending.switch_to is None:
             # the signal: requests in flight, running or queued (a burst counts before its prefill is through)
             decision = self.auto.observe(now, self.mode, result.running + result.waiting, self._remaining)

@@ -15,6 +15,8 @@ class Sample:
     running: int
     waiting: int
     kv_used: float  # fraction of the KV pool in use (all ranks)
+    steps: int = 0  # engine steps run so far, and output tokens made: between two samples, ms a step and tokens/s
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,10 @@ class ModeTimeline:
         last = self.samples[-1] if self.samples else None
         return last is None or now - self.start - last.t >= self.interval or last.mode != mode
 
-    def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float) -> None:
+    def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float, steps: int = 0,
+               tokens: int = 0) -> None:
         if self.due(now, mode):
-            self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used))
+            self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used, steps, tokens))
 
     def switch(self, now: float, source: str, target: str, done: bool, reason: str,
                times: dict[str, Any] | None = None) -> None:
