@@ -45,6 +45,8 @@ def local_report(rank: Rank, plan: StepPlan) -> RankReport:
 def rank_step(rank: Rank, groups: Groups, plan: StepPlan | None) -> tuple[bool, StepResult | None]:
     """One lockstep iteration on any rank. `plan` matters on rank 0 only, where None means shut down.
     Returns (still running, the gathered result on rank 0 / None elsewhere)."""
+    if groups.world_size == 1:  # a rank of its own (--rank-process on): no peers, so no JSON round trips
+        return (False, None) if plan is None else (True, StepResult.gather([local_report(rank, plan)]))
     msg = broadcast_json(None if plan is None else encode(plan), groups)
     if msg is None:
         return False, None
