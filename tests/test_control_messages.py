@@ -88,3 +88,19 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     msg["requests"][0]["num_output"] -= 3
     with pytest.raises(ValueError, match="belong to no request"):
         requests_from_json(msg, specs)
+
+
+def test_token_deltas_pickle_with_every_field() -> None:
+    """A rank process's reply crosses its pipe pickled; TokenDelta pickles as its constructor's arguments."""
+    import dataclasses
+    import pickle
+
+    import torch
+
+    from moebius.engine.messages import TokenDelta
+
+    d = TokenDelta("r7-1", [5, 6], "stop", "</s>", torch.arange(6.0).view(2, 3), [-0.1, -1.5], [5, 9])
+    back = pickle.loads(pickle.dumps(d))
+    for f in dataclasses.fields(TokenDelta):
+        a, b = getattr(d, f.name), getattr(back, f.name)
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f.name
