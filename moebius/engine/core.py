@@ -248,8 +248,7 @@ class EngineCore:
         touched: dict[str, FrontRequest] = {}
         for d in result.deltas:
             self._apply(d, now, touched)
-        outs, self._undelivered = self._undelivered + [fr.output() for fr in touched.values()], []
-        self._retire(touched)
+        outs, self._undelivered = self._undelivered + self._collect(touched), []
         if self.timeline.due(now, self.mode):
             total = sum(k.total_tokens for k in result.kv)
             used = 1.0 - sum(k.free_tokens for k in result.kv) / total if total else 0.0
@@ -272,16 +271,22 @@ class EngineCore:
             produced.append(n)
         return predicted_remaining(max_left, produced, self._finished_lengths)
 
-    def _retire(self, touched: dict[str, FrontRequest]) -> None:
-        for fr in touched.values():
-            if fr.finished:
-                del self._requests[fr.request_id]
-                for s in fr.samples:
-                    if s.out.finish_reason != "abort":
-                        bisect.insort(self._finished_lengths, len(s.out.token_ids))
-                for c in fr.children:
-                    del self._child_to_parent[c]
-                    self._release(c, fr)
+    def _collect(self, touched: dict[str, FrontRequest]) -> list[RequestOutput]:
+        """The outputs of the requests that got tokens; the finished ones leave the front end."""
+        outs = [fr.output() for fr in touched.values()]
+        for fr, out in zip(touched.values(), outs, strict=True):
+            if out.finished:
+                self._retire(fr)
+        return outs
+
+    def _retire(self, fr: FrontRequest) -> None:
+        del self._requests[fr.request_id]
+        for s in fr.samples:
+            if s.out.finish_reason != "abort":
+                bisect.insort(self._finished_lengths, len(s.out.token_ids))
+        for c in fr.children:
+            del self._child_to_parent[c]
+            self._release(c, fr)
 
     def _release(self, child: str, fr: FrontRequest) -> None:
         if self.placement.release(child) is not None:  # an EP rank's: the others forget its spec
@@ -365,8 +370,7 @@ class EngineCore:
         touched: dict[str, FrontRequest] = {}
         for d in deltas:
             self._apply(d, time.perf_counter(), touched)
-        self._undelivered += [fr.output() for fr in touched.values()]
-        self._retire(touched)
+        self._undelivered += self._collect(touched)
 
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step), and the requests
