@@ -241,13 +241,13 @@ class EngineCore:
         self._kv_stats, self.last_work = result.kv, result.work
         self._preemptions += result.work.preempted
         self._steps += 1
-        self._tokens += sum(len(d.new_token_ids) for d in result.deltas)
         if plan.switch_to is not None:
             self.last_switch = self._switched(plan.switch_to, result)
         now = time.perf_counter()
         touched: dict[str, FrontRequest] = {}
         for d in result.deltas:
             self._apply(d, now, touched)
+            self._tokens += len(d.new_token_ids)
         outs, self._undelivered = self._undelivered + self._collect(touched), []
         if self.timeline.due(now, self.mode):
             total = sum(k.total_tokens for k in result.kv)

@@ -40,8 +40,6 @@ class FrontRequest:
 
     @property
     def finished(self) -> bool:
-        if len(self.samples) == 1:  # the common case, asked of every running request each step
-            return self.samples[0].out.finish_reason is not None
         return all(s.out.finished for s in self.samples)
 
     def output(self) -> RequestOutput:

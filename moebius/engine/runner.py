@@ -445,9 +445,8 @@ class ModelRunner:
             return self.comm.vocab_argmax(scores, kc=self._kc_sampling()), None
         logits = self.comm.gather_vocab(logits)
         if stop_masks:
-            at = [(row, t) for row, banned in stop_masks for t in banned]
-            where = (self._to_device([r for r, _ in at], torch.int64), self._to_device([t for _, t in at], torch.int64))
-            logits.index_put_(where, logits.new_full((len(at),), -math.inf))
+            at = self._to_device([(row, t) for row, banned in stop_masks for t in banned], torch.int64)  # [n, 2]
+            logits.index_put_((at[:, 0], at[:, 1]), logits.new_full((at.shape[0],), -math.inf))
         if all(r.params.temperature == 0 for r in reqs):
             return logits.argmax(dim=-1), logits
         return sample(logits, self._sampling_batch(reqs)), logits
