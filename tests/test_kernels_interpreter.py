@@ -106,7 +106,7 @@ def qk_cases() -> None:
     from attention_cases import qk_norm_rope_kv_errors
 
     for heads, kv_heads in [(16, 2), (4, 1)]:
-        for T in (1, 45, 100, 700):  # one head a program, a few, all of a token's
+        for T in (1, 45, 100, 700):  # a program's rows within one token, across two, across many programs
             q_err, k_err, v_same = qk_norm_rope_kv_errors(heads, kv_heads, T, 64, "cpu", torch.float32)
             assert q_err < 1e-5 and k_err < 1e-5 and v_same, (heads, kv_heads, T)
 

@@ -72,7 +72,7 @@ def argmax() -> list[dict[str, Any]]:
 
 
 def qk() -> list[dict[str, Any]]:
-    """q/k norm + RoPE + cache write: the launch qk_norm_rope_kv picks against one head per program."""
+    """q/k norm + RoPE + cache write: the launch qk_norm_rope_kv picks against one (token, head) row a program."""
     return [qk_case(name, H, kvh, T) for name, H, kvh in (("tp", 16, 2), ("ep", 32, 4))
             for T in (1, 8, 64, 256, 1024, 2048)]
 
@@ -88,10 +88,10 @@ def qk_case(name: str, H: int, kvh: int, T: int) -> dict[str, Any]:
     cache = torch.zeros(4096, 2, page, kvh, d, device=DEV, dtype=torch.bfloat16)
     q = torch.empty(T, H, d, device=DEV, dtype=torch.bfloat16)
 
-    def one_head() -> None:
-        fused._qk_norm_rope_kv[(T, H + kvh)](
-            qkv, qn, kn, rope, pos, slots, cache, q, 1e-6, H, kvh, qkv.stride(0), cache.stride(0),
-            cache.stride(1), cache.stride(2), cache.stride(3), PAGE=page, D=d, HB=1, num_warps=1,
+    def one_head() -> None:  # one (token, head) row a program
+        fused._qk_norm_rope_kv[(T * (H + kvh),)](
+            qkv, qn, kn, rope, pos, slots, cache, q, 1e-6, T, H, kvh, qkv.stride(0), cache.stride(0),
+            cache.stride(1), cache.stride(2), cache.stride(3), PAGE=page, D=d, R=1, num_warps=1,
             **pdl(qkv, DEFAULT_KERNELS))
 
     return dict(mode=name, T=T, one_head_us=graph_time_us(one_head), picked_us=graph_time_us(

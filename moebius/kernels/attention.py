@@ -88,8 +88,9 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlo
             r = tl.arange(0, 2 * G)
             KVH = tl.num_programs(0) // NUM_SPLITS
             h = tl.where(r < G, kvh * G + r, tl.where((r == G) & writer, H + kvh, H + KVH))  # H + KVH: no head
-            _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, Q, q0.to(tl.int64), h, eps, H, KVH, stride_t, stride_qt,
-                      stride_qh, stride_pg, stride_kv, stride_tok, stride_hd, PAGE, D)
+            t = q0.to(tl.int64) + tl.zeros_like(r)  # the token of every row
+            _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, Q, t, h, eps, H, KVH, stride_t, stride_qt, stride_qh,
+                      stride_pg, stride_kv, stride_tok, stride_hd, PAGE, D)
             tl.debug_barrier()  # q (and the new k, v) stored before this program reads them
         rows = tl.arange(0, BM * G)
         tok = m0 + rows // G

@@ -87,13 +87,14 @@ def sum_k_add_rmsnorm(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: in
 @triton.jit
 def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, stride_t, stride_qt, stride_qh, stride_pg,
               stride_kv, stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr):
-    """Heads h (a vector of ids: q heads below H, then k heads; others are skipped) of token t of the fused qkv
-    projection: RMSNorm with q_norm / k_norm, RoPE at t's position; q heads to QOut, k heads and their v to the
-    paged cache at t's slot."""
+    """Rows (token t, head h) (vectors; q heads below H, then k heads; other rows are skipped) of the fused qkv
+    projection: RMSNorm with q_norm / k_norm, RoPE at the token's position; q heads to QOut, k heads and their v
+    to the paged cache at the token's slot."""
     half = tl.arange(0, D // 2)
+    t2 = t[:, None]
     is_q = (h < H)[:, None]
     is_k = ((h >= H) & (h < H + KVH))[:, None]
-    base = QKV + t * stride_t + h[:, None] * D + half[None, :]
+    base = QKV + t2 * stride_t + h[:, None] * D + half[None, :]
     x1 = tl.load(base, mask=is_q | is_k, other=0.0).to(tl.float32)
     x2 = tl.load(base + D // 2, mask=is_q | is_k, other=0.0).to(tl.float32)
     var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
@@ -103,32 +104,44 @@ def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, str
     w2 = tl.where(is_q, tl.load(QN + D // 2 + half)[None, :], tl.load(KN + D // 2 + half)[None, :]).to(tl.float32)
     n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    pos = tl.load(Pos + t)
-    cos = tl.load(Rope + pos * D + half).to(dt).to(tl.float32)[None, :]
-    sin = tl.load(Rope + pos * D + D // 2 + half).to(dt).to(tl.float32)[None, :]
+    pos = tl.load(Pos + t)[:, None]
+    cos = tl.load(Rope + pos * D + half[None, :]).to(dt).to(tl.float32)
+    sin = tl.load(Rope + pos * D + D // 2 + half[None, :]).to(dt).to(tl.float32)
     o1 = (n1 * cos - n2 * sin).to(dt)
     o2 = (n2 * cos + n1 * sin).to(dt)
-    qo = QOut + t * stride_qt + h[:, None] * stride_qh + half[None, :]
+    qo = QOut + t2 * stride_qt + h[:, None] * stride_qh + half[None, :]
     tl.store(qo, o1, mask=is_q)
     tl.store(qo + D // 2, o2, mask=is_q)
     kh = (h - H)[:, None]
-    slot = tl.load(Slots + t)
+    slot = tl.load(Slots + t)[:, None]
     dst = Cache + (slot // PAGE) * stride_pg + (slot % PAGE) * stride_tok + kh * stride_hd + half[None, :]
     tl.store(dst, o1, mask=is_k)
     tl.store(dst + D // 2, o2, mask=is_k)
-    v = QKV + t * stride_t + (H + KVH + kh) * D + half[None, :]
+    v = QKV + t2 * stride_t + (H + KVH + kh) * D + half[None, :]
     tl.store(dst + stride_kv, tl.load(v, mask=is_k), mask=is_k)
     tl.store(dst + stride_kv + D // 2, tl.load(v + D // 2, mask=is_k), mask=is_k)
 
 
 @triton.jit
-def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, H, KVH, stride_t, stride_pg, stride_kv,
-                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
+def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH, stride_t, stride_pg, stride_kv,
+                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+    """R consecutive (token, head) rows of the T x (H + KVH) that carry a q or k head: no program holds padding
+    heads (a token's 36 heads padded to 64 left 44% of a token-per-program launch idle)."""
     enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)  # HB heads of token t
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    heads = H + KVH
+    ok = g < T * heads
+    t = tl.where(ok, g // heads, 0)
+    h = tl.where(ok, g % heads, heads)  # heads: no head
     _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, stride_t, H * D, D, stride_pg,
               stride_kv, stride_tok, stride_hd, PAGE, D)
+
+
+# (token, head) rows a program of qk_norm_rope_kv, on 4 warps. On H200 at the 30B shapes (32 + 4 heads) against the
+# launch it replaced (a token's heads padded to a power of two per program): 1024 tokens 7.8 -> 6.3 us, 2048 14.1 ->
+# 12.0, 256 4.3 -> 3.6, 8192 55.3 -> 54.6 (at the bytes it moves); rows (8 .. 128) x warps (1 .. 8) searched, 16 x 4
+# the best or within 0.5 us of it at every size (docs/performance.md).
+QK_ROWS = 16
 
 
 def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
@@ -140,14 +153,11 @@ def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tenso
     kvh, D = cache.shape[3], cache.shape[4]
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device) if out is None else out
     if T:
-        # a head per program at a few tokens; at many, a token's heads per program (one head each leaves tens of
-        # thousands of tiny programs, whose overhead then outweighs the bytes they move)
-        heads = num_heads + kvh
-        HB = min(triton.next_power_of_2(heads), triton.next_power_of_2(max(1, heads * T // 512)))
-        _qk_norm_rope_kv[(T, triton.cdiv(heads, HB))](
-            qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, num_heads, kvh, qkv.stride(0),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D, HB=HB,
-            num_warps=1 if HB < 8 else 4, **pdl(qkv, kc))
+        rows = T * (num_heads + kvh)
+        _qk_norm_rope_kv[(triton.cdiv(rows, QK_ROWS),)](
+            qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, T, num_heads, kvh, qkv.stride(0),
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D,
+            R=QK_ROWS, num_warps=4, **pdl(qkv, kc))
     return q
 
 
