@@ -287,7 +287,8 @@ class ModelRunner:
         B = len(batch)
         lens = np.fromiter((c.num_tokens for c in batch), dtype=np.int64, count=B)
         starts = np.fromiter((c.start for c in batch), dtype=np.int64, count=B)
-        ids = np.fromiter((t for c in batch for t in c.req.tokens(c.start, c.start + c.num_tokens)),
+        # chained in C: a generator over every token cost ~0.2 ms more at an 8k prompt (a CPU core)
+        ids = np.fromiter(chain.from_iterable(c.req.tokens(c.start, c.start + c.num_tokens) for c in batch),
                           dtype=np.int64, count=int(lens.sum()))
         n_pages = np.fromiter((len(c.req.pages) for c in batch), dtype=np.int64, count=B)
         # only the used columns are written: attention reads a row no further than its sequence length, so a
