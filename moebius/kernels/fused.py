@@ -122,7 +122,9 @@ def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, str
     tl.store(dst + stride_kv + D // 2, tl.load(v + D // 2, mask=is_k), mask=is_k)
 
 
-@triton.jit
+# T unspecialized: one variant for every step's token count (Triton would otherwise compile another where T happens to
+# be a multiple of 16, which the start-up warm-up's token counts need not all have met)
+@triton.jit(do_not_specialize=["T"])
 def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH, stride_t, stride_pg, stride_kv,
                      stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
     """R consecutive (token, head) rows of the T x (H + KVH) that carry a q or k head: no program holds padding
@@ -139,8 +141,9 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH,
 
 # (token, head) rows a program of qk_norm_rope_kv, on 4 warps. On H200 at the 30B shapes (32 + 4 heads) against the
 # launch it replaced (a token's heads padded to a power of two per program): 1024 tokens 7.8 -> 6.3 us, 2048 14.1 ->
-# 12.0, 256 4.3 -> 3.6, 8192 55.3 -> 54.6 (at the bytes it moves); rows (8 .. 128) x warps (1 .. 8) searched, 16 x 4
-# the best or within 0.5 us of it at every size (docs/performance.md).
+# 12.0, 256 4.3 -> 3.6, 8192 55.3 -> 54.6 (at the bytes it moves); at 16 + 2 heads 64 tokens 1.9 -> 2.1. Rows
+# (8 .. 128) x warps (1 .. 8) searched: 16 x 4 within 0.5 us of the best variant up to 2048 tokens, 1.0 us at 8192
+# (docs/performance.md).
 QK_ROWS = 16
 
 
