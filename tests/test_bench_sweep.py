@@ -47,7 +47,8 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
            "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
            "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--switch-transport", "peer",
            "--hf-baseline", "--hf-batches", "2", "--prefill-chunks", "8,40", "--prefill-prefix", "4",
-           "--prefill-decodes", "2", "--prefill-decode-context", "12", "--output", str(out)]
+           "--prefill-decodes", "2", "--prefill-decode-context", "12", "--prefill-idle", "0.01",
+           "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = load_result(out)
@@ -89,6 +90,8 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     for (mode, n), p in prefill.items():
         assert p["prefix"] == 4 and p["decodes"] == 2 and p["step_tokens"] == (n + 2) * (2 if mode == "ep" else 1)
         assert p["step_ms"] > 0 and p["floor_ms"] > 0 and abs(p["ratio_to_floor"] - p["step_ms"] / p["floor_ms"]) < 1e-9
+        # the same step alone (the device idle before it): its own time against the same floor
+        assert p["step_ms_isolated"] > 0 and p["ratio_isolated"] == p["step_ms_isolated"] / p["floor_ms"]
     assert prefill[("tp", 40)]["floor_ms"] > prefill[("tp", 8)]["floor_ms"]
     assert os.path.exists(tmp_path / "sweep.png") or not _has_matplotlib()  # the plot next to the JSON
 
@@ -189,3 +192,5 @@ def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
         bad = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=254,
                                decode_context=30)
         assert all("room for 257 requests" in r["error"] for r in bad), bad
+        bad = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, idle_s=-1.0)
+        assert all("idle_s >= 0" in r["error"] and "-1.0" in r["error"] for r in bad), bad

@@ -124,6 +124,11 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
                "mixed_attention": args.mixed_attention, "step_tokens": work.tokens,
                "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,
                "tokens_per_s": work.tokens / step * 1e3, "cuda_graph": all(r["pieces"] for r in res)}
+        if args.prefill_idle > 0:  # the same step alone, the device idle before it (clocks off the power cap)
+            alone = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps, warmup=0,
+                                 sequences=S, idle_s=args.prefill_idle, **mixed)
+            row["step_ms_isolated"] = max(r["step_ms"] for r in alone)
+            row["ratio_isolated"] = row["step_ms_isolated"] / floor
         if row["cuda_graph"]:  # the same step eagerly, for comparison
             eager = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
                                  warmup=args.warmup, graphs=False, sequences=S, **mixed)
@@ -241,6 +246,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="running requests decoding a token each beside each prefill step's prompts (a mixed step)")
     p.add_argument("--prefill-decode-context", type=int, default=1024,
                    help="cached tokens of each --prefill-decodes request")
+    p.add_argument("--prefill-idle", type=float, default=0.5,
+                   help="also time each prefill step after the device idled this many seconds (step_ms_isolated: a "
+                   "lone prompt's step; 0: not timed). step_ms runs the steps back to back, which on an H200 holds "
+                   "long steps at the card's power cap with its clocks lowered")
     p.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
                    help="how the decodes of a step with prompt chunks attend (the engine's --mixed-attention)")
     p.add_argument("--eager-up-to", type=int, default=8, help="also time eager steps up to this batch")
@@ -309,7 +318,8 @@ def main(args: argparse.Namespace) -> int:
                           note="decode step (ms) per mode and global batch against the floor (table decode); "
                                "switch: each switch with --switch-batch requests decoding; memory: per layout and "
                                "rank; prefill: a step of one prompt chunk per rank against its floor (bench/floor.py "
-                               "step_floor_ms); summary: the switch overhead per target layout, the crossover batch")
+                               "step_floor_ms), step_ms back to back, step_ms_isolated each after the device idled "
+                               "--prefill-idle s; summary: the switch overhead per target layout, the crossover batch")
     try:
         plot(result, os.path.splitext(args.output)[0] + ".png")
     except ImportError:
@@ -325,5 +335,7 @@ def main(args: argparse.Namespace) -> int:
         if "step_ms" in p:
             print(f"{p['mode']:>14} prefill {p['tokens']:>6} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "
                   f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s  graph={p['cuda_graph']}"
-                  + (f"  eager {p['eager_ms']:.3f} ms" if "eager_ms" in p else ""))
+                  + (f"  eager {p['eager_ms']:.3f} ms" if "eager_ms" in p else "")
+                  + (f"  alone {p['step_ms_isolated']:.3f} ms (x{p['ratio_isolated']:.2f})"
+                     if "step_ms_isolated" in p else ""))
     return 0

@@ -358,7 +358,7 @@ class EngineCore:
         "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
         "bench_decode" (batch, context, steps, warmup, graphs),
         "bench_prefill" (tokens, context, steps, warmup, graphs, sequences, decodes,
-        decode_context), "comm" (each layout's communicator)."""
+        decode_context, idle_s), "comm" (each layout's communicator)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self._to_ranks(plan)

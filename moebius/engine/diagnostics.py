@@ -38,7 +38,8 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
         return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
     if name == "bench_prefill":
         return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True),
-                             q.get("sequences", 1), q.get("decodes", 0), q.get("decode_context", 0))
+                             q.get("sequences", 1), q.get("decodes", 0), q.get("decode_context", 0),
+                             q.get("idle_s", 0.0))
     if name == "comm":  # how each layout's collectives run
         return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
     raise ValueError(f"unknown query {name!r}")
@@ -138,18 +139,20 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
 
 
 def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int, graphs: bool = True,
-                  sequences: int = 1, decodes: int = 0, decode_context: int = 0) -> dict[str, Any]:
+                  sequences: int = 1, decodes: int = 0, decode_context: int = 0, idle_s: float = 0.0
+                  ) -> dict[str, Any]:
     """Time a prefill step: on every rank prompt chunks of `tokens` tokens in all, split evenly over `sequences`
     prompts (many short prompts: a burst's step), each after `context` cached tokens (the KV pages hold whatever is
     there), each prompt's last token sampled, through the real runner as the engine runs prefill (graph pieces up to
     --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back). decodes: that many running
     requests first in the step, each decoding one token after `decode_context` cached ones (a mixed step: a prompt
-    arriving while others decode)."""
+    arriving while others decode). idle_s: the device idles that long before each step, a lone prompt's step
+    (back to back, long steps hold an H200 at its power cap, its clocks lowered: ~4% at 8k tokens)."""
     if (steps < 1 or warmup < 0 or tokens < 1 or context < 0 or not 1 <= sequences <= tokens or decodes < 0
-            or decode_context < 0):
+            or decode_context < 0 or idle_s < 0):
         return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1, warmup >= 0, 1 <= sequences "
-                         f"<= tokens, decodes >= 0 and decode_context >= 0, got {tokens}, {context}, {steps}, "
-                         f"{warmup}, {sequences}, {decodes} and {decode_context}"}
+                         f"<= tokens, decodes >= 0, decode_context >= 0 and idle_s >= 0, got {tokens}, {context}, "
+                         f"{steps}, {warmup}, {sequences}, {decodes}, {decode_context} and {idle_s}"}
     alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
     sizes = split_evenly(tokens, sequences)
     pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
@@ -175,6 +178,7 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
         for _ in range(warmup + steps):
             if rank.device.type == "cuda":
                 torch.cuda.synchronize(rank.device)
+            time.sleep(idle_s)
             t = time.perf_counter()
             rank.runner.launch(chunks, [], sync, graphs=graphs).result()
             times.append(time.perf_counter() - t)
