@@ -52,7 +52,7 @@ budget)
     t budget$b 120 $B throughput $M --num-prompts $((64 / N)) --output-len $((64 / N)) --long-prompt $((16384 / N)) --max-num-batched-tokens $b --output $R/h200-p1-long-prompt-budget$b.json
   done ;;
 prefill)
-  t prefill 120 $B sweep $M --modes tp --batches 1 --steps 5 --warmup 2 --prefill-chunks $((512 / N)),$((1024 / N)),$((2048 / N)),$((4096 / N)),$((8192 / N)),$((16384 / N)) --output $R/h200-p1-prefill.json
+  t prefill 160 $B sweep $M --modes tp --batches 1 --steps 5 --warmup 2 --prefill-chunks $((512 / N)),$((1024 / N)),$((2048 / N)),$((4096 / N)),$((8192 / N)),$((16384 / N)) --output $R/h200-p1-prefill.json
   python3 -c "import json; [print(json.dumps({'prompt_len': n // $N, 'output_len': 1})) for _ in range(2) for n in (1024, 4096, 16384, 32768)]" > $W/ttft.jsonl
   t ttft 130 $B throughput $M --lengths $W/ttft.jsonl --probe-requests 8 --max-model-len $((32800 / N)) --output $R/h200-p1-ttft.json ;;
 rollout)
