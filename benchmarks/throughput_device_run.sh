@@ -80,4 +80,4 @@ steady)
   down ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
-find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude='cold*' --exclude=triton .
+find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude=cold1 --exclude=triton .
