@@ -64,14 +64,6 @@ def _capture_buckets(buckets: list[int], inputs: Callable[[int], None], warm: Ca
     return time.perf_counter() - t
 
 
-def _upload(g: torch.cuda.CUDAGraph) -> None:
-    """Launch a graph just captured once, over the static inputs its capture ran on (rows that touch only the
-    reserved KV page 0): a graph's first launch uploads it to the device (cudaGraphUpload, which torch does not
-    call), which took ~15 ms for a 30B decode graph on an H200 and would otherwise fall in the first request's step
-    that replays it."""
-    g.replay()
-
-
 class CudaGraphs:
     """The decode graphs of one mode's runner, one per batch bucket."""
 
@@ -89,7 +81,6 @@ class CudaGraphs:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 self.set.logits[b], self.set.greedy[b] = step(b)
-            _upload(g)
             self.set.graphs[b] = g
 
         return _capture_buckets(self.buckets, inputs, step, one)
@@ -195,8 +186,6 @@ class StepPieces:
             cut = _Cut(self.q, self.o, self.pool)
             hidden = forward(b, cut)
             cut.end()
-            for g in cut.graphs:
-                _upload(g)
             self.sets[b] = PieceSet(cut.graphs, cut.calls, hidden)
 
         return _capture_buckets(self.buckets, inputs, lambda b: forward(b, _Cut(self.q, self.o, None)), one)
