@@ -247,6 +247,8 @@ def test_rank_process_on_gives_the_in_process_tokens(ref: LLM) -> None:
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
     with LLM(device="cpu", rank_process="on") as spawned:
         assert type(spawned.engine.ranks).__name__ == "SpawnedRanks"
+        # start-up's objects (~175k: torch, the model, the warm-up's) kept out of the rank's collections
+        assert all(h["frozen"] > 50_000 for h in spawned.engine.query("heap")), spawned.engine.query("heap")
         got = [o.token_ids for o in spawned.generate(IDS, params)]
     assert got == [o.token_ids for o in ref.generate(IDS, params)]
 

@@ -115,3 +115,23 @@ def _serve(P: int, mode: str, warmup: str) -> list[list[int]]:
 @pytest.mark.parametrize("P,mode", [(1, "tp"), (2, "ep")])
 def test_warmed_up_engine_serves_the_same_tokens(P: int, mode: str) -> None:
     assert _serve(P, mode, "full") == _serve(P, mode, "none")
+
+
+def test_start_up_freezes_the_heap_and_close_releases_it() -> None:
+    """After start-up every object alive is kept out of garbage collections (a full collection over ~175k objects
+    took 0.1 s on a CPU core, and one falls now and then under a step); closing gives them back to the collector, so
+    an engine's cycles (and the tensors they hold) are freed when it is dropped."""
+    import gc
+    import weakref
+
+    engine = EngineCore(EngineConfig.from_kwargs(model=None, device="cpu", max_model_len=64))
+    try:
+        assert gc.get_freeze_count() > 50_000  # torch, the model and the front end's own
+        assert engine.query("heap")[0]["frozen"] > 50_000  # the rank: here the same process (P = 1)
+    finally:
+        engine.close()
+    assert gc.get_freeze_count() == 0
+    alive = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert alive() is None

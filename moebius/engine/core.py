@@ -5,6 +5,7 @@ the ranks, and assembles their token deltas into per-request outputs (text, timi
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 from moebius.config import ConfigError, EngineConfig
 from moebius.engine.auto import AutoMode, needs_calibration, resolve_mode
 from moebius.engine.auto import build as build_auto
+from moebius.engine.build import freeze_heap
 from moebius.engine.calibrate import calibrate
 from moebius.engine.front_request import FrontRequest, Sample, child_seed
 from moebius.engine.lifecycle import check_prompt, max_total_len, placement_weight
@@ -110,6 +112,7 @@ class EngineCore:
         if auto:
             self.auto = build_auto(ecfg, self.calibration() if needs_calibration(ecfg) else None)
             log.info("auto mode, starting in %s: %s", start, self.auto.note)
+        freeze_heap()  # the front end's start-up, as each rank froze its own
 
     @property
     def mode(self) -> str:
@@ -358,7 +361,8 @@ class EngineCore:
         "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
         "bench_decode" (batch, context, steps, warmup, graphs),
         "bench_prefill" (tokens, context, steps, warmup, graphs, sequences, decodes,
-        decode_context, idle_s), "comm" (each layout's communicator)."""
+        decode_context, idle_s), "comm" (each layout's communicator), "heap" (the rank process's objects kept out
+        of garbage collections since start-up)."""
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self._to_ranks(plan)
@@ -382,6 +386,9 @@ class EngineCore:
 
     def close(self) -> None:
         self._close_ranks()
+        # what start-up froze may now be garbage (an engine's objects hold cycles, and its tensors with them): the
+        # collector walks it again, so another engine built in this process finds the memory free
+        gc.unfreeze()
 
     def __enter__(self) -> EngineCore:
         return self
