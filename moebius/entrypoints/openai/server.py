@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig
+from moebius.engine.build import freeze_heap
 
 if TYPE_CHECKING:
     import uvicorn
@@ -65,6 +66,7 @@ def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop, drain_time
             self._aio = asyncio.get_running_loop()
             self._watch_task = self._aio.create_task(self._watch_engine())  # kept: tasks are weakly held
             await super().startup(sockets)
+            freeze_heap()  # what the app and uvicorn's start-up made (imports, routes, schemas): out of collections
 
         async def _watch_engine(self) -> None:
             while not self.should_exit:
