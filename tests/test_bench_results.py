@@ -197,3 +197,22 @@ def test_a_bench_module_runs_as_a_module() -> None:
     r = subprocess.run([sys.executable, "-m", "moebius.bench.kernel_ab"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "usage: python -m moebius.bench.kernel_ab" in r.stderr
+
+
+def test_a_bench_run_writes_a_file_only_when_asked(tmp_path, monkeypatch) -> None:
+    """save_result: without a path the result is only returned (a run records nothing unless given --output);
+    with one it is written and plotted beside it. Every `moebius bench` command leaves --output unset by default."""
+    from moebius.entrypoints.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    drawn: list[str] = []
+    kw = dict(rows=[{"batch": 1, "step_ms": 2.0}], params={"x": 1}, note="a test")
+    result = results.save_result(None, lambda r, png: drawn.append(png), **kw)
+    assert result["rows"] == [{"batch": 1, "step_ms": 2.0}] and not drawn and not list(tmp_path.iterdir())
+    path = tmp_path / "run.json"
+    assert results.save_result(str(path), lambda r, png: drawn.append(png), **kw)["rows"] == result["rows"]
+    assert results.load_result(path)["rows"] == result["rows"] and drawn == [str(tmp_path / "run.png")]
+    for command in ("sweep", "throughput", "serve", "bursty", "rollout", "simulate"):
+        extra = ["rollout"] if command == "simulate" else []  # its workload sub-command
+        args = build_parser().parse_args(["bench", command, *extra])
+        assert args.output is None, command

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import statistics
 from typing import Any
 
-from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import Job, Run, add_engine_args, engine_config, plot_timelines, prompts_of, run_systems
 from moebius.bench.workload import with_model_len as model_len_for
 from moebius.engine.core import EngineCore
@@ -93,7 +92,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_workload_args(p)
     add_engine_args(p, profile="interactive")
-    p.add_argument("--output", default="benchmarks/results/bursty.json", help="JSON path (PNG next to it)")
+    p.add_argument("--output", default=None,
+                    help="JSON path, its plot (PNG) beside it (default: the results are printed, no file written)")
     p.set_defaults(func=main)
 
 
@@ -127,22 +127,19 @@ def main(a: argparse.Namespace) -> int:
     timeline = [{"system": r.system, **x} for r in runs for x in r.samples]
     switches = [{"system": r.system, **x} for r in runs for x in r.switches]
     summary: dict[str, Any] = {"requests": len(jobs), "trace_s": names[-1][2]}
-    write_result(a.output, tables={"phase": rows, "bin": bins, "timeline": timeline, "switch": switches},
-                 summary=summary, params=params_of(a), num_gpus=gpus_used(a.num_ranks, a.device),
-                 note=f"a bursty trace of {len(jobs)} requests served by each system on one engine; TTFT over "
-                      f"arrivals, TPOT over tokens emitted, by phase and in {a.bin_s:g} s bins; auto: {auto_note}")
-    try:
-        def panels(axes: Any) -> None:
-            for r in runs:
-                pts = [(b["bin_start_s"], b["tpot_mean_ms"]) for b in bins if b["system"] == r.system
-                       and b["tpot_mean_ms"] is not None]
-                axes[0].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=r.system)
-            axes[0].set_ylabel("TPOT (ms)")
-            axes[0].legend()
+    def panels(axes: Any) -> None:
+        for r in runs:
+            pts = [(b["bin_start_s"], b["tpot_mean_ms"]) for b in bins if b["system"] == r.system
+                   and b["tpot_mean_ms"] is not None]
+            axes[0].plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=r.system)
+        axes[0].set_ylabel("TPOT (ms)")
+        axes[0].legend()
 
-        plot_timelines(runs, os.path.splitext(a.output)[0] + ".png", f"bursty trace: {len(jobs)} requests", panels)
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
+    save_result(a.output, lambda _, png: plot_timelines(runs, png, f"bursty trace: {len(jobs)} requests", panels),
+                tables={"phase": rows, "bin": bins, "timeline": timeline, "switch": switches},
+                summary=summary, params=params_of(a), num_gpus=gpus_used(a.num_ranks, a.device),
+                note=f"a bursty trace of {len(jobs)} requests served by each system on one engine; TTFT over "
+                     f"arrivals, TPOT over tokens emitted, by phase and in {a.bin_s:g} s bins; auto: {auto_note}")
     for row in rows:
         if row["phase"] in ("burst1", "quiet", "burst2"):
             print(f"{row['system']:>5} {row['phase']:>7}: TTFT p50 {row['ttft_p50_s'] or 0:.3f} s p99 "

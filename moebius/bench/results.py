@@ -35,11 +35,12 @@ summary={...})` for several (`tagged_rows` builds the tagged list, the summary f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,22 @@ def write_result(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]] | No
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
+    return result
+
+
+def save_result(path: str | None, plot: Callable[[dict[str, Any], str], None] | None = None,
+                **kw: Any) -> dict[str, Any]:
+    """The result of a `moebius bench` command (keywords as `make_result`). With a path (--output) it is written
+    there and `plot(result, png)` draws it beside it (skipped, with a warning, without matplotlib); without one it is
+    only returned, for the command to print: a run writes no file unless asked to."""
+    if path is None:
+        return make_result(**kw)
+    result = write_result(path, **kw)
+    if plot is not None:
+        try:
+            plot(result, os.path.splitext(path)[0] + ".png")
+        except ImportError:
+            logging.getLogger("moebius").warning("matplotlib is not installed: no plot (pip install moebius[bench])")
     return result
 
 

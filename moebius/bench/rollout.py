@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 from typing import Any
 
-from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import (
     Job,
     add_engine_args,
@@ -61,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_workload_args(p)
     add_engine_args(p, profile="rollout")
-    p.add_argument("--output", default="benchmarks/results/rollout.json", help="JSON path (PNG next to it)")
+    p.add_argument("--output", default=None,
+                    help="JSON path, its plot (PNG) beside it (default: the results are printed, no file written)")
     p.set_defaults(func=main)
 
 
@@ -83,14 +83,11 @@ def main(a: argparse.Namespace) -> int:
     summary.update(requests=len(jobs), output_len_median=out_lens[len(out_lens) // 2],
                    output_len_p99=out_lens[min(len(out_lens) - 1, int(0.99 * len(out_lens)))],
                    output_len_max=out_lens[-1])
-    write_result(a.output, tables={"system": rows, "timeline": timeline, "switch": switches}, summary=summary,
-                 params=params_of(a), num_gpus=gpus_used(a.num_ranks, a.device),
-                 note=f"one rollout step of {len(jobs)} requests per system on one engine (same lengths, EOS "
-                      f"ignored); auto: {auto_note}")
-    try:
-        plot_timelines(runs, os.path.splitext(a.output)[0] + ".png", f"rollout step: {len(jobs)} requests")
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
+    save_result(a.output, lambda _, png: plot_timelines(runs, png, f"rollout step: {len(jobs)} requests"),
+                tables={"system": rows, "timeline": timeline, "switch": switches}, summary=summary,
+                params=params_of(a), num_gpus=gpus_used(a.num_ranks, a.device),
+                note=f"one rollout step of {len(jobs)} requests per system on one engine (same lengths, EOS "
+                     f"ignored); auto: {auto_note}")
     for r in rows:
         print(f"{r['system']:>5}: {r['completion_s']:8.2f} s  {r['output_tokens_per_s']:9.0f} tok/s  "
               f"TP {r['tp_s']:.1f} s  EP {r['ep_s']:.1f} s  switches {r['switches']}")

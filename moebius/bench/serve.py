@@ -18,13 +18,12 @@ import itertools
 import json
 import logging
 import math
-import os
 import random
 import time
 from typing import Any
 
 from moebius.bench import bursty
-from moebius.bench.results import default_num_gpus, gpu_name, params_of, summary_of, write_result
+from moebius.bench.results import default_num_gpus, gpu_name, params_of, save_result, summary_of
 from moebius.bench.serve_stats import (
     Rec,
     Row,
@@ -295,7 +294,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="SLOs a request must meet to count in goodput (either optional)")
     p.add_argument("--save-chunks", action="store_true", help="keep every streamed chunk's time and tokens in the "
                    "request table (chunk_s, chunk_tokens; large for long runs)")
-    p.add_argument("--output", default="benchmarks/results/serve.json", help="JSON path (PNG next to it)")
+    p.add_argument("--output", default=None,
+                    help="JSON path, its plot (PNG) beside it (default: the results are printed, no file written)")
     bursty.add_workload_args(p)  # --trace bursty's shape, and --bin-s and --seed for every mode
     p.set_defaults(func=main)
 
@@ -322,18 +322,15 @@ def main(a: argparse.Namespace) -> int:
     changes = layout_changes(samples, switches)
     bins, gpu = bins_of(recs, a.bin_s, duration, changes, samples), gpu_name()
     where = "replay " + a.replay if a.replay else a.trace if a.trace == "bursty" else f"Poisson {a.request_rate:g}/s"
-    result = write_result(
-        a.output, tables={"request": [r.row(a.save_chunks) for r in recs], "bin": bins, "timeline": samples,
-                          "switch": switches},
+    result = save_result(
+        a.output, lambda _, png: plot(png, bins, changes, switches, f"{where}: {model}"),
+        tables={"request": [r.row(a.save_chunks) for r in recs], "bin": bins, "timeline": samples,
+                "switch": switches},
         summary=summary, params=params_of(a, model=model), gpu=gpu,
         num_gpus=tl.world_size if tl.world_size and gpu != "cpu" else default_num_gpus(),
         note=f"{len(recs)} requests ({where}) streamed from {a.base_url}/v1/completions (model {model}); TTFT from "
              f"send to the first token chunk, TPOT (end - first) / (tokens - 1), ITL every chunk gap; bins of "
              f"{a.bin_s:g} s (TTFT by arrival, TPOT / ITL by emission); timeline from /admin/status, run_t_s aligned "
              f"on its first busy sample; gpu / num_gpus: this host's.")
-    try:
-        plot(os.path.splitext(a.output)[0] + ".png", bins, changes, switches, f"{where}: {model}")
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
     print(report(summary_of(result)))
     return 0

@@ -26,7 +26,7 @@ from typing import Any
 
 from moebius.bench import bursty, rollout
 from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
-from moebius.bench.results import load_result, params_of, table, write_result
+from moebius.bench.results import load_result, params_of, save_result, table
 from moebius.bench.workload import SYSTEMS, Job
 from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig
 from moebius.engine.auto import AutoMode
@@ -161,7 +161,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         eng.add_argument("--switch-window", type=int, default=None)
         eng.add_argument("--switch-cooldown", type=float, default=None)
         w.add_argument("--validate", help="a result JSON of the same trace (bench rollout|bursty): compare")
-        w.add_argument("--output", default=f"benchmarks/results/sim-{name}.json")
+        w.add_argument("--output", default=None, help="JSON path (default: the results are printed, no file written)")
         w.set_defaults(func=main)
 
 
@@ -212,10 +212,10 @@ def main(a: argparse.Namespace) -> int:
             if r["system"] in real and real[r["system"]].get(metric) and r[metric]:
                 r[f"real_{metric}"] = real[r["system"]][metric]
                 r["sim_over_real"] = r[metric] / r[f"real_{metric}"]
-    write_result(a.output, tables={"system": rows, "switch": [{"system": r.system, **s} for r in runs
-                                                              for s in r.switches]},
-                 summary=summary, params=params_of(a, profile_key=str(cal.key)), num_gpus=0, gpu="simulated",
-                 note=f"a discrete-event model of the engine over the {a.workload} trace, driven by "
+    save_result(a.output, tables={"system": rows, "switch": [{"system": r.system, **s} for r in runs
+                                                             for s in r.switches]},
+                summary=summary, params=params_of(a, profile_key=str(cal.key)), num_gpus=0, gpu="simulated",
+                note=f"a discrete-event model of the engine over the {a.workload} trace, driven by "
                       f"{'the calibration ' + a.profile if a.profile else 'the floor model'} ({cal.summary()})")
     for r in rows:
         extra = f"  sim/real {r['sim_over_real']:.3f}" if "sim_over_real" in r else ""

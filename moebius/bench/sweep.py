@@ -29,7 +29,7 @@ import torch
 
 from moebius.bench.floor import decode_step_floor_ms, prefill_work, step_floor_ms
 from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
-from moebius.bench.results import command_line, flatten, gpus_used, params_of, summary_of, table, write_result
+from moebius.bench.results import command_line, flatten, gpus_used, params_of, save_result, summary_of, table
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.engine.core import EngineCore
 from moebius.engine.messages import StepWork
@@ -274,7 +274,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64, 256])
     p.add_argument("--hf-tp-timeout", type=float, default=900.0,
                    help="seconds for transformers' tensor-parallel run; past it, its points are errors")
-    p.add_argument("--output", default="benchmarks/results/sweep.json", help="JSON path (PNG next to it)")
+    p.add_argument("--output", default=None,
+                    help="JSON path, its plot (PNG) beside it (default: the results are printed, no file written)")
     p.set_defaults(func=main)
 
 
@@ -313,17 +314,13 @@ def main(args: argparse.Namespace) -> int:
               "skipped": other["skipped"], "prefill": other["prefill"]}
     summary = {k: other[k] for k in ("crossover_batch", "switch_overhead_median_ms", "switch_overhead_max_ms",
                                      "dual_over_static_ep", "wall_s") if k in other}
-    result = write_result(args.output, tables=tables, summary=summary, params=params,
+    result = save_result(args.output, plot, tables=tables, summary=summary, params=params,
                           num_gpus=gpus_used(args.num_ranks), command=command_line(),
                           note="decode step (ms) per mode and global batch against the floor (table decode); "
                                "switch: each switch with --switch-batch requests decoding; memory: per layout and "
                                "rank; prefill: a step of one prompt chunk per rank against its floor (bench/floor.py "
                                "step_floor_ms), step_ms back to back, step_ms_isolated each after the device idled "
                                "--prefill-idle s; summary: the switch overhead per target layout, the crossover batch")
-    try:
-        plot(result, os.path.splitext(args.output)[0] + ".png")
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
     print(json.dumps({**{k: v for k, v in result.items() if k != "rows"}, "summary": summary_of(result)}, indent=1))
     for p in points:
         if "step_ms" in p:

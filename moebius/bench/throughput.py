@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import statistics
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
-from moebius.bench.results import gpus_used, params_of, write_result
+from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
 from moebius.config import EngineConfig, ModelConfig
 from moebius.engine.core import EngineCore
@@ -166,7 +165,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--warmup-requests", type=int, default=0,
                    help="serve this many of the requests first, unmeasured (default none: the first request after "
                    "start-up is part of what is measured)")
-    p.add_argument("--output", default="benchmarks/results/throughput.json", help="JSON path (PNG next to it)")
+    p.add_argument("--output", default=None,
+                    help="JSON path, its plot (PNG) beside it (default: the results are printed, no file written)")
     p.set_defaults(func=main)
 
 
@@ -209,20 +209,16 @@ def main(a: argparse.Namespace) -> int:
         summary.update(long_prompt_ttft_s=long_ttft,
                        long_prompt_steps=len(gaps["during"]), itl_before_ms=statistics.median(gaps["before"]),
                        itl_during_mean_ms=statistics.fmean(gaps["during"]), itl_during_max_ms=max(gaps["during"]))
-    write_result(a.output, tables={"step": steps, "probe": probes, "long_prompt": interference}, summary=summary,
-                 params=params_of(a),
-                 num_gpus=gpus_used(a.num_ranks, a.device),
-                 note="offline end-to-end: every request added at once and served to the end (EOS ignored); a step "
-                      "row is one engine step() call (what it launched: its kind, tokens and floor; its wall time, "
-                      "which with overlap scheduling is mostly the step before); ratio_to_floor = wall / the sum of "
-                      "the steps' floors; probe: --probe-requests requests served one at a time right after start-up, "
-                      "before the workload (is the first as fast as the last?); long_prompt: --long-prompt's steps, "
-                      "before and while the long prompt is prefilled (a step's wall time: each decoder's gap)")
-    try:
-        plot(steps, os.path.splitext(a.output)[0] + ".png", f"{len(jobs)} requests: {wall:.2f} s, "
-             f"{wall / floor:.2f}x the floor")
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (pip install moebius[bench])")
+    title = f"{len(jobs)} requests: {wall:.2f} s, {wall / floor:.2f}x the floor"
+    save_result(a.output, lambda _, png: plot(steps, png, title),
+                tables={"step": steps, "probe": probes, "long_prompt": interference}, summary=summary,
+                params=params_of(a), num_gpus=gpus_used(a.num_ranks, a.device),
+                note="offline end-to-end: every request added at once and served to the end (EOS ignored); a step "
+                     "row is one engine step() call (what it launched: its kind, tokens and floor; its wall time, "
+                     "which with overlap scheduling is mostly the step before); ratio_to_floor = wall / the sum of "
+                     "the steps' floors; probe: --probe-requests requests served one at a time right after start-up, "
+                     "before the workload (is the first as fast as the last?); long_prompt: --long-prompt's steps, "
+                     "before and while the long prompt is prefilled (a step's wall time: each decoder's gap)")
     if probes:
         print(f"probe requests one at a time: first {probes[0]['latency_s']:.3f} s, last "
               f"{probes[-1]['latency_s']:.3f} s")
