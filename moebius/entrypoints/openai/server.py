@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig
@@ -137,8 +138,11 @@ def serve(args: argparse.Namespace) -> int:
         settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key)
         config = uvicorn.Config(create_app(loop, settings, metrics), host=args.host, port=args.port,
                                 log_level="info", timeout_graceful_shutdown=10)
-        log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s)", name, args.host, args.port,
-                 engine.mode, engine.world_size, "" if engine.world_size == 1 else "s")
+        # uvicorn's choice where installed (the serve extra installs both): httptools and uvloop cut the front end's
+        # CPU time per streamed token by ~20% against h11 and asyncio
+        http, aio = ("httptools" if find_spec("httptools") else "h11"), ("uvloop" if find_spec("uvloop") else "asyncio")
+        log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s; HTTP %s, event loop %s)", name,
+                 args.host, args.port, engine.mode, engine.world_size, "" if engine.world_size == 1 else "s", http, aio)
         if ecfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without --api-key: anyone who reaches it can generate and switch layouts",
                         args.host)
