@@ -100,6 +100,7 @@ class EngineCore:
         self._requests: dict[str, FrontRequest] = {}
         self._child_to_parent: dict[str, tuple[FrontRequest, int]] = {}
         self._pending = StepPlan()
+        self._flight: StepPlan | None = None  # a plan sent to the ranks whose result is not read yet
         self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
         self.timeline = ModeTimeline(time.perf_counter())
@@ -237,10 +238,46 @@ class EngineCore:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        """Run one step on the ranks and return the outputs it (and any call since the last step) produced. With
+        rank processes (`ranks.ahead`), the next step's plan goes out as soon as this step's result is in, so the
+        ranks schedule and launch it while this one's tokens are detokenized and delivered here; a switch is never
+        sent ahead, nor anything while one is in flight (requests added meanwhile are placed by the layout then)."""
+        if self._flight is not None and self._pending.switch_to is not None:
+            self._settle()  # a switch asked for rides on this call's step, as without a step in flight
+        if self._flight is None:
+            self._send(self._next_plan())
+        plan, result = self._receive()
+        if self.ranks.ahead and plan.switch_to is None and self._pending.switch_to is None:
+            self._send(self._next_plan())
+        return self._finish(plan, result)
+
+    def _next_plan(self) -> StepPlan:
         plan, self._pending = self._pending, StepPlan()
         if plan.switch_to is not None:
             self._plan_switch(plan, plan.switch_to)
-        result = self._to_ranks(plan)
+        return plan
+
+    def _send(self, plan: StepPlan) -> None:
+        self.ranks.send(plan)
+        self._flight = plan
+
+    def _receive(self) -> tuple[StepPlan, StepResult]:
+        plan, self._flight = self._flight, None
+        assert plan is not None, "no plan in flight"
+        result = self.ranks.receive()
+        if result.switch_times and self.last_switch is not None:  # a switch that rode on a step: its device times
+            self.last_switch.update(result.switch_times)
+            self.timeline.complete(result.switch_times)
+        return plan, result
+
+    def _settle(self) -> None:
+        """Read the step in flight, if any, before a call that is not a step: its outputs go out with the next
+        step()."""
+        if self._flight is not None:
+            self._undelivered = self._finish(*self._receive())
+
+    def _finish(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Take in a step's result: its tokens into the requests, stats, a switch it carried, the auto policy."""
         self._kv_stats, self.last_work = result.kv, result.work
         self._preemptions += result.work.preempted
         self._steps += 1
@@ -305,6 +342,7 @@ class EngineCore:
         Returns the outcome: done (bool), reason when refused, and the time of each phase in ms. reason: why (the
         mode timeline keeps it)."""
         _check_mode(target)
+        self._settle()  # the switch moves what the step in flight leaves
         self._switch_reason = reason
         plan, self._pending = self._pending, StepPlan()
         plan.run = False
@@ -316,11 +354,10 @@ class EngineCore:
         return outcome
 
     def _to_ranks(self, plan: StepPlan) -> StepResult:
-        result = self.ranks.step(plan)
-        if result.switch_times and self.last_switch is not None:  # a switch that rode on a step: its device times
-            self.last_switch.update(result.switch_times)
-            self.timeline.complete(result.switch_times)
-        return result
+        """A call that is not a step (a switch alone, a query): the step in flight is read first."""
+        self._settle()
+        self._send(plan)
+        return self._receive()[1]
 
     def request_switch(self, target: str, reason: str = "operator") -> None:
         """Switch at the start of the next step(), in the same round trip to the ranks as that step (the lowest
@@ -363,6 +400,7 @@ class EngineCore:
         "bench_prefill" (tokens, context, steps, warmup, graphs, sequences, decodes,
         decode_context, idle_s), "comm" (each layout's communicator), "heap" (the rank process's objects kept out
         of garbage collections since start-up)."""
+        self._settle()
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
         result = self._to_ranks(plan)

@@ -134,7 +134,25 @@ class RankError(RuntimeError):
     """A rank failed (at start-up or during a step)."""
 
 
-class LocalRanks:
+class _InProcess:
+    """Ranks whose step runs in this process when it is received: nothing to overlap with the front end's work."""
+
+    ahead = False  # EngineCore sends no plan before it has read the step before
+    _sent: StepPlan | None = None
+
+    def step(self, plan: StepPlan) -> StepResult:
+        raise NotImplementedError
+
+    def send(self, plan: StepPlan) -> None:
+        self._sent = plan
+
+    def receive(self) -> StepResult:
+        plan, self._sent = self._sent, None
+        assert plan is not None, "receive() before send()"
+        return self.step(plan)
+
+
+class LocalRanks(_InProcess):
     """P = 1: the one rank lives in this process."""
 
     def __init__(self, spec: RankSpec) -> None:
@@ -162,6 +180,10 @@ MAIN_GUARD = ("with --num-ranks > 1 (or --rank-process on) the engine spawns one
 
 class SpawnedRanks:
     """P rank processes on this machine (spawned), joined over a local TCP rendezvous; pipe to rank 0."""
+
+    # EngineCore may send the next plan as soon as it has a step's result: the ranks schedule and launch that step
+    # while the front end detokenizes and delivers the tokens it just got
+    ahead = True
 
     def __init__(self, spec: RankSpec, world_size: int) -> None:
         if getattr(sys.modules.get("__main__"), "__name__", None) == "__mp_main__":
@@ -211,10 +233,17 @@ class SpawnedRanks:
         raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
 
     def step(self, plan: StepPlan) -> StepResult:
+        self.send(plan)
+        return self.receive()
+
+    def send(self, plan: StepPlan) -> None:
         try:
             self._conn.send(plan)
         except (BrokenPipeError, ConnectionError, OSError):
             self._died()
+
+    def receive(self) -> StepResult:
+        """The result of the plan sent before (one plan is in flight at a time)."""
         _, result = self._recv(self._watchdog)
         return result
 
@@ -240,7 +269,7 @@ class SpawnedRanks:
         self._procs = []
 
 
-class TorchrunRanks:
+class TorchrunRanks(_InProcess):
     """Under torchrun: rank 0 lives in the front end's process; the other ranks run `serve_torchrun_rank`."""
 
     def __init__(self, spec: RankSpec) -> None:
