@@ -264,6 +264,30 @@ def test_rank_process_on_gives_the_in_process_tokens(ref: LLM) -> None:
     assert got == [o.token_ids for o in ref.generate(IDS, params)]
 
 
+def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM) -> None:
+    """With rank processes, step() sends the next plan as soon as a step's result is in (the ranks launch it while
+    the front end detokenizes and delivers); a switch rides on its own call's step, never sent ahead; a query reads
+    the step in flight first. In process there is nothing to overlap."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(device="cpu", rank_process="on") as spawned:
+        engine = spawned.engine
+        rid = engine.add_request(IDS[0], params)
+        last = {o.request_id: o for o in engine.step()}
+        assert engine.steps_in_flight == 1  # the next step is already on the ranks
+        engine.request_switch("ep")
+        last.update({o.request_id: o for o in engine.step()})
+        assert engine.last_switch is not None and engine.last_switch["done"] and engine.mode == "ep"
+        assert engine.steps_in_flight == 0  # nothing goes ahead of a switch's step
+        last.update({o.request_id: o for o in engine.step()})
+        assert engine.steps_in_flight == 1
+        assert engine.query("requests") and engine.steps_in_flight == 0  # read first
+        while engine.has_unfinished():
+            last.update({o.request_id: o for o in engine.step()})
+    # the same tokens as one step at a time in process, nothing lost or doubled across the reads ahead
+    assert last[rid].outputs[0].token_ids == ref.generate([IDS[0]], params)[0].token_ids
+    assert ref.engine.steps_in_flight == 0
+
+
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 

@@ -251,6 +251,11 @@ class EngineCore:
             self._send(self._next_plan())
         return self._finish(plan, result)
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Plans sent to the ranks whose results are not read yet (0 or 1; 1 between steps with rank processes)."""
+        return int(self._flight is not None)
+
     def _next_plan(self) -> StepPlan:
         plan, self._pending = self._pending, StepPlan()
         if plan.switch_to is not None:
