@@ -247,7 +247,9 @@ class EngineCore:
         if self._flight is None:
             self._send(self._next_plan())
         plan, result = self._receive()
-        if self.ranks.ahead and plan.switch_to is None and self._pending.switch_to is None:
+        if (self.ranks.ahead and plan.switch_to is None and self._pending.switch_to is None
+                and (result.running or result.waiting or self._pending.new)):
+            # (nothing is sent ahead once the ranks are idle: a request added then starts with the next call)
             self._send(self._next_plan())
         return self._finish(plan, result)
 
