@@ -281,6 +281,10 @@ def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM) ->
         last.update({o.request_id: o for o in engine.step()})
         assert engine.steps_in_flight == 1
         assert engine.query("requests") and engine.steps_in_flight == 0  # read first
+        engine.request_switch("tp")  # rides on the next step, not on a query in between
+        assert engine.query("requests") and engine.mode == "ep"
+        last.update({o.request_id: o for o in engine.step()})
+        assert engine.mode == "tp" and engine.last_switch is not None and engine.last_switch["done"]
         while engine.has_unfinished():
             last.update({o.request_id: o for o in engine.step()})
     # the same tokens as one step at a time in process, nothing lost or doubled across the reads ahead

@@ -240,8 +240,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step on the ranks and return the outputs it (and any call since the last step) produced. With
         rank processes (`ranks.ahead`), the next step's plan goes out as soon as this step's result is in, so the
-        ranks schedule and launch it while this one's tokens are detokenized and delivered here; a switch is never
-        sent ahead, nor anything while one is in flight (requests added meanwhile are placed by the layout then)."""
+        ranks schedule and launch it while this one's tokens are detokenized and delivered here. A switch is never
+        sent ahead, and nothing goes ahead of a switch's step (requests added in between are placed by the layout
+        in use when they are added)."""
         if self._flight is not None and self._pending.switch_to is not None:
             self._settle()  # a switch asked for rides on this call's step, as without a step in flight
         if self._flight is None:
@@ -410,6 +411,8 @@ class EngineCore:
         self._settle()
         plan, self._pending = self._pending, StepPlan()
         plan.run, plan.query = False, {"name": name, **args}
+        # a switch asked for rides on the next step (request_switch), not on a query, which takes in no switch
+        plan.switch_to, self._pending.switch_to = None, plan.switch_to
         result = self._to_ranks(plan)
         self._absorb(result.deltas)
         return result.query or []
