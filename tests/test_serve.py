@@ -242,7 +242,7 @@ def test_server_runs_on_httptools_and_uvloop(server: Server) -> None:
     token ~20% below h11 and asyncio's; it shares its interpreter with the engine loop)."""
     if sys.platform == "win32":
         pytest.skip("uvloop does not run on Windows")
-    assert "HTTP httptools, event loop uvloop" in server.output(), server.tail()
+    assert "HTTP HttpToolsProtocol, event loop uvloop" in server.output(), server.tail()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")

@@ -362,8 +362,9 @@ class EngineCore:
         return outcome
 
     def _to_ranks(self, plan: StepPlan) -> StepResult:
-        """A call that is not a step (a switch alone, a query): the step in flight is read first."""
-        self._settle()
+        """A call that is not a step (a switch alone, a query); its caller read the step in flight (`_settle`) before
+        it took the pending plan."""
+        assert self._flight is None, "a step is in flight"
         self._send(plan)
         return self._receive()[1]
 
