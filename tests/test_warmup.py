@@ -33,8 +33,10 @@ def test_warmup_steps_stay_in_the_engine_limits() -> None:
     for s in steps:
         assert s.tokens <= budget and len(s.chunks) <= running
         assert all(start + n < max_len for start, n in s.chunks)  # room for the sampled token
-    decodes = {s.tokens for s in steps if s.decode_only}
+    decodes = {s.tokens for s in steps if s.decode_only and not s.follows}
     assert decodes == {5, 8}  # decode batches the graphs do not hold, up to the running limit
+    # last, decodes fed by the step before (overlap), alone and beside a prompt chunk
+    assert [s.chunks for s in steps if s.follows] == [((page, 1),), ((page, 1), (0, 2))] and steps[-1].follows
     assert {s.tokens for s in steps if len(s.chunks) == 1 and not s.sampled} == set(token_ladder(47))
     mixed = [s for s in steps if not s.decode_only and len(s.chunks) > 1]
     assert mixed and all(s.chunks[-1][1] > 1 and s.chunks[0] == (page, 1) for s in mixed if not s.sampled)
@@ -83,18 +85,27 @@ def test_cudnn_prefill_lengths_are_lengths_the_warmup_runs() -> None:
 
 
 def test_warmup_launches_every_count_in_both_layouts(monkeypatch) -> None:
+    """Every ladder count in both layouts, and in each layout steps whose decodes read their input from the step
+    launched before (the overlap path's input fill, a kernel the first request would otherwise be first to run)."""
     seen: dict[int, set[int]] = {}
+    fed: dict[int, list[list[int]]] = {}  # runner -> the fill rows of each launch fed by the one before
     launch = ModelRunner.launch
 
-    def spy(self, batch, stop_masks, sync, *args, **kwargs):
+    def spy(self, batch, stop_masks, sync, prev=None, prev_rows=None, **kwargs):
         seen.setdefault(id(self), set()).add(sync.max_tokens)
-        return launch(self, batch, stop_masks, sync, *args, **kwargs)
+        if prev is not None:
+            assert prev_rows is not None and len(prev_rows) == len(batch)
+            fed.setdefault(id(self), []).append(prev_rows.tolist())
+            assert prev.tokens.shape[0] >= 1 and prev_rows.max() < prev.tokens.shape[0]
+        return launch(self, batch, stop_masks, sync, prev, prev_rows, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "launch", spy)
     with EngineCore(EngineConfig.from_kwargs(device="cpu", warmup="full", max_num_batched_tokens=64)):
         pass
     assert len(seen) == 2  # both layouts' runners
     assert all(set(token_ladder(64)) <= counts for counts in seen.values())
+    # the fed steps: a decode alone, then a decode beside a chunk (not fed), both reading a row of the step before
+    assert list(fed.values()) == [[[0], [0, -1]]] * 2
     seen.clear()
     with EngineCore(EngineConfig.from_kwargs(device="cpu", max_num_batched_tokens=64)):  # auto: none on the CPU
         pass

@@ -6,8 +6,10 @@ pieces' capture set it up; else eagerly). A kernel variant is picked by a step's
 ranges at least twice as wide (the MoE tile configs by pairs per expert, the few-row projections, a bucket's release
 order), and Triton's own specialization of integer arguments (1, multiples of 16); by whether the step decodes only,
 prefills, or samples; and, where a step's decodes attend in a launch of their own (`--mixed-attention apart`), by
-how many decodes it holds (its KV splits). The steps read and write only the reserved KV page 0, as graph capture's
-warm-up does, so they need no switch and leave no trace."""
+how many decodes it holds (its KV splits). The last steps take their decodes' input tokens from the step before,
+still on the device, as served steps do under overlap scheduling (the index copy that fills them, a torch kernel,
+cost the first request after start-up ~12 ms of host time on its first use in the process). The steps read and
+write only the reserved KV page 0, as graph capture's warm-up does, so they need no switch and leave no trace."""
 
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from moebius.engine.request import Request, RequestSpec
-from moebius.engine.runner import ModelRunner, StepSync
+from moebius.engine.runner import ModelRunner, PendingStep, StepSync
 from moebius.engine.scheduler import ScheduledChunk
 from moebius.kernels import FRESH_CHUNK_MIN_TOKENS
 from moebius.sampling_params import SamplingParams
@@ -40,6 +43,10 @@ class WarmupStep:
 
     chunks: tuple[tuple[int, int], ...]
     sampling: str = "greedy"  # a key of SAMPLING
+    # its decodes' input tokens are the step before's sampled tokens, still on the device, as in every served step
+    # after a request's first (overlap scheduling): their index copy's first use in a process cost the engine's
+    # first request ~12 ms of host time on the GPU
+    follows: bool = False
 
     @property
     def tokens(self) -> int:
@@ -81,7 +88,8 @@ def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed
                  apart_release: Callable[[int], int] | None = None) -> list[WarmupStep]:
     """The steps for one layout: per ladder count T, a whole prompt of T tokens; a chunk after a cached page with up
     to T/2 decodes beside it (a mixed step); T decodes where no graph holds a batch of T; then a step in each
-    sampling path but greedy. `graphed`: the decode batches the layout's graphs replay.
+    sampling path but greedy; last, decodes whose input tokens come from the step before (alone, and beside a
+    chunk). `graphed`: the decode batches the layout's graphs replay.
     apart_release (where decodes attend apart): the release order of a step of T tokens. Their launch's variant
     follows only their count's KV splits and that order, so each of APART_DECODES beside a chunk once per order,
     at the first power of two T from 16 with room for it."""
@@ -101,6 +109,10 @@ def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed
             steps.append(WarmupStep(((page, 1),) * T))
     for how in [h for h in SAMPLING if h != "greedy"]:  # a list: every rank takes them in the same order
         steps.append(WarmupStep(((0, 2), (page, 1))[:max_running], sampling=how))  # no more sequences than may run
+    # decodes fed by the step before: in a decode step (a graph's, where one holds a batch of 1), and beside a chunk
+    steps.append(WarmupStep(((page, 1),), follows=True))
+    if max_running > 1:
+        steps.append(WarmupStep(((page, 1), (0, 2)), follows=True))
     return steps
 
 
@@ -129,9 +141,17 @@ def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
     total = sum(len(s) for _, s in plans)
     with tqdm(total=total, desc="compiling kernels", unit="step", disable=not progress) as bar:
         for runner, steps in plans:
+            prev: tuple[PendingStep, int] | None = None  # the step before and how many tokens it sampled
             for step in steps:
                 sync = StepSync(step.tokens, step.decode_only)
-                runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync).result()  # as served
+                fill = None
+                if step.follows and prev is not None:  # each decode's input: a row of the step before's tokens
+                    fill = np.array([b % prev[1] if start and n == 1 else -1
+                                     for b, (start, n) in enumerate(step.chunks)], dtype=np.int64)
+                pending = runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync,
+                                        prev[0] if fill is not None else None, fill)
+                pending.result()  # as served
+                prev = pending, len(step.chunks)  # (every warm-up chunk ends its prompt: each samples)
                 bar.update()
     if rank.device.type == "cuda":
         torch.cuda.synchronize(rank.device)
