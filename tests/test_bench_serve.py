@@ -256,3 +256,10 @@ def test_bare_server_without_token_ids_or_status(tmp_path: Any) -> None:
     assert rows[0]["prompt_len"] == 9 and "chunk_tokens" not in rows[0]  # no --save-chunks
     assert s["failed"] == 1 and s["errors"][0].startswith("1 x HTTP 500") and s["completed"] == 2
     assert not s["status_available"] and table(result, "timeline") == [] and table(result, "switch") == []
+
+
+def test_no_server_is_a_clear_error(capsys: Any) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["bench", "serve", "--base-url", url, "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"GET {url}/v1/models" in err and "is the server up?" in err

@@ -20,6 +20,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from moebius.bench import bursty
@@ -100,16 +101,16 @@ class Timeline:
         self.available: bool | None = None  # None: not asked yet; False: no /admin/status there
         self.world_size: int | None = None
 
-    async def read(self, client: Any) -> None:
+    async def read(self, client: Client) -> None:
         if self.available is False:
             return
         try:
-            r = await client.get("/admin/status", timeout=10)
-            if r.status_code == 404 and not self.available:  # a server without it: stop asking
+            status, st = await client.get_json("/admin/status", timeout=10)
+            if status == 404 and not self.available:  # a server without it: stop asking
                 self.available = False
-            if r.status_code != 200:
+            if status != 200:
                 return
-            st, self.available = r.json(), True
+            self.available = True
             self.world_size = st.get("world_size", self.world_size)
             tl = st.get("timeline") or {}
             self.samples.update({s["t"]: s for s in tl.get("samples", [])})
@@ -118,20 +119,60 @@ class Timeline:
             log.warning("GET /admin/status: %r", e)
 
 
-async def send(client: Any, a: argparse.Namespace, model: str, r: Rec, t0: float) -> None:
+class Client:
+    """The HTTP side of the load generator, on aiohttp: its C HTTP parser streams a chunk for about 35 us of this
+    process's CPU where httpx (pure-Python h11) took 77, and at 384 streams of ~20 ms a token httpx's client fell
+    4 s behind its send schedule (docs/performance.md)."""
+
+    def __init__(self, base_url: str, api_key: str | None, request_timeout: float) -> None:
+        try:
+            import aiohttp
+        except ImportError:
+            raise ValueError("`moebius bench serve` needs aiohttp: pip install 'moebius[bench]'") from None
+
+        self.base = base_url.rstrip("/")
+        self.session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+            connector=aiohttp.TCPConnector(limit=0),  # no request waits for a socket
+            # per read, as a stream's tokens come: a long stream is not cut at a total
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=request_timeout))
+
+    async def get_json(self, path: str, timeout: float | None = None) -> tuple[int, Any]:
+        """(HTTP status, the JSON body; None unless 200)."""
+        import aiohttp
+
+        kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+        async with self.session.get(self.base + path, **kw) as resp:
+            return resp.status, (await resp.json(content_type=None) if resp.status == 200 else None)
+
+    async def events(self, path: str, body: dict[str, Any], r: Rec) -> AsyncIterator[bytes]:
+        """POST `body` and yield the `data:` payload of each server-sent event (r.status: the HTTP status)."""
+        async with self.session.post(self.base + path, json=body) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}")
+            rest = b""
+            async for piece in resp.content.iter_any():  # (whole lines: an event may outgrow readline's limit)
+                *lines, rest = (rest + piece).split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        yield line[5:].strip()
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def send(client: Client, a: argparse.Namespace, model: str, r: Rec, t0: float) -> None:
     body = {"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "ignore_eos": True,
             "temperature": a.temperature, "stream": True, "stream_options": {"include_usage": True},
             **({} if a.no_token_ids else {"return_token_ids": True})}
     usage: Row = {}
     done, r.sent_s = False, time.perf_counter() - t0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            r.status = resp.status_code
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}")
-            async for line in resp.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else None
-                if done := data == "[DONE]":
+        stream = client.events("/v1/completions", body, r)
+        async with contextlib.aclosing(stream):
+            async for data in stream:
+                if done := data == b"[DONE]":
                     break
                 if not data:
                     continue
@@ -160,21 +201,18 @@ async def send(client: Any, a: argparse.Namespace, model: str, r: Rec, t0: float
 
 async def run(a: argparse.Namespace, recs: list[Rec]) -> tuple[str, float, Timeline, float]:
     """Send every request at its time; (model name, duration s, the timeline, its last sample's `t` before)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)  # no request waits for a socket
-    async with httpx.AsyncClient(base_url=a.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(a.request_timeout, connect=60)) as client:
+    client = Client(a.base_url, a.api_key, a.request_timeout)
+    try:
         model = a.model_name
         if model is None:
             try:
-                resp = await client.get("/v1/models")
-                resp.raise_for_status()
-                card = resp.json()["data"][0]
+                status, models = await client.get_json("/v1/models")
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}")
+                card = models["data"][0]
             except Exception as e:  # the CLI's error line, not a traceback
-                raise ValueError(f"GET {a.base_url}/v1/models: {e!r} (is the server up? --api-key? or give "
-                                 "--model-name)") from None
+                raise ValueError(f"GET {a.base_url}/v1/models: {type(e).__name__}: {e} (is the server up? "
+                                 "--api-key? or give --model-name)") from None
             model, limit = card["id"], card.get("max_model_len") or math.inf
             if too_long := sum((r.prompt_len or 0) + r.output_len > limit for r in recs):
                 log.warning("%d requests are longer than the server's max_model_len %s: they fail", too_long, limit)
@@ -203,6 +241,8 @@ async def run(a: argparse.Namespace, recs: list[Rec]) -> tuple[str, float, Timel
         stop.set()
         await poller
         await tl.read(client)
+    finally:
+        await client.close()
     return model, duration, tl, before_t
 
 
@@ -272,7 +312,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-token-ids", action="store_true", help="do not ask for `return_token_ids` (a server that "
                    "refuses it): a chunk with text counts as one token, the total comes from usage")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (None: no limit)")
-    s.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
+    s.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds a request may wait for its next bytes (a stream may run longer)")
     s.add_argument("--server-args", default=None, help="how the server was started (its flags), recorded in the "
                    "result's params: the server's settings are not otherwise in the result")
     s.add_argument("--status-every", type=float, default=1.0, help="seconds between GET /admin/status reads of the "
@@ -301,7 +342,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     slo = parse_slo(a.goodput)
     if a.replay and a.trace == "bursty":
         raise ValueError("give --trace bursty or --replay, not both")
