@@ -824,3 +824,54 @@ def test_a_step_wakes_the_event_loop_once() -> None:
         loop.stop()
     assert [len(t) for t in tokens] == [6] * 8
     assert wakes <= 8 + steps[0], (wakes, steps[0])  # one Accepted a request, then at most one a step
+
+
+def test_a_lagging_stream_sends_what_arrived_together_in_one_write() -> None:
+    """Updates that piled up while a stream's task waited (the HTTP side behind the engine) go out in one write, in
+    order, each its own event with the same bytes as alone; a failure after them ends the stream with its error
+    event, after theirs."""
+    from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, Failure, SampleDelta, Sink, Update
+    from moebius.entrypoints.openai.protocol import APIError
+    from moebius.entrypoints.openai.serving import Answer, Generation
+
+    class Loop:  # what a Generation asks of the engine loop
+        def submit(self, items: Any, param: str) -> Sink:
+            return Sink(["r-0"])
+
+        def abort(self, request_ids: list[str]) -> None:
+            pass
+
+    def token(t: int, last: bool = False) -> Update:
+        return Update(0, [SampleDelta(0, [t], "", "length" if last else None, None)], last)
+
+    async def stream(events: list[Any], together: bool) -> list[str]:
+        gen = Generation(Loop(), [([1, 2], SamplingParams(max_tokens=3))], "prompt")  # type: ignore[arg-type]
+        gen.sink.receive(Accepted(["r-0"], [[1, 2]]))
+        await gen.start()
+        writes = Answer(gen, chat=False, model="m", return_token_ids=True,
+                        info=EngineInfo(None, 64, 256, 1)).stream(include_usage=True)
+        out = []
+        for ev in events:
+            gen.sink.receive(ev)
+            if not together and isinstance(ev, Update):
+                out.append(await writes.__anext__())  # each read before the next arrives
+        return out + [w async for w in writes]
+
+    def events_of(writes: list[str]) -> list[Any]:
+        return [json.loads(e[6:]) if e[6:] != "[DONE]" else e[6:] for w in writes for e in w.split("\n\n") if e]
+
+    three = [token(5), token(6), token(7, last=True)]
+    alone, together = (asyncio.run(stream(three, t)) for t in (False, True))
+    assert len(alone) == 5 and all(w.startswith("data: ") and w.endswith("\n\n") for w in alone)  # + usage, [DONE]
+    assert len(together) == 3 and together[0].count("data: ") == 3
+    same = [{k: v for k, v in e.items() if k != "id"} if isinstance(e, dict) else e for e in events_of(together)]
+    assert same == [{k: v for k, v in e.items() if k != "id"} if isinstance(e, dict) else e for e in events_of(alone)]
+    got = events_of(alone)
+    assert [e["choices"][0]["token_ids"] for e in got[:3]] == [[5], [6], [7]]
+    assert got[0]["choices"][0]["prompt_token_ids"] == [1, 2] and got[3]["usage"]["completion_tokens"] == 3
+    # a failure after two tokens that arrived with it: one write of both, then the error event, then [DONE]
+    failed = asyncio.run(stream([token(5), token(6), Failure(APIError(500, "boom"))], together=True))
+    assert len(failed) == 3 and failed[0].count("data: ") == 2
+    got = events_of(failed)
+    assert [e["choices"][0]["token_ids"] for e in got[:2]] == [[5], [6]] and got[3] == "[DONE]"
+    assert got[2] == {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}

@@ -127,16 +127,27 @@ class Generation:
         self.accepted = ev
         return ev
 
-    async def updates(self) -> AsyncIterator[Update]:
+    async def batches(self) -> AsyncIterator[list[Update]]:
+        """The updates that arrived since the last batch (one or more, in order): a stream sends each batch in one
+        write, so an HTTP side that falls behind catches up in fewer."""
         while self.pending:
-            ev = await self.sink.get()
-            if isinstance(ev, Failure):
-                self.pending.clear()
-                raise ev.error
-            assert isinstance(ev, Update)
-            if ev.finished:
-                self.pending.discard(ev.prompt_index)
-            yield ev
+            batch: list[Update] = []
+            for ev in await self.sink.get_all():
+                if isinstance(ev, Failure):
+                    self.pending.clear()
+                    if batch:
+                        yield batch
+                    raise ev.error
+                assert isinstance(ev, Update)
+                if ev.finished:
+                    self.pending.discard(ev.prompt_index)
+                batch.append(ev)
+            yield batch
+
+    async def updates(self) -> AsyncIterator[Update]:
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
 
     def abort(self) -> None:
         """Abort what has not finished (the client went away); nothing when all finished."""
@@ -252,10 +263,11 @@ class Answer:
         """Server-sent events ending in `data: [DONE]`; an engine failure becomes an error event. Cancelled (client
         gone) or not, what has not finished is aborted."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        extra = {"usage": None} if include_usage else {}
+        # every chunk's JSON is {head, "choices": [choice], maybe "usage": null}: the head dumped once
+        head, tail = json.dumps(self._head(obj))[:-1], ', "usage": null}' if include_usage else "}"
 
         def event(choice: dict[str, Any]) -> str:
-            return f"data: {json.dumps({**self._head(obj), 'choices': [choice], **extra})}\n\n"
+            return f'data: {head}, "choices": [{json.dumps(choice)}]{tail}\n\n'
 
         try:
             if self.chat:  # the role first, as OpenAI sends it
@@ -266,27 +278,31 @@ class Answer:
                     if self.return_ids:
                         first["prompt_token_ids"] = self._prompt_ids(i)
                     yield event(first)
-            async for upd in self.gen.updates():
-                for d in upd.samples:
-                    i = upd.prompt_index * self.n + d.index
-                    c = self.choices[i]
-                    text = c.apply(d)
-                    lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
-                                       self.info) if d.logprobs else None
-                    if not (text or d.finish_reason or lp or (self.return_ids and d.token_ids)):
-                        continue
-                    if self.chat:
-                        choice: dict[str, Any] = {"index": i, "delta": {"content": text} if text else {},
-                                                  "logprobs": lp, "finish_reason": d.finish_reason}
-                    else:
-                        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
-                                  "stop_reason": d.stop_reason}
-                    if self.return_ids:
-                        choice["token_ids"] = d.token_ids
-                        if not c.opened:
-                            choice["prompt_token_ids"] = self._prompt_ids(i)
-                    c.opened = True
-                    yield event(choice)
+            async for batch in self.gen.batches():
+                events = []
+                for upd in batch:
+                    for d in upd.samples:
+                        i = upd.prompt_index * self.n + d.index
+                        c = self.choices[i]
+                        text = c.apply(d)
+                        lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
+                                           self.info) if d.logprobs else None
+                        if not (text or d.finish_reason or lp or (self.return_ids and d.token_ids)):
+                            continue
+                        if self.chat:
+                            choice: dict[str, Any] = {"index": i, "delta": {"content": text} if text else {},
+                                                      "logprobs": lp, "finish_reason": d.finish_reason}
+                        else:
+                            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                                      "stop_reason": d.stop_reason}
+                        if self.return_ids:
+                            choice["token_ids"] = d.token_ids
+                            if not c.opened:
+                                choice["prompt_token_ids"] = self._prompt_ids(i)
+                        c.opened = True
+                        events.append(event(choice))
+                if events:
+                    yield "".join(events)  # one write for what arrived together
             if include_usage:
                 yield f"data: {json.dumps({**self._head(obj), 'choices': [], 'usage': self.usage()})}\n\n"
         except APIError as e:
