@@ -67,6 +67,11 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     assert abs(sum(s[f"{k}_floor_s"] for k in ("prefill", "mixed", "decode")) - s["floor_s"]) < 1e-9
     assert 0 < s["first_ttft_s"] <= s["wall_s"] and s["steps"] == len(steps) and s["startup_s"] > 0
     assert abs(s["output_tokens_per_s"] - s["output_tokens"] / s["wall_s"]) < 1e-6 * s["output_tokens_per_s"]
+    # rank 0's times a step: host work in every step that ran one; on the CPU no device to wait on, and with ranks
+    # in processes (P = 2) the plan's wait where it had requests
+    assert all(st["host_ms"] > 0 for st in steps if st["kind"] != "idle") and s["decode_host_ms_p50"] > 0
+    assert all(st["sync_ms"] >= 0 for st in steps) and s["decode_sync_ms_p50"] < s["decode_host_ms_p50"]
+    assert all(st["wait_ms"] == 0 for st in steps) if ranks == 1 else any(st["wait_ms"] > 0 for st in steps)
     if ranks == 1:  # the probes, one at a time after start-up; transformers' continuous batching on the same work
         probes = table(result, "probe")
         assert [p["request"] for p in probes] == [0, 1, 2] and all(p["latency_s"] >= p["ttft_s"] > 0 for p in probes)

@@ -1,9 +1,15 @@
-"""The mode timeline's samples carry the engine's step and output-token counts, so that a reader (`bench serve`,
-through /admin/status) gets the server's step time and token rate between any two samples."""
+"""The mode timeline's samples carry the engine's step and output-token counts and rank 0's host, device-sync and
+plan-wait times, so that a reader (`bench serve`, through /admin/status) gets the server's step time, token rate and
+where a step's time went between any two samples."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from moebius import LLM, SamplingParams
+from moebius.bench.serve_stats import rank_ms
 from moebius.engine.timeline import ModeTimeline
 
 
@@ -23,3 +29,40 @@ def test_the_engine_counts_its_steps_and_tokens_into_the_samples() -> None:
     # both requests decode in every step; a step's tokens come back with the next (overlap scheduling)
     assert [s.tokens for s in samples] == [2 * (s.steps - 1) for s in samples]
     assert samples[-1].tokens > 0
+
+
+def test_the_samples_carry_rank_zeros_times() -> None:
+    """In process nothing waits for a plan; a rank process waits for its next plan while it has requests (the front
+    end's turn), and not for the plan that ends its idleness."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(device="cpu") as llm:
+        llm.generate([[1, 2, 3]], sp)
+        samples, last = list(llm.engine.timeline.samples), llm.engine.last_times
+    assert last.host_ms > 0 and last.wait_ms == 0 and all(s.rank_wait_s == 0 for s in samples)
+    hosts = [s.rank_host_s for s in samples]
+    assert hosts == sorted(hosts) and hosts[-1] > 0
+    with LLM(device="cpu", rank_process="on") as llm:
+        engine, times = llm.engine, []
+        for _ in range(2):  # twice, idle for 0.3 s before each
+            time.sleep(0.3)
+            engine.add_request([1, 2, 3], sp)
+            while engine.has_unfinished():
+                engine.step()
+                times.append(engine.last_times)
+    first_after_idle = [0, len(times) // 2]
+    assert [times[i].wait_ms for i in first_after_idle] == [0.0, 0.0]
+    busy = [t.wait_ms for i, t in enumerate(times) if i not in first_after_idle]
+    assert all(0 <= w < 300 for w in busy) and sum(w > 0 for w in busy) > len(busy) // 2
+
+
+def test_rank_times_a_step_between_samples() -> None:
+    samples = [{"run_t_s": t, "steps": n, "rank_host_s": h, "rank_sync_s": y, "rank_wait_s": w}
+               for t, n, h, y, w in [(-1.0, 0, 0.0, 0.0, 0.0), (0.5, 10, 0.05, 0.1, 0.01), (1.0, 10, 0.05, 0.1, 0.01),
+                                     (1.5, 30, 0.15, 0.5, 0.03)]]
+    # every interval that ran steps: 30 steps, 0.15 s host, 0.5 s sync, 0.03 s waiting
+    assert rank_ms(samples) == pytest.approx({"rank_host_ms": 5.0, "rank_sync_ms": 0.5 / 30 * 1e3, "rank_wait_ms": 1.0})
+    # the interval ending at 1.5 s alone: 20 steps, 0.1 s host, 0.4 s sync, 0.02 s waiting
+    assert rank_ms(samples, 1.0, 2.0) == pytest.approx({"rank_host_ms": 5.0, "rank_sync_ms": 20.0, "rank_wait_ms": 1.0})
+    assert rank_ms(samples, 2.0) == {"rank_host_ms": None, "rank_sync_ms": None, "rank_wait_ms": None}
+    old = [{"run_t_s": t, "steps": n} for t, n in [(0.0, 0), (1.0, 5)]]  # a server without them
+    assert rank_ms(old) == {"rank_host_ms": None, "rank_sync_ms": None, "rank_wait_ms": None}

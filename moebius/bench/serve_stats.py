@@ -127,6 +127,24 @@ def step_ms(intervals: Sequence[tuple[float, float, int]], lo: float = -math.inf
     return 1e3 * sum(dt for dt, _ in spans) / steps if steps else None
 
 
+RANK_TIMES = ("host", "sync", "wait")  # the timeline's rank_<x>_s (engine/messages.py RankTimes)
+
+
+def rank_ms(samples: Sequence[Row], lo: float = -math.inf, hi: float = math.inf) -> dict[str, float | None]:
+    """Rank 0's mean host, device-sync and plan-wait time a step (ms, `rank_<x>_ms`) between the timeline samples
+    that ran steps, ending in [lo, hi); None where the server's samples do not carry them."""
+    marks = sorted((s["run_t_s"], s["steps"], *(s.get(f"rank_{k}_s") for k in RANK_TIMES)) for s in samples
+                   if s.get("run_t_s") is not None and s.get("steps") is not None)
+    spans = [(b[1] - a[1], [(y - x) if None not in (x, y) else None for x, y in zip(a[2:], b[2:], strict=True)])
+             for a, b in itertools.pairwise(marks) if b[1] > a[1] and lo <= b[0] < hi]
+    steps = sum(n for n, _ in spans)
+    out: dict[str, float | None] = {}
+    for i, k in enumerate(RANK_TIMES):
+        parts = [d[i] for _, d in spans]
+        out[f"rank_{k}_ms"] = 1e3 * sum(parts) / steps if steps and parts and None not in parts else None
+    return out
+
+
 def bins_of(recs: Sequence[Rec], bin_s: float, duration: float,
             changes: Sequence[tuple[float, str]] = (), samples: Sequence[Row] = ()) -> list[Row]:
     """Bins covering [0, duration]: TTFT over the requests arriving (scheduled) in a bin, TPOT over the tokens
@@ -179,4 +197,10 @@ def report(s: Row) -> str:
         lines.append(f"{' ' + name + ' ':-^56}")
         lines += [line(f"{label} {key.split('_')[0].upper()} (ms)", s[f"{key}.{q}"])
                   for q, label in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99"))]
+    server = [(name, s.get(key)) for name, key in (("Step (ms)", "step_ms"), ("Rank host a step (ms)", "rank_host_ms"),
+                                                    ("Rank device sync a step (ms)", "rank_sync_ms"),
+                                                    ("Rank wait for its plan (ms)", "rank_wait_ms"))]
+    if any(v is not None for _, v in server):  # the server's own timeline (/admin/status)
+        lines.append(f"{' Server ':-^56}")
+        lines += [line(name, v) for name, v in server if v is not None]
     return "\n".join(lines + [f"error: {e}" for e in s["errors"][:5]] + ["=" * 56])

@@ -78,11 +78,12 @@ def run(engine: EngineCore, jobs: list[tuple[list[int], int]]) -> tuple[list[Any
     while len(done) < len(jobs):
         t = time.perf_counter()
         outs = engine.step()
-        w = engine.last_work
+        w, rt = engine.last_work, engine.last_times
         steps.append({"t_s": t - t0, "wall_ms": (time.perf_counter() - t) * 1e3, "kind": kind(w), "mode": engine.mode,
                       "tokens": w.tokens, "decode_tokens": w.decode_tokens, "sequences": w.sequences,
                       "preempted": w.preempted,
-                      "floor_ms": step_floor_ms(cfg, P, engine.mode, w) if w.tokens else 0.0})
+                      "floor_ms": step_floor_ms(cfg, P, engine.mode, w) if w.tokens else 0.0,
+                      "host_ms": rt.host_ms, "sync_ms": rt.sync_ms, "wait_ms": rt.wait_ms})
         done.update({ids[o.request_id]: o for o in outs if o.finished and o.request_id in ids})
     return [done[i] for i in range(len(jobs))], steps, time.perf_counter() - t0
 
@@ -188,6 +189,7 @@ def main(a: argparse.Namespace) -> int:
             run(engine, jobs[: a.warmup_requests])
         outs, steps, wall = run(engine, jobs)
     inp, out = sum(len(p) for p, _ in jobs), sum(o.num_output_tokens for o in outs)
+    decodes = [s for s in steps if s["kind"] == "decode"]
     floor = sum(s["floor_ms"] for s in steps) / 1e3
     summary: dict[str, Any] = {
         "startup_s": startup, "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall,
@@ -196,7 +198,11 @@ def main(a: argparse.Namespace) -> int:
         "floor_s": floor, "ratio_to_floor": wall / floor,
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
-           for k in ("prefill", "mixed", "decode")}}
+           for k in ("prefill", "mixed", "decode")},
+        # rank 0's median host and device-sync time of a decode step (engine/messages.py RankTimes): sync ~0 is a
+        # step whose device waits on the host
+        **{f"decode_{x}_ms_p50": statistics.median(s[f"{x}_ms"] for s in decodes) if decodes else None
+           for x in ("host", "sync")}}
     if a.hf_baseline:
         summary.update({f"hf_{k}": v for k, v in hf.items()})
         if "wall_s" in hf:
@@ -215,10 +221,12 @@ def main(a: argparse.Namespace) -> int:
                 params=params_of(a), num_gpus=gpus_used(a.num_ranks, a.device),
                 note="offline end-to-end: every request added at once and served to the end (EOS ignored); a step "
                      "row is one engine step() call (what it launched: its kind, tokens and floor; its wall time, "
-                     "which with overlap scheduling is mostly the step before); ratio_to_floor = wall / the sum of "
-                     "the steps' floors; probe: --probe-requests requests served one at a time right after start-up, "
-                     "before the workload (is the first as fast as the last?); long_prompt: --long-prompt's steps, "
-                     "before and while the long prompt is prefilled (a step's wall time: each decoder's gap)")
+                     "which with overlap scheduling is mostly the step before; host_ms / sync_ms / wait_ms: rank "
+                     "0's host work, its wait on the device for tokens and its wait for the plan during the call); "
+                     "ratio_to_floor = wall / the sum of the steps' floors; probe: --probe-requests requests served "
+                     "one at a time right after start-up, before the workload (is the first as fast as the last?); "
+                     "long_prompt: --long-prompt's steps, before and while the long prompt is prefilled (a step's "
+                     "wall time: each decoder's gap)")
     if probes:
         print(f"probe requests one at a time: first {probes[0]['latency_s']:.3f} s, last "
               f"{probes[-1]['latency_s']:.3f} s")

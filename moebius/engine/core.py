@@ -23,7 +23,7 @@ from moebius.engine.build import freeze_heap
 from moebius.engine.calibrate import calibrate
 from moebius.engine.front_request import FrontRequest, Sample, child_seed
 from moebius.engine.lifecycle import check_prompt, max_total_len, placement_weight
-from moebius.engine.messages import KVStats, StepPlan, StepResult, StepWork, TokenDelta
+from moebius.engine.messages import KVStats, RankTimes, StepPlan, StepResult, StepWork, TokenDelta
 from moebius.engine.rank import RankSpec
 from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.engine.request import RequestSpec
@@ -107,6 +107,8 @@ class EngineCore:
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
         self._preemptions = 0  # requests preempted so far (KV freed to make room; they recompute)
         self._steps = self._tokens = 0  # steps run and output tokens made so far (the timeline's samples)
+        self.last_times = RankTimes()  # rank 0's times for the last step() (benchmarks: host-bound or device-bound)
+        self._rank_total = RankTimes()  # ... summed over every step so far (the timeline's samples)
         self._switch_reason = ""  # why the pending switch was asked for
         self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
         self.auto: AutoMode | None = None
@@ -286,7 +288,8 @@ class EngineCore:
 
     def _finish(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Take in a step's result: its tokens into the requests, stats, a switch it carried, the auto policy."""
-        self._kv_stats, self.last_work = result.kv, result.work
+        self._kv_stats, self.last_work, self.last_times = result.kv, result.work, result.times
+        self._rank_total += result.times
         self._preemptions += result.work.preempted
         self._steps += 1
         if plan.switch_to is not None:
@@ -300,7 +303,8 @@ class EngineCore:
         if self.timeline.due(now, self.mode):
             total = sum(k.total_tokens for k in result.kv)
             used = 1.0 - sum(k.free_tokens for k in result.kv) / total if total else 0.0
-            self.timeline.sample(now, self.mode, result.running, result.waiting, used, self._steps, self._tokens)
+            self.timeline.sample(now, self.mode, result.running, result.waiting, used, self._steps, self._tokens,
+                                 self._rank_total)
         if self.auto is not None and self._pending.switch_to is None:
             # the signal: requests in flight, running or queued (a burst counts before its prefill is through)
             decision = self.auto.observe(now, self.mode, result.running + result.waiting, self._remaining)

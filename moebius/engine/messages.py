@@ -89,6 +89,21 @@ class KVStats:
 
 
 @dataclass
+class RankTimes:
+    """Where rank 0's time went between two plans (ms): its host work for a plan (scheduling, metadata, launches,
+    bookkeeping, a switch's host side), the time it blocked on the device for a step's tokens (overlap: the step
+    before's), and, with the rank in a process of its own, the time it waited for the plan itself (the front end's
+    turn). A rank whose sync is ~0 keeps the device waiting on its host work; a long wait is the front end's."""
+
+    host_ms: float = 0.0
+    sync_ms: float = 0.0
+    wait_ms: float = 0.0
+
+    def __add__(self, other: RankTimes) -> RankTimes:
+        return RankTimes(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+
+@dataclass
 class RankReport:
     """What one rank sends back after a plan."""
 
@@ -101,6 +116,7 @@ class RankReport:
     query: Any = None  # the answer, when the plan asked a query
     # device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
     switch_times: dict[str, Any] | None = None
+    times: RankTimes = field(default_factory=RankTimes)
 
 
 @dataclass
@@ -115,13 +131,18 @@ class StepResult:
     switch: dict[str, Any] | None = None  # rank 0's switch outcome
     query: list[Any] | None = None  # per rank
     switch_times: dict[str, Any] | None = None  # rank 0's
+    times: RankTimes = field(default_factory=RankTimes)  # rank 0's
 
     @staticmethod
     def gather(reports: list[RankReport]) -> StepResult:
         return StepResult([d for r in reports for d in r.deltas], [r.kv for r in reports],
                           sum(r.running for r in reports), sum(r.waiting for r in reports),
                           sum((r.work for r in reports), StepWork()), reports[0].switch, [r.query for r in reports],
-                          reports[0].switch_times)
+                          reports[0].switch_times, reports[0].times)
+
+    def waited(self, ms: float) -> StepResult:
+        """This result with rank 0's wait for its plan (known only where the plan was received)."""
+        return dataclasses.replace(self, times=dataclasses.replace(self.times, wait_ms=ms))
 
 
 # ---- a switch's request list ----

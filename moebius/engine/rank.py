@@ -21,7 +21,15 @@ import torch
 
 from moebius.config import EngineConfig, ModelConfig
 from moebius.engine.lifecycle import StopRules
-from moebius.engine.messages import KVStats, RankReport, StepPlan, StepWork, TokenDelta, attended_pairs
+from moebius.engine.messages import (
+    KVStats,
+    RankReport,
+    RankTimes,
+    StepPlan,
+    StepWork,
+    TokenDelta,
+    attended_pairs,
+)
 from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
 from moebius.engine.runner import ModelRunner, PendingStep, StepSync
 from moebius.engine.scheduler import ScheduledChunk, Scheduler
@@ -102,6 +110,7 @@ class Rank:
         self.inflight: InFlight | None = None
         self._late_switch_times: dict[str, Any] | None = None  # see report()
         self._work = StepWork()  # what the last launched step computes (see report())
+        self._synced = 0.0  # seconds blocked on the device for a step's tokens since report() began
 
     @property
     def layout(self) -> Layout:
@@ -128,14 +137,17 @@ class Rank:
         """Apply a plan and report (a query's answer is the caller's: `engine/diagnostics.py`). In TP every rank
         computes the same tokens and only rank 0 reports them; in EP each rank reports its own. Deltas from before a
         switch (aborts) are reported by the old layout's rule, those of the step by the new one's."""
+        t0, self._synced = time.perf_counter(), 0.0
         first = self.layout.reports_deltas
         before, after, outcome = self.step(plan)
         second = self.layout.reports_deltas
         # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
         sched = self.scheduler
         counts = (len(sched.running), len(sched.waiting)) if second else (0, 0)
+        host = time.perf_counter() - t0 - self._synced
         return RankReport((before if first else []) + (after if second else []), self.kv_stats(), *counts,
-                          self._work if second else StepWork(), outcome, switch_times=self._late_switch_times)
+                          self._work if second else StepWork(), outcome, switch_times=self._late_switch_times,
+                          times=RankTimes(host * 1e3, self._synced * 1e3))
 
     def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
         """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
@@ -235,7 +247,9 @@ class Rank:
         if self.inflight is None:
             return []
         flight, self.inflight = self.inflight, None
+        t = time.perf_counter()
         tokens, _ = flight.pending.result()
+        self._synced += time.perf_counter() - t
         logprobs = flight.pending.logprobs()
         deltas: list[TokenDelta] = []
         for row, req in enumerate(flight.sampling):

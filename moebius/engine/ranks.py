@@ -82,15 +82,20 @@ def _rank_device(spec: RankSpec, local_rank: int) -> str:
 
 def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
     """The step loop of a rank. Rank 0 relays plans from the front end's pipe and results back."""
-    running = True
+    running, busy = True, False
     while running:
+        t = time.perf_counter()
         try:
             plan = conn.recv() if conn is not None else None
         except (EOFError, ConnectionError):  # the front end is gone (closed without close(), or killed): shut down
             plan = None
+        # rank 0's wait for the front end while it had requests (an idle rank's wait is no one's cost)
+        waited = (time.perf_counter() - t) * 1e3 if busy else 0.0
         running, result = rank_step(rank, groups, plan)
         if conn is not None and running:
-            conn.send(("ok", result))
+            assert result is not None
+            busy = bool(result.running or result.waiting)
+            conn.send(("ok", result.waited(waited)))
 
 
 def _rank_main(rank: int, world_size: int, spec: RankSpec, init_method: str | None,

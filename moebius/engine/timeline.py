@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from moebius.engine.messages import RankTimes
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -17,6 +19,10 @@ class Sample:
     kv_used: float  # fraction of the KV pool in use (all ranks)
     steps: int = 0  # engine steps run so far, and output tokens made: between two samples, ms a step and tokens/s
     tokens: int = 0
+    # rank 0's host, device-sync and plan-wait seconds so far (messages.RankTimes): between two samples, per step
+    rank_host_s: float = 0.0
+    rank_sync_s: float = 0.0
+    rank_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,11 @@ class ModeTimeline:
         return last is None or now - self.start - last.t >= self.interval or last.mode != mode
 
     def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float, steps: int = 0,
-               tokens: int = 0) -> None:
+               tokens: int = 0, rank: RankTimes | None = None) -> None:
         if self.due(now, mode):
-            self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used, steps, tokens))
+            r = rank or RankTimes()
+            self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used, steps, tokens,
+                                       r.host_ms / 1e3, r.sync_ms / 1e3, r.wait_ms / 1e3))
 
     def switch(self, now: float, source: str, target: str, done: bool, reason: str,
                times: dict[str, Any] | None = None) -> None:
