@@ -244,6 +244,10 @@ class EngineConfig:
                                             "the step's token budget are summed through symmetric-memory buffers "
                                             "peer GPUs write and read over NVLink (lower latency; up to 8 MiB one "
                                             "launch with the residual add and the next RMSNorm)")
+    plans_ahead: int = _flag(1, "with rank processes: plans on their way to the ranks while the front end takes in "
+                             "a step's result; 1: the next step's; 2: also the one after, so that a rank whose host "
+                             "work nears the device's step time does not wait on the front end for its plan, at one "
+                             "more step before a request added starts")
     disable_overlap_schedule: bool = _flag(False, "resolve each step before scheduling the next; by default the "
                                            "next step is launched while the device still runs the current one "
                                            "(its input tokens are taken on the device), hiding host work")
@@ -312,6 +316,8 @@ class EngineConfig:
         if self.cuda_graph_max_tokens < 0:
             raise ConfigError(f"cuda_graph_max_tokens must be >= 0 (0: steps with prompt chunks run eagerly), got "
                               f"{self.cuda_graph_max_tokens}")
+        if self.plans_ahead not in (1, 2):
+            raise ConfigError(f"plans_ahead must be 1 or 2, got {self.plans_ahead}")
         if self.watchdog_timeout < 0:
             raise ConfigError(f"watchdog_timeout must be >= 0 seconds (0: no limit), got {self.watchdog_timeout}")
         if self.switch_cooldown is not None and self.switch_cooldown < 0:

@@ -38,7 +38,8 @@ BAD_FLAGS = [({"num_ranks": "2"}, "num_ranks"), ({"block_size": "16"}, "block_si
              ({"disable_pdl": 1}, "disable_pdl"), ({"model": 5}, "model"), ({"switch_window": 0}, "switch_window"),
              ({"switch_high": 2, "switch_low": 3}, "switch_low"), ({"mode": "dp"}, "mode"),
              ({"watchdog_timeout": -1}, "watchdog_timeout"), ({"warmup": "some"}, "warmup"),
-             ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs"), ({"cuda_graph_max_tokens": -1}, "cuda_graph_max_tokens")]
+             ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs"), ({"cuda_graph_max_tokens": -1}, "cuda_graph_max_tokens"),
+             ({"plans_ahead": 3}, "plans_ahead"), ({"plans_ahead": 0}, "plans_ahead")]
 
 
 @pytest.mark.parametrize("kwargs,field", BAD_FLAGS, ids=[f"{k}" for k, _ in BAD_FLAGS])

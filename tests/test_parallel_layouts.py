@@ -529,3 +529,52 @@ def test_rank_dying_during_start_up_raises(ckpt_root: str, monkeypatch: pytest.M
     with no_leftover_processes():
         with deadline(10, "a start-up whose rank 0 died"), pytest.raises(RankError):
             LLM(model=path, num_ranks=2, mode="tp", **ENGINE_KW)
+
+
+@pytest.mark.slow
+def test_two_plans_ahead_give_the_same_tokens_through_aborts_and_switches(ckpt_root: str) -> None:
+    """--plans-ahead 2 on two rank processes: requests added, one aborted mid-run, served across a switch each way,
+    get transformers' tokens; nothing is left in flight once the ranks are idle, and every rank's KV is free."""
+    path = _checkpoint(ckpt_root, "gqa8")
+    with no_leftover_processes():
+        with deadline(START_TIMEOUT, "starting 2 ranks"):
+            llm = LLM(model=path, num_ranks=2, mode="ep", plans_ahead=2, **ENGINE_KW)
+        try:
+            rids = {llm.add_request(PROMPTS[i], greedy(16)): i for i in (0, 2, 4, 6)}
+            last: dict[str, Any] = {}
+
+            def step() -> None:
+                for out in llm.step():
+                    last[out.request_id] = out
+
+            step()
+            step()
+            assert llm.engine.steps_in_flight == 2
+            aborted = next(iter(rids))
+            llm.abort(aborted)
+            step()
+            llm.engine.request_switch("tp")
+            step()
+            assert llm.mode == "tp" and llm.engine.steps_in_flight == 0  # nothing ahead of a switch's step
+            late = llm.add_request(PROMPTS[5], greedy(16))
+            rids[late] = 5
+            step()
+            step()
+            llm.engine.request_switch("ep")
+            step()
+            assert llm.mode == "ep"
+            while llm.has_unfinished():
+                step()
+            assert llm.engine.steps_in_flight == 0
+            for rid, i in rids.items():
+                ref_tokens, _ = reference(path, PROMPTS[i])
+                out = last[rid]
+                assert out.finished, rid
+                if rid == aborted:
+                    assert out.finish_reason == "abort" and out.token_ids == ref_tokens[: len(out.token_ids)]
+                else:
+                    assert out.token_ids == ref_tokens[:16], (rid, i)
+            assert all(s["free_tokens"] == s["total_tokens"] for s in llm.kv_stats()["per_rank"])
+        finally:
+            with deadline(60, "closing the engine"):
+                llm.close()

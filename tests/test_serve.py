@@ -264,22 +264,24 @@ def test_rank_process_on_gives_the_in_process_tokens(ref: LLM) -> None:
     assert got == [o.token_ids for o in ref.generate(IDS, params)]
 
 
-def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM) -> None:
-    """With rank processes, step() sends the next plan as soon as a step's result is in (the ranks launch it while
-    the front end detokenizes and delivers); a switch rides on its own call's step, never sent ahead; a query reads
-    the step in flight first. In process there is nothing to overlap."""
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM, ahead: int) -> None:
+    """With rank processes, step() sends the next plan (--plans-ahead 2: the next two) as soon as a step's result is
+    in (the ranks launch it while the front end detokenizes and delivers); a switch rides on its own call's step,
+    never sent ahead; a query reads the steps in flight first; nothing is left in flight once the ranks are idle,
+    and a request added then is served in full. In process there is nothing to overlap."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    with LLM(device="cpu", rank_process="on") as spawned:
+    with LLM(device="cpu", rank_process="on", plans_ahead=ahead) as spawned:
         engine = spawned.engine
         rid = engine.add_request(IDS[0], params)
         last = {o.request_id: o for o in engine.step()}
-        assert engine.steps_in_flight == 1  # the next step is already on the ranks
+        assert engine.steps_in_flight == ahead  # the next steps are already on the ranks
         engine.request_switch("ep")
         last.update({o.request_id: o for o in engine.step()})
         assert engine.last_switch is not None and engine.last_switch["done"] and engine.mode == "ep"
         assert engine.steps_in_flight == 0  # nothing goes ahead of a switch's step
         last.update({o.request_id: o for o in engine.step()})
-        assert engine.steps_in_flight == 1
+        assert engine.steps_in_flight == ahead
         assert engine.query("requests") and engine.steps_in_flight == 0  # read first
         engine.request_switch("tp")  # rides on the next step, not on a query in between
         assert engine.query("requests") and engine.mode == "ep"
@@ -287,8 +289,13 @@ def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM) ->
         assert engine.mode == "tp" and engine.last_switch is not None and engine.last_switch["done"]
         while engine.has_unfinished():
             last.update({o.request_id: o for o in engine.step()})
+        assert engine.steps_in_flight == 0  # idle: nothing left on the ranks
+        rid2 = engine.add_request(IDS[1], params)  # ... so a request added now starts with the next call
+        while engine.has_unfinished():
+            last.update({o.request_id: o for o in engine.step()})
     # the same tokens as one step at a time in process, nothing lost or doubled across the reads ahead
     assert last[rid].outputs[0].token_ids == ref.generate([IDS[0]], params)[0].token_ids
+    assert last[rid2].outputs[0].token_ids == ref.generate([IDS[1]], params)[0].token_ids
     assert ref.engine.steps_in_flight == 0
 
 

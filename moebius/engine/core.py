@@ -13,6 +13,7 @@ import random
 import sys
 import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -100,7 +101,7 @@ class EngineCore:
         self._requests: dict[str, FrontRequest] = {}
         self._child_to_parent: dict[str, tuple[FrontRequest, int]] = {}
         self._pending = StepPlan()
-        self._flight: StepPlan | None = None  # a plan sent to the ranks whose result is not read yet
+        self._flight: deque[StepPlan] = deque()  # plans sent to the ranks whose results are not read yet, oldest first
         self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
         self._undelivered: list[RequestOutput] = []
         self.timeline = ModeTimeline(time.perf_counter())
@@ -241,25 +242,30 @@ class EngineCore:
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Run one step on the ranks and return the outputs it (and any call since the last step) produced. With
-        rank processes (`ranks.ahead`), the next step's plan goes out as soon as this step's result is in, so the
-        ranks schedule and launch it while this one's tokens are detokenized and delivered here. A switch is never
-        sent ahead, and nothing goes ahead of a switch's step (requests added in between are placed by the layout
-        in use when they are added)."""
-        if self._flight is not None and self._pending.switch_to is not None:
+        rank processes (`ranks.ahead`), the next step's plan (with --plans-ahead 2, the next two's) goes out as soon
+        as this step's result is in, so the ranks schedule and launch it while this one's tokens are detokenized and
+        delivered here. A switch is never sent ahead, and nothing goes ahead of a switch's step (requests added in
+        between are placed by the layout in use when they are added)."""
+        if self._flight and self._pending.switch_to is not None:
             self._settle()  # a switch asked for rides on this call's step, as without a step in flight
-        if self._flight is None:
+        if not self._flight:
             self._send(self._next_plan())
         plan, result = self._receive()
-        if (self.ranks.ahead and plan.switch_to is None and self._pending.switch_to is None
-                and (result.running or result.waiting or self._pending.new)):
-            # (nothing is sent ahead once the ranks are idle: a request added then starts with the next call)
-            self._send(self._next_plan())
-        return self._finish(plan, result)
+        busy = result.running or result.waiting or self._pending.new or any(p.new for p in self._flight)
+        if self.ranks.ahead and plan.switch_to is None and busy:
+            while len(self._flight) < self.config.plans_ahead and self._pending.switch_to is None:
+                self._send(self._next_plan())
+        outs = self._finish(plan, result)
+        if not busy and self._flight:  # idle with plans still out (sent while busy): none is left out at idle, so
+            self._settle()  # a request added next starts with the next call
+            outs, self._undelivered = outs + self._undelivered, []
+        return outs
 
     @property
     def steps_in_flight(self) -> int:
-        """Plans sent to the ranks whose results are not read yet (0 or 1; 1 between steps with rank processes)."""
-        return int(self._flight is not None)
+        """Plans sent to the ranks whose results are not read yet (0 when idle; between steps with rank processes,
+        --plans-ahead)."""
+        return len(self._flight)
 
     def _next_plan(self) -> StepPlan:
         plan, self._pending = self._pending, StepPlan()
@@ -269,11 +275,11 @@ class EngineCore:
 
     def _send(self, plan: StepPlan) -> None:
         self.ranks.send(plan)
-        self._flight = plan
+        self._flight.append(plan)
 
     def _receive(self) -> tuple[StepPlan, StepResult]:
-        plan, self._flight = self._flight, None
-        assert plan is not None, "no plan in flight"
+        assert self._flight, "no plan in flight"
+        plan = self._flight.popleft()
         result = self.ranks.receive()
         if result.switch_times and self.last_switch is not None:  # a switch that rode on a step: its device times
             self.last_switch.update(result.switch_times)
@@ -281,9 +287,9 @@ class EngineCore:
         return plan, result
 
     def _settle(self) -> None:
-        """Read the step in flight, if any, before a call that is not a step: its outputs go out with the next
+        """Read the steps in flight, if any, before a call that is not a step: their outputs go out with the next
         step()."""
-        if self._flight is not None:
+        while self._flight:
             self._undelivered = self._finish(*self._receive())
 
     def _finish(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -368,7 +374,7 @@ class EngineCore:
     def _to_ranks(self, plan: StepPlan) -> StepResult:
         """A call that is not a step (a switch alone, a query); its caller read the step in flight (`_settle`) before
         it took the pending plan."""
-        assert self._flight is None, "a step is in flight"
+        assert not self._flight, "a step is in flight"
         self._send(plan)
         return self._receive()[1]
 
