@@ -355,6 +355,38 @@ def test_pause_holds_requests_until_resume(server: Server, ref: LLM) -> None:
     assert got["choices"][0]["token_ids"] == want
 
 
+def test_pause_mid_stream_runs_no_step_until_resume(server: Server, ref: LLM) -> None:
+    """A pause while a request streams reads the steps already sent to the rank (it gets plans ahead) before it
+    answers: nothing is in flight and no token comes while paused; resume finishes with the same tokens."""
+    params = {**GREEDY, "max_tokens": 120}
+    want = ref.generate(IDS[2], SamplingParams(**params))[0].token_ids
+    got: list[int] = []
+    started = threading.Event()
+
+    def read() -> None:
+        for chunk in server.stream("/v1/completions", {"prompt": IDS[2], "return_token_ids": True, **params}):
+            for c in chunk.get("choices", []) if isinstance(chunk, dict) else []:
+                got.extend(c.get("token_ids") or [])
+            if len(got) >= 4:
+                started.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        assert started.wait(30)
+        assert server.post("/admin/pause", {}).json() == {"paused": True}
+        st = server.get("/admin/status").json()
+        assert st["paused"] is True and st["steps_in_flight"] == 0
+        time.sleep(0.2)  # what was read before the pause reaches the client
+        n = len(got)
+        time.sleep(0.5)
+        assert len(got) == n < len(want)  # no step while paused
+    finally:
+        assert server.post("/admin/resume", {}).json() == {"paused": False}
+        t.join(60)
+    assert got == want
+
+
 def test_policy_is_refused_on_one_rank(server: Server) -> None:
     r = server.post("/admin/policy", {"policy": "threshold", "high": 4})
     assert r.status_code == 400 and "one rank" in r.json()["error"]["message"]

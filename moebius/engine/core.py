@@ -286,6 +286,13 @@ class EngineCore:
             self.timeline.complete(result.switch_times)
         return plan, result
 
+    def settle(self) -> list[RequestOutput]:
+        """Read the steps on their way to or on the ranks (rank processes get plans ahead) and return their outputs:
+        afterwards no step runs until the next step() (a pause for an RL weight update)."""
+        self._settle()
+        outs, self._undelivered = self._undelivered, []
+        return outs
+
     def _settle(self) -> None:
         """Read the steps in flight, if any, before a call that is not a step: their outputs go out with the next
         step()."""

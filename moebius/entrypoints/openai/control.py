@@ -27,6 +27,7 @@ def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
     return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
             "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
             "unfinished": engine.has_unfinished(), "world_size": engine.world_size, "paused": loop.paused,
+            "steps_in_flight": engine.steps_in_flight,
             "last_switch": engine.last_switch,
             "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
 

@@ -270,7 +270,10 @@ class EngineLoop:
             self._engine.close()
 
     def set_paused(self, flag: bool) -> None:
-        """On the engine thread (through `call`): stop or restart stepping; requests keep coming in."""
+        """On the engine thread (through `call`): stop or restart stepping; requests keep coming in. A pause first
+        reads the steps already sent to the ranks, so that none runs while paused."""
+        if flag and not self.paused:
+            self._deliver(self._engine.settle())
         self.paused = flag
 
     # ---- the engine thread ----
