@@ -320,6 +320,12 @@ def test_metrics(server: Server) -> None:
     assert _metric(after.text, prompt) - _metric(before, prompt) == len(IDS[0])
     count = "moebius:e2e_request_latency_seconds_count"
     assert _metric(after.text, count) - _metric(before, count) == 1
+    # rank 0's time a step, by part: a step each (16 tokens: at least 16 steps), host work in every one
+    for part in ("host", "device", "plan"):
+        steps = f'moebius:rank_step_seconds_count{{part="{part}"}}'
+        assert _metric(after.text, steps) - _metric(before, steps) >= 16, part
+    host = 'moebius:rank_step_seconds_sum{part="host"}'
+    assert _metric(after.text, host) > _metric(before, host)
 
 
 # ---- operator switches ----

@@ -287,6 +287,8 @@ class EngineLoop:
                     self._handle(cmd)
                 if engine.has_unfinished() and not self.paused:
                     self._deliver(engine.step())
+                    if self.metrics is not None:
+                        self.metrics.step(engine.last_times)
                     self._log_stats()
                 self._publish()
         except BaseException as e:  # noqa: B036 - reported to every request and to /health, never silent

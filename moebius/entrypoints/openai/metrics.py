@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from moebius.engine.messages import RankTimes
 from moebius.parallel.layout import MODES
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -53,6 +54,11 @@ class ServerMetrics:
                                         registry=r)
         self.healthy = Gauge("moebius:engine_healthy", "1 while the engine loop runs, 0 after it failed", registry=r)
         self.healthy.set(1)
+        self.rank_step = Histogram("moebius:rank_step_seconds", "Rank 0's time a step, by part: host (scheduling, "
+                                   "metadata, launches), device (waiting for a step's tokens), plan (waiting for "
+                                   "its next plan from this server, with the rank in a process of its own)",
+                                   ["part"], buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1,
+                                                      0.25, 0.5, 1.0), registry=r)
 
     def set_layout(self, mode: str) -> None:
         for m in MODES:
@@ -72,6 +78,11 @@ class ServerMetrics:
         self.e2e.observe(max(0.0, now - arrival))
         if first is not None and last is not None and tokens > 1:
             self.tpot.observe(max(0.0, (last - first) / (tokens - 1)))
+
+    def step(self, times: RankTimes) -> None:
+        """Where rank 0's time went in the step just taken in (engine/messages.py)."""
+        for part, ms in (("host", times.host_ms), ("device", times.sync_ms), ("plan", times.wait_ms)):
+            self.rank_step.labels(part).observe(ms / 1e3)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
