@@ -20,6 +20,8 @@
 #   steady    STREAMS (256) streams of 128 -> STEADY_OUT (512) tokens, all at once: served (`moebius bench serve`)
 #             against the same work offline (`bench throughput`): what serving adds to a decode step (needs the
 #             serve wheels; past 256 streams give M a larger --max-running-requests)
+#   plans     the steady work offline, then served with --plans-ahead 1 and 2 in turn (one lease: an A/B), into
+#             h200-p1-serve-steady$STREAMS-plans{1,2}; each result carries the rank's host / device / plan-wait times
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace, into h200-p1-serve-bursty-$SERVE_TAG
 #             (default "new": the kept runs are not overwritten; the server flags are M) (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
@@ -78,6 +80,15 @@ steady)
   up
   t steady 150 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V $STEADY --server-args "$M" --output $R/h200-p1-serve-steady${STREAMS}-${SERVE_TAG:-new}.json
   down ;;
+plans)
+  t steady_offline 150 $B throughput $M $STEADY --output $R/h200-p1-steady${STREAMS}-offline-plans.json
+  M0=$M
+  for n in 1 2; do
+    M="$M0 --plans-ahead $n"; up
+    t steady_plans$n 150 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V $STEADY --server-args "$M" --output $R/h200-p1-serve-steady${STREAMS}-plans$n.json
+    down; cp $W/server.log $W/server_plans$n.log
+  done
+  M=$M0 ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
 find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude=cold1 --exclude=triton .
