@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -64,8 +64,16 @@ def attended_pairs(start: int, tokens: int) -> int:
     return tokens * start + tokens * (tokens + 1) // 2
 
 
+class _Summed:
+    """A dataclass of numbers that adds field by field (a step's work, rank times: summed over ranks or steps)."""
+
+    def __add__(self, other: Self) -> Self:
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)  # type: ignore[call-overload]
+        return type(self)(*(a + b for a, b in pairs))
+
+
 @dataclass
-class StepWork:
+class StepWork(_Summed):
     """What a launched step computes (the floor model prices it): new tokens (prefill chunks and decodes), the
     sequences they belong to, KV tokens its attention reads (each sequence's length after the step), the (query,
     key) pairs attention computes (each new token's position + 1), and the rows sampled."""
@@ -78,9 +86,6 @@ class StepWork:
     sampled: int = 0
     preempted: int = 0  # requests preempted to schedule it (their KV freed; they recompute)
 
-    def __add__(self, other: StepWork) -> StepWork:
-        return StepWork(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
-
 
 @dataclass
 class KVStats:
@@ -89,7 +94,7 @@ class KVStats:
 
 
 @dataclass
-class RankTimes:
+class RankTimes(_Summed):
     """Where rank 0's time went between two plans (ms): its host work for a plan (scheduling, metadata, launches,
     bookkeeping, a switch's host side), the time it blocked on the device for a step's tokens (overlap: the step
     before's), and, with the rank in a process of its own, the time it waited for the plan itself (the front end's
@@ -98,9 +103,6 @@ class RankTimes:
     host_ms: float = 0.0
     sync_ms: float = 0.0
     wait_ms: float = 0.0
-
-    def __add__(self, other: RankTimes) -> RankTimes:
-        return RankTimes(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
 
 
 @dataclass

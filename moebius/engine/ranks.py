@@ -237,10 +237,6 @@ class SpawnedRanks:
         self._kill()  # the survivors would wait in their next collective for a rank that is gone
         raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
 
-    def step(self, plan: StepPlan) -> StepResult:
-        self.send(plan)
-        return self.receive()
-
     def send(self, plan: StepPlan) -> None:
         try:
             self._conn.send(plan)
@@ -248,7 +244,7 @@ class SpawnedRanks:
             self._died()
 
     def receive(self) -> StepResult:
-        """The result of the plan sent before (one plan is in flight at a time)."""
+        """The result of the oldest plan sent and not yet read (plans are applied in the order sent)."""
         _, result = self._recv(self._watchdog)
         return result
 

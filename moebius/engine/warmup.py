@@ -141,17 +141,16 @@ def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
     total = sum(len(s) for _, s in plans)
     with tqdm(total=total, desc="compiling kernels", unit="step", disable=not progress) as bar:
         for runner, steps in plans:
-            prev: tuple[PendingStep, int] | None = None  # the step before and how many tokens it sampled
+            prev: PendingStep | None = None
             for step in steps:
                 sync = StepSync(step.tokens, step.decode_only)
                 fill = None
                 if step.follows and prev is not None:  # each decode's input: a row of the step before's tokens
-                    fill = np.array([b % prev[1] if start and n == 1 else -1
+                    fill = np.array([b % prev.tokens.shape[0] if start and n == 1 else -1
                                      for b, (start, n) in enumerate(step.chunks)], dtype=np.int64)
-                pending = runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync,
-                                        prev[0] if fill is not None else None, fill)
-                pending.result()  # as served
-                prev = pending, len(step.chunks)  # (every warm-up chunk ends its prompt: each samples)
+                prev = runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync,
+                                     prev if fill is not None else None, fill)
+                prev.result()  # as served
                 bar.update()
     if rank.device.type == "cuda":
         torch.cuda.synchronize(rank.device)
