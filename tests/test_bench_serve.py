@@ -165,6 +165,8 @@ def _bench(url: str, out: str, *flags: str) -> dict[str, Any]:
     assert steps == sorted(steps) and s["step_ms"] > 0  # the server's step count, hence its step time
     # rank 0's times a step (its own process under serve): host work, no device to wait on, and its plan's wait
     assert s["rank_host_ms"] > 0 and s["rank_sync_ms"] >= 0 and s["rank_wait_ms"] >= 0
+    # the server's CPU a step, of which its engine thread's is a part
+    assert 0 < s["engine_cpu_ms"] <= s["server_cpu_ms"]
     png = os.path.splitext(out)[0] + ".png"
     try:
         import matplotlib  # noqa: F401
@@ -258,7 +260,7 @@ def test_bare_server_without_token_ids_or_status(tmp_path: Any) -> None:
     assert rows[0]["prompt_len"] == 9 and "chunk_tokens" not in rows[0]  # no --save-chunks
     assert s["failed"] == 1 and s["errors"][0].startswith("1 x HTTP 500") and s["completed"] == 2
     assert not s["status_available"] and table(result, "timeline") == [] and table(result, "switch") == []
-    assert s["rank_host_ms"] is None and s["step_ms"] is None
+    assert s["rank_host_ms"] is None and s["server_cpu_ms"] is None and s["step_ms"] is None
 
 
 def test_no_server_is_a_clear_error(capsys: Any) -> None:

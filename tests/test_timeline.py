@@ -1,6 +1,6 @@
-"""The mode timeline's samples carry the engine's step and output-token counts and rank 0's host, device-sync and
-plan-wait times, so that a reader (`bench serve`, through /admin/status) gets the server's step time, token rate and
-where a step's time went between any two samples."""
+"""The mode timeline's samples carry the engine's step and output-token counts, rank 0's host, device-sync and
+plan-wait times and the front end's CPU time, so that a reader (`bench serve`, through /admin/status) gets the
+server's step time, token rate and where a step's time went between any two samples."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from moebius import LLM, SamplingParams
-from moebius.bench.serve_stats import rank_ms
+from moebius.bench.serve_stats import per_step_ms
 from moebius.engine.timeline import ModeTimeline
 
 
@@ -56,13 +56,31 @@ def test_the_samples_carry_rank_zeros_times() -> None:
 
 
 def test_rank_times_a_step_between_samples() -> None:
-    samples = [{"run_t_s": t, "steps": n, "rank_host_s": h, "rank_sync_s": y, "rank_wait_s": w}
-               for t, n, h, y, w in [(-1.0, 0, 0.0, 0.0, 0.0), (0.5, 10, 0.05, 0.1, 0.01), (1.0, 10, 0.05, 0.1, 0.01),
-                                     (1.5, 30, 0.15, 0.5, 0.03)]]
-    # every interval that ran steps: 30 steps, 0.15 s host, 0.5 s sync, 0.03 s waiting
-    assert rank_ms(samples) == pytest.approx({"rank_host_ms": 5.0, "rank_sync_ms": 0.5 / 30 * 1e3, "rank_wait_ms": 1.0})
-    # the interval ending at 1.5 s alone: 20 steps, 0.1 s host, 0.4 s sync, 0.02 s waiting
-    assert rank_ms(samples, 1.0, 2.0) == pytest.approx({"rank_host_ms": 5.0, "rank_sync_ms": 20.0, "rank_wait_ms": 1.0})
-    assert rank_ms(samples, 2.0) == {"rank_host_ms": None, "rank_sync_ms": None, "rank_wait_ms": None}
+    samples = [{"run_t_s": t, "steps": n, "rank_host_s": h, "rank_sync_s": y, "rank_wait_s": w, "cpu_s": c,
+                "thread_cpu_s": c / 2}
+               for t, n, h, y, w, c in [(-1.0, 0, 0.0, 0.0, 0.0, 1.0), (0.5, 10, 0.05, 0.1, 0.01, 1.2),
+                                        (1.0, 10, 0.05, 0.1, 0.01, 1.3), (1.5, 30, 0.15, 0.5, 0.03, 1.6)]]
+    # every interval that ran steps: 30 steps, 0.15 s host, 0.5 s sync, 0.03 s waiting, 0.5 s of the server's CPU
+    # (0.2 + 0.3: the CPU of the interval without steps is not counted), half of it the engine thread's
+    assert per_step_ms(samples) == pytest.approx({"rank_host_ms": 5.0, "rank_sync_ms": 0.5 / 30 * 1e3,
+                                                  "rank_wait_ms": 1.0, "server_cpu_ms": 0.5 / 30 * 1e3,
+                                                  "engine_cpu_ms": 0.25 / 30 * 1e3})
+    # the interval ending at 1.5 s alone: 20 steps, 0.1 s host, 0.4 s sync, 0.02 s waiting, 0.3 s of CPU
+    assert per_step_ms(samples, 1.0, 2.0) == pytest.approx({"rank_host_ms": 5.0, "rank_sync_ms": 20.0,
+                                                            "rank_wait_ms": 1.0, "server_cpu_ms": 15.0,
+                                                            "engine_cpu_ms": 7.5})
+    none = dict.fromkeys(("rank_host_ms", "rank_sync_ms", "rank_wait_ms", "server_cpu_ms", "engine_cpu_ms"))
+    assert per_step_ms(samples, 2.0) == none
     old = [{"run_t_s": t, "steps": n} for t, n in [(0.0, 0), (1.0, 5)]]  # a server without them
-    assert rank_ms(old) == {"rank_host_ms": None, "rank_sync_ms": None, "rank_wait_ms": None}
+    assert per_step_ms(old) == none
+
+
+def test_the_samples_carry_the_front_ends_cpu_time() -> None:
+    """Process and stepping-thread CPU seconds so far: they grow, and the thread's is part of the process's."""
+    with LLM(device="cpu") as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        samples = list(llm.engine.timeline.samples)
+    assert len(samples) >= 2
+    cpu, thread = [s.cpu_s for s in samples], [s.thread_cpu_s for s in samples]
+    assert cpu == sorted(cpu) and thread == sorted(thread) and cpu[-1] > cpu[0] and thread[-1] > thread[0]
+    assert all(0 < t <= c for t, c in zip(thread, cpu, strict=True))

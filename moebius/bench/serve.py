@@ -31,7 +31,7 @@ from moebius.bench.serve_stats import (
     align,
     bins_of,
     layout_changes,
-    rank_ms,
+    per_step_ms,
     report,
     step_intervals,
     step_ms,
@@ -357,7 +357,7 @@ def main(a: argparse.Namespace) -> int:
                          for d in (tl.samples, tl.switches))
     offset = align(samples, switches, before_t, min((r.sent_s for r in recs if r.sent_s is not None), default=None))
     summary = {**summarize(recs, duration, slo), "timeline_samples": len(samples), "timeline_offset_s": offset,
-               "step_ms": step_ms(step_intervals(samples), 0.0, duration), **rank_ms(samples, 0.0, duration),
+               "step_ms": step_ms(step_intervals(samples), 0.0, duration), **per_step_ms(samples, 0.0, duration),
                "switches_done": sum(w["done"] and w["run_t_s"] is not None and w["run_t_s"] >= 0 for w in switches),
                "status_available": bool(tl.available)}
     changes = layout_changes(samples, switches)

@@ -127,21 +127,25 @@ def step_ms(intervals: Sequence[tuple[float, float, int]], lo: float = -math.inf
     return 1e3 * sum(dt for dt, _ in spans) / steps if steps else None
 
 
-RANK_TIMES = ("host", "sync", "wait")  # the timeline's rank_<x>_s (engine/messages.py RankTimes)
+# the timeline's cumulative seconds read per step (ms): rank 0's (engine/messages.py RankTimes), then the server
+# process's CPU (all threads) and its engine thread's
+PER_STEP = {"rank_host_ms": "rank_host_s", "rank_sync_ms": "rank_sync_s", "rank_wait_ms": "rank_wait_s",
+            "server_cpu_ms": "cpu_s", "engine_cpu_ms": "thread_cpu_s"}
 
 
-def rank_ms(samples: Sequence[Row], lo: float = -math.inf, hi: float = math.inf) -> dict[str, float | None]:
-    """Rank 0's mean host, device-sync and plan-wait time a step (ms, `rank_<x>_ms`) between the timeline samples
-    that ran steps, ending in [lo, hi); None where the server's samples do not carry them."""
-    marks = sorted((s["run_t_s"], s["steps"], *(s.get(f"rank_{k}_s") for k in RANK_TIMES)) for s in samples
+def per_step_ms(samples: Sequence[Row], lo: float = -math.inf, hi: float = math.inf) -> dict[str, float | None]:
+    """Means a step (ms) between the timeline samples that ran steps, ending in [lo, hi): rank 0's host,
+    device-sync and plan-wait time, the server process's CPU and its engine thread's; None where the server's
+    samples do not carry them."""
+    marks = sorted((s["run_t_s"], s["steps"], *(s.get(k) for k in PER_STEP.values())) for s in samples
                    if s.get("run_t_s") is not None and s.get("steps") is not None)
     spans = [(b[1] - a[1], [(y - x) if None not in (x, y) else None for x, y in zip(a[2:], b[2:], strict=True)])
              for a, b in itertools.pairwise(marks) if b[1] > a[1] and lo <= b[0] < hi]
     steps = sum(n for n, _ in spans)
     out: dict[str, float | None] = {}
-    for i, k in enumerate(RANK_TIMES):
+    for i, name in enumerate(PER_STEP):
         parts = [d[i] for _, d in spans]
-        out[f"rank_{k}_ms"] = 1e3 * sum(parts) / steps if steps and parts and None not in parts else None
+        out[name] = 1e3 * sum(parts) / steps if steps and parts and None not in parts else None
     return out
 
 
@@ -199,7 +203,9 @@ def report(s: Row) -> str:
                   for q, label in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99"))]
     server = [(name, s.get(key)) for name, key in (("Step (ms)", "step_ms"), ("Rank host a step (ms)", "rank_host_ms"),
                                                     ("Rank device sync a step (ms)", "rank_sync_ms"),
-                                                    ("Rank wait for its plan (ms)", "rank_wait_ms"))]
+                                                    ("Rank wait for its plan (ms)", "rank_wait_ms"),
+                                                    ("Server CPU a step (ms)", "server_cpu_ms"),
+                                                    ("Engine thread CPU a step (ms)", "engine_cpu_ms"))]
     if any(v is not None for _, v in server):  # the server's own timeline (/admin/status)
         lines.append(f"{' Server ':-^56}")
         lines += [line(name, v) for name, v in server if v is not None]

@@ -3,6 +3,7 @@ outcome, phases, why). Kept by the front end; benchmarks and metrics read it."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -23,6 +24,10 @@ class Sample:
     rank_host_s: float = 0.0
     rank_sync_s: float = 0.0
     rank_wait_s: float = 0.0
+    # CPU seconds so far of the front end's process (all its threads: with `moebius serve`, the HTTP side too; not
+    # the rank processes) and of the thread stepping the engine: between two samples, where the server's CPU went
+    cpu_s: float = 0.0
+    thread_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,12 @@ class ModeTimeline:
 
     def sample(self, now: float, mode: str, running: int, waiting: int, kv_used: float, steps: int = 0,
                tokens: int = 0, rank: RankTimes | None = None) -> None:
+        """On the thread that steps the engine (its CPU time is read here)."""
         if self.due(now, mode):
             r = rank or RankTimes()
             self.samples.append(Sample(now - self.start, mode, running, waiting, kv_used, steps, tokens,
-                                       r.host_ms / 1e3, r.sync_ms / 1e3, r.wait_ms / 1e3))
+                                       r.host_ms / 1e3, r.sync_ms / 1e3, r.wait_ms / 1e3, time.process_time(),
+                                       time.thread_time()))
 
     def switch(self, now: float, source: str, target: str, done: bool, reason: str,
                times: dict[str, Any] | None = None) -> None:
