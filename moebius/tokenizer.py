@@ -241,12 +241,17 @@ class IncrementalDetokenizer:
             context = []
         self._ids, self._read_offset = context, len(context)
         self.text = ""
+        # ids past the tokenizer's vocabulary (a model's padded embedding rows) decode to nothing wherever they are:
+        # kept out of the window, which would otherwise grow with each (every token re-decoding all of them)
+        self._vocab_size = tokenizer.vocab_size
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int) -> str:
         """Add one generated id; return the text it completes ("" while a character is still incomplete)."""
+        if token_id >= self._vocab_size:
+            return ""
         self._ids.append(token_id)
         new_text = self._decode(self._ids)
         return "" if new_text.endswith("\ufffd") else self._emit(new_text)

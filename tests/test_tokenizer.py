@@ -92,6 +92,23 @@ def test_incremental_detokenizer_multibyte(tok: Tokenizer, text: str) -> None:
         assert not any("\ufffd" in p for p in pieces)  # a split character is only emitted once complete
 
 
+def test_ids_past_the_vocabulary_stay_out_of_the_window(tok: Tokenizer) -> None:
+    """A model's padded embedding rows give ids the tokenizer does not know: they decode to nothing, so they are
+    not kept in the window either (it would grow with each, and every token would re-decode all of them)."""
+    rng = random.Random(2)
+    ids = [rng.randrange(tok.vocab_size, 4 * tok.vocab_size) if rng.random() < 0.9 else rng.randrange(tok.vocab_size)
+           for _ in range(400)]
+    detok = IncrementalDetokenizer(tok, [1, 2, 3])
+    widest = 0
+    pieces = []
+    for i in ids:
+        pieces.append(detok.append(i))
+        widest = max(widest, len(detok._ids))
+    pieces.append(detok.finish())
+    assert "".join(pieces) == detok.text == tok.decode(ids)
+    assert widest <= IncrementalDetokenizer.CONTEXT_TOKENS + 8  # the known ids' window only, not the unknown run
+
+
 def test_incremental_detokenizer_holds_split_character(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok)
     assert [detok.append(b) for b in "a🙂".encode()] == ["a", "", "", "", "🙂"]
