@@ -829,6 +829,7 @@ def test_a_step_wakes_the_event_loop_once() -> None:
     streams) gives up the engine thread's GIL as often, and held served steps a third over their offline time."""
     from moebius.config import EngineConfig
     from moebius.engine.core import EngineCore
+    from moebius.entrypoints.openai import control
     from moebius.entrypoints.openai.engine_loop import EngineLoop, Update
 
     engine = EngineCore(EngineConfig(device="cpu"))
@@ -851,10 +852,10 @@ def test_a_step_wakes_the_event_loop_once() -> None:
             return wake(*a, **kw)
 
         ev_loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-        loop.call(lambda e: loop.set_paused(True)).result(10)  # all n start in the same step
+        loop.call(control.pause).result(10)  # all n start in the same step
         sinks = [loop.submit([(list(IDS[i % len(IDS)]), SamplingParams(temperature=0, max_tokens=6,
                                                                         ignore_eos=True))]) for i in range(n)]
-        loop.call(lambda e: loop.set_paused(False)).result(10)
+        loop.call(control.resume).result(10)
         tokens: list[list[int]] = [[] for _ in range(n)]
         for i, sink in enumerate(sinks):
             while not isinstance(ev := await sink.get(), Update) or not ev.finished:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moebius import __version__
-from moebius.entrypoints.openai.control import set_policy, status
+from moebius.entrypoints.openai import control
 from moebius.entrypoints.openai.engine_loop import EngineLoop
 from moebius.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from moebius.entrypoints.openai.protocol import (
@@ -246,8 +246,8 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics
         metrics.running.set(loop.running)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
-    async def on_engine(fn: Any, admit_while_draining: bool = False) -> Any:
-        fut = loop.call(fn, admit_while_draining)
+    async def on_engine(fn: Any, *args: Any, admit_while_draining: bool = False) -> Any:
+        fut = loop.call(fn, *args, admit_while_draining=admit_while_draining)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), settings.switch_timeout_s)
         except TimeoutError:
@@ -263,26 +263,25 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics
     async def switch(body: SwitchRequest) -> Response:
         if body.mode not in MODES:
             raise APIError(400, f"mode must be one of {list(MODES)}, got {body.mode!r}", param="mode")
-        outcome = await on_engine(lambda engine: engine.switch_mode(body.mode, reason="operator"))
-        return JSONResponse(_finite(outcome))
+        return JSONResponse(_finite(await on_engine(control.switch, body.mode)))
 
     @app.post("/admin/policy")
     async def policy(body: PolicyRequest) -> Response:
-        return JSONResponse(await on_engine(lambda engine: set_policy(engine, body.model_dump())))
+        return JSONResponse(await on_engine(control.set_policy, body.model_dump()))
 
     @app.post("/admin/pause")
     async def pause() -> Response:  # RL weight updates: requests stay, no step runs until /admin/resume
-        await on_engine(lambda engine: loop.set_paused(True))
+        await on_engine(control.pause)
         return JSONResponse({"paused": True})
 
     @app.post("/admin/resume")
     async def resume() -> Response:
-        await on_engine(lambda engine: loop.set_paused(False))
+        await on_engine(control.resume)
         return JSONResponse({"paused": False})
 
     @app.get("/admin/status")
     async def admin_status() -> Response:
-        snapshot = await on_engine(lambda engine: status(engine, loop), admit_while_draining=True)
+        snapshot = await on_engine(control.status, admit_while_draining=True)
         return JSONResponse(_finite({**snapshot, "draining": loop.draining}))
 
     return app

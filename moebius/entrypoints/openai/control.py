@@ -1,5 +1,6 @@
-"""The operator's side of the server (`/admin/...`): what the status reports and how a policy change applies, both run
-on the engine thread through `EngineLoop.call`."""
+"""The operator's side of the server (`/admin/...`): the calls the routes make on the engine thread through
+`EngineLoop.call`, each a module-level function of (engine, loop, *args) (with the engine in a process of its own, the
+call is sent there by name)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,21 @@ def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
             "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
 
 
-def set_policy(engine: EngineCore, body: dict[str, Any]) -> dict[str, Any]:
+def switch(engine: EngineCore, loop: EngineLoop, mode: str) -> dict[str, Any]:
+    """POST /admin/switch: the operator's switch (its outcome)."""
+    return engine.switch_mode(mode, reason="operator")
+
+
+def pause(engine: EngineCore, loop: EngineLoop) -> None:
+    """POST /admin/pause: no step runs until resume (requests keep coming in)."""
+    loop.set_paused(True)
+
+
+def resume(engine: EngineCore, loop: EngineLoop) -> None:
+    loop.set_paused(False)
+
+
+def set_policy(engine: EngineCore, loop: EngineLoop, body: dict[str, Any]) -> dict[str, Any]:
     """POST /admin/policy (on the engine thread): auto mode off, or on with these settings (the engine's flags'
     names without `switch_`: policy, profile, high, low, window, cooldown), each left as it was where not given."""
     if body.get("policy") == "off":

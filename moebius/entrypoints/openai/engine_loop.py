@@ -152,7 +152,8 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Callable[[EngineCore], Any]
+    fn: Callable[..., Any]  # fn(engine, loop, *args)
+    args: tuple[Any, ...]
     future: Future
 
 
@@ -234,12 +235,28 @@ class EngineLoop:
                 raise APIError(429, f"the server is busy: {self._waiting} requests are waiting to start (limit "
                                f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
-            self._waiting += len(items)
-            self._in_flight += len(items)
-            tag = f"r{next(self._tags)}"
-            sink = Sink([f"{tag}-{i}" for i in range(len(items))])
-            self._commands.put(_Add(list(items), sink, param))
+            sink = Sink(self.new_request_ids(len(items)))
+            self._queue_add(items, sink, param)
         return sink
+
+    def new_request_ids(self, n: int) -> list[str]:
+        """Ids for the engine requests of one submission (unique in this loop)."""
+        tag = f"r{next(self._tags)}"
+        return [f"{tag}-{i}" for i in range(n)]
+
+    def enqueue(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: Any, param: str = "prompt") -> None:
+        """`submit` for a sink made elsewhere (an engine in a process of its own: the HTTP side checked the limits);
+        a refusal is posted to the sink as a Failure."""
+        with self._lock:
+            if (refusal := self._refusal()) is None:
+                self._queue_add(items, sink, param)
+        if refusal is not None:
+            post([(sink, Failure(refusal))])
+
+    def _queue_add(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: Any, param: str) -> None:
+        self._waiting += len(items)
+        self._in_flight += len(items)
+        self._commands.put(_Add(list(items), sink, param))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort engine requests (a client went away); their KV pages are freed at the next step."""
@@ -247,15 +264,16 @@ class EngineLoop:
             if not self._closed:
                 self._commands.put(_Abort(list(request_ids)))
 
-    def call(self, fn: Callable[[EngineCore], Any], admit_while_draining: bool = False) -> Future:
-        """Run fn(engine) on the engine thread at the next step boundary; its result or exception in the future."""
+    def call(self, fn: Callable[..., Any], *args: Any, admit_while_draining: bool = False) -> Future:
+        """Run fn(engine, this loop, *args) on the engine thread at the next step boundary; its result or exception
+        in the future. fn: a module-level function (entrypoints/openai/control.py), so that it can be sent by name."""
         fut: Future = Future()
         with self._lock:
             refusal = self._refusal()
             if refusal is not None and not (admit_while_draining and self.error is None and not self._closed):
                 fut.set_exception(refusal)
             else:
-                self._commands.put(_Call(fn, fut))
+                self._commands.put(_Call(fn, args, fut))
         return fut
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -315,10 +333,10 @@ class EngineLoop:
                     self._engine.abort(rid)
                     self._settle(route)
                     if self.metrics is not None:
-                        self.metrics.success.labels(self.metrics.model_name, "abort").inc()
+                        self.metrics.aborted()
         elif cmd.future.set_running_or_notify_cancel():
             try:
-                cmd.future.set_result(cmd.fn(self._engine))
+                cmd.future.set_result(cmd.fn(self._engine, self, *cmd.args))
             except Exception as e:  # the caller's error (e.g. a bad switch target); the engine goes on
                 cmd.future.set_exception(e)
 
@@ -341,7 +359,7 @@ class EngineLoop:
             self._routes[rid] = _Route(cmd.sink, i, [0] * params.n, [False] * params.n)
             ids.append(rid)
             if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(valid[1]))
+                self.metrics.admitted(len(valid[1]))
         post([(cmd.sink, Accepted(ids, [v[1] for v in checked]))])
 
     def _settle(self, route: _Route) -> None:
@@ -377,7 +395,7 @@ class EngineLoop:
                     self._waiting -= 1
                     self._running += 1
                 if m is not None and out.ttft is not None:
-                    m.ttft.observe(max(0.0, out.ttft))
+                    m.first_token(out.ttft)
             if samples or out.finished:
                 events.append((route.sink, Update(route.prompt_index, samples, out.finished)))
             if out.finished:
@@ -390,7 +408,7 @@ class EngineLoop:
                                times[-1] if times else None, len(first.token_ids), now)
         post(events)
         if m is not None:  # once a step: a Prometheus counter takes a lock each time
-            m.generation_tokens.inc(self._tokens_out - tokens_before)
+            m.generated(self._tokens_out - tokens_before)
 
     def _log_stats(self) -> None:
         """A line every STATS_EVERY_S seconds while busy: throughput, requests, KV use, layout."""
@@ -411,13 +429,10 @@ class EngineLoop:
         if m is None:
             return
         engine = self._engine
-        m.running.set(self._running)
-        m.waiting.set(self._waiting)
         kv = engine.kv_stats()
-        total = int(kv["total_tokens"])  # type: ignore[call-overload]
-        m.kv_usage.set(1.0 - int(kv["free_tokens"]) / total if total else 0.0)  # type: ignore[call-overload]
+        total, free = int(kv["total_tokens"]), int(kv["free_tokens"])  # type: ignore[call-overload]
         preempted = int(kv["preemptions"])  # type: ignore[call-overload]
-        m.preemptions.inc(preempted - self._preemptions_seen)
+        m.state(self._running, self._waiting, 1.0 - free / total if total else 0.0, preempted - self._preemptions_seen)
         self._preemptions_seen = preempted
         switches = engine.timeline.switches
         if len(switches) > self._switches_seen:
@@ -428,6 +443,7 @@ class EngineLoop:
                                                          "kv": ev.kv_ms})
                 self._switches_seen += 1
             m.set_layout(engine.mode)
+        m.flush()
 
     def _fail(self, e: BaseException) -> None:
         msg = f"{type(e).__name__}: {e}"
@@ -435,7 +451,7 @@ class EngineLoop:
             self.error = msg
             self._closed = True
         if self.metrics is not None:
-            self.metrics.healthy.set(0)
+            self.metrics.engine_failed()
         failed = Failure(APIError(500, f"the engine failed: {msg}", code="engine_error"))
         post([(route.sink, failed) for route in self._routes.values()])
         self._routes.clear()

@@ -60,6 +60,32 @@ class ServerMetrics:
                                    ["part"], buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1,
                                                       0.25, 0.5, 1.0), registry=r)
 
+    # ---- what the engine loop records (methods only, so that an engine in a process of its own can relay them) ----
+    def aborted(self) -> None:
+        self.success.labels(self.model_name, "abort").inc()
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, ttft: float) -> None:
+        self.ttft.observe(max(0.0, ttft))
+
+    def generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+
+    def state(self, running: int, waiting: int, kv_usage: float, preempted: int) -> None:
+        """The engine's state after a step: requests, KV use, and preemptions since the last call."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        self.preemptions.inc(preempted)
+
+    def engine_failed(self) -> None:
+        self.healthy.set(0)
+
+    def flush(self) -> None:
+        """Recorded as they come (a relay sends what it buffered)."""
+
     def set_layout(self, mode: str) -> None:
         for m in MODES:
             self.layout.labels(m).set(1 if m == mode else 0)

@@ -26,6 +26,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (from an engine in a process of its own)
+        return APIError, (self.status, self.message, self.param, self.code, self.headers)
+
     @property
     def type(self) -> str:
         if self.status == 429:
