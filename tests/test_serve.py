@@ -888,7 +888,7 @@ def test_a_lagging_stream_sends_what_arrived_together_in_one_write() -> None:
             pass
 
     def token(t: int, last: bool = False) -> Update:
-        return Update(0, [SampleDelta(0, [t], "", "length" if last else None, None)], last)
+        return Update(0, [SampleDelta(0, [t], 0, "", "length" if last else None, None)], last)
 
     async def stream(events: list[Any], together: bool) -> list[str]:
         gen = Generation(Loop(), [([1, 2], SamplingParams(max_tokens=3))], "prompt")  # type: ignore[arg-type]

@@ -59,7 +59,10 @@ class Accepted:
 class SampleDelta:
     index: int
     token_ids: list[int]  # new since the last update
-    text: str  # the whole text so far (final: cut at a stop string)
+    # the text so far is the previous update's first text_from characters followed by `text` (what this update
+    # adds; at the end a stop string may have cut it back): a stream's deltas stay short however long it runs
+    text_from: int
+    text: str
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs: list[dict[int, float]] | None = None  # of the new tokens (SamplingParams.logprobs)
@@ -169,6 +172,7 @@ class _Route:
     prompt_index: int
     sent: list[int]  # tokens delivered, per sample
     done: list[bool]
+    text_sent: list[int]  # characters of text delivered, per sample
     started: bool = False  # its first token is out
 
 
@@ -356,7 +360,7 @@ class EngineLoop:
         for i, ((prompt, params), valid) in enumerate(zip(cmd.items, checked, strict=True)):
             rid = cmd.sink.request_ids[i]
             engine.add_request(prompt, params, request_id=rid, validated=valid)
-            self._routes[rid] = _Route(cmd.sink, i, [0] * params.n, [False] * params.n)
+            self._routes[rid] = _Route(cmd.sink, i, [0] * params.n, [False] * params.n, [0] * params.n)
             ids.append(rid)
             if self.metrics is not None:
                 self.metrics.admitted(len(valid[1]))
@@ -388,7 +392,9 @@ class EngineLoop:
                 route.sent[i] += len(new)
                 self._tokens_out += len(new)
                 route.done[i] = o.finish_reason is not None
-                samples.append(SampleDelta(i, new, o.text, o.finish_reason, o.stop_reason, lps))
+                start = min(route.text_sent[i], len(o.text))  # the text only grows until a stop string cuts it
+                route.text_sent[i] = len(o.text)
+                samples.append(SampleDelta(i, new, start, o.text[start:], o.finish_reason, o.stop_reason, lps))
             if not route.started and any(route.sent):
                 route.started = True
                 with self._lock:

@@ -173,11 +173,11 @@ class _Choice:
         self.tokens += d.token_ids
         if d.logprobs is not None:
             self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
-        self.text = d.text
+        self.text = self.text[:d.text_from] + d.text if d.text_from < len(self.text) else self.text + d.text
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
-        end = len(d.text) if d.finish_reason is not None else len(d.text) - self.holdback
-        out = d.text[self.sent:end] if end > self.sent else ""
+        end = len(self.text) if d.finish_reason is not None else len(self.text) - self.holdback
+        out = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
 
