@@ -244,10 +244,10 @@ class EngineConfig:
                                             "the step's token budget are summed through symmetric-memory buffers "
                                             "peer GPUs write and read over NVLink (lower latency; up to 8 MiB one "
                                             "launch with the residual add and the next RMSNorm)")
-    plans_ahead: int = _flag(2, "with rank processes: plans on their way to the ranks while the front end takes in "
-                             "a step's result; 1: the next step's; 2 (default): also the one after, so that a rank "
-                             "does not wait on a busy front end (e.g. a server streaming hundreds of answers) for "
-                             "its plan, at one more step before a request added starts")
+    plans_ahead: int = _flag(1, "with rank processes: plans on their way to the ranks while the front end takes in "
+                             "a step's result; 1: the next step's; 2 (`moebius serve`'s default): also the one "
+                             "after, so that a rank does not wait on a busy front end (a server streaming hundreds "
+                             "of answers) for its plan, at one more step before a request added or aborted counts")
     disable_overlap_schedule: bool = _flag(False, "resolve each step before scheduling the next; by default the "
                                            "next step is launched while the device still runs the current one "
                                            "(its input tokens are taken on the device), hiding host work")

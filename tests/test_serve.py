@@ -248,8 +248,10 @@ def test_server_runs_on_httptools_and_uvloop(server: Server) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
 def test_one_rank_serves_from_a_process_of_its_own(server: Server, ref: LLM) -> None:
     """Under `moebius serve` the one rank runs in a process of its own (--rank-process auto): its launches (each
-    gives up the GIL) would otherwise wait on the HTTP side's Python. Its tokens are the in-process engine's."""
-    assert len(_rank_pids(server.proc.pid)) == 1
+    gives up the GIL) would otherwise wait on the HTTP side's Python; and so does the engine loop (--engine-process
+    on), which spawned it. Its tokens are the in-process engine's."""
+    (engine,) = [p for p in _spawned(server.proc.pid) if p not in _rank_pids(server.proc.pid)]
+    assert len(_rank_pids(server.proc.pid)) == 1 and _rank_pids(engine) == _rank_pids(server.proc.pid)
     toks, _, _ = collect(server.stream("/v1/completions", {"prompt": IDS[1], "return_token_ids": True, **GREEDY}))
     assert toks[0] == offline(ref, IDS[1], **GREEDY).token_ids
 
@@ -602,8 +604,8 @@ def test_sigterm_drains_then_exits_0(tmp_path: Any, ref: LLM) -> None:
     t.start()
     assert started.wait(30)
     s.proc.send_signal(signal.SIGTERM)
-    for pid in _rank_pids(s.proc.pid) if os.path.isdir("/proc") else []:  # as a signal to the process group
-        # (systemd's stop) reaches the rank too
+    for pid in _spawned(s.proc.pid) if os.path.isdir("/proc") else []:  # as a signal to the process group
+        # (systemd's stop) reaches the engine process and the rank too
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 5
     while s.get("/health").status_code == 200:  # the signal lands within moments
@@ -728,8 +730,16 @@ def test_two_ranks(tmp_path: Any) -> None:
 
 
 def _rank_pids(parent: int) -> list[int]:
-    """The spawned rank processes of a server (its children running multiprocessing's spawn_main)."""
-    pids = []
+    """The rank processes of a server: the spawned processes under it that spawned none themselves (its engine
+    process, with --engine-process on, spawned them)."""
+    spawned = _spawned(parent)
+    return [p for p in spawned if not _spawned(p)]
+
+
+def _spawned(parent: int) -> list[int]:
+    """The spawned processes of a server, at any depth (multiprocessing's spawn_main: its engine process and rank
+    processes)."""
+    children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         try:
             with open(f"/proc/{d}/stat") as f:
@@ -738,8 +748,13 @@ def _rank_pids(parent: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"spawn_main" in cmd:
-            pids.append(int(d))
+        if b"spawn_main" in cmd:
+            children.setdefault(ppid, []).append(int(d))
+    pids, todo = [], [parent]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        pids += kids
+        todo += kids
     return pids
 
 
@@ -769,6 +784,47 @@ def test_rank_killed_under_the_server(tmp_path: Any) -> None:
     while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
         assert time.monotonic() < deadline, "rank processes left running"
         time.sleep(0.2)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the engine process through /proc")
+def test_engine_process_killed_under_the_server(tmp_path: Any) -> None:
+    """The engine process killed while a request streams: that request ends with an error, /health and new requests
+    answer 503 naming it, the server exits 1 on its own, and the rank process (its child) ends too."""
+    s = Server(tmp_path, key=None)
+    try:
+        ranks = _rank_pids(s.proc.pid)
+        (engine,) = [p for p in _spawned(s.proc.pid) if p not in ranks]
+        events = s.stream("/v1/completions", {"prompt": IDS[0], "max_tokens": 3000, "ignore_eos": True})
+        assert isinstance(next(events), dict)  # generating
+        os.kill(engine, signal.SIGKILL)
+        rest = list(events)
+        assert rest[-1] == "[DONE]" and "engine process died" in rest[-2]["error"]["message"], rest[-2:]
+        health = s.get("/health")
+        assert health.status_code == 503 and "engine process died" in health.json()["error"]["message"]
+        r = s.post("/v1/completions", {"prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert s.proc.wait(60) == 1, s.tail()
+    finally:
+        s.close()
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in ranks):
+        assert time.monotonic() < deadline, "the rank process was left running"
+        time.sleep(0.2)
+
+
+def test_engine_loop_in_the_servers_process(tmp_path: Any, ref: LLM) -> None:
+    """--engine-process off: the engine loop is a thread of the server's process (its rank still one of its own);
+    the same tokens, metrics and status."""
+    s = Server(tmp_path, "--engine-process", "off", key=None)
+    try:
+        if os.path.isdir("/proc"):
+            assert _spawned(s.proc.pid) == _rank_pids(s.proc.pid) and len(_rank_pids(s.proc.pid)) == 1
+        toks, _, _ = collect(s.stream("/v1/completions", {"prompt": IDS[2], "return_token_ids": True, **GREEDY}))
+        assert toks[0] == offline(ref, IDS[2], **GREEDY).token_ids
+        assert _metric(s.get("/metrics").text, "moebius:generation_tokens_total") == 16
+        assert s.wait_idle()["mode"] == "tp"
+    finally:
+        assert s.close() == 0, s.tail()
 
 
 def test_openai_client(server: Server, ref: LLM) -> None:

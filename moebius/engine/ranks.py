@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -191,8 +190,10 @@ class SpawnedRanks:
     ahead = True
 
     def __init__(self, spec: RankSpec, world_size: int) -> None:
-        if getattr(sys.modules.get("__main__"), "__name__", None) == "__mp_main__":
-            # this is a spawned process importing the user's script, which builds an engine at import time
+        if getattr(mp.current_process(), "_inheriting", False):
+            # a spawned process importing its parent's main script, which builds an engine at import time (as
+            # multiprocessing itself tells it; a spawned process building one in its target, as serve's engine
+            # process does, is fine)
             raise RuntimeError(MAIN_GUARD)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"

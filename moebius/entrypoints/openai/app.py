@@ -10,7 +10,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +40,9 @@ from moebius.entrypoints.openai.serving import (
     sampling_params,
 )
 from moebius.parallel.layout import MODES
+
+if TYPE_CHECKING:
+    from moebius.entrypoints.openai.engine_process import EngineClient
 
 log = logging.getLogger("moebius")
 
@@ -143,7 +146,8 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
-def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics: ServerMetrics | None = None
+               ) -> FastAPI:
     app = FastAPI(title="Moebius", version=__version__, description="OpenAI-compatible API over the Moebius engine")
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,  # type: ignore[arg-type]
                        open_paths=settings.open_paths)

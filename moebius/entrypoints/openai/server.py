@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from moebius.entrypoints.openai.engine_loop import EngineLoop
+    from moebius.entrypoints.openai.engine_process import EngineClient
 
 log = logging.getLogger("moebius")
 
@@ -47,11 +48,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="answer 429 while this many requests wait for their first token (default: no limit)")
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds a shutdown waits for requests in flight to finish")
+    http.add_argument("--engine-process", choices=("on", "off"), default="on",
+                      help="on: the engine loop (front end, and through it the rank processes) in a process of its "
+                      "own, so that it and the HTTP side each have a core; off: a thread of the server's process")
     EngineConfig.add_cli_args(p)
+    # a server's front end shares its core with the HTTP side: two plans ahead keep the ranks from waiting on it
+    # (one H200, 384 streams: 25.5 against 27.4 ms a step; docs/performance.md)
+    p.set_defaults(plans_ahead=2)
     return p
 
 
-def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop, drain_timeout: float) -> uvicorn.Server:
+def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop | EngineClient, drain_timeout: float
+                     ) -> uvicorn.Server:
     """A uvicorn.Server whose first signal drains instead of closing at once."""
     import uvicorn
 
@@ -117,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
 
         from moebius.entrypoints.openai.app import ServeSettings, create_app
         from moebius.entrypoints.openai.engine_loop import EngineLoop
+        from moebius.entrypoints.openai.engine_process import EngineClient
         from moebius.entrypoints.openai.metrics import ServerMetrics
     except ImportError as e:
         raise ValueError(f"`moebius serve` needs the web packages ({e.name} is missing): "
@@ -133,16 +142,24 @@ def serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     name = args.served_model_name or ecfg.model or DEMO_MODEL_NAME
-    engine = EngineCore(ecfg)  # (spawned ranks ignore SIGINT: Ctrl+C drains through this process)
     metrics = ServerMetrics(name)
-    loop = EngineLoop(engine, metrics, args.max_waiting_requests)
+    loop: EngineLoop | EngineClient
+    # (an engine process and spawned ranks ignore SIGINT: Ctrl+C drains through this process)
+    if args.engine_process == "on":
+        loop = EngineClient(ecfg, metrics, args.max_waiting_requests)
+        mode = loop.mode
+    else:
+        engine = EngineCore(ecfg)
+        loop, mode = EngineLoop(engine, metrics, args.max_waiting_requests), engine.mode
+    world = loop.info.world_size
     loop.start()
     try:
         settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key)
         config = uvicorn.Config(create_app(loop, settings, metrics), host=args.host, port=args.port,
                                 log_level="info", timeout_graceful_shutdown=10)
-        log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s)", name, args.host, args.port,
-                 engine.mode, engine.world_size, "" if engine.world_size == 1 else "s")
+        log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s%s)", name, args.host, args.port,
+                 mode, world, "" if world == 1 else "s", ", the engine in a process of its own"
+                 if args.engine_process == "on" else "")
         if ecfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without --api-key: anyone who reaches it can generate and switch layouts",
                         args.host)

@@ -24,6 +24,7 @@ from moebius.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from moebius.engine.core import Prompt
+    from moebius.entrypoints.openai.engine_process import EngineClient
 
 _PARAMS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
 
@@ -111,7 +112,8 @@ def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
 class Generation:
     """The engine requests of one HTTP request (one per prompt), as the HTTP side follows them."""
 
-    def __init__(self, loop: EngineLoop, items: Sequence[tuple[Prompt, SamplingParams]], param: str) -> None:
+    def __init__(self, loop: EngineLoop | EngineClient, items: Sequence[tuple[Prompt, SamplingParams]],
+                 param: str) -> None:
         self.loop, self.params = loop, items[0][1]
         self.sink: Sink = loop.submit(items, param)  # 429 / 503 here
         self.pending = set(range(len(items)))  # prompts not finished
