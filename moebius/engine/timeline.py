@@ -24,8 +24,8 @@ class Sample:
     rank_host_s: float = 0.0
     rank_sync_s: float = 0.0
     rank_wait_s: float = 0.0
-    # CPU seconds so far of the front end's process (all its threads: with `moebius serve`, the HTTP side too; not
-    # the rank processes) and of the thread stepping the engine: between two samples, where the server's CPU went
+    # CPU seconds so far of the front end's process (all its threads: with `moebius serve --engine-process off`, the
+    # HTTP side too; never the rank processes) and of the thread stepping the engine: between two samples, per step
     cpu_s: float = 0.0
     thread_cpu_s: float = 0.0
 
