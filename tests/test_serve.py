@@ -977,3 +977,50 @@ def test_a_lagging_stream_sends_what_arrived_together_in_one_write() -> None:
     got = events_of(failed)
     assert [e["choices"][0]["token_ids"] for e in got[:2]] == [[5], [6]] and got[3] == "[DONE]"
     assert got[2] == {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+
+
+def test_engine_client_streams_aborts_and_counts(ref: LLM) -> None:
+    """The HTTP side's EngineClient against an engine process: a stream's updates (each carrying only the text it
+    adds) rebuild the offline text and tokens; an aborted stream leaves nothing behind; the counts go back to 0; an
+    operator call runs there by name."""
+    from moebius.config import EngineConfig
+    from moebius.entrypoints.openai import control
+    from moebius.entrypoints.openai.engine_loop import Accepted, Update
+    from moebius.entrypoints.openai.engine_process import EngineClient
+    from moebius.entrypoints.openai.serving import _Choice
+
+    client = EngineClient(EngineConfig(device="cpu"))
+    client.start()
+
+    async def run() -> tuple[list[int], str, int]:
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        whole = client.submit([(list(IDS[2]), sp)])
+        gone = client.submit([(list(IDS[1]), SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True))])
+        assert isinstance(await whole.get(), Accepted) and isinstance(await gone.get(), Accepted)
+        assert client.in_flight == 2
+        while not isinstance(ev := await gone.get(), Update) or not ev.samples:
+            pass
+        client.abort(gone.request_ids)
+        choice, updates = _Choice(0), 0
+        while True:
+            ev = await whole.get()
+            assert isinstance(ev, Update)
+            for d in ev.samples:
+                choice.apply(d)
+                updates += 1
+            if ev.finished:
+                return choice.tokens, choice.text, updates
+
+    try:
+        tokens, text, updates = asyncio.run(run())
+        want = offline(ref, IDS[2], temperature=0, max_tokens=40, ignore_eos=True)
+        assert tokens == want.token_ids and text == want.text and updates > 1
+        assert client.call(control.status).result(30)["mode"] == "tp"
+        deadline = time.monotonic() + 20
+        while client.in_flight or client._sinks:  # the abort reached the engine; no sink is kept
+            assert time.monotonic() < deadline, (client.in_flight, client._sinks)
+            time.sleep(0.05)
+        assert client.waiting == client.running == 0 and client.healthy
+    finally:
+        client.stop()
+    assert not client.healthy

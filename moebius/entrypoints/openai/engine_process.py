@@ -257,6 +257,16 @@ class EngineClient:
         return sink
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort engine requests (a client went away): nothing more is posted for them."""
+        with self._lock:
+            for rid in request_ids:  # ids are r{sink id}-{prompt index} (submit)
+                sid, index = (int(x) for x in rid[1:].split("-"))
+                entry = self._sinks.get(sid)
+                if entry is not None:
+                    entry[1].discard(index)
+                    if not entry[1]:
+                        del self._sinks[sid]
+                        self._unacked.pop(sid, None)
         self._send(("abort", list(request_ids)))
 
     def call(self, fn: Callable[..., Any], *args: Any, admit_while_draining: bool = False) -> Future:
@@ -300,6 +310,7 @@ class EngineClient:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 if not self._closed and self.error is None:
+                    self._proc.join(1)
                     self.error = f"the engine process died (exit code {self._proc.exitcode})"
                     log.error("%s", self.error)
                     if self.metrics is not None:
@@ -307,19 +318,32 @@ class EngineClient:
                 self._fail_all(APIError(500, f"the engine failed: {self.error}", code="engine_error")
                                if self.error else APIError(503, "the server shut down", code="shutting_down"))
                 return
-            kind = msg[0]
-            if kind == "events":
-                self._events(*msg[1:])
-            elif kind == "result":
-                _, cid, ok, value = msg
-                with self._lock:
-                    fut = self._calls.pop(cid, None)
-                if fut is not None and fut.set_running_or_notify_cancel():
-                    fut.set_result(value) if ok else fut.set_exception(value)
-            elif kind == "error":
-                self.error = msg[1]
-            elif kind == "stopped":
-                return
+            except Exception:  # a message that did not unpickle (read whole: the next one is intact)
+                log.exception("the engine client could not read a message from the engine process")
+                continue
+            try:
+                if self._take(msg):
+                    return
+            except Exception:  # a bug here must not leave every stream waiting: log it and read on
+                log.exception("the engine client could not take a message from the engine process")
+
+    def _take(self, msg: tuple[Any, ...]) -> bool:
+        """One message from the engine process; True once it has stopped."""
+        kind = msg[0]
+        if kind == "events":
+            self._events(*msg[1:])
+        elif kind == "result":
+            _, cid, ok, value = msg
+            with self._lock:
+                fut = self._calls.pop(cid, None)
+            if fut is not None and fut.set_running_or_notify_cancel():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        elif kind == "error":
+            self.error = msg[1]
+        return kind == "stopped"
 
     def _events(self, events: list[tuple[int, Any]], state: tuple[int, int, int, str | None],
                 metrics: list[tuple[str, tuple[Any, ...]]]) -> None:
