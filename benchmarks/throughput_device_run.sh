@@ -22,6 +22,9 @@
 #             serve wheels; past 256 streams give M a larger --max-running-requests)
 #   plans     the steady work offline, then served with --plans-ahead 1 and 2 in turn (one lease: an A/B), into
 #             h200-p1-serve-steady$STREAMS-plans{1,2}; each result carries the rank's host / device / plan-wait times
+#   engine    the steady work served with --engine-process on and off in turn, twice, at STREAMS and at twice as many
+#             (one lease: an A/B), into h200-p1-serve-steady$S-engine-{on,off}[-2], and offline at twice STREAMS into
+#             h200-p1-steady$((2 * STREAMS))-offline (M needs a --max-running-requests of twice STREAMS)
 #   serve     `moebius serve` loaded by `moebius bench serve` with the bursty trace, into h200-p1-serve-bursty-$SERVE_TAG
 #             (default "new": the kept runs are not overwritten; the server flags are M) (needs the serve wheels: carry
 #             .whl, see benchmarks/README.md)
@@ -89,6 +92,15 @@ plans)
     down; cp $W/server.log $W/server_plans$n.log
   done
   M=$M0 ;;
+engine)
+  M0=$M; S2=$((2 * STREAMS)); STEADY2="--num-prompts $((S2 / N)) ${STEADY#--num-prompts * }"
+  for run in "$STREAMS on" "$STREAMS off" "$STREAMS on -2" "$STREAMS off -2" "$S2 on" "$S2 off"; do
+    read -r n e tag <<< "$run"; M="$M0 --engine-process $e"; up
+    W0=$STEADY; [ $n = $S2 ] && W0=$STEADY2
+    t steady_engine_$e$n$tag 150 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V $W0 --server-args "$M" --output $R/h200-p1-serve-steady$n-engine-$e$tag.json
+    down
+  done
+  M=$M0; t steady_offline$S2 150 $B throughput $M $STEADY2 --output $R/h200-p1-steady$S2-offline.json ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
 find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude=cold1 --exclude=triton .
