@@ -68,9 +68,16 @@ class Channel:
     def __init__(self, conn: Connection) -> None:
         self._conn, self._lock = conn, threading.Lock()
         self._metrics: list[tuple[str, tuple[Any, ...]]] = []
-        # the loop's (waiting, in flight, running, error): with every message, so that a failure's 500s arrive
-        # with the error the HTTP side then reports (/health)
-        self.state: Callable[[], tuple[int, int, int, str | None]] = lambda: (0, 0, 0, None)
+        self._loop: EngineLoop | None = None
+
+    def watch(self, loop: EngineLoop) -> None:
+        """Send this loop's state with every message: its request counts, and its error, so that a failure's 500s
+        arrive with the error the HTTP side then reports (/health)."""
+        self._loop = loop
+
+    def _state(self) -> tuple[int, int, int, str | None]:
+        loop = self._loop
+        return (0, 0, 0, None) if loop is None else (loop.waiting, loop.in_flight, loop.running, loop.error)
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self._lock:
@@ -85,7 +92,7 @@ class Channel:
         with self._lock:
             metrics, self._metrics = self._metrics, []
             if events or metrics:
-                self._conn.send(("events", events or [], self.state(), metrics))
+                self._conn.send(("events", events or [], self._state(), metrics))
 
     def call_soon_threadsafe(self, fn: Callable[..., Any], batch: list[tuple[RemoteSink, Event]]) -> None:
         """As the sinks' event loop: `engine_loop.post` hands over a step's events in one call."""
@@ -100,7 +107,8 @@ class RemoteSink:
 
 
 class MetricsRelay:
-    """ServerMetrics' recording methods (the engine loop's), buffered for the next message to the HTTP side."""
+    """ServerMetrics' recording methods (the engine loop's: any name but flush), each call buffered as (name, args)
+    for the next message; the HTTP side calls the same method of its ServerMetrics."""
 
     def __init__(self, channel: Channel) -> None:
         self._channel = channel
@@ -129,7 +137,7 @@ def run_engine(conn: Connection, config: EngineConfig, metrics: bool) -> None:
         conn.send(("failed", kind.__name__, str(e) if kind is not RuntimeError else f"{type(e).__name__}: {e}"))
         return
     loop = EngineLoop(engine, MetricsRelay(channel) if metrics else None)  # type: ignore[arg-type]
-    channel.state = lambda: (loop.waiting, loop.in_flight, loop.running, loop.error)
+    channel.watch(loop)
     conn.send(("ready", loop.info, engine.mode))
     loop.start()
     reported = False
