@@ -167,6 +167,7 @@ def _bench(url: str, out: str, *flags: str) -> dict[str, Any]:
     assert s["rank_host_ms"] > 0 and s["rank_sync_ms"] >= 0 and s["rank_wait_ms"] >= 0
     # the server's CPU a step, of which its engine thread's is a part
     assert 0 < s["engine_cpu_ms"] <= s["server_cpu_ms"]
+    assert s["http_cpu_ms"] > 0  # the HTTP process's own (the engine runs in a process of its own)
     png = os.path.splitext(out)[0] + ".png"
     try:
         import matplotlib  # noqa: F401
@@ -260,7 +261,8 @@ def test_bare_server_without_token_ids_or_status(tmp_path: Any) -> None:
     assert rows[0]["prompt_len"] == 9 and "chunk_tokens" not in rows[0]  # no --save-chunks
     assert s["failed"] == 1 and s["errors"][0].startswith("1 x HTTP 500") and s["completed"] == 2
     assert not s["status_available"] and table(result, "timeline") == [] and table(result, "switch") == []
-    assert s["rank_host_ms"] is None and s["server_cpu_ms"] is None and s["step_ms"] is None
+    assert s["rank_host_ms"] is None and s["server_cpu_ms"] is None and s["http_cpu_ms"] is None
+    assert s["step_ms"] is None
 
 
 def test_no_server_is_a_clear_error(capsys: Any) -> None:

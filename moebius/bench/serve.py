@@ -101,6 +101,14 @@ class Timeline:
         self.switches: dict[float, Row] = {}
         self.available: bool | None = None  # None: not asked yet; False: no /admin/status there
         self.world_size: int | None = None
+        self.http_cpu: list[tuple[int, float]] = []  # (engine steps so far, the HTTP process's CPU s) per read
+
+    def http_cpu_ms(self) -> float | None:
+        """The HTTP process's mean CPU a step (ms) between the first and the last read: the run's."""
+        if len(self.http_cpu) < 2 or self.http_cpu[-1][0] <= self.http_cpu[0][0]:
+            return None
+        (n0, c0), (n1, c1) = self.http_cpu[0], self.http_cpu[-1]
+        return 1e3 * (c1 - c0) / (n1 - n0)
 
     async def read(self, client: Client) -> None:
         if self.available is False:
@@ -116,6 +124,8 @@ class Timeline:
             tl = st.get("timeline") or {}
             self.samples.update({s["t"]: s for s in tl.get("samples", [])})
             self.switches.update({s["t"]: s for s in tl.get("switches", [])})
+            if st.get("http_cpu_s") is not None and tl.get("samples"):
+                self.http_cpu.append((tl["samples"][-1].get("steps") or 0, st["http_cpu_s"]))
         except Exception as e:  # a slow, gone or odd status must not end the run
             log.warning("GET /admin/status: %r", e)
 
@@ -358,6 +368,7 @@ def main(a: argparse.Namespace) -> int:
     offset = align(samples, switches, before_t, min((r.sent_s for r in recs if r.sent_s is not None), default=None))
     summary = {**summarize(recs, duration, slo), "timeline_samples": len(samples), "timeline_offset_s": offset,
                "step_ms": step_ms(step_intervals(samples), 0.0, duration), **per_step_ms(samples, 0.0, duration),
+               "http_cpu_ms": tl.http_cpu_ms(),
                "switches_done": sum(w["done"] and w["run_t_s"] is not None and w["run_t_s"] >= 0 for w in switches),
                "status_available": bool(tl.available)}
     changes = layout_changes(samples, switches)

@@ -127,8 +127,9 @@ def step_ms(intervals: Sequence[tuple[float, float, int]], lo: float = -math.inf
     return 1e3 * sum(dt for dt, _ in spans) / steps if steps else None
 
 
-# the timeline's cumulative seconds read per step (ms): rank 0's (engine/messages.py RankTimes), then the server
-# process's CPU (all threads) and its engine thread's
+# the timeline's cumulative seconds read per step (ms): rank 0's (engine/messages.py RankTimes), then the front
+# end's process CPU (all its threads: the engine process's, or with --engine-process off the whole server's) and its
+# engine thread's
 PER_STEP = {"rank_host_ms": "rank_host_s", "rank_sync_ms": "rank_sync_s", "rank_wait_ms": "rank_wait_s",
             "server_cpu_ms": "cpu_s", "engine_cpu_ms": "thread_cpu_s"}
 
@@ -204,8 +205,9 @@ def report(s: Row) -> str:
     server = [(name, s.get(key)) for name, key in (("Step (ms)", "step_ms"), ("Rank host a step (ms)", "rank_host_ms"),
                                                     ("Rank device sync a step (ms)", "rank_sync_ms"),
                                                     ("Rank wait for its plan (ms)", "rank_wait_ms"),
-                                                    ("Server CPU a step (ms)", "server_cpu_ms"),
-                                                    ("Engine thread CPU a step (ms)", "engine_cpu_ms"))]
+                                                    ("Front end CPU a step (ms)", "server_cpu_ms"),
+                                                    ("Engine thread CPU a step (ms)", "engine_cpu_ms"),
+                                                    ("HTTP process CPU a step (ms)", "http_cpu_ms"))]
     if any(v is not None for _, v in server):  # the server's own timeline (/admin/status)
         lines.append(f"{' Server ':-^56}")
         lines += [line(name, v) for name, v in server if v is not None]

@@ -286,6 +286,7 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
     @app.get("/admin/status")
     async def admin_status() -> Response:
         snapshot = await on_engine(control.status, admit_while_draining=True)
-        return JSONResponse(_finite({**snapshot, "draining": loop.draining}))
+        # this (the HTTP) process's CPU seconds so far: with the engine in a process of its own, the HTTP side's
+        return JSONResponse(_finite({**snapshot, "draining": loop.draining, "http_cpu_s": time.process_time()}))
 
     return app
