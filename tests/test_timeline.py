@@ -84,3 +84,17 @@ def test_the_samples_carry_the_front_ends_cpu_time() -> None:
     cpu, thread = [s.cpu_s for s in samples], [s.thread_cpu_s for s in samples]
     assert cpu == sorted(cpu) and thread == sorted(thread) and cpu[-1] > cpu[0] and thread[-1] > thread[0]
     assert all(0 < t <= c for t, c in zip(thread, cpu, strict=True))
+
+
+def test_every_step_taken_in_is_read_once() -> None:
+    """take_times gives rank 0's times of each step taken in since the last call: with two plans ahead a step() may
+    take in two results (the ranks going idle), and the server's metrics record each, not only the last."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(device="cpu", rank_process="on", plans_ahead=2) as llm:
+        engine, counts = llm.engine, []
+        for _ in range(2):
+            engine.add_request([1, 2, 3], sp)
+            while engine.has_unfinished():
+                engine.step()
+                counts.append(len(engine.take_times()))
+        assert sum(counts) == engine.steps_taken and max(counts) == 2 and engine.take_times() == []

@@ -110,6 +110,7 @@ class EngineCore:
         self._steps = self._tokens = 0  # steps run and output tokens made so far (the timeline's samples)
         self.last_times = RankTimes()  # rank 0's times for the last step() (benchmarks: host-bound or device-bound)
         self._rank_total = RankTimes()  # ... summed over every step so far (the timeline's samples)
+        self._times_taken: deque[RankTimes] = deque(maxlen=64)  # ... of each step taken in, for take_times()
         self._switch_reason = ""  # why the pending switch was asked for
         self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
         self.auto: AutoMode | None = None
@@ -261,6 +262,19 @@ class EngineCore:
             outs, self._undelivered = outs + self._undelivered, []
         return outs
 
+    def take_times(self) -> list[RankTimes]:
+        """Rank 0's times of each step taken in since the last call (the newest 64), for a reader that records every
+        step: one step() may take in several (a settle before a switch, idle ranks with plans still out), and
+        last_times holds only the last."""
+        out = list(self._times_taken)
+        self._times_taken.clear()
+        return out
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps whose results were taken in so far."""
+        return self._steps
+
     @property
     def steps_in_flight(self) -> int:
         """Plans sent to the ranks whose results are not read yet (0 when idle; between steps with rank processes,
@@ -303,6 +317,7 @@ class EngineCore:
         """Take in a step's result: its tokens into the requests, stats, a switch it carried, the auto policy."""
         self._kv_stats, self.last_work, self.last_times = result.kv, result.work, result.times
         self._rank_total += result.times
+        self._times_taken.append(result.times)
         self._preemptions += result.work.preempted
         self._steps += 1
         if plan.switch_to is not None:

@@ -310,7 +310,8 @@ class EngineLoop:
                 if engine.has_unfinished() and not self.paused:
                     self._deliver(engine.step())
                     if self.metrics is not None:
-                        self.metrics.step(engine.last_times)
+                        for times in engine.take_times():  # every step taken in, however many this call did
+                            self.metrics.step(times)
                     self._log_stats()
                 self._publish()
         except BaseException as e:  # noqa: B036 - reported to every request and to /health, never silent
