@@ -1024,3 +1024,11 @@ def test_engine_client_streams_aborts_and_counts(ref: LLM) -> None:
     finally:
         client.stop()
     assert not client.healthy
+
+
+def test_an_engine_that_cannot_start_is_reported() -> None:
+    """An engine the flags make impossible (8 experts over 3 ranks) fails in the engine process while it builds: the
+    server exits with that error, as a start-up in its own process would."""
+    run = subprocess.run([sys.executable, "-m", "moebius.entrypoints.cli", "serve", "--device", "cpu", "--port",
+                          str(free_port()), "--num-ranks", "3"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "num_experts 8 is not divisible by 3 ranks" in run.stderr, run.stderr[-2000:]
