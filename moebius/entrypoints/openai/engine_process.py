@@ -213,6 +213,7 @@ class EngineClient:
         self._send_lock = threading.Lock()  # the event loop, a drain's thread and callers of stop all send
         self._sinks: dict[int, tuple[Sink, set[int]]] = {}  # sink id -> (sink, prompt indices not finished)
         self._unacked: dict[int, int] = {}  # sink id -> requests the engine has not accepted or refused yet
+        self._unacked_total = 0  # their sum (read without the lock by /metrics and the drain)
         self._calls: dict[int, Future] = {}
         self._counts = (0, 0, 0)  # the engine loop's (waiting, in flight, running) as of its last message
         self._ids = itertools.count()
@@ -231,11 +232,11 @@ class EngineClient:
 
     @property
     def waiting(self) -> int:
-        return self._counts[0] + sum(self._unacked.values())
+        return self._counts[0] + self._unacked_total
 
     @property
     def in_flight(self) -> int:
-        return self._counts[1] + sum(self._unacked.values())
+        return self._counts[1] + self._unacked_total
 
     @property
     def running(self) -> int:
@@ -261,6 +262,7 @@ class EngineClient:
             sink = Sink([f"r{sid}-{i}" for i in range(len(items))])
             self._sinks[sid] = (sink, set(range(len(items))))
             self._unacked[sid] = len(items)
+            self._unacked_total += len(items)
         self._send(("add", sid, sink.request_ids, list(items), param))
         return sink
 
@@ -274,7 +276,7 @@ class EngineClient:
                     entry[1].discard(index)
                     if not entry[1]:
                         del self._sinks[sid]
-                        self._unacked.pop(sid, None)
+                        self._unacked_total -= self._unacked.pop(sid, 0)
         self._send(("abort", list(request_ids)))
 
     def call(self, fn: Callable[..., Any], *args: Any, admit_while_draining: bool = False) -> Future:
@@ -366,7 +368,7 @@ class EngineClient:
                     continue
                 sink, pending = entry
                 if isinstance(ev, (Accepted, Failure)):
-                    self._unacked.pop(sid, None)
+                    self._unacked_total -= self._unacked.pop(sid, 0)
                 if isinstance(ev, Update) and ev.finished:
                     pending.discard(ev.prompt_index)
                 if isinstance(ev, Failure) or not pending:  # nothing more comes for this sink
@@ -381,6 +383,7 @@ class EngineClient:
     def _fail_all(self, error: APIError) -> None:
         with self._lock:
             sinks, self._sinks, self._unacked = [s for s, _ in self._sinks.values()], {}, {}
+            self._unacked_total = 0
             calls, self._calls = list(self._calls.values()), {}
             self._counts = (0, 0, 0)
         post([(sink, Failure(error)) for sink in sinks])
