@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from moebius.entrypoints.openai.protocol import APIError
 from moebius.sampling_params import SamplingParams
@@ -120,17 +120,25 @@ class Sink:
         return out
 
 
+class EventSink(Protocol):
+    """Where the engine thread posts a request's events: a Sink, or (the engine in a process of its own) a sink of
+    the HTTP side by id, whose `loop` is the pipe (engine_process.RemoteSink)."""
+
+    request_ids: list[str]
+    loop: Any  # has call_soon_threadsafe(fn, batch): _receive_all on an event loop, or the pipe's send
+
+
 def _receive_all(events: list[tuple[Sink, Event]]) -> None:
     for sink, event in events:
         sink.receive(event)
 
 
-def post(events: Sequence[tuple[Sink, Event]]) -> None:
+def post(events: Sequence[tuple[EventSink, Event]]) -> None:
     """From the engine thread: hand events to their sinks, in order, with one wake-up of each event loop however many
     there are. A wake-up writes to the loop's socket and gives up the GIL, so that the HTTP side, busy streaming, may
     hold it for a switch interval: one a request each step (256 a step at 256 streams) held the engine for
     milliseconds."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Event]]] = {}
+    by_loop: dict[Any, list[tuple[EventSink, Event]]] = {}
     for sink, event in events:
         by_loop.setdefault(sink.loop, []).append((sink, event))
     for loop, batch in by_loop.items():
@@ -144,7 +152,7 @@ def post(events: Sequence[tuple[Sink, Event]]) -> None:
 @dataclass
 class _Add:
     items: list[tuple[Prompt, SamplingParams]]
-    sink: Sink
+    sink: EventSink
     param: str
 
 
@@ -168,7 +176,7 @@ class _Stop:
 class _Route:
     """Where one engine request's outputs go, and how much of them went."""
 
-    sink: Sink
+    sink: EventSink
     prompt_index: int
     sent: list[int]  # tokens delivered, per sample
     done: list[bool]
@@ -248,7 +256,8 @@ class EngineLoop:
         tag = f"r{next(self._tags)}"
         return [f"{tag}-{i}" for i in range(n)]
 
-    def enqueue(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: Any, param: str = "prompt") -> None:
+    def enqueue(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: EventSink, param: str = "prompt"
+                ) -> None:
         """`submit` for a sink made elsewhere (an engine in a process of its own: the HTTP side checked the limits);
         a refusal is posted to the sink as a Failure."""
         with self._lock:
@@ -257,7 +266,7 @@ class EngineLoop:
         if refusal is not None:
             post([(sink, Failure(refusal))])
 
-    def _queue_add(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: Any, param: str) -> None:
+    def _queue_add(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: EventSink, param: str) -> None:
         self._waiting += len(items)
         self._in_flight += len(items)
         self._commands.put(_Add(list(items), sink, param))
@@ -377,7 +386,7 @@ class EngineLoop:
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         m, now = self.metrics, time.perf_counter()
-        events: list[tuple[Sink, Event]] = []
+        events: list[tuple[EventSink, Event]] = []
         tokens_before = self._tokens_out
         for out in outs:
             route = self._routes.get(out.request_id)

@@ -96,7 +96,10 @@ class Channel:
 
     def call_soon_threadsafe(self, fn: Callable[..., Any], batch: list[tuple[RemoteSink, Event]]) -> None:
         """As the sinks' event loop: `engine_loop.post` hands over a step's events in one call."""
-        self.flush([(sink.sid, _pack(ev)) for sink, ev in batch])
+        try:
+            self.flush([(sink.sid, _pack(ev)) for sink, ev in batch])
+        except OSError:  # the HTTP side is gone (as a closed event loop: nobody listens); this process stops next
+            pass
 
 
 class RemoteSink:
