@@ -729,6 +729,14 @@ def test_two_ranks(tmp_path: Any) -> None:
         assert s.close() == 0, s.tail()
 
 
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    """Until none of these processes runs (a zombie counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
+        assert time.monotonic() < deadline, f"processes {pids} left running"
+        time.sleep(0.2)
+
+
 def _rank_pids(parent: int) -> list[int]:
     """The rank processes of a server: the spawned processes under it that spawned none themselves (its engine
     process, with --engine-process on, spawned them)."""
@@ -780,10 +788,7 @@ def test_rank_killed_under_the_server(tmp_path: Any) -> None:
         assert "the engine failed (RankError: rank process(es) [" in s.tail(), s.tail()
     finally:
         s.close()
-    deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
-        assert time.monotonic() < deadline, "rank processes left running"
-        time.sleep(0.2)
+    _wait_gone(pids)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the engine process through /proc")
@@ -806,10 +811,7 @@ def test_engine_process_killed_under_the_server(tmp_path: Any) -> None:
         assert s.proc.wait(60) == 1, s.tail()
     finally:
         s.close()
-    deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in ranks):
-        assert time.monotonic() < deadline, "the rank process was left running"
-        time.sleep(0.2)
+    _wait_gone(ranks)
 
 
 def test_engine_loop_in_the_servers_process(tmp_path: Any, ref: LLM) -> None:

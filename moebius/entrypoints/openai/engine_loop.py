@@ -184,7 +184,56 @@ class _Route:
     started: bool = False  # its first token is out
 
 
-class EngineLoop:
+def make_request_ids(tag: int, n: int) -> list[str]:
+    """The engine requests' ids of one submission: r{tag}-{prompt index}."""
+    return [f"r{tag}-{i}" for i in range(n)]
+
+
+def parse_request_id(rid: str) -> tuple[int, int]:
+    """(tag, prompt index) of an id made by make_request_ids."""
+    tag, index = rid[1:].split("-")
+    return int(tag), int(index)
+
+
+class Admission:
+    """What the HTTP side may hand the engine, the same for the loop in this process and the client of one in its
+    own: nothing once it failed or is closing (503), no new request while max_waiting wait (429), and operator
+    calls that admit_while_draining (a status read) until it is closed. Subclasses keep the flags and the count of
+    requests waiting."""
+
+    error: str | None
+    draining: bool
+    max_waiting: int | None
+    _closed: bool
+
+    @property
+    def waiting(self) -> int:
+        raise NotImplementedError
+
+    def _refusal(self) -> APIError | None:
+        if self.error is not None:
+            return APIError(503, f"the engine failed and serves no more requests ({self.error})", code="engine_dead")
+        if self._closed or self.draining:
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        return None
+
+    def _check_submit(self) -> None:
+        """Raise the 503 or 429 a submission gets now (under the subclass's lock)."""
+        if (refusal := self._refusal()) is not None:
+            raise refusal
+        if self.max_waiting is not None and self.waiting >= self.max_waiting:
+            raise APIError(429, f"the server is busy: {self.waiting} requests are waiting to start (limit "
+                           f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+
+    def _call_refusal(self, admit_while_draining: bool) -> APIError | None:
+        refusal = self._refusal()
+        if refusal is not None and admit_while_draining and self.error is None and not self._closed:
+            return None
+        return refusal
+
+
+class EngineLoop(Admission):
     def __init__(self, engine: EngineCore, metrics: ServerMetrics | None = None,
                  max_waiting: int | None = None) -> None:
         self._engine = engine
@@ -230,31 +279,14 @@ class EngineLoop:
     def running(self) -> int:
         return self._running
 
-    def _refusal(self) -> APIError | None:
-        if self.error is not None:
-            return APIError(503, f"the engine failed and serves no more requests ({self.error})", code="engine_dead")
-        if self._closed or self.draining:
-            return APIError(503, "the server is shutting down", code="shutting_down")
-        return None
-
     def submit(self, items: Sequence[tuple[Prompt, SamplingParams]], param: str = "prompt") -> Sink:
         """Queue engine requests (validated, then admitted together, or refused together with a 400 Failure).
         Must be called on the event loop that reads the sink. Raises APIError 503 / 429."""
         with self._lock:
-            if (refusal := self._refusal()) is not None:
-                raise refusal
-            if self.max_waiting is not None and self._waiting >= self.max_waiting:
-                raise APIError(429, f"the server is busy: {self._waiting} requests are waiting to start (limit "
-                               f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
-            sink = Sink(self.new_request_ids(len(items)))
+            self._check_submit()
+            sink = Sink(make_request_ids(next(self._tags), len(items)))
             self._queue_add(items, sink, param)
         return sink
-
-    def new_request_ids(self, n: int) -> list[str]:
-        """Ids for the engine requests of one submission (unique in this loop)."""
-        tag = f"r{next(self._tags)}"
-        return [f"{tag}-{i}" for i in range(n)]
 
     def enqueue(self, items: Sequence[tuple[Prompt, SamplingParams]], sink: EventSink, param: str = "prompt"
                 ) -> None:
@@ -282,8 +314,7 @@ class EngineLoop:
         in the future. fn: a module-level function (entrypoints/openai/control.py), so that it can be sent by name."""
         fut: Future = Future()
         with self._lock:
-            refusal = self._refusal()
-            if refusal is not None and not (admit_while_draining and self.error is None and not self._closed):
+            if (refusal := self._call_refusal(admit_while_draining)) is not None:
                 fut.set_exception(refusal)
             else:
                 self._commands.put(_Call(fn, args, fut))

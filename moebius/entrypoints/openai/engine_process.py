@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from moebius.entrypoints.openai.engine_loop import (
     Accepted,
+    Admission,
     EngineInfo,
     EngineLoop,
     Event,
@@ -32,6 +33,8 @@ from moebius.entrypoints.openai.engine_loop import (
     SampleDelta,
     Sink,
     Update,
+    make_request_ids,
+    parse_request_id,
     post,
 )
 from moebius.entrypoints.openai.protocol import APIError
@@ -187,7 +190,7 @@ def _answer(channel: Channel, cid: int, fut: Future) -> None:
 
 
 # ---- the HTTP side ----
-class EngineClient:
+class EngineClient(Admission):
     """The engine loop's surface for the HTTP side, with the loop in a process of its own (started here)."""
 
     def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
@@ -245,24 +248,12 @@ class EngineClient:
     def running(self) -> int:
         return self._counts[2]
 
-    def _refusal(self) -> APIError | None:
-        if self.error is not None:
-            return APIError(503, f"the engine failed and serves no more requests ({self.error})", code="engine_dead")
-        if self._closed or self.draining:
-            return APIError(503, "the server is shutting down", code="shutting_down")
-        return None
-
     def submit(self, items: Sequence[tuple[Prompt, SamplingParams]], param: str = "prompt") -> Sink:
         """As EngineLoop.submit (on the event loop that reads the sink; 503 / 429 raised here)."""
         with self._lock:
-            if (refusal := self._refusal()) is not None:
-                raise refusal
-            if self.max_waiting is not None and self.waiting >= self.max_waiting:
-                raise APIError(429, f"the server is busy: {self.waiting} requests are waiting to start (limit "
-                               f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
+            self._check_submit()
             sid = next(self._ids)
-            sink = Sink([f"r{sid}-{i}" for i in range(len(items))])
+            sink = Sink(make_request_ids(sid, len(items)))
             self._sinks[sid] = (sink, set(range(len(items))))
             self._unacked[sid] = len(items)
             self._unacked_total += len(items)
@@ -272,8 +263,8 @@ class EngineClient:
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort engine requests (a client went away): nothing more is posted for them."""
         with self._lock:
-            for rid in request_ids:  # ids are r{sink id}-{prompt index} (submit)
-                sid, index = (int(x) for x in rid[1:].split("-"))
+            for rid in request_ids:
+                sid, index = parse_request_id(rid)  # submit tags a sink's requests with its id
                 entry = self._sinks.get(sid)
                 if entry is not None:
                     entry[1].discard(index)
@@ -285,8 +276,7 @@ class EngineClient:
     def call(self, fn: Callable[..., Any], *args: Any, admit_while_draining: bool = False) -> Future:
         """As EngineLoop.call: fn(engine, loop, *args) runs in the engine process (fn goes by name)."""
         fut: Future = Future()
-        refusal = self._refusal()
-        if refusal is not None and not (admit_while_draining and self.error is None and not self._closed):
+        if (refusal := self._call_refusal(admit_while_draining)) is not None:
             fut.set_exception(refusal)
             return fut
         with self._lock:
