@@ -52,8 +52,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="on: the engine loop (front end, and through it the rank processes) in a process of its "
                       "own, so that it and the HTTP side each have a core; off: a thread of the server's process")
     EngineConfig.add_cli_args(p)
-    # a server's front end shares its core with the HTTP side: two plans ahead keep the ranks from waiting on it
-    # (one H200, 384 streams: 25.5 against 27.4 ms a step; docs/performance.md)
+    # a busy front end: two plans ahead keep the ranks from waiting on it (one H200, 384 streams, the front end then
+    # sharing its process with the HTTP side: 25.5 against 27.4 ms a step; docs/performance.md; not re-measured with
+    # --engine-process on, where the rank's wait for its plan read 0.05 ms)
     p.set_defaults(plans_ahead=2)
     return p
 
