@@ -11,6 +11,8 @@
 #             their inter-token gap and its TTFT (what the default budget costs running requests)
 #   prefill   prefill steps of 512 .. 16k tokens against their floor; TTFT against prompt length (1k .. 32k)
 #   rollout   a rollout-shaped run (1024 requests, prompts 128-1024, log-normal outputs up to 2048)
+#   groups    the rollout's shape as GRPO groups (128 prompts x 8 samples, each its own output length), with the prefix
+#             cache and with --disable-prefix-caching (one lease: an A/B), into h200-p1-throughput-groups-cache-{on,off}
 #   attntune  the prefill attention kernel at its default tiles beside torch's SDPA backends
 #   moetune   the fused MoE block shapes at prefill sizes (2k, 8k, 16k tokens)
 #   profile   the kernels of prefill steps of 2048 and 8192 tokens and an eager decode step of 1024 requests
@@ -62,6 +64,10 @@ prefill)
   t ttft 130 $B throughput $M --lengths $W/ttft.jsonl --probe-requests 8 --max-model-len $((32800 / N)) --output $R/h200-p1-ttft.json ;;
 rollout)
   t rollout 230 $B throughput $M --num-prompts $((1024 / N)) --prompt-len-dist uniform --prompt-len-range $((128 / N)),$((1024 / N)) --output-len-dist lognormal --output-len $((300 / N)) --output-len-range 1,$((2048 / N)) --max-running-requests 1024 --output $R/h200-p1-throughput-rollout.json ;;
+groups)
+  for c in on off; do
+    t groups_$c 240 $B throughput $M --num-prompts $((128 / N)) --samples-per-prompt 8 --prompt-len-dist uniform --prompt-len-range $((128 / N)),$((1024 / N)) --output-len-dist lognormal --output-len $((300 / N)) --output-len-range 1,$((2048 / N)) --max-running-requests 1024 $([ $c = off ] && echo --disable-prefix-caching) --output $R/h200-p1-throughput-groups-cache-$c.json
+  done ;;
 attntune)
   t attn_tune 150 python3 -m moebius.bench.attn_prefill_tune $R/h200-attn-prefill-default.json --default-only ;;
 moetune)

@@ -20,6 +20,7 @@ class CompletionOutput:
     # with SamplingParams.logprobs: per output token, {token id: log-probability} of the token itself first, then
     # of the most likely ones (the raw distribution of the model)
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens this sample took from the prefix cache (known from its first token)
 
     @property
     def finished(self) -> bool:
@@ -49,6 +50,11 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the first sample took from the prefix cache (vLLM's field)."""
+        return self.outputs[0].num_cached_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

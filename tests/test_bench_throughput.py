@@ -36,8 +36,11 @@ def test_length_distributions(tmp_path) -> None:
         _lengths(rng, 3, "uniform", 0, None, "prompt")
     path = tmp_path / "lengths.jsonl"
     path.write_text("\n".join(json.dumps({"prompt_len": p, "output_len": o}) for p, o in ((3, 5), (10, 1))) + "\n")
-    jobs = workload(argparse.Namespace(seed=0, lengths=str(path)), vocab=50)
+    jobs = workload(argparse.Namespace(seed=0, lengths=str(path), samples_per_prompt=1), vocab=50)
     assert [(len(p), o) for p, o in jobs] == [(3, 5), (10, 1)] and all(0 <= t < 50 for p, _ in jobs for t in p)
+    groups = workload(argparse.Namespace(seed=0, lengths=str(path), samples_per_prompt=3), vocab=50)
+    assert [(len(p), o) for p, o in groups] == [(3, 5)] * 3 + [(10, 1)] * 3  # a prompt's samples in a row
+    assert groups[0][0] == groups[2][0] != groups[3][0]
 
 
 @pytest.mark.parametrize("ranks,mode", [(1, "tp"), (2, "tp"), (2, "ep")])
@@ -57,7 +60,9 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     s, steps = summary_of(result), table(result, "step")
     assert result["command"].startswith("moebius bench throughput") and result["num_gpus"] == 0
     assert s["requests"] == 8 and 8 * 8 <= s["input_tokens"] <= 8 * 32 and 8 * 4 <= s["output_tokens"] <= 8 * 8
-    # every prompt token is prefilled once, and every output token but each request's first is a decode
+    # every prompt token is prefilled once (random prompts share no page), and every output token but each
+    # request's first is a decode
+    assert s["cached_tokens"] == 0
     assert sum(st["tokens"] - st["decode_tokens"] for st in steps) == s["input_tokens"]
     assert sum(st["decode_tokens"] for st in steps) == s["output_tokens"] - s["requests"]
     assert max(st["tokens"] for st in steps) <= 64 * (ranks if mode == "ep" else 1)  # each rank's budget held
@@ -95,3 +100,22 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
         assert "matplotlib is not installed" in r.stderr
     else:
         assert (tmp_path / "tp.png").exists()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_throughput_of_prompt_groups(tmp_path, caching: bool) -> None:
+    """--samples-per-prompt 4: with the prefix cache each group's prompt is computed once (but its last token's
+    page), without it four times."""
+    out = tmp_path / "groups.json"
+    cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "throughput", "--device", "cpu",
+           "--num-prompts", "3", "--samples-per-prompt", "4", "--prompt-len", "40", "--output-len", "4",
+           "--output", str(out)] + ([] if caching else ["--disable-prefix-caching"])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    result = load_result(out)
+    s, steps = summary_of(result), table(result, "step")
+    assert s["requests"] == 12 and s["input_tokens"] == 12 * 40 and s["output_tokens"] == 12 * 4
+    prefilled = sum(st["tokens"] - st["decode_tokens"] for st in steps)
+    # 40 tokens are 2 full pages of 16 and 8 more: three samples of each group start after the 32 cached
+    assert s["cached_tokens"] == (3 * 3 * 32 if caching else 0)
+    assert prefilled == s["input_tokens"] - s["cached_tokens"]

@@ -132,6 +132,34 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
     assert graph == eager == resolved
 
 
+def test_prefix_cache_gives_the_tokens_of_prompts_computed_in_full() -> None:
+    """Requests sharing prefixes (a system prompt, four copies of each prompt admitted in one step, a second wave
+    after the first finished) give through the prefix cache the tokens they give computed in full, with step pieces
+    (the paged kernel between graphs) and eagerly: a page shared in the step that computes it is written before any
+    attention reads it, on the GPU's paths too."""
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(0, 384, (100,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 384, (n,), generator=g).tolist() for n in (30, 7, 64)]
+    jobs = [p for p in prompts for _ in range(4)]
+    kw = dict(mode="tp", max_total_tokens=8192, max_model_len=512, dtype="float32")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
+        outs = llm.generate(jobs, sp) + llm.generate(prompts, sp)
+        return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+    with LLM(**kw) as llm:
+        pieces, cached = run(llm)
+    with LLM(disable_cuda_graph=True, **kw) as llm:
+        eager, cached_eager = run(llm)
+    with LLM(disable_prefix_caching=True, **kw) as llm:
+        full, none = run(llm)
+    # 16-token pages: the system prompt fills 6 (96 tokens); a copy takes every full page short of its last token
+    assert cached == cached_eager == [0, 128, 128, 128, 96, 96, 96, 96, 96, 160, 160, 160, 128, 96, 160]
+    assert not any(none)
+    assert pieces == eager == full
+
+
 @pytest.mark.parametrize("mixed", ["shared", "apart"])
 def test_step_pieces_match_eager_steps_in_bf16(mixed: str) -> None:
     """Steps with prompt chunks replay graph pieces around eager attention: a fresh 2048-token chunk alone (cuDNN,

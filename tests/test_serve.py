@@ -153,7 +153,9 @@ def test_completion_equals_offline(server: Server, ref: LLM, params: dict[str, A
         (choice,) = body["choices"]
         assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
         assert choice["finish_reason"] == "length" and choice["prompt_token_ids"] == ids
-        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 16, "total_tokens": len(ids) + 16}
+        usage = body["usage"]
+        assert usage.pop("prompt_tokens_details").keys() == {"cached_tokens"}  # test_prompt_tokens_found_cached
+        assert usage == {"prompt_tokens": len(ids), "completion_tokens": 16, "total_tokens": len(ids) + 16}
 
 
 def test_completion_streamed_with_usage(server: Server, ref: LLM) -> None:
@@ -328,6 +330,27 @@ def test_metrics(server: Server) -> None:
         assert _metric(after.text, steps) - _metric(before, steps) >= 16, part
     host = 'moebius:rank_step_seconds_sum{part="host"}'
     assert _metric(after.text, host) > _metric(before, host)
+
+
+def test_prompt_tokens_found_cached(server: Server) -> None:
+    """The prefix cache in the answers' usage (OpenAI's prompt_tokens_details) and in /metrics."""
+    ids = list(range(100, 150))  # 50 tokens: 3 full pages of 16 short of the last token; no other test sends it
+    before = server.get("/metrics").text
+    first = server.post("/v1/completions", {"prompt": ids, **GREEDY}).json()
+    again = server.post("/v1/completions", {"prompt": ids, **GREEDY}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    *_, usage, _ = collect(server.stream("/v1/completions", {"prompt": ids, "stream_options": {"include_usage": True},
+                                                             **GREEDY}))[2]
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    # two samples of a new prompt: it counts once in usage, as in prompt_tokens (its first sample computed it)
+    two = server.post("/v1/completions", {"prompt": ids[1:], "n": 2, **GREEDY}).json()
+    assert two["usage"]["prompt_tokens"] == 49 and two["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    after = server.get("/metrics").text
+    queries, hits = "moebius:prefix_cache_queries_total", "moebius:prefix_cache_hits_total"
+    assert _metric(after, queries) - _metric(before, queries) == 3 * 50 + 2 * 49
+    assert _metric(after, hits) - _metric(before, hits) == 2 * 48 + 48  # the second sample of the two found 48
 
 
 # ---- operator switches ----

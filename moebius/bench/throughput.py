@@ -47,17 +47,22 @@ def _lengths(rng: random.Random, n: int, dist: str, fixed: int, span: str | None
 
 
 def workload(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request."""
+    """(prompt token ids, output length) per request: each prompt --samples-per-prompt times in a row (a GRPO
+    group), each of those requests with its own output length."""
     rng = random.Random(a.seed)
+    k = a.samples_per_prompt
+    if k < 1:
+        raise ValueError(f"--samples-per-prompt must be at least 1, got {k}")
     if a.lengths:
         with open(a.lengths) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        pairs = [(int(r["prompt_len"]), int(r["output_len"])) for r in rows]
+        prompt_lens = [int(r["prompt_len"]) for r in rows]
+        outputs = [int(r["output_len"]) for r in rows for _ in range(k)]
     else:
-        pairs = list(zip(_lengths(rng, a.num_prompts, a.prompt_len_dist, a.prompt_len, a.prompt_len_range, "prompt"),
-                         _lengths(rng, a.num_prompts, a.output_len_dist, a.output_len, a.output_len_range, "output"),
-                         strict=True))
-    return [([rng.randrange(vocab) for _ in range(p)], o) for p, o in pairs]
+        prompt_lens = _lengths(rng, a.num_prompts, a.prompt_len_dist, a.prompt_len, a.prompt_len_range, "prompt")
+        outputs = _lengths(rng, a.num_prompts * k, a.output_len_dist, a.output_len, a.output_len_range, "output")
+    prompts = [[rng.randrange(vocab) for _ in range(p)] for p in prompt_lens]
+    return [(prompts[i // k], o) for i, o in enumerate(outputs)]
 
 
 def kind(w: StepWork) -> str:
@@ -150,6 +155,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         w.add_argument(f"--{what}-len-range", default=None,
                        help="A,B: uniform on [A, B]; lognormal: clipped to [A, B], its 99th percentile at B")
     w.add_argument("--lengths", default=None, help='a JSONL of {"prompt_len": ..., "output_len": ...} per request')
+    w.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="send each prompt this many times in a row, each with its own output length (the requests "
+                   "--num-prompts x this): a GRPO rollout's groups, whose prompts the prefix cache computes once")
     w.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-baseline", action="store_true",
                    help="also serve the same requests through transformers' continuous batching (random weights of "
@@ -187,13 +195,15 @@ def main(a: argparse.Namespace) -> int:
                                    if a.long_prompt else ([], 0.0))
         if a.warmup_requests:
             run(engine, jobs[: a.warmup_requests])
+        engine.reset_prefix_cache()  # the probes' and warm-up's prompts are the workload's: not found cached
         outs, steps, wall = run(engine, jobs)
     inp, out = sum(len(p) for p, _ in jobs), sum(o.num_output_tokens for o in outs)
     decodes = [s for s in steps if s["kind"] == "decode"]
     floor = sum(s["floor_ms"] for s in steps) / 1e3
     summary: dict[str, Any] = {
         "startup_s": startup, "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall,
-        "input_tokens": inp, "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
+        "input_tokens": inp, "cached_tokens": sum(o.num_cached_tokens for o in outs),
+        "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
         "first_ttft_s": outs[0].ttft, "steps": len(steps), "preemptions": sum(s["preempted"] for s in steps),
         "floor_s": floor, "ratio_to_floor": wall / floor,
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},

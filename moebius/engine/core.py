@@ -227,7 +227,8 @@ class EngineCore:
             self._pending.new.append(RequestSpec(child, ids, params, child_seed(base_seed, i), limit,
                                                  next(self._arrivals)))
             if self.layout.data_parallel:
-                self._pending.owners[child] = self.placement.place(child, placement_weight(len(ids), params))
+                beside = fr.children[0] if i and not self.config.disable_prefix_caching else None
+                self._pending.owners[child] = self.placement.place(child, placement_weight(len(ids), params), beside)
         self._requests[rid] = fr
         return rid
 
@@ -456,6 +457,11 @@ class EngineCore:
         for d in deltas:
             self._apply(d, time.perf_counter(), touched)
         self._undelivered += self._collect(touched)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt page on every rank (later requests compute their prompts in full until steps
+        cache them again); returns the pages dropped."""
+        return sum(r["pages"] for r in self.query("reset_prefix_cache"))  # type: ignore[index]
 
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step), and the requests

@@ -41,6 +41,8 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
         return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True),
                              q.get("sequences", 1), q.get("decodes", 0), q.get("decode_context", 0),
                              q.get("idle_s", 0.0))
+    if name == "reset_prefix_cache":  # the prefix cache's pages (a benchmark between its runs)
+        return {"pages": rank.allocator.clear_cache()}
     if name == "heap":  # the rank process's objects kept out of garbage collections (freeze_heap)
         return {"frozen": gc.get_freeze_count()}
     if name == "comm":  # how each layout's collectives run

@@ -52,6 +52,8 @@ class FrontRequest:
         out = s.out
         out.token_ids += d.new_token_ids
         out.token_times += [now] * len(d.new_token_ids)
+        if d.cached_tokens is not None:
+            out.num_cached_tokens = d.cached_tokens
         if d.logprobs is not None and d.logprob_ids is not None:
             # the token's own first; a top id equal to it keeps that value (dict order: the token, then the top)
             entry = {d.logprob_ids[0]: d.logprobs[0]}

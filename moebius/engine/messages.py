@@ -44,6 +44,7 @@ class TokenDelta:
     # (SamplingParams.logprobs) the new token's log-probability then its top k's, and their ids (the token's first)
     logprobs: list[float] | None = None
     logprob_ids: list[int] | None = None
+    cached_tokens: int | None = None  # on a request's first token: prompt tokens taken from the prefix cache
 
     def __reduce__(self) -> tuple[type[TokenDelta], tuple[Any, ...]]:
         # pickled as the constructor's arguments (its fields, in order): a rank process's reply carries one a
@@ -160,6 +161,7 @@ class RequestState:
     stop_text: str
     stop_offsets: tuple[int, int]
     prompt_logits: list[torch.Tensor]
+    num_cached_tokens: int
 
 
 @dataclass
@@ -173,7 +175,7 @@ class RequestList:
     def of(reqs: list[Request]) -> RequestList:
         return RequestList(list(itertools.chain.from_iterable(r.output_token_ids for r in reqs)),
                            [RequestState(r.request_id, len(r.output_token_ids), r.num_computed, r.status, r.stop_text,
-                                         r.stop_offsets, r.prompt_logits) for r in reqs])
+                                         r.stop_offsets, r.prompt_logits, r.num_cached_tokens) for r in reqs])
 
     def requests_with(self, specs: Mapping[str, RequestSpec]) -> list[Request]:
         """The requests, given the specs of every one of them."""
@@ -185,7 +187,8 @@ class RequestList:
             if not (m.num_output >= 0 and at + m.num_output <= len(self.ids)):
                 raise ValueError("request list: token counts do not match its ids")
             out.append(Request(spec, self.ids[at: at + m.num_output], m.num_computed, status=m.status,
-                               stop_text=m.stop_text, stop_offsets=m.stop_offsets, prompt_logits=m.prompt_logits))
+                               stop_text=m.stop_text, stop_offsets=m.stop_offsets, prompt_logits=m.prompt_logits,
+                               num_cached_tokens=m.num_cached_tokens))
             at += m.num_output
         if at != len(self.ids):
             raise ValueError(f"request list: {len(self.ids) - at} token ids belong to no request")

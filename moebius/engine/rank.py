@@ -102,7 +102,8 @@ class Rank:
         self.mode = spec.mode
         ecfg = spec.engine
         self.allocator = BlockAllocator(modes[self.mode].kv.num_pages, ecfg.block_size)
-        self.scheduler = Scheduler(self.allocator, ecfg.max_running_requests, ecfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.allocator, ecfg.max_running_requests, ecfg.max_num_batched_tokens,
+                                   prefix_caching=not ecfg.disable_prefix_caching)
         # EP: the specs of the live requests the other ranks hold (every plan reaches every rank), so that an
         # EP -> TP switch moves only their outputs and state, not their prompts
         self.others: dict[str, RequestSpec] = {}
@@ -264,6 +265,8 @@ class Rank:
                     logits = torch.cat(req.prompt_logits)
             lp = logprobs[row] if logprobs is not None and req.params.logprobs is not None else None
             k = (req.params.logprobs or 0) + 1  # the step computed the largest k any of its requests asked for
+            first = len(req.output_token_ids) == 1
             deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits,
-                                     lp[0][:k] if lp else None, lp[1][:k] if lp else None))
+                                     lp[0][:k] if lp else None, lp[1][:k] if lp else None,
+                                     req.num_cached_tokens if first else None))
         return deltas

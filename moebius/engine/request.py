@@ -47,6 +47,9 @@ class Request:
     stop_text: str = ""  # decoded output, kept only when there are stop strings
     stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
+    num_cached_tokens: int = 0  # prompt tokens its (first) admission took from the prefix cache
+    # the prefix cache's key of each of its leading full prompt pages indexed so far (the scheduler's, per allocator)
+    prefix_keys: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -63,6 +66,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.spec.prompt_token_ids) + len(self.output_token_ids)
+
+    def block_tokens(self, block: int, block_size: int) -> tuple[int, ...]:
+        """The prompt tokens of full page `block` (the prefix cache's key)."""
+        return tuple(self.spec.prompt_token_ids[block * block_size: (block + 1) * block_size])
 
     def tokens(self, start: int, stop: int) -> list[int]:
         prompt = self.spec.prompt_token_ids

@@ -4,6 +4,14 @@ admission by free KV pages, preemption by recompute (the rules that end a reques
 Deterministic: the same inputs give the same schedule on every rank (TP relies on it). Each step a request gets a
 chunk of its not-yet-cached tokens; when a chunk reaches the request's last token, that position is sampled.
 Prefill and decode are the same operation with chunk sizes n and 1.
+
+Prefix caching (unless disabled): a request admitted from the queue starts with the pages of the longest chain of
+full prompt pages the allocator's index holds for its first tokens (never its last token: that one is computed, so
+that it samples), and each full prompt page a step computes is indexed for later requests. A page is indexed when
+the step that computes it is scheduled, so a request admitted in the same step already shares it: every layer
+writes the whole step's K/V before any attention reads the cache. The one path that writes and reads in one launch
+(the fused decode kernel) runs only steps of one-token chunks, so a page a one-token chunk completes is indexed at
+the next schedule instead.
 """
 
 from __future__ import annotations
@@ -28,20 +36,22 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_running: int, max_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_running: int, max_batched_tokens: int,
+                 prefix_caching: bool = True) -> None:
         self.alloc = allocator
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def adopt(self, running: list[Request], waiting: list[Request], allocator: BlockAllocator) -> None:
         """Take over a switch's requests and the target layout's allocator (their pages are allocated in it)."""
-        for r in running:
-            r.status = Status.RUNNING
+        for r in running:  # their pages are new (copies): indexed again in the new allocator as they are scheduled
+            r.status, r.prefix_keys = Status.RUNNING, []
         for r in waiting:
-            r.status, r.pages = Status.WAITING, []
+            r.status, r.pages, r.prefix_keys = Status.WAITING, [], []
         self.running, self.waiting, self.alloc = list(running), deque(waiting), allocator
 
     def add(self, req: Request) -> None:
@@ -71,7 +81,7 @@ class Scheduler:
         """Free the victim's KV and requeue it in front: it will recompute prompt + output so far."""
         self.running.remove(victim)
         self.alloc.free(victim.pages)
-        victim.pages, victim.num_computed, victim.status = [], 0, Status.WAITING
+        victim.pages, victim.num_computed, victim.status, victim.prefix_keys = [], 0, Status.WAITING, []
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
@@ -82,6 +92,28 @@ class Scheduler:
         if need > 0:
             req.pages += self.alloc.allocate(need)
         return True
+
+    def _cached_prefix(self, req: Request) -> tuple[list[int], list[int]]:
+        """The indexed pages (and keys) a request admitted now would start with: full prompt pages, short of its
+        last token. None for a request that wants every prompt position's logits."""
+        if not self.prefix_caching or req.params.prompt_logits:
+            return [], []
+        bs = self.alloc.block_size
+        blocks = min(req.num_prompt, req.num_tokens - 1) // bs
+        return self.alloc.match(req.block_tokens(b, bs) for b in range(blocks))
+
+    def _index(self, req: Request, computed: int) -> None:
+        """Index the request's full prompt pages within its first `computed` tokens (computed by now or by the
+        step being scheduled)."""
+        bs = self.alloc.block_size
+        keys = req.prefix_keys
+        for b in range(len(keys), min(computed, req.num_prompt) // bs):
+            keys.append(self.alloc.register(req.pages[b], keys[-1] if keys else 0, req.block_tokens(b, bs)))
+
+    def _scheduled(self, batch: list[ScheduledChunk], chunk: ScheduledChunk) -> None:
+        batch.append(chunk)
+        if self.prefix_caching:  # see the module docstring for why a one-token chunk's page waits a step
+            self._index(chunk.req, chunk.start + chunk.num_tokens if chunk.num_tokens > 1 else chunk.start)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_batched_tokens
@@ -101,18 +133,26 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                batch.append(ScheduledChunk(req, req.num_computed, n))
+                self._scheduled(batch, ScheduledChunk(req, req.num_computed, n))
                 budget -= n
                 i += 1
         # Admit new work only when nothing had to be preempted (avoids thrashing).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, req.num_computed + n):
+            req = self.waiting[0]  # nothing computed, no pages
+            cached, keys = self._cached_prefix(req)
+            start = len(cached) * self.alloc.block_size
+            n = min(req.num_tokens - start, budget)
+            new = self.alloc.pages_for(start + n) - len(cached)
+            if new + self.alloc.evictable(cached) > self.alloc.num_free:
                 break
+            self.alloc.share(cached)
+            req.pages = cached + self.alloc.allocate(new)
+            req.num_computed, req.prefix_keys = start, keys
+            if not req.output_token_ids:  # its first admission (not a preempted one's return)
+                req.num_cached_tokens = start
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            batch.append(ScheduledChunk(req, req.num_computed, n))
+            self._scheduled(batch, ScheduledChunk(req, start, n))
             budget -= n
         return batch

@@ -115,6 +115,10 @@ class LLM:
     def mode(self) -> str:
         return self.engine.mode
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt page (vLLM's name); returns how many pages were dropped."""
+        return self.engine.reset_prefix_cache()
+
     def kv_stats(self) -> dict[str, object]:
         """KV-cache tokens free / in total (summed over ranks, and "per_rank"); requests preempted so far."""
         return self.engine.kv_stats()

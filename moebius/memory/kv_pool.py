@@ -1,10 +1,16 @@
-"""Paged KV cache: an allocator of page ids, and a pool that owns each layer's page bytes.
+"""Paged KV cache: an allocator of page ids (with the prefix cache's index of computed prompt pages), and a pool
+that owns each layer's page bytes.
 
 The allocator knows nothing about bytes; the pool knows nothing about requests. A page id names the same page in
 every layer (page p of layer i lives in layer i's slot), as in vLLM.
 """
 
 from __future__ import annotations
+
+import itertools
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 
@@ -16,8 +22,18 @@ class OutOfPages(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list of page ids 1..num_pages-1; page 0 is reserved as scratch (padding rows of a CUDA-graph batch
-    read and write it), so it is never handed out. Allocation order is deterministic (lowest ids first)."""
+    """Page ids 1..num_pages-1 with reference counts, and the prefix cache's index of computed prompt pages.
+
+    Page 0 is reserved as scratch (padding rows of a CUDA-graph batch read and write it), so it is never handed
+    out. Allocation order is deterministic (TP ranks keep identical allocators).
+
+    Prefix cache: a full page of prompt tokens that a step computes can be `register`ed under its key (the key of
+    the page before it, and its tokens), and a later request whose prompt starts with the same tokens `match`es the
+    chain and `share`s those pages instead of computing them (as vLLM's automatic prefix caching). A page is free
+    when no request holds it; a free page that is in the index stays there, and is evicted (least recently freed
+    first, a chain's last pages before its first) only when `allocate` has no never-cached page left. Keys are ids
+    given out once, so an evicted page's key never names different tokens later.
+    """
 
     def __init__(self, num_pages: int, block_size: int) -> None:
         if num_pages <= 1:
@@ -29,11 +45,15 @@ class BlockAllocator:
         # page, so a switch's fresh allocator costs nothing however large the pool
         self._free: list[int] = []
         self._fresh = 1
-        self._used = bytearray(num_pages)
+        self._refs = array("I", bytes(4 * num_pages))  # requests holding each page
+        self._index: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # (parent key, tokens) -> (page, key)
+        self._page_entry: dict[int, tuple[int, tuple[int, ...]]] = {}  # indexed page -> its index entry
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed pages no request holds
+        self._keys = itertools.count(1)  # 0 is the root: the key "before" a prompt's first page
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + self.num_pages - self._fresh
+        return len(self._free) + self.num_pages - self._fresh + len(self._evictable)
 
     @property
     def free_tokens(self) -> int:
@@ -47,6 +67,10 @@ class BlockAllocator:
     def total_tokens(self) -> int:
         return self.usable_pages * self.block_size
 
+    @property
+    def cached_pages(self) -> int:
+        return len(self._page_entry)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -54,20 +78,81 @@ class BlockAllocator:
         if n > self.num_free:
             raise OutOfPages(f"asked for {n} KV pages, {self.num_free} free")
         reused = min(n, len(self._free))
-        pages = [self._free.pop() for _ in range(reused)] + list(range(self._fresh, self._fresh + n - reused))
-        self._fresh += n - reused
+        pages = [self._free.pop() for _ in range(reused)]
+        fresh = min(n - reused, self.num_pages - self._fresh)
+        pages += range(self._fresh, self._fresh + fresh)
+        self._fresh += fresh
+        for _ in range(n - len(pages)):
+            page, _ = self._evictable.popitem(last=False)
+            del self._index[self._page_entry.pop(page)]
+            pages.append(page)
         for p in pages:
-            self._used[p] = 1
+            self._refs[p] = 1
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Drop one reference to each page (a request's whole table: no page twice)."""
         # checked before anything changes, so a bad call leaves the allocator as it was
-        if len(set(pages)) != len(pages) or not all(self._used[p] for p in pages):
-            p = next(p for i, p in enumerate(pages) if not self._used[p] or p in pages[:i])
+        if len(set(pages)) != len(pages) or not all(self._refs[p] for p in pages):
+            p = next(p for i, p in enumerate(pages) if not self._refs[p] or p in pages[:i])
             raise RuntimeError(f"KV page {p} freed twice")
+        for p in reversed(pages):  # a chain's last pages first: they are evicted first
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                if p in self._page_entry:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each of these indexed pages (a request starting with their tokens)."""
         for p in pages:
-            self._used[p] = 0
-        self._free.extend(reversed(pages))
+            if self._refs[p] == 0:
+                del self._evictable[p]
+            self._refs[p] += 1
+
+    def evictable(self, pages: list[int]) -> int:
+        """How many of these pages are free (in the index, held by no request): sharing them takes them from
+        `num_free`."""
+        return sum(self._refs[p] == 0 for p in pages)
+
+    def match(self, block_tokens: Iterable[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+        """The indexed pages (and their keys) of the longest chain of full pages these tokens begin with."""
+        pages: list[int] = []
+        keys: list[int] = []
+        parent = 0
+        for tokens in block_tokens:
+            hit = self._index.get((parent, tokens))
+            if hit is None:
+                break
+            pages.append(hit[0])
+            keys.append(parent := hit[1])
+        return pages, keys
+
+    def clear_cache(self) -> int:
+        """Empty the index (vLLM's reset_prefix_cache): its free pages become plain free pages, and the pages
+        requests hold are freed as plain pages. Returns how many pages it held."""
+        n = len(self._page_entry)
+        self._free += reversed(self._evictable)  # the least recently freed first, as they would have been evicted
+        self._evictable.clear()
+        self._index.clear()
+        self._page_entry.clear()
+        return n
+
+    def register(self, page: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Index a computed full page (held by a request) under (the key before it, its tokens); returns its key.
+        When those tokens are indexed already (another page computed them too), that key is returned and this
+        page stays out of the index (it is freed as any other)."""
+        entry = (parent, tokens)
+        hit = self._index.get(entry)
+        if hit is not None:
+            return hit[1]
+        if not self._refs[page] or page in self._page_entry:
+            raise RuntimeError(f"KV page {page} is not a held page outside the index")
+        key = next(self._keys)
+        self._index[entry] = (page, key)
+        self._page_entry[page] = entry
+        return key
 
 
 class KVPool:

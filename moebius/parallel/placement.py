@@ -1,8 +1,9 @@
 """Which rank owns each live request in EP: one placement rule, and the one table that records it.
 
 The rule: a request goes to the least-loaded rank, by live requests and then by reserved tokens (ties to the lower
-rank). New requests are placed one at a time as they arrive; a TP -> EP switch places every live request at once,
-largest first. Deterministic, so its answer is the same wherever it is computed.
+rank); the n samples of one request go together (with prefix caching on, the prompt is computed once). New requests
+are placed one at a time as they arrive; a TP -> EP switch places every live request at once, largest first.
+Deterministic, so its answer is the same wherever it is computed.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ class Placement:
         entry = self._owner.get(request_id)
         return None if entry is None else entry[0]
 
-    def place(self, request_id: str, weight: int) -> int:
-        """Place one new request on the least-loaded rank; returns the rank."""
-        rank = _least_loaded(self._load)
+    def place(self, request_id: str, weight: int, beside: str | None = None) -> int:
+        """Place one new request on the least-loaded rank, or on the rank of request `beside` (a sample of the same
+        request: they share its prompt's KV pages); returns the rank."""
+        rank = self._owner[beside][0] if beside is not None else _least_loaded(self._load)
         self._add(request_id, rank, weight)
         return rank
 

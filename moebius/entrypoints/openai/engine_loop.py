@@ -66,6 +66,7 @@ class SampleDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs: list[dict[int, float]] | None = None  # of the new tokens (SamplingParams.logprobs)
+    cached_tokens: int | None = None  # with the sample's first tokens: its prompt tokens found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -430,12 +431,14 @@ class EngineLoop(Admission):
                 if route.done[i] or (not new and o.finish_reason is None):
                     continue
                 lps = o.logprobs[route.sent[i]: route.sent[i] + len(new)] if o.logprobs is not None else None
+                cached = o.num_cached_tokens if route.sent[i] == 0 else None
                 route.sent[i] += len(new)
                 self._tokens_out += len(new)
                 route.done[i] = o.finish_reason is not None
                 start = min(route.text_sent[i], len(o.text))  # the text only grows until a stop string cuts it
                 route.text_sent[i] = len(o.text)
-                samples.append(SampleDelta(i, new, start, o.text[start:], o.finish_reason, o.stop_reason, lps))
+                samples.append(SampleDelta(i, new, start, o.text[start:], o.finish_reason, o.stop_reason, lps,
+                                           cached))
             if not route.started and any(route.sent):
                 route.started = True
                 with self._lock:
@@ -453,6 +456,8 @@ class EngineLoop(Admission):
                     times = first.token_times
                     m.finished(first.finish_reason, out.arrival_time, times[0] if times else None,
                                times[-1] if times else None, len(first.token_ids), now)
+                    m.prefix_cache(out.num_prompt_tokens * len(out.outputs),
+                                   sum(o.num_cached_tokens for o in out.outputs))
         post(events)
         if m is not None:  # once a step: a Prometheus counter takes a lock each time
             m.generated(self._tokens_out - tokens_before)

@@ -53,7 +53,7 @@ START_TIMEOUT_S = 3600.0  # a large model's weights load and its warm-up compile
 def _pack(ev: Event) -> Any:
     if isinstance(ev, Update):
         return (ev.prompt_index, ev.finished, [(d.index, d.token_ids, d.text_from, d.text, d.finish_reason,
-                                                d.stop_reason, d.logprobs) for d in ev.samples])
+                                                d.stop_reason, d.logprobs, d.cached_tokens) for d in ev.samples])
     return ev
 
 

@@ -33,6 +33,10 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("moebius:generation_tokens", "Tokens generated", name,
                                          registry=r).labels(model_name)
+        self.cache_queries = Counter("moebius:prefix_cache_queries", "Prompt tokens of the samples that finished, "
+                                     "looked up in the prefix cache", name, registry=r).labels(model_name)
+        self.cache_hits = Counter("moebius:prefix_cache_hits", "Of those, the tokens taken from the prefix cache",
+                                  name, registry=r).labels(model_name)
         self.preemptions = Counter("moebius:num_preemptions", "Requests preempted to free KV cache (they recompute "
                                    "their tokens)", name, registry=r).labels(model_name)
         self.success = Counter("moebius:request_success", "Requests finished, by finish reason",
@@ -104,6 +108,11 @@ class ServerMetrics:
         self.e2e.observe(max(0.0, now - arrival))
         if first is not None and last is not None and tokens > 1:
             self.tpot.observe(max(0.0, (last - first) / (tokens - 1)))
+
+    def prefix_cache(self, queried: int, hits: int) -> None:
+        """A finished request's prompt tokens over its samples, and those its samples took from the prefix cache."""
+        self.cache_queries.inc(queried)
+        self.cache_hits.inc(hits)
 
     def step(self, times: RankTimes) -> None:
         """Where rank 0's time went in the step just taken in (engine/messages.py)."""

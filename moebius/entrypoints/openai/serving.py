@@ -169,10 +169,13 @@ class _Choice:
         self.stop_reason: int | str | None = None
         self.opened = False  # its first chunk went out
         self.logprobs: list[tuple[int, dict[int, float]]] = []  # (token, {id: log-probability}) per token
+        self.cached_tokens = 0  # its prompt tokens found in the prefix cache
 
     def apply(self, d: SampleDelta) -> str:
         """Take a delta; return the text to stream now."""
         self.tokens += d.token_ids
+        if d.cached_tokens is not None:
+            self.cached_tokens = d.cached_tokens
         if d.logprobs is not None:
             self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
         self.text = self.text[:d.text_from] + d.text if d.text_from < len(self.text) else self.text + d.text
@@ -232,11 +235,14 @@ class Answer:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         assert self.gen.accepted is not None
         prompt = sum(len(ids) for ids in self.gen.accepted.prompt_token_ids)
         completion = sum(len(c.tokens) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # each prompt counts once, as in prompt_tokens: its first sample's (the others share what it computed)
+        cached = sum(c.cached_tokens for c in self.choices[:: self.n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _prompt_ids(self, index: int) -> list[int]:
         assert self.gen.accepted is not None
