@@ -250,7 +250,8 @@ def main(a: argparse.Namespace) -> int:
               f"{summary['speedup_vs_hf']:.1f}x faster")
     elif a.hf_baseline:
         print(f"transformers' continuous batching failed: {summary['hf_error']}")
-    print(f"{len(jobs)} requests in {wall:.2f} s: {len(jobs) / wall:.2f} req/s, {inp / wall:.0f} input and "
+    cached = f" ({summary['cached_tokens'] / inp:.0%} of them found cached)" if summary["cached_tokens"] else ""
+    print(f"{len(jobs)} requests in {wall:.2f} s: {len(jobs) / wall:.2f} req/s, {inp / wall:.0f} input{cached} and "
           f"{out / wall:.0f} output tok/s; first TTFT {outs[0].ttft:.3f} s; prefill {summary['prefill_s']:.2f} s, "
           f"mixed {summary['mixed_s']:.2f} s, decode {summary['decode_s']:.2f} s; {wall / floor:.2f}x the floor "
           f"({floor:.2f} s); start-up {startup:.1f} s")
