@@ -47,7 +47,7 @@ class Request:
     stop_text: str = ""  # decoded output, kept only when there are stop strings
     stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
-    num_cached_tokens: int = 0  # prompt tokens its (first) admission took from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache by the admission that gave its first token
     # the prefix cache's key of each of its leading full prompt pages indexed so far (the scheduler's, per allocator)
     prefix_keys: list[int] = field(default_factory=list)
 
