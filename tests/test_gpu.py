@@ -134,9 +134,10 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
 
 def test_prefix_cache_gives_the_tokens_of_prompts_computed_in_full() -> None:
     """Requests sharing prefixes (a system prompt, four copies of each prompt admitted in one step, a second wave
-    after the first finished) give through the prefix cache the tokens they give computed in full, with step pieces
-    (the paged kernel between graphs) and eagerly: a page shared in the step that computes it is written before any
-    attention reads it, on the GPU's paths too."""
+    after the first finished, then arrivals one a step with layout switches between them, which keep shared pages
+    shared) give through the prefix cache the tokens they give computed in full, with step pieces (the paged kernel
+    between graphs) and eagerly: a page shared in the step that computes it is written before any attention reads
+    it, on the GPU's paths too."""
     g = torch.Generator().manual_seed(2)
     system = torch.randint(0, 384, (100,), generator=g).tolist()
     prompts = [system + torch.randint(0, 384, (n,), generator=g).tolist() for n in (30, 7, 64)]
@@ -146,7 +147,9 @@ def test_prefix_cache_gives_the_tokens_of_prompts_computed_in_full() -> None:
 
     def run(llm: LLM) -> tuple[list[list[int]], list[int]]:
         outs = llm.generate(jobs, sp) + llm.generate(prompts, sp)
-        return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
+        switched = _run(llm, jobs, {3, 6, 9, 14})
+        return [o.token_ids for o in outs] + [switched[i] for i in range(len(jobs))], [o.num_cached_tokens
+                                                                                       for o in outs]
 
     with LLM(**kw) as llm:
         pieces, cached = run(llm)

@@ -253,3 +253,56 @@ def test_two_ranks_share_prefixes_in_tp_and_ep_across_a_switch(ckpt):
         assert_kv_all_free(llm)
     finally:
         llm.close()
+
+
+# ---- switches ----
+
+def test_shared_prefix_ids_name_the_same_pages_per_target_rank() -> None:
+    from moebius.engine.switching import shared_prefixes
+
+    def req(prompt: list[int], computed: int) -> Request:
+        r = _req("r", prompt)
+        r.num_computed = computed
+        return r
+
+    a = req(list(range(10)), 10)  # 2 full pages
+    b = req(list(range(8)) + [50, 51, 52, 53], 12)  # the same 2 pages, then its own
+    c = req(list(range(10)), 5)  # only its first page is computed
+    d = req(list(range(10)), 10)
+    ids = shared_prefixes([a, b, c, d], [0, 0, 0, 1], BS)  # d goes to another rank: its own ids
+    assert ids[0] == ids[1][:2] == [1, 2] and ids[1][2] not in (1, 2)
+    assert ids[2] == [1] and ids[3][0] not in ids[0] + ids[1]
+
+
+@pytest.mark.slow
+def test_a_switch_keeps_shared_prompt_pages_shared(ckpt):
+    """P = 2 from TP: 8 requests with a 100-token system prompt. EP holds half the KV tokens of TP here, so a rank's
+    4 requests fit in EP only if they keep sharing the system prompt's pages (each would need 27 pages, 63 there
+    are): the switch to EP is done, and back to TP, with transformers' tokens."""
+    path = ckpt("tied_mha_nonorm")
+    rng = random.Random(5)
+    system = [rng.randrange(VOCAB) for _ in range(100)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(4)] for _ in range(8)]
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=BS, num_ranks=2, mode="tp",
+              max_total_tokens=512, max_running_requests=16, max_num_batched_tokens=64, seed=0)
+    try:
+        ids = [llm.add_request(p, greedy()) for p in prompts]
+        last: dict = {}
+        for _ in range(4):
+            for out in llm.step():
+                last[out.request_id] = out
+        assert all(rid in last for rid in ids)  # every one has its first token
+        assert llm.kv_stats()["per_rank"][0]["total_tokens"] == 508
+        out = llm.switch_mode("ep")
+        assert out["done"], out
+        for out in llm.step():
+            last[out.request_id] = out
+        per_rank = llm.kv_stats()["per_rank"]
+        assert all(r["total_tokens"] == 252 and r["total_tokens"] - r["free_tokens"] <= 45 * BS for r in per_rank)
+        assert llm.switch_mode("tp")["done"]
+        last.update(run_to_completion(llm))
+        for rid, prompt in zip(ids, prompts, strict=True):
+            assert last[rid].token_ids == hf_greedy(path, prompt, N_OUT)
+        assert_kv_all_free(llm)
+    finally:
+        llm.close()

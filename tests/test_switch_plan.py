@@ -266,6 +266,8 @@ def test_token_slots() -> None:
     assert slots_of(tables, counts, 4).tolist() == want == [12, 13, 14, 15, 0, 1, 2, 3, 28, 36, 37, 38, 39, 8,
                                                             16, 17, 18, 19, 24, 25, 26]
     assert slots_of([], [], 4).tolist() == []
+    # from whole-page starts: a table's first pages are left out (another request's move fills them)
+    assert slots_of(tables, counts, 4, [4, 0, 0, 0, 4]).tolist() == [0, 1, 2, 3, 28, 36, 37, 38, 39, 8, 24, 25, 26]
 
 
 # ---------------------------------------------------------------------------------------------------------------

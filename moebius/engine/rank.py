@@ -192,7 +192,7 @@ class Rank:
                                  self.modes[target].kv.num_pages, RankRequests(sched.running, list(sched.waiting),
                                                                                self.others),
                                  owners, self.groups, self.device, self.spec.engine.block_size,
-                                 self.spec.engine.max_running_requests)
+                                 self.spec.engine.max_running_requests, not self.spec.engine.disable_prefix_caching)
         self._adopt(result)
         return result.outcome
 

@@ -70,11 +70,28 @@ def _global_requests(src: Layout, mine: RankRequests, groups: Groups, device: to
     return [r for r, _ in running], [r for r, _ in waiting], [s for _, s in running + waiting]
 
 
+def shared_prefixes(running: list[Request], after: list[int], block_size: int) -> list[list[int]]:
+    """For each request (in the global order), the ids of its leading full computed prompt pages: an id names the
+    same tokens after the same tokens, so requests of one target rank (`after`) with equal ids at the start of their
+    prompts can share those target pages. Ids count from 1 in a request's first use of them; pure."""
+    seen: dict[tuple[int, int, tuple[int, ...]], int] = {}
+    out = []
+    for r, a in zip(running, after, strict=True):
+        ids, parent = [], 0
+        for b in range(min(r.num_computed, r.num_prompt) // block_size):
+            parent = seen.setdefault((a, parent, r.block_tokens(b, block_size)), len(seen) + 1)
+            ids.append(parent)
+        out.append(ids)
+    return out
+
+
 def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages: int, mine: RankRequests,
-                    owners: dict[str, int], groups: Groups, device: torch.device, block_size: int, max_running: int
-                    ) -> SwitchResult:
+                    owners: dict[str, int], groups: Groups, device: torch.device, block_size: int, max_running: int,
+                    share_prefixes: bool = True) -> SwitchResult:
     """Switch this rank from layout `src` to `dst` (a collective: every rank, the same plan). owners: the rank each
-    request runs on in `dst` where it places requests (the front end's placement); elsewhere unused."""
+    request runs on in `dst` where it places requests (the front end's placement); elsewhere unused. share_prefixes
+    (prefix caching): requests of one target rank share the target pages of the full prompt pages they begin with
+    in common (moved once), as they shared them, or could have, before."""
     t0 = time.perf_counter()
     head = {"from": src.mode, "to": dst.mode}
     running, waiting, before = _global_requests(src, mine, groups, device)
@@ -89,9 +106,20 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
         after = [dst.rank] * len(live)  # every rank holds every request
     P = groups.world_size
     targets = [Layout(dst.cfg, dst.mode, q, P) for q in range(P)]
+    # Which leading prompt pages requests of one target rank have in common: each id's first request's move fills
+    # its page, the others share it (a TP target: one group, every rank holds every request).
+    ids = shared_prefixes(running, [a if dst.data_parallel else 0 for a in after[: len(running)]], block_size)
+    if not share_prefixes:
+        ids = [[] for _ in running]
+    first: set[int] = set()
+    shared = []  # leading pages each request shares with an earlier one
+    for pages in ids:
+        k = next((i for i, p in enumerate(pages) if p not in first), len(pages))
+        shared.append(k)
+        first.update(pages[k:])
     # Capacity: the target must hold the live KV of every running request (plus its next token) ...
-    need = [sum(-(-r.num_tokens // block_size) for r, o in zip(running, after, strict=False) if lay.holds(o))
-            for lay in targets]
+    need = [sum(-(-r.num_tokens // block_size) - s for r, o, s in zip(running, after, shared, strict=False)
+                if lay.holds(o)) for lay in targets]
     alloc = BlockAllocator(dst_num_pages, block_size)
     if max(need, default=0) > alloc.usable_pages:
         return SwitchResult({"done": False, "reason": f"{dst.mode} layout cannot hold the live KV: needs {max(need)} "
@@ -105,9 +133,16 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
     # target's: nothing has changed yet.
     kv: list[LiveKV] = []
     my_pages = {r.request_id: r.pages for r in mine.running}
-    for r, b, a in zip(running, before, after, strict=False):
-        pages = alloc.allocate(-(-r.num_computed // block_size)) if dst.holds(a) else []
-        kv.append(LiveKV(b if src.data_parallel else a, r.num_computed, my_pages.get(r.request_id, []), pages))
+    page_of: dict[int, int] = {}  # shared-prefix id -> its target page, on this rank
+    for r, b, a, pids, s in zip(running, before, after, ids, shared, strict=False):
+        pages = []
+        if dst.holds(a):
+            pages = [page_of[p] for p in pids[:s]]
+            alloc.share(pages)
+            pages += alloc.allocate(-(-r.num_computed // block_size) - s)
+            page_of.update(zip(pids[s:], pages[s:len(pids)], strict=True))
+        kv.append(LiveKV(b if src.data_parallel else a, r.num_computed, my_pages.get(r.request_id, []), pages,
+                         s * block_size))
     t_plan = time.perf_counter()
     moved = switcher.move(src.mode, dst.mode, kv, len(running), len(waiting), (t_plan - t0) * 1e3)
     if not moved["done"]:

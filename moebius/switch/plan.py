@@ -12,7 +12,9 @@ KV. A request's tokens 0..n-1 sit in pages given by its page table; token t of a
 pages[t // bs] * bs + t % bs. EP->TP: each rank sends, for each of its requests in the global order, every token's
 K/V restricted to peer q's TP heads; peer q scatters by the TP page tables (identical on every rank). TP->EP: each
 request gets a new owner (`parallel/placement.py`); the first rank holding each TP head shard sends it (replicas
-stay silent), the new owner scatters into its EP pages at that shard's heads.
+stay silent), the new owner scatters into its EP pages at that shard's heads. Requests of one target rank whose
+prompts begin with the same full pages share those target pages (prefix caching); only the first of them in the
+global order moves them (`LiveKV.start`).
 """
 
 from __future__ import annotations
@@ -62,9 +64,12 @@ def token_slots(pages: list[int], n: int, bs: int) -> np.ndarray:
     return slots_of([pages], [n], bs)
 
 
-def slots_of(tables: list[list[int]], counts: list[int], bs: int) -> np.ndarray:
+def slots_of(tables: list[list[int]], counts: list[int], bs: int, starts: list[int] | None = None) -> np.ndarray:
     """token_slots of several page tables, concatenated, a page at a time in whole-array steps (a few times quicker
-    than one request at a time)."""
+    than one request at a time); with `starts` (whole pages), each table's tokens from its start on."""
+    if starts is not None and any(starts):
+        pages = [t[s // bs:] for t, s in zip(tables, starts, strict=True)]
+        return slots_of(pages, [c - s for c, s in zip(counts, starts, strict=True)], bs)
     n = np.asarray(counts, dtype=np.int64)
     if not len(n) or int(n.sum()) == 0:
         return np.zeros(0, np.int64)
@@ -81,7 +86,8 @@ def slots_of(tables: list[list[int]], counts: list[int], bs: int) -> np.ndarray:
 def _slots(reqs: list[LiveKV], owner: int, dst: bool, bs: int) -> np.ndarray:
     """Slots of the tokens of the requests of one EP owner, in the global order, by target or source tables."""
     mine = [r for r in reqs if r.owner == owner]
-    return slots_of([r.dst_pages if dst else r.src_pages for r in mine], [r.num_tokens for r in mine], bs)
+    return slots_of([r.dst_pages if dst else r.src_pages for r in mine], [r.num_tokens for r in mine], bs,
+                    [r.start for r in mine])
 
 
 @dataclass
@@ -107,6 +113,9 @@ class LiveKV:
     num_tokens: int
     src_pages: list[int]  # page table in the source layout (meaningful on the ranks that hold it)
     dst_pages: list[int]  # page table in the target layout (meaningful on the ranks that hold it)
+    # tokens before this (whole pages) are in target pages an earlier request of the same target shares (prefix
+    # caching): that request's move fills them, this one's moves only the rest
+    start: int = 0
 
 
 def kv_ep_to_tp(reqs: list[LiveKV], me: int, tp: list[Layout], bs: int) -> KVMove:
