@@ -249,10 +249,11 @@ class EngineConfig:
                              "after, so that a rank does not wait on a busy front end (a server streaming hundreds "
                              "of answers) for its plan, at one more step before a request added or aborted counts")
     disable_prefix_caching: bool = _flag(False, "compute every prompt in full; by default a request starts from the "
-                                         "KV pages of the longest run of full prompt pages (--block-size tokens) "
+                                         "KV pages of the longest run of full pages (--block-size tokens) "
                                          "an earlier or concurrent request on its rank computed (shared, not "
                                          "copied; kept until the pool needs the pages), as vLLM's automatic prefix "
-                                         "caching: a shared system prompt, or the n samples of one request")
+                                         "caching: a shared system prompt, the n samples of one request, the "
+                                         "earlier turns of a chat (prompt and answer)")
     disable_overlap_schedule: bool = _flag(False, "resolve each step before scheduling the next; by default the "
                                            "next step is launched while the device still runs the current one "
                                            "(its input tokens are taken on the device), hiding host work")

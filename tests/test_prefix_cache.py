@@ -156,6 +156,23 @@ def test_a_page_a_one_token_chunk_completes_is_indexed_at_the_next_schedule() ->
     assert len(a.prefix_keys) == 2 and c.pages[:2] == a.pages[:2]
 
 
+def test_output_pages_are_indexed_once_their_tokens_are_known() -> None:
+    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=64)
+    a = _req("a", list(range(6)), n_out=20)
+    s.add(a)
+    _step(s)
+    for t in range(6):  # decodes: its token in flight is a placeholder until the step after has been launched
+        a.output_token_ids.append(100 + t)
+        _step(s)
+    a.output_token_ids.append(-1)  # PLACEHOLDER: sampled by the step just launched, not yet read back
+    _step(s)
+    # 13 tokens computed: pages 0-2 full (the prompt's 4, then 2 + 2 outputs, then 4 outputs)
+    assert len(a.prefix_keys) == 3
+    b = _req("b", list(range(6)) + [100 + t for t in range(6)] + [7])  # a chat's next turn: prompt, answer, more
+    s.add(b)
+    assert _step(s)["b"] == (12, 1) and b.pages[:3] == a.pages[:3] and b.num_cached_tokens == 12
+
+
 def test_a_preempted_request_comes_back_through_the_cache() -> None:
     s = Scheduler(BlockAllocator(9, BS), max_running=8, max_batched_tokens=64)  # 8 usable pages
     a = _req("a", list(range(16)), n_out=40)
@@ -200,6 +217,11 @@ def test_shared_prefixes_give_transformers_tokens_and_report_their_cached_tokens
     assert again.num_cached_tokens == 28 and again.token_ids == outs[0].token_ids
     off = make_llm(path, block_size=BS, disable_prefix_caching=True).generate(SHARED[1:2], greedy())[0]
     assert off.num_cached_tokens == 0 and off.token_ids == again.token_ids
+    # the next turn: the last one's prompt and answer, then more; the answer's pages were cached too
+    turn = SHARED[1] + again.token_ids + [7, 8, 9]
+    nxt = llm.generate([turn], greedy())[0]
+    assert nxt.num_cached_tokens == (len(turn) - 1) // BS * BS - BS  # but its page holding the answer's last token
+    assert nxt.token_ids == hf_greedy(path, turn, N_OUT)
     assert_kv_all_free(llm)
 
 

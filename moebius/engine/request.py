@@ -48,7 +48,7 @@ class Request:
     stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache by the admission that gave its first token
-    # the prefix cache's key of each of its leading full prompt pages indexed so far (the scheduler's, per allocator)
+    # the prefix cache's key of each of its leading full pages indexed so far (the scheduler's, per allocator)
     prefix_keys: list[int] = field(default_factory=list)
 
     @property
@@ -67,9 +67,9 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.spec.prompt_token_ids) + len(self.output_token_ids)
 
-    def block_tokens(self, block: int, block_size: int) -> tuple[int, ...]:
-        """The prompt tokens of full page `block` (the prefix cache's key)."""
-        return tuple(self.spec.prompt_token_ids[block * block_size: (block + 1) * block_size])
+    def page_tokens(self, page: int, block_size: int) -> tuple[int, ...]:
+        """The tokens of its page `page` (the prefix cache's key; PLACEHOLDER where one is still on the device)."""
+        return tuple(self.tokens(page * block_size, (page + 1) * block_size))
 
     def tokens(self, start: int, stop: int) -> list[int]:
         prompt = self.spec.prompt_token_ids

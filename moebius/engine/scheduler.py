@@ -6,12 +6,13 @@ chunk of its not-yet-cached tokens; when a chunk reaches the request's last toke
 Prefill and decode are the same operation with chunk sizes n and 1.
 
 Prefix caching (unless disabled): a request admitted from the queue starts with the pages of the longest chain of
-full prompt pages the allocator's index holds for its first tokens (never its last token: that one is computed, so
-that it samples), and each full prompt page a step computes is indexed for later requests. A page is indexed when
-the step that computes it is scheduled, so a request admitted in the same step already shares it: every layer
+full pages the allocator's index holds for its first tokens (never its last token: that one is computed, so that
+it samples), and each full page a step computes is indexed for later requests: prompt pages, and output pages once
+their tokens are known (the next turn of a chat starts with the last one's prompt and answer). A page is indexed
+when the step that computes it is scheduled, so a request admitted in the same step already shares it: every layer
 writes the whole step's K/V before any attention reads the cache. The one path that writes and reads in one launch
-(the fused decode kernel) runs only steps of one-token chunks, so a page a one-token chunk completes is indexed at
-the next schedule instead.
+(the fused decode kernel) runs only steps of one-token chunks, so a page a one-token chunk completes (every output
+page) is indexed at a later schedule instead, once its last token, sampled on the device, is known here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from moebius.engine.lifecycle import ends_by_length
-from moebius.engine.request import Request, Status
+from moebius.engine.request import PLACEHOLDER, Request, Status
 from moebius.memory.kv_pool import BlockAllocator
 
 
@@ -94,21 +95,23 @@ class Scheduler:
         return True
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], list[int]]:
-        """The indexed pages (and keys) a request admitted now would start with: full prompt pages, short of its
-        last token. None for a request that wants every prompt position's logits (nor with the cache off)."""
+        """The indexed pages (and keys) a request admitted now would start with: full pages short of its last
+        token. None for a request that wants every prompt position's logits (nor with the cache off)."""
         if not self.prefix_caching or req.params.prompt_logits:
             return [], []
         bs = self.alloc.block_size
-        blocks = min(req.num_prompt, req.num_tokens - 1) // bs
-        return self.alloc.match(req.block_tokens(b, bs) for b in range(blocks))
+        return self.alloc.match(req.page_tokens(b, bs) for b in range((req.num_tokens - 1) // bs))
 
     def _index(self, req: Request, computed: int) -> None:
-        """Index the request's full prompt pages within its first `computed` tokens (computed by now or by the
-        step being scheduled)."""
+        """Index the request's full pages within its first `computed` tokens (computed by now or by the step being
+        scheduled), up to the first that holds a token still on the device."""
         bs = self.alloc.block_size
         keys = req.prefix_keys
-        for b in range(len(keys), min(computed, req.num_prompt) // bs):
-            keys.append(self.alloc.register(req.pages[b], keys[-1] if keys else 0, req.block_tokens(b, bs)))
+        for b in range(len(keys), computed // bs):
+            tokens = req.page_tokens(b, bs)
+            if PLACEHOLDER in tokens:
+                break
+            keys.append(self.alloc.register(req.pages[b], keys[-1] if keys else 0, tokens))
 
     def _scheduled(self, batch: list[ScheduledChunk], chunk: ScheduledChunk) -> None:
         batch.append(chunk)

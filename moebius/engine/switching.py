@@ -79,7 +79,7 @@ def shared_prefixes(running: list[Request], after: list[int], block_size: int) -
     for r, a in zip(running, after, strict=True):
         ids, parent = [], 0
         for b in range(min(r.num_computed, r.num_prompt) // block_size):
-            parent = seen.setdefault((a, parent, r.block_tokens(b, block_size)), len(seen) + 1)
+            parent = seen.setdefault((a, parent, r.page_tokens(b, block_size)), len(seen) + 1)
             ids.append(parent)
         out.append(ids)
     return out

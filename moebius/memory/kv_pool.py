@@ -1,4 +1,4 @@
-"""Paged KV cache: an allocator of page ids (with the prefix cache's index of computed prompt pages), and a pool
+"""Paged KV cache: an allocator of page ids (with the prefix cache's index of computed pages), and a pool
 that owns each layer's page bytes.
 
 The allocator knows nothing about bytes; the pool knows nothing about requests. A page id names the same page in
@@ -22,12 +22,12 @@ class OutOfPages(RuntimeError):
 
 
 class BlockAllocator:
-    """Page ids 1..num_pages-1 with reference counts, and the prefix cache's index of computed prompt pages.
+    """Page ids 1..num_pages-1 with reference counts, and the prefix cache's index of computed full pages.
 
     Page 0 is reserved as scratch (padding rows of a CUDA-graph batch read and write it), so it is never handed
     out. Allocation order is deterministic (TP ranks keep identical allocators).
 
-    Prefix cache: a full page of prompt tokens that a step computes can be `register`ed under its key (the key of
+    Prefix cache: a full page of tokens that a step computes can be `register`ed under its key (the key of
     the page before it, and its tokens), and a later request whose prompt starts with the same tokens `match`es the
     chain and `share`s those pages instead of computing them (as vLLM's automatic prefix caching). A page is free
     when no request holds it; a free page that is in the index stays there, and is evicted (least recently freed
