@@ -116,7 +116,9 @@ class Scheduler:
     def _scheduled(self, batch: list[ScheduledChunk], chunk: ScheduledChunk) -> None:
         batch.append(chunk)
         if self.prefix_caching:  # see the module docstring for why a one-token chunk's page waits a step
-            self._index(chunk.req, chunk.start + chunk.num_tokens if chunk.num_tokens > 1 else chunk.start)
+            computed = chunk.start + chunk.num_tokens if chunk.num_tokens > 1 else chunk.start
+            if computed >= (len(chunk.req.prefix_keys) + 1) * self.alloc.block_size:  # a decode: once a page
+                self._index(chunk.req, computed)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_batched_tokens
