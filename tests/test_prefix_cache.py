@@ -279,21 +279,20 @@ def test_two_ranks_share_prefixes_in_tp_and_ep_across_a_switch(ckpt):
 
 # ---- switches ----
 
-def test_shared_prefix_ids_name_the_same_pages_per_target_rank() -> None:
+def test_a_switch_shares_the_pages_a_source_rank_indexed_under_one_key() -> None:
     from moebius.engine.switching import shared_prefixes
 
-    def req(prompt: list[int], computed: int) -> Request:
-        r = _req("r", prompt)
-        r.num_computed = computed
+    def req(keys: list[int], computed: int) -> Request:
+        r = _req("r", list(range(40)))
+        r.prefix_keys, r.num_computed = keys, computed
         return r
 
-    a = req(list(range(10)), 10)  # 2 full pages
-    b = req(list(range(8)) + [50, 51, 52, 53], 12)  # the same 2 pages, then its own
-    c = req(list(range(10)), 5)  # only its first page is computed
-    d = req(list(range(10)), 10)
-    ids = shared_prefixes([a, b, c, d], [0, 0, 0, 1], BS)  # d goes to another rank: its own ids
-    assert ids[0] == ids[1][:2] == [1, 2] and ids[1][2] not in (1, 2)
-    assert ids[2] == [1] and ids[3][0] not in ids[0] + ids[1]
+    reqs = [req([1, 2, 3], 14), req([1, 2, 7, 8], 16), req([1, 2, 3], 9), req([1, 2], 8), req([1, 2], 8),
+            req([1, 9], 8)]
+    # target rank (after) and source rank (before) of each: the fourth comes from another source rank (its keys are
+    # another allocator's), the fifth goes to another target rank
+    after, before = [0, 0, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0]
+    assert shared_prefixes(reqs, after, before, BS) == [0, 2, 2, 0, 0, 1]
 
 
 @pytest.mark.slow

@@ -162,6 +162,7 @@ class RequestState:
     stop_offsets: tuple[int, int]
     prompt_logits: list[torch.Tensor]
     num_cached_tokens: int
+    prefix_keys: TokenIds  # its source rank's prefix-cache keys: which pages it shares (engine/switching.py)
 
 
 @dataclass
@@ -175,7 +176,8 @@ class RequestList:
     def of(reqs: list[Request]) -> RequestList:
         return RequestList(list(itertools.chain.from_iterable(r.output_token_ids for r in reqs)),
                            [RequestState(r.request_id, len(r.output_token_ids), r.num_computed, r.status, r.stop_text,
-                                         r.stop_offsets, r.prompt_logits, r.num_cached_tokens) for r in reqs])
+                                         r.stop_offsets, r.prompt_logits, r.num_cached_tokens, r.prefix_keys)
+                            for r in reqs])
 
     def requests_with(self, specs: Mapping[str, RequestSpec]) -> list[Request]:
         """The requests, given the specs of every one of them."""
@@ -188,7 +190,7 @@ class RequestList:
                 raise ValueError("request list: token counts do not match its ids")
             out.append(Request(spec, self.ids[at: at + m.num_output], m.num_computed, status=m.status,
                                stop_text=m.stop_text, stop_offsets=m.stop_offsets, prompt_logits=m.prompt_logits,
-                               num_cached_tokens=m.num_cached_tokens))
+                               num_cached_tokens=m.num_cached_tokens, prefix_keys=list(m.prefix_keys)))
             at += m.num_output
         if at != len(self.ids):
             raise ValueError(f"request list: {len(self.ids) - at} token ids belong to no request")

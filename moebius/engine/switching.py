@@ -70,18 +70,20 @@ def _global_requests(src: Layout, mine: RankRequests, groups: Groups, device: to
     return [r for r, _ in running], [r for r, _ in waiting], [s for _, s in running + waiting]
 
 
-def shared_prefixes(running: list[Request], after: list[int], block_size: int) -> list[list[int]]:
-    """For each request (in the global order), the ids of its leading full computed prompt pages: an id names the
-    same tokens after the same tokens, so requests of one target rank (`after`) with equal ids at the start of their
-    prompts can share those target pages. Ids count from 1 in a request's first use of them; pure."""
-    seen: dict[tuple[int, int, tuple[int, ...]], int] = {}
+def shared_prefixes(running: list[Request], after: list[int], before: list[int], block_size: int) -> list[int]:
+    """How many leading pages each request (in the global order) shares with earlier requests of its target rank
+    (`after`): pages its source rank (`before`) indexed under the same prefix-cache keys hold the same tokens (a
+    TP source: every rank's keys are the same). Pure: every rank computes the same answer."""
+    seen: dict[tuple[int, int], set[int]] = {}  # (target rank, source rank) -> the keys of pages moved there
     out = []
-    for r, a in zip(running, after, strict=True):
-        ids, parent = [], 0
-        for b in range(min(r.num_computed, r.num_prompt) // block_size):
-            parent = seen.setdefault((a, parent, r.page_tokens(b, block_size)), len(seen) + 1)
-            ids.append(parent)
-        out.append(ids)
+    for r, a, s in zip(running, after, before, strict=True):
+        keys = r.prefix_keys[: r.num_computed // block_size]
+        moved = seen.setdefault((a, s), set())
+        k = 0
+        while k < len(keys) and keys[k] in moved:
+            k += 1
+        moved.update(keys[k:])
+        out.append(k)
     return out
 
 
@@ -106,17 +108,10 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
         after = [dst.rank] * len(live)  # every rank holds every request
     P = groups.world_size
     targets = [Layout(dst.cfg, dst.mode, q, P) for q in range(P)]
-    # Which leading prompt pages requests of one target rank have in common: each id's first request's move fills
-    # its page, the others share it (a TP target: one group, every rank holds every request).
-    ids = shared_prefixes(running, [a if dst.data_parallel else 0 for a in after[: len(running)]], block_size)
-    if not share_prefixes:
-        ids = [[] for _ in running]
-    first: set[int] = set()
-    shared = []  # leading pages each request shares with an earlier one
-    for pages in ids:
-        k = next((i for i, p in enumerate(pages) if p not in first), len(pages))
-        shared.append(k)
-        first.update(pages[k:])
+    # Which leading pages requests of one target rank have in common: the first request's move fills such a page,
+    # the others share it (a TP target: one group, every rank holds every request).
+    group = [a if dst.data_parallel else 0 for a in after[: len(running)]]
+    shared = shared_prefixes(running, group, before, block_size) if share_prefixes else [0] * len(running)
     # Capacity: the target must hold the live KV of every running request (plus its next token) ...
     need = [sum(-(-r.num_tokens // block_size) - s for r, o, s in zip(running, after, shared, strict=False)
                 if lay.holds(o)) for lay in targets]
@@ -133,14 +128,16 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
     # target's: nothing has changed yet.
     kv: list[LiveKV] = []
     my_pages = {r.request_id: r.pages for r in mine.running}
-    page_of: dict[int, int] = {}  # shared-prefix id -> its target page, on this rank
-    for r, b, a, pids, s in zip(running, before, after, ids, shared, strict=False):
+    page_of: dict[tuple[int, int], dict[int, int]] = {}  # (group, source rank) -> {prefix-cache key: target page}
+    for r, b, a, g, s in zip(running, before, after, group, shared, strict=False):
         pages = []
         if dst.holds(a):
-            pages = [page_of[p] for p in pids[:s]]
+            keys = r.prefix_keys[: r.num_computed // block_size]
+            mine_of = page_of.setdefault((g, b), {})
+            pages = [mine_of[key] for key in keys[:s]]
             alloc.share(pages)
             pages += alloc.allocate(-(-r.num_computed // block_size) - s)
-            page_of.update(zip(pids[s:], pages[s:len(pids)], strict=True))
+            mine_of.update(zip(keys[s:], pages[s:], strict=False))
         kv.append(LiveKV(b if src.data_parallel else a, r.num_computed, my_pages.get(r.request_id, []), pages,
                          s * block_size))
     t_plan = time.perf_counter()

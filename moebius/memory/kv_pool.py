@@ -105,7 +105,7 @@ class BlockAllocator:
                     self._free.append(p)
 
     def share(self, pages: list[int]) -> None:
-        """One more reference to each of these indexed pages (a request starting with their tokens)."""
+        """One more reference to each of these held or indexed pages (a request starting with their tokens)."""
         for p in pages:
             if self._refs[p] == 0:
                 del self._evictable[p]
