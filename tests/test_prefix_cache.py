@@ -262,13 +262,14 @@ def test_two_ranks_share_prefixes_in_tp_and_ep_across_a_switch(ckpt):
         for _ in range(4):
             for out in llm.step():
                 last[out.request_id] = out
+        queued = llm.add_request(SHARED[2], greedy())  # admitted with the switch's plan: waiting during the switch
         assert llm.switch_mode("tp")["done"]
         later = llm.add_request(SHARED[1], greedy())
         last.update(run_to_completion(llm))
         cached = [o.num_cached_tokens for o in last[group].outputs]
         assert cached[0] == 0 and cached[1:] == [32, 32]  # together on one EP rank
         assert last[later].num_cached_tokens > 0
-        for rid, prompt in zip([*plain, later], [*SHARED[:3], SHARED[1]], strict=True):
+        for rid, prompt in zip([*plain, later, queued], [*SHARED[:3], SHARED[1], SHARED[2]], strict=True):
             assert last[rid].token_ids == hf_greedy(path, prompt, N_OUT)
         off = make_llm(path, block_size=BS, disable_prefix_caching=True).generate([SHARED[3]], sp)[0]
         assert [o.token_ids for o in last[group].outputs] == [o.token_ids for o in off.outputs]

@@ -111,7 +111,8 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
     # Which leading pages requests of one target rank have in common: the first request's move fills such a page,
     # the others share it (a TP target: one group, every rank holds every request).
     group = [a if dst.data_parallel else 0 for a in after[: len(running)]]
-    shared = shared_prefixes(running, group, before, block_size) if share_prefixes else [0] * len(running)
+    shared = (shared_prefixes(running, group, before[: len(running)], block_size) if share_prefixes
+              else [0] * len(running))
     # Capacity: the target must hold the live KV of every running request (plus its next token) ...
     need = [sum(-(-r.num_tokens // block_size) - s for r, o, s in zip(running, after, shared, strict=False)
                 if lay.holds(o)) for lay in targets]
