@@ -11,7 +11,7 @@ import pytest
 from conftest import VOCAB, assert_kv_all_free, hf_greedy, make_llm, run_to_completion
 
 from moebius import LLM, SamplingParams
-from moebius.engine.request import Request, RequestSpec
+from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
 from moebius.engine.scheduler import Scheduler
 from moebius.memory.kv_pool import BlockAllocator, OutOfPages
 
@@ -164,13 +164,29 @@ def test_output_pages_are_indexed_once_their_tokens_are_known() -> None:
     for t in range(6):  # decodes: its token in flight is a placeholder until the step after has been launched
         a.output_token_ids.append(100 + t)
         _step(s)
-    a.output_token_ids.append(-1)  # PLACEHOLDER: sampled by the step just launched, not yet read back
+    a.output_token_ids.append(PLACEHOLDER)  # sampled by the step just launched, not yet read back
     _step(s)
     # 13 tokens computed: pages 0-2 full (the prompt's 4, then 2 + 2 outputs, then 4 outputs)
     assert len(a.prefix_keys) == 3
     b = _req("b", list(range(6)) + [100 + t for t in range(6)] + [7])  # a chat's next turn: prompt, answer, more
     s.add(b)
     assert _step(s)["b"] == (12, 1) and b.pages[:3] == a.pages[:3] and b.num_cached_tokens == 12
+
+
+def test_a_page_holding_a_token_still_on_the_device_waits_for_it() -> None:
+    """A preempted request recomputes its prompt and outputs in one chunk, the last output still a placeholder (its
+    step was in flight): the page holding it is indexed only once the token is read back."""
+    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=64)
+    r = _req("r", list(range(6)), n_out=20)
+    r.output_token_ids += [100, PLACEHOLDER]  # 8 tokens: page 1 is 4, 5, 100 and the placeholder
+    s.add(r)
+    assert _step(s) == {"r": (0, 8)}
+    assert len(r.prefix_keys) == 1
+    r.output_token_ids[-1] = 101
+    r.output_token_ids.append(PLACEHOLDER)
+    _step(s)  # a decode: its page is indexed now
+    assert len(r.prefix_keys) == 2
+    assert s.alloc.match([(0, 1, 2, 3), (4, 5, 100, 101)])[0] == r.pages[:2]
 
 
 def test_a_preempted_request_comes_back_through_the_cache() -> None:

@@ -459,8 +459,8 @@ class EngineCore:
         self._undelivered += self._collect(touched)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prompt page on every rank (later requests compute their prompts in full until steps
-        cache them again); returns the pages dropped."""
+        """Forget every cached page on every rank (later requests compute their prompts in full until steps cache
+        them again); returns the pages dropped, summed over ranks."""
         return sum(r["pages"] for r in self.query("reset_prefix_cache"))  # type: ignore[index]
 
     def kv_stats(self) -> dict[str, object]:

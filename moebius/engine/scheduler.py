@@ -96,7 +96,7 @@ class Scheduler:
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], list[int]]:
         """The indexed pages (and keys) a request admitted now would start with: full pages short of its last
-        token. None for a request that wants every prompt position's logits (nor with the cache off)."""
+        token. Nothing for a request that wants every prompt position's logits, nor with the cache off."""
         if not self.prefix_caching or req.params.prompt_logits:
             return [], []
         bs = self.alloc.block_size

@@ -92,8 +92,8 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
                     share_prefixes: bool = True) -> SwitchResult:
     """Switch this rank from layout `src` to `dst` (a collective: every rank, the same plan). owners: the rank each
     request runs on in `dst` where it places requests (the front end's placement); elsewhere unused. share_prefixes
-    (prefix caching): requests of one target rank share the target pages of the full prompt pages they begin with
-    in common (moved once), as they shared them, or could have, before."""
+    (prefix caching): requests of one target rank share the target pages of the leading pages their source rank
+    indexed under the same keys (moved once), as they shared them before."""
     t0 = time.perf_counter()
     head = {"from": src.mode, "to": dst.mode}
     running, waiting, before = _global_requests(src, mine, groups, device)

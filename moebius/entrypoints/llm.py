@@ -116,7 +116,7 @@ class LLM:
         return self.engine.mode
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prompt page (vLLM's name); returns how many pages were dropped."""
+        """Forget every cached page (vLLM's name); returns how many pages were dropped, summed over ranks."""
         return self.engine.reset_prefix_cache()
 
     def kv_stats(self) -> dict[str, object]:

@@ -13,8 +13,8 @@ pages[t // bs] * bs + t % bs. EP->TP: each rank sends, for each of its requests 
 K/V restricted to peer q's TP heads; peer q scatters by the TP page tables (identical on every rank). TP->EP: each
 request gets a new owner (`parallel/placement.py`); the first rank holding each TP head shard sends it (replicas
 stay silent), the new owner scatters into its EP pages at that shard's heads. Requests of one target rank whose
-prompts begin with the same full pages share those target pages (prefix caching); only the first of them in the
-global order moves them (`LiveKV.start`).
+leading pages hold the same tokens share those target pages (prefix caching); only the first of them in the global
+order moves them (`LiveKV.start`).
 """
 
 from __future__ import annotations
