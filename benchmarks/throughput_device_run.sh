@@ -2,6 +2,9 @@
 # Whole-request speed (issue 26) and the served run (issue 24) at P = 1, Qwen3-30B-A3B shapes (dummy bf16 weights).
 # Each argument is one measurement, run in the order given; group them into device calls of under 10 minutes (the
 # Triton cache in /tmp/g stays while the machine is held, so `cold` runs only as the first of a fresh machine):
+#   flash     install FlashAttention-4 from the carried wheels (.fa4b, and the first part of the CUDA 13 compiler
+#             runtime that an earlier call carried in .fa4a and left in /tmp: benchmarks/README.md); later steps of
+#             the call find it (--prefill-attention auto takes it)
 #   tests     the GPU tests (pytest -m gpu)
 #   cold      start-up and 10 probe requests then the 256 x (64-512 -> 128) workload, with a cold Triton cache,
 #             without and with the start-up warm-up
@@ -46,10 +49,15 @@ down() { kill -TERM $S; wait $S; echo "server exit $? $(date +%T)"; tail -3 $W/s
 t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|return func\|compiling kernels" $W/$n.log | tail -4; }
 date +%T
 for step in "$@"; do case $step in
+flash)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fa4 $(ls .fa4b/*.whl | grep -v cuda_) \
+    && cat /tmp/fa4.part1 .fa4b/*.part2 | xz -d | tar xf - -C /tmp/fa4 || { echo "flash: install failed"; exit 3; }
+  export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH} FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$W/flash
+  python3 -c "from moebius.kernels.flash import unavailable_reason as u; print('flash:', u(0) or 'ok')" ;;
 tests)
   t gpu_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} ;;
-cold)
-  TRITON_CACHE_DIR=$W/cold1 t cold_none 170 $B throughput $M $WORK --warmup none --output $R/h200-p1-throughput-cold-nowarmup.json
+cold)  # (FlashAttention-4's kernel cache, where installed, cold too)
+  TRITON_CACHE_DIR=$W/cold1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$W/cold1/flash t cold_none 170 $B throughput $M $WORK --warmup none --output $R/h200-p1-throughput-cold-nowarmup.json
   t cold_full 200 $B throughput $M $WORK --warmup full --output $R/h200-p1-throughput-cold.json ;;
 work)
   t warm_full 200 $B throughput $M $WORK --warmup full --hf-baseline --output $R/h200-p1-throughput.json
@@ -109,4 +117,4 @@ engine)
   M=$M0; t steady_offline$S2 150 $B throughput $M $STEADY2 --output $R/h200-p1-steady$S2-offline.json ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
-find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude=cold1 --exclude=triton .
+find $R -name 'h200-*' -newer $W/stamp | tar czf $OUT/results.tgz -T -; tar czf $OUT/logs.tgz -C $W --exclude=cold1 --exclude=triton --exclude=flash .

@@ -273,6 +273,10 @@ class EngineConfig:
     mixed_attention: str = _flag("apart", "how the decodes of a step with prompt chunks attend on the GPU: apart (a "
                                  "decode launch of their own, with KV splits) or shared (as one-token query blocks "
                                  "of the chunks' launch)", ("apart", "shared"))
+    prefill_attention: str = _flag("auto", "attention of steps with prompt chunks on the GPU: flash (FlashAttention-4, "
+                                   "the flash-attn-4 package: pip install 'moebius[flash]'; Hopper or newer), triton "
+                                   "(the paged Triton kernel; cuDNN for a lone first chunk), or auto (flash where it "
+                                   "imports and the GPU is Hopper or newer, else triton)", ("auto", "flash", "triton"))
     moe_kernel: str = _flag("triton", "GPU expert kernel for bf16: triton (fused, reads only the experts a batch "
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
     disable_pdl: bool = _flag(False, "launch the Triton kernels without programmatic dependent launch (by default, on "

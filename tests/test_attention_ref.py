@@ -88,3 +88,17 @@ def test_leading_decodes() -> None:
 
     assert leading_decodes(np.array([1, 1, 1, 40, 1])) == 3
     assert leading_decodes(np.array([40, 1])) == 0 and leading_decodes(np.array([1, 1])) == 2
+
+
+def test_flash_lens_start_past_the_leading_decodes_and_are_made_once_a_step() -> None:
+    """FlashAttention's varlen arguments cover the sequences after the decodes that attend apart: int32 query starts
+    from 0, their KV lengths; a step's metadata makes them on first use and hands the same tensors to every layer."""
+    meta = AttentionMetadata(
+        positions=torch.zeros(24, dtype=torch.int64), slot_mapping=torch.zeros(24, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1, 2, 22, 24]), seq_lens=torch.tensor([40, 500, 33, 9]),
+        block_tables=torch.zeros(4, 40, dtype=torch.int32), token_seq=torch.zeros(24, dtype=torch.int64),
+        token_qpos=torch.zeros(24, dtype=torch.int64), max_query_len=20, max_seq_len=500, block_size=16, decodes=2)
+    starts, lens = meta.chunk_lens
+    assert starts.dtype == lens.dtype == torch.int32
+    assert starts.tolist() == [0, 20, 22] and lens.tolist() == [33, 9]
+    assert meta.chunk_lens[0] is starts

@@ -106,6 +106,9 @@ def test_unknown_llm_kwarg():
     pytest.param(dict(max_num_batched_tokens=0), "max_num_batched_tokens", id="batched-tokens-0"),
     pytest.param(dict(dtype="float64"), "dtype", id="bad-dtype"),
     pytest.param(dict(max_model_len=100_000), "max_model_len|max_position_embeddings", id="max_model_len-too-big"),
+    pytest.param(dict(prefill_attention="flash"), "prefill-attention flash on cpu: not a CUDA device",
+                 id="flash-attention-on-cpu"),
+    pytest.param(dict(prefill_attention="cudnn"), "prefill_attention", id="bad-prefill-attention"),
 ])
 def test_bad_engine_options(ckpt, kw, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -66,6 +66,49 @@ def test_fresh_chunk_attention_matches_reference(heads: int, kv_heads: int) -> N
     assert _rel(out, ref) < 1e-2 and _rel(out, kernel) < 1e-2
 
 
+def _flash_or_skip() -> None:
+    from moebius.kernels.flash import unavailable_reason
+
+    reason = unavailable_reason(0)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _flash_compiled() -> int:
+    """Kernels FlashAttention-4 has compiled (or loaded) in this process; 0 where it is not installed."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError:
+        return 0
+    return sum(len(f.compile_cache.cache) for f in (interface._flash_attn_fwd, interface._compute_tile_cumsum,
+                                                   interface._compute_blocks_to_batch))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 4, 128), (16, 2, 128), (8, 4, 16)])
+@pytest.mark.parametrize("kind", ["prefill", "prefix", "apart", "shared", "fresh"])
+def test_flash_attention_matches_reference(heads: int, kv_heads: int, head_dim: int, kind: str) -> None:
+    """Steps with prompt chunks through FlashAttention-4 (kc.flash_prefill): whole prompts, chunks after a cached
+    prefix, leading decodes in their Triton launch (apart) or in FlashAttention's (shared), and a lone fresh chunk
+    (K and V gathered contiguous) all give the reference's output, written into the given buffer."""
+    _flash_or_skip()
+    torch.manual_seed(0)
+    bs, pages = 16, 512
+    q_lens, ctx = {"prefill": ([5, 70, 257], [5, 70, 257]), "prefix": ([64, 500, 3], [300, 1000, 40]),
+                   "apart": ([1, 1, 20, 9], [40, 500, 33, 9]), "shared": ([1, 1, 20, 9], [40, 500, 33, 9]),
+                   "fresh": ([2500], [2500])}[kind]
+    kc = KernelConfig(flash_prefill=True, fresh_chunk_lengths=frozenset({2500}))
+    meta = paged_metadata(q_lens, ctx, bs, pages, "cuda")
+    if kind == "apart":
+        meta.decodes, meta.num_splits = 2, 4
+    cache = torch.randn(pages, 2, bs, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    ref = paged_attention_ref(q.float(), cache.float(), meta, head_dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    assert paged_attention(q, cache, meta, head_dim ** -0.5, kc=kc, out=out) is out
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
 @pytest.mark.parametrize("T", [1, 77, 600])
 @pytest.mark.parametrize("first_expert,local", [(0, 8), (8, 8), (0, 16)])
@@ -169,28 +212,48 @@ def test_step_pieces_match_eager_steps_in_bf16(mixed: str) -> None:
     writing into the pieces' static output) and chunks beside decodes (the paged kernel, over padded buckets; with
     --mixed-attention apart the decodes in a launch of their own) give the prompt logits and tokens of the same
     steps run eagerly with the decodes in the chunks' launch."""
+    with LLM(mixed_attention=mixed, **_MIXED_KW) as llm:
+        assert all(r["pieces"] for r in llm.engine.query("bench_prefill", tokens=2048, context=0, steps=1, warmup=0))
+        pieces = _mixed_run(llm)
+    with LLM(disable_cuda_graph=True, mixed_attention="shared", **_MIXED_KW) as llm:
+        eager = _mixed_run(llm)
+    _assert_same_logits(pieces, eager)
+
+
+def test_flash_prefill_gives_the_logits_of_the_triton_kernel() -> None:
+    """The engine with --prefill-attention flash (FlashAttention-4 for every step with prompt chunks, in pieces and
+    eagerly) against triton (the paged kernel, cuDNN for the lone fresh chunk): the same prompt logits and tokens."""
+    _flash_or_skip()
+    with LLM(prefill_attention="flash", **_MIXED_KW) as llm:
+        assert llm.engine.query("kernels")[0]["flash_prefill"]
+        flash = _mixed_run(llm)
+    with LLM(prefill_attention="triton", **_MIXED_KW) as llm:
+        triton_kernel = _mixed_run(llm)
+    _assert_same_logits(flash, triton_kernel)
+
+
+_MIXED_KW = dict(mode="tp", max_total_tokens=16384, max_model_len=4096, max_num_batched_tokens=4096, dtype="bfloat16")
+
+
+def _mixed_run(llm: LLM) -> list[tuple[torch.Tensor, list[int]]]:
+    """A 2048-token prompt alone, then a 300- and a 45-token one arriving while it decodes (mixed steps): each
+    one's prompt logits and greedy tokens."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (2048, 300, 45)]
-    kw = dict(mode="tp", max_total_tokens=16384, max_model_len=4096, max_num_batched_tokens=4096, dtype="bfloat16")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logits=True)
+    ids = [llm.add_request(prompts[0], sp)]
+    outs = {}
+    for step in range(40):
+        if step in (1, 3):
+            ids.append(llm.add_request(prompts[(step + 1) // 2], sp))
+        outs.update({o.request_id: o for o in llm.step() if o.finished})
+    return [(outs[i].prompt_logits, outs[i].token_ids) for i in ids]
 
-    def run(llm: LLM) -> list[tuple[torch.Tensor, list[int]]]:
-        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logits=True)
-        ids = [llm.add_request(prompts[0], sp)]
-        outs = {}
-        for step in range(40):
-            if step in (1, 3):  # arrive while the first decodes: mixed steps
-                ids.append(llm.add_request(prompts[(step + 1) // 2], sp))
-            outs.update({o.request_id: o for o in llm.step() if o.finished})
-        return [(outs[i].prompt_logits, outs[i].token_ids) for i in ids]
 
-    with LLM(mixed_attention=mixed, **kw) as llm:
-        assert all(r["pieces"] for r in llm.engine.query("bench_prefill", tokens=2048, context=0, steps=1, warmup=0))
-        pieces = run(llm)
-    with LLM(disable_cuda_graph=True, mixed_attention="shared", **kw) as llm:
-        eager = run(llm)
-    for (lp, tp), (le, te) in zip(pieces, eager, strict=True):
-        assert lp.shape == le.shape and _rel(lp, le) < 1e-2
-        assert tp[:2] == te[:2]  # bf16: later tokens may part at a near-tie
+def _assert_same_logits(a: list[tuple[torch.Tensor, list[int]]], b: list[tuple[torch.Tensor, list[int]]]) -> None:
+    for (la, ta), (lb, tb) in zip(a, b, strict=True):
+        assert la.shape == lb.shape and _rel(la, lb) < 1e-2
+        assert ta[:2] == tb[:2]  # bf16: later tokens may part at a near-tie
 
 
 def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
@@ -198,7 +261,8 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
     step is served on: afterwards, prompts arriving one a step beside 1 to ~30 decoding requests (decodes attending
     apart, with KV splits by their count), decode batches past the decode graphs, steps past the step pieces and
     short of the budget, greedy, temperature-only and top-p sampling, in both layouts,
-    make Triton compile (or load from disk) no kernel: the first requests run at steady-state speed."""
+    make Triton compile (or load from disk) no kernel, nor FlashAttention-4 where it is installed: the first
+    requests run at steady-state speed."""
     import triton
 
     g = torch.Generator().manual_seed(2)
@@ -206,6 +270,7 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
               cuda_graph_max_tokens=256, dtype="bfloat16")
     compiled: dict[str, list[str]] = {}
     with LLM(**kw) as llm:
+        flash = _flash_compiled()
         for layout in ("tp", "ep"):
             if llm.mode != layout:
                 assert llm.switch_mode(layout)["done"]  # a switch's own kernels are not the steps' (not counted)
@@ -225,6 +290,7 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
                     llm.step()
             finally:
                 triton.knobs.runtime.jit_cache_hook = None
+        assert _flash_compiled() == flash  # nor FlashAttention-4 (where installed) any of its kernels
     assert compiled == {"tp": [], "ep": []}
 
 

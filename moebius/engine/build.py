@@ -17,6 +17,7 @@ from moebius.engine.rank import ModeRuntime, Rank, RankSpec
 from moebius.engine.runner import ModelRunner, StaticBuffers
 from moebius.engine.warmup import fresh_chunk_lengths, warm_up
 from moebius.kernels import KernelConfig
+from moebius.kernels.flash import use_flash
 from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -84,6 +85,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
                            reshard_kernel=not ecfg.disable_reshard_kernel,
                            decodes_apart=ecfg.mixed_attention == "apart",
+                           flash_prefill=use_flash(ecfg.prefill_attention, device),
                            fresh_chunk_lengths=fresh_chunk_lengths(ecfg.max_num_batched_tokens, spec.max_model_len))
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():

@@ -440,7 +440,8 @@ class EngineCore:
         "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
         "bench_decode" (batch, context, steps, warmup, graphs),
         "bench_prefill" (tokens, context, steps, warmup, graphs, sequences, decodes,
-        decode_context, idle_s), "comm" (each layout's communicator), "heap" (the rank process's objects kept out
+        decode_context, idle_s), "kernels" (how the kernels run: KernelConfig's fields), "comm" (each layout's
+        communicator), "heap" (the rank process's objects kept out
         of garbage collections since start-up)."""
         self._settle()
         plan, self._pending = self._pending, StepPlan()

@@ -1,8 +1,10 @@
 """Questions a plan may ask every rank, outside the serving path: fingerprints of what a switch must preserve,
-memory, how the collectives run, which requests a rank holds, and decode and prefill step timing for benchmarks."""
+memory, how the kernels and the collectives run, which requests a rank holds, and decode and prefill step timing
+for benchmarks."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import statistics
@@ -45,6 +47,10 @@ def answer(rank: Rank, q: dict[str, Any]) -> Any:
         return {"pages": rank.allocator.clear_cache()}
     if name == "heap":  # the rank process's objects kept out of garbage collections (freeze_heap)
         return {"frozen": gc.get_freeze_count()}
+    if name == "kernels":  # how the rank's kernels run (its KernelConfig)
+        kc = rank.modes[rank.mode].runner.kernels
+        return {f.name: sorted(v) if isinstance(v, frozenset) else v
+                for f in dataclasses.fields(kc) for v in [getattr(kc, f.name)]}
     if name == "comm":  # how each layout's collectives run
         return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
     raise ValueError(f"unknown query {name!r}")

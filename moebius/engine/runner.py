@@ -327,8 +327,9 @@ class ModelRunner:
                 qsl[1:len(batch) + 1][np.fromiter((c.samples for c in batch), dtype=bool, count=len(batch))] - 1)
         # with prompt chunks, the leading decodes in a launch of their own (KernelConfig.decodes_apart)
         decodes = leading_decodes(lens) if self.decodes_apart and max_q > 1 else 0
-        blocks = (query_blocks(lens, seq_lens, self.q_block, decodes).reshape(-1) if self.q_block and max_q > 1
-                  else np.zeros(0, np.int64))
+        # (the Triton kernel's table; FlashAttention schedules its own query blocks)
+        blocks = (query_blocks(lens, seq_lens, self.q_block, decodes).reshape(-1)
+                  if self.q_block and max_q > 1 and not self.kernels.flash_prefill else np.zeros(0, np.int64))
         v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
                             seq_lens=seq_lens, q_blocks=blocks, sample_rows=rows), table)
         if pad_tokens_to:

@@ -48,7 +48,9 @@ class KernelConfig:
     never; the engine's: the warm-up's whole-prompt lengths from FRESH_CHUNK_MIN_TOKENS).
     decodes_apart: in a step with prompt chunks, its leading decodes attend in a decode launch of their own (decode
     tiles, KV splits) and the chunks in the query-block launch, instead of the decodes riding that launch as
-    one-token query blocks (`AttentionMetadata.decodes`)."""
+    one-token query blocks (`AttentionMetadata.decodes`).
+    flash_prefill: steps with prompt chunks attend through FlashAttention-4 (kernels/flash.py) instead of the
+    Triton kernel and cuDNN (decodes apart keep their Triton launch); the engine's: --prefill-attention."""
 
     moe_backend: str = "triton"
     pdl: bool = True
@@ -56,6 +58,7 @@ class KernelConfig:
     reshard_kernel: bool = True
     fresh_chunk_lengths: frozenset[int] = frozenset()
     decodes_apart: bool = False
+    flash_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_backend not in ("triton", "grouped_mm"):

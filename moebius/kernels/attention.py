@@ -195,13 +195,18 @@ def cudnn_attention_works(device_index: int) -> bool:
     return True
 
 
+def fresh_kv(cache: torch.Tensor, block_tables: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of one sequence's first T tokens, gathered from its pages: contiguous [T, kvh, d] each."""
+    pages = block_tables[0, : triton.cdiv(T, cache.shape[2])].long()
+    k, v = (cache[pages, i].flatten(0, 1)[:T] for i in (0, 1))
+    return k, v
+
+
 def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, scale: float,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's first chunk (q [T, H, d]; its keys and values are already in the pages
     of block_tables[0]) through cuDNN, the KV heads shared by their query heads (GQA) inside the kernel."""
-    T, page = q_THd.shape[0], cache.shape[2]
-    pages = block_tables[0, : triton.cdiv(T, page)].long()
-    k, v = (cache[pages, i].flatten(0, 1)[:T].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, kvh, T, d]
+    k, v = (t.transpose(0, 1).unsqueeze(0) for t in fresh_kv(cache, block_tables, q_THd.shape[0]))  # [1, kvh, T, d]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = scaled_dot_product_attention(q_THd.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
                                          enable_gqa=True)
@@ -212,15 +217,32 @@ def fresh_chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1,
                     max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None,
-                    q_blocks: torch.Tensor | None = None, decodes: int = 0) -> torch.Tensor:
+                    q_blocks: torch.Tensor | None = None, decodes: int = 0,
+                    chunk_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
     max_seq_len: the longest sequence (a host value), for `fresh_chunk`. out: where to write the result ([T, H, d],
     the last dim contiguous; a new tensor when None). q_blocks: [N, 2] (sequence, query block) of
     `query_block_tokens` tokens, one program each (a launch with prompt chunks: no programs for blocks past a
-    shorter chunk's end). decodes (with q_blocks): the first `decodes` sequences have one token each and attend in
-    a decode launch of their own, with num_splits; q_blocks covers the rest."""
-    if (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
-            and q_THd.dtype in (torch.bfloat16, torch.float16) and cudnn_attention_works(q_THd.device.index or 0)):
+    shorter chunk's end). decodes (with q_blocks or kc.flash_prefill): the first `decodes` sequences have one token
+    each and attend in a decode launch of their own, with num_splits; the chunks' launch covers the rest.
+    chunk_lens (kc.flash_prefill): int32 query starts (from 0) and KV lengths of the sequences after the decodes,
+    made once a step (AttentionMetadata.chunk_lens); derived here when None."""
+    fresh = (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
+             and q_THd.dtype in (torch.bfloat16, torch.float16))
+    if kc.flash_prefill and max_query_len > 1:
+        from moebius.kernels import flash
+
+        out = torch.empty_like(q_THd) if out is None else out
+        if fresh:
+            return flash.fresh_chunk_attention(q_THd, *fresh_kv(cache, block_tables, q_THd.shape[0]), scale, out)
+        if decodes:
+            _launch(q_THd[:decodes], cache, block_tables[:decodes], seq_lens[:decodes],
+                    query_start_loc[:decodes + 1], 1, scale, num_splits, None, kc, out[:decodes])
+        starts, lens = chunk_lens if chunk_lens is not None else flash_lens(query_start_loc, seq_lens, decodes)
+        flash.chunk_attention(q_THd[decodes:], cache, block_tables[decodes:], starts, lens, max_query_len, scale,
+                              out[decodes:])
+        return out
+    if fresh and cudnn_attention_works(q_THd.device.index or 0):
         return fresh_chunk_attention(q_THd, cache, block_tables, scale, out)
     if decodes and q_blocks is not None and max_query_len > 1:
         out = torch.empty_like(q_THd) if out is None else out
@@ -229,6 +251,13 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
         num_splits = 1
     return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc,
                    out, q_blocks)
+
+
+def flash_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, decodes: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's varlen arguments for the sequences after the leading `decodes` one-token ones: int32 query
+    starts from 0 and KV lengths."""
+    return (query_start_loc[decodes:] - decodes).int(), seq_lens[decodes:].int()
 
 
 # Decode steps up to this many tokens take q/k norm + RoPE + cache write inside the attention launch: there the

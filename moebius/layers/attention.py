@@ -6,6 +6,7 @@ This is the torch reference path (CPU and tests); it reads the block tables dire
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -49,6 +50,14 @@ class AttentionMetadata:
     q_blocks: torch.Tensor | None = None  # GPU, prompt chunks: [N, 2] int64 (sequence, query block), `query_blocks`
     decodes: int = 0  # GPU, prompt chunks: leading one-token sequences that attend in their own decode launch
     # (num_splits is theirs); q_blocks then holds only the sequences after them
+
+    @functools.cached_property
+    def chunk_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashAttention's varlen arguments (int32 query starts from 0, KV lengths) of the sequences after the
+        leading decodes: made on a step's first layer, read by the rest."""
+        from moebius.kernels.attention import flash_lens
+
+        return flash_lens(self.query_start_loc, self.seq_lens, self.decodes)
 
 
 # (most sequence x KV-head pairs, KV splits) for decode, tuned on H200 (132 SMs) at the 30B TP and EP shards, the
@@ -143,7 +152,8 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
-                    meta.num_splits, meta.max_seq_len, kc=kc, out=out, q_blocks=meta.q_blocks, decodes=meta.decodes)
+                    meta.num_splits, meta.max_seq_len, kc=kc, out=out, q_blocks=meta.q_blocks, decodes=meta.decodes,
+                    chunk_lens=meta.chunk_lens if kc.flash_prefill and meta.max_query_len > 1 else None)
     o = paged_attention_ref(q_THd, cache, meta, scale)
     return o if out is None else out.copy_(o)
 
