@@ -84,6 +84,19 @@ def _flash_compiled() -> int:
                                                    interface._compute_blocks_to_batch))
 
 
+def test_flash_attention_only_where_it_runs() -> None:
+    """FlashAttention-4 takes half precision on Hopper or newer: auto falls back to the Triton kernel elsewhere (the
+    float32 oracle runs), flash names why it cannot, triton never takes it."""
+    from moebius.config import ConfigError
+    from moebius.kernels.flash import unavailable_reason, use_flash
+
+    cuda = torch.device("cuda", 0)
+    assert not use_flash("auto", cuda, torch.float32) and not use_flash("triton", cuda, torch.bfloat16)
+    with pytest.raises(ConfigError, match="takes bfloat16 or float16, not torch.float32"):
+        use_flash("flash", cuda, torch.float32)
+    assert use_flash("auto", cuda, torch.bfloat16) == (unavailable_reason(0) is None)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 4, 128), (16, 2, 128), (8, 4, 16)])
 @pytest.mark.parametrize("kind", ["prefill", "prefix", "apart", "shared", "fresh"])
 def test_flash_attention_matches_reference(heads: int, kv_heads: int, head_dim: int, kind: str) -> None:

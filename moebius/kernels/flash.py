@@ -21,6 +21,8 @@ import torch
 
 from moebius.config import ConfigError
 
+HALF = (torch.bfloat16, torch.float16)
+
 
 @functools.cache
 def unavailable_reason(device_index: int) -> str | None:
@@ -39,12 +41,14 @@ def unavailable_reason(device_index: int) -> str | None:
     return None
 
 
-def use_flash(choice: str, device: torch.device) -> bool:
+def use_flash(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether steps with prompt chunks attend through FlashAttention-4: `choice` is the engine's
     --prefill-attention (auto: where it can; flash: required, an error naming why not; triton: never)."""
     if choice == "triton":
         return False
-    reason = "not a CUDA device" if device.type != "cuda" else unavailable_reason(device.index or 0)
+    reason = ("not a CUDA device" if device.type != "cuda" else
+              f"FlashAttention-4 takes bfloat16 or float16, not {dtype}" if dtype not in HALF else
+              unavailable_reason(device.index or 0))
     if reason is not None and choice == "flash":
         raise ConfigError(f"--prefill-attention flash on {device}: {reason}")
     return reason is None
