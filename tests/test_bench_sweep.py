@@ -78,6 +78,7 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     assert {s["to"] for s in done} == {"tp", "ep"} and all(s["overhead_ms"] == s["overhead_ms"] for s in done)
     assert all(s["batch"] == 3 for s in switches)  # --switch-batch requests decoding during each
     assert params["switch_overlap"] and all(s["pipelined"] for s in done)  # --switch-overlap: the pipelined pass
+    assert summary["flash_prefill"] is False  # which attention served its prompt chunks (CPU: the reference)
     # the summary row: per target layout, flat keys (switch_overhead_median_ms.tp, ...)
     for to in ("tp", "ep"):
         worst = summary[f"switch_overhead_max_ms.{to}"]

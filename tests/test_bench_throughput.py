@@ -71,6 +71,7 @@ def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     assert s["floor_s"] > 0 and abs(s["ratio_to_floor"] - s["wall_s"] / s["floor_s"]) < 1e-9 * s["ratio_to_floor"]
     assert abs(sum(s[f"{k}_floor_s"] for k in ("prefill", "mixed", "decode")) - s["floor_s"]) < 1e-9
     assert 0 < s["first_ttft_s"] <= s["wall_s"] and s["steps"] == len(steps) and s["startup_s"] > 0
+    assert s["flash_prefill"] is False  # what attended the prompt chunks: on the CPU the torch reference
     assert abs(s["output_tokens_per_s"] - s["output_tokens"] / s["wall_s"]) < 1e-6 * s["output_tokens_per_s"]
     # rank 0's times a step: host work in every step that ran one; on the CPU no device to wait on, and with ranks
     # in processes (P = 2) the plan's wait where it had requests

@@ -91,10 +91,13 @@ def test_flash_attention_only_where_it_runs() -> None:
     from moebius.kernels.flash import unavailable_reason, use_flash
 
     cuda = torch.device("cuda", 0)
-    assert not use_flash("auto", cuda, torch.float32) and not use_flash("triton", cuda, torch.bfloat16)
+    assert not use_flash("auto", cuda, torch.float32, 128) and not use_flash("triton", cuda, torch.bfloat16, 128)
+    assert not use_flash("auto", cuda, torch.bfloat16, 12)
     with pytest.raises(ConfigError, match="takes bfloat16 or float16, not torch.float32"):
-        use_flash("flash", cuda, torch.float32)
-    assert use_flash("auto", cuda, torch.bfloat16) == (unavailable_reason(0) is None)
+        use_flash("flash", cuda, torch.float32, 128)
+    with pytest.raises(ConfigError, match="head_dim of 8 to 256 in steps of 8, not 12"):
+        use_flash("flash", cuda, torch.bfloat16, 12)
+    assert use_flash("auto", cuda, torch.bfloat16, 128) == (unavailable_reason(0) is None)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 4, 128), (16, 2, 128), (8, 4, 16)])

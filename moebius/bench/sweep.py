@@ -51,9 +51,11 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
         max_model_len=max(args.context_len + 64, args.prefill_prefix + chunk + 1, args.prefill_decode_context + 2),
         mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph, moe_kernel=args.moe_kernel, mixed_attention=args.mixed_attention,
-        switch_overlap=args.switch_overlap, switch_transport=args.switch_transport))
+        prefill_attention=args.prefill_attention, switch_overlap=args.switch_overlap,
+        switch_transport=args.switch_transport))
     points: list[dict[str, Any]] = []
-    out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": [], "prefill": []}
+    out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": [], "prefill": [],
+                           "flash_prefill": bool(engine.query("kernels")[0]["flash_prefill"])}
     try:
         for mode in args.modes:
             if engine.mode != mode:
@@ -252,6 +254,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "long steps at the card's power cap with its clocks lowered")
     p.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
                    help="how the decodes of a step with prompt chunks attend (the engine's --mixed-attention)")
+    p.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "triton"],
+                   help="the engine's --prefill-attention (the summary's flash_prefill says what ran)")
     p.add_argument("--eager-up-to", type=int, default=8, help="also time eager steps up to this batch")
     p.add_argument("--mem-fraction", type=float, default=0.88)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
@@ -313,7 +317,7 @@ def main(args: argparse.Namespace) -> int:
                          for rank, rec in enumerate(recs)],
               "skipped": other["skipped"], "prefill": other["prefill"]}
     summary = {k: other[k] for k in ("crossover_batch", "switch_overhead_median_ms", "switch_overhead_max_ms",
-                                     "dual_over_static_ep", "wall_s") if k in other}
+                                     "dual_over_static_ep", "flash_prefill", "wall_s") if k in other}
     result = save_result(args.output, plot, tables=tables, summary=summary, params=params,
                           num_gpus=gpus_used(args.num_ranks), command=command_line(),
                           note="decode step (ms) per mode and global batch against the floor (table decode); "

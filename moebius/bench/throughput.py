@@ -190,6 +190,7 @@ def main(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with EngineCore(cfg) as engine:
         startup = time.perf_counter() - t0
+        flash = bool(engine.query("kernels")[0]["flash_prefill"])
         probes = probe(engine, jobs, a.probe_requests)
         interference, long_ttft = (long_prompt(engine, vocab, a.long_prompt, a.long_prompt_decoders, a.seed)
                                    if a.long_prompt else ([], 0.0))
@@ -204,7 +205,8 @@ def main(a: argparse.Namespace) -> int:
         "startup_s": startup, "requests": len(jobs), "wall_s": wall, "requests_per_s": len(jobs) / wall,
         "input_tokens": inp, "cached_tokens": sum(o.num_cached_tokens for o in outs),
         "output_tokens": out, "input_tokens_per_s": inp / wall, "output_tokens_per_s": out / wall,
-        "first_ttft_s": outs[0].ttft, "steps": len(steps), "preemptions": sum(s["preempted"] for s in steps),
+        "first_ttft_s": outs[0].ttft, "flash_prefill": flash, "steps": len(steps),
+        "preemptions": sum(s["preempted"] for s in steps),
         "floor_s": floor, "ratio_to_floor": wall / floor,
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3

@@ -53,6 +53,8 @@ def add_engine_shape_args(g: argparse._ArgumentGroup, num_ranks: int) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=256)
     g.add_argument("--disable-prefix-caching", action="store_true",
                    help="compute every prompt in full (each measured run starts with an empty prefix cache either way)")
+    g.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "triton"],
+                   help="the engine's --prefill-attention (the summary's flash_prefill says what ran)")
 
 
 def engine_shape_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -61,7 +63,7 @@ def engine_shape_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 device=a.device, max_running_requests=a.max_running_requests,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 mem_fraction=a.mem_fraction, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                disable_prefix_caching=a.disable_prefix_caching)
+                disable_prefix_caching=a.disable_prefix_caching, prefill_attention=a.prefill_attention)
 
 
 def add_engine_args(p: argparse.ArgumentParser, profile: str) -> None:

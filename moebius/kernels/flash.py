@@ -41,13 +41,15 @@ def unavailable_reason(device_index: int) -> str | None:
     return None
 
 
-def use_flash(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+def use_flash(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether steps with prompt chunks attend through FlashAttention-4: `choice` is the engine's
     --prefill-attention (auto: where it can; flash: required, an error naming why not; triton: never)."""
     if choice == "triton":
         return False
     reason = ("not a CUDA device" if device.type != "cuda" else
               f"FlashAttention-4 takes bfloat16 or float16, not {dtype}" if dtype not in HALF else
+              f"FlashAttention-4 takes a head_dim of 8 to 256 in steps of 8, not {head_dim}"
+              if not (8 <= head_dim <= 256 and head_dim % 8 == 0) else
               unavailable_reason(device.index or 0))
     if reason is not None and choice == "flash":
         raise ConfigError(f"--prefill-attention flash on {device}: {reason}")

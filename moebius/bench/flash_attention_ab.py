@@ -6,13 +6,12 @@ launches (CUDA events); rel_err against the float32 torch reference; first_call_
 where not cached). Needs the flash extra (benchmarks/README.md says how it reaches the GPU machine). Chose
 kernels/flash.py.
 
-    python benchmarks/flash_attention_ab.py [all|one]    (rows into $OUT/fa4_<arg>.json, else ./fa4_<arg>.json)
+    python -m moebius.bench.flash_attention_ab benchmarks/results/h200-flash-attention.json [--one]
 """
 
 from __future__ import annotations
 
-import json
-import os
+import argparse
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from moebius.bench.graph_timing import event_time_ms
+from moebius.bench.results import write_result
 from moebius.kernels import DEFAULT_KERNELS
 from moebius.kernels import attention as A
 from moebius.layers.attention import AttentionMetadata, paged_attention_ref, query_blocks
@@ -92,13 +92,16 @@ def case(fa: object, name: str, qlens: list[int], prefixes: list[int], ref_check
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output", nargs="?", default="benchmarks/results/flash-attention.json")
+    ap.add_argument("--one", action="store_true", help="the 8k fresh chunk only (a second process: the disk cache)")
+    a = ap.parse_args()
     t0 = time.time()
     from flash_attn.cute import interface as fa
 
     print(f"import {time.time() - t0:.2f}s", flush=True)
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
     rows = [case(fa, "8k_fresh", [8192], [0])]
-    if which == "all":
+    if not a.one:
         rng = np.random.default_rng(0)
         mixed = rng.integers(64, 512, 32).tolist()
         rows += [case(fa, "2k_fresh", [2048], [0]), case(fa, "8k_after_8k", [8192], [8192]),
@@ -107,8 +110,14 @@ def main() -> None:
                  case(fa, "28x292_fresh", [292] * 28, [0] * 28),
                  case(fa, "32_mixed_prefix", mixed, rng.integers(0, 1024, 32).tolist()),
                  case(fa, "512_after_1500", [512], [1500])]
-    with open(os.path.join(os.environ.get("OUT", "."), f"fa4_{which}.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    flat = [dict(case=r["case"], tokens=r["T"], sequences=r["B"], prefix=r["prefix"][0] if r["B"] == 1 else None,
+                 kernel=k, **res) for r in rows for k, res in r["res"].items()]
+    write_result(a.output, rows=flat, params={"heads": H, "kv_heads": KVH, "head_dim": D, "page": PAGE},
+                 command="python -m moebius.bench.flash_attention_ab " + " ".join(sys.argv[1:]),
+                 note="one layer's attention of prompt chunks; kernel: triton (the paged Triton kernel), cudnn "
+                      "(torch SDPA on K/V gathered from the pages), fa4_paged (_out: into a given buffer), "
+                      "fa4_contig (K/V gathered contiguous beforehand, not timed); ms: median of 20 launches; "
+                      "rel_err against the float32 reference; first_call_s: the first launch (compilation)")
 
 
 if __name__ == "__main__":
