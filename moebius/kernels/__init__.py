@@ -44,8 +44,9 @@ class KernelConfig:
     pdl: programmatic dependent launch where the GPU supports it (kernels/pdl.py); off for A/B timing, debugging.
     release: the order kernels release the next launch in (EARLY | LATE), chosen per step by the runner.
     reshard_kernel: a switch's local expert permutes through kernels/copy.py (else torch's strided copies).
-    fresh_chunk_lengths: the chunk lengths at which a step of one fresh prompt chunk takes cuDNN's attention (empty:
-    never; the engine's: the warm-up's whole-prompt lengths from FRESH_CHUNK_MIN_TOKENS).
+    fresh_chunk_lengths: the chunk lengths at which a step of one fresh prompt chunk takes cuDNN's attention (with
+    flash_prefill: FlashAttention-4's on K and V gathered contiguous) (empty: never; the engine's: the warm-up's
+    whole-prompt lengths from FRESH_CHUNK_MIN_TOKENS).
     decodes_apart: in a step with prompt chunks, its leading decodes attend in a decode launch of their own (decode
     tiles, KV splits) and the chunks in the query-block launch, instead of the decodes riding that launch as
     one-token query blocks (`AttentionMetadata.decodes`).

@@ -6,7 +6,8 @@ KV range is split over NUM_SPLITS programs (flash-decoding) and a second kernel 
 small batch still fills the GPU. No host value is needed at launch beyond the grid, so it can run inside a CUDA
 graph. The torch reference is `moebius.layers.attention.paged_attention`. A long first chunk of a prompt alone in
 its step, at a length the start-up warm-up runs, goes to cuDNN's fused attention instead (`fresh_chunk`), which is
-faster there.
+faster there. Where FlashAttention-4 is installed (KernelConfig.flash_prefill, kernels/flash.py) it takes every step
+with prompt chunks instead of both, the lone fresh chunk on K and V gathered contiguous; decodes stay here.
 """
 
 from __future__ import annotations
