@@ -102,11 +102,18 @@ def test_flash_attention_only_where_it_runs() -> None:
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 4, 128), (16, 2, 128), (8, 4, 16)])
 @pytest.mark.parametrize("kind", ["prefill", "prefix", "apart", "shared", "fresh"])
-def test_flash_attention_matches_reference(heads: int, kv_heads: int, head_dim: int, kind: str) -> None:
+def test_flash_attention_matches_reference(heads: int, kv_heads: int, head_dim: int, kind: str,
+                                           monkeypatch) -> None:
     """Steps with prompt chunks through FlashAttention-4 (kc.flash_prefill): whole prompts, chunks after a cached
     prefix, leading decodes in their Triton launch (apart) or in FlashAttention's (shared), and a lone fresh chunk
-    (K and V gathered contiguous) all give the reference's output, written into the given buffer."""
+    (K and V gathered contiguous) all give the reference's output, written into the given buffer, by one
+    FlashAttention launch (the Triton kernel alone would give the same output)."""
     _flash_or_skip()
+    from moebius.kernels import flash
+
+    calls = []
+    forward = flash._forward
+    monkeypatch.setattr(flash, "_forward", lambda q, *a, **kw: (calls.append(q.shape), forward(q, *a, **kw))[1])
     torch.manual_seed(0)
     bs, pages = 16, 512
     q_lens, ctx = {"prefill": ([5, 70, 257], [5, 70, 257]), "prefix": ([64, 500, 3], [300, 1000, 40]),
@@ -121,8 +128,10 @@ def test_flash_attention_matches_reference(heads: int, kv_heads: int, head_dim: 
     ref = paged_attention_ref(q.float(), cache.float(), meta, head_dim ** -0.5)
     out = torch.full_like(q, float("nan"))
     assert paged_attention(q, cache, meta, head_dim ** -0.5, kc=kc, out=out) is out
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all()  # (apart: the decodes' rows come from the Triton launch)
     assert _rel(out, ref) < 1e-2
+    skipped = meta.decodes  # the tokens of the decodes attending apart
+    assert [s[-3] for s in calls] == [sum(q_lens) - skipped]  # (the fresh chunk: the batch form [1, T, H, d])
 
 
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
@@ -307,6 +316,8 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
             finally:
                 triton.knobs.runtime.jit_cache_hook = None
         assert _flash_compiled() == flash  # nor FlashAttention-4 (where installed) any of its kernels
+        if llm.engine.query("kernels")[0]["flash_prefill"]:
+            assert flash > 0  # ... which the warm-up compiled (or loaded)
     assert compiled == {"tp": [], "ep": []}
 
 

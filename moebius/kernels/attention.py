@@ -228,9 +228,9 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
     each and attend in a decode launch of their own, with num_splits; the chunks' launch covers the rest.
     chunk_lens (kc.flash_prefill): int32 query starts (from 0) and KV lengths of the sequences after the decodes,
     made once a step (AttentionMetadata.chunk_lens); derived here when None."""
-    half = q_THd.dtype in (torch.bfloat16, torch.float16)
-    fresh = fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths) and half
-    if kc.flash_prefill and max_query_len > 1 and half:  # (float32: the tests' oracle runs keep the kernel below)
+    fresh = (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
+             and q_THd.dtype in (torch.bfloat16, torch.float16))
+    if kc.flash_prefill and max_query_len > 1:  # (only ever set for half precision: flash.use_flash)
         from moebius.kernels import flash
 
         out = torch.empty_like(q_THd) if out is None else out
