@@ -15,7 +15,7 @@ import pytest
 
 from moebius.bench.results import load_result, summary_of, table
 from moebius.bench.throughput import _lengths, kind, workload
-from moebius.engine.messages import StepWork
+from moebius.link.messages import StepWork
 
 
 def test_kind_of_a_step() -> None:

@@ -54,9 +54,9 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     import pytest
     import torch
 
-    from moebius.engine.codec import decode, encode
-    from moebius.engine.messages import RequestList
-    from moebius.engine.request import Request, RequestSpec, Status
+    from moebius.link.codec import decode, encode
+    from moebius.link.messages import RequestList
+    from moebius.link.request import Request, RequestSpec, Status
     from moebius.sampling_params import SamplingParams
 
     def requests_to_json(reqs: list[Request]) -> dict:
@@ -97,7 +97,7 @@ def test_token_deltas_pickle_with_every_field() -> None:
 
     import torch
 
-    from moebius.engine.messages import TokenDelta
+    from moebius.link.messages import TokenDelta
 
     d = TokenDelta("r7-1", [5, 6], "stop", "</s>", torch.arange(6.0).view(2, 3), [-0.1, -1.5], [5, 9])
     back = pickle.loads(pickle.dumps(d))

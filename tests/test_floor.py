@@ -83,7 +83,7 @@ def test_prefill_floor_by_hand() -> None:
 
 def test_step_floor_of_a_decode_batch_is_the_decode_floor() -> None:
     from moebius.bench.floor import step_floor_ms
-    from moebius.engine.messages import StepWork
+    from moebius.link.messages import StepWork
 
     cfg = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
     for P, mode, B, ctx in ((1, "tp", 64, 512), (2, "tp", 8, 1024), (2, "ep", 256, 512)):

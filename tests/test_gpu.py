@@ -327,7 +327,7 @@ def test_steps_launch_without_waiting_for_the_gpu(monkeypatch) -> None:
     GPU's (at ~1000 running requests that work is milliseconds). Under torch's sync debug mode set to raise: prompt
     chunks alone and beside decodes (in step pieces, and eagerly past them), decode batches past the decode graphs
     and inside them, greedy, temperature-only, top-p, min_tokens (banned tokens) and logprobs rows, both layouts."""
-    from moebius.engine.runner import ModelRunner
+    from moebius.worker.runner import ModelRunner
 
     launch = ModelRunner.launch
 

@@ -10,7 +10,7 @@ import torch
 from conftest import PROMPTS, assert_kv_all_free, make_llm, run_to_completion
 
 from moebius import SamplingParams
-from moebius.engine.request import PLACEHOLDER
+from moebius.link.request import PLACEHOLDER
 
 TEXT = ["Once upon a time", "Hello, world! ", "x", "The quick brown fox jumps over the lazy dog, again and again"]
 

@@ -32,8 +32,8 @@ from conftest import hf_model
 
 from moebius import LLM
 from moebius.config import ConfigError
-from moebius.engine.ranks import RankError
 from moebius.sampling_params import SamplingParams
+from moebius.worker.launch import RankError
 
 VOCAB = 300
 BLOCK = 4  # tokens per KV page: the prompts below cross page boundaries in every way

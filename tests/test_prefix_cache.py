@@ -11,9 +11,9 @@ import pytest
 from conftest import VOCAB, assert_kv_all_free, hf_greedy, make_llm, run_to_completion
 
 from moebius import LLM, SamplingParams
-from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
-from moebius.engine.scheduler import Scheduler
+from moebius.link.request import PLACEHOLDER, Request, RequestSpec
 from moebius.memory.kv_pool import BlockAllocator, OutOfPages
+from moebius.worker.scheduler import Scheduler
 
 BS = 4
 
@@ -297,7 +297,7 @@ def test_two_ranks_share_prefixes_in_tp_and_ep_across_a_switch(ckpt):
 # ---- switches ----
 
 def test_a_switch_shares_the_pages_a_source_rank_indexed_under_one_key() -> None:
-    from moebius.engine.switching import shared_prefixes
+    from moebius.switch.requests import shared_prefixes
 
     def req(keys: list[int], computed: int) -> Request:
         r = _req("r", list(range(40)))

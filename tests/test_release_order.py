@@ -62,8 +62,8 @@ def test_no_pdl_on_the_cpu_whatever_the_config() -> None:
 def test_runner_forward_runs_the_whole_forward_in_the_steps_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """ModelRunner.forward hands the model its step's config: LATE for one token, EARLY for a large prefill, the
     runtime's other settings kept."""
-    from moebius.engine.runner import ModelRunner
     from moebius.model import qwen3_moe
+    from moebius.worker.runner import ModelRunner
 
     seen: list[KernelConfig] = []
 

@@ -649,10 +649,10 @@ def test_engine_failure_is_reported() -> None:
     import uvicorn
 
     from moebius.config import EngineConfig
-    from moebius.engine.core import EngineCore
     from moebius.entrypoints.openai.app import ServeSettings, create_app
     from moebius.entrypoints.openai.engine_loop import EngineLoop
     from moebius.entrypoints.openai.metrics import ServerMetrics
+    from moebius.frontend.core import EngineCore
 
     engine = EngineCore(EngineConfig(device="cpu"))
     boom = threading.Event()
@@ -883,9 +883,9 @@ def test_stats_line_while_busy(monkeypatch: pytest.MonkeyPatch, caplog: pytest.L
     import logging
 
     from moebius.config import EngineConfig
-    from moebius.engine.core import EngineCore
     from moebius.entrypoints.openai import engine_loop
     from moebius.entrypoints.openai.engine_loop import EngineLoop
+    from moebius.frontend.core import EngineCore
 
     monkeypatch.setattr(engine_loop, "STATS_EVERY_S", 0.0)
     loop = EngineLoop(EngineCore(EngineConfig(device="cpu")))
@@ -909,9 +909,9 @@ def test_a_step_wakes_the_event_loop_once() -> None:
     """A step's outputs for all streams reach the event loop in one wake-up: a wake-up a stream (256 a step at 256
     streams) gives up the engine thread's GIL as often, and held served steps a third over their offline time."""
     from moebius.config import EngineConfig
-    from moebius.engine.core import EngineCore
     from moebius.entrypoints.openai import control
     from moebius.entrypoints.openai.engine_loop import EngineLoop, Update
+    from moebius.frontend.core import EngineCore
 
     engine = EngineCore(EngineConfig(device="cpu"))
     steps, step = [0], engine.step

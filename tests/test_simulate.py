@@ -11,8 +11,8 @@ import pytest
 from moebius.bench.results import load_result, summary_of, table
 from moebius.bench.simulate import simulate
 from moebius.bench.workload import Job
-from moebius.engine.auto import AutoMode
 from moebius.entrypoints.cli import main
+from moebius.switch.auto import AutoMode
 from moebius.switch.policy import StepCurve, ThresholdPolicy, Thresholds
 
 FLAT = StepCurve((1, 1000), (10.0, 10.0))  # 10 ms a step at any batch

@@ -1,4 +1,4 @@
-"""Step pieces (engine/cuda_graphs.StepPieces): the parts a CPU can check. The layer's side of the cut, the token
+"""Step pieces (worker/cuda_graphs.StepPieces): the parts a CPU can check. The layer's side of the cut, the token
 buckets, and the metadata a pieces step writes (token fields padded to the bucket with tokens that touch only page 0;
 the attention's query-block table). Capture and replay need a GPU: tests/test_gpu.py
 (test_step_pieces_match_eager_steps_in_bf16, test_graph_replay_equals_eager_across_switches)."""
@@ -9,12 +9,12 @@ import numpy as np
 import torch
 
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
-from moebius.engine.cuda_graphs import piece_buckets
-from moebius.engine.request import Request, RequestSpec
-from moebius.engine.scheduler import ScheduledChunk
+from moebius.frontend.core import EngineCore
 from moebius.layers.attention import query_blocks
+from moebius.link.request import Request, RequestSpec
 from moebius.sampling_params import SamplingParams
+from moebius.worker.cuda_graphs import piece_buckets
+from moebius.worker.scheduler import ScheduledChunk
 
 
 def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> None:

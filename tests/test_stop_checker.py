@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from moebius.engine.codec import decode, encode
-from moebius.engine.lifecycle import StopRules
-from moebius.engine.messages import RequestList
-from moebius.engine.request import Request, RequestSpec
+from moebius.link.codec import decode, encode
+from moebius.link.lifecycle import StopRules
+from moebius.link.messages import RequestList
+from moebius.link.request import Request, RequestSpec
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 
 from moebius import LLM, SamplingParams
 from moebius.bench.serve_stats import per_step_ms
-from moebius.engine.timeline import ModeTimeline
+from moebius.frontend.timeline import ModeTimeline
 
 
 def test_samples_keep_steps_and_tokens_at_their_interval() -> None:

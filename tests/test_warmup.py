@@ -1,4 +1,4 @@
-"""Start-up warm-up (engine/warmup.py): the shapes it runs cover every token-count bucket and kernel path, stay inside
+"""Start-up warm-up (worker/warmup.py): the shapes it runs cover every token-count bucket and kernel path, stay inside
 the engine's limits and touch only the reserved KV page 0; an engine warmed up serves the same tokens as one that
 was not, in both layouts and on two ranks."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
-from moebius.engine.runner import ModelRunner
-from moebius.engine.warmup import APART_DECODES, _chunks, fresh_chunk_lengths, token_ladder, warmup_steps
+from moebius.frontend.core import EngineCore
 from moebius.kernels import FRESH_CHUNK_MIN_TOKENS
 from moebius.sampling_params import SamplingParams
+from moebius.worker.runner import ModelRunner
+from moebius.worker.warmup import APART_DECODES, _chunks, fresh_chunk_lengths, token_ladder, warmup_steps
 
 
 def test_token_ladder_has_a_count_in_every_bucket() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import Job, Run, add_engine_args, engine_config, plot_timelines, prompts_of, run_systems
 from moebius.bench.workload import with_model_len as model_len_for
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 
 log = logging.getLogger("moebius")
 

@@ -15,7 +15,7 @@ import json
 from moebius.bench.results import gpus_used, params_of, write_result
 from moebius.bench.tp_rank_model import tp_rank_model_dir
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 
 
 def main() -> None:

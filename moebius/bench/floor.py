@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from moebius.config import ModelConfig
-from moebius.engine.messages import StepWork, attended_pairs, split_evenly
+from moebius.link.messages import StepWork, attended_pairs, split_evenly
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moebius.bench.tp_rank_model import tp_rank_model_dir
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 
 
 def main() -> None:

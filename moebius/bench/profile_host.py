@@ -14,7 +14,7 @@ import time
 import torch
 
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 
 
 def table(prof: profile, layers: int, rows: int) -> str:

@@ -29,7 +29,7 @@ from moebius.bench.workload import (
     run_systems,
     with_model_len,
 )
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 
 log = logging.getLogger("moebius")
 

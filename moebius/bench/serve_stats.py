@@ -127,7 +127,7 @@ def step_ms(intervals: Sequence[tuple[float, float, int]], lo: float = -math.inf
     return 1e3 * sum(dt for dt, _ in spans) / steps if steps else None
 
 
-# the timeline's cumulative seconds read per step (ms): rank 0's (engine/messages.py RankTimes), then the front
+# the timeline's cumulative seconds read per step (ms): rank 0's (link/messages.py RankTimes), then the front
 # end's process CPU (all its threads: the engine process's, or with --engine-process off the whole server's) and its
 # engine thread's
 PER_STEP = {"rank_host_ms": "rank_host_s", "rank_sync_ms": "rank_sync_s", "rank_wait_ms": "rank_wait_s",

@@ -29,8 +29,8 @@ from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
 from moebius.bench.results import load_result, params_of, save_result, table
 from moebius.bench.workload import SYSTEMS, Job
 from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig
-from moebius.engine.auto import AutoMode
-from moebius.engine.auto import build as build_auto
+from moebius.switch.auto import AutoMode
+from moebius.switch.auto import build as build_auto
 from moebius.switch.calibration import Calibration, CalibrationKey
 from moebius.switch.policy import StepCurve
 

@@ -31,8 +31,8 @@ from moebius.bench.floor import decode_step_floor_ms, prefill_work, step_floor_m
 from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
 from moebius.bench.results import command_line, flatten, gpus_used, params_of, save_result, summary_of, table
 from moebius.config import PRESETS, EngineConfig, ModelConfig
-from moebius.engine.core import EngineCore
-from moebius.engine.messages import StepWork
+from moebius.frontend.core import EngineCore
+from moebius.link.messages import StepWork
 from moebius.sampling_params import SamplingParams
 from moebius.switch.policy import ep_ahead_from
 

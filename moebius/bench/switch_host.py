@@ -18,7 +18,7 @@ import time
 
 from moebius.bench.results import gpus_used, params_of, write_result
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 from moebius.sampling_params import SamplingParams
 
 

@@ -25,7 +25,7 @@ import torch
 
 from moebius.bench.results import flatten, gpus_used, params_of, write_result
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 from moebius.switch import executor as ex
 from moebius.switch.plan import ep_to_tp_pack, tp_to_ep_unpack
 

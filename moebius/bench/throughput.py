@@ -25,8 +25,8 @@ from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
 from moebius.config import EngineConfig, ModelConfig
-from moebius.engine.core import EngineCore
-from moebius.engine.messages import StepWork
+from moebius.frontend.core import EngineCore
+from moebius.link.messages import StepWork
 from moebius.model.source import hf_config_of
 from moebius.sampling_params import SamplingParams
 
@@ -211,7 +211,7 @@ def main(a: argparse.Namespace) -> int:
         **{f"{k}_s": sum(s["wall_ms"] for s in steps if s["kind"] == k) / 1e3 for k in ("prefill", "mixed", "decode")},
         **{f"{k}_floor_s": sum(s["floor_ms"] for s in steps if s["kind"] == k) / 1e3
            for k in ("prefill", "mixed", "decode")},
-        # rank 0's median host and device-sync time of a decode step (engine/messages.py RankTimes): sync ~0 is a
+        # rank 0's median host and device-sync time of a decode step (link/messages.py RankTimes): sync ~0 is a
         # step whose device waits on the host
         **{f"decode_{x}_ms_p50": statistics.median(s[f"{x}_ms"] for s in decodes) if decodes else None
            for x in ("host", "sync")}}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moebius.config import DEFAULT_TOKEN_BUDGET, EngineConfig
-from moebius.engine.core import EngineCore
+from moebius.frontend.core import EngineCore
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import SamplingParams
 

@@ -24,7 +24,7 @@ from moebius.config import ConfigError
 from moebius.parallel.layout import MODES
 
 if TYPE_CHECKING:
-    from moebius.engine.core import EngineCore
+    from moebius.frontend.core import EngineCore
 
 log = logging.getLogger("moebius")
 

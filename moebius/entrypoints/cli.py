@@ -173,7 +173,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from moebius.engine.core import EngineCore
+    from moebius.frontend.core import EngineCore
 
     ecfg = EngineConfig.from_cli_args(args)
     # a fixed start layout: auto mode would calibrate at start-up already

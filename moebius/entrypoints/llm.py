@@ -10,8 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from moebius.config import EngineConfig
-from moebius.engine.core import EngineCore, Prompt
 from moebius.entrypoints.admin import AdminServer
+from moebius.frontend.core import EngineCore, Prompt
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import SamplingParams
 

@@ -32,7 +32,7 @@ EARLY, LATE = 1, 2
 # A step that is one prompt's first chunk (no cached prefix) of at least this many tokens may take cuDNN's fused
 # attention (kernels/attention.py `fresh_chunk`). cuDNN builds a graph for each new chunk length on first use (a few
 # hundred ms reported), so a runtime allows it only at the lengths its start-up warm-up runs as whole prompts
-# (`KernelConfig.fresh_chunk_lengths`, from engine/warmup.py `token_ladder`).
+# (`KernelConfig.fresh_chunk_lengths`, from worker/warmup.py `token_ladder`).
 FRESH_CHUNK_MIN_TOKENS = 2048
 
 

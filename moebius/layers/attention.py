@@ -19,7 +19,7 @@ from moebius.layers.rotary import apply_rope
 
 
 class AttentionCut(Protocol):
-    """Where a step's forward is cut at each layer's attention (engine/cuda_graphs.StepPieces: the parts between
+    """Where a step's forward is cut at each layer's attention (worker/cuda_graphs.StepPieces: the parts between
     are CUDA graphs, attention runs eagerly between them, its launch depending on the step's sequences)."""
 
     def q_buffer(self, T: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_splits: int = 1  # decode on the GPU: KV splits of the flash-decoding kernel
-    cut: AttentionCut | None = None  # a forward being captured in pieces around attention (engine/cuda_graphs.py)
+    cut: AttentionCut | None = None  # a forward being captured in pieces around attention (worker/cuda_graphs.py)
     q_blocks: torch.Tensor | None = None  # GPU, prompt chunks: [N, 2] int64 (sequence, query block), `query_blocks`
     decodes: int = 0  # GPU, prompt chunks: leading one-token sequences that attend in their own decode launch
     # (num_splits is theirs); q_blocks then holds only the sequences after them

@@ -10,12 +10,12 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig
-from moebius.engine.auto import build as build_auto
-from moebius.engine.auto import needs_calibration
+from moebius.switch.auto import build as build_auto
+from moebius.switch.auto import needs_calibration
 
 if TYPE_CHECKING:
-    from moebius.engine.core import EngineCore
     from moebius.entrypoints.openai.engine_loop import EngineLoop
+    from moebius.frontend.core import EngineCore
 
 STATUS_TAIL = 100  # timeline samples and switches that /admin/status returns
 

@@ -27,8 +27,8 @@ from moebius.entrypoints.openai.protocol import APIError
 from moebius.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from moebius.engine.core import EngineCore, Prompt
     from moebius.entrypoints.openai.metrics import ServerMetrics
+    from moebius.frontend.core import EngineCore, Prompt
     from moebius.outputs import RequestOutput
     from moebius.tokenizer import Tokenizer
 

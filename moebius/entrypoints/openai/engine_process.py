@@ -41,8 +41,8 @@ from moebius.entrypoints.openai.protocol import APIError
 
 if TYPE_CHECKING:
     from moebius.config import EngineConfig
-    from moebius.engine.core import Prompt
     from moebius.entrypoints.openai.metrics import ServerMetrics
+    from moebius.frontend.core import Prompt
     from moebius.sampling_params import SamplingParams
 
 log = logging.getLogger("moebius")
@@ -133,7 +133,7 @@ def run_engine(conn: Connection, config: EngineConfig, metrics: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from moebius.engine.core import EngineCore
+    from moebius.frontend.core import EngineCore
 
     channel = Channel(conn)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from moebius.engine.messages import RankTimes
+from moebius.link.messages import RankTimes
 from moebius.parallel.layout import MODES
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -115,7 +115,7 @@ class ServerMetrics:
         self.cache_hits.inc(hits)
 
     def step(self, times: RankTimes) -> None:
-        """Where rank 0's time went in the step just taken in (engine/messages.py)."""
+        """Where rank 0's time went in the step just taken in (link/messages.py)."""
         for part, ms in (("host", times.host_ms), ("device", times.sync_ms), ("plan", times.wait_ms)):
             self.rank_step.labels(part).observe(ms / 1e3)
 

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig
-from moebius.engine.build import freeze_heap
+from moebius.worker.build import freeze_heap
 
 if TYPE_CHECKING:
     import uvicorn
@@ -131,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"`moebius serve` needs the web packages ({e.name} is missing): "
                          "pip install 'moebius[serve]'") from None
-    from moebius.engine.core import EngineCore
+    from moebius.frontend.core import EngineCore
 
     ecfg = EngineConfig.from_cli_args(args)
     if ecfg.rank_process == "auto":  # the step launches must not wait for the GIL the HTTP side holds

@@ -23,8 +23,8 @@ from moebius.entrypoints.openai.protocol import (
 from moebius.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from moebius.engine.core import Prompt
     from moebius.entrypoints.openai.engine_process import EngineClient
+    from moebius.frontend.core import Prompt
 
 _PARAMS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
 

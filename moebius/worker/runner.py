@@ -19,8 +19,6 @@ import numpy as np
 import torch
 
 from moebius.config import ModelConfig
-from moebius.engine.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
-from moebius.engine.scheduler import ScheduledChunk
 from moebius.kernels import DEFAULT_KERNELS, EARLY, KernelConfig, release_order_for, triton_available
 from moebius.layers.attention import (
     AttentionCut,
@@ -36,6 +34,8 @@ from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.dispatch import Communicator
 from moebius.sampling_params import MAX_LOGPROBS
+from moebius.worker.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
+from moebius.worker.scheduler import ScheduledChunk
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", "fill_dst", "fill_src",
            "query_start_loc", "seq_lens", "q_blocks", "sample_rows")

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moebius.engine.request import Request, RequestSpec
-from moebius.engine.runner import ModelRunner, PendingStep, StepSync
-from moebius.engine.scheduler import ScheduledChunk
 from moebius.kernels import FRESH_CHUNK_MIN_TOKENS
+from moebius.link.request import Request, RequestSpec
 from moebius.sampling_params import SamplingParams
+from moebius.worker.runner import ModelRunner, PendingStep, StepSync
+from moebius.worker.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
-    from moebius.engine.rank import Rank
+    from moebius.worker.rank import Rank
 
 # how a step's rows sample: greedy (the logits' argmax), temperature alone (scores raced per vocabulary id, the
 # default sampling parameters' path) and top-k / top-p (the whole vocabulary gathered, ModelRunner._sample)

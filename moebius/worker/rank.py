@@ -1,6 +1,6 @@
 """One rank of the engine, serving: it applies each `StepPlan` (admit, abort, maybe switch, maybe step) to its
-scheduler and runtimes and reports what happened (`RankReport`). Built by `engine/build.py`; its diagnostics and
-benchmark timing live in `engine/diagnostics.py`.
+scheduler and runtimes and reports what happened (`RankReport`). Built by `worker/build.py`; its diagnostics and
+benchmark timing live in `worker/diagnostics.py`.
 
 Overlap scheduling (the default): a step is launched before the previous one's tokens are read back, so the host
 work of step N+1 (scheduling, metadata, the round trip to the front end) runs while the device computes step N.
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from moebius.config import EngineConfig, ModelConfig
-from moebius.engine.lifecycle import StopRules
-from moebius.engine.messages import (
+from moebius.link.lifecycle import StopRules
+from moebius.link.messages import (
     KVStats,
     RankReport,
     RankTimes,
@@ -30,16 +30,16 @@ from moebius.engine.messages import (
     TokenDelta,
     attended_pairs,
 )
-from moebius.engine.request import PLACEHOLDER, Request, RequestSpec
-from moebius.engine.runner import ModelRunner, PendingStep, StepSync
-from moebius.engine.scheduler import ScheduledChunk, Scheduler
-from moebius.engine.switching import RankRequests, SwitchResult, switch_requests
+from moebius.link.request import PLACEHOLDER, Request, RequestSpec
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import UnifiedMemory
 from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.parallel.layout import Layout
 from moebius.switch.executor import Switcher
+from moebius.switch.requests import RankRequests, SwitchResult, switch_requests
+from moebius.worker.runner import ModelRunner, PendingStep, StepSync
+from moebius.worker.scheduler import ScheduledChunk, Scheduler
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class Rank:
             rt.runner.destroy_graphs()
 
     def report(self, plan: StepPlan) -> RankReport:
-        """Apply a plan and report (a query's answer is the caller's: `engine/diagnostics.py`). In TP every rank
+        """Apply a plan and report (a query's answer is the caller's: `worker/diagnostics.py`). In TP every rank
         computes the same tokens and only rank 0 reports them; in EP each rank reports its own. Deltas from before a
         switch (aborts) are reported by the old layout's rule, those of the step by the new one's."""
         t0, self._synced = time.perf_counter(), 0.0

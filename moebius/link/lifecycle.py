@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from moebius.engine.request import PLACEHOLDER, Request
+from moebius.link.request import PLACEHOLDER, Request
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import Tokenizer
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from moebius.engine.codec import decode, encode
-from moebius.engine.messages import RequestList
-from moebius.engine.request import Request, RequestSpec
+from moebius.link.codec import decode, encode
+from moebius.link.messages import RequestList
+from moebius.link.request import Request, RequestSpec
 from moebius.memory.kv_pool import BlockAllocator
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout

@@ -1,4 +1,4 @@
-"""What the front end and the ranks tell each other (carried as JSON by `engine/codec.py`): each step's plan, each
+"""What the front end and the ranks tell each other (carried as JSON by `link/codec.py`): each step's plan, each
 rank's report, and a switch's request list."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Self
 
 import torch
 
-from moebius.engine.codec import TokenIds
-from moebius.engine.request import Request, RequestSpec, Status
+from moebius.link.codec import TokenIds
+from moebius.link.request import Request, RequestSpec, Status
 
 
 @dataclass
@@ -162,7 +162,7 @@ class RequestState:
     stop_offsets: tuple[int, int]
     prompt_logits: list[torch.Tensor]
     num_cached_tokens: int
-    prefix_keys: TokenIds  # its source rank's prefix-cache keys: which pages it shares (engine/switching.py)
+    prefix_keys: TokenIds  # its source rank's prefix-cache keys: which pages it shares (switch/requests.py)
 
 
 @dataclass

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from moebius.engine.messages import split_evenly
-from moebius.engine.request import Request, RequestSpec
-from moebius.engine.runner import PendingStep, StepSync
-from moebius.engine.scheduler import ScheduledChunk
+from moebius.link.messages import split_evenly
+from moebius.link.request import Request, RequestSpec
 from moebius.model.qwen3_moe import MoEWeights
 from moebius.parallel.groups import all_gather_ints
 from moebius.sampling_params import SamplingParams
+from moebius.worker.runner import PendingStep, StepSync
+from moebius.worker.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
-    from moebius.engine.rank import Rank
+    from moebius.worker.rank import Rank
 
 
 def answer(rank: Rank, q: dict[str, Any]) -> Any:

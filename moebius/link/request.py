@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebius.engine.codec import TokenIds
+from moebius.link.codec import TokenIds
 from moebius.sampling_params import SamplingParams
 
 # An output token sampled by a step still running on the device (overlap scheduling); never a vocabulary id.

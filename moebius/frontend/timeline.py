@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from moebius.engine.messages import RankTimes
+from moebius.link.messages import RankTimes
 
 
 @dataclass(frozen=True)

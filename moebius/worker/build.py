@@ -12,12 +12,9 @@ import socket
 import torch
 
 from moebius.config import EngineConfig
-from moebius.engine.lifecycle import StopRules
-from moebius.engine.rank import ModeRuntime, Rank, RankSpec
-from moebius.engine.runner import ModelRunner, StaticBuffers
-from moebius.engine.warmup import fresh_chunk_lengths, warm_up
 from moebius.kernels import KernelConfig
 from moebius.kernels.flash import use_flash
+from moebius.link.lifecycle import StopRules
 from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
@@ -27,6 +24,9 @@ from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.switch.executor import Switcher, SwitchOptions
 from moebius.tokenizer import Tokenizer
+from moebius.worker.rank import ModeRuntime, Rank, RankSpec
+from moebius.worker.runner import ModelRunner, StaticBuffers
+from moebius.worker.warmup import fresh_chunk_lengths, warm_up
 
 log = logging.getLogger("moebius")
 

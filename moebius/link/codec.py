@@ -1,4 +1,4 @@
-"""The one codec of the messages between the front end and the ranks (`engine/messages.py`).
+"""The one codec of the messages between the front end and the ranks (`link/messages.py`).
 
 Every message is a dataclass. `encode(obj)` turns one into JSON-able data and `decode(cls, data)` back, guided by
 the fields' types: None, bool, int, float, str, Any (JSON-able as it is), lists, tuples, dicts with string keys,

@@ -1,5 +1,5 @@
 """Continuous batching on one rank: waiting and running queues, chunked prefill under a token budget, decode,
-admission by free KV pages, preemption by recompute (the rules that end a request are `engine/lifecycle.py`).
+admission by free KV pages, preemption by recompute (the rules that end a request are `link/lifecycle.py`).
 
 Deterministic: the same inputs give the same schedule on every rank (TP relies on it). Each step a request gets a
 chunk of its not-yet-cached tokens; when a chunk reaches the request's last token, that position is sampled.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from moebius.engine.lifecycle import ends_by_length
-from moebius.engine.request import PLACEHOLDER, Request, Status
+from moebius.link.lifecycle import ends_by_length
+from moebius.link.request import PLACEHOLDER, Request, Status
 from moebius.memory.kv_pool import BlockAllocator
 
 

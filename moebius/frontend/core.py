@@ -18,17 +18,11 @@ from collections import deque
 import torch
 
 from moebius.config import ConfigError, EngineConfig
-from moebius.engine.auto import AutoMode, needs_calibration, resolve_mode
-from moebius.engine.auto import build as build_auto
-from moebius.engine.build import freeze_heap
-from moebius.engine.calibrate import calibrate
-from moebius.engine.front_request import FrontRequest, Sample, child_seed
-from moebius.engine.lifecycle import check_prompt, max_total_len, placement_weight
-from moebius.engine.messages import KVStats, RankTimes, StepPlan, StepResult, StepWork, TokenDelta
-from moebius.engine.rank import RankSpec
-from moebius.engine.ranks import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
-from moebius.engine.request import RequestSpec
-from moebius.engine.timeline import ModeTimeline
+from moebius.frontend.output_processor import FrontRequest, Sample, child_seed
+from moebius.frontend.timeline import ModeTimeline
+from moebius.link.lifecycle import check_prompt, max_total_len, placement_weight
+from moebius.link.messages import KVStats, RankTimes, StepPlan, StepResult, StepWork, TokenDelta
+from moebius.link.request import RequestSpec
 from moebius.model.builtin import BUILTIN_NOTICE
 from moebius.model.source import resolve_model
 from moebius.outputs import CompletionOutput, RequestOutput
@@ -36,9 +30,14 @@ from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.parallel.placement import Placement
 from moebius.sampling_params import SamplingParams
 from moebius.switch import calibration as calibration_store
-from moebius.switch.calibration import Calibration, CalibrationKey
+from moebius.switch.auto import AutoMode, needs_calibration, resolve_mode
+from moebius.switch.auto import build as build_auto
+from moebius.switch.calibration import Calibration, CalibrationKey, calibrate
 from moebius.switch.policy import predicted_remaining
 from moebius.tokenizer import IncrementalDetokenizer
+from moebius.worker.build import freeze_heap
+from moebius.worker.launch import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
+from moebius.worker.rank import RankSpec
 
 log = logging.getLogger("moebius")
 

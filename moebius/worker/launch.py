@@ -23,12 +23,12 @@ from typing import Any, NoReturn
 import torch
 import torch.multiprocessing as mp
 
-from moebius.engine import diagnostics
-from moebius.engine.build import build_rank, prepare_rank
-from moebius.engine.codec import decode, encode
-from moebius.engine.messages import RankReport, StepPlan, StepResult
-from moebius.engine.rank import Rank, RankSpec
+from moebius.link.codec import decode, encode
+from moebius.link.messages import RankReport, StepPlan, StepResult
 from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups
+from moebius.worker import diagnostics
+from moebius.worker.build import build_rank, prepare_rank
+from moebius.worker.rank import Rank, RankSpec
 
 log = logging.getLogger("moebius")
 

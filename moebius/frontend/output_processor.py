@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebius.engine.lifecycle import cut_at_stop
-from moebius.engine.messages import TokenDelta
+from moebius.link.lifecycle import cut_at_stop
+from moebius.link.messages import TokenDelta
 from moebius.outputs import CompletionOutput, RequestOutput
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import IncrementalDetokenizer

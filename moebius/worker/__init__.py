@@ -1,0 +1,1 @@
+"""The rank side: one process per GPU that schedules, runs and reports each step."""
