@@ -167,8 +167,10 @@ def _check_type(name: str, v: Any, annotation: str) -> None:
                           f"{' or None' if 'None' in kinds else ''}, got {v!r}")
 
 
-# Measured on one H200 (Qwen3-30B-A3B shapes, docs/performance.md "Whole requests"): 8192 against 2048 took the
-# 256 x (64-512 -> 128) workload from 1.68x to 1.35x its floor; vLLM and SGLang use 8k-16k.
+# Nearer its floor than 2048 when many requests arrive at once (one H200, 30B shapes:
+# benchmarks/results/h200-p1-throughput-rollout-budget2048.json against h200-p1-throughput-rollout.json), at the price
+# of longer stalls for running streams while a long prompt prefills (h200-p1-long-prompt-budget{2048,8192}.json);
+# vLLM and SGLang use 8k-16k.
 DEFAULT_TOKEN_BUDGET = 8192
 
 

@@ -83,8 +83,8 @@ DEFAULT_KERNELS = KernelConfig()
 
 # Steps of up to this many tokens a rank run their projections through kernels/linear.py in the LATE order; two
 # tokens only where the rank's qkv weight has at most PREFETCH_TWO_MAX_ELEMS elements: each program sums twice the
-# products, which paid off at a 30B TP shard (2560 x 2048) and not at EP's whole qkv (5120 x 2048); measured, see
-# docs/performance.md.
+# products, which paid off at a 30B TP shard (2560 x 2048) and not at EP's whole qkv (5120 x 2048)
+# (benchmarks/results/h200x2-prefetch-rows.json).
 PREFETCH_ROWS = 2
 PREFETCH_TWO_MAX_ELEMS = 4096 * 2048
 
@@ -95,7 +95,8 @@ def prefetch_rows(qkv_elems: int) -> int:
 
 # Steps of MMA_MIN_ROWS to MMA_MAX_ROWS tokens a rank run their projections through kernels/linear.py's tensor-core
 # kernel, also in the LATE order: against cuBLAS that kernel gains only in the LATE order (in the EARLY one it is
-# about even). Two tokens with a large qkv keep cuBLAS, where the kernel measured slower.
+# about even). Two tokens with a large qkv keep cuBLAS, where the kernel measured slower
+# (benchmarks/results/h200-few-row-projections.json).
 MMA_MIN_ROWS, MMA_MAX_ROWS = 3, 32
 
 

@@ -6,8 +6,9 @@ KV range is split over NUM_SPLITS programs (flash-decoding) and a second kernel 
 small batch still fills the GPU. No host value is needed at launch beyond the grid, so it can run inside a CUDA
 graph. The torch reference is `moebius.layers.attention.paged_attention`. A long first chunk of a prompt alone in
 its step, at a length the start-up warm-up runs, goes to cuDNN's fused attention instead (`fresh_chunk`), which is
-faster there. Where FlashAttention-4 is installed (KernelConfig.flash_prefill, kernels/flash.py) it takes every step
-with prompt chunks instead of both, the lone fresh chunk on K and V gathered contiguous; decodes stay here.
+faster there (benchmarks/results/h200-attn-prefill-default.json). Where FlashAttention-4 is installed
+(KernelConfig.flash_prefill, kernels/flash.py) it takes every step with prompt chunks instead of both, the lone fresh
+chunk on K and V gathered contiguous; decodes stay here.
 """
 
 from __future__ import annotations
@@ -165,18 +166,18 @@ def query_block_tokens(D: int, G: int) -> int:
 
 def prefill_tiles(D: int) -> tuple[int, int, int, int]:
     """(query rows = tokens x heads of one KV head, KV tile, warps, pipeline stages) of a launch with prompt chunks.
-    On H200 at the 30B shapes (`python -m moebius.bench.attn_prefill_tune`, benchmarks/results/
-    h200-attn-prefill-tiles.json) 128 x 128 tiles with 8 warps took an 8k chunk from 1.82 to 1.55 ms (355 TFLOP/s),
-    after an 8k prefix from 5.45 to 4.51 ms, and were within 10% of the best shape at 2k."""
+    128 x 128 tiles with 8 warps were the fastest at 8k chunks (alone and after a prefix) on H200 at the 30B shapes
+    and near the best at 2k (`python -m moebius.bench.attn_prefill_tune`,
+    benchmarks/results/h200-attn-prefill-tiles.json)."""
     return (128, 128, 8, 3) if D <= 128 else (64, 32, 4, 3)
 
 
 # A step that is one prompt chunk with nothing cached before it, at one of the runtime's `fresh_chunk_lengths`
 # (KernelConfig: from 2048 tokens, the whole-prompt lengths the warm-up runs), takes cuDNN's fused attention
-# (through torch SDPA) instead of the kernel above: on H200 at the 30B shapes an 8k chunk took 1.00 ms against 1.50
-# (548 against 366 TFLOP/s), a 2k chunk 0.14 against 0.18 ms; torch's FlashAttention-2 backend was slower than the
-# kernel above (1.85 ms at 8k) (`python -m moebius.bench.attn_prefill_tune --default-only`,
-# benchmarks/results/h200-attn-prefill-default.json). Chunks after a prefix, and other lengths, keep the paged kernel.
+# (through torch SDPA) instead of the kernel above: on H200 at the 30B shapes it was the fastest backend on such a
+# chunk from 2k tokens, and torch's FlashAttention-2 backend was slower than the kernel above
+# (`python -m moebius.bench.attn_prefill_tune --default-only`, benchmarks/results/h200-attn-prefill-default.json).
+# Chunks after a prefix, and other lengths, keep the paged kernel.
 def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int, lengths: frozenset[int]) -> bool:
     """Whether a step's attention is one sequence's first chunk (no cached prefix) of one of `lengths` tokens: host
     values only, so asking costs no device round trip."""
@@ -264,7 +265,7 @@ def flash_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, decodes: i
 # Decode steps up to this many tokens take q/k norm + RoPE + cache write inside the attention launch: there the
 # separate launch (and the gap before the next) outweighs the prologue each attention program gains; at large
 # batches every one of B x KV-head programs would carry it while the separate kernel streams. Measured on whole
-# decode steps: docs/performance.md.
+# decode steps (benchmarks/results/h200x2-qk-decode-attention.json).
 QK_FUSED_MAX_TOKENS = 64
 
 

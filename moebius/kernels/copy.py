@@ -1,7 +1,7 @@
 """The switch's permuted copies (Triton): one expert shard between whole experts and the TP-shaped staging, as rows
 copied from one strided 2-D view into another, at nearly the HBM's rate: torch's copy of the same permuted views
 measured far slower, and a switch moves every expert of the rank (`python -m moebius.bench.reshard_copy`;
-docs/performance.md). The reference is `dst.copy_(src)`."""
+benchmarks/results/h200-reshard-copy.json). The reference is `dst.copy_(src)`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 # program size and column tile: every setting tried measured close to the others; these were the best
+# (benchmarks/results/h200-reshard-copy.json)
 ELEMS_PER_PROGRAM = 16384
 NUM_WARPS = 8
 DIVISOR_COLS = False  # column tile: the largest power of two dividing C (no masked lanes) instead of C's next

@@ -2,13 +2,14 @@
 the optional extra `moebius[flash]`), where it is installed and the GPU is Hopper or newer.
 
 On H200 at the 30B shapes (32 query heads, 4 KV heads, d 128) it measured faster than both kernels it stands in
-for: an 8k-token fresh chunk 0.87 ms against cuDNN's 1.02 (K and V gathered contiguous first, as for cuDNN), an 8k
-chunk after an 8k prefix 2.90 ms against the paged Triton kernel's 4.24, 28 prompts of 292 tokens 0.18 against 0.24
-ms (`benchmarks/results/h200-flash-attention.json`). Decodes keep the Triton kernel (and its CUDA graphs).
+for: against cuDNN on a fresh chunk (K and V gathered contiguous first, as for cuDNN), against the paged Triton
+kernel on chunks after a prefix and on many short prompts (`benchmarks/results/h200-flash-attention.json`). Decodes
+keep the Triton kernel (and its CUDA graphs).
 
 CuTe DSL compiles a kernel per variant (dtype, head shape, paged or not, ...; sequence lengths are runtime values)
-on first use, ~2 s each; the on-disk cache is switched on here, so the start-up warm-up compiles them once per
-machine and later starts load them. Importing the package takes ~4 s of start-up.
+on first use, seconds each (`first_call_s` in benchmarks/results/h200-flash-attention.json); the on-disk cache is
+switched on here, so the start-up warm-up compiles them once per machine and later starts load them. Importing the
+package adds seconds to every start-up (benchmarks/results/h200-p1-throughput-warm-nowarmup-flash.json).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def chunk_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
 def fresh_chunk_attention(q_THd: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, scale: float,
                           out: torch.Tensor) -> torch.Tensor:
     """Causal attention of one sequence's first chunk, K and V contiguous [T, kvh, d] (faster than through the
-    pages: 0.87 against 0.95 ms at 8k). Writes out [T, H, d]."""
+    pages: benchmarks/results/h200-flash-attention.json). Writes out [T, H, d]."""
     # the batch form [1, T, ...]: no length tensors to build
     _forward(q_THd.unsqueeze(0), k_THd.unsqueeze(0), v_THd.unsqueeze(0), out.unsqueeze(0), scale)
     return out

@@ -128,7 +128,7 @@ def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, str
 def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH, stride_t, stride_pg, stride_kv,
                      stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
     """R consecutive (token, head) rows of the T x (H + KVH) that carry a q or k head: no program holds padding
-    heads (a token's 36 heads padded to 64 left 44% of a token-per-program launch idle)."""
+    heads (a token's 36 heads padded to 64 left 28 of every 64 rows of a token-per-program launch idle)."""
     enter(PDL)
     g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     heads = H + KVH
@@ -139,11 +139,10 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH,
               stride_kv, stride_tok, stride_hd, PAGE, D)
 
 
-# (token, head) rows a program of qk_norm_rope_kv, on 4 warps. On H200 at the 30B shapes (32 + 4 heads) against the
-# launch it replaced (a token's heads padded to a power of two per program): 1024 tokens 7.8 -> 6.3 us, 2048 14.1 ->
-# 12.0, 256 4.3 -> 3.6, 8192 55.3 -> 54.6 (at the bytes it moves); at 16 + 2 heads 64 tokens 1.9 -> 2.1. Rows
-# (8 .. 128) x warps (1 .. 8) searched: 16 x 4 within 0.5 us of the best variant up to 2048 tokens, 1.0 us at 8192
-# (docs/performance.md).
+# (token, head) rows a program of qk_norm_rope_kv, on 4 warps: on H200 faster than the launch it replaced (a token's
+# heads padded to a power of two per program) from 256 tokens at the 30B shapes, and near the best of the rows x
+# warps searched (a scratch A/B, docs/performance-history.md "q/k norm + RoPE rows"; against one row a program:
+# benchmarks/results/h200-qk-rows.json).
 QK_ROWS = 16
 
 

@@ -52,7 +52,7 @@ CONFIGS: list[tuple[float, MoEConfig]] = [
     (24.0, MoEConfig(32, TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3))),
     (96.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
     # TMA only for the largest blocks: it measured faster at many thousands of pairs and no better below
-    # (`python -m moebius.bench.moe_tune --no-search`; docs/performance.md)
+    # (`python -m moebius.bench.moe_tune --no-search`; benchmarks/results/h200-moe-tma.json)
     (float("inf"), MoEConfig(128, TileConfig(128, 64, 8, 4, tma=True), TileConfig(128, 64, 8, 3, tma=True))),
 ]
 

@@ -22,10 +22,11 @@ from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.pdl import enter, pdl, release, wait
 
 # Each row costs every program a cross-thread sum of BN x K products: from 4 rows cuBLAS was faster; 2 rows pay
-# only at small weights (`kernels.prefetch_rows`).
+# only at small weights (`kernels.prefetch_rows`; benchmarks/results/h200x2-prefetch-rows.json).
 MAX_ROWS = kernels.PREFETCH_ROWS
 # Weight elements a program holds: 32 KiB of bf16, ~100 registers a thread at 8 warps, so two programs fit an SM
-# (twice that took one program an SM and more programs than SMs for a 30B TP qkv shard: slower steps).
+# (twice that took one program an SM and more programs than SMs for a 30B TP qkv shard: slower steps;
+# benchmarks/results/h200x2-linear-pdl.json).
 TILE_ELEMS = 8 * 2048
 MAX_K = 8192
 
@@ -78,7 +79,7 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
 
 # Tensor-core tiles for 3 to 32 rows (`kernels.MMA_MIN_ROWS`, `MMA_MAX_ROWS`): weight rows a program x K a stage,
 # stages. One shape for every row count: measured near the best one at each count on the 30B TP-2 and EP shapes
-# (docs/performance.md); 64 rows of tokens would not fit the shared memory.
+# (benchmarks/results/h200-few-row-projections.json); 64 rows of tokens would not fit the shared memory.
 MMA_MIN_ROWS, MMA_MAX_ROWS = kernels.MMA_MIN_ROWS, kernels.MMA_MAX_ROWS
 MMA_BM, MMA_BK, MMA_STAGES = 64, 256, 4
 

@@ -3,7 +3,7 @@ stream is finishing, so its launch overlaps the other's tail; it waits for that 
 reading anything. Every Triton kernel of the step does this, and lets the next one launch as soon as its own
 programs have all started (EARLY order) or, in the LATE order the runner picks for steps of a few tokens a rank,
 once it has waited (`KernelConfig.release`, `moebius.kernels.release_order_for`). It shortens every boundary between
-two small kernels, inside CUDA graphs too (measured: docs/performance.md). Kernels other than ours (cuBLAS, torch)
+two small kernels, inside CUDA graphs too (benchmarks/results/h200-pdl.json). Kernels other than ours (cuBLAS, torch)
 launch and wait as usual."""
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ until each peer's flag for p has reached n + 1. No host-side state, so the kerne
 
 Both sublayer-end kernels also take the MoE's outputs per (token, k) pair (`kernels.pairs.PairRows`) and sum each
 token's local pairs as they read them (`_partial`, as fused.py's `_sum_k` would before them), up to the sizes
-where the separate sum measured faster. A rank's own partial rows, where it needs them after raising its flag, go
-to its own section of its buffer first (no peer writes there): the EP combine must not read the dispatched ids
-then, since a peer's next dispatch may already be overwriting them.
+where the separate sum measured faster (benchmarks/results/h200x2-pair-sum-fold-ab.json). A rank's own partial
+rows, where it needs them after raising its flag, go to its own section of its buffer first (no peer writes there):
+the EP combine must not read the dispatched ids then, since a peer's next dispatch may already be overwriting them.
 """
 
 from __future__ import annotations
@@ -413,7 +413,7 @@ class FusedAllReduceNorm:
 
     # One-shot calls of more rows sum pairs slower inside than `_sum_k` does before it (its grid is far wider);
     # two-shot calls (each rank sums half the rows) and one-shot calls of fewer rows gain (measured on whole steps:
-    # docs/performance.md)
+    # benchmarks/results/h200x2-pair-sum-fold-ab.json)
     PAIRS_ONE_SHOT_MAX_ROWS = 512
 
     def _two_shot(self, T: int, N: int, dtype: torch.dtype) -> bool:
@@ -473,7 +473,7 @@ class EPExchange:
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
 
     # Past this capacity the combine sums expert outputs per pair slower than `_sum_k` before it (measured on whole
-    # steps: docs/performance.md)
+    # steps: benchmarks/results/h200x2-pair-sum-fold-ab.json)
     PAIRS_MAX_CAPACITY = 512
 
     def fits(self, capacity: int) -> bool:

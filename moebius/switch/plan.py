@@ -65,8 +65,9 @@ def token_slots(pages: list[int], n: int, bs: int) -> np.ndarray:
 
 
 def slots_of(tables: list[list[int]], counts: list[int], bs: int, starts: list[int] | None = None) -> np.ndarray:
-    """token_slots of several page tables, concatenated, a page at a time in whole-array steps (a few times quicker
-    than one request at a time); with `starts` (whole pages), each table's tokens from its start on."""
+    """token_slots of several page tables, concatenated, a page at a time in whole-array steps (quicker than one
+    request at a time: benchmarks/results/cpu-switch-host.json); with `starts` (whole pages), each table's tokens
+    from its start on."""
     if starts is not None and any(starts):
         pages = [t[s // bs:] for t, s in zip(tables, starts, strict=True)]
         return slots_of(pages, [c - s for c, s in zip(counts, starts, strict=True)], bs)
