@@ -2,7 +2,7 @@
 # One device call: GPU tests, then a decode sweep. Usage: bash benchmarks/device_run.sh "<pytest args>" "<sweep args>"
 # The device machine runs a copy of the tree, not a git checkout: pass the commit measured for the result files,
 # e.g. MOEBIUS_COMMIT=<git rev-parse HEAD here> bash benchmarks/device_run.sh ... (else they record "unknown").
-# Other benchmarks run the same way: python3 -m moebius.bench.<name> ... (index: benchmarks/README.md).
+# Other benchmarks run the same way: python3 benchmarks/<sub>/<name>.py ... (index: benchmarks/README.md).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

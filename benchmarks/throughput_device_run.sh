@@ -36,6 +36,7 @@
 # Results (JSON + PNG) come back in $OUT/results.tgz, logs in $OUT/logs.tgz. Usage (device):
 # MOEBIUS_COMMIT=<full hash> bash benchmarks/throughput_device_run.sh tests cold work ...
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # a tool run as a script (benchmarks/<sub>/x.py) imports this tree's moebius
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
 [ ${#MOEBIUS_COMMIT} -ge 40 ] || { echo "MOEBIUS_COMMIT must be the full hash (git rev-parse HEAD), not $MOEBIUS_COMMIT"; exit 2; }
 W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypoints.cli bench"; touch $W/stamp
@@ -77,17 +78,17 @@ groups)
     t groups_$c 240 $B throughput $M --num-prompts $((128 / N)) --samples-per-prompt 8 --prompt-len-dist uniform --prompt-len-range $((128 / N)),$((1024 / N)) --output-len-dist lognormal --output-len $((300 / N)) --output-len-range 1,$((2048 / N)) --max-running-requests 1024 $([ $c = off ] && echo --disable-prefix-caching) --output $R/h200-p1-throughput-groups-cache-$c.json
   done ;;
 attntune)
-  t attn_tune 150 python3 -m moebius.bench.attn_prefill_tune $R/h200-attn-prefill-default.json --default-only ;;
+  t attn_tune 150 python3 benchmarks/kernels/attn_prefill_tune.py $R/h200-attn-prefill-default.json --default-only ;;
 moetune)
-  t moe_tune 330 python3 -m moebius.bench.moe_tune --ranks 1 --modes tp --batches 2048 8192 16384 --output $R/h200-moe-prefill.json ;;
+  t moe_tune 330 python3 benchmarks/kernels/moe_tune.py --ranks 1 --modes tp --batches 2048 8192 16384 --output $R/h200-moe-prefill.json ;;
 profile)
-  t profile 200 python3 -m moebius.bench.profile_steps --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((512 / N)) ;;
+  t profile 200 python3 benchmarks/steps/profile_steps.py --prefill $((2048 / N)) $((8192 / N)) --decode $((1024 / N)) --context $((512 / N)) ;;
 mixed)
   for how in shared apart; do
     t mixed_$how 150 $B sweep $M --modes tp --batches 1 --steps 5 --warmup 2 --prefill-chunks $((512 / N)) --prefill-decodes $((255 / N)) --prefill-decode-context $((1500 / N)) --mixed-attention $how --output $R/h200-p1-mixed-$how.json
-    t mixed_prof_$how 150 python3 -m moebius.bench.profile_steps --prefill $((512 / N)) --beside $((255 / N)) --context $((1500 / N)) --decode --mixed-attention $how --rows 12
+    t mixed_prof_$how 150 python3 benchmarks/steps/profile_steps.py --prefill $((512 / N)) --beside $((255 / N)) --context $((1500 / N)) --decode --mixed-attention $how --rows 12
   done
-  t pieces_prof 200 python3 -m moebius.bench.profile_steps --prefill --decode $((512 / N)) $((1024 / N)) --context $((512 / N)) --pieces --rows 12 ;;
+  t pieces_prof 200 python3 benchmarks/steps/profile_steps.py --prefill --decode $((512 / N)) $((1024 / N)) --context $((512 / N)) --pieces --rows 12 ;;
 serve)
   up
   t serve 200 $B serve --base-url http://127.0.0.1:8011 --vocab-size $V --trace bursty --scale $(python3 -c "print(1 / $N)") --quiet-s 40 --goodput ttft:1000,tpot:50 --server-args "$M" --output $R/h200-p1-serve-bursty-${SERVE_TAG:-new}.json

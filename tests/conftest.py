@@ -341,3 +341,24 @@ def run_gloo_ranks(target: Callable[..., None], world: int, *args: Any, timeout:
         msgs.append(errors.get())
     assert not msgs, msgs
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark tools (benchmarks/<sub>/<name>.py: scripts, not a package)
+# ---------------------------------------------------------------------------------------------------------------
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def import_tool(path: str) -> Any:
+    """The tool at benchmarks/`path` (e.g. "steps/decode_ab.py") imported as its script finds its imports: moebius
+    by its package name, a sibling of its folder (steps/tp_rank_model.py) by its file name. The folder is on
+    sys.path only for the import; the module keeps its file name (its `__main__` block does not run)."""
+    import importlib
+
+    folder = os.path.dirname(os.path.join(BENCHMARKS, path))
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(os.path.splitext(os.path.basename(path))[0])
+    finally:
+        sys.path.remove(folder)

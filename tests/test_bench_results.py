@@ -1,6 +1,6 @@
 """The benchmark results schema (moebius/bench/results.py): the helper writes it, every recorded result in
-benchmarks/results has it, and the benchmark code lives in one package that imports on the CPU without the
-entrypoints."""
+benchmarks/results has it; the `moebius bench` commands and their helpers live in the package and import on the CPU
+without the entrypoints, the one-off tools live under benchmarks/ and import (and run as scripts) on the CPU."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import import_tool
 
 import moebius.bench
 from moebius.bench import results
@@ -22,6 +23,8 @@ from moebius.bench import results
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCH = ROOT / "moebius" / "bench"
+TOOLS = ROOT / "benchmarks"
+COMMANDS = {"sweep", "throughput", "rollout", "bursty", "simulate", "serve"}  # `moebius bench <command>`
 KEYS = set(results.SCHEMA_KEYS)
 
 
@@ -97,11 +100,13 @@ def test_commit_from_the_environment_or_unknown(tmp_path, monkeypatch) -> None:
 
 
 def test_command_line_forms() -> None:
-    moe_tune = str(BENCH / "moe_tune.py")
-    assert results.command_line([moe_tune, "--ranks", "2"]) == "python -m moebius.bench.moe_tune --ranks 2"
-    comm = str(BENCH / "comm_bench.py")
+    moe_tune = str(TOOLS / "kernels" / "moe_tune.py")  # a tool: its path from the checkout's root, wherever run
+    assert results.command_line([moe_tune, "--ranks", "2"]) == "python benchmarks/kernels/moe_tune.py --ranks 2"
+    comm = str(TOOLS / "comm" / "comm_bench.py")
     assert (results.command_line([comm, "--output", "c.json"], prefix="torchrun --nproc-per-node 2")
-            == "torchrun --nproc-per-node 2 -m moebius.bench.comm_bench --output c.json")
+            == "torchrun --nproc-per-node 2 benchmarks/comm/comm_bench.py --output c.json")
+    baseline = str(BENCH / "hf_baseline.py")  # a module of the package: run with -m
+    assert results.command_line([baseline, "s.json"]) == "python -m moebius.bench.hf_baseline s.json"
     cli = str(ROOT / "moebius" / "entrypoints" / "cli.py")
     assert results.command_line([cli, "bench", "sweep", "--num-ranks", "2"]) == "moebius bench sweep --num-ranks 2"
     assert results.command_line(["/usr/bin/moebius", "bench", "sweep"]) == "moebius bench sweep"
@@ -161,19 +166,9 @@ def _bench_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(moebius.bench.__path__))
 
 
-def test_benchmark_code_has_one_home() -> None:
-    assert not glob.glob(str(ROOT / "benchmarks" / "*.py")), "benchmark code belongs in moebius/bench"
-    assert {"moe_tune", "graph_timing", "tp_rank_model", "sweep", "results", "switch_phases"} <= set(_bench_modules())
-
-
-@pytest.mark.parametrize("name", _bench_modules())
-def test_bench_module_imports_on_the_cpu_and_says_how_to_run_it(name: str) -> None:
-    mod = importlib.import_module(f"moebius.bench.{name}")
-    assert mod.__doc__ and mod.__doc__.strip(), name
-    source = (BENCH / f"{name}.py").read_text()
-    if '__name__ == "__main__"' in source:  # runnable: its docstring gives the command
-        assert f"-m moebius.bench.{name}" in mod.__doc__, name
-    assert "sys.path" not in source, name
+def _tools() -> list[str]:
+    """Every tool file under benchmarks/, as `<sub>/<name>.py`."""
+    return sorted(p.relative_to(TOOLS).as_posix() for p in TOOLS.glob("**/*.py"))
 
 
 def _imports(path: Path) -> list[str]:
@@ -186,6 +181,56 @@ def _imports(path: Path) -> list[str]:
     return out
 
 
+def test_the_package_holds_the_commands_and_benchmarks_the_tools() -> None:
+    """moebius/bench: the `moebius bench` commands, what they import, and graph_timing (the timer the tools share);
+    benchmarks/<sub>/: every one-off tool (kernel tuners, A/Bs, profiles, switch and communication benchmarks), none
+    at the folder's top and none imported by the package."""
+    modules = set(_bench_modules())
+    assert COMMANDS <= modules
+    needed, todo = set(), list(COMMANDS)
+    while todo:  # what the commands import, transitively
+        name = todo.pop()
+        needed.add(name)
+        todo += [m.split(".")[2] for m in _imports(BENCH / f"{name}.py")
+                 if m.startswith("moebius.bench.") and m.split(".")[2] in modules and m.split(".")[2] not in needed]
+    assert modules - needed == {"graph_timing"}, modules - needed
+    tools = _tools()
+    assert all(any(m.startswith("moebius.bench.graph_timing") for m in _imports(TOOLS / t)) for t in
+               ("kernels/moe_tune.py", "switch/reshard_copy.py", "comm/comm_bench.py"))
+    assert not glob.glob(str(TOOLS / "*.py")), "a tool goes into a topical folder of benchmarks/"
+    assert {"kernels/moe_tune.py", "kernels/kernel_ab.py", "switch/switch_phases.py", "steps/decode_ab.py",
+            "steps/tp_rank_model.py", "comm/comm_bench.py"} <= set(tools)
+    names = {Path(t).stem for t in tools}
+    assert len(names) == len(tools) and not names & modules  # one name, one file
+    for path in sorted(BENCH.glob("*.py")):
+        assert not [m for m in _imports(path) if m.split(".")[0] in names], path.name
+
+
+@pytest.mark.parametrize("name", _bench_modules())
+def test_bench_module_imports_on_the_cpu_and_says_how_to_run_it(name: str) -> None:
+    mod = importlib.import_module(f"moebius.bench.{name}")
+    assert mod.__doc__ and mod.__doc__.strip(), name
+    source = (BENCH / f"{name}.py").read_text()
+    if '__name__ == "__main__"' in source:  # runnable: its docstring gives the command
+        assert f"-m moebius.bench.{name}" in mod.__doc__, name
+    assert "sys.path" not in source, name
+
+
+@pytest.mark.parametrize("path", _tools())
+def test_bench_tool_imports_on_the_cpu_and_says_how_to_run_it(path: str) -> None:
+    """Each tool imports on the CPU (GPU work only inside its main); a runnable one names its command (the script's
+    path from the checkout's root) in its docstring and in its usage line; none edits sys.path."""
+    mod = import_tool(path)
+    assert mod.__doc__ and mod.__doc__.strip(), path
+    source = (TOOLS / path).read_text()
+    if '__name__ == "__main__"' in source:
+        assert f"benchmarks/{path}" in mod.__doc__, path
+        assert "ArgumentParser(" not in source or f'benchmarks/{path}"' in source, path  # its prog
+    else:  # a helper: a sibling tool imports it
+        assert any(Path(path).stem in _imports(other) for other in (TOOLS / path).parent.glob("*.py")), path
+    assert "sys.path" not in source, path
+
+
 def test_bench_never_imports_the_entrypoints() -> None:
     """Not at the top, not inside functions, not for type checking: moebius.entrypoints.cli imports moebius.bench."""
     for path in sorted(BENCH.glob("*.py")):
@@ -193,10 +238,16 @@ def test_bench_never_imports_the_entrypoints() -> None:
         assert not bad, (path.name, bad)
 
 
-def test_a_bench_module_runs_as_a_module() -> None:
-    r = subprocess.run([sys.executable, "-m", "moebius.bench.kernel_ab"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode != 0 and "usage: python -m moebius.bench.kernel_ab" in r.stderr
+def test_a_bench_tool_runs_as_a_script(tmp_path) -> None:
+    """From any directory, with moebius installed: the script's usage names its command; a tool importing its
+    sibling (steps/decode_ab.py: tp_rank_model.py) finds it."""
+    r = subprocess.run([sys.executable, str(TOOLS / "kernels" / "kernel_ab.py")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "usage: python benchmarks/kernels/kernel_ab.py" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(TOOLS / "steps" / "decode_ab.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python benchmarks/steps/decode_ab.py"), r.stderr[-2000:]
+    assert "--tp-rank-of" in r.stdout
 
 
 def test_a_bench_run_writes_a_file_only_when_asked(tmp_path, monkeypatch) -> None:

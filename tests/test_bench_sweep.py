@@ -134,18 +134,19 @@ def test_hf_tensor_parallel_run_past_its_timeout_ends_its_ranks() -> None:
 
 @pytest.mark.parametrize("transport", ["collective", "peer"])
 def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any, transport: str) -> None:
-    """python -m moebius.bench.switch_phases on the CPU (tiny model, two gloo ranks), over either switch transport:
+    """python benchmarks/switch/switch_phases.py on the CPU (tiny model, two gloo ranks), over either switch transport:
     every rank reports each switch's permute and exchange times, which lie inside the pass's weight time."""
     root = os.path.join(os.path.dirname(__file__), "..")
     out = tmp_path / "phases.json"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "moebius.bench.switch_phases", "--model", "builtin",
+    script = os.path.join(root, "benchmarks", "switch", "switch_phases.py")
+    r = subprocess.run([sys.executable, script, "--model", "builtin",
                         "--device", "cpu", "--switches", "2", "--switch-transport", transport, "--output", str(out)],
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = load_result(out)
     assert res["gpu"] == "cpu" and res["num_gpus"] == 0 and res["params"]["switch_transport"] == transport
-    assert res["command"].startswith("python -m moebius.bench.switch_phases --model builtin"), res["command"]
+    assert res["command"].startswith("python benchmarks/switch/switch_phases.py --model builtin"), res["command"]
     switches = table(res, "switch")
     assert [s["to"] for s in switches] == ["ep", "tp"] and all(s["done"] for s in switches)
     assert all(s["transport"] == transport and (s["peer_exchanges"] > 0) == (transport == "peer")
@@ -159,12 +160,15 @@ def test_switch_phases_benchmark_splits_each_switch_on_every_rank(tmp_path: Any,
 
 
 def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
-    """moebius/bench/tp_rank_model.py: the cut model on one rank has the local shapes of one rank of TP over P (heads,
-    KV heads, expert intermediate, dense intermediate, experts), so timing it on one GPU times a TP rank's kernels."""
-    from moebius.bench.tp_rank_model import tp_rank_model_dir
+    """benchmarks/steps/tp_rank_model.py: the cut model on one rank has the local shapes of one rank of TP over P
+    (heads, KV heads, expert intermediate, dense intermediate, experts), so timing it on one GPU times a TP rank's
+    kernels."""
+    from conftest import import_tool
+
     from moebius.config import PRESETS, ModelConfig, read_hf_config
     from moebius.parallel.layout import Layout
 
+    tp_rank_model_dir = import_tool("steps/tp_rank_model.py").tp_rank_model_dir
     for preset in sorted(PRESETS):
         full = ModelConfig.from_hf(PRESETS[preset])
         cut = ModelConfig.from_hf(read_hf_config(tp_rank_model_dir(preset, 2)))

@@ -1,3 +1,4 @@
-"""Benchmarks, all in this package: the decode sweep (`moebius bench sweep`), the kernel, communication and switch
-benchmarks (`python -m moebius.bench.<name>`), their helpers (graph_timing, tp_rank_model, floor, hf_baseline) and
-the one results schema they write (results.py). Index of tools and recorded results: benchmarks/README.md."""
+"""The `moebius bench` commands (sweep, throughput, rollout, bursty, simulate, serve), what they share (workload,
+serve_stats, floor, hf_baseline), the one results schema every benchmark writes (results.py) and the CUDA-graph timer
+the one-off tools share (graph_timing). The tools themselves (kernel tuners, A/Bs, profiles, switch and communication
+benchmarks) are scripts under benchmarks/<sub>/. Index of tools and recorded results: benchmarks/README.md."""

@@ -1,7 +1,8 @@
 """Timing GPU work as the engine runs it: inside a CUDA graph, so launch gaps count as they do in a replayed step
 (`graph_time_us`), or as eager launches (`event_time_ms`, for work too long for launch gaps to matter).
 
-Helpers the kernel benchmarks share (`from moebius.bench.graph_timing import graph_time_us`), not run by itself."""
+Helpers the tools under benchmarks/ share (`from moebius.bench.graph_timing import graph_time_us`), not run by
+itself."""
 
 from __future__ import annotations
 

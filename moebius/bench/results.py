@@ -7,8 +7,8 @@
                   that is no git checkout: export the hash there); "unknown" when neither tells,
       "gpu":      torch.cuda.get_device_name(0), or "cpu",
       "num_gpus": GPUs the run used (0 on the CPU, whatever its ranks),
-      "command":  the command line that wrote the file (`python -m moebius.bench.X ...`, `moebius bench sweep ...`);
-                  a list of strings where a file records several commands,
+      "command":  the command line that wrote the file (`moebius bench sweep ...`, `python benchmarks/kernels/X.py
+                  ...`); a list of strings where a file records several commands,
       "params":   the run's inputs only: its arguments (vars(args)), settings, environment knobs, scripts or patches
                   used; never a measured or derived value,
       "rows":     everything measured, one flat dict a row (values: numbers, strings, booleans, null, or lists of
@@ -106,9 +106,22 @@ def _module_of(path: str) -> str | None:
     return ".".join(rel.with_suffix("").parts)
 
 
+def _tool_of(path: str) -> str | None:
+    """`benchmarks/<sub>/x.py` for a tool of this checkout (run as a script from any directory), else None."""
+    try:
+        p = Path(path).resolve()
+        rel = p.relative_to(_CHECKOUT)
+    except (ValueError, OSError):
+        return None
+    if p.suffix != ".py" or rel.parts[0] != "benchmarks":
+        return None
+    return rel.as_posix()
+
+
 def command_line(argv: Sequence[str] | None = None, prefix: str = "python") -> str:
     """The command that runs this process again: `moebius bench ...` for the CLI's benchmarks, `{prefix} -m
-    moebius.bench.x ...` for a module of this package (prefix e.g. "torchrun --nproc-per-node 2"), else argv."""
+    moebius.bench.x ...` for a module of this package, `{prefix} benchmarks/<sub>/x.py ...` for a tool of this
+    checkout (prefix e.g. "torchrun --nproc-per-node 2"), else argv."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return ""
@@ -119,6 +132,9 @@ def command_line(argv: Sequence[str] | None = None, prefix: str = "python") -> s
     module = _module_of(argv[0])
     if module is not None:
         return f"{prefix} -m {module} {rest}".strip()
+    tool = _tool_of(argv[0])
+    if tool is not None:
+        return f"{prefix} {tool} {rest}".strip()
     return shlex.join(argv)
 
 

@@ -22,8 +22,8 @@ plain projection: a bound on what fusing launches or tuning kernels can reach, b
 without the norm launches (as if the all-reduce + norm rode inside the kernels around it), and with the expert
 stand-ins loading their weights only after their wait, as the real expert kernels must (the router picks them).
 
-    python -m moebius.bench.boundary_bench --output boundary.json
-    python -m moebius.bench.boundary_bench --layer-chain 2 --batches 1,2 --output chain.json
+    python benchmarks/kernels/boundary_bench.py --output boundary.json
+    python benchmarks/kernels/boundary_bench.py --layer-chain 2 --batches 1,2 --output chain.json
 
 Recorded: benchmarks/results/h200-boundary.json (the chain), h200-tp-rank-ideal-chain.json (`--layer-chain 2`).
 """
@@ -168,7 +168,7 @@ def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/boundary_bench.py")
     ap.add_argument("--hidden", default="1024,2048")
     ap.add_argument("--stages", type=int, default=64)
     ap.add_argument("--layer-chain", type=int, default=0, metavar="P",

@@ -2,7 +2,7 @@
 experts and the same pairs per expert (row order within an expert may differ), then times each inside a CUDA graph.
 
     git show f7428a7^:moebius/kernels/fused_moe.py > /tmp/old_fused_moe.py
-    python -m moebius.bench.align_compare --old /tmp/old_fused_moe.py --output align.json
+    python benchmarks/kernels/align_compare.py --old /tmp/old_fused_moe.py --output align.json
 
 Recorded: benchmarks/results/h200-moe-align.json.
 """
@@ -40,7 +40,7 @@ def check(ids: torch.Tensor, first: int, E: int, BM: int, out: object) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/align_compare.py")
     ap.add_argument("--old", required=True, help="a previous fused_moe.py")
     ap.add_argument("--output", default="align.json")
     a = ap.parse_args()

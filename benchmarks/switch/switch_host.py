@@ -4,7 +4,7 @@ index vectors, staging agreement) is timed here with N requests decoding, switch
 (builtin model, gloo) or on GPUs (any preset with --load-format dummy). On the CPU the transfers themselves are
 synchronous and land in `enqueue_ms`; on GPUs `enqueue_ms` is only their launch.
 
-    python -m moebius.bench.switch_host --num-requests 128 --prompt-len 512 --output switch_host.json
+    python benchmarks/switch/switch_host.py --num-requests 128 --prompt-len 512 --output switch_host.json
 
 Recorded: benchmarks/results/cpu-switch-host.json (one row per switch).
 """
@@ -23,7 +23,7 @@ from moebius.sampling_params import SamplingParams
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/switch/switch_host.py")
     ap.add_argument("--model", default=None, help="default: the builtin model")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--num-layers", type=int, default=None)

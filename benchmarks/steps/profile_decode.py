@@ -1,7 +1,7 @@
 """Profile one decode step (graph replay and eager) of a preset on one GPU: the top CUDA kernels by time, printed
-(no JSON). `--tp-rank-of P` profiles one TP-P rank's kernels (moebius/bench/tp_rank_model.py).
+(no JSON). `--tp-rank-of P` profiles one TP-P rank's kernels (benchmarks/steps/tp_rank_model.py).
 
-    python -m moebius.bench.profile_decode --num-layers 4 --batch 1 --context 512
+    python benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 --context 512
 """
 
 from __future__ import annotations
@@ -10,20 +10,22 @@ import argparse
 
 from torch.profiler import ProfilerActivity, profile
 
-from moebius.bench.tp_rank_model import tp_rank_model_dir
+# its sibling in benchmarks/steps: a script's own folder is where Python looks first
+from tp_rank_model import tp_rank_model_dir
+
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/steps/profile_decode.py")
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--mode", default="tp")
     ap.add_argument("--tp-rank-of", type=int, default=0,
-                    help="profile one rank of TP over this many GPUs on one GPU (moebius/bench/tp_rank_model.py)")
+                    help="profile one rank of TP over this many GPUs on one GPU (benchmarks/steps/tp_rank_model.py)")
     a = ap.parse_args()
     model = tp_rank_model_dir(a.model, a.tp_rank_of) if a.tp_rank_of else a.model
     engine = EngineCore(EngineConfig.from_kwargs(

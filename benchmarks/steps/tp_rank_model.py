@@ -3,8 +3,8 @@ size and vocabulary cut by P (what each of P TP ranks holds), written as a model
 `--load-format dummy`. Run at P = 1 it replays a TP rank's kernels exactly, minus the all-reduces (one GPU adds and
 normalizes locally), so kernel changes for small TP batches can be timed in the step on a single GPU.
 
-A helper, not run by itself: `python -m moebius.bench.decode_ab --tp-rank-of 2 --num-ranks 1 ...` and
-`python -m moebius.bench.profile_decode --tp-rank-of 2 ...` use it."""
+A helper, not run by itself: `python benchmarks/steps/decode_ab.py --tp-rank-of 2 --num-ranks 1 ...` and
+`python benchmarks/steps/profile_decode.py --tp-rank-of 2 ...` use it."""
 
 from __future__ import annotations
 

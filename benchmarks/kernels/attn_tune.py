@@ -2,7 +2,7 @@
 call inside a CUDA graph and the KV bandwidth reached, checked against the kernel's default launch. Chose
 `_decode_tiles` and `num_splits_for` (benchmarks/results/h200-attn-decode-tiles.json).
 
-    python -m moebius.bench.attn_tune attn_tune.json
+    python benchmarks/kernels/attn_tune.py attn_tune.json
 """
 
 from __future__ import annotations

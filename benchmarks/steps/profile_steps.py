@@ -1,10 +1,10 @@
 """Where a prefill step's and an eager decode step's GPU time goes (P = 1, in-process): the kernels of one step,
 by total device time, from torch.profiler; printed (no JSON). For finding what keeps a step off its floor.
 
-    python -m moebius.bench.profile_steps --prefill 2048 8192 --decode 1024 --context 1024
-    python -m moebius.bench.profile_steps --prefill 8192 --prompts 28 --decode   # a burst's step of short prompts
-    python -m moebius.bench.profile_steps --prefill 512 --beside 255 --decode --mixed-attention apart  # mixed
-    python -m moebius.bench.profile_steps --prefill --decode 512 1024 --pieces  # decode batches in step pieces
+    python benchmarks/steps/profile_steps.py --prefill 2048 8192 --decode 1024 --context 1024
+    python benchmarks/steps/profile_steps.py --prefill 8192 --prompts 28 --decode   # a burst's step of short prompts
+    python benchmarks/steps/profile_steps.py --prefill 512 --beside 255 --decode --mixed-attention apart  # mixed
+    python benchmarks/steps/profile_steps.py --prefill --decode 512 1024 --pieces  # decode batches in step pieces
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def table(prof: profile, layers: int, rows: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python benchmarks/steps/profile_steps.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b", help="preset (dummy weights); 'builtin': the demo model")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192], help="prompt chunk sizes")

@@ -2,7 +2,7 @@
 GPU: ms per launch and TFLOP/s for prompt chunks with and without a cached prefix, each checked against the torch
 reference; JSON with a row per shape and case, the best marked. Chose `kernels.attention.prefill_tiles`.
 
-    python -m moebius.bench.attn_prefill_tune benchmarks/results/h200-attn-prefill-tiles.json [--default-only]
+    python benchmarks/kernels/attn_prefill_tune.py benchmarks/results/h200-attn-prefill-tiles.json [--default-only]
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def library_rows(name: str, H: int, kvh: int, T: int, q: torch.Tensor, cache: to
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/attn_prefill_tune.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", nargs="?", default="benchmarks/results/attn-prefill-tiles.json")
     ap.add_argument("--default-only", action="store_true",
                     help="time the shape prefill_tiles picks (and the library kernels), no search")
@@ -114,7 +115,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows = [row for name, H, kvh in SHAPES for T, prefix in CASES for row in case_rows(name, H, kvh, T, prefix, dev)]
     write_result(out, rows=rows, params={"page": PAGE, "head_dim": D},
-                 command="python -m moebius.bench.attn_prefill_tune " + " ".join(sys.argv[1:]),
+                 command="python benchmarks/kernels/attn_prefill_tune.py " + " ".join(sys.argv[1:]),
                  note="one prompt chunk of `tokens` after `prefix` cached tokens; ms: median of 10 launches (CUDA "
                       "events); tflops: causal attention FLOPs / time; rel_err against the float32 torch reference; "
                       "best: the fastest shape within 2e-2; default: kernels.attention.prefill_tiles; library: torch "

@@ -7,9 +7,9 @@ JSON: a row per (mode, batch) with the default and the best shapes (nested setti
 their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs on the same pairs as a reference
 (table "per_batch"); every BM tried (table "tried"); wall_s (the "summary" row).
 
-    python -m moebius.bench.moe_tune --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
-    python -m moebius.bench.moe_tune --no-search --batches 256 512 1024 2048 --output moe_tma.json
-    python -m moebius.bench.moe_tune --ranks 1 --modes tp --batches 2048 8192 16384 --output moe_prefill.json
+    python benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
+    python benchmarks/kernels/moe_tune.py --no-search --batches 256 512 1024 2048 --output moe_tma.json
+    python benchmarks/kernels/moe_tune.py --ranks 1 --modes tp --batches 2048 8192 16384 --output moe_prefill.json
 
 Recorded: benchmarks/results/h200-moe-tune.json, h200-moe-tma.json (`--no-search`).
 """
@@ -57,7 +57,7 @@ def best_of(configs: list[fm.TileConfig], run) -> tuple[fm.TileConfig | None, fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/moe_tune.py")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[2 ** i for i in range(12)])

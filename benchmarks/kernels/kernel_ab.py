@@ -2,7 +2,7 @@
 (moebius/bench/graph_timing.py). Recorded: benchmarks/results/h200-router.json (`router`), h200-attn-splits.json
 (`splits`), h200-qk-norm-argmax.json (`argmax`, and `qk` against the one-head-per-program launch).
 
-    python -m moebius.bench.kernel_ab router|splits|argmax|qk out.json
+    python benchmarks/kernels/kernel_ab.py router|splits|argmax|qk out.json
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ CASES = {"router": router, "splits": splits, "argmax": argmax, "qk": qk}
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in CASES:
-        raise SystemExit(f"usage: python -m moebius.bench.kernel_ab {'|'.join(CASES)} [out.json]")
+        raise SystemExit(f"usage: python benchmarks/kernels/kernel_ab.py {'|'.join(CASES)} [out.json]")
     what = sys.argv[1]
     rows = CASES[what]()
     for r in rows:

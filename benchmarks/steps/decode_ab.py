@@ -1,8 +1,8 @@
 """Steady-state decode step (CUDA graph replay, overlapped host work) of a preset on this host's GPUs at a few
 batches and layouts, for A/B runs of one code change: run once per variant of the code and compare the rows.
 
-    python -m moebius.bench.decode_ab --num-ranks 2 --num-layers 48 --batches 1,2,4,8 --modes tp,ep --output ab.json
-    python -m moebius.bench.decode_ab --tp-rank-of 2 --num-ranks 1 --batches 1,2 --modes tp  (one TP-2 rank's work)
+    python benchmarks/steps/decode_ab.py --num-ranks 2 --num-layers 48 --batches 1,2,4,8 --modes tp,ep --output ab.json
+    python benchmarks/steps/decode_ab.py --tp-rank-of 2 --num-ranks 1 --batches 1,2 --modes tp  (one TP-2 rank's work)
 
 The small-batch A/B files in benchmarks/results (h200x2-linear-pdl.json, h200-tp-rank-*.json, ...) hold its rows.
 """
@@ -12,14 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 
+# its sibling in benchmarks/steps: a script's own folder is where Python looks first
+from tp_rank_model import tp_rank_model_dir
+
 from moebius.bench.results import gpus_used, params_of, write_result
-from moebius.bench.tp_rank_model import tp_rank_model_dir
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/steps/decode_ab.py")
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--num-ranks", type=int, default=2)
     ap.add_argument("--num-layers", type=int, default=48)
@@ -28,7 +30,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--output", default="decode_ab.json")
     ap.add_argument("--tp-rank-of", type=int, default=0,
-                    help="time one rank of TP over this many GPUs on one GPU (moebius/bench/tp_rank_model.py)")
+                    help="time one rank of TP over this many GPUs on one GPU (benchmarks/steps/tp_rank_model.py)")
     a = ap.parse_args()
     batches = [int(v) for v in a.batches.split(",")]
     model = tp_rank_model_dir(a.model, a.tp_rank_of) if a.tp_rank_of else a.model

@@ -6,7 +6,7 @@ launches (CUDA events); rel_err against the float32 torch reference; first_call_
 where not cached). Needs the flash extra (benchmarks/README.md says how it reaches the GPU machine). Chose
 kernels/flash.py.
 
-    python -m moebius.bench.flash_attention_ab benchmarks/results/h200-flash-attention.json [--one]
+    python benchmarks/kernels/flash_attention_ab.py benchmarks/results/h200-flash-attention.json [--one]
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def case(fa: object, name: str, qlens: list[int], prefixes: list[int], ref_check
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/flash_attention_ab.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", nargs="?", default="benchmarks/results/flash-attention.json")
     ap.add_argument("--one", action="store_true", help="the 8k fresh chunk only (a second process: the disk cache)")
     a = ap.parse_args()
@@ -113,7 +114,7 @@ def main() -> None:
     flat = [dict(case=r["case"], tokens=r["T"], sequences=r["B"], prefix=r["prefix"][0] if r["B"] == 1 else None,
                  kernel=k, **res) for r in rows for k, res in r["res"].items()]
     write_result(a.output, rows=flat, params={"heads": H, "kv_heads": KVH, "head_dim": D, "page": PAGE},
-                 command="python -m moebius.bench.flash_attention_ab " + " ".join(sys.argv[1:]),
+                 command="python benchmarks/kernels/flash_attention_ab.py " + " ".join(sys.argv[1:]),
                  note="one layer's attention of prompt chunks; kernel: triton (the paged Triton kernel), cudnn "
                       "(torch SDPA on K/V gathered from the pages), fa4_paged (_out: into a given buffer), "
                       "fa4_contig (K/V gathered contiguous beforehand, not timed); ms: median of 20 launches; "

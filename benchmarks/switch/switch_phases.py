@@ -4,8 +4,8 @@ on every rank. Switches back and forth with no requests (weights only), on a pre
 one-stream pass (its hooks wrap `Switcher._move_experts`, which --switch-overlap's pipelined pass does not use), over
 either transport (`--switch-transport peer`: the w13 and w2 exchanges each between their own pair of barriers).
 
-    python -m moebius.bench.switch_phases --model qwen3-30b-a3b --num-ranks 2 --output phases.json
-    python -m moebius.bench.switch_phases ... --disable-reshard-kernel (torch's strided copies, not the row copy)
+    python benchmarks/switch/switch_phases.py --model qwen3-30b-a3b --num-ranks 2 --output phases.json
+    python benchmarks/switch/switch_phases.py ... --disable-reshard-kernel (torch's strided copies, not the row copy)
 
 Rows: table "phases", per rank and switch, the phases' sums; table "switch", each switch_mode's answer.
 Recorded: benchmarks/results/h200x2-switch-phases.json.
@@ -82,7 +82,7 @@ if __name__ in ("__main__", "__mp_main__"):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/switch/switch_phases.py")
     ap.add_argument("--model", default="qwen3-30b-a3b", help="a preset or path; 'builtin' for the tiny model")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (host-clock times)")
     ap.add_argument("--num-ranks", type=int, default=2)

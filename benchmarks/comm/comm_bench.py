@@ -6,7 +6,7 @@ one-shot and two-shot, over grid caps, rows per iteration and warps.
 EP: dispatch (all-gather of token rows, weights, ids) + combine (reduce-scatter) + add + RMSNorm, per token
 capacity: `EPComm` through NCCL against `EPComm` through `kernels.symmetric.EPExchange`.
 
-    torchrun --nproc-per-node 2 -m moebius.bench.comm_bench --output comm.json
+    torchrun --nproc-per-node 2 benchmarks/comm/comm_bench.py --output comm.json
 
 Recorded: benchmarks/results/h200x2-comm.json (rows of table "tp": TP; of table "ep": EP).
 """
@@ -28,7 +28,7 @@ from moebius.parallel.dispatch import EPComm, SymmetricAllReduce
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node N benchmarks/comm/comm_bench.py")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048])
     ap.add_argument("--ep-capacity", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 2048])

@@ -1,7 +1,7 @@
 """Where a decode step's host time goes (P = 1, in-process): metadata, graph launch, wait, sampling; printed (a
 cProfile table per batch, no JSON). Reaches into the engine's rank internals (`engine.ranks.rank.runner`).
 
-    python -m moebius.bench.profile_host --num-layers 48 --batch 1 64 1024
+    python benchmarks/steps/profile_host.py --num-layers 48 --batch 1 64 1024
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moebius.frontend.core import EngineCore
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/steps/profile_host.py")
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--num-layers", type=int, default=48)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 1024])

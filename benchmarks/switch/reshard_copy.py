@@ -2,7 +2,7 @@
 (TP -> EP, after it) of one layer of a rank's experts, torch's permuted copies against `kernels/copy.py`'s row copy
 at a few program sizes. Checks the copies agree, reports each one's time and its HBM rate (bytes read + written).
 
-    python -m moebius.bench.reshard_copy --model qwen3-30b-a3b --ranks 2 --output reshard_copy.json
+    python benchmarks/switch/reshard_copy.py --model qwen3-30b-a3b --ranks 2 --output reshard_copy.json
 
 Recorded: benchmarks/results/h200-reshard-copy.json.
 """
@@ -23,7 +23,7 @@ from moebius.switch import plan
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/switch/reshard_copy.py")
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--elems", default="4096,8192,16384,32768")
