@@ -131,9 +131,10 @@ class Timeline:
 
 
 class Client:
-    """The HTTP side of the load generator, on aiohttp: its C HTTP parser streams a chunk for about 35 us of this
-    process's CPU where httpx (pure-Python h11) took 77, and at 384 streams of ~20 ms a token httpx's client fell
-    4 s behind its send schedule (docs/performance.md)."""
+    """The HTTP side of the load generator, on aiohttp: its C HTTP parser streams a chunk for a fraction of the CPU
+    httpx (pure-Python h11) took, whose client fell seconds behind its send schedule at hundreds of streams, so that
+    the run measured the client (docs/performance.md, "The served step at 384 streams";
+    benchmarks/results/h200-p1-serve-steady384-ahead.json against h200-p1-serve-steady384-aiohttp.json)."""
 
     def __init__(self, base_url: str, api_key: str | None, request_timeout: float) -> None:
         try:

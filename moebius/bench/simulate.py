@@ -148,8 +148,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         src.add_argument("--floor-model", choices=sorted(PRESETS), help="a profile from the floor model")
         src.add_argument("--floor-ranks", type=int, default=8)
         src.add_argument("--floor-context", type=int, default=1024, help="cached tokens a request in the floor")
-        src.add_argument("--efficiency", type=float, default=1.4, help="step time / floor (measured: ~1.3-1.5)")
-        src.add_argument("--switch-efficiency", type=float, default=2.0, help="switch time / floor (measured: ~2)")
+        src.add_argument("--efficiency", type=float, default=1.4,
+                         help="step time / floor (as the sweep measured it from batch 16 on: ratio_to_floor in "
+                         "benchmarks/results/h200x2-qwen3-30b-a3b-sweep.json)")
+        src.add_argument("--switch-efficiency", type=float, default=2.0,
+                         help="switch time / floor (as the sweep measured it: its switches' transfer_ms in "
+                         "benchmarks/results/h200x2-qwen3-30b-a3b-sweep.json against floor.switch_floor_ms)")
         eng = w.add_argument_group("engine")
         eng.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_TOKEN_BUDGET)
         eng.add_argument("--max-running-requests", type=int, default=2048, help="requests running at once, all ranks")

@@ -160,7 +160,8 @@ def run_systems(engine: EngineCore, jobs: Sequence[Job], systems: Sequence[str],
             auto.reset()
             engine.set_auto(auto)
         # what the warm-up and earlier runs left is collected now and kept out of later collections, so that no run
-        # pays for another's garbage (the first timed run at P = 1 was 4-14% slower than the same layout timed second)
+        # pays for another's garbage: without it the first timed run was slower than the same layout timed second
+        # (docs/performance.md, the rollout run of benchmarks/results/h200-p1-rollout.json)
         gc.collect()
         gc.freeze()
         engine.reset_prefix_cache()  # every run computes the same prompts: none finds the warm-up's or another's
