@@ -239,12 +239,52 @@ def test_info_routes(server: Server) -> None:
     assert server.get("/version").json() == {"version": moebius.__version__}
 
 
-def test_server_runs_on_httptools_and_uvloop(server: Server) -> None:
-    """The serve extra installs httptools and uvloop and uvicorn runs on them (the front end's CPU time per streamed
-    token ~20% below h11 and asyncio's; it shares its interpreter with the engine loop)."""
-    if sys.platform == "win32":
+async def _where_served(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An ASGI app that answers what runs it: the module of the running event loop's class and that of the uvicorn
+    protocol whose task runs the request."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    task = asyncio.current_task()
+    assert task is not None
+    body = {"loop": type(asyncio.get_running_loop()).__module__,
+            "protocol": task.get_coro().cr_frame.f_globals["__name__"]}  # type: ignore[union-attr]
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+@pytest.mark.parametrize("extra", [True, False], ids=["serve-extra", "without-it"])
+def test_server_runs_on_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch, extra: bool) -> None:
+    """A server configured as `moebius serve` configures uvicorn answers on uvloop's event loop through httptools'
+    protocol, which the serve extra installs (they cut the front end's CPU time per streamed token); without them it
+    serves on asyncio and h11."""
+    import uvicorn
+
+    from moebius.entrypoints.openai.server import uvicorn_config
+
+    if extra and sys.platform == "win32":
         pytest.skip("uvloop does not run on Windows")
-    assert "HTTP HttpToolsProtocol, event loop uvloop" in server.output(), server.tail()
+    if not extra:
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
+        monkeypatch.setitem(sys.modules, "httptools", None)
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(_where_served, "127.0.0.1", port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        got = httpx.get(f"http://127.0.0.1:{port}/", timeout=10).json()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+    loop, protocol = ("uvloop", "httptools_impl") if extra else ("asyncio", "h11_impl")
+    assert (got["loop"].split(".")[0], got["protocol"]) == (loop, f"uvicorn.protocols.http.{protocol}"), got
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
@@ -879,8 +919,11 @@ def test_openai_client(server: Server, ref: LLM) -> None:
 
 
 def test_stats_line_while_busy(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A stats line (throughput, running, waiting, KV use, layout) every STATS_EVERY_S seconds while busy."""
+    """A stats line (throughput, running, waiting, KV use, layout) every STATS_EVERY_S seconds while busy: its
+    figures follow the one request through its course (waiting, then decoding with its KV page held and tokens
+    flowing, then finished with its page free again)."""
     import logging
+    import re
 
     from moebius.config import EngineConfig
     from moebius.entrypoints.openai import engine_loop
@@ -888,13 +931,22 @@ def test_stats_line_while_busy(monkeypatch: pytest.MonkeyPatch, caplog: pytest.L
     from moebius.frontend.core import EngineCore
 
     monkeypatch.setattr(engine_loop, "STATS_EVERY_S", 0.0)
-    loop = EngineLoop(EngineCore(EngineConfig(device="cpu")))
+    # a small KV pool, so that the request's one page shows in the percentage
+    loop = EngineLoop(EngineCore(EngineConfig(device="cpu", max_total_tokens=256)))
     with caplog.at_level(logging.INFO, logger="moebius"):
         loop.start()
         asyncio.run(_one_request(loop))
         loop.stop()
+    line = re.compile(r"([\d.]+) tokens/s generated, (\d+) running, (\d+) waiting, KV ([\d.]+)% used, layout (\w+)")
     lines = [r.getMessage() for r in caplog.records if "tokens/s generated" in r.getMessage()]
-    assert lines and "running" in lines[0] and "KV" in lines[0] and "layout tp" in lines[0], lines
+    stats = [line.fullmatch(m) for m in lines]
+    assert stats and all(stats), lines
+    rows = [(float(m[1]), int(m[2]), int(m[3]), float(m[4]), m[5]) for m in stats if m is not None]
+    assert {layout for *_, layout in rows} == {"tp"}, lines
+    assert {(running, waiting) for _, running, waiting, _, _ in rows} <= {(0, 1), (1, 0), (0, 0)}, lines
+    decoding = [(rate, kv) for rate, running, _, kv, _ in rows if running == 1]
+    assert decoding and all(rate > 0 and kv > 0 for rate, kv in decoding), lines  # a token since the line before
+    assert rows[-1][1:4] == (0, 0, 0.0), lines  # finished: nothing running or waiting, its page free
 
 
 async def _one_request(loop: Any) -> None:
