@@ -58,11 +58,13 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlo
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
               QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
+              PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, TABLE: tl.constexpr, DECODE: tl.constexpr,
+              PDL: tl.constexpr):
     """QK (decode only): Q receives q here, from the fused qkv projection (q/k RMSNorm, RoPE; the new k and v go to
     the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise.
     TABLE: program p takes query block QBlocks[p] = (sequence, block) (`query_blocks`); else a grid of every
-    sequence x its longest chunk's blocks, whose programs past a shorter chunk's end exit at once."""
+    sequence x its longest chunk's blocks, whose programs past a shorter chunk's end exit at once.
+    DECODE: one query token a sequence (max_query_len == 1)."""
     enter(PDL)
     # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
     # head of a token is one run of bytes) are read together
@@ -106,14 +108,22 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlo
         l_i = tl.zeros([BM * G], tl.float32)
         acc = tl.zeros([BM * G, D], tl.float32)
         scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
-        # keys up to the block's first query position are visible to every row: whole tiles there skip the mask
-        full = lo + tl.maximum(tl.minimum(hi, seq_len - qlen + m0 + 1) - lo, 0) // BN * BN
-        for start in range(lo, full, BN):
-            m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
-                                  stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, False)
-        for start in range(full, hi, BN):
-            m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
-                                  stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, True)
+        if DECODE:
+            # one loop, every tile masked: a second loop for the last, partial tile drains the first one's software
+            # pipeline and waits for its own loads unhidden, which cost a memory-bound decode more than the masks
+            # it saves (benchmarks/results/h200-decode-attention-loop.json)
+            for start in range(lo, hi, BN):
+                m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, True)
+        else:
+            # keys up to the block's first query position are visible to every row: whole tiles there skip the mask
+            full = lo + tl.maximum(tl.minimum(hi, seq_len - qlen + m0 + 1) - lo, 0) // BN * BN
+            for start in range(lo, full, BN):
+                m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, False)
+            for start in range(full, hi, BN):
+                m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, True)
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(Out + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -315,7 +325,7 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
                     qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
                     PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, TABLE=table,
-                    num_warps=warps, num_stages=stages, **pdl(q_THd, kc))
+                    DECODE=max_query_len == 1, num_warps=warps, num_stages=stages, **pdl(q_THd, kc))
     if num_splits > 1:
         _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
                               **pdl(q_THd, kc))
