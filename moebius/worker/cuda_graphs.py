@@ -102,8 +102,9 @@ class CudaGraphs:
 
 def piece_buckets(cap: int) -> list[int]:
     """Token buckets of step pieces: 16 to 256 by powers of two, multiples of 128 to 1024, of 256 beyond, up to cap
-    (cap last): a step pays for its padding tokens (past ~1k tokens the GPU, not the host, sets a step's time), so
-    the buckets stay within ~25% of each other."""
+    (cap last): a step pays for its padding tokens (past the smallest buckets the GPU, not the host, sets a step's
+    time: docs/performance.md, prefill steps; benchmarks/results/h200-p1-prefill.json), so neighbouring buckets
+    stay close in size."""
     out = [b for b in (16, 32, 64, 128, 256) if b < cap]
     b = 384
     while b < cap:

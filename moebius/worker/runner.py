@@ -105,8 +105,8 @@ class StaticBuffers:
             start += n
         self.meta[:end].copy_(host_meta[:end], non_blocking=True)
         # The [B, W] table travels packed (one contiguous copy from pinned memory), then a device copy spreads it
-        # into the rows: a strided host-to-device copy would be staged through pageable memory (milliseconds at
-        # large batches).
+        # into the rows: a strided host-to-device copy would be staged through pageable memory, a copy that holds
+        # the host and grows with the batch.
         B, W = table.shape
         n = B * W
         host_tables.numpy()[:n] = table.reshape(-1)
@@ -287,7 +287,7 @@ class ModelRunner:
         B = len(batch)
         lens = np.fromiter((c.num_tokens for c in batch), dtype=np.int64, count=B)
         starts = np.fromiter((c.start for c in batch), dtype=np.int64, count=B)
-        # chained in C: a generator over every token cost ~0.2 ms more at an 8k prompt (a CPU core)
+        # chained in C: a Python generator over every token would cost host time in proportion to the prompt
         ids = np.fromiter(chain.from_iterable(c.req.tokens(c.start, c.start + c.num_tokens) for c in batch),
                           dtype=np.int64, count=int(lens.sum()))
         n_pages = np.fromiter((len(c.req.pages) for c in batch), dtype=np.int64, count=B)
@@ -307,7 +307,7 @@ class ModelRunner:
         token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
         positions = starts[token_seq] + token_qpos
         table = np.zeros((B, width), dtype=np.int32)
-        # one vectorised fill (row-by-row assignment costs microseconds per request at large batches)
+        # one vectorised fill (a row-by-row assignment would cost host time per request)
         table[: len(batch)][np.arange(width) < n_pages[:, None]] = np.fromiter(
             chain.from_iterable(c.req.pages for c in batch), dtype=np.int32, count=int(n_pages.sum()))
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs

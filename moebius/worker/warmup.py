@@ -8,8 +8,9 @@ order), and Triton's own specialization of integer arguments (1, multiples of 16
 prefills, or samples; and, where a step's decodes attend in a launch of their own (`--mixed-attention apart`), by
 how many decodes it holds (its KV splits). The last steps take their decodes' input tokens from the step before,
 still on the device, as served steps do under overlap scheduling (the index copy that fills them, a torch kernel,
-cost the first request after start-up ~12 ms of host time on its first use in the process). The steps read and
-write only the reserved KV page 0, as graph capture's warm-up does, so they need no switch and leave no trace."""
+held the first request after start-up on its first use in the process: docs/performance-history.md, the first
+request's extra time). The steps read and write only the reserved KV page 0, as graph capture's warm-up does, so
+they need no switch and leave no trace."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ class WarmupStep:
     chunks: tuple[tuple[int, int], ...]
     sampling: str = "greedy"  # a key of SAMPLING
     # its decodes' input tokens are the step before's sampled tokens, still on the device, as in every served step
-    # after a request's first (overlap scheduling): their index copy's first use in a process cost the engine's
-    # first request ~12 ms of host time on the GPU
+    # after a request's first (overlap scheduling): their index copy's first use in a process would otherwise
+    # fall under the engine's first request (module docstring)
     follows: bool = False
 
     @property
