@@ -2,7 +2,7 @@
 
 from moebius.entrypoints.llm import LLM
 from moebius.outputs import CompletionOutput, RequestOutput
-from moebius.sampling_params import SamplingParams
+from moebius.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

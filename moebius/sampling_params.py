@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the most top tokens a step returns per output token (OpenAI's top_logprobs limit)
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold each time the engine returns one (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far (tokens, text, log-probabilities), after every step that changed it
+    DELTA = 1  # only what is new since the last output (a stream); text never retracted (stop strings held back)
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 @dataclass
@@ -36,6 +45,7 @@ class SamplingParams:
     # Return each output token's log-probability under the model (the raw distribution, before temperature and
     # cuts) and the `logprobs` most likely tokens' (0: the sampled token's alone; None: nothing), as vLLM does.
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +79,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             for t in self.stop_token_ids:
                 _int("stop_token_ids", t, lo=0, what="non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == 0:
             self.top_k = -1
 

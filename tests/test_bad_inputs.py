@@ -257,13 +257,13 @@ def test_switch_without_memory_for_staging_is_refused_before_anything_moves(llm,
     with monkeypatch.context() as m:
         m.setattr(executor, "staging_like", no_memory)
         out = llm.switch_mode(target)
-    assert out["done"] is False, out
-    assert re.search(r"staging.*rank 0: CUDA out of memory. Tried to allocate 402.00 MiB\)$", out["reason"]), out
+    assert out.done is False, out
+    assert re.search(r"staging.*rank 0: CUDA out of memory. Tried to allocate 402.00 MiB\)$", out.reason), out
     assert llm.mode == before_mode and llm.engine.query("fingerprint") == before
     assert_still_works(llm, ckpt("text"))
-    assert llm.switch_mode(target)["done"] is True
+    assert llm.switch_mode(target).done is True
     assert_still_works(llm, ckpt("text"))
-    assert llm.switch_mode(before_mode)["done"] is True
+    assert llm.switch_mode(before_mode).done is True
 
 
 @pytest.mark.slow

@@ -183,19 +183,20 @@ def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
     """`bench_prefill` with `sequences`: one step of that many prompts (a burst's); a split it cannot make is an
     error naming its numbers; with `decodes`, running requests beside them (a mixed step)."""
     from moebius import LLM
+    from moebius.link.messages import PrefillProbe
 
     with LLM() as llm:
-        res = llm.engine.query("bench_prefill", tokens=40, context=4, steps=2, warmup=1, sequences=3)
+        res = llm.engine.probe(PrefillProbe(tokens=40, context=4, steps=2, warmup=1, sequences=3))
         assert all(r["chunk_tokens"] == [14, 13, 13] and r["step_ms"] > 0 for r in res), res
-        bad = llm.engine.query("bench_prefill", tokens=4, context=0, steps=1, warmup=0, sequences=5)
+        bad = llm.engine.probe(PrefillProbe(tokens=4, context=0, steps=1, warmup=0, sequences=5))
         assert all("sequences" in r["error"] and "5" in r["error"] for r in bad), bad
         # a mixed step: 6 requests decoding after 30 cached tokens come first, then the prompts
-        res = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=6,
-                               decode_context=30)
+        res = llm.engine.probe(PrefillProbe(tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=6,
+                                            decode_context=30))
         assert all(r["chunk_tokens"] == [14, 13, 13] and r["decodes"] == 6 and r["step_ms"] > 0 for r in res), res
         # the decodes are requests of the step: 3 prompts and 254 decodes do not fit 256 running requests
-        bad = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=254,
-                               decode_context=30)
+        bad = llm.engine.probe(PrefillProbe(tokens=40, context=4, steps=1, warmup=0, sequences=3, decodes=254,
+                                            decode_context=30))
         assert all("room for 257 requests" in r["error"] for r in bad), bad
-        bad = llm.engine.query("bench_prefill", tokens=40, context=4, steps=1, warmup=0, idle_s=-1.0)
+        bad = llm.engine.probe(PrefillProbe(tokens=40, context=4, steps=1, warmup=0, idle_s=-1.0))
         assert all("idle_s >= 0" in r["error"] and "-1.0" in r["error"] for r in bad), bad

@@ -46,7 +46,7 @@ def test_token_ids_round_trip_through_json() -> None:
 
 def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     """A switch's request list: every request's output ids travel as one string, its state per request, its spec
-    not at all (the receiver holds it); each comes back whole (empty outputs, prompt logits, stop state), and a
+    not at all (the receiver holds it); each comes back whole (empty outputs, prompt logits, status), and a
     request whose spec is unknown or counts that do not match the ids are an error, never a request with the wrong
     tokens."""
     import json
@@ -55,9 +55,9 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     import torch
 
     from moebius.link.codec import decode, encode
-    from moebius.link.messages import RequestList
     from moebius.link.request import Request, RequestSpec, Status
     from moebius.sampling_params import SamplingParams
+    from moebius.switch.requests import RequestList
 
     def requests_to_json(reqs: list[Request]) -> dict:
         return encode(RequestList.of(reqs))
@@ -66,7 +66,7 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
         return decode(RequestList, msg).requests_with(specs)
 
     reqs = [Request(RequestSpec("a", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"]), 7, 100, 0), [4, 5], 4,
-                    status=Status.RUNNING, stop_text="ab", stop_offsets=(1, 2)),
+                    status=Status.RUNNING, num_cached_tokens=2, prefix_keys=[3]),
             Request(RequestSpec("b", [151935] * 40, SamplingParams(prompt_logits=True), 8, 100, 1),
                     prompt_logits=[torch.ones(2, 3)]),
             Request(RequestSpec("c", [9], SamplingParams(), 9, 100, 2), [-1, 151935, 0])]
@@ -75,8 +75,8 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     assert "prompt_token_ids" not in json.dumps(msg) and "params" not in json.dumps(msg)
     back = requests_from_json(msg, specs)
     for r, b in zip(reqs, back, strict=True):
-        assert (b.spec, b.output_token_ids, b.num_computed, b.status, b.stop_text, b.stop_offsets) == (
-            r.spec, r.output_token_ids, r.num_computed, r.status, r.stop_text, r.stop_offsets)
+        assert (b.spec, b.output_token_ids, b.num_computed, b.status, b.num_cached_tokens, b.prefix_keys) == (
+            r.spec, r.output_token_ids, r.num_computed, r.status, r.num_cached_tokens, r.prefix_keys)
         assert len(b.prompt_logits) == len(r.prompt_logits)
         assert all(torch.equal(x, y) for x, y in zip(b.prompt_logits, r.prompt_logits, strict=True))
     assert requests_from_json(requests_to_json([]), {}) == []
@@ -99,8 +99,52 @@ def test_token_deltas_pickle_with_every_field() -> None:
 
     from moebius.link.messages import TokenDelta
 
-    d = TokenDelta("r7-1", [5, 6], "stop", "</s>", torch.arange(6.0).view(2, 3), [-0.1, -1.5], [5, 9])
+    d = TokenDelta("r7-1", [5, 6], "stop", 6, torch.arange(6.0).view(2, 3), [-0.1, -1.5], [5, 9], 3)
     back = pickle.loads(pickle.dumps(d))
     for f in dataclasses.fields(TokenDelta):
         a, b = getattr(d, f.name), getattr(back, f.name)
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f.name
+
+
+def test_plans_and_reports_cross_between_ranks_whole_and_typed() -> None:
+    """What rank 0 broadcasts and gathers goes as JSON: a plan's typed parts (admissions with their owner, releases,
+    a switch order with owners, a query) and a report's (token deltas, a switch's outcome with its device times,
+    query answers) come back equal, of their own types; a merged report sums the counts and keeps rank 0's
+    switch."""
+    import json
+
+    from moebius.link.codec import decode, encode
+    from moebius.link.messages import (
+        Admit,
+        KVStats,
+        Query,
+        StepPlan,
+        StepReport,
+        StepWork,
+        SwitchOrder,
+        SwitchOutcome,
+        SwitchTimes,
+        TokenDelta,
+    )
+    from moebius.link.request import RequestSpec
+    from moebius.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=5, stop=["x"], output_kind=RequestOutputKind.DELTA)
+    plan = StepPlan([Admit(RequestSpec("a", [1, 2, 3], params, 7, 100, 0), owner=1)], ["b"],
+                    SwitchOrder("ep", {"a": 1, "c": 0}), run=False, query=Query.REQUESTS)
+    back = decode(StepPlan, json.loads(json.dumps(encode(plan))))
+    assert back == plan and isinstance(back.admit[0], Admit) and back.query is Query.REQUESTS
+    assert back.admit[0].spec.params.stop_strings == ("x",)  # derived again on arrival
+    outcome = SwitchOutcome("tp", "ep", True, list_ms=1.5, transport="collective", running=2,
+                            device=SwitchTimes(3.0, 1.0, 4.5, 9.0))
+    reports = [StepReport([TokenDelta("a", [9], None, cached_tokens=2)], [KVStats(10, 20)], 1, 0,
+                          StepWork(tokens=3, sequences=1), outcome, None, answers=[{"running": ["a"]}]),
+               StepReport([TokenDelta("c", [4], "stop", 4)], [KVStats(5, 20)], 1, 1, StepWork(tokens=1),
+                          SwitchOutcome("tp", "ep", True), None, answers=[{"running": ["c"]}])]
+    wired = [decode(StepReport, json.loads(json.dumps(encode(r)))) for r in reports]
+    assert wired == reports and isinstance(wired[0].switch, SwitchOutcome)
+    merged = StepReport.merge(wired)
+    assert [d.request_id for d in merged.deltas] == ["a", "c"] and merged.kv == [KVStats(10, 20), KVStats(5, 20)]
+    assert (merged.running, merged.waiting, merged.work.tokens) == (2, 1, 4) and merged.switch == outcome
+    assert merged.answers == [{"running": ["a"]}, {"running": ["c"]}] and outcome.total_ms == 9.0
+    assert outcome.to_json()["to"] == "ep" and outcome.to_json()["weights_ms"] == 3.0

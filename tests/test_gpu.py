@@ -15,6 +15,7 @@ from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.pairs import PairRows
 from moebius.layers.attention import paged_attention, paged_attention_ref
 from moebius.layers.moe import experts, experts_ref
+from moebius.link.messages import DecodeProbe, PrefillProbe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -163,14 +164,14 @@ def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, l
         target = "ep" if llm.mode == "tp" else "tp"
         deferred = step in switch_at and step % 2 == 0
         if step in switch_at and not deferred:
-            assert llm.switch_mode(target)["done"]
+            assert llm.switch_mode(target).done
         elif deferred:  # rides on this step: the step is queued right behind the pass, no wait between them
             llm.engine.request_switch(target)
         for o in llm.step():
             if o.finished:
                 done[ids[o.request_id]] = o.token_ids
         if deferred:
-            assert llm.engine.last_switch is not None and llm.engine.last_switch["done"] and llm.mode == target
+            assert llm.engine.last_switch is not None and llm.engine.last_switch.done and llm.mode == target
         step += 1
     return done
 
@@ -187,9 +188,9 @@ def test_graph_replay_equals_eager_across_switches(num_ranks: int) -> None:
               dtype="float32")
     # float32 keeps both runs' argmax stable (bf16 reductions in different kernels could flip near-ties)
     with LLM(**kw) as llm:
-        used = llm.engine.query("bench_decode", batch=2, context=8, steps=1, warmup=0, graphs=True)
+        used = llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0, graphs=True))
         assert all(r["cuda_graph"] for r in used)  # decode steps of this engine do replay graphs
-        used = llm.engine.query("bench_prefill", tokens=40, context=8, steps=1, warmup=0)
+        used = llm.engine.probe(PrefillProbe(tokens=40, context=8, steps=1, warmup=0))
         assert all(r["pieces"] for r in used)  # ... and steps with prompt chunks their pieces
         graph = _run(llm, prompts, {3, 6, 9, 14, 20, 27})
     with LLM(disable_cuda_graph=True, **kw) as llm:
@@ -238,7 +239,7 @@ def test_step_pieces_match_eager_steps_in_bf16(mixed: str) -> None:
     --mixed-attention apart the decodes in a launch of their own) give the prompt logits and tokens of the same
     steps run eagerly with the decodes in the chunks' launch."""
     with LLM(mixed_attention=mixed, **_MIXED_KW) as llm:
-        assert all(r["pieces"] for r in llm.engine.query("bench_prefill", tokens=2048, context=0, steps=1, warmup=0))
+        assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=2048, context=0, steps=1, warmup=0)))
         pieces = _mixed_run(llm)
     with LLM(disable_cuda_graph=True, mixed_attention="shared", **_MIXED_KW) as llm:
         eager = _mixed_run(llm)
@@ -298,7 +299,7 @@ def test_served_steps_compile_no_kernel_after_the_warmup() -> None:
         flash = _flash_compiled()
         for layout in ("tp", "ep"):
             if llm.mode != layout:
-                assert llm.switch_mode(layout)["done"]  # a switch's own kernels are not the steps' (not counted)
+                assert llm.switch_mode(layout).done  # a switch's own kernels are not the steps' (not counted)
             seen = compiled.setdefault(layout, [])
             triton.knobs.runtime.jit_cache_hook = lambda seen=seen, **kw: seen.append(
                 f"{kw['repr'].split('(')[0]} {kw['compile']['key']}")
@@ -346,7 +347,7 @@ def test_steps_launch_without_waiting_for_the_gpu(monkeypatch) -> None:
         monkeypatch.setattr(ModelRunner, "launch", strict)
         for layout in ("tp", "ep"):
             if llm.mode != layout:
-                assert llm.switch_mode(layout)["done"]
+                assert llm.switch_mode(layout).done
             for i in range(20):
                 n = int(torch.randint(2, 400, (1,), generator=g))
                 llm.add_request(torch.randint(0, 384, (n,), generator=g).tolist(),
@@ -557,7 +558,7 @@ def test_dual_layout_peak_memory_within_3_percent_of_static_ep() -> None:
     peaks = {}
     for static in (True, False):
         with LLM(static_layout=static, **kw) as llm:
-            llm.engine.query("bench_decode", batch=64, context=1024, steps=2, warmup=1, graphs=True)
+            llm.engine.probe(DecodeProbe(batch=64, context=1024, steps=2, warmup=1, graphs=True))
             peaks[static] = max(m["peak_reserved"] for m in llm.engine.query("memory"))
     assert peaks[False] <= 1.03 * peaks[True], peaks
 
@@ -804,7 +805,7 @@ def test_pipelined_switch_moves_what_the_one_stream_pass_moves(monkeypatch: pyte
             prints = [llm.engine.query("fingerprint")[0]]
             for target in ("tp", "ep", "tp"):
                 switched = llm.switch_mode(target)
-                assert switched["done"] and switched["pipelined"] is overlap, switched
+                assert switched.done and switched.pipelined is overlap, switched
                 prints.append(llm.engine.query("fingerprint")[0])
             while llm.has_unfinished():
                 outs.update({o.request_id: o for o in llm.step()})
@@ -833,8 +834,8 @@ def test_peer_switch_transport_moves_what_the_collective_one_moves() -> None:
             prints = [llm.engine.query("fingerprint")]
             for target in ("tp", "ep", "tp"):
                 switched = llm.switch_mode(target)
-                assert switched["done"] and switched["transport"] == transport, switched
-                assert switched["peer_exchanges"] == (8 if transport == "peer" else 0), switched
+                assert switched.done and switched.transport == transport, switched
+                assert switched.peer_exchanges == (8 if transport == "peer" else 0), switched
                 prints.append(llm.engine.query("fingerprint"))
             while llm.has_unfinished():
                 outs.update({o.request_id: o for o in llm.step()})

@@ -25,6 +25,7 @@ import pytest
 from conftest import VOCAB, hf_greedy
 
 from moebius import LLM, SamplingParams
+from moebius.link.messages import SwitchOutcome
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +63,7 @@ def engines(ckpt: Any) -> Iterator[Callable[..., LLM]]:
             made[key] = make(ckpt(name), P, max_running, tokens, mode, overlap, transport)
         llm = made[key]
         if llm.mode != mode:
-            assert llm.switch_mode(mode)["done"]
+            assert llm.switch_mode(mode).done
         return llm
 
     yield get
@@ -125,14 +126,14 @@ SWITCHES = [1, 2, 4, 5, 8, 8, 11, 15, 19, 22]
 
 
 def drive(llm: LLM, jobs: list[Job], switch_steps: Sequence[int] = (), max_steps: int = 400, deferred: bool = False
-          ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+          ) -> tuple[dict[str, Any], list[SwitchOutcome]]:
     """Run the script; returns the last RequestOutput of each job (by name) and the outcome of every switch.
     deferred: each switch rides on the next step's plan (engine.request_switch) instead of its own call."""
     switches = Counter(switch_steps)
     last_event = max([j.arrive for j in jobs] + [j.abort_at or 0 for j in jobs] + list(switches) + [0])
     rid: dict[str, str] = {}
     outs: dict[str, Any] = {}
-    outcomes: list[dict[str, Any]] = []
+    outcomes: list[SwitchOutcome] = []
     for i in range(max_steps):
         for j in jobs:
             if j.arrive == i:
@@ -152,23 +153,23 @@ def drive(llm: LLM, jobs: list[Job], switch_steps: Sequence[int] = (), max_steps
         for o in llm.step():
             outs[o.request_id] = o
         if deferred and targets:
-            assert llm.engine.last_switch is not None and "weights_ms" not in llm.engine.last_switch
+            assert llm.engine.last_switch is not None and llm.engine.last_switch.device is None
             outcomes.append(llm.engine.last_switch)  # its device times join it with the next step
     else:
         raise AssertionError(f"script did not finish in {max_steps} steps")
     if deferred:
         llm.step()  # an idle step brings the last switch's times
         for o in outcomes:
-            _checked(o, llm, o["to"], mode=False)
+            _checked(o, llm, o.target, mode=False)
     names = {r: n for n, r in rid.items()}
     return {names[r]: o for r, o in outs.items()}, outcomes
 
 
-def _checked(out: dict[str, Any] | None, llm: LLM, target: str, mode: bool = True) -> dict[str, Any]:
-    assert out is not None and out.get("done") is True, f"switch to {target} refused: {out}"
+def _checked(outcome: SwitchOutcome | None, llm: LLM, target: str, mode: bool = True) -> SwitchOutcome:
+    assert outcome is not None and outcome.done is True, f"switch to {target} refused: {outcome}"
     assert not mode or llm.mode == target
-    assert {"requests_ms", "weights_ms", "kv_ms", "total_ms", "host_ms", "prep_ms", "enqueue_ms", "span_ms"
-            } <= out.keys(), out
+    assert outcome.device is not None, outcome  # the pass's device times, with the switch or the step after it
+    out = outcome.to_json()
     # the pass's span holds every layer's weight and KV phases; the total is the requests, the index vectors and
     # the span; the host's own part (planning, launching the pass) lies inside the switch call
     assert out["span_ms"] >= out["weights_ms"] + out["kv_ms"] - 1e-3, out
@@ -176,7 +177,7 @@ def _checked(out: dict[str, Any] | None, llm: LLM, target: str, mode: bool = Tru
     # the requests part: the global request list, the plan, the staging and the ranks' agreement on it
     assert abs(out["requests_ms"] - out["list_ms"] - out["plan_ms"] - out["staging_ms"]) < 1e-6, out
     assert out["requests_ms"] + out["prep_ms"] + out["enqueue_ms"] <= out["host_ms"] + 1e-3, out
-    return out
+    return outcome
 
 
 def assert_kv_free(llm: LLM, P: int) -> None:
@@ -192,7 +193,7 @@ def assert_kv_free(llm: LLM, P: int) -> None:
 def assert_idle_round_trip(llm: LLM, P: int) -> None:
     """A switch with nothing in flight, and back (EP -> TP -> EP): the pools are still whole in both layouts."""
     for target in ("tp", "ep"):
-        assert llm.switch_mode(target)["done"]
+        assert llm.switch_mode(target).done
         assert_kv_free(llm, P)
 
 
@@ -224,8 +225,8 @@ def _transport_used(outcomes: list[dict[str, Any]], transport: str, P: int, path
     peer = transport == "peer" and P > 1
     with open(f"{path}/config.json") as f:
         layers = json.load(f)["num_hidden_layers"]
-    assert all(o["transport"] == ("peer" if peer else "collective") for o in outcomes), outcomes
-    assert all(o["peer_exchanges"] == (2 * layers if peer else 0) for o in outcomes), outcomes
+    assert all(o.transport == ("peer" if peer else "collective") for o in outcomes), outcomes
+    assert all(o.peer_exchanges == (2 * layers if peer else 0) for o in outcomes), outcomes
 
 
 # overlap: the double-buffered pass (--switch-overlap), run on the CPU in the order it queues work on the GPU;
@@ -242,9 +243,9 @@ def test_outputs_unchanged_by_many_switches(engines: Any, ckpt: Any, P: int, ove
     assert_kv_free(llm, P)
     got, outcomes = drive(llm, JOBS, SWITCHES)
     assert len(outcomes) == len(SWITCHES) >= 6
-    assert all(o["pipelined"] is overlap for o in outcomes)
+    assert all(o.pipelined is overlap for o in outcomes)
     _transport_used(outcomes, transport, P, path)
-    assert [o["to"] for o in outcomes] == ["tp", "ep"] * (len(SWITCHES) // 2)
+    assert [o.target for o in outcomes] == ["tp", "ep"] * (len(SWITCHES) // 2)
     check_against_reference(path, JOBS, got, ref)
     # aborted before they could finish (an abort sent with a switch's plan reports no output of its own)
     assert all(got[n].finish_reason in (None, "abort") for n in ("g-abort", "g-abort2") if n in got)
@@ -258,7 +259,7 @@ def test_switch_riding_on_the_next_step_changes_nothing(engines: Any, ckpt: Any)
     llm = engines(2)
     ref, _ = drive(llm, JOBS)
     got, outcomes = drive(llm, JOBS, sorted(set(SWITCHES)), deferred=True)
-    assert [o["to"] for o in outcomes] == ["tp", "ep"] * (len(outcomes) // 2) + ["tp"] * (len(outcomes) % 2)
+    assert [o.target for o in outcomes] == ["tp", "ep"] * (len(outcomes) // 2) + ["tp"] * (len(outcomes) % 2)
     check_against_reference(path_of(ckpt, 2), JOBS, got, ref)
     assert_kv_free(llm, 2)
 
@@ -275,7 +276,7 @@ def test_a_switch_into_ep_runs_each_request_where_the_front_end_placed_it(engine
     late = llm.add_request(list(_prompt(6)), greedy(12))  # arrives in the plan that carries the switch
     llm.engine.request_switch("ep")
     llm.step()
-    assert llm.engine.last_switch and llm.engine.last_switch["done"], llm.engine.last_switch
+    assert llm.engine.last_switch and llm.engine.last_switch.done, llm.engine.last_switch
     held = llm.engine.query("requests")
     placed = {rid: llm.engine.placement.owner(rid) for rid in [*ids, late]}
     assert None not in placed.values(), placed
@@ -291,7 +292,7 @@ def test_a_switch_into_ep_runs_each_request_where_the_front_end_placed_it(engine
 def test_switch_to_the_current_mode_is_refused(engines: Any) -> None:
     llm = engines(1)
     out = llm.switch_mode("ep")
-    assert out["done"] is False and "already" in out["reason"]
+    assert out.done is False and "already" in out.reason
     assert llm.mode == "ep"
     with pytest.raises(ValueError):
         llm.switch_mode("dp")
@@ -330,7 +331,7 @@ def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any,
     ptrs = [f["ptrs"] for f in ep0]
 
     out = llm.switch_mode("tp")
-    assert out["done"]
+    assert out.done
     _transport_used([out], transport, P, path)
     tp1 = llm.engine.query("fingerprint")
     assert [f["mode"] for f in tp1] == ["tp"] * P
@@ -341,18 +342,18 @@ def test_round_trip_restores_weights_and_kv_bit_for_bit(engines: Any, ckpt: Any,
     else:
         assert all(tp1[0]["kv"][r] != tp1[1]["kv"][r] for r in kv0)
 
-    assert llm.switch_mode("ep")["done"]
+    assert llm.switch_mode("ep").done
     ep2 = llm.engine.query("fingerprint")
     assert [f["experts"] for f in ep2] == [f["experts"] for f in ep0], "expert weights changed by EP->TP->EP"
     assert _union_kv(ep2) == kv0, "KV changed by EP->TP->EP"
 
-    assert llm.switch_mode("tp")["done"]
+    assert llm.switch_mode("tp").done
     tp3 = llm.engine.query("fingerprint")
     assert [f["experts"] for f in tp3] == [f["experts"] for f in tp1], "expert weights changed by TP->EP->TP"
     assert [f["kv"] for f in tp3] == [f["kv"] for f in tp1], "KV changed by TP->EP->TP"
 
     for target in ("ep", "tp", "ep", "tp", "ep"):
-        assert llm.switch_mode(target)["done"]
+        assert llm.switch_mode(target).done
     ep4 = llm.engine.query("fingerprint")
     assert [f["experts"] for f in ep4] == [f["experts"] for f in ep0]
     assert _union_kv(ep4) == kv0
@@ -388,7 +389,7 @@ def test_capacity_refusal_keeps_serving_in_ep(engines: Any, ckpt: Any) -> None:
     before = llm.engine.query("fingerprint")
     assert sorted(len(f["kv"]) for f in before) == [1] * P, "expected one long request per EP rank"
     out = llm.switch_mode("tp")
-    assert out["done"] is False and "tp" in out["reason"], out
+    assert out.done is False and "tp" in out.reason, out
     assert llm.mode == "ep"
     assert llm.engine.query("fingerprint") == before, "a refused switch changed state"
 
@@ -398,7 +399,7 @@ def test_capacity_refusal_keeps_serving_in_ep(engines: Any, ckpt: Any) -> None:
         finished = sum(1 for r in ids if r in outs and outs[r].finished)
         if retried is None and finished == 2:
             retried = llm.switch_mode("tp")
-            assert retried["done"] is True, retried
+            assert retried.done is True, retried
             assert llm.mode == "tp"
     assert retried is not None
     for rid, j in ids.items():
@@ -415,13 +416,13 @@ def test_leak_free_after_aborts_around_switches(engines: Any) -> None:
     llm.step()
     llm.step()
     llm.abort(rids[0])  # aborted in the switch's plan, on its EP rank
-    assert llm.switch_mode("tp")["done"]
+    assert llm.switch_mode("tp").done
     llm.step()
     llm.abort(rids[1])  # aborted in TP (on every rank)
     llm.step()
     late = llm.add_request(list(_prompt(6)), greedy(12))
     llm.abort(rids[2])
-    assert llm.switch_mode("ep")["done"]  # abort and a new request in the switch's plan
+    assert llm.switch_mode("ep").done  # abort and a new request in the switch's plan
     llm.step()
     llm.abort(late)  # aborted in EP right after admission
     llm.abort(rids[4])
@@ -437,17 +438,17 @@ def test_tp_start_moves_the_weights_a_direct_load_gives(engines: Any, ckpt: Any)
     loaded EP from the checkpoint (and vice versa); then the scripted workload, starting from TP."""
     tp_start, ep_start = engines(2, "tp"), engines(2, "ep")
     a_tp, b_ep = tp_start.engine.query("fingerprint"), ep_start.engine.query("fingerprint")
-    assert tp_start.switch_mode("ep")["done"] and ep_start.switch_mode("tp")["done"]
+    assert tp_start.switch_mode("ep").done and ep_start.switch_mode("tp").done
     a_ep, b_tp = tp_start.engine.query("fingerprint"), ep_start.engine.query("fingerprint")
     assert [f["experts"] for f in a_ep] == [f["experts"] for f in b_ep], "TP->EP weights differ from an EP load"
     assert [f["experts"] for f in b_tp] == [f["experts"] for f in a_tp], "EP->TP weights differ from a TP load"
     assert [f["experts"][0] for f in a_tp] != [f["experts"][0] for f in a_ep]
-    assert tp_start.switch_mode("tp")["done"] and ep_start.switch_mode("ep")["done"]
+    assert tp_start.switch_mode("tp").done and ep_start.switch_mode("ep").done
 
     path = path_of(ckpt, 2, "tp")
     ref, _ = drive(tp_start, JOBS)
     got, outcomes = drive(tp_start, JOBS, SWITCHES)
-    assert [o["to"] for o in outcomes] == ["ep", "tp"] * (len(SWITCHES) // 2)
+    assert [o.target for o in outcomes] == ["ep", "tp"] * (len(SWITCHES) // 2)
     check_against_reference(path, JOBS, got, ref)
     assert_kv_free(tp_start, 2)
 
@@ -457,7 +458,7 @@ def test_request_larger_than_an_ep_rank_after_tp_start(engines: Any, ckpt: Any) 
     but not one EP rank must be refused (ValueError) or served, never left waiting forever."""
     llm = engines(2, "tp")
     path = path_of(ckpt, 2, "tp")
-    assert llm.switch_mode("ep")["done"]
+    assert llm.switch_mode("ep").done
     llm.step()
     ep_tokens = llm.kv_stats()["per_rank"][0]["total_tokens"]
     prompt = list(prompts(500)(260))
@@ -491,7 +492,7 @@ def test_ep_to_tp_with_more_running_requests_than_tp_batch_slots(ckpt: Any) -> N
         for _ in range(2):
             outs.update({o.request_id: o for o in llm.step()})
         out = llm.switch_mode("tp")
-        assert out["done"] or out.get("reason"), out
+        assert out.done or out.reason, out
         while llm.has_unfinished():
             outs.update({o.request_id: o for o in llm.step()})
         for rid, j in ids.items():

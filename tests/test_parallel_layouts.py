@@ -515,7 +515,7 @@ def test_stuck_rank_trips_the_watchdog(ckpt_root: str, victim: int) -> None:
 @pytest.mark.slow
 def test_rank_dying_during_start_up_raises(ckpt_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 killed while the ranks start: the constructor raises RankError instead of hanging."""
-    from moebius.engine import ranks
+    from moebius.worker import launch as ranks
 
     recv = ranks.SpawnedRanks._recv
 

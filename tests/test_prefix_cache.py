@@ -279,7 +279,7 @@ def test_two_ranks_share_prefixes_in_tp_and_ep_across_a_switch(ckpt):
             for out in llm.step():
                 last[out.request_id] = out
         queued = llm.add_request(SHARED[2], greedy())  # admitted with the switch's plan: waiting during the switch
-        assert llm.switch_mode("tp")["done"]
+        assert llm.switch_mode("tp").done
         later = llm.add_request(SHARED[1], greedy())
         last.update(run_to_completion(llm))
         cached = [o.num_cached_tokens for o in last[group].outputs]
@@ -332,12 +332,12 @@ def test_a_switch_keeps_shared_prompt_pages_shared(ckpt):
         assert all(rid in last for rid in ids)  # every one has its first token
         assert llm.kv_stats()["per_rank"][0]["total_tokens"] == 508
         out = llm.switch_mode("ep")
-        assert out["done"], out
+        assert out.done, out
         for out in llm.step():
             last[out.request_id] = out
         per_rank = llm.kv_stats()["per_rank"]
         assert all(r["total_tokens"] == 252 and r["total_tokens"] - r["free_tokens"] <= 45 * BS for r in per_rank)
-        assert llm.switch_mode("tp")["done"]
+        assert llm.switch_mode("tp").done
         last.update(run_to_completion(llm))
         for rid, prompt in zip(ids, prompts, strict=True):
             assert last[rid].token_ids == hf_greedy(path, prompt, N_OUT)

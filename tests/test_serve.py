@@ -322,7 +322,7 @@ def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM, ah
         assert engine.steps_in_flight == ahead  # the next steps are already on the ranks
         engine.request_switch("ep")
         last.update({o.request_id: o for o in engine.step()})
-        assert engine.last_switch is not None and engine.last_switch["done"] and engine.mode == "ep"
+        assert engine.last_switch is not None and engine.last_switch.done and engine.mode == "ep"
         assert engine.steps_in_flight == 0  # nothing goes ahead of a switch's step
         last.update({o.request_id: o for o in engine.step()})
         assert engine.steps_in_flight == ahead
@@ -330,7 +330,7 @@ def test_rank_processes_get_the_next_plan_before_a_step_is_taken_in(ref: LLM, ah
         engine.request_switch("tp")  # rides on the next step, not on a query in between
         assert engine.query("requests") and engine.mode == "ep"
         last.update({o.request_id: o for o in engine.step()})
-        assert engine.mode == "tp" and engine.last_switch is not None and engine.last_switch["done"]
+        assert engine.mode == "tp" and engine.last_switch is not None and engine.last_switch.done
         while engine.has_unfinished():
             last.update({o.request_id: o for o in engine.step()})
         assert engine.steps_in_flight == 0  # idle: nothing left on the ranks
@@ -1021,7 +1021,7 @@ def test_a_lagging_stream_sends_what_arrived_together_in_one_write() -> None:
             pass
 
     def token(t: int, last: bool = False) -> Update:
-        return Update(0, [SampleDelta(0, [t], 0, "", "length" if last else None, None)], last)
+        return Update(0, [SampleDelta(0, [t], "", "length" if last else None, None)], last)
 
     async def stream(events: list[Any], together: bool) -> list[str]:
         gen = Generation(Loop(), [([1, 2], SamplingParams(max_tokens=3))], "prompt")  # type: ignore[arg-type]
@@ -1078,7 +1078,7 @@ def test_engine_client_streams_aborts_and_counts(ref: LLM) -> None:
         while not isinstance(ev := await gone.get(), Update) or not ev.samples:
             pass
         client.abort(gone.request_ids)
-        choice, updates = _Choice(0), 0
+        choice, updates = _Choice(), 0
         while True:
             ev = await whole.get()
             assert isinstance(ev, Update)

@@ -18,6 +18,7 @@ from tp_rank_model import tp_rank_model_dir
 from moebius.bench.results import gpus_used, params_of, write_result
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
+from moebius.link.messages import DecodeProbe
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
             if engine.mode != mode:
                 engine.switch_mode(mode)
             for b in batches:
-                r = engine.query("bench_decode", batch=b, context=a.context, steps=8, warmup=3, graphs=True)
+                r = engine.probe(DecodeProbe(batch=b, context=a.context, steps=8, warmup=3, graphs=True))
                 # the slowest rank's median: the step waits for it
                 out.append(dict(mode=mode, batch=b, step_ms=max(x["step_ms"] for x in r),
                                 replay_ms=max(x["replay_ms"] or 0 for x in r)))

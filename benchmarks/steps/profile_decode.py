@@ -15,6 +15,7 @@ from tp_rank_model import tp_rank_model_dir
 
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
+from moebius.link.messages import DecodeProbe
 
 
 def main() -> None:
@@ -34,9 +35,9 @@ def main() -> None:
     try:
         for b in a.batch:
             for graphs in (True, False):
-                engine.query("bench_decode", batch=b, context=a.context, steps=3, warmup=2, graphs=graphs)
+                engine.probe(DecodeProbe(batch=b, context=a.context, steps=3, warmup=2, graphs=graphs))
                 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                    r = engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=0, graphs=graphs)
+                    r = engine.probe(DecodeProbe(batch=b, context=a.context, steps=5, warmup=0, graphs=graphs))
                 print(f"=== batch {b} graphs={graphs} {r}")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     finally:

@@ -15,6 +15,7 @@ import torch
 
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
+from moebius.link.messages import DecodeProbe
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
         max_running_requests=top, max_num_batched_tokens=max(top, 2048), mem_fraction=0.8, cuda_graph_max_bs=top))
     runner = engine.ranks.rank.runner
     for b in a.batch:
-        r = engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=2, graphs=True)[0]
+        r = engine.probe(DecodeProbe(batch=b, context=a.context, steps=5, warmup=2, graphs=True))[0]
         bucket = runner.graphs.bucket_for(b)
         g = runner.graphs
         # single launches (as in a step) against back-to-back ones
@@ -60,7 +61,7 @@ def main() -> None:
                 prof.disable()
 
         runner.launch = profiled
-        engine.query("bench_decode", batch=b, context=a.context, steps=5, warmup=0, graphs=True)
+        engine.probe(DecodeProbe(batch=b, context=a.context, steps=5, warmup=0, graphs=True))
         runner.launch = orig
         pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
     engine.close()

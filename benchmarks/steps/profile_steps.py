@@ -10,12 +10,15 @@ by total device time, from torch.profiler; printed (no JSON). For finding what k
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
+from moebius.link.messages import DecodeProbe, PrefillProbe, Probe
 
 
 def table(prof: profile, layers: int, rows: int) -> str:
@@ -59,14 +62,14 @@ def main() -> None:
         max_running_requests=max([*a.decode, a.prompts + a.beside]), max_num_batched_tokens=budget, mem_fraction=0.8,
         cuda_graph_max_bs=1, warmup="full", mixed_attention=a.mixed_attention))
     try:
-        points = [("prefill", n, dict(tokens=n, context=0, sequences=a.prompts, decodes=a.beside,
-                                      decode_context=a.context)) for n in a.prefill]
-        points += [("decode", b, dict(batch=b, context=a.context, graphs=a.pieces)) for b in a.decode]
-        for kind, n, args in points:
-            query = "bench_prefill" if kind == "prefill" else "bench_decode"
-            engine.query(query, steps=1, warmup=1, **args)  # compiled and allocated before the profile
+        points: list[tuple[str, int, Callable[..., Probe]]] = [
+            ("prefill", n, partial(PrefillProbe, tokens=n, context=0, sequences=a.prompts, decodes=a.beside,
+                                   decode_context=a.context)) for n in a.prefill]
+        points += [("decode", b, partial(DecodeProbe, batch=b, context=a.context, graphs=a.pieces)) for b in a.decode]
+        for kind, n, probe in points:
+            engine.probe(probe(steps=1, warmup=1))  # compiled and allocated before the profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                res = engine.query(query, steps=a.steps, warmup=0, **args)[0]
+                res = engine.probe(probe(steps=a.steps, warmup=0))[0]
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
             print(f"{kind} {n}: {res}\n{table(prof, engine.model_config.num_layers, a.rows)}", flush=True)

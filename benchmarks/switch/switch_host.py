@@ -53,9 +53,9 @@ def main() -> None:
             t0 = time.perf_counter()
             out = engine.switch_mode(target)
             call_ms = (time.perf_counter() - t0) * 1e3
-            assert out.get("done"), out
-            switches.append({"to": target, "call_ms": call_ms, **{k: out[k] for k in (
-                "requests_ms", "list_ms", "plan_ms", "staging_ms", "prep_ms", "enqueue_ms", "host_ms") if k in out}})
+            assert out.done, out
+            switches.append({"to": target, "call_ms": call_ms, **{k: getattr(out, k) for k in (
+                "requests_ms", "list_ms", "plan_ms", "staging_ms", "prep_ms", "enqueue_ms", "host_ms")}})
             print(json.dumps(switches[-1]), flush=True)
             engine.step()
     finally:

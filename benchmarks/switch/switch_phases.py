@@ -26,6 +26,7 @@ import torch
 from moebius.bench.results import flatten, gpus_used, params_of, write_result
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
+from moebius.link.messages import SwitchTimes
 from moebius.switch import executor as ex
 from moebius.switch.plan import ep_to_tp_pack, tp_to_ep_unpack
 
@@ -57,11 +58,11 @@ def _move_experts(self: ex.Switcher, src, dst, target: str, staging) -> None:  #
     ev.append(self._mark(cuda))
 
 
-def _pass_times(self: ex.Switcher) -> dict | None:
+def _pass_times(self: ex.Switcher) -> SwitchTimes | None:
     out = _orig_pass_times(self)
     if out is not None and _REC:
         to, names, _ = _REC[0]
-        row = {"rank": self.rank, "to": to, "layers": len(_REC), "weights_ms": out["weights_ms"]}
+        row = {"rank": self.rank, "to": to, "layers": len(_REC), "weights_ms": out.weights_ms}
         for j, name in enumerate(names):
             row[name] = sum(self._elapsed(ev[j], ev[j + 1]) for _, _, ev in _REC) * 1e3
         _REC.clear()
@@ -106,7 +107,7 @@ def main() -> None:
     switches = []
     try:
         for i in range(a.switches):
-            switches.append(engine.switch_mode("ep" if i % 2 == 0 else "tp"))
+            switches.append(engine.switch_mode("ep" if i % 2 == 0 else "tp").to_json())
     finally:
         engine.close()
     with open(os.environ["MOEBIUS_PHASES_OUT"]) as f:

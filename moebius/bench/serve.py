@@ -133,7 +133,7 @@ class Timeline:
 class Client:
     """The HTTP side of the load generator, on aiohttp: its C HTTP parser streams a chunk for a fraction of the CPU
     httpx (pure-Python h11) took, whose client fell seconds behind its send schedule at hundreds of streams, so that
-    the run measured the client (docs/performance.md, "The served step at 384 streams";
+    the run measured the client (docs/performance-history.md, "The served step at 384 streams";
     benchmarks/results/h200-p1-serve-steady384-ahead.json against h200-p1-serve-steady384-aiohttp.json)."""
 
     def __init__(self, base_url: str, api_key: str | None, request_timeout: float) -> None:

@@ -32,7 +32,7 @@ from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tens
 from moebius.bench.results import command_line, flatten, gpus_used, params_of, save_result, summary_of, table
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.frontend.core import EngineCore
-from moebius.link.messages import StepWork
+from moebius.link.messages import DecodeProbe, PrefillProbe, StepWork
 from moebius.sampling_params import SamplingParams
 from moebius.switch.policy import ep_ahead_from
 
@@ -64,8 +64,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
                 log.info("switch to %s: %s", mode, res)
             out["memory"][mode] = engine.query("memory")
             for b in args.batches:
-                res = engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
-                                       warmup=args.warmup, graphs=True)
+                res = engine.probe(DecodeProbe(batch=b, context=args.context_len, steps=args.steps,
+                                               warmup=args.warmup, graphs=True))
                 if any("error" in r for r in res):
                     out["skipped"].append({"mode": mode, "batch": b, "why": [r.get("error") for r in res]})
                     continue
@@ -79,8 +79,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
                 extra["overlap_schedule"] = not engine.config.disable_overlap_schedule
                 extra["step_ms_no_overlap"] = max(r["step_ms_no_overlap"] for r in res)
                 if b <= args.eager_up_to:
-                    eager = engine.query("bench_decode", batch=b, context=args.context_len, steps=args.steps,
-                                             warmup=args.warmup, graphs=False)
+                    eager = engine.probe(DecodeProbe(batch=b, context=args.context_len, steps=args.steps,
+                                                     warmup=args.warmup, graphs=False))
                     extra["eager_step_ms"] = max(r["step_ms"] for r in eager)
                     extra["graph_speedup"] = extra["eager_step_ms"] / step
                 floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len)
@@ -114,8 +114,8 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
     mixed = dict(decodes=args.prefill_decodes, decode_context=args.prefill_decode_context)
     for n in args.prefill_chunks:
         S = args.prefill_sequences
-        res = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
-                           warmup=args.warmup, sequences=S, **mixed)
+        res = engine.probe(PrefillProbe(tokens=n, context=args.prefill_prefix, steps=args.steps,
+                                        warmup=args.warmup, sequences=S, **mixed))
         if any("error" in r for r in res):
             rows.append({"mode": mode, "tokens": n, "error": [r.get("error") for r in res]})
             continue
@@ -127,13 +127,13 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
                "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,
                "tokens_per_s": work.tokens / step * 1e3, "cuda_graph": all(r["pieces"] for r in res)}
         if args.prefill_idle > 0:  # the same step alone, the device idle before it (clocks off the power cap)
-            alone = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps, warmup=0,
-                                 sequences=S, idle_s=args.prefill_idle, **mixed)
+            alone = engine.probe(PrefillProbe(tokens=n, context=args.prefill_prefix, steps=args.steps, warmup=0,
+                                              sequences=S, idle_s=args.prefill_idle, **mixed))
             row["step_ms_isolated"] = max(r["step_ms"] for r in alone)
             row["ratio_isolated"] = row["step_ms_isolated"] / floor
         if row["cuda_graph"]:  # the same step eagerly, for comparison
-            eager = engine.query("bench_prefill", tokens=n, context=args.prefill_prefix, steps=args.steps,
-                                 warmup=args.warmup, graphs=False, sequences=S, **mixed)
+            eager = engine.probe(PrefillProbe(tokens=n, context=args.prefill_prefix, steps=args.steps,
+                                              warmup=args.warmup, graphs=False, sequences=S, **mixed))
             row["eager_ms"] = max(r["step_ms"] for r in eager)
         rows.append(row)
         log.info("%s prefill %d: %.3f ms (floor %.3f, x%.2f)", mode, n, step, floor, step / floor)
@@ -160,7 +160,8 @@ def measure_switch(engine: EngineCore, target: str, context_len: int, batch: int
         t = time.perf_counter()
         engine.step()
         steps.append((time.perf_counter() - t) * 1e3)
-    res = dict(engine.last_switch or {})  # with its device times, which come with the step after the switch
+    # the outcome, with its device times (they come with the step after the switch)
+    res = engine.last_switch.to_json() if engine.last_switch is not None else {}
     for rid in ids:
         engine.abort(rid)
     engine.step()
@@ -184,7 +185,7 @@ def static_memory(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
         cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
         moe_kernel=args.moe_kernel))
     try:
-        engine.query("bench_decode", batch=min(top, 256), context=args.context_len, steps=2, warmup=1, graphs=True)
+        engine.probe(DecodeProbe(batch=min(top, 256), context=args.context_len, steps=2, warmup=1, graphs=True))
         return engine.query("memory")
     finally:
         engine.close()

@@ -154,14 +154,14 @@ def run_systems(engine: EngineCore, jobs: Sequence[Job], systems: Sequence[str],
         layout = auto_start if system == "auto" else system
         if engine.mode != layout:
             out = engine.switch_mode(layout, reason=f"bench: {system} run")
-            if not out.get("done"):
-                raise RuntimeError(f"could not start the {system} run in {layout}: {out.get('reason')}")
+            if not out.done:
+                raise RuntimeError(f"could not start the {system} run in {layout}: {out.reason}")
         if system == "auto":
             auto.reset()
             engine.set_auto(auto)
         # what the warm-up and earlier runs left is collected now and kept out of later collections, so that no run
         # pays for another's garbage: without it the first timed run was slower than the same layout timed second
-        # (docs/performance.md, the rollout run of benchmarks/results/h200-p1-rollout.json)
+        # (docs/performance-history.md, "Auto mode"; the rollout run of benchmarks/results/h200-p1-rollout.json)
         gc.collect()
         gc.freeze()
         engine.reset_prefix_cache()  # every run computes the same prompts: none finds the warm-up's or another's

@@ -57,7 +57,7 @@ class AdminServer:
             except queue.Empty:
                 break
             try:
-                fut.set_result(self.core.switch_mode(mode))
+                fut.set_result(self.core.switch_mode(mode).to_json())
             except Exception as e:  # reported to the caller; the engine goes on
                 fut.set_exception(e)
 

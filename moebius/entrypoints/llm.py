@@ -12,8 +12,9 @@ from tqdm import tqdm
 from moebius.config import EngineConfig
 from moebius.entrypoints.admin import AdminServer
 from moebius.frontend.core import EngineCore, Prompt
+from moebius.link.messages import SwitchOutcome
 from moebius.outputs import RequestOutput
-from moebius.sampling_params import SamplingParams
+from moebius.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -24,6 +25,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_flags)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._others: list[RequestOutput] = []  # outputs of step-level requests that came while generate() ran
         c = self.config
         # operator endpoints (--admin-port): what they ask for runs here, between two steps
         try:
@@ -58,7 +60,9 @@ class LLM:
                 checked.append(self.engine.validate(p, sp))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, validated=c) for p, sp, c in zip(prompts, params, checked, strict=True)]
+        final = RequestOutputKind.FINAL_ONLY  # one output a request: the others would only be dropped here
+        ids = [self.engine.add_request(p, sp, validated=c, output_kind=final)
+               for p, sp, c in zip(prompts, params, checked, strict=True)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -72,14 +76,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until these requests finished; other requests' outputs wait for the next step() call."""
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         while len(done) < len(ids):
             for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    bar.update(1)
+                if out.request_id in wanted:
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                else:
+                    self._others.append(out)
         bar.close()
         return [done[i] for i in ids]
 
@@ -90,25 +98,26 @@ class LLM:
         return self.engine.add_request(prompt, sampling_params, request_id)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; outputs of the requests that got tokens or finished in it."""
+        """Run one engine step; the outputs of the requests that got tokens or finished in it, each as its
+        `SamplingParams.output_kind` asks (default: everything so far)."""
+        waiting, self._others = self._others, []
         if self.admin is None:
-            return self.engine.step()
+            return waiting + self.engine.step()
         self.admin.poll()  # operator switches happen here, between two steps
         outs = self.engine.step()
         self.admin.publish()
-        return outs
+        return waiting + outs
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
+        return bool(self._others) or self.engine.has_unfinished()
 
-    def switch_mode(self, mode: str) -> dict[str, object]:
-        """Switch live to "tp" or "ep" between two steps; requests in flight continue where they were.
-        Returns {"done": bool, "reason" (if refused), "requests_ms", "weights_ms", "kv_ms", "total_ms", the host's
-        part "host_ms", and the layer pass's "prep_ms", "enqueue_ms", "span_ms"
-        (`moebius.switch.executor.Switcher.pass_times`)}."""
+    def switch_mode(self, mode: str) -> SwitchOutcome:
+        """Switch live to "tp" or "ep" between two steps; requests in flight continue where they were. Returns the
+        outcome: done (or why not: `reason`), where the host's time went and the pass's device times (`device`:
+        weights, KV, span, total, in ms)."""
         return self.engine.switch_mode(mode)
 
     @property

@@ -1,5 +1,5 @@
 """The front end of the engine: validates and tokenizes requests, assigns seeds, builds each step's plan, drives
-the ranks, and assembles their token deltas into per-request outputs (text, timings, n samples).
+the ranks (`frontend/pipeline.py`), and turns their token deltas into outputs (`frontend/output_processor.py`).
 """
 
 from __future__ import annotations
@@ -14,27 +14,39 @@ import sys
 import time
 import weakref
 from collections import deque
+from typing import Any
 
 import torch
 
 from moebius.config import ConfigError, EngineConfig
-from moebius.frontend.output_processor import FrontRequest, Sample, child_seed
+from moebius.frontend.output_processor import FrontRequest, child_seed
+from moebius.frontend.pipeline import PlanPipeline
 from moebius.frontend.timeline import ModeTimeline
 from moebius.link.lifecycle import check_prompt, max_total_len, placement_weight
-from moebius.link.messages import KVStats, RankTimes, StepPlan, StepResult, StepWork, TokenDelta
+from moebius.link.messages import (
+    Admit,
+    KVStats,
+    Probe,
+    Query,
+    RankTimes,
+    StepPlan,
+    StepReport,
+    StepWork,
+    SwitchOrder,
+    SwitchOutcome,
+)
 from moebius.link.request import RequestSpec
 from moebius.model.builtin import BUILTIN_NOTICE
 from moebius.model.source import resolve_model
-from moebius.outputs import CompletionOutput, RequestOutput
+from moebius.outputs import RequestOutput
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.parallel.placement import Placement
-from moebius.sampling_params import SamplingParams
+from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.switch import calibration as calibration_store
 from moebius.switch.auto import AutoMode, needs_calibration, resolve_mode
 from moebius.switch.auto import build as build_auto
 from moebius.switch.calibration import Calibration, CalibrationKey, calibrate
 from moebius.switch.policy import predicted_remaining
-from moebius.tokenizer import IncrementalDetokenizer
 from moebius.worker.build import freeze_heap
 from moebius.worker.launch import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.worker.rank import RankSpec
@@ -71,8 +83,7 @@ class EngineCore:
         start, auto = resolve_mode(ecfg, self.world_size)
         spec = RankSpec(
             engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
-            eos_token_ids=resolved.eos_token_ids, tokenizer_dir=resolved.tokenizer_dir,
-            use_builtin_tokenizer=resolved.builtin_tokenizer, max_model_len=self.max_model_len, mode=start)
+            eos_token_ids=resolved.eos_token_ids, max_model_len=self.max_model_len, mode=start)
         if env and env[1] > 1:
             if env[0] != 0:  # a torchrun rank other than 0 follows rank 0's plans until it shuts down
                 serve_torchrun_rank(spec)
@@ -97,12 +108,14 @@ class EngineCore:
         self._rng = random.Random(ecfg.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._requests: dict[str, FrontRequest] = {}
-        self._child_to_parent: dict[str, tuple[FrontRequest, int]] = {}
-        self._pending = StepPlan()
-        self._flight: deque[StepPlan] = deque()  # plans sent to the ranks whose results are not read yet, oldest first
-        self.last_switch: dict[str, object] | None = None  # outcome of the last request_switch
-        self._undelivered: list[RequestOutput] = []
+        self._requests: dict[str, FrontRequest] = {}  # live: admitted, not finished
+        self._child_to_parent: dict[str, tuple[FrontRequest, int]] = {}  # a rank-side request -> its request, sample
+        self._pending = StepPlan()  # the next plan's admissions and switch order
+        self._ends: list[str] = []  # rank-side requests the front end ended (abort, stop string): the ranks run them
+        self._retired: list[str] = []  # requests placed on an EP rank that finished: the others forget their specs
+        self._pipeline = PlanPipeline(self.ranks, ecfg.plans_ahead)
+        self.last_switch: SwitchOutcome | None = None  # outcome of the last request_switch
+        self._undelivered: list[RequestOutput] = []  # outputs the next step() returns
         self.timeline = ModeTimeline(time.perf_counter())
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
         self._preemptions = 0  # requests preempted so far (KV freed to make room; they recompute)
@@ -207,7 +220,10 @@ class EngineCore:
         return text, ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    validated: tuple[str | None, list[int]] | None = None) -> str:
+                    validated: tuple[str | None, list[int]] | None = None,
+                    output_kind: RequestOutputKind | None = None) -> str:
+        """Admit one request (it goes to the ranks with the next step). output_kind: the outputs it returns, in
+        place of its params' (`LLM.generate` asks for the final ones only)."""
         params = params if params is not None else SamplingParams()
         text, ids = validated or self.validate(prompt, params)
         rid = request_id if request_id is not None else str(next(self._ids))
@@ -215,51 +231,62 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         limit = max_total_len(self.max_model_len, self.kv_capacity)
-        fr = FrontRequest(rid, text, ids, params, time.perf_counter(), [])
-        for i in range(params.n):
-            child = rid if params.n == 1 else f"{rid}#{i}"
-            detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                     if self.tokenizer is not None else None)
-            fr.samples.append(Sample(CompletionOutput(i, [], "", None), detok))
-            fr.children.append(child)
+        fr = FrontRequest.make(rid, text, ids, params, time.perf_counter(), output_kind or params.output_kind,
+                               self.tokenizer)
+        for i, child in enumerate(fr.children):
             self._child_to_parent[child] = (fr, i)
-            self._pending.new.append(RequestSpec(child, ids, params, child_seed(base_seed, i), limit,
-                                                 next(self._arrivals)))
+            owner = None
             if self.layout.data_parallel:
                 beside = fr.children[0] if i and not self.config.disable_prefix_caching else None
-                self._pending.owners[child] = self.placement.place(child, placement_weight(len(ids), params), beside)
+                owner = self.placement.place(child, placement_weight(len(ids), params), beside)
+            spec = RequestSpec(child, ids, params, child_seed(base_seed, i), limit, next(self._arrivals))
+            self._pending.admit.append(Admit(spec, owner))
         self._requests[rid] = fr
         return rid
 
     def abort(self, request_id: str) -> None:
+        """End a request now: its output (finish_reason "abort") comes with the next step(), which also frees its
+        pages on the ranks."""
         fr = self._requests.get(request_id)
-        if fr is None or fr.finished:
+        if fr is None:
             return
-        self._pending.aborts += fr.children
+        for child in fr.abort():
+            self._end_on_ranks(child)
+        self._collect([fr])
 
     def has_unfinished(self) -> bool:
-        return any(not fr.finished for fr in self._requests.values())
+        """Whether step() has work: live requests, requests ended here that the ranks still run, or outputs not
+        returned yet."""
+        return bool(self._requests or self._ends or self._undelivered)
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Run one step on the ranks and return the outputs it (and any call since the last step) produced. With
-        rank processes (`ranks.ahead`), the next step's plan (with --plans-ahead 2, the next two's) goes out as soon
-        as this step's result is in, so the ranks schedule and launch it while this one's tokens are detokenized and
-        delivered here. A switch is never sent ahead, and nothing goes ahead of a switch's step (requests added in
-        between are placed by the layout in use when they are added)."""
-        if self._flight and self._pending.switch_to is not None:
+        rank processes, the next step's plan (with --plans-ahead 2, the next two's) goes out as soon as this step's
+        report is in, so the ranks schedule and launch it while this one's tokens become outputs here. A switch is
+        never sent ahead, and nothing goes ahead of a switch's step (requests added in between are placed by the
+        layout in use when they are added)."""
+        if not (self._requests or self._ends or len(self._pipeline) or self._pending.switch is not None):
+            return self._deliver()  # nothing for the ranks to do
+        if len(self._pipeline) and self._pending.switch is not None:
             self._settle()  # a switch asked for rides on this call's step, as without a step in flight
-        if not self._flight:
-            self._send(self._next_plan())
-        plan, result = self._receive()
-        busy = result.running or result.waiting or self._pending.new or any(p.new for p in self._flight)
-        if self.ranks.ahead and plan.switch_to is None and busy:
-            while len(self._flight) < self.config.plans_ahead and self._pending.switch_to is None:
-                self._send(self._next_plan())
-        outs = self._finish(plan, result)
-        if not busy and self._flight:  # idle with plans still out (sent while busy): none is left out at idle, so
-            self._settle()  # a request added next starts with the next call
-            outs, self._undelivered = outs + self._undelivered, []
+        if not len(self._pipeline):
+            self._pipeline.send(self._next_plan())
+        plan, report = self._pipeline.receive()
+        busy = bool(report.running or report.waiting or self._pending.admit or self._pipeline.admits_out())
+        if plan.switch is None and busy:
+            self._pipeline.top_up(self._plan_ahead)
+        self._finish(plan, report)
+        if not self._requests:  # idle: no plan is left out (a request added next starts with the next call), and
+            self._settle()  # the ranks run nothing the front end ended
+            if self._ends:
+                flush = self._next_plan(with_switch=False)
+                flush.run = False
+                self._call(flush)
+        return self._deliver()
+
+    def _deliver(self) -> list[RequestOutput]:
+        outs, self._undelivered = self._undelivered, []
         return outs
 
     def take_times(self) -> list[RankTimes]:
@@ -272,73 +299,89 @@ class EngineCore:
 
     @property
     def steps_taken(self) -> int:
-        """Steps whose results were taken in so far."""
+        """Steps whose reports were taken in so far."""
         return self._steps
 
     @property
     def steps_in_flight(self) -> int:
-        """Plans sent to the ranks whose results are not read yet (0 when idle; between steps with rank processes,
+        """Plans sent to the ranks whose reports are not read yet (0 when idle; between steps with rank processes,
         --plans-ahead)."""
-        return len(self._flight)
+        return len(self._pipeline)
 
-    def _next_plan(self) -> StepPlan:
+    def _next_plan(self, with_switch: bool = True) -> StepPlan:
+        """The pending plan, with the requests to release and, for a switch into EP, every live request placed."""
         plan, self._pending = self._pending, StepPlan()
-        if plan.switch_to is not None:
-            self._plan_switch(plan, plan.switch_to)
+        plan.release, self._ends, self._retired = self._ends + self._retired, [], []
+        if not with_switch:  # (a query) a switch asked for rides on the next step
+            plan.switch, self._pending.switch = None, plan.switch
+        elif plan.switch is not None:
+            to = Layout(self.model_config, plan.switch.target, 0, self.world_size)
+            if to.data_parallel and not self.layout.data_parallel:
+                weights = {c: placement_weight(len(fr.prompt_token_ids), fr.params)
+                           for c, (fr, _) in self._child_to_parent.items()}
+                plan.switch.owners = self.placement.repartition(weights)
         return plan
 
-    def _send(self, plan: StepPlan) -> None:
-        self.ranks.send(plan)
-        self._flight.append(plan)
-
-    def _receive(self) -> tuple[StepPlan, StepResult]:
-        assert self._flight, "no plan in flight"
-        plan = self._flight.popleft()
-        result = self.ranks.receive()
-        if result.switch_times and self.last_switch is not None:  # a switch that rode on a step: its device times
-            self.last_switch.update(result.switch_times)
-            self.timeline.complete(result.switch_times)
-        return plan, result
+    def _plan_ahead(self) -> StepPlan | None:
+        """The next plan to send ahead, unless a switch is asked for (it rides on a step of its own)."""
+        return None if self._pending.switch is not None else self._next_plan()
 
     def settle(self) -> list[RequestOutput]:
         """Read the steps on their way to or on the ranks (rank processes get plans ahead) and return their outputs:
         afterwards no step runs until the next step() (a pause for an RL weight update)."""
         self._settle()
-        outs, self._undelivered = self._undelivered, []
-        return outs
+        return self._deliver()
 
     def _settle(self) -> None:
         """Read the steps in flight, if any, before a call that is not a step: their outputs go out with the next
         step()."""
-        while self._flight:
-            self._undelivered = self._finish(*self._receive())
+        for plan, report in self._pipeline.drain():
+            self._finish(plan, report)
 
-    def _finish(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Take in a step's result: its tokens into the requests, stats, a switch it carried, the auto policy."""
-        self._kv_stats, self.last_work, self.last_times = result.kv, result.work, result.times
-        self._rank_total += result.times
-        self._times_taken.append(result.times)
-        self._preemptions += result.work.preempted
+    def _finish(self, plan: StepPlan, report: StepReport) -> None:
+        """Take in a step's report: its tokens into the requests, stats, a switch it carried, the auto policy."""
+        self.last_work, self.last_times = report.work, report.times
+        self._rank_total += report.times
+        self._times_taken.append(report.times)
+        self._preemptions += report.work.preempted
         self._steps += 1
-        if plan.switch_to is not None:
-            self.last_switch = self._switched(plan.switch_to, result)
+        self._take(plan, report)
         now = time.perf_counter()
-        touched: dict[str, FrontRequest] = {}
-        for d in result.deltas:
-            self._apply(d, now, touched)
-            self._tokens += len(d.new_token_ids)
-        outs, self._undelivered = self._undelivered + self._collect(touched), []
         if self.timeline.due(now, self.mode):
-            total = sum(k.total_tokens for k in result.kv)
-            used = 1.0 - sum(k.free_tokens for k in result.kv) / total if total else 0.0
-            self.timeline.sample(now, self.mode, result.running, result.waiting, used, self._steps, self._tokens,
+            total = sum(k.total_tokens for k in report.kv)
+            used = 1.0 - sum(k.free_tokens for k in report.kv) / total if total else 0.0
+            self.timeline.sample(now, self.mode, report.running, report.waiting, used, self._steps, self._tokens,
                                  self._rank_total)
-        if self.auto is not None and self._pending.switch_to is None:
+        if self.auto is not None and self._pending.switch is None:
             # the signal: requests in flight, running or queued (a burst counts before its prefill is through)
-            decision = self.auto.observe(now, self.mode, result.running + result.waiting, self._remaining)
+            decision = self.auto.observe(now, self.mode, report.running + report.waiting, self._remaining)
             if decision is not None:
                 self.request_switch(decision.target, reason=decision.reason)
-        return outs
+
+    def _take(self, plan: StepPlan, report: StepReport) -> None:
+        """What every report brings, a step's or not: KV statistics, switch outcomes, and the token deltas (of the
+        step, or of the step in flight that a plan without one resolved), into outputs."""
+        self._kv_stats = report.kv
+        if report.switch_times is not None and self.last_switch is not None:  # a switch that rode on a step
+            self.last_switch.device = report.switch_times
+            self.timeline.complete(report.switch_times)
+        if plan.switch is not None:
+            assert report.switch is not None, "the ranks did not report the switch"
+            outcome = self._switched(plan.switch.target, report.switch)
+            if plan.run:
+                self.last_switch = outcome
+        now = time.perf_counter()
+        touched: dict[str, FrontRequest] = {}
+        for d in report.deltas:
+            entry = self._child_to_parent.get(d.request_id)
+            if entry is None:  # ended here (abort, stop string) while a step was on its way
+                continue
+            fr, i = entry
+            if fr.take(i, d, now):
+                self._end_on_ranks(d.request_id)
+            touched[fr.request_id] = fr
+            self._tokens += len(d.new_token_ids)
+        self._collect(touched.values())
 
     def _remaining(self) -> list[int]:
         """Predicted remaining output tokens of every request in flight (the cost policy's input)."""
@@ -351,117 +394,99 @@ class EngineCore:
             produced.append(n)
         return predicted_remaining(max_left, produced, self._finished_lengths)
 
-    def _collect(self, touched: dict[str, FrontRequest]) -> list[RequestOutput]:
-        """The outputs of the requests that got tokens; the finished ones leave the front end."""
-        outs = [fr.output() for fr in touched.values()]
-        for fr, out in zip(touched.values(), outs, strict=True):
-            if out.finished:
+    def _collect(self, touched: Any) -> None:
+        """The outputs of the requests that changed; the finished ones leave the front end."""
+        for fr in touched:
+            out = fr.output()
+            if out is not None:
+                self._undelivered.append(out)
+            if fr.finished:
                 self._retire(fr)
-        return outs
+
+    def _end_on_ranks(self, child: str) -> None:
+        """The front end ended this rank-side request (abort, stop string): the next plan releases it."""
+        fr, i = self._child_to_parent[child]
+        fr.samples[i].released = True
+        self._ends.append(child)
 
     def _retire(self, fr: FrontRequest) -> None:
         del self._requests[fr.request_id]
-        for s in fr.samples:
+        for c, s in zip(fr.children, fr.samples, strict=True):
             if s.out.finish_reason != "abort":
                 bisect.insort(self._finished_lengths, len(s.out.token_ids))
-        for c in fr.children:
             del self._child_to_parent[c]
-            self._release(c, fr)
+            if self.placement.release(c) is not None and not s.released:  # an EP rank's: the others forget its spec
+                self._retired.append(c)
 
-    def _release(self, child: str, fr: FrontRequest) -> None:
-        if self.placement.release(child) is not None:  # an EP rank's: the others forget its spec
-            self._pending.retired.append(child)
-
-    def _apply(self, d: TokenDelta, now: float, touched: dict[str, FrontRequest]) -> None:
-        fr, i = self._child_to_parent[d.request_id]
-        fr.apply(i, d, now)
-        touched[fr.request_id] = fr
-
-    def switch_mode(self, target: str, reason: str = "operator") -> dict[str, object]:
-        """Switch every rank to `target` ("tp" | "ep") between two steps, keeping every request in flight.
-        Returns the outcome: done (bool), reason when refused, and the time of each phase in ms. reason: why (the
+    def switch_mode(self, target: str, reason: str = "operator") -> SwitchOutcome:
+        """Switch every rank to `target` ("tp" | "ep") between two steps, keeping every request in flight, and
+        return its outcome (`SwitchOutcome`: done, or why it was refused, and where its time went). reason: why (the
         mode timeline keeps it)."""
         _check_mode(target)
         self._settle()  # the switch moves what the step in flight leaves
         self._switch_reason = reason
-        plan, self._pending = self._pending, StepPlan()
+        self._pending.switch = SwitchOrder(target)
+        plan = self._next_plan()
         plan.run = False
-        self._plan_switch(plan, target)
-        result = self._to_ranks(plan)
-        self._kv_stats = result.kv
-        outcome = self._switched(target, result)
-        self._absorb(result.deltas)  # aborts applied before the switch
-        return outcome
+        report = self._call(plan)
+        assert report.switch is not None, "the ranks did not report the switch"
+        return report.switch
 
-    def _to_ranks(self, plan: StepPlan) -> StepResult:
-        """A call that is not a step (a switch alone, a query); its caller read the step in flight (`_settle`) before
-        it took the pending plan."""
-        assert not self._flight, "a step is in flight"
-        self._send(plan)
-        return self._receive()[1]
+    def _call(self, plan: StepPlan | Probe) -> StepReport:
+        """A call that is not a step (a switch alone, a query, a probe), with no step in flight."""
+        self._settle()
+        if isinstance(plan, StepPlan):
+            self._pipeline.send(plan)
+            _, report = self._pipeline.receive()
+            self._take(plan, report)
+            return report
+        self.ranks.send(plan)
+        return self.ranks.receive()
 
     def request_switch(self, target: str, reason: str = "operator") -> None:
         """Switch at the start of the next step(), in the same round trip to the ranks as that step (the lowest
         latency from decision to the first step in the new layout). The outcome lands in `last_switch`; its device
-        times (weights_ms, kv_ms, span_ms, total_ms) join it with the step after, so that neither the first step in
-        the new layout nor its tokens wait on the host for the end of the transfers."""
+        times join it with the step after, so that neither the first step in the new layout nor its tokens wait on
+        the host for the end of the transfers."""
         _check_mode(target)
-        self._pending.switch_to, self._switch_reason = target, reason
+        self._pending.switch, self._switch_reason = SwitchOrder(target), reason
 
-    def _plan_switch(self, plan: StepPlan, target: str) -> None:
-        """Put a switch into `plan`, with the rank of every live request where the target layout places them."""
-        plan.switch_to = target
-        to = Layout(self.model_config, target, 0, self.world_size)
-        if to.data_parallel and not self.layout.data_parallel:
-            weights = {c: placement_weight(len(fr.prompt_token_ids), fr.params)
-                       for c, (fr, _) in self._child_to_parent.items()}
-            plan.owners.update(self.placement.repartition(weights))
-
-    def _switched(self, target: str, result: StepResult) -> dict[str, object]:
-        outcome = dict(result.switch or {})
-        now, source, done = time.perf_counter(), self.mode, bool(outcome.get("done"))
-        if done:
+    def _switched(self, target: str, outcome: SwitchOutcome) -> SwitchOutcome:
+        now, source = time.perf_counter(), self.mode
+        if outcome.done:
             self.layout = Layout(self.model_config, target, 0, self.world_size)
             log.info("switch %s -> %s (%s)", source, target, self._switch_reason)
         else:
-            log.warning("switch to %s (%s) refused: %s", target, self._switch_reason, outcome.get("reason"))
+            log.warning("switch to %s (%s) refused: %s", target, self._switch_reason, outcome.reason)
         if not self.layout.data_parallel:  # nothing placed (a refused switch into EP placed its requests in vain)
             self.placement.clear()
         if source != target:  # (a switch to the layout in use is refused at once: no event)
-            self.timeline.switch(now, source, target, done, self._switch_reason if done else
-                                 str(outcome.get("reason")), outcome)
+            self.timeline.switch(now, outcome, self._switch_reason if outcome.done else str(outcome.reason))
             if self.auto is not None:
-                (self.auto.switched if done else self.auto.refused)(now)
+                (self.auto.switched if outcome.done else self.auto.refused)(now)
         return outcome
 
-    def query(self, name: str, **args: object) -> list[object]:
-        """Per-rank diagnostics without a step: "fingerprint" (view addresses, weight and KV digests), "memory",
-        "requests" (ids held: running, waiting, and the specs kept of other ranks' requests),
-        "bench_decode" (batch, context, steps, warmup, graphs),
-        "bench_prefill" (tokens, context, steps, warmup, graphs, sequences, decodes,
-        decode_context, idle_s), "kernels" (how the kernels run: KernelConfig's fields), "comm" (each layout's
-        communicator), "heap" (the rank process's objects kept out
-        of garbage collections since start-up)."""
-        self._settle()
-        plan, self._pending = self._pending, StepPlan()
-        plan.run, plan.query = False, {"name": name, **args}
-        # a switch asked for rides on the next step (request_switch), not on a query, which takes in no switch
-        plan.switch_to, self._pending.switch_to = None, plan.switch_to
-        result = self._to_ranks(plan)
-        self._absorb(result.deltas)
-        return result.query or []
+    def query(self, query: Query | str) -> list[Any]:
+        """Each rank's answer to a diagnostic question without a step (`Query`: fingerprint, memory, requests,
+        kernels, comm, heap, reset_prefix_cache)."""
+        q = query if isinstance(query, Query) else Query(query)
+        self._settle()  # (before the plan is taken: what the steps in flight end is released with it)
+        plan = self._next_plan(with_switch=False)
+        plan.run, plan.query = False, q
+        report = self._call(plan)
+        return report.answers or []
 
-    def _absorb(self, deltas: list[TokenDelta]) -> None:
-        """Deltas of a call that is not a step (aborts sent with a switch or query): the next step() returns them."""
-        touched: dict[str, FrontRequest] = {}
-        for d in deltas:
-            self._apply(d, time.perf_counter(), touched)
-        self._undelivered += self._collect(touched)
+    def probe(self, probe: Probe) -> list[dict[str, Any]]:
+        """Time steps on every rank outside the serving path (a benchmark's hook: `DecodeProbe`, `PrefillProbe`);
+        the engine must be idle. Each rank's timings."""
+        if self._requests:
+            raise RuntimeError("probe: the engine is serving requests; time steps on an idle engine")
+        return self._call(probe).answers or []
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page on every rank (later requests compute their prompts in full until steps cache
         them again); returns the pages dropped, summed over ranks."""
-        return sum(r["pages"] for r in self.query("reset_prefix_cache"))  # type: ignore[index]
+        return sum(r["pages"] for r in self.query(Query.RESET_PREFIX_CACHE))
 
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step), and the requests

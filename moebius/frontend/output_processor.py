@@ -1,5 +1,6 @@
-"""The front end's state of one request: its samples' outputs as they grow (tokens, times, text, log-probabilities),
-and how a rank's `TokenDelta` lands in them."""
+"""The front end's state of one request, and the one place where the ranks' token deltas become outputs: tokens,
+their times and log-probabilities, the text (decoded here, and only here), stop strings (checked where the text is
+decoded), aborts, and the `RequestOutput` each request's `RequestOutputKind` asks for."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebius.link.lifecycle import cut_at_stop
+from moebius.link.lifecycle import StopStrings
 from moebius.link.messages import TokenDelta
 from moebius.outputs import CompletionOutput, RequestOutput
-from moebius.sampling_params import SamplingParams
-from moebius.tokenizer import IncrementalDetokenizer
+from moebius.sampling_params import RequestOutputKind, SamplingParams
+from moebius.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -21,35 +22,21 @@ def child_seed(seed: int, index: int) -> int:
 
 @dataclass
 class Sample:
-    """Front-end state of one sample (one rank-side request)."""
+    """Front-end state of one sample (one rank-side request): its output so far, and how much of it went out."""
 
     out: CompletionOutput
     detok: IncrementalDetokenizer | None
+    stops: StopStrings
+    sent_tokens: int = 0  # (DELTA) tokens already in an output
+    sent_text: int = 0  # (DELTA) characters already in an output
+    changed: bool = False  # got something since its last output
+    released: bool = False  # ended here (abort, stop string) while a rank ran it: the ranks were told
 
-
-@dataclass
-class FrontRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    samples: list[Sample]
-    prompt_logits: torch.Tensor | None = None
-    children: list[str] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.out.finished for s in self.samples)
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.out for s in self.samples],
-                             self.finished, self.arrival_time, self.prompt_logits)
-
-    def apply(self, i: int, d: TokenDelta, now: float) -> None:
-        """Sample i's new tokens (at time `now`), their log-probabilities and text, and its end."""
-        s = self.samples[i]
-        out = s.out
+    def take(self, d: TokenDelta, now: float) -> bool:
+        """Its new tokens (at time `now`), their log-probabilities and text, and its end. Returns True when a stop
+        string in the text ended it here (the ranks still run it: the front end releases it)."""
+        out = self.out
+        self.changed = True
         out.token_ids += d.new_token_ids
         out.token_times += [now] * len(d.new_token_ids)
         if d.cached_tokens is not None:
@@ -62,13 +49,98 @@ class FrontRequest:
             if out.logprobs is None:
                 out.logprobs = []
             out.logprobs.append(entry)
-        if s.detok is not None:
-            out.text += "".join(s.detok.append(t) for t in d.new_token_ids)
+        if self.detok is not None:
+            out.text += "".join(self.detok.append(t) for t in d.new_token_ids)
+        if d.finish_reason == "stop":  # EOS or a stop token id: the rules' order puts them before stop strings
+            self._end("stop", d.stop_reason)
+            return False
+        hit = self.stops.find(out.text, len(out.token_ids))
+        if hit is not None:
+            stop, cut = hit
+            out.text = out.text[:cut]
+            out.finish_reason, out.stop_reason = "stop", stop
+            return d.finish_reason is None  # a rank still runs it
         if d.finish_reason is not None:
-            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
-            if s.detok is not None:
-                out.text += s.detok.finish()
-            if isinstance(d.stop_reason, str):
-                out.text = cut_at_stop(out.text, d.stop_reason, self.params.include_stop_str_in_output)
+            self._end(d.finish_reason, d.stop_reason)
+        return False
+
+    def _end(self, reason: str, stop_reason: int | None) -> None:
+        out = self.out
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        if self.detok is not None:
+            out.text += self.detok.finish()
+
+    def abort(self) -> None:
+        if not self.out.finished:
+            self.out.finish_reason = "abort"
+            self.changed = True
+
+    def delta(self) -> CompletionOutput:
+        """What it got since its last output; its text holds back what could still begin a stop string."""
+        out = self.out
+        t0, self.sent_tokens = self.sent_tokens, len(out.token_ids)
+        visible = len(out.text) if out.finished else max(self.sent_text, len(out.text) - self.stops.holdback)
+        c0, self.sent_text = self.sent_text, visible
+        return CompletionOutput(out.index, out.token_ids[t0:], out.text[c0:visible], out.finish_reason,
+                                out.stop_reason, out.token_times[t0:],
+                                out.logprobs[t0:] if out.logprobs is not None else None, out.num_cached_tokens)
+
+
+@dataclass
+class FrontRequest:
+    """One request at the front end: its samples (n of them, each a request on the ranks, `children`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    kind: RequestOutputKind
+    samples: list[Sample] = field(default_factory=list)
+    children: list[str] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
+
+    @staticmethod
+    def make(request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, now: float,
+             kind: RequestOutputKind, tokenizer: Tokenizer | None) -> FrontRequest:
+        fr = FrontRequest(request_id, prompt, ids, params, now, kind)
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens) if tokenizer else None
+            fr.samples.append(Sample(CompletionOutput(i, [], "", None), detok, StopStrings(params)))
+            fr.children.append(request_id if params.n == 1 else f"{request_id}#{i}")
+        return fr
+
+    @property
+    def finished(self) -> bool:
+        return all(s.out.finished for s in self.samples)
+
+    def take(self, i: int, d: TokenDelta, now: float) -> bool:
+        """Sample i's delta; True when the front end ended the sample (a stop string): the ranks release it."""
+        s = self.samples[i]
+        if s.out.finished:  # the front end ended it (stop string, abort): steps already on the ranks still report
+            return False
         if d.prompt_logits is not None and i == 0:
             self.prompt_logits = d.prompt_logits
+        return s.take(d, now)
+
+    def abort(self) -> list[str]:
+        """Abort every sample still running; returns their ids on the ranks."""
+        running = [c for c, s in zip(self.children, self.samples, strict=True) if not s.out.finished]
+        for s in self.samples:
+            s.abort()
+        return running
+
+    def output(self) -> RequestOutput | None:
+        """Its output after a step that changed it, as its kind asks (None: nothing to return now)."""
+        finished = self.finished
+        if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        changed = [s for s in self.samples if s.changed]
+        for s in self.samples:
+            s.changed = False
+        if self.kind is RequestOutputKind.DELTA:
+            outs = [s.delta() for s in changed]
+        else:
+            outs = [s.out for s in self.samples]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, finished, self.arrival_time,
+                             self.prompt_logits)

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from moebius.link.messages import RankTimes
+from moebius.link.messages import RankTimes, SwitchOutcome, SwitchTimes
 
 
 @dataclass(frozen=True)
@@ -65,18 +65,17 @@ class ModeTimeline:
                                        r.host_ms / 1e3, r.sync_ms / 1e3, r.wait_ms / 1e3, time.process_time(),
                                        time.thread_time()))
 
-    def switch(self, now: float, source: str, target: str, done: bool, reason: str,
-               times: dict[str, Any] | None = None) -> None:
-        t = times or {}
-        self.switches.append(SwitchEvent(now - self.start, source, target, done, reason, t.get("total_ms"),
-                                         t.get("weights_ms"), t.get("kv_ms")))
+    def switch(self, now: float, outcome: SwitchOutcome, reason: str) -> None:
+        d = outcome.device
+        self.switches.append(SwitchEvent(now - self.start, outcome.source, outcome.target, outcome.done, reason,
+                                         *((d.total_ms, d.weights_ms, d.kv_ms) if d else ())))
 
-    def complete(self, times: dict[str, Any]) -> None:
+    def complete(self, times: SwitchTimes) -> None:
         """The device times of the last switch, which came with the step after it."""
         if self.switches and self.switches[-1].done:
             last = self.switches.pop()
-            self.switches.append(replace(last, total_ms=times.get("total_ms"), weights_ms=times.get("weights_ms"),
-                                         kv_ms=times.get("kv_ms")))
+            self.switches.append(replace(last, total_ms=times.total_ms, weights_ms=times.weights_ms,
+                                         kv_ms=times.kv_ms))
 
     def to_json(self, since: float = 0.0) -> dict[str, Any]:
         """Samples and switches from `since` seconds on (all by default), as lists of dicts."""

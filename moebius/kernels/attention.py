@@ -158,7 +158,7 @@ def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.
 def _decode_tiles(seq_heads: int, num_splits: int, D: int) -> tuple[int, int]:
     """(KV tile, pipeline stages) of a decode launch, tuned on H200 at the 30B shapes: short splits of a small
     batch favour small tiles and two stages; a batch of about one wave of (request, KV head) programs, each walking
-    its whole sequence, favours long tiles (`python -m moebius.bench.attn_tune`)."""
+    its whole sequence, favours long tiles (`python benchmarks/kernels/attn_tune.py`)."""
     if D > 128:
         return 32, 2 if num_splits > 1 else 3
     if num_splits >= 32:
@@ -177,7 +177,7 @@ def query_block_tokens(D: int, G: int) -> int:
 def prefill_tiles(D: int) -> tuple[int, int, int, int]:
     """(query rows = tokens x heads of one KV head, KV tile, warps, pipeline stages) of a launch with prompt chunks.
     128 x 128 tiles with 8 warps were the fastest at 8k chunks (alone and after a prefix) on H200 at the 30B shapes
-    and near the best at 2k (`python -m moebius.bench.attn_prefill_tune`,
+    and near the best at 2k (`python benchmarks/kernels/attn_prefill_tune.py`,
     benchmarks/results/h200-attn-prefill-tiles.json)."""
     return (128, 128, 8, 3) if D <= 128 else (64, 32, 4, 3)
 
@@ -186,7 +186,7 @@ def prefill_tiles(D: int) -> tuple[int, int, int, int]:
 # (KernelConfig: from 2048 tokens, the whole-prompt lengths the warm-up runs), takes cuDNN's fused attention
 # (through torch SDPA) instead of the kernel above: on H200 at the 30B shapes it was the fastest backend on such a
 # chunk from 2k tokens, and torch's FlashAttention-2 backend was slower than the kernel above
-# (`python -m moebius.bench.attn_prefill_tune --default-only`, benchmarks/results/h200-attn-prefill-default.json).
+# (`python benchmarks/kernels/attn_prefill_tune.py --default-only`, benchmarks/results/h200-attn-prefill-default.json).
 # Chunks after a prefix, and other lengths, keep the paged kernel.
 def fresh_chunk(block_tables: torch.Tensor, max_query_len: int, max_seq_len: int, lengths: frozenset[int]) -> bool:
     """Whether a step's attention is one sequence's first chunk (no cached prefix) of one of `lengths` tokens: host

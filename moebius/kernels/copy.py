@@ -1,6 +1,6 @@
 """The switch's permuted copies (Triton): one expert shard between whole experts and the TP-shaped staging, as rows
 copied from one strided 2-D view into another, at nearly the HBM's rate: torch's copy of the same permuted views
-measured far slower, and a switch moves every expert of the rank (`python -m moebius.bench.reshard_copy`;
+measured far slower, and a switch moves every expert of the rank (`python benchmarks/switch/reshard_copy.py`;
 benchmarks/results/h200-reshard-copy.json). The reference is `dst.copy_(src)`."""
 
 from __future__ import annotations

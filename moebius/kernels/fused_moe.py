@@ -44,15 +44,15 @@ class MoEConfig:
 
 
 # (largest mean pairs per hit expert, config), tuned on H200 for Qwen3-30B-A3B shards at decode sizes
-# (`python -m moebius.bench.moe_tune`): few pairs per expert stream weights through narrow column blocks; many pairs
-# per expert need taller blocks so each weight tile is read fewer times.
+# (`python benchmarks/kernels/moe_tune.py`): few pairs per expert stream weights through narrow column blocks; many
+# pairs per expert need taller blocks so each weight tile is read fewer times.
 CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 4), TileConfig(128, 128, 4, 3))),
     (12.0, MoEConfig(16, TileConfig(64, 128, 4, 3), TileConfig(128, 128, 4, 3))),
     (24.0, MoEConfig(32, TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3))),
     (96.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
     # TMA only for the largest blocks: it measured faster at many thousands of pairs and no better below
-    # (`python -m moebius.bench.moe_tune --no-search`; benchmarks/results/h200-moe-tma.json)
+    # (`python benchmarks/kernels/moe_tune.py --no-search`; benchmarks/results/h200-moe-tma.json)
     (float("inf"), MoEConfig(128, TileConfig(128, 64, 8, 4, tma=True), TileConfig(128, 64, 8, 3, tma=True))),
 ]
 

@@ -65,7 +65,7 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
            *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear for any x [T, K] with K <= MAX_K (`fits` says where it is the faster one). wait_first: load the
     weights only after the wait, as a kernel must whose weights the kernel before picks (the stand-ins for the expert
-    projections in `python -m moebius.bench.boundary_bench`)."""
+    projections in `python benchmarks/kernels/boundary_bench.py`)."""
     T, K = x_TD.shape
     N = w_ND.shape[0]
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)

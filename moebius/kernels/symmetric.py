@@ -382,7 +382,7 @@ class SymmetricBuffers:
 class FusedAllReduceNorm:
     """TP's all-reduce + residual add + RMSNorm (`_allreduce_add_rmsnorm`) over [T, D] of at most `max_numel`."""
 
-    TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (`python -m moebius.bench.comm_bench`)
+    TWO_SHOT_MIN_BYTES = 8 << 20  # from here each rank sums only its share (`python benchmarks/comm/comm_bench.py`)
     # Up to this many elements (16 tokens of 2048), the low-latency protocol (`_allreduce_ll`), always on
     # LL_PROGRAMS programs: each value travels as an 8-byte word carrying the call number.
     LL_MAX_NUMEL = 16 * 2048
@@ -393,7 +393,7 @@ class FusedAllReduceNorm:
         self.sym = SymmetricBuffers(group, {"rows": (2 * 2 * P * max_numel, dtype),
                                             "ll": (2 * P * self.LL_MAX_NUMEL, torch.int64)}, device, phases=2)
         self.P, self.rank, self.max_numel, self.dtype = P, self.sym.rank, max_numel, dtype
-        # grid cap, rows per iteration at most, warps per program (`python -m moebius.bench.comm_bench` varies them)
+        # grid cap, rows per iteration at most, warps per program (`python benchmarks/comm/comm_bench.py` varies them)
         self.programs, self.max_rows, self.num_warps = 256, 4, 8
 
     def fits(self, x: torch.Tensor) -> bool:

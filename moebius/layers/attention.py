@@ -61,7 +61,7 @@ class AttentionMetadata:
 
 
 # (most sequence x KV-head pairs, KV splits) for decode, tuned on H200 (132 SMs) at the 30B TP and EP shards, the
-# merge pass included (`python -m moebius.bench.attn_tune`, benchmarks/results/h200-attn-splits.json); not
+# merge pass included (`python benchmarks/kernels/attn_tune.py`, benchmarks/results/h200-attn-splits.json); not
 # monotonic, so a table. From 33 pairs the batch alone fills the GPU well enough that the merge pass costs more than
 # the extra programs gain. At 16 pairs 4 splits beat 16 in the attention alone but made whole decode steps slower, so
 # 16 stay (benchmarks/results/h200x2-attn-splits-in-step.json).

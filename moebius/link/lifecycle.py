@@ -2,19 +2,21 @@
 
 - Admission (front end): a prompt must leave room for output within `max_model_len` and the KV capacity.
 - Placement weight (front end, EP): the tokens a request may come to hold, prompt + max_tokens.
-- After each new token (ranks): EOS (unless ignore_eos), stop token ids and stop strings, once min_tokens are out;
-  max_tokens and the context limit always.
+- After each new token (ranks): EOS (unless ignore_eos) and stop token ids, once min_tokens are out; max_tokens and
+  the context limit always.
+- Stop strings (front end, where the text is decoded): once min_tokens are out, the first stop string in the text
+  ends the request; the front end releases it on the ranks.
 - Before min_tokens (ranks): EOS and stop token ids are masked out of the logits.
 - With a token still on the device (overlap scheduling): a request that ends by length whatever that token is
   runs no further step.
-- The returned text (front end) ends before a stop string, or after it with include_stop_str_in_output.
+- The returned text (front end) ends before a stop string, or after it with include_stop_str_in_output; text
+  streamed before the end holds back what could still become a stop string.
 """
 
 from __future__ import annotations
 
 from moebius.link.request import PLACEHOLDER, Request
 from moebius.sampling_params import SamplingParams
-from moebius.tokenizer import Tokenizer
 
 
 def check_prompt(num_prompt: int, max_model_len: int, kv_capacity: int) -> None:
@@ -47,18 +49,43 @@ def _at_length(req: Request) -> bool:
             or req.num_tokens >= req.spec.max_total_len)
 
 
-def cut_at_stop(text: str, stop: str, include: bool) -> str:
-    """The returned text of a request that a stop string ended."""
-    cut = text.find(stop)
-    return text if cut < 0 else text[: cut + (len(stop) if include else 0)]
+class StopStrings:
+    """The stop strings of one sample, checked as its text grows (front end)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.strings = params.stop_strings
+        self.include = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.longest = max((len(s) for s in self.strings), default=0)
+        self._checked = 0  # characters of text seen by the last call
+
+    @property
+    def holdback(self) -> int:
+        """Characters at the end of a growing text that could still turn out to begin a stop string (not sent)."""
+        return 0 if self.include or not self.strings else self.longest - 1
+
+    def find(self, text: str, num_tokens: int) -> tuple[str, int] | None:
+        """(the stop string, where the returned text ends) if the text that grew since the last call (`text`, of
+        `num_tokens` output tokens) completes one, once min_tokens are out (vLLM's rule: text made before then is
+        not searched again, but a stop string that straddles the two counts)."""
+        if not self.strings:
+            return None
+        start = max(0, self._checked - self.longest + 1)
+        self._checked = len(text)
+        if num_tokens < self.min_tokens:
+            return None
+        hits = [(i, s) for s in self.strings if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        return stop, at + (len(stop) if self.include else 0)
 
 
 class StopRules:
     """The rules that end a request, applied on the ranks after each new token."""
 
-    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos = frozenset(eos_token_ids)
-        self.tokenizer = tokenizer
 
     def check(self, req: Request) -> None:
         """Set the request's finish_reason (and stop_reason) if its last token ends it."""
@@ -66,14 +93,13 @@ class StopRules:
         tok = req.output_token_ids[-1]
         if len(req.output_token_ids) >= p.min_tokens:
             if not p.ignore_eos and tok in self.eos:
-                return self._finish(req, "stop", None)
+                req.finish_reason, req.stop_reason = "stop", None
+                return
             if p.stop_token_ids and tok in p.stop_token_ids:
-                return self._finish(req, "stop", tok)
-            if p.stop_strings and self._stop_string(req):
-                return None
+                req.finish_reason, req.stop_reason = "stop", tok
+                return
         if _at_length(req):
-            return self._finish(req, "length", None)
-        return None
+            req.finish_reason, req.stop_reason = "length", None
 
     def banned(self, req: Request) -> list[int]:
         """Tokens the request may not sample yet (before min_tokens): those that would stop it."""
@@ -83,28 +109,3 @@ class StopRules:
         if not req.params.ignore_eos:
             banned |= self.eos
         return sorted(banned)
-
-    def _stop_string(self, req: Request) -> bool:
-        if self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
-        p = req.params
-        # Incremental decode over a short window (prefix/read offsets, as vLLM): a multi-byte character is appended
-        # only once complete, and each token costs O(window), not O(output).
-        old_len = len(req.stop_text)
-        ids, (pre, read) = req.output_token_ids, req.stop_offsets
-        before = self.tokenizer.decode(ids[pre:read], skip_special_tokens=p.skip_special_tokens)
-        after = self.tokenizer.decode(ids[pre:], skip_special_tokens=p.skip_special_tokens)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            req.stop_text += after[len(before):]
-            req.stop_offsets = (read, len(ids))
-        longest = max(len(s) for s in p.stop_strings)
-        tail_from = max(0, old_len - longest + 1)
-        hits = [(i, s) for s in p.stop_strings if (i := req.stop_text.find(s, tail_from)) >= 0]
-        if hits:
-            self._finish(req, "stop", min(hits)[1])
-            return True
-        return False
-
-    @staticmethod
-    def _finish(req: Request, reason: str, stop_reason: int | str | None) -> None:
-        req.finish_reason, req.stop_reason = reason, stop_reason

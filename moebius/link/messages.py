@@ -1,54 +1,125 @@
-"""What the front end and the ranks tell each other (carried as JSON by `link/codec.py`): each step's plan, each
-rank's report, and a switch's request list."""
+"""What the front end and the ranks tell each other, carried as JSON by `link/codec.py` between ranks and as
+pickles over rank 0's local pipe.
+
+Front end -> ranks: a `StepPlan` before each step (its parts typed: admissions, releases, a switch order, a
+diagnostic query) or, off the serving path, a `DecodeProbe` / `PrefillProbe` that times steps for a benchmark.
+Ranks -> front end: a `StepReport` (one rank's, merged over the ranks for the front end), whose token deltas are
+the one stream every output is built from, and, with a switch, its `SwitchOutcome`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Mapping
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 
-from moebius.link.codec import TokenIds
-from moebius.link.request import Request, RequestSpec, Status
+from moebius.link.request import RequestSpec
+
+
+# ---- front end -> ranks ----
+@dataclass
+class Admit:
+    """A new request, validated and tokenized. owner: the rank that runs it where the layout places requests
+    (EP); None: every rank runs it."""
+
+    spec: RequestSpec
+    owner: int | None = None
+
+
+@dataclass
+class SwitchOrder:
+    """Switch to `target` ("tp" | "ep") before the step; owners: with a switch into EP, the rank of every live
+    request (the front end's placement)."""
+
+    target: str
+    owners: dict[str, int] = field(default_factory=dict)
+
+
+class Query(enum.Enum):
+    """A question every rank answers without a step (`worker/diagnostics.py`)."""
+
+    FINGERPRINT = "fingerprint"  # view addresses, weight and KV digests: what a switch must preserve
+    MEMORY = "memory"
+    REQUESTS = "requests"  # ids held: running, waiting, and the specs kept of other ranks' requests
+    KERNELS = "kernels"  # how the kernels run (KernelConfig's fields)
+    COMM = "comm"  # each layout's communicator
+    HEAP = "heap"  # objects kept out of garbage collections since start-up
+    RESET_PREFIX_CACHE = "reset_prefix_cache"  # forget every cached page (answers the pages dropped)
 
 
 @dataclass
 class StepPlan:
-    """What the front end tells every rank before a step: requests to admit and abort, an optional layout switch
-    (done before the step), whether to run a forward step, and an optional query (diagnostics, answered per rank)."""
+    """What the front end tells every rank before a step, applied in this order: admit new requests, release the
+    ones the front end is done with, switch, then run one step (or not: a switch or a query alone)."""
 
-    new: list[RequestSpec] = field(default_factory=list)
-    # the rank running each request, where the layout places them (EP): the new ones, and with a switch into EP
-    # every live one; a request not named here runs on every rank
-    owners: dict[str, int] = field(default_factory=dict)
-    aborts: list[str] = field(default_factory=list)
-    # requests that ended since the last plan (the front end saw their last token): EP ranks forget their specs
-    retired: list[str] = field(default_factory=list)
-    switch_to: str | None = None
+    admit: list[Admit] = field(default_factory=list)
+    # requests the front end ended (aborted, stopped by a stop string) or saw finish: a rank ends any it still runs,
+    # without a report, and forgets the specs it keeps of other ranks' requests
+    release: list[str] = field(default_factory=list)
+    switch: SwitchOrder | None = None
     run: bool = True
-    query: dict[str, Any] | None = None  # {"name": ..., **arguments}
+    query: Query | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Nothing for the ranks but a step."""
+        return not (self.admit or self.release or self.switch or self.query)
 
 
 @dataclass
+class DecodeProbe:
+    """Time steady decode steps of `batch` requests (global) with `context` cached tokens each, through the real
+    runner (graph or eager) without prefill: a benchmark's hook, off the serving path (`worker/probes.py`)."""
+
+    batch: int
+    context: int
+    steps: int = 5
+    warmup: int = 2
+    graphs: bool = True
+
+
+@dataclass
+class PrefillProbe:
+    """Time a prefill step of `tokens` prompt tokens over `sequences` prompts after `context` cached tokens each,
+    with `decodes` decoding requests (after `decode_context` tokens) beside them; the device idles `idle_s` before
+    each (`worker/probes.py`)."""
+
+    tokens: int
+    context: int
+    steps: int = 5
+    warmup: int = 2
+    graphs: bool = True
+    sequences: int = 1
+    decodes: int = 0
+    decode_context: int = 0
+    idle_s: float = 0.0
+
+
+Probe = DecodeProbe | PrefillProbe
+
+
+# ---- ranks -> front end ----
+@dataclass
 class TokenDelta:
-    """What a rank reports for one request after a step."""
+    """One request's new tokens of one step (a rank reports each once), and its end where a rank's rule ended it
+    (EOS, a stop token, its length)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
-    stop_reason: int | str | None = None
-    prompt_logits: torch.Tensor | None = None
+    stop_reason: int | None = None
+    prompt_logits: torch.Tensor | None = None  # with the first token, when asked for
     # (SamplingParams.logprobs) the new token's log-probability then its top k's, and their ids (the token's first)
     logprobs: list[float] | None = None
     logprob_ids: list[int] | None = None
     cached_tokens: int | None = None  # on a request's first token: prompt tokens taken from the prefix cache
 
     def __reduce__(self) -> tuple[type[TokenDelta], tuple[Any, ...]]:
-        # pickled as the constructor's arguments (its fields, in order): a rank process's reply carries one a
-        # request every step, and this loads in a third of the default's time (1.3 -> 0.5 ms at 1024 on the CPU)
+        # pickled as the constructor's arguments: a rank process's reply carries one a request every step, and
+        # this loads faster than the default's dict of fields
         return TokenDelta, tuple(getattr(self, f.name) for f in _DELTA_FIELDS)
 
 
@@ -107,91 +178,82 @@ class RankTimes(_Summed):
 
 
 @dataclass
-class RankReport:
-    """What one rank sends back after a plan."""
+class SwitchTimes:
+    """A switch's pass on the device (ms), read once it is over: expert weights and KV (summed over the layers),
+    the span from the first layer's start to the last one's end, and the total: the request side, the index
+    vectors and the span."""
 
-    deltas: list[TokenDelta]
-    kv: KVStats
-    running: int = 0  # requests this rank runs and waiting, where it reports them (Layout.reports_deltas)
-    waiting: int = 0
-    work: StepWork = field(default_factory=StepWork)  # the step it launched, where it reports (as the counts)
-    switch: dict[str, Any] | None = None  # the switch outcome, when the plan asked for a switch
-    query: Any = None  # the answer, when the plan asked a query
-    # device times of a switch that rode on the step before (Switcher.pass_times): they come a step late
-    switch_times: dict[str, Any] | None = None
-    times: RankTimes = field(default_factory=RankTimes)
+    weights_ms: float
+    kv_ms: float
+    span_ms: float
+    total_ms: float
 
 
 @dataclass
-class StepResult:
-    """The ranks' reports, gathered for the front end."""
+class SwitchOutcome:
+    """What a switch did on rank 0: done, or refused and why (nothing changed then), and where its time went (ms).
+    Host side: `drain_ms` waiting for the step in flight, `list_ms` the global request list, `plan_ms` owners,
+    capacity, page tables and the KV index plan, `staging_ms` the buffers and the ranks' agreement, `requests_ms`
+    those three, `prep_ms` the index vectors, `enqueue_ms` launching the pass, `host_ms` the whole call. `device`:
+    the pass's times (a switch that rides on a step: they come with the step after it)."""
+
+    source: str
+    target: str
+    done: bool
+    reason: str | None = None
+    drain_ms: float = 0.0
+    list_ms: float = 0.0
+    plan_ms: float = 0.0
+    staging_ms: float = 0.0
+    requests_ms: float = 0.0
+    prep_ms: float = 0.0
+    enqueue_ms: float = 0.0
+    host_ms: float = 0.0
+    pipelined: bool = False  # --switch-overlap's double-buffered pass ran
+    transport: str = ""  # the transport that moved the bytes
+    peer_exchanges: int = 0  # exchanges that went as direct peer copies
+    running: int = 0  # requests moved, running and waiting
+    waiting: int = 0
+    device: SwitchTimes | None = None
+
+    @property
+    def total_ms(self) -> float | None:
+        """From the switch's start to its last byte landing (None until the device times are in)."""
+        return self.device.total_ms if self.device is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat JSON the operator endpoints answer: "done", "reason", "from", "to", the host's times and, once
+        known, the device's ("weights_ms", "kv_ms", "span_ms", "total_ms")."""
+        d = dataclasses.asdict(self)
+        device = d.pop("device") or {}
+        d["from"], d["to"] = d.pop("source"), d.pop("target")
+        return {**d, **device}
+
+
+@dataclass
+class StepReport:
+    """What the ranks report after a plan: one rank's, or every rank's merged for the front end (`merge`). In TP
+    every rank computes the same tokens and only rank 0 reports them; in EP each rank reports its own."""
 
     deltas: list[TokenDelta]
     kv: list[KVStats]  # per rank
     running: int = 0  # requests running and waiting on the ranks, each counted once
     waiting: int = 0
     work: StepWork = field(default_factory=StepWork)  # the steps launched, summed over the ranks that ran distinct ones
-    switch: dict[str, Any] | None = None  # rank 0's switch outcome
-    query: list[Any] | None = None  # per rank
-    switch_times: dict[str, Any] | None = None  # rank 0's
+    switch: SwitchOutcome | None = None  # rank 0's, when the plan ordered a switch
+    # rank 0's device times of a switch that rode on the step before (they come a step late: see SwitchOutcome)
+    switch_times: SwitchTimes | None = None
     times: RankTimes = field(default_factory=RankTimes)  # rank 0's
+    answers: list[Any] | None = None  # per rank, when the plan asked a query
 
     @staticmethod
-    def gather(reports: list[RankReport]) -> StepResult:
-        return StepResult([d for r in reports for d in r.deltas], [r.kv for r in reports],
+    def merge(reports: list[StepReport]) -> StepReport:
+        head = reports[0]
+        return StepReport([d for r in reports for d in r.deltas], [k for r in reports for k in r.kv],
                           sum(r.running for r in reports), sum(r.waiting for r in reports),
-                          sum((r.work for r in reports), StepWork()), reports[0].switch, [r.query for r in reports],
-                          reports[0].switch_times, reports[0].times)
+                          sum((r.work for r in reports), StepWork()), head.switch, head.switch_times, head.times,
+                          None if head.answers is None else [a for r in reports for a in r.answers or []])
 
-    def waited(self, ms: float) -> StepResult:
-        """This result with rank 0's wait for its plan (known only where the plan was received)."""
+    def waited(self, ms: float) -> StepReport:
+        """This report with rank 0's wait for its plan (known only where the plan was received)."""
         return dataclasses.replace(self, times=dataclasses.replace(self.times, wait_ms=ms))
-
-
-# ---- a switch's request list ----
-@dataclass
-class RequestState:
-    """What moves with a request in a switch beside its spec (which every rank holds) and its output ids (sent
-    together for the whole list); pages do not move: they are allocated again."""
-
-    request_id: str
-    num_output: int
-    num_computed: int
-    status: Status
-    stop_text: str
-    stop_offsets: tuple[int, int]
-    prompt_logits: list[torch.Tensor]
-    num_cached_tokens: int
-    prefix_keys: TokenIds  # its source rank's prefix-cache keys: which pages it shares (switch/requests.py)
-
-
-@dataclass
-class RequestList:
-    """Requests in one message: their states, and all their output ids as one `TokenIds`."""
-
-    ids: TokenIds
-    requests: list[RequestState]
-
-    @staticmethod
-    def of(reqs: list[Request]) -> RequestList:
-        return RequestList(list(itertools.chain.from_iterable(r.output_token_ids for r in reqs)),
-                           [RequestState(r.request_id, len(r.output_token_ids), r.num_computed, r.status, r.stop_text,
-                                         r.stop_offsets, r.prompt_logits, r.num_cached_tokens, r.prefix_keys)
-                            for r in reqs])
-
-    def requests_with(self, specs: Mapping[str, RequestSpec]) -> list[Request]:
-        """The requests, given the specs of every one of them."""
-        out, at = [], 0
-        for m in self.requests:
-            spec = specs.get(m.request_id)
-            if spec is None:
-                raise ValueError(f"request list: request {m.request_id!r} came without its spec, unknown here")
-            if not (m.num_output >= 0 and at + m.num_output <= len(self.ids)):
-                raise ValueError("request list: token counts do not match its ids")
-            out.append(Request(spec, self.ids[at: at + m.num_output], m.num_computed, status=m.status,
-                               stop_text=m.stop_text, stop_offsets=m.stop_offsets, prompt_logits=m.prompt_logits,
-                               num_cached_tokens=m.num_cached_tokens, prefix_keys=list(m.prefix_keys)))
-            at += m.num_output
-        if at != len(self.ids):
-            raise ValueError(f"request list: {len(self.ids) - at} token ids belong to no request")
-        return out

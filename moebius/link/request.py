@@ -1,6 +1,6 @@
-"""A request as a rank sees it: its tokens, its KV pages, its sampling and stop state.
+"""A request as a rank sees it: its tokens, its KV pages, its sampling state.
 
-Plain data, so that a request moves between ranks (a layout switch) unchanged (`messages.RequestList`).
+Plain data, so that a request moves between ranks (a layout switch) unchanged (`switch/requests.RequestList`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    stop_text: str = ""  # decoded output, kept only when there are stop strings
-    stop_offsets: tuple[int, int] = (0, 0)  # output tokens: start of the decode window, end of the decoded part
+    stop_reason: int | None = None  # the stop token id that ended it
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, V] float32, when asked for
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache by the admission that gave its first token
     # the prefix cache's key of each of its leading full pages indexed so far (the scheduler's, per allocator)

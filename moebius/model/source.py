@@ -18,9 +18,7 @@ class ResolvedModel:
 
     config: ModelConfig
     checkpoint: str | None
-    tokenizer: Tokenizer | None
-    tokenizer_dir: str | None
-    builtin_tokenizer: bool
+    tokenizer: Tokenizer | None  # (the front end's: text is decoded there only)
     eos_token_ids: tuple[int, ...]
     is_builtin: bool
 
@@ -42,14 +40,14 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     cfg = ModelConfig.from_hf(hf_config_of(name), ecfg.num_layers)
     if name is None:
         tok = Tokenizer.builtin()
-        return ResolvedModel(cfg, None, tok, None, True, tok.eos_token_ids, True)
+        return ResolvedModel(cfg, None, tok, tok.eos_token_ids, True)
     if is_preset(name):
         if ecfg.load_format != "dummy":
             raise ConfigError(f"preset {name!r} has no weights on disk; pass --load-format dummy")
         tok = Tokenizer.from_dir(ecfg.tokenizer) if ecfg.tokenizer else Tokenizer.builtin()
-        return ResolvedModel(cfg, None, tok, ecfg.tokenizer, ecfg.tokenizer is None, tok.eos_token_ids, False)
+        return ResolvedModel(cfg, None, tok, tok.eos_token_ids, False)
     tok_dir = ecfg.tokenizer or (name if os.path.isfile(os.path.join(name, "tokenizer.json")) else None)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
     eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
     checkpoint = None if ecfg.load_format == "dummy" else name
-    return ResolvedModel(cfg, checkpoint, tok, tok_dir, False, eos, False)
+    return ResolvedModel(cfg, checkpoint, tok, eos, False)

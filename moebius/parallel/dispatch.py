@@ -111,7 +111,7 @@ class SymmetricAllReduce:
     multicast needed; capture-safe). Up to FUSED_MAX_BYTES the sum at the end of a sublayer is one Triton launch
     with the residual add and the next norm (`fused`, `kernels.symmetric`); above it, up to the buffer, torch's
     two-shot kernel (reduce-scatter + all-gather). Both measured faster than NCCL's all-reduce + add_rmsnorm at
-    their sizes (`python -m moebius.bench.comm_bench`; benchmarks/results/h200x2-comm.json)."""
+    their sizes (`python benchmarks/comm/comm_bench.py`; benchmarks/results/h200x2-comm.json)."""
 
     FUSED_MAX_BYTES = 8 << 20
 

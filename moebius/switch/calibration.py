@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from moebius.link.messages import SwitchOutcome
 from moebius.sampling_params import SamplingParams
 from moebius.switch.policy import StepCurve, crossover
 
@@ -135,7 +136,7 @@ class Engine(Protocol):
     @property
     def mode(self) -> str: ...
 
-    def switch_mode(self, target: str, reason: str = "operator") -> dict[str, Any]: ...
+    def switch_mode(self, target: str, reason: str = "operator") -> SwitchOutcome: ...
 
     def add_request(self, prompt: list[int], params: SamplingParams) -> str: ...
 
@@ -217,6 +218,6 @@ def _served_step_ms(core: Engine, batch: int, context: int, length: int, steps: 
 
 def _switch(core: Engine, target: str) -> float:
     out = core.switch_mode(target, reason="calibration")
-    if not out.get("done"):
-        raise RuntimeError(f"calibration: the switch to {target} was refused: {out.get('reason')}")
-    return float(out.get("total_ms", 0.0))
+    if not out.done:
+        raise RuntimeError(f"calibration: the switch to {target} was refused: {out.reason}")
+    return out.total_ms or 0.0

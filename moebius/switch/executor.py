@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from moebius.config import ModelConfig
+from moebius.link.messages import SwitchTimes
 from moebius.model.qwen3_moe import ModelWeights, MoEWeights
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout
@@ -40,6 +41,35 @@ class Staging:
 
     experts: list[tuple[torch.Tensor, torch.Tensor]] | None  # TP-shaped w13, w2, one or two (None: no experts)
     kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # KV rows sent, received (None: no KV to move)
+
+
+@dataclass(frozen=True)
+class PassLaunch:
+    """The host's side of a pass launched (ms): `requests_ms` the caller's request side plus the KV index plan and
+    the staging, `kv_plan_ms`, `staging_ms` (buffers and the ranks' agreement), `prep_ms` (index vectors),
+    `enqueue_ms` (the loop over the layers); which pass and transport ran, and how many exchanges went as peer
+    copies."""
+
+    requests_ms: float
+    kv_plan_ms: float
+    staging_ms: float
+    prep_ms: float
+    enqueue_ms: float
+    pipelined: bool
+    transport: str
+    peer_exchanges: int
+
+
+@dataclass(frozen=True)
+class _Unresolved:
+    """What pass_times needs of the last pass until it reports."""
+
+    source: str
+    target: str
+    running: int
+    waiting: int
+    requests_ms: float
+    prep_ms: float
 
 
 @dataclass(frozen=True)
@@ -64,7 +94,7 @@ class Switcher:
         self.transport: Transport = CollectiveTransport(groups.device)  # --switch-transport peer: set in open_paths
         self.tp_layouts = [Layout(cfg, "tp", q, self.P) for q in range(self.P)]
         self._marks: list[tuple[Any, Any, Any]] = []  # the last pass's (start, weights done, KV done) per layer
-        self._unresolved: dict[str, Any] | None = None  # what pass_times needs of the last switch, until it reports
+        self._unresolved: _Unresolved | None = None  # the last pass, until pass_times reports it
         # --switch-overlap on the GPU: the stream the pipelined pass's exchanges go out from
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and options.overlap else None
 
@@ -93,13 +123,12 @@ class Switcher:
             torch.cuda.synchronize(self.device)
 
     def move(self, src: str, dst: str, live: list[LiveKV], running: int, waiting: int, host_ms: float
-             ) -> dict[str, Any]:
+             ) -> PassLaunch | str:
         """Move every layer's experts, and the KV of the live requests (their target pages allocated already), from
-        layout `src` to `dst`. A collective. Returns {"done": False, "reason"} when a rank cannot give the staging
-        (nothing has changed then), else the host's times (ms): `kv_plan_ms` (KV index plan), `staging_ms` (buffers
-        and the ranks' agreement), `prep_ms` (index vectors), `enqueue_ms`, and `pipelined`, `transport`,
-        `peer_exchanges`. The pass is launched, not waited for (`pass_times`). running / waiting: counts for the
-        log line; host_ms: the caller's time on the switch before this (requests, capacity, page tables)."""
+        layout `src` to `dst`. A collective. Returns why not when a rank cannot give the staging (nothing has changed
+        then), else where the host's time went. The pass is launched, not waited for (`pass_times`). running /
+        waiting: counts for the log line; host_ms: the caller's time on the switch before this (requests, capacity,
+        page tables)."""
         t0 = time.perf_counter()
         plan = (kv_ep_to_tp if dst == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, self.block_size)
         # every rank knows every live request's KV length, so all agree whether there is KV to move
@@ -110,15 +139,16 @@ class Switcher:
         staging, why = self._staging(plan if move_kv else None, self.caches[src][0])
         agreed = all_gather_json([not why, why], self.groups, self.device)
         if not all(ok for ok, _ in agreed):
-            return {"done": False, "reason": "no device memory for one layer of switch staging ("
-                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")"}
+            return ("no device memory for one layer of switch staging ("
+                    + "; ".join(f"rank {r}: {m}" for r, (ok, m) in enumerate(agreed) if not ok) + ")")
         self._sync()
         t1 = time.perf_counter()
-        passes = self._move_layers(src, dst, plan, move_kv, staging)
-        out = {"done": True, "kv_plan_ms": (t_plan - t0) * 1e3, "staging_ms": (t1 - t_plan) * 1e3, **passes}
-        self._unresolved = {"from": src, "to": dst, "running": running, "waiting": waiting,
-                            "requests_ms": host_ms + (t1 - t0) * 1e3, "prep_ms": passes["prep_ms"]}
-        return out
+        peer0 = self.transport.peer_exchanges
+        prep_ms, enqueue_ms, pipelined = self._move_layers(src, dst, plan, move_kv, staging)
+        launch = PassLaunch(host_ms + (t1 - t0) * 1e3, (t_plan - t0) * 1e3, (t1 - t_plan) * 1e3, prep_ms, enqueue_ms,
+                            pipelined, self.transport.name, self.transport.peer_exchanges - peer0)
+        self._unresolved = _Unresolved(src, dst, running, waiting, launch.requests_ms, prep_ms)
+        return launch
 
     def _staging(self, plan: KVMove | None, cache: torch.Tensor) -> tuple[Staging, str]:
         """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:
@@ -146,10 +176,9 @@ class Switcher:
             return Staging(None, None), str(e).splitlines()[0]
 
     def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool, staging: Staging
-                     ) -> dict[str, Any]:
-        """The ordered pass, launched without waiting for it. Returns where the host's time went (ms): `prep_ms` the
-        index vectors, `enqueue_ms` its loop over the layers, `pipelined` which pass ran, `transport` which transport
-        and `peer_exchanges` how many of its exchanges went as peer copies; keeps each layer's marks
+                     ) -> tuple[float, float, bool]:
+        """The ordered pass, launched without waiting for it. Returns where the host's time went (ms): the index
+        vectors, its loop over the layers, and whether the pipelined pass ran; keeps each layer's marks
         for pass_times (the pipelined pass: one mark, its expert part counted as weights and the KV after the last
         expert byte as KV).
         On the GPU nothing waits between layers (one stream orders every copy and exchange; the phases are timed
@@ -162,11 +191,9 @@ class Switcher:
         recv = [self._page_offset(r, bs) for r in plan.recv_slots]
         cuda = self.device.type == "cuda"
         h0 = time.perf_counter()
-        peer0 = self.transport.peer_exchanges
         if staging.experts is not None and len(staging.experts) == 2:
             self._marks = self._pipelined(src, dst, list(order), plan, move_kv, send, recv, staging)
-            return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": True,
-                    "transport": self.transport.name, "peer_exchanges": self.transport.peer_exchanges - peer0}
+            return (h0 - hp) * 1e3, (time.perf_counter() - h0) * 1e3, True
         marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         for i in order:
             m0 = self._mark(cuda)
@@ -182,8 +209,7 @@ class Switcher:
         # no wait for the device here: the first step in the new layout is launched right behind the pass on the
         # same stream (its host work overlaps the transfers); pass_times waits for the pass's end
         self._marks = marks
-        return {"prep_ms": (h0 - hp) * 1e3, "enqueue_ms": (time.perf_counter() - h0) * 1e3, "pipelined": False,
-                "transport": self.transport.name, "peer_exchanges": self.transport.peer_exchanges - peer0}
+        return (h0 - hp) * 1e3, (time.perf_counter() - h0) * 1e3, False
 
     def _pipelined(self, src: str, dst: str, layers: list[int], plan: KVMove, move_kv: bool,
                    send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -257,28 +283,26 @@ class Switcher:
             compute.wait_stream(side)  # the next step, and any reuse of the staging, after every exchange
         return [(start, last_expert, self._mark(cuda))]
 
-    def pass_times(self) -> dict[str, Any] | None:
+    def pass_times(self) -> SwitchTimes | None:
         """The last pass's times, once (None when there is none to report): waits for its end on the device, then
-        `weights_ms`, `kv_ms` (summed over the layers), `span_ms` (first layer's start to last layer's end; minus
-        weights and KV: the device idle between layers) and `total_ms` (requests, index vectors and the span: the
+        the weights' and the KV's (summed over the layers), the span (first layer's start to last layer's end; minus
+        weights and KV: the device idle between layers) and the total (requests, index vectors and the span: the
         switch on this rank from its start to its last byte landing). Off the switch's critical path: a switch that
         rides on a step is reported with the step after it, so that the first step in the new layout is launched,
-        and its tokens come back, without waiting for the pass on the host (reading a hundred events costs about a
-        millisecond too)."""
+        and its tokens come back, without waiting for the pass on the host (nor for reading a hundred events)."""
         if self._unresolved is None:
             return None
         head, self._unresolved = self._unresolved, None
         marks, self._marks = self._marks, []
         if marks and not isinstance(marks[-1][2], float):
             marks[-1][2].synchronize()
-        out: dict[str, Any] = dict(weights_ms=sum(self._elapsed(a, b) for a, b, _ in marks) * 1e3,
-                                   kv_ms=sum(self._elapsed(b, c) for _, b, c in marks) * 1e3,
-                                   span_ms=self._elapsed(marks[0][0], marks[-1][2]) * 1e3 if marks else 0.0)
-        out["total_ms"] = head["requests_ms"] + head["prep_ms"] + out["span_ms"]
+        weights_ms = sum(self._elapsed(a, b) for a, b, _ in marks) * 1e3
+        kv_ms = sum(self._elapsed(b, c) for _, b, c in marks) * 1e3
+        span_ms = self._elapsed(marks[0][0], marks[-1][2]) * 1e3 if marks else 0.0
+        times = SwitchTimes(weights_ms, kv_ms, span_ms, head.requests_ms + head.prep_ms + span_ms)
         log.info("rank %d: switched %s -> %s with %d running, %d waiting requests in %.1f ms (weights %.1f, KV %.1f)",
-                 self.rank, head["from"], head["to"], head["running"], head["waiting"], out["total_ms"],
-                 out["weights_ms"], out["kv_ms"])
-        return out
+                 self.rank, head.source, head.target, head.running, head.waiting, times.total_ms, weights_ms, kv_ms)
+        return times
 
     def _page_offset(self, slots: np.ndarray, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         # on the host: a first switch would otherwise pay the lazy load of the device's integer-division kernels

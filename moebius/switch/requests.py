@@ -8,15 +8,16 @@ rank), so all of them take the same decision without further messages.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from moebius.link.codec import decode, encode
-from moebius.link.messages import RequestList
-from moebius.link.request import Request, RequestSpec
+from moebius.link.codec import TokenIds, decode, encode
+from moebius.link.messages import SwitchOutcome
+from moebius.link.request import Request, RequestSpec, Status
 from moebius.memory.kv_pool import BlockAllocator
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout
@@ -29,10 +30,55 @@ REQUEST_LIST_INLINE = 65536
 
 
 @dataclass
+class RequestState:
+    """What moves with a request in a switch beside its spec (which every rank holds) and its output ids (sent
+    together for the whole list); pages do not move: they are allocated again."""
+
+    request_id: str
+    num_output: int
+    num_computed: int
+    status: Status
+    prompt_logits: list[torch.Tensor]
+    num_cached_tokens: int
+    prefix_keys: TokenIds  # its source rank's prefix-cache keys: which pages it shares (`shared_prefixes`)
+
+
+@dataclass
+class RequestList:
+    """A switch's requests in one message: their states, and all their output ids as one `TokenIds`."""
+
+    ids: TokenIds
+    requests: list[RequestState]
+
+    @staticmethod
+    def of(reqs: list[Request]) -> RequestList:
+        return RequestList(list(itertools.chain.from_iterable(r.output_token_ids for r in reqs)),
+                           [RequestState(r.request_id, len(r.output_token_ids), r.num_computed, r.status,
+                                         r.prompt_logits, r.num_cached_tokens, r.prefix_keys) for r in reqs])
+
+    def requests_with(self, specs: Mapping[str, RequestSpec]) -> list[Request]:
+        """The requests, given the specs of every one of them."""
+        out, at = [], 0
+        for m in self.requests:
+            spec = specs.get(m.request_id)
+            if spec is None:
+                raise ValueError(f"request list: request {m.request_id!r} came without its spec, unknown here")
+            if not (m.num_output >= 0 and at + m.num_output <= len(self.ids)):
+                raise ValueError("request list: token counts do not match its ids")
+            out.append(Request(spec, self.ids[at: at + m.num_output], m.num_computed, status=m.status,
+                               prompt_logits=m.prompt_logits, num_cached_tokens=m.num_cached_tokens,
+                               prefix_keys=list(m.prefix_keys)))
+            at += m.num_output
+        if at != len(self.ids):
+            raise ValueError(f"request list: {len(self.ids) - at} token ids belong to no request")
+        return out
+
+
+@dataclass
 class SwitchResult:
     """What a switch changed on this rank, for the rank to adopt (`mode` None: refused, nothing changed)."""
 
-    outcome: dict[str, Any]
+    outcome: SwitchOutcome
     mode: str | None = None
     running: list[Request] = field(default_factory=list)  # with their target page tables
     waiting: list[Request] = field(default_factory=list)
@@ -95,7 +141,6 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
     (prefix caching): requests of one target rank share the target pages of the leading pages their source rank
     indexed under the same keys (moved once), as they shared them before."""
     t0 = time.perf_counter()
-    head = {"from": src.mode, "to": dst.mode}
     running, waiting, before = _global_requests(src, mine, groups, device)
     t_list = time.perf_counter()
     live = running + waiting
@@ -118,13 +163,13 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
                 if lay.holds(o)) for lay in targets]
     alloc = BlockAllocator(dst_num_pages, block_size)
     if max(need, default=0) > alloc.usable_pages:
-        return SwitchResult({"done": False, "reason": f"{dst.mode} layout cannot hold the live KV: needs {max(need)} "
-                             f"pages on a rank, has {alloc.usable_pages}", **head})
+        return _refused(src, dst, f"{dst.mode} layout cannot hold the live KV: needs {max(need)} pages on a rank, "
+                        f"has {alloc.usable_pages}")
     # ... and its batch slots (TP runs every request on every rank)
     per_rank = [sum(1 for o in after[: len(running)] if lay.holds(o)) for lay in targets]
     if max(per_rank, default=0) > max_running:
-        return SwitchResult({"done": False, "reason": f"{dst.mode} layout cannot run {max(per_rank)} requests on a "
-                             f"rank (max_running_requests {max_running})", **head})
+        return _refused(src, dst, f"{dst.mode} layout cannot run {max(per_rank)} requests on a rank "
+                        f"(max_running_requests {max_running})")
     # Target page tables, in the global order, in a fresh allocator that only adopting the result makes the
     # target's: nothing has changed yet.
     kv: list[LiveKV] = []
@@ -142,19 +187,25 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
         kv.append(LiveKV(b if src.data_parallel else a, r.num_computed, my_pages.get(r.request_id, []), pages,
                          s * block_size))
     t_plan = time.perf_counter()
-    moved = switcher.move(src.mode, dst.mode, kv, len(running), len(waiting), (t_plan - t0) * 1e3)
-    if not moved["done"]:
-        return SwitchResult({**moved, **head})
+    launch = switcher.move(src.mode, dst.mode, kv, len(running), len(waiting), (t_plan - t0) * 1e3)
+    if isinstance(launch, str):
+        return _refused(src, dst, launch)
     for r, x in zip(running, kv, strict=False):
         r.pages = x.dst_pages
     keep = [i for i, o in enumerate(after) if dst.holds(o)]
     n_run = len(running)
     kept = set(keep)
-    t1 = time.perf_counter()
-    plan_ms = (t_plan - t_list) * 1e3 + moved.pop("kv_plan_ms")
-    times = {"requests_ms": (t_list - t0) * 1e3 + plan_ms + moved["staging_ms"], "list_ms": (t_list - t0) * 1e3,
-             "plan_ms": plan_ms, "host_ms": (t1 - t0) * 1e3}
+    list_ms = (t_list - t0) * 1e3
+    outcome = SwitchOutcome(src.mode, dst.mode, True, list_ms=list_ms,
+                            plan_ms=(t_plan - t_list) * 1e3 + launch.kv_plan_ms, staging_ms=launch.staging_ms,
+                            requests_ms=launch.requests_ms, prep_ms=launch.prep_ms, enqueue_ms=launch.enqueue_ms,
+                            host_ms=(time.perf_counter() - t0) * 1e3, pipelined=launch.pipelined,
+                            transport=launch.transport, peer_exchanges=launch.peer_exchanges, running=len(running),
+                            waiting=len(waiting))
     return SwitchResult(
-        {**moved, **head, **times}, dst.mode, [running[i] for i in keep if i < n_run],
-        [waiting[i - n_run] for i in keep if i >= n_run], alloc,
-        {r.request_id: r.spec for i, r in enumerate(live) if i not in kept} if dst.data_parallel else {})
+        outcome, dst.mode, [running[i] for i in keep if i < n_run], [waiting[i - n_run] for i in keep if i >= n_run],
+        alloc, {r.request_id: r.spec for i, r in enumerate(live) if i not in kept} if dst.data_parallel else {})
+
+
+def _refused(src: Layout, dst: Layout, reason: str) -> SwitchResult:
+    return SwitchResult(SwitchOutcome(src.mode, dst.mode, False, reason))

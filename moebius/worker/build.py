@@ -23,7 +23,6 @@ from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.switch.executor import Switcher, SwitchOptions
-from moebius.tokenizer import Tokenizer
 from moebius.worker.rank import ModeRuntime, Rank, RankSpec
 from moebius.worker.runner import ModelRunner, StaticBuffers
 from moebius.worker.warmup import fresh_chunk_lengths, warm_up
@@ -95,14 +94,12 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
                              StaticBuffers.build(umm, m, *buf_shape), bs, device, kernels=kernels)
         modes[m] = ModeRuntime(lay, weights, kv, runner)
-    tokenizer = (Tokenizer.builtin() if spec.use_builtin_tokenizer
-                 else Tokenizer.from_dir(spec.tokenizer_dir) if spec.tokenizer_dir else None)
     switcher = Switcher(cfg, groups, device, bs, {m: rt.weights for m, rt in modes.items()},
                         {m: rt.kv.layers for m, rt in modes.items()},
                         SwitchOptions(ecfg.switch_overlap, ecfg.switch_transport, kernels.reshard_kernel))
     log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
              bs, {m: rt.kv.num_pages for m, rt in modes.items()})
-    return Rank(spec, groups, umm, modes, switcher, StopRules(spec.eos_token_ids, tokenizer))
+    return Rank(spec, groups, umm, modes, switcher, StopRules(spec.eos_token_ids))
 
 
 def prepare_rank(rank: Rank) -> None:
@@ -143,8 +140,8 @@ def prepare_rank(rank: Rank) -> None:
 
 def freeze_heap() -> None:
     """Collect what start-up left and keep everything alive now out of later collections. A process that imported
-    torch, transformers and triton and built an engine holds ~175k objects the collector tracks; each full
-    collection walks them all (~0.1 s on a CPU core), and one falls now and then under a step. Frozen, a collection
-    walks only what serving made since (vLLM does the same after its start-up)."""
+    torch, transformers and triton and built an engine holds a large heap of objects the collector tracks; each
+    full collection walks them all, and one falls now and then under a step (docs/performance-history.md). Frozen, a
+    collection walks only what serving made since (vLLM does the same after its start-up)."""
     gc.collect()
     gc.freeze()

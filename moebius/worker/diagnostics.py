@@ -1,59 +1,42 @@
-"""Questions a plan may ask every rank, outside the serving path: fingerprints of what a switch must preserve,
-memory, how the kernels and the collectives run, which requests a rank holds, and decode and prefill step timing
-for benchmarks."""
+"""Questions a plan may ask every rank (`link.messages.Query`), answered without a step: fingerprints of what a
+switch must preserve, memory, how the kernels and the collectives run, which requests a rank holds."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import hashlib
-import statistics
-import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from moebius.link.messages import split_evenly
-from moebius.link.request import Request, RequestSpec
+from moebius.link.messages import Query
 from moebius.model.qwen3_moe import MoEWeights
-from moebius.parallel.groups import all_gather_ints
-from moebius.sampling_params import SamplingParams
-from moebius.worker.runner import PendingStep, StepSync
-from moebius.worker.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
     from moebius.worker.rank import Rank
 
 
-def answer(rank: Rank, q: dict[str, Any]) -> Any:
-    """The rank's JSON-able answer to query `q` ({"name": ..., **arguments})."""
-    name = q["name"]
-    if name == "fingerprint":
+def answer(rank: Rank, q: Query) -> Any:
+    """The rank's JSON-able answer to query `q`."""
+    if q is Query.FINGERPRINT:
         return fingerprint(rank)
-    if name == "memory":
+    if q is Query.MEMORY:
         return memory_report(rank)
-    if name == "requests":  # ids of what this rank holds, and of the specs it keeps of others' requests
+    if q is Query.REQUESTS:  # ids of what this rank holds, and of the specs it keeps of others' requests
         sched = rank.scheduler
         return {"running": [r.request_id for r in sched.running],
                 "waiting": [r.request_id for r in sched.waiting], "others": sorted(rank.others)}
-    if name == "bench_decode":
-        return bench_decode(rank, q["batch"], q["context"], q["steps"], q["warmup"], q["graphs"])
-    if name == "bench_prefill":
-        return bench_prefill(rank, q["tokens"], q["context"], q["steps"], q["warmup"], q.get("graphs", True),
-                             q.get("sequences", 1), q.get("decodes", 0), q.get("decode_context", 0),
-                             q.get("idle_s", 0.0))
-    if name == "reset_prefix_cache":  # the prefix cache's pages (a benchmark between its runs)
+    if q is Query.RESET_PREFIX_CACHE:  # the prefix cache's pages (a benchmark between its runs)
         return {"pages": rank.allocator.clear_cache()}
-    if name == "heap":  # the rank process's objects kept out of garbage collections (freeze_heap)
+    if q is Query.HEAP:  # the rank process's objects kept out of garbage collections (freeze_heap)
         return {"frozen": gc.get_freeze_count()}
-    if name == "kernels":  # how the rank's kernels run (its KernelConfig)
+    if q is Query.KERNELS:  # how the rank's kernels run (its KernelConfig)
         kc = rank.modes[rank.mode].runner.kernels
         return {f.name: sorted(v) if isinstance(v, frozenset) else v
                 for f in dataclasses.fields(kc) for v in [getattr(kc, f.name)]}
-    if name == "comm":  # how each layout's collectives run
-        return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
-    raise ValueError(f"unknown query {name!r}")
+    assert q is Query.COMM, q  # how each layout's collectives run
+    return {m: rt.runner.comm.describe() for m, rt in rank.modes.items()}
 
 
 def memory_report(rank: Rank) -> dict[str, Any]:
@@ -93,130 +76,3 @@ def fingerprint(rank: Rank) -> dict[str, Any]:
         pages = torch.tensor(r.pages, dtype=torch.int64)[slots // bs]
         kv[r.request_id] = _digest(torch.stack([c[pages, :, slots % bs] for c in rt.kv.layers]))
     return {"mode": rank.mode, "ptrs": ptrs, "experts": experts, "kv": kv}
-
-
-def _decoding(rank: Rank, n: int, context: int) -> list[ScheduledChunk]:
-    """n requests each decoding one token after `context` cached ones (their pages allocated; the KV holds whatever
-    is there), with distinct tokens per request, so the batch routes like real traffic (not all to one expert)."""
-    params, V, r = SamplingParams(temperature=0.0, max_tokens=1), rank.cfg.vocab_size, rank.groups.rank
-    chunks = []
-    for i in range(n):
-        ids = [(r * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
-        req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
-        req.pages, req.num_computed = rank.allocator.allocate(-(-(context + 1) // rank.spec.engine.block_size)), context
-        chunks.append(ScheduledChunk(req, context, 1))
-    return chunks
-
-
-def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict[str, Any]:
-    """Time steady-state decode steps of `batch` requests (global) with `context` cached tokens each, through
-    the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
-    if steps < 1 or warmup < 0:  # an answer, not an exception: a rank that raised would take the engine down
-        return {"error": f"bench_decode needs steps >= 1 and warmup >= 0, got {steps} and {warmup}"}
-    lay, alloc, groups = rank.layout, rank.allocator, rank.groups
-    local = lay.local_batch(batch)
-    ecfg = rank.spec.engine
-    pages_each = -(-(context + 1) // ecfg.block_size)
-    need = local * pages_each
-    ok = need <= alloc.num_free and local <= ecfg.max_num_batched_tokens
-    if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
-        return {"error": "does not fit on every rank"}
-    if not ok:
-        return {"error": f"needs {need} KV pages, {alloc.num_free} free"}
-    chunks = _decoding(rank, local, context)
-    sync = StepSync(lay.step_tokens(batch), True)
-    runner = rank.runner
-    used_graph = graphs and runner.has_graph(sync.max_tokens)
-    times, meta = [], []
-    try:
-        for _ in range(warmup + steps):
-            if rank.device.type == "cuda":
-                torch.cuda.synchronize(rank.device)
-            t = time.perf_counter()
-            runner.launch(chunks, [], sync, graphs=graphs).result()  # tokens on the host: a whole step
-            times.append(time.perf_counter() - t)
-            meta.append(runner.last_metadata_s)
-        # overlap needs an asynchronous device: on the CPU a launch computes the step, so there is nothing to hide
-        overlapped = (_time_overlapped(rank, chunks, sync, steps, warmup, graphs) if rank.device.type == "cuda"
-                      else statistics.median(times[warmup:]) * 1e3)
-        replay_ms = runner.time_replay(sync.max_tokens, steps) if used_graph else None
-    finally:
-        for c in chunks:
-            alloc.free(c.req.pages)
-    sync_ms = statistics.median(times[warmup:]) * 1e3
-    return {"step_ms": overlapped if rank.overlap else sync_ms, "step_ms_overlap": overlapped,
-            "step_ms_no_overlap": sync_ms, "local_batch": local, "cuda_graph": used_graph,
-            "replay_ms": replay_ms, "metadata_ms": statistics.median(meta[warmup:]) * 1e3}
-
-
-def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int, graphs: bool = True,
-                  sequences: int = 1, decodes: int = 0, decode_context: int = 0, idle_s: float = 0.0
-                  ) -> dict[str, Any]:
-    """Time a prefill step: on every rank prompt chunks of `tokens` tokens in all, split evenly over `sequences`
-    prompts (many short prompts: a burst's step), each after `context` cached tokens (the KV pages hold whatever is
-    there), each prompt's last token sampled, through the real runner as the engine runs prefill (graph pieces up to
-    --cuda-graph-max-tokens, else eager; graphs=False: eager; tokens read back). decodes: that many running
-    requests first in the step, each decoding one token after `decode_context` cached ones (a mixed step: a prompt
-    arriving while others decode). idle_s: the device idles that long before each step, a lone prompt's step
-    (back to back, long steps hold an H200 at its power cap, its clocks lowered: ~4% at 8k tokens)."""
-    if (steps < 1 or warmup < 0 or tokens < 1 or context < 0 or not 1 <= sequences <= tokens or decodes < 0
-            or decode_context < 0 or idle_s < 0):
-        return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1, warmup >= 0, 1 <= sequences "
-                         f"<= tokens, decodes >= 0, decode_context >= 0 and idle_s >= 0, got {tokens}, {context}, "
-                         f"{steps}, {warmup}, {sequences}, {decodes}, {decode_context} and {idle_s}"}
-    alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
-    sizes = split_evenly(tokens, sequences)
-    pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
-    need = sum(pages) + decodes * -(-(decode_context + 1) // ecfg.block_size)
-    ok = (need <= alloc.num_free and tokens + decodes <= ecfg.max_num_batched_tokens
-          and sequences + decodes <= ecfg.max_running_requests)
-    if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
-        return {"error": "does not fit on every rank"}
-    if not ok:
-        return {"error": f"needs {need} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
-                         f"({ecfg.max_num_batched_tokens}) and room for {sequences + decodes} requests "
-                         f"({ecfg.max_running_requests})"}
-    V = rank.cfg.vocab_size
-    chunks = _decoding(rank, decodes, decode_context)  # running requests come first in a step (the scheduler's order)
-    for s, (n, p) in enumerate(zip(sizes, pages, strict=True)):
-        ids = [(groups.rank * 7919 + s * 7 + j * 104729) % V for j in range(context + n)]
-        req = Request(RequestSpec(f"bench-prefill-{s}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
-                                  context + n + 1))
-        req.pages, req.num_computed = alloc.allocate(p), context
-        chunks.append(ScheduledChunk(req, context, n))
-    sync, times = StepSync(tokens + decodes, False), []
-    try:
-        for _ in range(warmup + steps):
-            if rank.device.type == "cuda":
-                torch.cuda.synchronize(rank.device)
-            time.sleep(idle_s)
-            t = time.perf_counter()
-            rank.runner.launch(chunks, [], sync, graphs=graphs).result()
-            times.append(time.perf_counter() - t)
-    finally:
-        for c in chunks:
-            alloc.free(c.req.pages)
-    return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context,
-            "chunk_tokens": [c.num_tokens for c in chunks[decodes:]], "decodes": decodes,
-            "pieces": graphs and rank.runner.pieces_bucket(sync.max_tokens) is not None}
-
-
-def _time_overlapped(rank: Rank, chunks: list[ScheduledChunk], sync: StepSync, steps: int, warmup: int,
-                     graphs: bool) -> float:
-    """Steady-state ms per step as overlap scheduling runs them: each step is launched with its input tokens
-    taken on the device from the step before, and only then is the step before read back."""
-    rows = np.arange(len(chunks))
-    prev: PendingStep | None = None
-    arrived = []  # when each step's tokens reached the host
-    for _ in range(max(warmup, 1) + steps):
-        cur = rank.runner.launch(chunks, [], sync, prev, rows if prev is not None else None, graphs=graphs)
-        if prev is not None:
-            prev.result()
-            arrived.append(time.perf_counter())
-        prev = cur
-    assert prev is not None
-    prev.result()
-    arrived.append(time.perf_counter())
-    # between the last warm-up step's arrival and the last step's, exactly `steps` steps completed (timing from
-    # a launch instead would count the step already in flight then)
-    return (arrived[-1] - arrived[-1 - steps]) / steps * 1e3

@@ -2,9 +2,9 @@
 --rank-process on: `moebius serve` does so, since its HTTP side would share the GIL with the launches), or under
 torchrun (env:// rendezvous, possibly across machines) with the front end in rank 0's process.
 
-Every step is lockstep: rank 0 broadcasts the StepPlan (JSON on the CPU group), every rank applies it
-(`Rank.report`), and rank 0 gathers the reports (token deltas, KV statistics, switch outcome, query answers). The
-front end only ever talks to rank 0.
+Every step is lockstep: rank 0 broadcasts the StepPlan (or a benchmark's probe; JSON on the CPU group), every rank
+applies it (`Rank.report`), and rank 0 gathers the reports (token deltas, KV statistics, switch outcome, query
+answers) into one. The front end only ever talks to rank 0.
 """
 
 from __future__ import annotations
@@ -24,36 +24,42 @@ import torch
 import torch.multiprocessing as mp
 
 from moebius.link.codec import decode, encode
-from moebius.link.messages import RankReport, StepPlan, StepResult
+from moebius.link.messages import DecodeProbe, PrefillProbe, Probe, StepPlan, StepReport
 from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups
-from moebius.worker import diagnostics
+from moebius.worker import diagnostics, probes
 from moebius.worker.build import build_rank, prepare_rank
 from moebius.worker.rank import Rank, RankSpec
 
 log = logging.getLogger("moebius")
 
 
-def local_report(rank: Rank, plan: StepPlan) -> RankReport:
-    """Apply a plan on this rank and report, with the answer to the plan's query."""
-    report = rank.report(plan)
-    if plan.query:
-        report = dataclasses.replace(report, query=diagnostics.answer(rank, plan.query))
-    return report
+Message = StepPlan | Probe  # what rank 0 hands every rank
+_KINDS: dict[str, type] = {c.__name__: c for c in (StepPlan, DecodeProbe, PrefillProbe)}
 
 
-def rank_step(rank: Rank, groups: Groups, plan: StepPlan | None) -> tuple[bool, StepResult | None]:
-    """One lockstep iteration on any rank. `plan` matters on rank 0 only, where None means shut down.
-    Returns (still running, the gathered result on rank 0 / None elsewhere)."""
+def local_report(rank: Rank, msg: Message) -> StepReport:
+    """Apply a plan on this rank (with the answer to its query), or time a probe's steps."""
+    if isinstance(msg, StepPlan):
+        report = rank.report(msg)
+        if msg.query is not None:
+            report.answers = [diagnostics.answer(rank, msg.query)]
+        return report
+    return StepReport([], [rank.kv_stats()], answers=[probes.run(rank, msg)])
+
+
+def rank_step(rank: Rank, groups: Groups, msg: Message | None) -> tuple[bool, StepReport | None]:
+    """One lockstep iteration on any rank. `msg` matters on rank 0 only, where None means shut down.
+    Returns (still running, the merged report on rank 0 / None elsewhere)."""
     if groups.world_size == 1:  # a rank of its own (--rank-process on): no peers, so no JSON round trips
-        return (False, None) if plan is None else (True, StepResult.gather([local_report(rank, plan)]))
-    msg = broadcast_json(None if plan is None else encode(plan), groups)
-    if msg is None:
+        return (False, None) if msg is None else (True, local_report(rank, msg))
+    wire = broadcast_json(None if msg is None else [type(msg).__name__, encode(msg)], groups)
+    if wire is None:
         return False, None
-    report = local_report(rank, decode(StepPlan, msg))
+    report = local_report(rank, decode(_KINDS[wire[0]], wire[1]))
     gathered = gather_json(encode(report), groups)
     if gathered is None:
         return True, None
-    return True, StepResult.gather([decode(RankReport, r) for r in gathered])
+    return True, StepReport.merge([decode(StepReport, r) for r in gathered])
 
 
 def _start_rank(spec: RankSpec, groups: Groups) -> tuple[Rank | None, list[str]]:
@@ -90,11 +96,11 @@ def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
             plan = None
         # rank 0's wait for the front end while it had requests (an idle rank's wait is no one's cost)
         waited = (time.perf_counter() - t) * 1e3 if busy else 0.0
-        running, result = rank_step(rank, groups, plan)
+        running, report = rank_step(rank, groups, plan)
         if conn is not None and running:
-            assert result is not None
-            busy = bool(result.running or result.waiting)
-            conn.send(("ok", result.waited(waited)))
+            assert report is not None
+            busy = bool(report.running or report.waiting)
+            conn.send(("ok", report.waited(waited)))
 
 
 def _rank_main(rank: int, world_size: int, spec: RankSpec, init_method: str | None,
@@ -142,18 +148,18 @@ class _InProcess:
     """Ranks whose step runs in this process when it is received: nothing to overlap with the front end's work."""
 
     ahead = False  # EngineCore sends no plan before it has read the step before
-    _sent: StepPlan | None = None
+    _sent: Message | None = None
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def step(self, msg: Message) -> StepReport:
         raise NotImplementedError
 
-    def send(self, plan: StepPlan) -> None:
-        self._sent = plan
+    def send(self, msg: Message) -> None:
+        self._sent = msg
 
-    def receive(self) -> StepResult:
-        plan, self._sent = self._sent, None
-        assert plan is not None, "receive() before send()"
-        return self.step(plan)
+    def receive(self) -> StepReport:
+        msg, self._sent = self._sent, None
+        assert msg is not None, "receive() before send()"
+        return self.step(msg)
 
 
 class LocalRanks(_InProcess):
@@ -165,8 +171,8 @@ class LocalRanks(_InProcess):
         self.world_size = 1
         self.kv_capacity = self.rank.kv_capacity
 
-    def step(self, plan: StepPlan) -> StepResult:
-        return StepResult.gather([local_report(self.rank, plan)])
+    def step(self, msg: Message) -> StepReport:
+        return local_report(self.rank, msg)
 
     def close(self) -> None:
         self.rank.destroy_graphs()
@@ -238,16 +244,16 @@ class SpawnedRanks:
         self._kill()  # the survivors would wait in their next collective for a rank that is gone
         raise RankError(f"rank process(es) {dead or [0]} exited unexpectedly (see their log above)") from None
 
-    def send(self, plan: StepPlan) -> None:
+    def send(self, msg: Message) -> None:
         try:
-            self._conn.send(plan)
+            self._conn.send(msg)
         except (BrokenPipeError, ConnectionError, OSError):
             self._died()
 
-    def receive(self) -> StepResult:
-        """The result of the oldest plan sent and not yet read (plans are applied in the order sent)."""
-        _, result = self._recv(self._watchdog)
-        return result
+    def receive(self) -> StepReport:
+        """The report of the oldest message sent and not yet read (they are applied in the order sent)."""
+        _, report = self._recv(self._watchdog)
+        return report
 
     def _kill(self) -> None:
         for p in self._procs:
@@ -288,11 +294,11 @@ class TorchrunRanks(_InProcess):
         self.rank: Rank | None = rank
         self.kv_capacity = rank.kv_capacity
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def step(self, msg: Message) -> StepReport:
         assert self.rank is not None, "the ranks were closed"
-        _, result = rank_step(self.rank, self.groups, plan)
-        assert result is not None
-        return result
+        _, report = rank_step(self.rank, self.groups, msg)
+        assert report is not None
+        return report
 
     def close(self) -> None:
         if self.rank is not None:

@@ -1,6 +1,6 @@
-"""One rank of the engine, serving: it applies each `StepPlan` (admit, abort, maybe switch, maybe step) to its
-scheduler and runtimes and reports what happened (`RankReport`). Built by `worker/build.py`; its diagnostics and
-benchmark timing live in `worker/diagnostics.py`.
+"""One rank of the engine, serving: it applies each `StepPlan` (admit, release, maybe switch, maybe step) to its
+scheduler and runtimes and reports what happened (`StepReport`). Built by `worker/build.py`; its diagnostics live in
+`worker/diagnostics.py`, a benchmark's step timing in `worker/probes.py`.
 
 Overlap scheduling (the default): a step is launched before the previous one's tokens are read back, so the host
 work of step N+1 (scheduling, metadata, the round trip to the front end) runs while the device computes step N.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,10 +22,13 @@ from moebius.config import EngineConfig, ModelConfig
 from moebius.link.lifecycle import StopRules
 from moebius.link.messages import (
     KVStats,
-    RankReport,
     RankTimes,
     StepPlan,
+    StepReport,
     StepWork,
+    SwitchOrder,
+    SwitchOutcome,
+    SwitchTimes,
     TokenDelta,
     attended_pairs,
 )
@@ -52,8 +54,6 @@ class RankSpec:
     device: str
     dtype: str
     eos_token_ids: tuple[int, ...]
-    tokenizer_dir: str | None  # None with use_builtin_tokenizer False: no tokenizer
-    use_builtin_tokenizer: bool
     max_model_len: int
     rank: int = 0
     world_size: int = 1
@@ -109,7 +109,7 @@ class Rank:
         self.others: dict[str, RequestSpec] = {}
         self.overlap = not ecfg.disable_overlap_schedule
         self.inflight: InFlight | None = None
-        self._late_switch_times: dict[str, Any] | None = None  # see report()
+        self._late_switch_times: SwitchTimes | None = None  # see report()
         self._work = StepWork()  # what the last launched step computes (see report())
         self._synced = 0.0  # seconds blocked on the device for a step's tokens since report() began
 
@@ -134,65 +134,69 @@ class Rank:
         for rt in self.modes.values():
             rt.runner.destroy_graphs()
 
-    def report(self, plan: StepPlan) -> RankReport:
+    def report(self, plan: StepPlan) -> StepReport:
         """Apply a plan and report (a query's answer is the caller's: `worker/diagnostics.py`). In TP every rank
         computes the same tokens and only rank 0 reports them; in EP each rank reports its own. Deltas from before a
-        switch (aborts) are reported by the old layout's rule, those of the step by the new one's."""
+        switch (the step in flight, resolved first) are reported by the old layout's rule, those of the step by the
+        new one's."""
         t0, self._synced = time.perf_counter(), 0.0
         first = self.layout.reports_deltas
-        before, after, outcome = self.step(plan)
+        before, after, outcome = self.apply(plan)
         second = self.layout.reports_deltas
-        # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
         sched = self.scheduler
         counts = (len(sched.running), len(sched.waiting)) if second else (0, 0)
         host = time.perf_counter() - t0 - self._synced
-        return RankReport((before if first else []) + (after if second else []), self.kv_stats(), *counts,
-                          self._work if second else StepWork(), outcome, switch_times=self._late_switch_times,
-                          times=RankTimes(host * 1e3, self._synced * 1e3))
+        return StepReport((before if first else []) + (after if second else []), [self.kv_stats()], *counts,
+                          self._work if second else StepWork(), outcome, self._late_switch_times,
+                          RankTimes(host * 1e3, self._synced * 1e3))
 
-    def step(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], dict[str, Any] | None]:
-        """Apply the plan: admit, abort, maybe switch, maybe run one forward step. Returns the deltas from before
-        the switch (aborts), those of the step, and the switch outcome (None when the plan did not switch)."""
+    def apply(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], SwitchOutcome | None]:
+        """Apply the plan: admit, release, maybe switch, maybe run one forward step. Returns the deltas of the step
+        in flight resolved before a switch or a call without a step, those of the step, and the switch's outcome."""
         sched = self.scheduler
         self._work = StepWork()  # (a plan without a step launches nothing)
+        # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
         self._late_switch_times = self.switcher.pass_times()
         # a switch moves requests and a query looks at them: both need every token on the host
         t = time.perf_counter()
-        aborted = self.drain() if plan.switch_to or not plan.run else []
+        drained = self.drain() if plan.switch or not plan.run else []
         drain_ms = (time.perf_counter() - t) * 1e3
-        for spec in plan.new:
-            if self.layout.holds(plan.owners.get(spec.request_id, self.groups.rank)):
-                sched.add(Request(spec))
+        for a in plan.admit:
+            if a.owner is None or self.layout.holds(a.owner):
+                sched.add(Request(a.spec))
             else:
-                self.others[spec.request_id] = spec
-        for rid in plan.retired:
-            self.others.pop(rid, None)
-        for rid in plan.aborts:
-            self.others.pop(rid, None)
-            req = sched.find(rid)
-            if req is not None:
-                sched.finish(req)
-                req.finish_reason = "abort"
-                aborted.append(TokenDelta(rid, [], "abort"))
-        outcome = self._switch(plan.switch_to, plan.owners) if plan.switch_to else None
+                self.others[a.spec.request_id] = a.spec
+        if plan.release:
+            self._release(plan.release)
+        outcome = self._switch(plan.switch, drain_ms) if plan.switch else None
         deltas = self._forward_step() if plan.run else []
-        if outcome is not None:
-            outcome["drain_ms"] = drain_ms  # waiting for the step in flight (overlap) before the switch could start
-            if outcome.get("done") and not plan.run:  # nothing rides on it: report its times now
-                outcome.update(self.switcher.pass_times() or {})
-        return aborted, deltas, outcome
+        if outcome is not None and outcome.done and not plan.run:  # nothing rides on it: its times now
+            outcome.device = self.switcher.pass_times()
+        return drained, deltas, outcome
 
-    def _switch(self, target: str, owners: dict[str, int]) -> dict[str, Any]:
-        if target == self.mode:
-            return {"done": False, "reason": f"already in {self.mode}"}
-        if target not in self.modes:
-            return {"done": False, "reason": f"the engine holds only the {self.mode} layout (--static-layout)"}
+    def _release(self, request_ids: list[str]) -> None:
+        """End the requests the front end is done with (their pages freed; a step in flight drops their rows) and
+        forget the specs kept of other ranks' ones."""
+        gone = set(request_ids)
+        for rid in request_ids:
+            self.others.pop(rid, None)
         sched = self.scheduler
-        result = switch_requests(self.switcher, self.layout, self.modes[target].layout,
-                                 self.modes[target].kv.num_pages, RankRequests(sched.running, list(sched.waiting),
-                                                                               self.others),
-                                 owners, self.groups, self.device, self.spec.engine.block_size,
+        for req in [r for r in (*sched.running, *sched.waiting) if r.request_id in gone]:
+            sched.finish(req)
+
+    def _switch(self, order: SwitchOrder, drain_ms: float) -> SwitchOutcome:
+        if order.target == self.mode:
+            return SwitchOutcome(self.mode, order.target, False, f"already in {self.mode}")
+        if order.target not in self.modes:
+            return SwitchOutcome(self.mode, order.target, False,
+                                 f"the engine holds only the {self.mode} layout (--static-layout)")
+        sched = self.scheduler
+        result = switch_requests(self.switcher, self.layout, self.modes[order.target].layout,
+                                 self.modes[order.target].kv.num_pages,
+                                 RankRequests(sched.running, list(sched.waiting), self.others), order.owners,
+                                 self.groups, self.device, self.spec.engine.block_size,
                                  self.spec.engine.max_running_requests, not self.spec.engine.disable_prefix_caching)
+        result.outcome.drain_ms = drain_ms  # waiting for the step in flight (overlap) before the switch could start
         self._adopt(result)
         return result.outcome
 
@@ -255,17 +259,17 @@ class Rank:
         deltas: list[TokenDelta] = []
         for row, req in enumerate(flight.sampling):
             if req.finished:
-                continue  # finished (or aborted) before this step was resolved: its row is dropped
+                continue  # finished (or released) before this step was resolved: its row is dropped
             req.output_token_ids[-1] = tokens[row]
             self.rules.check(req)
-            logits = None
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
-                if req.params.prompt_logits:
-                    logits = torch.cat(req.prompt_logits)
             lp = logprobs[row] if logprobs is not None and req.params.logprobs is not None else None
             k = (req.params.logprobs or 0) + 1  # the step computed the largest k any of its requests asked for
             first = len(req.output_token_ids) == 1
+            # the prompt's logits with the first token: every chunk is in by then, and the front end may end the
+            # request (a stop string) without a rank ever reporting its end
+            logits = torch.cat(req.prompt_logits) if first and req.params.prompt_logits else None
             deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits,
                                      lp[0][:k] if lp else None, lp[1][:k] if lp else None,
                                      req.num_cached_tokens if first else None))

@@ -29,13 +29,13 @@ def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
             "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
             "unfinished": engine.has_unfinished(), "world_size": engine.world_size, "paused": loop.paused,
             "steps_in_flight": engine.steps_in_flight,
-            "last_switch": engine.last_switch,
+            "last_switch": engine.last_switch.to_json() if engine.last_switch is not None else None,
             "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
 
 
 def switch(engine: EngineCore, loop: EngineLoop, mode: str) -> dict[str, Any]:
     """POST /admin/switch: the operator's switch (its outcome)."""
-    return engine.switch_mode(mode, reason="operator")
+    return engine.switch_mode(mode, reason="operator").to_json()
 
 
 def pause(engine: EngineCore, loop: EngineLoop) -> None:

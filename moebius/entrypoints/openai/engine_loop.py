@@ -1,9 +1,9 @@
 """The engine loop: one thread owns the EngineCore (it is not thread-safe). HTTP handlers never touch it; they send
 commands through a thread-safe queue (add requests with their sink, abort, a call such as a switch or a status
 snapshot), which the thread takes at step boundaries. It steps while there is work and blocks on the queue when idle
-(no busy loop). Each step's outputs go to the sink of their request as deltas (new token ids and the text so far),
-all of a step's in one `loop.call_soon_threadsafe` (`post`), so nothing the engine mutates later is shared with the
-event loop.
+(no busy loop). The engine returns each request's outputs as deltas (`RequestOutputKind.DELTA`: new tokens and
+text, never retracted); they go to the sink of their request, all of a step's in one `loop.call_soon_threadsafe`
+(`post`), so nothing the engine mutates later is shared with the event loop.
 
 If the engine raises, the loop fails every request in flight (500), answers later ones with 503, reports itself
 unhealthy, closes the engine and ends: the server stays up to say so.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from moebius.entrypoints.openai.protocol import APIError
-from moebius.sampling_params import SamplingParams
+from moebius.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from moebius.entrypoints.openai.metrics import ServerMetrics
@@ -57,16 +57,15 @@ class Accepted:
 
 @dataclass(frozen=True)
 class SampleDelta:
+    """What one sample got since its last update (the engine's DELTA output)."""
+
     index: int
-    token_ids: list[int]  # new since the last update
-    # the text so far is the previous update's first text_from characters followed by `text` (what this update
-    # adds; at the end a stop string may have cut it back): a stream's deltas stay short however long it runs
-    text_from: int
+    token_ids: list[int]
     text: str
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs: list[dict[int, float]] | None = None  # of the new tokens (SamplingParams.logprobs)
-    cached_tokens: int | None = None  # with the sample's first tokens: its prompt tokens found in the prefix cache
+    cached_tokens: int = 0  # its prompt tokens found in the prefix cache (known from its first token on)
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ class Sink:
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids  # the engine requests' ids, known before the engine admits them
         self.loop = asyncio.get_running_loop()
-        # (a deque and one future: an asyncio.Queue's bookkeeping cost ~5% of the event loop's time when streaming)
+        # (a deque and one future: an asyncio.Queue's bookkeeping showed in the event loop's profile when streaming)
         self._events: collections.deque[Event] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
@@ -175,14 +174,16 @@ class _Stop:
 
 @dataclass
 class _Route:
-    """Where one engine request's outputs go, and how much of them went."""
+    """Where one engine request's outputs go, and what its metrics need of them."""
 
     sink: EventSink
     prompt_index: int
-    sent: list[int]  # tokens delivered, per sample
-    done: list[bool]
-    text_sent: list[int]  # characters of text delivered, per sample
+    cached: list[int]  # per sample: prompt tokens found in the prefix cache
     started: bool = False  # its first token is out
+    # the first sample's: its tokens, when its first and last came, how it ended
+    first_tokens: int = 0
+    first_times: tuple[float, float] | None = None
+    first_reason: str | None = None
 
 
 def make_request_ids(tag: int, n: int) -> list[str]:
@@ -401,8 +402,8 @@ class EngineLoop(Admission):
         ids = []
         for i, ((prompt, params), valid) in enumerate(zip(cmd.items, checked, strict=True)):
             rid = cmd.sink.request_ids[i]
-            engine.add_request(prompt, params, request_id=rid, validated=valid)
-            self._routes[rid] = _Route(cmd.sink, i, [0] * params.n, [False] * params.n, [0] * params.n)
+            engine.add_request(prompt, params, request_id=rid, validated=valid, output_kind=RequestOutputKind.DELTA)
+            self._routes[rid] = _Route(cmd.sink, i, [0] * params.n)
             ids.append(rid)
             if self.metrics is not None:
                 self.metrics.admitted(len(valid[1]))
@@ -426,38 +427,32 @@ class EngineLoop(Admission):
                 continue
             samples = []
             for o in out.outputs:
-                i = o.index
-                new = o.token_ids[route.sent[i]:]  # a copy: the engine extends its list in place
-                if route.done[i] or (not new and o.finish_reason is None):
-                    continue
-                lps = o.logprobs[route.sent[i]: route.sent[i] + len(new)] if o.logprobs is not None else None
-                cached = o.num_cached_tokens if route.sent[i] == 0 else None
-                route.sent[i] += len(new)
-                self._tokens_out += len(new)
-                route.done[i] = o.finish_reason is not None
-                start = min(route.text_sent[i], len(o.text))  # the text only grows until a stop string cuts it
-                route.text_sent[i] = len(o.text)
-                samples.append(SampleDelta(i, new, start, o.text[start:], o.finish_reason, o.stop_reason, lps,
-                                           cached))
-            if not route.started and any(route.sent):
+                route.cached[o.index] = o.num_cached_tokens
+                self._tokens_out += len(o.token_ids)
+                if o.index == 0:
+                    route.first_reason = o.finish_reason
+                    route.first_tokens += len(o.token_ids)
+                    if o.token_times:
+                        start = route.first_times[0] if route.first_times else o.token_times[0]
+                        route.first_times = (start, o.token_times[-1])
+                samples.append(SampleDelta(o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs,
+                                           o.num_cached_tokens))
+            if not route.started and any(o.token_ids for o in out.outputs):
                 route.started = True
                 with self._lock:
                     self._waiting -= 1
                     self._running += 1
                 if m is not None and out.ttft is not None:
                     m.first_token(out.ttft)
-            if samples or out.finished:
-                events.append((route.sink, Update(route.prompt_index, samples, out.finished)))
+            events.append((route.sink, Update(route.prompt_index, samples, out.finished)))
             if out.finished:
                 del self._routes[out.request_id]
                 self._settle(route)
                 if m is not None:
-                    first = out.outputs[0]
-                    times = first.token_times
-                    m.finished(first.finish_reason, out.arrival_time, times[0] if times else None,
-                               times[-1] if times else None, len(first.token_ids), now)
-                    m.prefix_cache(out.num_prompt_tokens * len(out.outputs),
-                                   sum(o.num_cached_tokens for o in out.outputs))
+                    first = route.first_times
+                    m.finished(route.first_reason, out.arrival_time, first[0] if first else None,
+                               first[1] if first else None, route.first_tokens, now)
+                    m.prefix_cache(out.num_prompt_tokens * len(route.cached), sum(route.cached))
         post(events)
         if m is not None:  # once a step: a Prometheus counter takes a lock each time
             m.generated(self._tokens_out - tokens_before)

@@ -1,7 +1,7 @@
 """The engine loop in a process of its own (`moebius serve --engine-process on`): the HTTP side (uvicorn, each streamed
 chunk's JSON and write) and the front end (plans, outputs, detokenizing) then each have a core. In one process they
 share one GIL, and at a few hundred streams the two together took more CPU a step than the device's step
-(docs/performance.md, "The served step at 384 streams").
+(benchmarks/results/h200-p1-serve-steady768-engine-{on,off}.json, docs/performance.md "Serving").
 
 The HTTP side holds an `EngineClient`, which has the engine loop's surface (submit, abort, call, stop, the request
 counts, health); the engine process runs `run_engine`: an `EngineLoop` whose sinks (`RemoteSink`) and metrics
@@ -52,8 +52,8 @@ START_TIMEOUT_S = 3600.0  # a large model's weights load and its warm-up compile
 
 def _pack(ev: Event) -> Any:
     if isinstance(ev, Update):
-        return (ev.prompt_index, ev.finished, [(d.index, d.token_ids, d.text_from, d.text, d.finish_reason,
-                                                d.stop_reason, d.logprobs, d.cached_tokens) for d in ev.samples])
+        return (ev.prompt_index, ev.finished, [(d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason,
+                                                d.logprobs, d.cached_tokens) for d in ev.samples])
     return ev
 
 

@@ -53,9 +53,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="on: the engine loop (front end, and through it the rank processes) in a process of its "
                       "own, so that it and the HTTP side each have a core; off: a thread of the server's process")
     EngineConfig.add_cli_args(p)
-    # a busy front end: two plans ahead keep the ranks from waiting on it (one H200, 384 streams, the front end then
-    # sharing its process with the HTTP side: 25.5 against 27.4 ms a step; docs/performance.md; not re-measured with
-    # --engine-process on, where the rank's wait for its plan read 0.05 ms)
+    # a busy front end: two plans ahead keep the ranks from waiting on it (measured with the front end sharing its
+    # process with the HTTP side: benchmarks/results/h200-p1-serve-steady384-plans{1,2}.json)
     p.set_defaults(plans_ahead=2)
     return p
 
@@ -98,8 +97,8 @@ def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop | EngineCli
             self._aio = asyncio.get_running_loop()
             self._watch_task = self._aio.create_task(self._watch_engine())  # kept: tasks are weakly held
             await super().startup(sockets)
-            # what uvicorn runs on: with the serve extra httptools and uvloop (the front end's CPU time per streamed
-            # token ~20% below h11 and asyncio's)
+            # what uvicorn runs on: with the serve extra httptools and uvloop, which take less of the front end's CPU
+            # time per streamed token than h11 and asyncio (docs/performance-history.md)
             log.info("HTTP %s, event loop %s", self.config.http_protocol_class.__name__,
                      type(self._aio).__module__.split(".")[0])
             freeze_heap()  # what the app and uvicorn's start-up made (imports, routes, schemas): out of collections

@@ -1,6 +1,6 @@
 """Completions and chat completions: request -> SamplingParams (or a 400), then the answer, whole or as server-sent
-events. Text is streamed as it grows; with stop strings the last (longest stop - 1) characters are held back until the
-request ends, since the engine cuts the final text before a stop string that may have begun in earlier tokens."""
+events. Text is streamed as the engine's deltas bring it (they never take text back: the engine holds back what
+could still begin a stop string)."""
 
 from __future__ import annotations
 
@@ -159,10 +159,9 @@ class Generation:
 
 
 class _Choice:
-    """One choice of the answer: what it got and how much of its text went out."""
+    """One choice of the answer: what it got so far."""
 
-    def __init__(self, holdback: int) -> None:
-        self.holdback, self.sent = holdback, 0
+    def __init__(self) -> None:
         self.text = ""
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -171,26 +170,14 @@ class _Choice:
         self.logprobs: list[tuple[int, dict[int, float]]] = []  # (token, {id: log-probability}) per token
         self.cached_tokens = 0  # its prompt tokens found in the prefix cache
 
-    def apply(self, d: SampleDelta) -> str:
-        """Take a delta; return the text to stream now."""
+    def apply(self, d: SampleDelta) -> None:
         self.tokens += d.token_ids
-        if d.cached_tokens is not None:
-            self.cached_tokens = d.cached_tokens
+        self.text += d.text
+        self.cached_tokens = d.cached_tokens
         if d.logprobs is not None:
             self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
-        self.text = self.text[:d.text_from] + d.text if d.text_from < len(self.text) else self.text + d.text
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
-        end = len(self.text) if d.finish_reason is not None else len(self.text) - self.holdback
-        out = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-
-def _holdback(params: SamplingParams) -> int:
-    if not params.stop_strings or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop_strings) - 1
 
 
 def logprobs_json(entries: Sequence[tuple[int, dict[int, float]]], k: int, chat: bool, info: EngineInfo
@@ -229,8 +216,7 @@ class Answer:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = gen.params.n
-        hold = _holdback(gen.params)
-        self.choices = [_Choice(hold) for _ in range(len(gen.sink.request_ids) * self.n)]
+        self.choices = [_Choice() for _ in range(len(gen.sink.request_ids) * self.n)]
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -292,7 +278,8 @@ class Answer:
                     for d in upd.samples:
                         i = upd.prompt_index * self.n + d.index
                         c = self.choices[i]
-                        text = c.apply(d)
+                        c.apply(d)
+                        text = d.text
                         lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
                                            self.info) if d.logprobs else None
                         if not (text or d.finish_reason or lp or (self.return_ids and d.token_ids)):
