@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCH = ROOT / "moebius" / "bench"
 TOOLS = ROOT / "benchmarks"
-COMMANDS = {"sweep", "throughput", "rollout", "bursty", "simulate", "serve"}  # `moebius bench <command>`
+COMMANDS = {"sweep", "throughput", "rollout", "bursty", "simulate", "serve_load"}  # `moebius bench <command>` modules
 KEYS = set(results.SCHEMA_KEYS)
 
 

@@ -57,7 +57,7 @@ def test_request_lists_round_trip_with_their_output_ids_in_one_string() -> None:
     from moebius.link.codec import decode, encode
     from moebius.link.request import Request, RequestSpec, Status
     from moebius.sampling_params import SamplingParams
-    from moebius.switch.requests import RequestList
+    from moebius.switch.handover import RequestList
 
     def requests_to_json(reqs: list[Request]) -> dict:
         return encode(RequestList.of(reqs))

@@ -297,7 +297,7 @@ def test_two_ranks_share_prefixes_in_tp_and_ep_across_a_switch(ckpt):
 # ---- switches ----
 
 def test_a_switch_shares_the_pages_a_source_rank_indexed_under_one_key() -> None:
-    from moebius.switch.requests import shared_prefixes
+    from moebius.switch.handover import shared_prefixes
 
     def req(keys: list[int], computed: int) -> Request:
         r = _req("r", list(range(40)))

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (JSON results + PNG plots)")
     from moebius.bench import bursty, rollout, simulate, sweep, throughput
-    from moebius.bench import serve as bench_serve
+    from moebius.bench import serve_load as bench_serve
 
     kinds = bench.add_subparsers(dest="bench", required=True)
     for tool in (sweep, throughput, rollout, bursty, simulate, bench_serve):

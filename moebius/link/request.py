@@ -1,6 +1,6 @@
 """A request as a rank sees it: its tokens, its KV pages, its sampling state.
 
-Plain data, so that a request moves between ranks (a layout switch) unchanged (`switch/requests.RequestList`).
+Plain data, so that a request moves between ranks (a layout switch) unchanged (`switch/handover.RequestList`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ EP -> TP runs layers in ascending order (TP layer i lands in slot i, whose EP co
 TP -> EP in descending order (EP layer i lands in slot i+1, whose TP content, layer i+1, already left). Nothing is
 recomputed; nothing of the model is held twice: the extra memory is the spare slot and one layer of staging, taken
 before anything changes (a device that cannot give it refuses the switch). Which requests move, where, and into
-which pages is the engine's side of the switch (`switch/requests.py`); it hands this pass the `LiveKV` of each.
+which pages is the engine's side of the switch (`switch/handover.py`); it hands this pass the `LiveKV` of each.
 """
 
 from __future__ import annotations

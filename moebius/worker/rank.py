@@ -39,7 +39,7 @@ from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.parallel.layout import Layout
 from moebius.switch.executor import Switcher
-from moebius.switch.requests import RankRequests, SwitchResult, switch_requests
+from moebius.switch.handover import RankRequests, SwitchResult, switch_requests
 from moebius.worker.runner import ModelRunner, PendingStep, StepSync
 from moebius.worker.scheduler import ScheduledChunk, Scheduler
 
