@@ -74,3 +74,23 @@ def test_no_import_circle_between_subpackages() -> None:
 def test_the_check_sees_a_circle() -> None:
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert _circle({"a": {"b"}, "b": set()}) is None
+
+
+def _one_letter_apart(a: str, b: str) -> bool:
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b, strict=True)) == 1
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
+def test_no_two_module_names_differ_by_one_letter() -> None:
+    """Names that differ by a letter (rank / ranks, request / requests) read as the same module: each role has its
+    own word."""
+    names = sorted({p.stem for p in ROOT.rglob("*.py") if p.stem != "__init__"}
+                   | {p.name for p in ROOT.rglob("*") if p.is_dir() and not p.name.startswith("__")})
+    close = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if _one_letter_apart(a, b)]
+    assert not close, close
+    assert _one_letter_apart("rank", "ranks") and _one_letter_apart("serve", "server")
+    assert not _one_letter_apart("request", "handover")

@@ -504,3 +504,36 @@ def test_ep_to_tp_with_more_running_requests_than_tp_batch_slots(ckpt: Any) -> N
         raise
     finally:
         llm.close()
+
+
+def test_stop_strings_end_requests_where_their_ranks_run_them_across_switches(ckpt: Any) -> None:
+    """Stop strings are found at the front end, where the text is decoded: on two EP ranks, with the layout switched
+    while the requests run, each request ends on the token that completes its stop string (its text cut there, its
+    tokens those of the run without stop strings up to that token), the ranks release it (every page free, no
+    request or spec left on any rank), and a request without one runs to its length beside them."""
+    path = ckpt("text")
+    prompts = ["Once upon a time", "Hello, world! ", "The quick brown fox", "abc"]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, num_ranks=2, mode="ep",
+             max_num_batched_tokens=16, seed=0) as llm:
+        ref = llm.generate(prompts, greedy)
+        stops = [r.text[5:7] for r in ref[:3]]  # strings this model does write, after a few tokens
+        ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[s]))
+               for p, s in zip(prompts, stops, strict=False)]
+        ids.append(llm.add_request(prompts[3], greedy))
+        last: dict[str, Any] = {}
+        for step in range(200):
+            if step in (2, 4):  # into TP and back, with the requests running
+                llm.engine.request_switch("tp" if llm.mode == "ep" else "ep")
+            if not llm.has_unfinished():
+                break
+            last.update({o.request_id: o for o in llm.step()})
+        assert [e.done for e in llm.engine.timeline.switches] == [True, True]
+        for rid, r, stop in zip(ids, ref, stops, strict=False):
+            out = last[rid]
+            at = r.text.index(stop)
+            assert (out.finish_reason, out.outputs[0].stop_reason, out.text) == ("stop", stop, r.text[:at])
+            n = len(out.token_ids)  # the token that completed the stop string (one byte a token) is the last
+            assert out.token_ids == r.token_ids[:n] and n == at + len(stop)
+        assert last[ids[3]].token_ids == ref[3].token_ids and last[ids[3]].finish_reason == "length"
+        assert_kv_free(llm, 2)
