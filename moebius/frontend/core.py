@@ -278,12 +278,17 @@ class EngineCore:
             self._pipeline.top_up(self._plan_ahead)
         self._finish(plan, report)
         if not self._requests:  # idle: no plan is left out (a request added next starts with the next call), and
-            self._settle()  # the ranks run nothing the front end ended
-            if self._ends:
-                flush = self._next_plan(with_switch=False)
-                flush.run = False
-                self._call(flush)
+            self._release_ended()  # the ranks run nothing the front end ended
         return self._deliver()
+
+    def _release_ended(self) -> None:
+        """Read the steps in flight, then release on the ranks what the front end ended and they still run, in a
+        plan without a step (before an idle engine waits, or a probe times steps)."""
+        self._settle()
+        if self._ends:
+            plan = self._next_plan(with_switch=False)
+            plan.run = False
+            self._call(plan)
 
     def _deliver(self) -> list[RequestOutput]:
         outs, self._undelivered = self._undelivered, []
@@ -481,6 +486,7 @@ class EngineCore:
         the engine must be idle. Each rank's timings."""
         if self._requests:
             raise RuntimeError("probe: the engine is serving requests; time steps on an idle engine")
+        self._release_ended()
         return self._call(probe).answers or []
 
     def reset_prefix_cache(self) -> int:
