@@ -14,6 +14,7 @@ import sys
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -399,7 +400,7 @@ class EngineCore:
             produced.append(n)
         return predicted_remaining(max_left, produced, self._finished_lengths)
 
-    def _collect(self, touched: Any) -> None:
+    def _collect(self, touched: Iterable[FrontRequest]) -> None:
         """The outputs of the requests that changed; the finished ones leave the front end."""
         for fr in touched:
             out = fr.output()

@@ -63,11 +63,6 @@ class StepPlan:
     run: bool = True
     query: Query | None = None
 
-    @property
-    def empty(self) -> bool:
-        """Nothing for the ranks but a step."""
-        return not (self.admit or self.release or self.switch or self.query)
-
 
 @dataclass
 class DecodeProbe:
