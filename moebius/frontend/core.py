@@ -380,7 +380,7 @@ class EngineCore:
         touched: dict[str, FrontRequest] = {}
         for d in report.deltas:
             entry = self._child_to_parent.get(d.request_id)
-            if entry is None:  # ended here (abort, stop string) while a step was on its way
+            if entry is None or entry[0].ended(entry[1]):  # ended here (abort, stop string) while a step was on its way
                 continue
             fr, i = entry
             if fr.take(i, d, now):

@@ -114,14 +114,15 @@ class FrontRequest:
     def finished(self) -> bool:
         return all(s.out.finished for s in self.samples)
 
+    def ended(self, i: int) -> bool:
+        """Whether sample i has ended (steps already on their way may still report one the front end ended)."""
+        return self.samples[i].out.finished
+
     def take(self, i: int, d: TokenDelta, now: float) -> bool:
         """Sample i's delta; True when the front end ended the sample (a stop string): the ranks release it."""
-        s = self.samples[i]
-        if s.out.finished:  # the front end ended it (stop string, abort): steps already on the ranks still report
-            return False
         if d.prompt_logits is not None and i == 0:
             self.prompt_logits = d.prompt_logits
-        return s.take(d, now)
+        return self.samples[i].take(d, now)
 
     def abort(self) -> list[str]:
         """Abort every sample still running; returns their ids on the ranks."""
@@ -131,12 +132,14 @@ class FrontRequest:
         return running
 
     def output(self) -> RequestOutput | None:
-        """Its output after a step that changed it, as its kind asks (None: nothing to return now)."""
+        """Its output, as its kind asks, if anything changed since the last one (None: nothing to return now)."""
         finished = self.finished
         if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         changed = [s for s in self.samples if s.changed]
-        for s in self.samples:
+        if not changed:
+            return None
+        for s in changed:
             s.changed = False
         if self.kind is RequestOutputKind.DELTA:
             outs = [s.delta() for s in changed]
