@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +163,7 @@ def _check_type(name: str, v: Any, annotation: str) -> None:
           or ("float" in kinds and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v))
           or ("str" in kinds and isinstance(v, str)) or ("bool" in kinds and isinstance(v, bool)))
     if not ok:
-        want = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+        want = {"int": "an integer", "float": "a finite number", "str": "a string", "bool": "true or false"}
         raise ConfigError(f"{name} must be {' or '.join(want[k] for k in kinds if k in want)}"
                           f"{' or None' if 'None' in kinds else ''}, got {v!r}")
 
@@ -185,14 +186,16 @@ class EngineConfig:
     model: str | None = _flag(None, "local Hugging Face model directory, or a preset name "
                               f"({', '.join(sorted(PRESETS))}) with --load-format dummy; "
                               "default: the small built-in model (random weights, meaningless text)")
-    tokenizer: str | None = _flag(None, "directory with tokenizer.json (default: the model directory)")
+    tokenizer: str | None = _flag(None, "directory with tokenizer.json, for --model (the built-in model has its "
+                                  "own); default: the model directory")
     load_format: str = _flag("auto", "auto: safetensors from the model directory; dummy: random weights of the "
                              "right shapes created on the device", ("auto", "safetensors", "dummy"))
-    num_layers: int | None = _flag(None, "keep only the first N decoder layers (for benchmarking cut shapes)")
+    num_layers: int | None = _flag(None, "keep only the first N decoder layers (for benchmarking cut shapes); "
+                                   "default: all of them")
     dtype: str = _flag("auto", "weight/activation/KV dtype; auto = bfloat16 on GPU, float32 on CPU",
                        ("auto", "bfloat16", "float16", "float32"))
     device: str = _flag("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
-    seed: int = _flag(0, "engine seed: dummy weights and the seeds of requests that give none")
+    seed: int = _flag(0, "engine seed (0 to 2^63 - 1): dummy weights and the seeds of requests that give none")
     block_size: int = _flag(16, "tokens per KV-cache page")
     max_model_len: int | None = _flag(None, "longest sequence (prompt + output); default: the model's "
                                       "max_position_embeddings")
@@ -247,9 +250,10 @@ class EngineConfig:
                                             "peer GPUs write and read over NVLink (lower latency; up to 8 MiB one "
                                             "launch with the residual add and the next RMSNorm)")
     plans_ahead: int = _flag(1, "with rank processes: plans on their way to the ranks while the front end takes in "
-                             "a step's result; 1: the next step's; 2 (`moebius serve`'s default): also the one "
-                             "after, so that a rank does not wait on a busy front end (a server streaming hundreds "
-                             "of answers) for its plan, at one more step before a request added or aborted counts")
+                             "a step's result; 1: the next step's; 2 (what `moebius serve` starts with): also the "
+                             "one after, so that a rank does not wait on a busy front end (a server streaming "
+                             "hundreds of answers) for its plan, at one more step before a request added or aborted "
+                             "counts")
     disable_prefix_caching: bool = _flag(False, "compute every prompt in full; by default a request starts from the "
                                          "KV pages of the longest run of full pages (--block-size tokens) "
                                          "an earlier or concurrent request on its rank computed (shared, not "
@@ -286,9 +290,11 @@ class EngineConfig:
     disable_reshard_kernel: bool = _flag(False, "a switch's local expert permutes through torch's strided copies "
                                          "instead of the Triton row copy (GPU)")
     admin_port: int | None = _flag(None, "serve operator endpoints (POST /admin/switch, GET /admin/status) on this "
-                                   "port; 0 picks a free one")
+                                   "port; 0 picks a free one; default: none")
     admin_host: str = _flag("127.0.0.1", "address the admin endpoints bind to")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on the admin endpoints")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer <key>' on every HTTP route but /health: under "
+                                "`moebius serve` the API, /metrics and the operator endpoints; offline, the "
+                                "--admin-port endpoints; default: no key asked")
     watchdog_timeout: float = _flag(300.0, "seconds a step (or switch, or query) may take before the ranks are "
                                     "declared stuck (a collective waiting on a rank that no longer takes part) and "
                                     "stopped, so the engine fails with an error instead of hanging; 0 waits forever "
@@ -334,6 +340,23 @@ class EngineConfig:
             raise ConfigError(f"watchdog_timeout must be >= 0 seconds (0: no limit), got {self.watchdog_timeout}")
         if self.switch_cooldown is not None and self.switch_cooldown < 0:
             raise ConfigError(f"switch_cooldown must be >= 0 seconds, got {self.switch_cooldown}")
+        # a count of requests: below 0 no user threshold means anything (inf is refused as not finite above; auto mode
+        # itself uses inf and -1 for a calibration that favours one layout at every batch)
+        for name in ("switch_high", "switch_low"):
+            if (v := getattr(self, name)) is not None and v < 0:
+                raise ConfigError(f"{name} must be >= 0 requests in flight, got {v}")
+        if not 0 <= self.seed < 2**63:  # random.Random(-s) is random.Random(s): a negative seed would alias another
+            raise ConfigError(f"seed must be in 0..2^63 - 1, got {self.seed}")
+        if self.api_key is not None and (not self.api_key.strip()
+                                         or any(ord(c) < 32 or ord(c) == 127 for c in self.api_key)):
+            raise ConfigError(f"api_key must be a non-empty key without control characters (it is compared with an "
+                              f"HTTP header), got {self.api_key!r}")
+        for name in ("model", "tokenizer", "calibration_dir", "admin_host"):  # "" would mean something else silently
+            if (v := getattr(self, name)) is not None and not v.strip():
+                raise ConfigError(f"{name} must not be empty, got {v!r}")
+        if self.tokenizer is not None and self.model is None:
+            raise ConfigError(f"tokenizer {self.tokenizer!r} needs a model: the built-in demo model (no --model) "
+                              f"knows only its own token ids; pass --model with it")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -349,9 +372,15 @@ class EngineConfig:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """The engine flags as a group of `parser`, but those in `exclude` (field names a sub-command would only
+        refuse or ignore). Each help states its default once (parse with HelpFormatter)."""
+        unknown = sorted(set(exclude) - {f.name for f in dataclasses.fields(cls)})
+        assert not unknown, f"no engine flag {unknown}"
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
             flag = "--" + f.name.replace("_", "-")
             if str(f.type) == "bool":
                 group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
@@ -363,4 +392,35 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """The config of parsed flags (a flag the parser left out keeps its default); errors name the flags."""
+        try:
+            return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
+        except ConfigError as e:
+            raise ConfigError(flag_names(str(e), [f.name for f in dataclasses.fields(cls)])) from None
+
+
+def flag_names(message: str, names: list[str]) -> str:
+    """`message` with the field names in it spelt as command-line flags (max_tokens -> --max-tokens): the one it
+    starts with, and any other with an underscore (plain words such as "model" may be prose)."""
+    for name in sorted(names, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        if message.startswith(name + " "):
+            message = flag + message[len(name):]
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", flag, message)
+    return message
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's default stated once: "(default: X)" is appended unless its help already says what the default
+    is, and never for None (a sentence says what no value means) or an on/off flag (off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        said = re.search(r"\bdefault\b", text, re.IGNORECASE) is not None
+        unstated = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        valueless = isinstance(action, argparse._StoreConstAction | argparse._VersionAction | argparse._HelpAction)
+        optional = bool(action.option_strings) or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+        if said or unstated or valueless or not optional:
+            return text
+        return text + " (default: %(default)s)"
