@@ -157,6 +157,32 @@ def test_a_folder_as_output_is_refused_before_loading(tmp_path: pathlib.Path) ->
     assert done.stderr.splitlines() == [f"moebius: error: --output {tmp_path}: is a folder; give a file path"]
 
 
+def test_an_unwritable_output_is_refused_before_loading(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from moebius.frontend.core import EngineCore
+
+    def no_loading(*_: Any, **__: Any) -> None:
+        raise AssertionError("the model loaded before --output was refused")
+
+    monkeypatch.setattr(EngineCore, "__init__", no_loading)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    target = locked / "out.jsonl"
+    try:
+        open(target, "w").close()  # root writes anyway: a folder of /sys refuses everyone
+    except PermissionError:
+        pass
+    else:
+        target = pathlib.Path("/sys/moebius-out.jsonl")
+        try:
+            open(target, "w").close()
+            pytest.skip("no unwritable folder here")
+        except PermissionError:
+            pass
+    assert main([*DEMO, "--output", str(target), "hi"]) == 2
+    assert capsys.readouterr().err == f"moebius: error: --output {target}: cannot be written (Permission denied)\n"
+
+
 def test_a_full_disk_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")

@@ -267,12 +267,13 @@ def _lines(data: bytes, name: str) -> list[tuple[int, str]]:
     return out
 
 
-def _vocab_size(ecfg: EngineConfig) -> int | None:
-    """The model's vocabulary from its config.json (read, not loaded), to check token ids before the model loads."""
+def _vocab_size(ecfg: EngineConfig) -> int:
+    """The model's vocabulary from its config.json (read, not loaded: --model and --num-layers are checked here), to
+    check token ids before the model loads."""
+    from moebius.config import ModelConfig
     from moebius.model.source import hf_config_of
 
-    v = hf_config_of(ecfg.model).get("vocab_size")
-    return v if isinstance(v, int) else None
+    return ModelConfig.from_hf(hf_config_of(ecfg.model), ecfg.num_layers).vocab_size
 
 
 def _read_prompts(args: argparse.Namespace, vocab: int | None = None) -> list[Item]:
