@@ -124,6 +124,17 @@ def test_results_are_written_as_they_finish(tmp_path: pathlib.Path, monkeypatch:
     assert "2 requests, 14 output tokens" in capsys.readouterr().err
 
 
+def test_requests_finishing_together_are_written_in_input_order(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever order a step hands its outputs back in (here reversed), those of one step come in input order."""
+    from moebius.entrypoints.llm import LLM
+
+    step = LLM.step
+    monkeypatch.setattr(LLM, "step", lambda self: step(self)[::-1])
+    assert main([*DEMO, "--max-tokens", "3", "--ignore-eos", "c", "a", "b"]) == 0
+    assert [json.loads(line)["index"] for line in capsys.readouterr().out.splitlines()] == [0, 1, 2]
+
+
 def test_ctrl_c_keeps_the_finished_lines(tmp_path: pathlib.Path) -> None:
     """SIGINT once a line is written: the process exits 130 saying how many finished, the line stays, no
     traceback; the demo-model warning came once."""

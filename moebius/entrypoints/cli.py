@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input", "-i", help=f"JSONL file of prompts ('-': standard input; UTF-8, a byte-order mark is "
                     f"skipped), one object per line: {EXAMPLE_JSONL}; default: none")
     io.add_argument("--output", "-o", help="JSONL file for the results, opened before the model loads: one line per "
-                    "request, written and flushed as it finishes (so in finishing order, not input order: each line's "
-                    "\"index\" is its prompt's position, arguments first, then the input's lines); Ctrl-C keeps the "
-                    "lines written; default (or '-'): standard output")
+                    "request, written and flushed as it finishes (so in finishing order, those that finish together "
+                    "in input order; each line's \"index\" is its prompt's position, arguments first, then the "
+                    "input's lines); Ctrl-C keeps the lines written; default (or '-'): standard output")
     io.add_argument("--chat", action="store_true", help="wrap text prompts (arguments and \"prompt\" lines) in the "
                     "tokenizer's chat template; token ids are sent as given")
     io.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -375,9 +375,8 @@ def _generate(args: argparse.Namespace, ecfg: EngineConfig, items: Sequence[Item
         bar = tqdm(total=len(index), desc="generate", unit="req", disable=args.no_progress, file=sys.stderr)
         try:
             while llm.has_unfinished():
-                for out in llm.step():
-                    if not out.finished or out.request_id not in index:
-                        continue
+                done = [o for o in llm.step() if o.finished and o.request_id in index]
+                for out in sorted(done, key=lambda o: index[o.request_id]):  # those of one step in input order
                     try:
                         sink.write(_record(index[out.request_id], out))
                         sink.flush()
