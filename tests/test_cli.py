@@ -355,10 +355,14 @@ def test_help_states_each_default_once(which: str) -> None:
 
 def test_calibrate_offers_no_option_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
     for name in CALIBRATE_EXCLUDES:
+        if name == "mode":  # its own: tp or ep
+            continue
         flag = "--" + name.replace("_", "-")
         value = [] if name == "static_layout" else ["1"]
         assert main(["calibrate", flag, *value]) == 2
         assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+    assert main(["calibrate", "--mode", "auto"]) == 2  # auto mode would calibrate at start-up already
+    assert "argument --mode: invalid choice: 'auto'" in capsys.readouterr().err
     p = argparse.ArgumentParser()
     EngineConfig.add_cli_args(p, exclude=("admin_port",))  # as `moebius serve` may leave it out
     args = p.parse_args([])

@@ -178,6 +178,7 @@ CALIBRATE: list[Case] = [
     ("context-0", ["calibrate", "--context", "0"], "--context must be at least 1 cached token, got 0", None),
     ("context-negative", ["calibrate", "--context", "-5"], "--context must be at least 1", None),
     ("calibrate-admin-port", ["calibrate", "--admin-port", "1"], "unrecognized arguments: --admin-port", None),
+    ("calibrate-mode-auto", ["calibrate", "--mode", "auto"], "argument --mode: invalid choice: 'auto'", None),
     ("calibrate-static-layout", ["calibrate", "--static-layout"], "unrecognized arguments: --static-layout", None),
     ("calibrate-mem-fraction", ["calibrate", "--mem-fraction", "2"], "--mem-fraction must be in (0, 1]", None),
     ("calibrate-seed", ["calibrate", "--seed", "-3"], "--seed must be in 0..2^63 - 1", None),

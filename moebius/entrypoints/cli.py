@@ -20,6 +20,7 @@ from typing import IO, Any, NoReturn
 from moebius import __version__
 from moebius.config import ConfigError, EngineConfig, HelpFormatter, flag_names
 from moebius.sampling_params import RequestOutputKind, SamplingParams
+from moebius.switch.calibration import DEFAULT_BATCHES
 
 # Sampling flags: the defaults of every prompt, with SamplingParams' own defaults (the API's, as in vLLM). A request's
 # seed comes from its JSONL line ("seed"), or is drawn from the engine's --seed, so runs are reproducible.
@@ -47,9 +48,9 @@ DEMO_PROMPT = "The quick brown fox"
 BOM = b"\xef\xbb\xbf"
 
 # engine flags `moebius calibrate` has no use for: it starts no admin endpoints, runs no switch policy, and times both
-# layouts (a static layout holds one)
+# layouts (a static layout holds one); its --mode is its own (tp or ep: auto would calibrate at start-up already)
 CALIBRATE_EXCLUDES = ("admin_port", "admin_host", "api_key", "switch_policy", "switch_profile", "switch_high",
-                      "switch_low", "switch_window", "switch_cooldown", "static_layout")
+                      "switch_low", "switch_window", "switch_cooldown", "static_layout", "mode")
 
 
 class Parser(argparse.ArgumentParser):
@@ -110,10 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--fresh", action="store_true", help="measure again even if a profile is kept")
     cal.add_argument("--batches", type=_batches, default=None,
                      help="global decode batches to time, comma-separated positive integers; those past what the "
-                     "engine runs (--max-running-requests, the KV cache) are left out (default: 1,4,16,64,128,256,"
-                     "512,1024,2048)")
+                     "engine runs (--max-running-requests, the KV cache) are left out (default: "
+                     f"{','.join(map(str, DEFAULT_BATCHES))})")
     cal.add_argument("--context", type=int, default=256,
                      help="cached tokens a request in the timed steps (at most half the context length)")
+    cal.add_argument("--mode", choices=("tp", "ep"), default="tp", help="the layout the engine starts and ends in "
+                     "(both are timed)")
     EngineConfig.add_cli_args(cal, exclude=CALIBRATE_EXCLUDES)
     from moebius.entrypoints.openai import server  # (imports no web package until it serves)
 
@@ -428,9 +431,8 @@ def calibrate(args: argparse.Namespace) -> int:
 
     if args.context < 1:
         raise ValueError(f"--context must be at least 1 cached token, got {args.context}")
-    ecfg = EngineConfig.from_cli_args(args)
-    # a fixed start layout: auto mode would calibrate at start-up already
-    with EngineCore(dataclasses.replace(ecfg, mode=ecfg.mode if ecfg.mode in ("tp", "ep") else "tp")) as engine:
+    ecfg = EngineConfig.from_cli_args(args)  # (its --mode is tp or ep)
+    with EngineCore(ecfg) as engine:
         cal = engine.calibration(fresh=args.fresh, batches=args.batches, context=args.context)
     print(json.dumps(cal.to_json(), indent=1))
     print(cal.summary(), file=sys.stderr)
