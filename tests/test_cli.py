@@ -229,6 +229,33 @@ def test_a_full_disk_midway_keeps_what_was_written(tmp_path: pathlib.Path, monke
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0]
 
 
+def test_an_engine_failure_midway_keeps_what_was_written(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A step that raises (a rank died) after one request finished: exit 1 with one line saying so, no traceback,
+    the finished line in the file."""
+    from moebius.entrypoints.llm import LLM
+
+    step = LLM.step
+    calls = []
+
+    def failing_step(self: LLM) -> list[Any]:
+        outs = step(self)
+        calls.append(any(o.finished for o in outs))
+        if sum(calls) and not calls[-1]:  # a step after the one that finished the short request
+            raise RuntimeError("rank 1 died")
+        return outs
+
+    monkeypatch.setattr(LLM, "step", failing_step)
+    out = tmp_path / "out.jsonl"
+    src = _jsonl(tmp_path / "in.jsonl", {"prompt": "a", "max_tokens": 1}, {"prompt": "b", "max_tokens": 8,
+                                                                            "ignore_eos": True})
+    assert main([*DEMO, "--input", src, "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert (f"moebius: error: the engine failed (RuntimeError: rank 1 died); results written to {out} before: 1 of 2"
+            in err and "Traceback" not in err), err
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0]
+
+
 def test_input_from_stdin_and_a_byte_order_mark(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = b'\xef\xbb\xbf{"prompt": "a", "max_tokens": 3}\n\n{"prompt_token_ids": [1, 2]}\n'
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))

@@ -22,6 +22,8 @@ from moebius.config import ConfigError, EngineConfig, HelpFormatter, flag_names
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.switch.calibration import DEFAULT_BATCHES
 
+log = logging.getLogger("moebius")
+
 # Sampling flags: the defaults of every prompt, with SamplingParams' own defaults (the API's, as in vLLM). A request's
 # seed comes from its JSONL line ("seed"), or is drawn from the engine's --seed, so runs are reproducible.
 SAMPLING_FLAGS: list[tuple[str, type, str]] = [
@@ -60,8 +62,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"moebius: error: {message} (see `{self.prog} --help`)\n")
 
 
-class WriteError(Exception):
-    """Results could not be written (a full disk, a closed pipe): exit code 1, what was written is kept."""
+class RunError(Exception):
+    """A run that could not go on (results could not be written: a full disk, a closed pipe; the engine failed): exit
+    code 1, what was written is kept."""
 
 
 @dataclass
@@ -359,7 +362,7 @@ def generate(args: argparse.Namespace) -> int:
     try:
         sink.close()
     except OSError as e:
-        raise WriteError(f"--output {args.output}: cannot write ({e.strerror or e})") from None
+        raise RunError(f"--output {args.output}: cannot write ({e.strerror or e})") from None
     return code
 
 
@@ -378,13 +381,19 @@ def _generate(args: argparse.Namespace, ecfg: EngineConfig, items: Sequence[Item
         bar = tqdm(total=len(index), desc="generate", unit="req", disable=args.no_progress, file=sys.stderr)
         try:
             while llm.has_unfinished():
-                done = [o for o in llm.step() if o.finished and o.request_id in index]
+                try:
+                    outs = llm.step()
+                except Exception as e:  # a rank died, a stuck step: say so and keep what was written
+                    log.debug("the engine failed", exc_info=True)
+                    raise RunError(f"the engine failed ({type(e).__name__}: {e}); results written to {where} "
+                                   f"before: {written} of {len(index)}") from None
+                done = [o for o in outs if o.finished and o.request_id in index]
                 for out in sorted(done, key=lambda o: index[o.request_id]):  # those of one step in input order
                     try:
                         sink.write(_record(index[out.request_id], out))
                         sink.flush()
                     except OSError as e:
-                        raise WriteError(f"--output {where}: cannot write ({e.strerror or e}); results written "
+                        raise RunError(f"--output {where}: cannot write ({e.strerror or e}); results written "
                                          f"before: {written} of {len(index)}") from None
                     written += 1
                     tokens += out.num_output_tokens
@@ -459,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError, FileNotFoundError, TypeError) as e:
         print(f"moebius: error: {e}", file=sys.stderr)
         return 2
-    except WriteError as e:
+    except RunError as e:
         print(f"moebius: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the engine's ranks are closed by its finalizer
