@@ -14,7 +14,35 @@ from collections.abc import Iterable
 
 import torch
 
+from moebius.config import ConfigError
 from moebius.memory.umm import UnifiedMemory
+
+# KV tokens a CPU rank holds when --max-total-tokens is unset (no device memory to size the cache by)
+CPU_DEFAULT_KV_TOKENS = 65536
+# page 0 is reserved scratch (padding rows of a step read and write it): one more is the least that serves a request
+MIN_PAGES = 2
+
+
+def kv_budget(max_total_tokens: int | None, block_size: int, device: str) -> int | None:
+    """KV pages a rank holds by the flags (None: sized from GPU memory on the rank); ConfigError naming the setting
+    and the numbers unless they leave a page beside the reserved page 0."""
+    least = MIN_PAGES * block_size
+    if max_total_tokens is not None:
+        tokens, setting = max_total_tokens, f"--max-total-tokens {max_total_tokens}"
+        fix = f"set --max-total-tokens to at least {least} ({MIN_PAGES} pages) or lower --block-size"
+    elif device != "cuda":
+        tokens = CPU_DEFAULT_KV_TOKENS
+        setting = f"the CPU's default KV budget of {tokens} tokens (--max-total-tokens unset)"
+        fix = (f"lower --block-size to at most {tokens // MIN_PAGES}, or set --max-total-tokens to at least {least} "
+               f"({MIN_PAGES} pages)")
+    else:
+        return None
+    pages = tokens // block_size
+    if pages < MIN_PAGES:
+        raise ConfigError(f"{setting} with --block-size {block_size} makes {pages} KV page{'s' if pages != 1 else ''} "
+                          f"of {block_size} tokens, and page 0 is reserved (scratch for padded rows): no page is left "
+                          f"for requests; {fix}")
+    return pages
 
 
 class OutOfPages(RuntimeError):
@@ -36,9 +64,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_pages: int, block_size: int) -> None:
-        if num_pages <= 1:
-            raise ValueError(f"the KV pool has no usable pages (num_pages={num_pages}, page 0 is reserved); "
-                             "give it more memory")
+        if num_pages < MIN_PAGES:  # the engine sizes pools by kv_budget first: this is a caller's mistake
+            raise ValueError(f"a KV allocator needs at least {MIN_PAGES} pages (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
         self.block_size = block_size
         # pages given back (reused last-in first-out), then the never-used ids from _fresh up: no list of every

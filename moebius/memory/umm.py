@@ -73,7 +73,12 @@ class UnifiedMemory:
         self.device = device
         # Zeroed once: a KV page or a padding row is never read before it is written, but bytes that were never
         # written must not hold NaN bit patterns (0 * NaN in a masked attention sum is NaN).
-        self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+        try:
+            self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's plain RuntimeError
+            raise MemoryError(f"could not allocate the unified buffer of {plan.total_bytes / 2**30:.2f} GiB "
+                              f"({plan.num_slots} layer slots of {plan.slot_bytes / 2**30:.3f} GiB) on {device}: "
+                              f"{str(e).splitlines()[0]}") from None
         self.base_ptr = self.buffer.data_ptr()
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype, limit: int) -> torch.Tensor:

@@ -1,55 +1,256 @@
-"""Fill a layout's weight views: from a local safetensors checkpoint (single file or sharded), or dummy weights."""
+"""Fill a layout's weight views: from a local safetensors checkpoint (single file or sharded), or dummy weights.
+
+A checkpoint's files are checked when it is opened (each header read and its byte ranges matched against the file's
+size), and `check_checkpoint` checks, before any rank is built, that every tensor the weight specs read is there, of
+its shape and stored as floating point; the tensors no spec reads are listed in one warning.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import re
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
-from moebius.model.weights import ParamSpec, spec_view
+from moebius.model.weights import ParamSpec, spec_view, weight_specs
+from moebius.parallel.layout import Layout
+
+log = logging.getLogger("moebius")
+
+INDEX = "model.safetensors.index.json"
+# Stored dtypes the loader casts to the engine's dtype without changing what a value means; any other (float8,
+# packed integers, 4/6-bit floats) holds quantized or packed data a plain cast would misread.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_MAX_HEADER = 100_000_000  # bytes: the safetensors format's own limit on a header
+_SHOWN = 5  # names a message lists before "and N more"
+
+
+def _kind(dtype: str) -> str:
+    """What a safetensors dtype code holds, in words."""
+    if dtype.startswith("F8"):
+        return "float8"
+    if dtype in ("F4", "F6_E2M3", "F6_E3M2"):
+        return "sub-byte float (packed)"
+    if dtype[:1] in ("I", "U"):
+        return "integer (packed or quantized values)"
+    return {"BOOL": "boolean", "C64": "complex"}.get(dtype, "non-float")
+
+
+def _some(names: list[str]) -> str:
+    """The first few names, then how many more."""
+    more = len(names) - _SHOWN
+    return ", ".join(names[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as its file's header lists it."""
+
+    file: str
+    dtype: str  # safetensors code: "BF16", "F8_E4M3", "I32", ...
+    shape: tuple[int, ...]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def read_header(file: str) -> dict[str, TensorEntry]:
+    """The tensors a safetensors file holds; ConfigError naming the file when it is cut short, padded, or its
+    header is not one (the safetensors library would raise only "incomplete metadata" without the file)."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConfigError(f"safetensors file {file!r} is truncated: it holds {size} bytes, fewer than the 8 "
+                                  "of the header length every safetensors file starts with")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > _MAX_HEADER:
+                raise ConfigError(f"safetensors file {file!r} is truncated or not a safetensors file: its first 8 "
+                                  f"bytes give a header of {n} bytes, but the file holds {size - 8} bytes after them")
+            raw = f.read(n)
+    except OSError as e:
+        raise ConfigError(f"cannot read safetensors file {file!r}: {e.strerror}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"safetensors file {file!r} has a corrupt header (not JSON: {e}); is the file cut short or "
+                          "overwritten?") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"safetensors file {file!r} has a corrupt header: a JSON {type(header).__name__}, not an "
+                          "object of tensors")
+    entries: dict[str, TensorEntry] = {}
+    end = 0
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
+              and all(map(_is_int, e["shape"])) and isinstance(e.get("data_offsets"), list)
+              and len(e["data_offsets"]) == 2 and all(map(_is_int, e["data_offsets"]))
+              and e["data_offsets"][0] <= e["data_offsets"][1])
+        if not ok:
+            raise ConfigError(f"safetensors file {file!r} has a corrupt header: the entry of tensor {name} is {e!r}, "
+                              "not {dtype, shape, data_offsets}")
+        entries[name] = TensorEntry(file, e["dtype"], tuple(e["shape"]))
+        end = max(end, e["data_offsets"][1])
+    data = size - 8 - n
+    if end > data:
+        raise ConfigError(f"safetensors file {file!r} is truncated: its header lists {end} bytes of tensor data, the "
+                          f"file holds {data} (an interrupted download or copy?)")
+    if end < data:
+        raise ConfigError(f"safetensors file {file!r} is corrupt: it holds {data} bytes of tensor data where its "
+                          f"header lists {end}")
+    try:  # what the header check does not cover (overlapping ranges, sizes that disagree with a shape)
+        with safe_open(file, framework="pt"):
+            pass
+    except SafetensorError as e:
+        raise ConfigError(f"safetensors file {file!r} is corrupt: {e}") from None
+    return entries
+
+
+def _read_index(index: str) -> dict[str, str]:
+    """The weight map of a sharded checkpoint's index, or ConfigError naming the file and what is wrong."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{index} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {index}: {e}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index} has no \"weight_map\" object of tensor name -> file name")
+    return weight_map
 
 
 class Checkpoint:
-    """Lazy access to the tensors of a Hugging Face safetensors checkpoint directory."""
+    """Lazy access to the tensors of a Hugging Face safetensors checkpoint directory (every file's header checked
+    when it is opened)."""
 
     def __init__(self, path: str) -> None:
-        index = os.path.join(path, "model.safetensors.index.json")
+        self.path = path
+        index = os.path.join(path, INDEX)
+        self._where: dict[str, TensorEntry] = {}
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            self._where = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            weight_map = _read_index(index)
+            headers: dict[str, dict[str, TensorEntry]] = {}
+            for shard in sorted(set(weight_map.values())):
+                file = os.path.join(path, shard)
+                if not os.path.isfile(file):
+                    held = sorted(k for k, v in weight_map.items() if v == shard)
+                    raise ConfigError(f"checkpoint file {file!r} is missing: {INDEX} puts {_some(held)} in it")
+                headers[shard] = read_header(file)
+            for name, shard in weight_map.items():
+                if name not in headers[shard]:
+                    raise ConfigError(f"{index} puts tensor {name} in {shard!r}, which holds no tensor of that name")
+                self._where[name] = headers[shard][name]
         else:
             files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not files:
                 raise ConfigError(f"no *.safetensors files in {path!r} (use --load-format dummy for random weights)")
-            self._where = {}
             for file in files:
-                with safe_open(file, framework="pt") as f:
-                    self._where.update({k: file for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
-        self._open: dict[str, object] = {}
-        self.path = path
+                for name, entry in read_header(file).items():
+                    if name in self._where:  # which copy counts is a guess: refuse it
+                        raise ConfigError(f"tensor {name} is in both {self._where[name].file!r} and {file!r}; keep "
+                                          f"one copy (or add {INDEX} naming the file to read)")
+                    self._where[name] = entry
+        self._open: dict[str, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def header(self, name: str) -> TensorEntry:
+        """The header entry of `name` (KeyError if absent)."""
+        return self._where[name]
+
+    def entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        """The header entry of `name`: KeyError if absent, ConfigError naming it if its shape is not `shape`."""
+        e = self._where[name]
+        if e.shape != tuple(shape):
+            raise ConfigError(f"tensor {name} in {e.file!r} has shape {e.shape}, expected {tuple(shape)}")
+        return e
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`; KeyError if absent, ConfigError naming it if its shape is not `shape`."""
-        file = self._where[name]
-        if file not in self._open:
-            if not os.path.isfile(file):
-                raise ConfigError(f"checkpoint file {file!r} (holding {name}) is missing")
-            self._open[file] = safe_open(file, framework="pt")
-        t = self._open[file].get_tensor(name)  # type: ignore[attr-defined]
-        if tuple(t.shape) != tuple(shape):
-            raise ConfigError(f"tensor {name} in {self.path!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t
+        """The tensor `name`; KeyError if absent, ConfigError naming it if its shape is wrong or it is not stored as
+        floating point (float8 or packed integers would be misread by a cast)."""
+        if self._where[name].dtype not in FLOAT_DTYPES:  # first: a packed tensor's shape is not the weight's either
+            raise ConfigError(_dtype_error([name], self._where[name]))
+        file = self.entry(name, shape).file
+        try:
+            if file not in self._open:
+                self._open[file] = safe_open(file, framework="pt")
+            return self._open[file].get_tensor(name)
+        except (SafetensorError, OSError) as err:  # changed on disk since it was opened
+            raise ConfigError(f"cannot read tensor {name} from {file!r}: {err}") from None
+
+
+def _dtype_error(names: list[str], first: TensorEntry) -> str:
+    return (f"tensor {names[0]} in {first.file!r} is stored as {first.dtype} ({_kind(first.dtype)})"
+            + (f", and so are {len(names) - 1} more the model reads ({_some(names[1:])})" if len(names) > 1 else "")
+            + f": Moebius reads weights stored as {', '.join(FLOAT_DTYPES)} and would have to reinterpret or cast "
+            "it; quantized checkpoints are not supported yet")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, checkpoint_layers: int) -> None:
+    """Before any rank is built: every tensor the weight specs read is in `ckpt`, of its shape and stored as
+    floating point (ConfigError naming them), and the tensors no spec reads are listed in one warning (those of the
+    layers past --num-layers excepted: the flag leaves them out). `checkpoint_layers`: the config's layer count."""
+    read: set[str] = set()
+    missing: list[str] = []
+    not_float: list[str] = []
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in ckpt:
+            raise KeyError(name)
+        read.add(name)
+        if ckpt.header(name).dtype not in FLOAT_DTYPES:  # named below (a packed tensor's shape is not the weight's)
+            not_float.append(name)
+        else:
+            ckpt.entry(name, shape)
+        # no bytes past the first dim: the spec's cut (P = 1: cat, stack, rows) runs on shapes only (meta tensors
+        # would too, but their first torch.cat imports sympy: a second of start-up)
+        return torch.empty(shape[:1] + (0,) * (len(shape) - 1))
+
+    # one rank in TP holds every head and every expert whole: its specs read every tensor any layout reads
+    for s in weight_specs(cfg, Layout(cfg, "tp", 0, 1), 4):
+        if s.load is not None:
+            try:
+                s.load(fetch)
+            except KeyError as e:
+                missing.append(e.args[0])
+    if not_float:
+        raise ConfigError(_dtype_error(not_float, ckpt.header(not_float[0])))
+    if missing:
+        raise ConfigError(f"checkpoint {ckpt.path!r} is missing tensor{'s' if len(missing) > 1 else ''} "
+                          f"{_some(missing)}")
+    cut = range(cfg.num_layers, checkpoint_layers)
+
+    def left_out(name: str) -> bool:
+        m = _LAYER.match(name)
+        return m is not None and int(m.group(1)) in cut
+
+    unread = sorted(n for n in ckpt.names if n not in read and not left_out(n))
+    if unread:
+        log.warning("checkpoint %r holds %d tensor%s no Moebius weight reads (ignored): %s", ckpt.path, len(unread),
+                    "s" if len(unread) > 1 else "", _some(unread))
 
 
 class DummyCheckpoint:

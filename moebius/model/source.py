@@ -1,14 +1,24 @@
 """What the engine flags name as the model: its config, where its weights come from (a checkpoint directory, or
-random weights for a preset or the built-in demo model), its tokenizer and its end-of-sequence ids."""
+random weights for a preset or the built-in demo model), its tokenizer and its end-of-sequence ids.
+
+Everything that can be refused from config.json and the checkpoint's file headers is refused here, at the front end,
+before a rank process is spawned or a byte of the unified buffer is allocated.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
+from moebius.memory.kv_pool import kv_budget
 from moebius.model.builtin import builtin_hf_config
+from moebius.model.loader import Checkpoint, check_checkpoint
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
 
@@ -28,16 +38,124 @@ def is_preset(name: str) -> bool:
     return name in PRESETS and not os.path.isdir(name)
 
 
+# Files GPTQ (quantize_config.json) and AWQ (quant_config.json) tools write beside checkpoints whose config.json
+# predates quantization_config: their tensors are packed integers all the same.
+QUANT_FILES = ("quantize_config.json", "quant_config.json")
+# Shapes without which a Qwen3-MoE model is guesswork (transformers fills defaults of another model size).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size")
+POSITIVE_INTS = (*REQUIRED_KEYS, *MOE_KEYS, "head_dim", "max_position_embeddings", "decoder_sparse_step")
+
+
+def _quant_method(q: Any) -> str:
+    """A quantization_config's method, in words."""
+    if not isinstance(q, dict):
+        return repr(q)
+    method = q.get("quant_method")
+    if method is None and (q.get("load_in_4bit") or q.get("load_in_8bit")):
+        method = "bitsandbytes"  # transformers' older BitsAndBytesConfig wrote no quant_method
+    detail = f", weight_block_size {q['weight_block_size']}" if q.get("weight_block_size") else ""
+    return f"quant_method {method!r}{detail}" if method is not None else f"no quant_method ({q!r})"
+
+
+def check_quantization(hf: dict[str, Any], where: str, model_dir: str | None) -> None:
+    """ConfigError naming the method of a quantized checkpoint: its tensors would be read as plain weights."""
+    for key in ("quantization_config", "compression_config"):  # compressed-tensors' older key is the second
+        q = hf.get(key)
+        if q is not None and q != {}:
+            raise ConfigError(f"{where} has a {key} ({_quant_method(q)}): a quantized checkpoint, and Moebius "
+                              "supports no quantization method yet (FP8 is planned); serve the model's unquantized "
+                              "(BF16) release")
+    files = [os.path.join(model_dir, name) for name in QUANT_FILES] if model_dir is not None else []
+    for file in files:
+        if os.path.isfile(file):
+            raise ConfigError(f"{file} marks a quantized (GPTQ / AWQ) checkpoint, and Moebius supports no "
+                              "quantization method yet (FP8 is planned); serve the model's unquantized (BF16) release")
+
+
+def _bad_value(key: str, v: Any) -> str | None:
+    """What is wrong with config.json's value of `key`, or None."""
+    if key in POSITIVE_INTS or key in ("num_experts", "num_local_experts", "intermediate_size"):
+        low = 0 if key in ("num_experts", "num_local_experts", "intermediate_size") else 1
+        if v is None and key in ("head_dim", "decoder_sparse_step"):  # null: derived / the default
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            return f"{key} must be an integer >= {low}, got {v!r}"
+    elif key == "mlp_only_layers":
+        if v is not None and not (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                               and i >= 0 for i in v)):
+            return f"mlp_only_layers must be a list of layer indices, got {v!r}"
+    elif key in ("rms_norm_eps", "rope_theta"):
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            return f"{key} must be a positive number, got {v!r}"
+    return None
+
+
+def check_hf_config(hf: dict[str, Any], where: str, model_dir: str | None = None) -> None:
+    """ConfigError unless config.json (`where`) describes a Qwen3-MoE model Moebius reads as it is meant: not
+    quantized, every shape key present (all missing ones named at once) and of the right type."""
+    check_quantization(hf, where, model_dir)
+    missing = [k for k in REQUIRED_KEYS if k not in hf]
+    if "num_experts" not in hf and "num_local_experts" not in hf:
+        missing.append("num_experts")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not (isinstance(experts, int) and experts == 0):  # 0 experts: every layer dense, no MoE keys read
+        missing += [k for k in MOE_KEYS if k not in hf]
+    sparse = hf.get("decoder_sparse_step") or 1
+    dense = experts == 0 or bool(hf.get("mlp_only_layers")) or (isinstance(sparse, int) and sparse > 1)
+    if dense and "intermediate_size" not in hf:
+        missing.append("intermediate_size")
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}: a Qwen3-MoE model's config.json needs "
+                          f"{'them' if len(missing) > 1 else 'it'} (Moebius guesses no shape)")
+    keys = (*POSITIVE_INTS, "num_experts", "num_local_experts", "intermediate_size", "mlp_only_layers",
+            "rms_norm_eps", "rope_theta")
+    bad = [msg for k in keys if k in hf and (msg := _bad_value(k, hf[k])) is not None]
+    if bad:
+        raise ConfigError(f"{where}: {'; '.join(bad)}")
+
+
+def _read_config_json(path: str) -> dict[str, Any]:
+    """config.json of a model directory as a dict, or ConfigError naming the file (and where its JSON breaks)."""
+    file = os.path.join(path, "config.json")
+    try:
+        hf = read_hf_config(path)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file} is not UTF-8 text (byte {e.start}): is it a config.json?") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {file}: {e.strerror}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{file} holds a JSON {type(hf).__name__}, not an object of model settings")
+    return hf
+
+
 def hf_config_of(name: str | None) -> dict[str, Any]:
-    """The HF config.json of what --model names: the built-in model (None), a preset, or a checkpoint directory."""
+    """The HF config.json of what --model names: the built-in model (None), a preset, or a checkpoint directory;
+    ConfigError naming what is wrong with it."""
     if name is None:
-        return builtin_hf_config()
-    return PRESETS[name] if is_preset(name) else read_hf_config(name)
+        hf, where, model_dir = builtin_hf_config(), "the built-in model's config", None
+    elif is_preset(name):
+        hf, where, model_dir = PRESETS[name], f"preset {name!r}", None
+    else:
+        hf, where, model_dir = _read_config_json(name), os.path.join(name, "config.json"), name
+    check_hf_config(hf, where, model_dir)
+    return hf
+
+
+def check_kv_budget(ecfg: EngineConfig) -> None:
+    """A KV token budget that leaves no usable page is refused before any rank is built (the rank sizes the rest:
+    GPU memory, the other layout's pages)."""
+    device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kv_budget(ecfg.max_total_tokens, ecfg.block_size, device)
 
 
 def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     name = ecfg.model
-    cfg = ModelConfig.from_hf(hf_config_of(name), ecfg.num_layers)
+    hf = hf_config_of(name)
+    cfg = ModelConfig.from_hf(hf, ecfg.num_layers)
+    check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()
         return ResolvedModel(cfg, None, tok, tok.eos_token_ids, True)
@@ -46,8 +164,10 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
             raise ConfigError(f"preset {name!r} has no weights on disk; pass --load-format dummy")
         tok = Tokenizer.from_dir(ecfg.tokenizer) if ecfg.tokenizer else Tokenizer.builtin()
         return ResolvedModel(cfg, None, tok, tok.eos_token_ids, False)
+    checkpoint = None if ecfg.load_format == "dummy" else name
+    if checkpoint is not None:  # headers only: every tensor read is there, shaped and typed right
+        check_checkpoint(Checkpoint(checkpoint), cfg, hf["num_hidden_layers"])
     tok_dir = ecfg.tokenizer or (name if os.path.isfile(os.path.join(name, "tokenizer.json")) else None)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
     eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
-    checkpoint = None if ecfg.load_format == "dummy" else name
     return ResolvedModel(cfg, checkpoint, tok, eos, False)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import gc
 import logging
 import socket
+from dataclasses import dataclass
 
 import torch
 
-from moebius.config import EngineConfig
+from moebius.config import ConfigError, EngineConfig
 from moebius.kernels import KernelConfig
 from moebius.kernels.flash import use_flash
 from moebius.link.lifecycle import StopRules
-from moebius.memory.kv_pool import KVPool
+from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.model.weights import build_weights, plan_weights, weight_specs
@@ -29,22 +30,99 @@ from moebius.worker.warmup import fresh_chunk_lengths, warm_up
 
 log = logging.getLogger("moebius")
 
-CPU_DEFAULT_KV_TOKENS = 65536
+GiB = 2**30
 
 
-def _num_pages(ecfg: EngineConfig, device: torch.device, fixed_bytes: int, expert_bytes: int, page_bytes: int,
-               num_slots: int) -> int:
-    if ecfg.max_total_tokens is not None:
-        return ecfg.max_total_tokens // ecfg.block_size
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_TOKENS // ecfg.block_size
+@dataclass(frozen=True)
+class BufferSizes:
+    """Bytes of a rank's unified buffer besides its KV pages, by what asks for them (an error names them)."""
+
+    dense: int  # dense weights of every held layout, the RoPE table
+    static: int  # step buffers sized by --max-num-batched-tokens, --max-running-requests, --max-model-len
+    expert: int  # one layer slot's expert weights
+    num_slots: int
+
+
+def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, page_bytes: int,
+               max_model_len: int) -> int:
+    """KV pages of the start layout: by --max-total-tokens, the CPU default, or what --mem-fraction of the GPU leaves
+    after the weights and step buffers; ConfigError naming the setting and the numbers when no page is usable."""
+    pages = kv_budget(ecfg.max_total_tokens, ecfg.block_size, device.type)
+    if pages is not None:
+        return pages
     free, total = torch.cuda.mem_get_info(device)
-    budget = min(free, int(total * ecfg.mem_fraction)) - fixed_bytes - num_slots * expert_bytes
-    pages = budget // (num_slots * page_bytes)
-    if pages <= 0:
-        raise MemoryError(f"the model needs {(fixed_bytes + num_slots * expert_bytes) / 2**30:.1f} GiB per rank, "
-                          f"more than --mem-fraction {ecfg.mem_fraction} of this GPU leaves for the KV cache")
+    allowed = min(free, int(total * ecfg.mem_fraction))
+    experts = sizes.num_slots * sizes.expert
+    left = allowed - sizes.dense - sizes.static - experts
+    pages = left // (sizes.num_slots * page_bytes)
+    if pages < MIN_PAGES:
+        raise ConfigError(
+            f"--mem-fraction {ecfg.mem_fraction} of {device} ({total / GiB:.1f} GiB, {free / GiB:.1f} GiB free) gives "
+            f"the unified buffer {allowed / GiB:.2f} GiB; the weights take {(sizes.dense + experts) / GiB:.2f} GiB of "
+            f"it ({experts / GiB:.2f} GiB of experts in {sizes.num_slots} layer slots) and the step buffers "
+            f"{sizes.static / GiB:.2f} GiB (--max-num-batched-tokens {ecfg.max_num_batched_tokens}, "
+            f"--max-running-requests {ecfg.max_running_requests}, --max-model-len {max_model_len}), leaving "
+            f"{left / GiB:.2f} GiB, where {MIN_PAGES} KV pages of --block-size {ecfg.block_size} tokens in every "
+            f"layer slot take {MIN_PAGES * sizes.num_slots * page_bytes / GiB:.2f} GiB (page 0 is reserved): raise "
+            "--mem-fraction, spread the model over more ranks (--num-ranks), or lower --max-num-batched-tokens or "
+            "--max-model-len")
     return int(pages)
+
+
+def _kv_setting(ecfg: EngineConfig, device: torch.device) -> str:
+    """The flag that sized the KV cache, with its value."""
+    if ecfg.max_total_tokens is not None:
+        return f"--max-total-tokens {ecfg.max_total_tokens}"
+    if device.type != "cuda":
+        return f"the CPU's default KV budget of {CPU_DEFAULT_KV_TOKENS} tokens (--max-total-tokens unset)"
+    return f"--mem-fraction {ecfg.mem_fraction}"
+
+
+def _layout_pages(ecfg: EngineConfig, device: torch.device, layouts: dict[str, Layout], start: str,
+                  start_pages: int, page_bytes: dict[str, int]) -> dict[str, int]:
+    """Pages each held layout makes of the start layout's KV bytes (a layout holding more KV heads a rank makes
+    fewer); ConfigError naming the layout, the setting and the numbers when one has no usable page."""
+    kv_bytes = start_pages * page_bytes[start]
+    pages = {m: kv_bytes // b for m, b in page_bytes.items()}
+    for m, n in pages.items():
+        if n < MIN_PAGES:
+            bs = ecfg.block_size
+            least = -(-MIN_PAGES * page_bytes[m] // page_bytes[start]) * bs
+            raise ConfigError(
+                f"the {m.upper()} layout holds {layouts[m].num_kv_heads} KV heads a rank against the "
+                f"{start.upper()} layout's {layouts[start].num_kv_heads}, so the KV bytes of "
+                f"{_kv_setting(ecfg, device)} ({start_pages} {start.upper()} pages of --block-size {bs} tokens) make "
+                f"{n} {m.upper()} page{'s' if n != 1 else ''}, and page 0 is reserved: no page is left for its "
+                f"requests; set --max-total-tokens to at least {least}, lower --block-size, or hold one layout "
+                "(--static-layout)")
+    return pages
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory the buffer may take on `device` now: the GPU's free bytes, the machine's MemAvailable on the CPU
+    (None where the kernel does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_fits(ecfg: EngineConfig, device: torch.device, total: int, kv_bytes: int, num_slots: int) -> None:
+    """A buffer larger than the memory there is, refused before allocating it (on the CPU, zero-filling it would
+    bring the out-of-memory killer, not an error), naming the setting that sized its KV cache."""
+    available = _available_bytes(device)
+    if available is not None and total > available:
+        raise ConfigError(
+            f"the unified buffer of this rank would take {total / GiB:.2f} GiB ({num_slots * kv_bytes / GiB:.2f} GiB "
+            f"of it the KV cache of {_kv_setting(ecfg, device)} over {num_slots} layer slots, "
+            f"{(total - num_slots * kv_bytes) / GiB:.2f} GiB weights and step buffers), more than the "
+            f"{available / GiB:.2f} GiB {device} has available: lower --max-total-tokens (or cut --num-layers)")
 
 
 def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
@@ -64,15 +142,19 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
     plan = MemoryPlan()
     plan_weights(plan, cfg, list(layouts.values()), dtype)
+    dense_bytes = plan.total_bytes
     max_pages_per_seq = -(-spec.max_model_len // bs)
     buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq)
     for m in held:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
     page_bytes = {m: KVPool.page_bytes(bs, lay.num_kv_heads, cfg.head_dim, dtype) for m, lay in layouts.items()}
-    start_pages = _num_pages(ecfg, device, plan.total_bytes, expert_bytes, page_bytes[spec.mode], cfg.num_layers + 1)
+    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, cfg.num_layers + 1)
+    start_pages = _num_pages(ecfg, device, sizes, page_bytes[spec.mode], spec.max_model_len)
+    pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes)
     kv_bytes = start_pages * page_bytes[spec.mode]
     plan.add_slots(cfg.num_layers + 1, expert_bytes + kv_bytes)
+    _check_fits(ecfg, device, plan.total_bytes, kv_bytes, cfg.num_layers + 1)
     umm = UnifiedMemory(plan, device)
 
     # Weights: dense parts of both layouts, experts in the start layout's slots.
@@ -89,8 +171,8 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
         weights = build_weights(umm, cfg, lay, dtype)
-        kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes,
-                    kv_bytes // page_bytes[m], bs, lay.num_kv_heads, cfg.head_dim, dtype)
+        kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes, pages[m], bs,
+                    lay.num_kv_heads, cfg.head_dim, dtype)
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
                              StaticBuffers.build(umm, m, *buf_shape), bs, device, kernels=kernels)
         modes[m] = ModeRuntime(lay, weights, kv, runner)
