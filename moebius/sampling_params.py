@@ -1,13 +1,17 @@
-"""Per-request generation parameters (the vLLM names and meanings), validated on construction."""
+"""Per-request generation parameters (the vLLM names and meanings), validated on construction and on every later
+assignment to a field."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20  # the most top tokens a step returns per output token (OpenAI's top_logprobs limit)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the sampler carries seeds as int64 tensors
 
 
 class RequestOutputKind(enum.Enum):
@@ -25,6 +29,10 @@ class SamplingParams:
     temperature 0 is greedy. With a `seed`, sampling is reproducible and independent of batching: the noise for
     output token j of a request is a pure function of (seed, j), so the same request gives the same tokens in any
     batch, after preemption, and (later) after moving between ranks.
+
+    Assigning a field later (`sp.temperature = 0.5`) checks the whole again: a bad value raises ValueError and leaves
+    the object as it was. The engine admits a snapshot, so changing one after `generate` / `add_request` changes
+    no request already admitted.
     """
 
     n: int = 1
@@ -49,6 +57,29 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_ready"):  # inside __init__: __post_init__ checks every field at once
+            object.__setattr__(self, name, value)
+            return
+        if name == "stop_strings":
+            raise AttributeError("stop_strings is derived from stop: assign stop instead")
+        if name not in _FIELDS:  # a misspelt field would otherwise be taken silently and do nothing
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        checked = dataclasses.replace(self, **{name: value})  # the constructor's checks, on the whole
+        for f in (*_FIELDS, "stop_strings"):
+            object.__setattr__(self, f, getattr(checked, f))
+
+    def clone(self) -> SamplingParams:
+        """A checked copy that shares no list with this one (what the engine admits: later edits of this object,
+        even in place, reach no request already admitted)."""
+        return dataclasses.replace(self, stop=list(self.stop) if isinstance(self.stop, list | tuple) else self.stop,
+                                   stop_token_ids=None if self.stop_token_ids is None else list(self.stop_token_ids))
+
+    def _check(self) -> None:
+        """Check every field (ValueError naming the field and the value) and set the derived ones."""
         _int("n", self.n, lo=1)
         _real("temperature", self.temperature, "must be a number >= 0", lambda v: v >= 0)
         _real("top_p", self.top_p, "must be a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
@@ -64,7 +95,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} is larger than max_tokens {self.max_tokens}")
         if self.seed is not None:
-            _int("seed", self.seed)
+            _int("seed", self.seed, lo=INT64_MIN, hi=INT64_MAX, what="an integer in [-2**63, 2**63 - 1] (int64)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "prompt_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -73,7 +104,7 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        self.stop_strings = tuple(stops)
+        object.__setattr__(self, "stop_strings", tuple(stops))
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list | tuple):
                 raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
@@ -82,16 +113,20 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == 0:
-            self.top_k = -1
+            object.__setattr__(self, "top_k", -1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def _int(name: str, v: object, lo: int | None = None, what: str | None = None) -> None:
-    """An integer (not a bool, not a float) of at least `lo`; ValueError naming the field otherwise."""
-    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+def _int(name: str, v: object, lo: int | None = None, what: str | None = None, hi: int | None = None) -> None:
+    """An integer (not a bool, not a float) in [lo, hi]; ValueError naming the field otherwise."""
+    if (isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo)
+            or (hi is not None and v > hi)):
         want = what or ("an integer" if lo is None else f"an integer >= {lo}")
         raise ValueError(f"{name} must be {want}, got {v!r}")
 

@@ -54,3 +54,10 @@ def test_vocabulary_slices_score_as_the_whole(parts: int) -> None:
     sliced = torch.cat([race_scores(s, sb, first=i * width) for i, s in enumerate(logits.split(width, dim=1))], 1)
     assert torch.equal(sliced, race_scores(logits, sb))
     assert torch.equal(sliced.argmax(-1), sample(logits, sb))
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token() -> None:
+    """top_p 1e-50 is valid (in (0, 1]) but reads 0 as float32: the most likely token stays, as with any top_p."""
+    sb = _batch(8, 1.0, top_p=1e-50)
+    assert sb.top_p[0] == 0.0  # (what the step's tensor holds)
+    assert sample(LOGITS.expand(8, V), sb).tolist() == [3] * 8

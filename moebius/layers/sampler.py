@@ -102,6 +102,7 @@ def sample(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         sp = torch.softmax(sorted_l, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always the first token)
         drop = (sp.cumsum(dim=-1) - sp) >= sb.top_p[:, None]
+        drop[:, 0] = False  # a top_p too small for float32 (it reads 0) would drop the first too
         cut = sorted_l.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values
         tempered = tempered.masked_fill(tempered < cut, float("-inf"))
     if sb.min_p is not None:  # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p), in tempered logits
