@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, make_llm
+from conftest import PROMPTS, Checkpoints, hf_greedy, make_llm
 from safetensors.torch import load_file, save_file
 
 from moebius.config import PRESETS, ConfigError, EngineConfig
@@ -201,14 +201,16 @@ BROKEN: list[tuple[str, Callable[[str], None], type[Exception], str]] = [
 
 
 @pytest.mark.parametrize("edit,exc,pattern", [pytest.param(*b[1:], id=b[0]) for b in BROKEN])
-def test_broken_checkpoint_is_refused_naming_what_is_wrong(ckpt, edit, exc, pattern):
+def test_broken_checkpoint_is_refused_naming_what_is_wrong(ckpt: Checkpoints, edit: Callable[[str], None],
+                                                           exc: type[Exception], pattern: str) -> None:
     path = ckpt.copy("base", "broken")
     edit(path)
     with pytest.raises(exc, match=pattern):
         make_llm(path)
 
 
-def test_the_front_end_refuses_them_before_any_rank_is_spawned(ckpt, monkeypatch):
+def test_the_front_end_refuses_them_before_any_rank_is_spawned(ckpt: Checkpoints,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """With --num-ranks 2 every broken checkpoint above is refused by the front end, with the same message, before
     a rank process is spawned."""
     def no_spawn(*a: Any) -> None:
@@ -222,7 +224,7 @@ def test_the_front_end_refuses_them_before_any_rank_is_spawned(ckpt, monkeypatch
             make_llm(path, num_ranks=2, mode="tp")
 
 
-def test_a_checkpoint_misread_fails_without_the_checks(ckpt, monkeypatch):
+def test_a_checkpoint_misread_fails_without_the_checks(ckpt: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the checks stop: an FP8 quantization_config with float8 tensors would otherwise load as garbage weights.
     The tensor check holds on its own too: with the config check off, the float8 tensor is still refused."""
     path = ckpt.copy("base", "fp8-both")
@@ -235,7 +237,7 @@ def test_a_checkpoint_misread_fails_without_the_checks(ckpt, monkeypatch):
         make_llm(path)
 
 
-def test_the_rank_side_loader_refuses_a_float8_tensor_too(ckpt):
+def test_the_rank_side_loader_refuses_a_float8_tensor_too(ckpt: Checkpoints) -> None:
     """A rank reading a checkpoint (build_rank's Checkpoint.get) checks the dtype itself, not only the front end."""
     from moebius.model.loader import Checkpoint
 
@@ -259,7 +261,8 @@ def add_extras(t: dict[str, torch.Tensor]) -> None:
     t["mtp.layers.0.enorm.weight"] = torch.ones(64)
 
 
-def test_unread_tensors_are_listed_in_one_warning_and_the_model_loads(ckpt, caplog):
+def test_unread_tensors_are_listed_in_one_warning_and_the_model_loads(ckpt: Checkpoints,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     path = ckpt.copy("base", "extras")
     edit_tensors(add_extras)(path)
     with caplog.at_level(logging.WARNING, logger="moebius"):
@@ -274,7 +277,7 @@ def test_unread_tensors_are_listed_in_one_warning_and_the_model_loads(ckpt, capl
     assert llm.generate(PROMPTS[2], GOOD)[0].token_ids == hf_greedy(base, PROMPTS[2], 6)
 
 
-def test_layers_left_out_by_num_layers_are_not_listed(ckpt, caplog):
+def test_layers_left_out_by_num_layers_are_not_listed(ckpt: Checkpoints, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="moebius"):
         make_llm(ckpt("base"), num_layers=1)
     assert not [r for r in caplog.records if "no Moebius weight reads" in r.getMessage()]
@@ -303,7 +306,8 @@ KV_SIZINGS = [
 
 
 @pytest.mark.parametrize("kw,pattern", KV_SIZINGS)
-def test_kv_sizing_without_a_usable_page_names_the_setting(ckpt, monkeypatch, kw, pattern):
+def test_kv_sizing_without_a_usable_page_names_the_setting(ckpt: Checkpoints, monkeypatch: pytest.MonkeyPatch,
+                                                           kw: dict[str, Any], pattern: str) -> None:
     def no_allocation(*a: Any) -> None:
         raise AssertionError("the buffer was allocated before the sizing was refused")
 
@@ -312,7 +316,7 @@ def test_kv_sizing_without_a_usable_page_names_the_setting(ckpt, monkeypatch, kw
         make_llm(ckpt("base"), **kw)
 
 
-def test_gpu_sizing_by_mem_fraction_names_the_numbers(monkeypatch):
+def test_gpu_sizing_by_mem_fraction_names_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     """--mem-fraction leaving no KV page (a GPU's memory faked): the fraction, the GPU's memory, what the weights and
     step buffers take and the flags that size them, and what the least KV cache needs."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, 80 * 2**30))
@@ -329,7 +333,7 @@ def test_gpu_sizing_by_mem_fraction_names_the_numbers(monkeypatch):
         (40 * 2**30 - 3 * 2**30 - 2**29 - 49 * 2**25) // (49 * 2**17))
 
 
-def test_a_buffer_that_cannot_be_allocated_is_a_memory_error_naming_its_size():
+def test_a_buffer_that_cannot_be_allocated_is_a_memory_error_naming_its_size() -> None:
     plan = MemoryPlan()
     plan.add_slots(4, 2**48)
     with pytest.raises(MemoryError, match=r"could not allocate the unified buffer of 1048576\.00 GiB \(4 layer slots "
@@ -344,7 +348,7 @@ def rank_processes() -> set[int]:
             and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())}
 
 
-def test_spawned_ranks_give_the_same_message_and_leave_no_process(ckpt):
+def test_spawned_ranks_give_the_same_message_and_leave_no_process(ckpt: Checkpoints) -> None:
     """--num-ranks 2: a budget the front end can size is refused there (nothing spawned); the EP layout's pages,
     which only the ranks size (its 2 KV heads a rank against TP's 1 halve them), reach the user as the ranks' message,
     and every rank process is gone afterwards."""
@@ -366,7 +370,7 @@ def test_spawned_ranks_give_the_same_message_and_leave_no_process(ckpt):
 # What is unchanged
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_presets_and_dummy_weights_are_unchanged(ckpt):
+def test_presets_and_dummy_weights_are_unchanged(ckpt: Checkpoints) -> None:
     """Presets pass the config checks; --load-format dummy reads no safetensors file, so a checkpoint directory
     whose weights are cut short still runs on dummy weights (as before)."""
     for name in PRESETS:
@@ -380,7 +384,8 @@ def test_presets_and_dummy_weights_are_unchanged(ckpt):
 
 
 @pytest.mark.parametrize("name", ["base", "base_sharded", "tied_mha_nonorm", "dense_layer"])
-def test_good_checkpoints_still_give_transformers_tokens(ckpt, caplog, name):
+def test_good_checkpoints_still_give_transformers_tokens(ckpt: Checkpoints, caplog: pytest.LogCaptureFixture,
+                                                         name: str) -> None:
     """After the catalogue: the same checkpoints, unbroken, load without a warning and give the greedy tokens."""
     path = ckpt(name)
     with caplog.at_level(logging.WARNING, logger="moebius"):
@@ -390,5 +395,5 @@ def test_good_checkpoints_still_give_transformers_tokens(ckpt, caplog, name):
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, 6) for p in (PROMPTS[1], PROMPTS[3])]
 
 
-def test_the_catalogue_holds_at_least_20_cases():
+def test_the_catalogue_holds_at_least_20_cases() -> None:
     assert len(BROKEN) + len(KV_SIZINGS) + 3 >= 20  # + the mem-fraction, allocation and EP layout's pages tests
