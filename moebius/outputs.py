@@ -14,13 +14,15 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" (EOS / stop token / stop string), "length", "abort"; None while running
+    # "stop" (EOS / stop token / stop string), "length", "abort", "error" (it failed: see `error`); None while running
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     token_times: list[float] = field(default_factory=list)  # wall time (time.perf_counter) of each output token
     # with SamplingParams.logprobs: per output token, {token id: log-probability} of the token itself first, then
     # of the most likely ones (the raw distribution of the model)
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0  # prompt tokens this sample took from the prefix cache (known from its first token)
+    error: str | None = None  # with finish_reason "error": what failed (the engine itself serves on)
 
     @property
     def finished(self) -> bool:

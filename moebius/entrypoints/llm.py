@@ -5,13 +5,13 @@ interface (add_request / step / abort / has_unfinished) for drivers that interle
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
 from moebius.config import EngineConfig
 from moebius.entrypoints.admin import AdminServer
-from moebius.frontend.core import EngineCore, Prompt
+from moebius.frontend.core import EngineClosedError, EngineCore, Prompt, is_token_id
 from moebius.link.messages import SwitchOutcome
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import RequestOutputKind, SamplingParams
@@ -26,6 +26,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self._others: list[RequestOutput] = []  # outputs of step-level requests that came while generate() ran
+        self._closed = False
         c = self.config
         # operator endpoints (--admin-port): what they ask for runs here, between two steps
         try:
@@ -39,21 +40,18 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. A bad prompt raises before any is admitted."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt; outputs in input order. A bad prompt raises before any is admitted; a call
+        interrupted (Ctrl-C, an engine error) leaves none of its requests running."""
+        self._check_open()
+        if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]  # one prompt (text, or a list of token ids)
         if not isinstance(prompts, list | tuple):
             raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
                             f"{type(prompts).__name__}")
+        if not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be True or False, got {use_tqdm!r}")
         prompts = list(prompts)
-        if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        params = _params_for(sampling_params, len(prompts))
         checked = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
@@ -61,18 +59,31 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         final = RequestOutputKind.FINAL_ONLY  # one output a request: the others would only be dropped here
-        ids = [self.engine.add_request(p, sp, validated=c, output_kind=final)
-               for p, sp, c in zip(prompts, params, checked, strict=True)]
-        return self._run(ids, use_tqdm)
+        ids: list[str] = []
+        try:
+            for p, sp, c in zip(prompts, params, checked, strict=True):
+                ids.append(self.engine.add_request(p, sp, validated=c, output_kind=final))
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self._forget(ids)
+            raise
+
+    def _forget(self, ids: list[str]) -> None:
+        """End the requests of a generate() that did not return; their outputs go to no one."""
+        if not self.engine.closed:
+            self.engine.discard(ids)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate. A message is
+        a dict with a "role" and a "content": a string, or a list of text parts ({"type": "text", "text": ...},
+        joined by newlines, as the server takes them)."""
+        self._check_open()
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template (the model directory has no tokenizer.json)")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]  # type: ignore
+        convs = _conversations(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -80,44 +91,53 @@ class LLM:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
-        while len(done) < len(ids):
-            for out in self.step():
-                if out.request_id in wanted:
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-                else:
-                    self._others.append(out)
-        bar.close()
+        try:
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.request_id in wanted:
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+                    else:
+                        self._others.append(out)
+        finally:
+            bar.close()
         return [done[i] for i in ids]
 
     # ---- step-level API ----
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Admit one request (ValueError for bad input; nothing else is affected); returns its id."""
+        """Admit one request (ValueError / TypeError for bad input; nothing else is affected); returns its id. It
+        runs on a copy of sampling_params: changing that object afterwards changes no request admitted."""
+        self._check_open()
         return self.engine.add_request(prompt, sampling_params, request_id)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; the outputs of the requests that got tokens or finished in it, each as its
         `SamplingParams.output_kind` asks (default: everything so far)."""
-        waiting, self._others = self._others, []
+        self._check_open()
         if self.admin is None:
-            return waiting + self.engine.step()
-        self.admin.poll()  # operator switches happen here, between two steps
-        outs = self.engine.step()
-        self.admin.publish()
+            outs = self.engine.step()
+        else:
+            self.admin.poll()  # operator switches happen here, between two steps
+            outs = self.engine.step()
+            self.admin.publish()
+        waiting, self._others = self._others, []  # (after the step: a step that raises loses none of them)
         return waiting + outs
 
     def abort(self, request_id: str) -> None:
+        self._check_open()
         self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._others) or self.engine.has_unfinished()
+        """Whether step() has work (never after close())."""
+        return not self._closed and (bool(self._others) or self.engine.has_unfinished())
 
     def switch_mode(self, mode: str) -> SwitchOutcome:
         """Switch live to "tp" or "ep" between two steps; requests in flight continue where they were. Returns the
         outcome: done (or why not: `reason`), where the host's time went and the pass's device times (`device`:
         weights, KV, span, total, in ms)."""
+        self._check_open()
         return self.engine.switch_mode(mode)
 
     @property
@@ -126,20 +146,95 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (vLLM's name); returns how many pages were dropped, summed over ranks."""
+        self._check_open()
         return self.engine.reset_prefix_cache()
 
     def kv_stats(self) -> dict[str, object]:
         """KV-cache tokens free / in total (summed over ranks, and "per_rank"); requests preempted so far."""
+        self._check_open()
         return self.engine.kv_stats()
 
     def close(self) -> None:
-        """Stop the rank processes (if any) and the admin endpoints. The LLM is unusable afterwards."""
+        """Stop the rank processes (if any) and the admin endpoints. Every later call but close() raises
+        EngineClosedError (a RuntimeError); a second close() does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.admin is not None:
             self.admin.close()
         self.engine.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            _closed()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _closed() -> NoReturn:
+    raise EngineClosedError("this LLM was closed (LLM.close()): it runs nothing any more; build a new LLM")
+
+
+def _params_for(sampling_params: object, n: int) -> list[SamplingParams]:
+    """One SamplingParams a prompt: the one given for all, the default, or a list of them (TypeError for anything
+    else, ValueError for a list of another length)."""
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if not isinstance(sampling_params, list | tuple):
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them (one a prompt), got "
+                        f"{type(sampling_params).__name__}")
+    for i, sp in enumerate(sampling_params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
+    if len(sampling_params) != n:
+        raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
+    return list(sampling_params)
+
+
+def _conversations(messages: object) -> list[list[dict[str, Any]]]:
+    """chat()'s conversations, each message checked (a role, a text content) with its content as one string."""
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"messages must be a list of message dicts (one conversation) or a list of such lists, got "
+                        f"{type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: a conversation needs at least one message")
+    one = isinstance(messages[0], dict)
+    convs = [messages] if one else messages
+    out = []
+    for c, conv in enumerate(convs):
+        where = "" if one else f"conversation {c}: "
+        if not isinstance(conv, list | tuple):
+            raise TypeError(f"{where}a conversation must be a list of message dicts, got {type(conv).__name__}")
+        if not conv:
+            raise ValueError(f"{where}a conversation needs at least one message")
+        out.append([_message(m, f"{where}message {i}") for i, m in enumerate(conv)])
+    return out
+
+
+def _message(m: object, where: str) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(m).__name__}")
+    role, content = m.get("role"), m.get("content")
+    if role is None:
+        raise ValueError(f"{where} has no 'role'")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"{where}: role must be a non-empty string, got {role!r}")
+    if content is None:
+        raise ValueError(f"{where} ({role}): content is {'missing' if 'content' not in m else 'null'}; give a string")
+    if isinstance(content, list):  # text parts, as the server takes them
+        bad = [p for p in content if not (isinstance(p, dict) and p.get("type") == "text"
+                                          and isinstance(p.get("text"), str))]
+        if bad:
+            raise ValueError(f"{where} ({role}): only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                             f"got {bad[0]!r}")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise TypeError(f"{where} ({role}): content must be a string (or a list of text parts), got "
+                        f"{type(content).__name__} {content!r}")
+    return {**m, "content": content}

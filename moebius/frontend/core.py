@@ -8,6 +8,7 @@ import bisect
 import gc
 import itertools
 import logging
+import operator
 import os
 import random
 import sys
@@ -17,10 +18,11 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from moebius.config import ConfigError, EngineConfig
-from moebius.frontend.output_processor import FrontRequest, child_seed
+from moebius.frontend.output_processor import FrontRequest, child_ids, child_seed
 from moebius.frontend.pipeline import PlanPipeline
 from moebius.frontend.timeline import ModeTimeline
 from moebius.link.lifecycle import check_prompt, max_total_len, placement_weight
@@ -60,6 +62,23 @@ Prompt = str | list[int]
 def _check_mode(target: str) -> None:
     if target not in MODES:
         raise ValueError(f"mode must be {' or '.join(map(repr, MODES))}, got {target!r}")
+
+
+def is_token_id(v: object) -> bool:
+    """An integer that can be a token id: Python's or numpy's, never a bool (True is not token 1)."""
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
+def token_ids(prompt: list[Any] | tuple[Any, ...]) -> list[int]:
+    """A prompt's token ids as Python ints; TypeError naming the first element that is not an integer."""
+    for i, t in enumerate(prompt):
+        if not is_token_id(t):
+            raise TypeError(f"prompt token id {t!r} (position {i}) must be an integer, got {type(t).__name__}")
+    return [operator.index(t) for t in prompt]
+
+
+class EngineClosedError(RuntimeError):
+    """The engine (or the LLM around it) was closed: nothing runs on it any more."""
 
 
 class EngineCore:
@@ -115,7 +134,8 @@ class EngineCore:
         self._ends: list[str] = []  # rank-side requests the front end ended (abort, stop string): the ranks run them
         self._retired: list[str] = []  # requests placed on an EP rank that finished: the others forget their specs
         self._pipeline = PlanPipeline(self.ranks, ecfg.plans_ahead)
-        self.last_switch: SwitchOutcome | None = None  # outcome of the last request_switch
+        self.last_switch: SwitchOutcome | None = None  # outcome of the last switch (the policy's or an operator's)
+        self.closed = False
         self._undelivered: list[RequestOutput] = []  # outputs the next step() returns
         self.timeline = ModeTimeline(time.perf_counter())
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
@@ -197,39 +217,70 @@ class EngineCore:
             return prompt, ids
         if not isinstance(prompt, list | tuple):
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
+        ids = token_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty (no token ids)")
         V = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+        bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {V})")
         return None, ids
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine was closed (close()): it runs nothing any more; build a new one")
+
     def validate(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Check one request without admitting it; returns (prompt text, prompt token ids)."""
+        self._check_open()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
-        check_prompt(len(ids), self.max_model_len, self.kv_capacity)
+        self._check_params(params, len(ids))
+        return text, ids
+
+    def _check_params(self, params: SamplingParams, num_prompt: int) -> None:
+        """What a request's parameters must satisfy on this engine: room for max_tokens in the context, a tokenizer
+        for stop strings, stop token ids in the vocabulary."""
+        check_prompt(num_prompt, params.max_tokens, self.max_model_len, self.kv_capacity)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
         V = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids or () if t >= V]
         if bad:  # (min_tokens masks them in the logits: an id beyond them would fail inside a rank)
             raise ValueError(f"stop_token_ids {bad[0]} is outside the vocabulary [0, {V})")
-        return text, ids
+
+    def _free_id(self, n: int) -> str:
+        """The next generated id that no live request (nor its n samples) uses: a caller's own ids may look alike."""
+        while True:
+            rid = str(next(self._ids))
+            if rid not in self._requests and not any(c in self._child_to_parent for c in child_ids(rid, n)):
+                return rid
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     validated: tuple[str | None, list[int]] | None = None,
                     output_kind: RequestOutputKind | None = None) -> str:
         """Admit one request (it goes to the ranks with the next step). output_kind: the outputs it returns, in
         place of its params' (`LLM.generate` asks for the final ones only)."""
+        self._check_open()
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = validated or self.validate(prompt, params)
-        rid = request_id if request_id is not None else str(next(self._ids))
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
+        # the request runs on a checked copy: the caller's object may change later (even in place), the copy not
+        params = params.clone()
+        self._check_params(params, len(ids))
+        rid = request_id if request_id is not None else self._free_id(params.n)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        children = child_ids(rid, params.n)
+        taken = [c for c in children if c in self._child_to_parent]
+        if taken:  # two requests with one id on the ranks would mix their tokens
+            owner = self._child_to_parent[taken[0]][0].request_id
+            raise ValueError(f"request id {rid!r} is already in use: its sample id {taken[0]!r} is one of request "
+                             f"{owner!r}'s")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         limit = max_total_len(self.max_model_len, self.kv_capacity)
         fr = FrontRequest.make(rid, text, ids, params, time.perf_counter(), output_kind or params.output_kind,
@@ -247,13 +298,24 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """End a request now: its output (finish_reason "abort") comes with the next step(), which also frees its
-        pages on the ranks."""
+        pages on the ranks. An id no live request has is ignored (it may have just finished)."""
+        self._check_open()
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         fr = self._requests.get(request_id)
         if fr is None:
             return
         for child in fr.abort():
             self._end_on_ranks(child)
         self._collect([fr])
+
+    def discard(self, request_ids: Iterable[str]) -> None:
+        """Abort these requests, and return none of their outputs, not even the final ones (a caller that gave up on
+        them: an interrupted generate)."""
+        gone = set(request_ids)
+        for rid in gone:
+            self.abort(rid)
+        self._undelivered = [o for o in self._undelivered if o.request_id not in gone]
 
     def has_unfinished(self) -> bool:
         """Whether step() has work: live requests, requests ended here that the ranks still run, or outputs not
@@ -267,6 +329,7 @@ class EngineCore:
         report is in, so the ranks schedule and launch it while this one's tokens become outputs here. A switch is
         never sent ahead, and nothing goes ahead of a switch's step (requests added in between are placed by the
         layout in use when they are added)."""
+        self._check_open()
         if not (self._requests or self._ends or len(self._pipeline) or self._pending.switch is not None):
             return self._deliver()  # nothing for the ranks to do
         if len(self._pipeline) and self._pending.switch is not None:
@@ -335,6 +398,7 @@ class EngineCore:
     def settle(self) -> list[RequestOutput]:
         """Read the steps on their way to or on the ranks (rank processes get plans ahead) and return their outputs:
         afterwards no step runs until the next step() (a pause for an RL weight update)."""
+        self._check_open()
         self._settle()
         return self._deliver()
 
@@ -371,11 +435,9 @@ class EngineCore:
         if report.switch_times is not None and self.last_switch is not None:  # a switch that rode on a step
             self.last_switch.device = report.switch_times
             self.timeline.complete(report.switch_times)
-        if plan.switch is not None:
+        if plan.switch is not None:  # the policy's (it rode on a step) or an operator's (a plan of its own)
             assert report.switch is not None, "the ranks did not report the switch"
-            outcome = self._switched(plan.switch.target, report.switch)
-            if plan.run:
-                self.last_switch = outcome
+            self.last_switch = self._switched(plan.switch.target, report.switch)
         now = time.perf_counter()
         touched: dict[str, FrontRequest] = {}
         for d in report.deltas:
@@ -383,8 +445,14 @@ class EngineCore:
             if entry is None or entry[0].ended(entry[1]):  # ended here (abort, stop string) while a step was on its way
                 continue
             fr, i = entry
-            if fr.take(i, d, now):
-                self._end_on_ranks(d.request_id)
+            try:
+                if fr.take(i, d, now):
+                    self._end_on_ranks(d.request_id)
+            except Exception as e:  # noqa: BLE001 - this request's failure ends it with an error, not the engine
+                log.warning("request %s failed and ends with finish_reason 'error': %s: %s", fr.request_id,
+                            type(e).__name__, e)
+                for child in fr.fail(i, f"{type(e).__name__}: {e}"):
+                    self._end_on_ranks(child)
             touched[fr.request_id] = fr
             self._tokens += len(d.new_token_ids)
         self._collect(touched.values())
@@ -418,7 +486,7 @@ class EngineCore:
     def _retire(self, fr: FrontRequest) -> None:
         del self._requests[fr.request_id]
         for c, s in zip(fr.children, fr.samples, strict=True):
-            if s.out.finish_reason != "abort":
+            if s.out.finish_reason not in ("abort", "error"):  # (the cost policy's lengths of requests that ran out)
                 bisect.insort(self._finished_lengths, len(s.out.token_ids))
             del self._child_to_parent[c]
             if self.placement.release(c) is not None and not s.released:  # an EP rank's: the others forget its spec
@@ -428,6 +496,7 @@ class EngineCore:
         """Switch every rank to `target` ("tp" | "ep") between two steps, keeping every request in flight, and
         return its outcome (`SwitchOutcome`: done, or why it was refused, and where its time went). reason: why (the
         mode timeline keeps it)."""
+        self._check_open()
         _check_mode(target)
         self._settle()  # the switch moves what the step in flight leaves
         self._switch_reason = reason
@@ -454,6 +523,7 @@ class EngineCore:
         latency from decision to the first step in the new layout). The outcome lands in `last_switch`; its device
         times join it with the step after, so that neither the first step in the new layout nor its tokens wait on
         the host for the end of the transfers."""
+        self._check_open()
         _check_mode(target)
         self._pending.switch, self._switch_reason = SwitchOrder(target), reason
 
@@ -475,6 +545,7 @@ class EngineCore:
     def query(self, query: Query | str) -> list[Any]:
         """Each rank's answer to a diagnostic question without a step (`Query`: fingerprint, memory, requests,
         kernels, comm, heap, reset_prefix_cache)."""
+        self._check_open()
         q = query if isinstance(query, Query) else Query(query)
         self._settle()  # (before the plan is taken: what the steps in flight end is released with it)
         plan = self._next_plan(with_switch=False)
@@ -485,6 +556,7 @@ class EngineCore:
     def probe(self, probe: Probe) -> list[dict[str, Any]]:
         """Time steps on every rank outside the serving path (a benchmark's hook: `DecodeProbe`, `PrefillProbe`);
         the engine must be idle. Each rank's timings."""
+        self._check_open()
         if self._requests:
             raise RuntimeError("probe: the engine is serving requests; time steps on an idle engine")
         self._release_ended()
@@ -498,12 +570,15 @@ class EngineCore:
     def kv_stats(self) -> dict[str, object]:
         """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step), and the requests
         preempted so far to make room (they recompute their tokens)."""
+        self._check_open()
         per_rank = self._kv_stats or [KVStats(self.kv_capacity, self.kv_capacity)]
         return {"free_tokens": sum(r.free_tokens for r in per_rank),
                 "total_tokens": sum(r.total_tokens for r in per_rank), "preemptions": self._preemptions,
                 "per_rank": [{"free_tokens": r.free_tokens, "total_tokens": r.total_tokens} for r in per_rank]}
 
     def close(self) -> None:
+        """Stop the ranks; every later call but close() raises EngineClosedError."""
+        self.closed = True
         self._close_ranks()
         # what start-up froze may now be garbage (an engine's objects hold cycles, and its tensors with them): the
         # collector walks it again, so another engine built in this process finds the memory free

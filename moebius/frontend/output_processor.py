@@ -15,6 +15,11 @@ from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def child_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's samples on the ranks (one a sample)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
 def child_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request seeded `seed` (n > 1: distinct, reproducible)."""
     return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index) & (2**63 - 1)
@@ -37,6 +42,9 @@ class Sample:
         string in the text ended it here (the ranks still run it: the front end releases it)."""
         out = self.out
         self.changed = True
+        if d.finish_reason == "error":  # a rank could not run it (it says why): it ended there, with nothing new
+            self.fail(d.error or "a rank could not run this request")
+            return False
         out.token_ids += d.new_token_ids
         out.token_times += [now] * len(d.new_token_ids)
         if d.cached_tokens is not None:
@@ -75,6 +83,11 @@ class Sample:
             self.out.finish_reason = "abort"
             self.changed = True
 
+    def fail(self, error: str) -> None:
+        """End it with finish_reason "error" and why (what it got so far stays)."""
+        self.out.finish_reason, self.out.stop_reason, self.out.error = "error", None, error
+        self.changed = True
+
     def delta(self) -> CompletionOutput:
         """What it got since its last output; its text holds back what could still begin a stop string."""
         out = self.out
@@ -83,7 +96,8 @@ class Sample:
         c0, self.sent_text = self.sent_text, visible
         return CompletionOutput(out.index, out.token_ids[t0:], out.text[c0:visible], out.finish_reason,
                                 out.stop_reason, out.token_times[t0:],
-                                out.logprobs[t0:] if out.logprobs is not None else None, out.num_cached_tokens)
+                                out.logprobs[t0:] if out.logprobs is not None else None, out.num_cached_tokens,
+                                out.error)
 
 
 @dataclass
@@ -107,7 +121,7 @@ class FrontRequest:
         for i in range(params.n):
             detok = IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens) if tokenizer else None
             fr.samples.append(Sample(CompletionOutput(i, [], "", None), detok, StopStrings(params)))
-            fr.children.append(request_id if params.n == 1 else f"{request_id}#{i}")
+        fr.children = child_ids(request_id, params.n)
         return fr
 
     @property
@@ -123,6 +137,16 @@ class FrontRequest:
         if d.prompt_logits is not None and i == 0:
             self.prompt_logits = d.prompt_logits
         return self.samples[i].take(d, now)
+
+    def fail(self, i: int, error: str) -> list[str]:
+        """End sample i (whose output could not be taken in) and every other sample still running with an error;
+        returns their ids on the ranks, which may still run them."""
+        failed = [c for j, (c, s) in enumerate(zip(self.children, self.samples, strict=True))
+                  if j == i or not s.out.finished]
+        for j, s in enumerate(self.samples):
+            if j == i or not s.out.finished:
+                s.fail(error)
+        return failed
 
     def abort(self) -> list[str]:
         """Abort every sample still running; returns their ids on the ranks."""

@@ -1,6 +1,7 @@
 """The rules of a request's life, in one place: how long it may get, what ends it, what it may not end with yet.
 
-- Admission (front end): a prompt must leave room for output within `max_model_len` and the KV capacity.
+- Admission (front end): prompt + max_tokens must fit within `max_model_len` and the KV capacity (refused with the
+  numbers otherwise, never cut short); max_tokens None runs up to the context.
 - Placement weight (front end, EP): the tokens a request may come to hold, prompt + max_tokens.
 - After each new token (ranks): EOS (unless ignore_eos) and stop token ids, once min_tokens are out; max_tokens and
   the context limit always.
@@ -19,13 +20,19 @@ from moebius.link.request import PLACEHOLDER, Request
 from moebius.sampling_params import SamplingParams
 
 
-def check_prompt(num_prompt: int, max_model_len: int, kv_capacity: int) -> None:
-    """Raise ValueError unless a prompt of this length leaves room for output."""
-    limit = min(max_model_len, kv_capacity)
+def check_prompt(num_prompt: int, max_tokens: int | None, max_model_len: int, kv_capacity: int) -> None:
+    """Raise ValueError, with the numbers and the setting that sets the limit, unless a prompt of this length
+    leaves room for output: for `max_tokens` of it (None: at least one token; it runs up to the context)."""
+    limit = max_total_len(max_model_len, kv_capacity)
+    what = (f"max_model_len (--max-model-len) is {limit} tokens" if limit == max_model_len else
+            f"KV-cache capacity of one request is {limit} tokens (--max-total-tokens or --mem-fraction, in the "
+            "smaller layout)")
     if num_prompt >= limit:
-        what = "max_model_len" if limit == max_model_len else "KV-cache capacity"
-        raise ValueError(f"prompt has {num_prompt} tokens; the {what} is {limit} tokens, which leaves no room for "
-                         f"output")
+        raise ValueError(f"prompt has {num_prompt} tokens; the {what}, which leaves no room for output")
+    if max_tokens is not None and num_prompt + max_tokens > limit:
+        raise ValueError(f"prompt has {num_prompt} tokens and max_tokens is {max_tokens}: {num_prompt + max_tokens} "
+                         f"tokens in all, but the {what}; ask for at most {limit - num_prompt} tokens, or leave "
+                         "max_tokens unset (None: up to the context)")
 
 
 def max_total_len(max_model_len: int, kv_capacity: int) -> int:

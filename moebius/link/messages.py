@@ -100,7 +100,7 @@ Probe = DecodeProbe | PrefillProbe
 @dataclass
 class TokenDelta:
     """One request's new tokens of one step (a rank reports each once), and its end where a rank's rule ended it
-    (EOS, a stop token, its length)."""
+    (EOS, a stop token, its length), or where a rank could not run it (finish_reason "error", with `error`)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -111,6 +111,7 @@ class TokenDelta:
     logprobs: list[float] | None = None
     logprob_ids: list[int] | None = None
     cached_tokens: int | None = None  # on a request's first token: prompt tokens taken from the prefix cache
+    error: str | None = None  # why a rank refused it (finish_reason "error")
 
     def __reduce__(self) -> tuple[type[TokenDelta], tuple[Any, ...]]:
         # pickled as the constructor's arguments: a rank process's reply carries one a request every step, and

@@ -40,7 +40,7 @@ from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.parallel.layout import Layout
 from moebius.switch.executor import Switcher
 from moebius.switch.handover import RankRequests, SwitchResult, switch_requests
-from moebius.worker.runner import ModelRunner, PendingStep, StepSync
+from moebius.worker.runner import ModelRunner, PendingStep, StepSync, admission_error
 from moebius.worker.scheduler import ScheduledChunk, Scheduler
 
 
@@ -162,7 +162,13 @@ class Rank:
         drained = self.drain() if plan.switch or not plan.run else []
         drain_ms = (time.perf_counter() - t) * 1e3
         for a in plan.admit:
-            if a.owner is None or self.layout.holds(a.owner):
+            # every rank judges every request alike (a pure function of it): the one that reports it says so
+            error = admission_error(a.spec, self.cfg.vocab_size)
+            held = a.owner is None or self.layout.holds(a.owner)
+            if error is not None:
+                if held:  # ended here, before any step: reported by the rule of the layout it came in
+                    drained.append(TokenDelta(a.spec.request_id, [], "error", error=error))
+            elif held:
                 sched.add(Request(a.spec))
             else:
                 self.others[a.spec.request_id] = a.spec

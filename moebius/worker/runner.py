@@ -29,11 +29,12 @@ from moebius.layers.attention import (
     query_blocks,
 )
 from moebius.layers.sampler import SamplingBatch, logprobs_of, race_scores, sample
+from moebius.link.request import RequestSpec
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
 from moebius.model.qwen3_moe import ModelWeights
 from moebius.parallel.dispatch import Communicator
-from moebius.sampling_params import MAX_LOGPROBS
+from moebius.sampling_params import MAX_LOGPROBS, SamplingParams
 from moebius.worker.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
 from moebius.worker.scheduler import ScheduledChunk
 
@@ -127,6 +128,33 @@ class StepSync:
 
 # A step's log-probabilities, per sampling row: (the sampled token's, then its top k's values; their ids)
 Logprobs = tuple[list[float], list[int]]
+
+
+def sampling_columns(rows: list[tuple[SamplingParams, int, int]], vocab: int
+                     ) -> tuple[list[list[float]], list[list[int]]]:
+    """A step's sampling values of (params, seed, output index) rows, column by column: the float ones
+    (temperature, top_p, min_p) and the integer ones (top_k, seed, output index); top_k off or beyond the vocabulary
+    is the vocabulary."""
+    floats = [[p.temperature for p, _, _ in rows], [p.top_p for p, _, _ in rows], [p.min_p for p, _, _ in rows]]
+    ints = [[min(p.top_k, vocab) if p.top_k > 0 else vocab for p, _, _ in rows], [s for _, s, _ in rows],
+            [j for _, _, j in rows]]
+    return floats, ints
+
+
+def admission_error(spec: RequestSpec, vocab: int) -> str | None:
+    """Why a rank cannot run this request (None: it can). The per-request conversions a step makes are made once
+    here, so that no value a request carries fails inside a step, where the whole batch would fail with it."""
+    p = spec.params
+    try:
+        floats, ints = sampling_columns([(p, spec.seed, 0)], vocab)
+        torch.tensor(floats, dtype=torch.float32)
+        torch.tensor(ints, dtype=torch.int64)
+        bad = [t for t in p.stop_token_ids or () if not 0 <= t < vocab]  # (min_tokens masks them in the logits)
+        if bad:
+            return f"stop_token_ids {bad[0]} is outside the vocabulary [0, {vocab})"
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 class PendingStep:
@@ -480,14 +508,11 @@ class ModelRunner:
 
     def _sampling_batch(self, reqs: list) -> SamplingBatch:
         V = self.cfg.vocab_size
-        temp = [r.params.temperature for r in reqs]
-        top_k = [r.params.top_k if r.params.top_k > 0 else V for r in reqs]
-        top_p = [r.params.top_p for r in reqs]
-        min_p = [r.params.min_p for r in reqs]
+        floats, ints = sampling_columns([(r.params, r.spec.seed, len(r.output_token_ids)) for r in reqs], V)
+        (temp, top_p, min_p), top_k = floats, ints[0]
         # two copies: the float parameters, the integer ones
-        f = self._to_device([temp, top_p, min_p], torch.float32)
-        i = self._to_device([top_k, [r.spec.seed for r in reqs], [len(r.output_token_ids) for r in reqs]],
-                            torch.int64)
+        f = self._to_device(floats, torch.float32)
+        i = self._to_device(ints, torch.int64)
         return SamplingBatch(
             temperature=f[0], top_k=i[0], top_p=f[1], seeds=i[1], steps=i[2],
             all_greedy=all(t == 0 for t in temp), any_top_k=any(k < V for k in top_k),
