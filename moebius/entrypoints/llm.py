@@ -73,7 +73,7 @@ class LLM:
         if not self.engine.closed:
             self.engine.discard(ids)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate. A message is
@@ -82,7 +82,7 @@ class LLM:
         self._check_open()
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template (the model directory has no tokenizer.json)")
-        convs = _conversations(messages)
+        convs = chat_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -197,8 +197,10 @@ def _params_for(sampling_params: object, n: int) -> list[SamplingParams]:
     return list(sampling_params)
 
 
-def _conversations(messages: object) -> list[list[dict[str, Any]]]:
-    """chat()'s conversations, each message checked (a role, a text content) with its content as one string."""
+def chat_conversations(messages: object) -> list[list[dict[str, Any]]]:
+    """chat()'s conversations (from one conversation or a list of them), each message checked (a role, a text
+    content: a string or text parts), its content as one string; TypeError / ValueError naming the conversation,
+    the message and what is wrong."""
     if not isinstance(messages, list | tuple):
         raise TypeError(f"messages must be a list of message dicts (one conversation) or a list of such lists, got "
                         f"{type(messages).__name__}")
