@@ -28,6 +28,7 @@ from moebius.kernels.pairs import PairRows
 from moebius.layers.moe import summed, summed_add_rms_norm
 from moebius.layers.norm import add_rms_norm
 from moebius.layers.sampler import argmax_keys, key_ids
+from moebius.parallel.groups import all_gather_single, reduce_scatter_single
 
 
 class Communicator(Protocol):
@@ -149,11 +150,6 @@ def symmetric_memory_available() -> bool:
     return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    ag = getattr(dist, "all_gather_single", None)  # newer torch; all_gather_into_tensor before
-    (ag or dist.all_gather_into_tensor)(out, inp, group=group)
-
-
 class TPComm:
     """TP: partial sums of row-parallel matmuls and of expert shards are all-reduced; tokens stay put; each rank's
     logits are its vocabulary slice (rank r holds ids [r * V/P, (r + 1) * V/P))."""
@@ -208,7 +204,7 @@ class TPComm:
             return key_ids(argmax_keys(logits_TV, kc=kc))
         T = logits_TV.shape[0]
         every = logits_TV.new_empty((self.P * T,), dtype=torch.int64)  # gloo wants the parts stacked on dim 0
-        _all_gather(every, argmax_keys(logits_TV, self._vocab_first, kc=kc), self.group)
+        all_gather_single(every, argmax_keys(logits_TV, self._vocab_first, kc=kc), self.group)
         return key_ids(every.view(self.P, T).max(dim=0).values)
 
     def vocab_first(self, local_vocab: int) -> int:
@@ -220,13 +216,8 @@ class TPComm:
             return logits_TV
         T, Vl = logits_TV.shape
         every = logits_TV.new_empty((self.P * T, Vl))
-        _all_gather(every, logits_TV.contiguous(), self.group)
+        all_gather_single(every, logits_TV.contiguous(), self.group)
         return every.view(self.P, T, Vl).permute(1, 0, 2).reshape(T, self.P * Vl)
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    rs = getattr(dist, "reduce_scatter_single", None)  # newer torch; reduce_scatter_tensor before
-    (rs or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 class EPComm(WholeVocab, WholeOutputs):
@@ -272,7 +263,7 @@ class EPComm(WholeVocab, WholeOutputs):
         padded = t.new_full((C, *t.shape[1:]), fill)
         padded[: t.shape[0]] = t
         out = t.new_empty((self.P * C, *t.shape[1:]))
-        _all_gather(out, padded, self.group)
+        all_gather_single(out, padded, self.group)
         return out
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, *,
@@ -295,5 +286,5 @@ class EPComm(WholeVocab, WholeOutputs):
             return self.symmetric.combine_add_norm(y, T, C, residual_TD, weight, eps, kc=kc), residual_TD
         y = summed(y, kc=kc)
         out = y.new_empty((C, y.shape[1]))
-        _reduce_scatter(out, y, self.group)
+        reduce_scatter_single(out, y, self.group)
         return self.reduce_add_norm(out[:T], residual_TD, weight, eps, kc=kc)

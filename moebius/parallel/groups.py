@@ -3,6 +3,10 @@
 Each rank joins one device group (NCCL on GPU, gloo on CPU) for the model's collectives and one gloo group on the
 CPU for control messages. Control messages are JSON bytes in uint8 tensors: nothing that arrives over the wire is
 ever unpickled.
+
+Ranks spawned on one machine meet at a `LoopbackRendezvous`: rank 0's TCP store serves on a socket bound to
+127.0.0.1 (torch's TCPStore server, given only a port, listens on every interface), and their gloo pairs listen on
+the loopback interface too. Under torchrun (env://, possibly across machines) torchrun's settings are kept.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import array
 import base64
 import json
+import os
+import socket
 import struct
 import sys
 from collections.abc import Sequence
@@ -19,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 
 @dataclass
@@ -29,16 +36,73 @@ class Groups:
     cpu: dist.ProcessGroup | None
 
 
-def init_groups(rank: int, world_size: int, device: torch.device, init_method: str | None) -> Groups:
-    """Join the engine's process groups (init_method None: env:// as set by torchrun)."""
+@dataclass
+class LoopbackRendezvous:
+    """Where ranks spawned on one machine meet: a TCP store that rank 0 serves on a listening socket bound to
+    127.0.0.1, made by the launcher (`open`) and handed to rank 0's process (multiprocessing passes the socket), so
+    the port is held from the start and nothing listens beyond the loopback."""
+
+    port: int
+    listener: socket.socket | None = None  # rank 0's copy: the bound, listening socket its store serves on
+
+    @classmethod
+    def open(cls) -> LoopbackRendezvous:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        return cls(sock.getsockname()[1], sock)
+
+    def for_rank(self, rank: int) -> LoopbackRendezvous:
+        """What rank `rank` is handed: rank 0 the socket, the others the port."""
+        return self if rank == 0 else LoopbackRendezvous(self.port)
+
+    def close(self) -> None:
+        """The launcher's copy of the socket (rank 0 holds its own)."""
+        if self.listener is not None:
+            self.listener.close()
+
+    def store(self, rank: int, world_size: int) -> dist.TCPStore:
+        if rank != 0:
+            return dist.TCPStore("127.0.0.1", self.port, world_size, False, default_pg_timeout)
+        assert self.listener is not None, "rank 0 needs the rendezvous socket"
+        fd = self.listener.detach()  # the store owns the descriptor from here on (and closes it)
+        return dist.TCPStore("127.0.0.1", self.port, world_size, True, default_pg_timeout, master_listen_fd=fd)
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux, "lo0" on macOS), if there is one."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def init_groups(rank: int, world_size: int, device: torch.device, rendezvous: LoopbackRendezvous | None) -> Groups:
+    """Join the engine's process groups (rendezvous None: env:// as set by torchrun)."""
     if world_size == 1:
         return Groups(0, 1, None, None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                            **kwargs)
+    if rendezvous is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    else:
+        # gloo's pairs listen on the address this machine's hostname resolves to (a LAN address on most hosts)
+        # unless told an interface; a user's own setting wins
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()) is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+        dist.init_process_group(backend, store=rendezvous.store(rank, world_size), rank=rank, world_size=world_size,
+                                **kwargs)
     cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return Groups(rank, world_size, dist.group.WORLD, cpu)
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-gather into one tensor under torch's current name (2.13 warns that all_gather_into_tensor is deprecated;
+    2.11 has only that)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Reduce-scatter (sum) from one tensor, under torch's current name (as all_gather_single)."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 def _encode(obj: Any) -> torch.Tensor:
@@ -127,7 +191,7 @@ def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None
     head = _head(payload, inline)
     head = head.to(device) if device is not None else head
     heads = head.new_empty(groups.world_size * head.numel())
-    dist.all_gather_into_tensor(heads, head, group=group)
+    all_gather_single(heads, head, group)
     heads = heads.cpu().view(groups.world_size, -1)
     lengths = [_head_length(h) for h in heads]
     longest = max(lengths)
@@ -137,7 +201,7 @@ def all_gather_json(obj: Any, groups: Groups, device: torch.device | None = None
     rest[: max(payload.numel() - inline, 0)] = payload[inline:]
     rest = rest.to(device) if device is not None else rest
     rests = rest.new_empty(groups.world_size * rest.numel())
-    dist.all_gather_into_tensor(rests, rest, group=group)
+    all_gather_single(rests, rest, group)
     rests = rests.cpu().view(groups.world_size, -1)
     return [_decode(torch.cat([h[8:], r])[:n]) for h, r, n in zip(heads, rests, lengths, strict=True)]
 

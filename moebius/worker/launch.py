@@ -14,7 +14,6 @@ import gc
 import logging
 import os
 import signal
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -25,7 +24,7 @@ import torch.multiprocessing as mp
 
 from moebius.link.codec import decode, encode
 from moebius.link.messages import DecodeProbe, PrefillProbe, Probe, StepPlan, StepReport
-from moebius.parallel.groups import Groups, broadcast_json, gather_json, init_groups
+from moebius.parallel.groups import Groups, LoopbackRendezvous, broadcast_json, gather_json, init_groups
 from moebius.worker import diagnostics, probes
 from moebius.worker.build import build_rank, prepare_rank
 from moebius.worker.rank import Rank, RankSpec
@@ -103,18 +102,18 @@ def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
             conn.send(("ok", report.waited(waited)))
 
 
-def _rank_main(rank: int, world_size: int, spec: RankSpec, init_method: str | None,
+def _rank_main(rank: int, world_size: int, spec: RankSpec, rendezvous: LoopbackRendezvous | None,
                conn: Connection | None) -> None:
-    """Entry of a rank process (spawned, or a torchrun rank other than 0)."""
+    """Entry of a rank process (spawned, with its rendezvous; or a torchrun rank other than 0, with None)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank}: %(message)s")
-    if init_method is not None:  # spawned: Ctrl-C, or a SIGTERM to the whole process group (systemd's default
+    if rendezvous is not None:  # spawned: Ctrl-C, or a SIGTERM to the whole process group (systemd's default
         # stop), is the front end's to handle: a server drains its requests, then closes the ranks (a plan of None,
         # or its end of the pipe closing when it dies)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    local_rank = rank if init_method is not None else int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = rank if rendezvous is not None else int(os.environ.get("LOCAL_RANK", 0))
     spec = dataclasses.replace(spec, rank=rank, world_size=world_size, device=_rank_device(spec, local_rank))
-    groups = init_groups(rank, world_size, torch.device(spec.device), init_method)
+    groups = init_groups(rank, world_size, torch.device(spec.device), rendezvous)
     rank_, errors = _start_rank(spec, groups)
     if conn is not None:
         conn.send(("error", errors) if errors else ("ready", rank_.kv_capacity if rank_ else 0))
@@ -178,18 +177,12 @@ class LocalRanks(_InProcess):
         self.rank.destroy_graphs()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 MAIN_GUARD = ("with --num-ranks > 1 (or --rank-process on) the engine spawns one process per rank, and each of "
               "them imports the main script again: build the engine under `if __name__ == \"__main__\":` in a script")
 
 
 class SpawnedRanks:
-    """P rank processes on this machine (spawned), joined over a local TCP rendezvous; pipe to rank 0."""
+    """P rank processes on this machine (spawned), joined over a TCP rendezvous on the loopback; pipe to rank 0."""
 
     # EngineCore may send the next plan as soon as it has a step's result: the ranks schedule and launch that step
     # while the front end detokenizes and delivers the tokens it just got
@@ -202,15 +195,18 @@ class SpawnedRanks:
             # process does, is fine)
             raise RuntimeError(MAIN_GUARD)
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        rendezvous = LoopbackRendezvous.open()
         self.world_size = world_size
         self._watchdog = spec.engine.watchdog_timeout
         self._conn, child = ctx.Pipe()
-        self._procs = [ctx.Process(target=_rank_main, args=(r, world_size, spec, init_method,
+        self._procs = [ctx.Process(target=_rank_main, args=(r, world_size, spec, rendezvous.for_rank(r),
                                                              child if r == 0 else None), daemon=True)
                        for r in range(world_size)]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            rendezvous.close()  # rank 0 has its own copy of the socket
         child.close()  # only rank 0 holds that end now, so its death reads as EOF here instead of a hang
         try:
             kind, payload = self._recv()
