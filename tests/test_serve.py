@@ -6,8 +6,12 @@ away frees its KV; a full queue is a 429; SIGTERM drains and exits 0; an engine 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
+import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +27,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from conftest import free_port  # noqa: E402
+from conftest import _bytes_to_unicode, free_port  # noqa: E402
 
 from moebius import LLM, SamplingParams  # noqa: E402
 
@@ -648,6 +652,8 @@ def test_full_queue_is_429(tmp_path: Any) -> None:
         assert refused[0][2]["error"]["type"] == "rate_limit_error"
         assert all(c[2]["usage"]["completion_tokens"] == 40 for c in done)
         s.wait_idle()
+        counted = 'moebius:requests_refused_total{code="rate_limit_exceeded",model_name="moebius-demo"}'
+        assert _metric(s.get("/metrics").text, counted) == len(refused)  # every 429 counted
     finally:
         assert s.close() == 0, s.tail()
 
@@ -1109,3 +1115,293 @@ def test_an_engine_that_cannot_start_is_reported() -> None:
     run = subprocess.run([sys.executable, "-m", "moebius.entrypoints.cli", "serve", "--device", "cpu", "--port",
                           str(free_port()), "--num-ranks", "3"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "num_experts 8 is not divisible by 3 ranks" in run.stderr, run.stderr[-2000:]
+
+
+# ---- the serve command line ----
+def _serve_exit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """`moebius serve ARGV` run in this process (it must stop before starting anything): exit code, output."""
+    from moebius.entrypoints.cli import main
+
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as e:  # argparse's own exits (a bad value, --help)
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--port", "99999"], ["--port", "1-65535", "99999"]), (["--port", "0"], ["--port", "1-65535", "0"]),
+    (["--port", "-1"], ["--port", "-1"]), (["--port", "http"], ["--port", "'http'"]),
+    (["--served-model-name", ""], ["--served-model-name", "''"]),
+    (["--served-model-name", "  "], ["--served-model-name", "'  '"]),
+    (["--admin-port", "9000"], ["--admin-port"]), (["--admin-host", "0.0.0.0"], ["--admin-host"]),
+    (["--header-timeout", "0"], ["--header-timeout", "'0'"]), (["--header-timeout", "inf"], ["--header-timeout"]),
+    (["--shutdown-timeout", "nan"], ["--shutdown-timeout", "'nan'"]),
+    (["--shutdown-timeout", "-1"], ["--shutdown-timeout", "'-1'"]),
+    (["--max-waiting-requests", "0"], ["--max-waiting-requests", "0"]),
+    (["--api-key", ""], ["--api-key", "''"]),  # (the engine flags' checks, before the engine starts)
+    (["--switch-high", "-5"], ["--switch-high", "-5"]),
+])
+def test_serve_refuses_bad_flags_before_starting(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                 flags: list[str], words: list[str]) -> None:
+    """A port outside 1-65535 (99999 would listen on 34463), an empty model name, the offline engine's admin server
+    (serve hosts /admin on --port) and other values serve cannot run with exit 2 naming the flag and the value."""
+    from moebius.entrypoints.openai import engine_process
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"serve started an engine with {flags}")
+
+    monkeypatch.setattr(engine_process, "EngineClient", started)
+    code, out = _serve_exit(capsys, "--device", "cpu", *flags)
+    assert code == 2 and "Traceback" not in out, out
+    assert all(w in out for w in words), out
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """An option's help text by its first flag (argparse's layout: an entry starts at a line "  -...")."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if re.match(r"^  -", line):
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = line
+        elif flag is not None and line.startswith("    "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+def test_serve_help_states_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --help`: no "(default: None)" after a sentence saying what no value means, no default stated twice,
+    and no option the command would then refuse (the offline engine's --admin-port / --admin-host)."""
+    code, text = _serve_exit(capsys, "--help")
+    assert code == 0
+    entries = _help_entries(text)
+    assert {"--port", "--served-model-name", "--disable-uvicorn-access-log", "--header-timeout", "--api-key",
+            "--max-model-len"} <= set(entries), sorted(entries)
+    assert not {"--admin-port", "--admin-host"} & set(entries)
+    doubled = {f: t for f, t in entries.items() if len(re.findall(r"\bdefault\b", t, re.IGNORECASE)) > 1}
+    assert not doubled, doubled
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: 8000)" in entries["--port"] and "'moebius-demo'" in entries["--served-model-name"]
+    assert "every route but /health" in " ".join(text.split())
+
+
+def test_access_log_is_on_by_default(server: Server) -> None:
+    """Without --disable-uvicorn-access-log (test_http_catalogue.py serves with it), each request is logged."""
+    assert server.get("/version").status_code == 200
+    deadline = time.monotonic() + 5
+    while '"GET /version HTTP/1.1" 200' not in server.output():
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.05)
+
+
+# ---- clear errors ----
+def test_json_routes_need_a_json_content_type(server: Server) -> None:
+    """A body sent as text/plain, a form or with no Content-Type is a 415 saying so (FastAPI read it as bytes and
+    answered that the JSON object was no object); application/json with a charset is fine, and the routes that take
+    no body need none."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    for ctype in ("text/plain", None, "application/x-www-form-urlencoded", "application/jsonx"):
+        headers = {**server.headers, **({"Content-Type": ctype} if ctype else {})}
+        for path in (CMPL, "/admin/switch"):
+            r = httpx.post(server.url + path, content=body, headers=headers, timeout=30)
+            assert r.status_code == 415, (ctype, path, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "unsupported_media_type" and err["type"] == "invalid_request_error"
+            assert "application/json" in err["message"] and (repr(ctype) if ctype else "no Content-Type") in \
+                err["message"], err
+    r = httpx.post(server.url + CMPL, content=body, timeout=30,
+                   headers={**server.headers, "Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+    assert httpx.post(server.url + "/admin/resume", headers=server.headers, timeout=30).json() == {"paused": False}
+
+
+def test_chat_message_without_content_is_refused(server: Server) -> None:
+    """A user or system message whose content is null or missing is a 400 naming it (as the offline API refuses
+    it), not an empty turn; an assistant turn without text (OpenAI's form for a tool call) is taken."""
+    for messages, i in (([{"role": "user", "content": None}], 0),
+                        ([{"role": "system"}, {"role": "user", "content": "hi"}], 0),
+                        ([{"role": "user", "content": "hi"}, {"role": "user", "content": None}], 1)):
+        r = server.post(CHAT, {"messages": messages, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and f"messages[{i}].content is null or missing" in err["message"], err
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "again"}]
+    assert server.post(CHAT, {"messages": turns, "max_tokens": 2}).status_code == 200
+
+
+# ---- log-probabilities ----
+def test_streamed_text_offsets_run_on(server: Server) -> None:
+    """A streamed completion's logprobs.text_offset continues from chunk to chunk: together they are the whole
+    answer's offsets (each token's start in the text), not a fresh 0 in every chunk."""
+    body = {"prompt": IDS[1], "logprobs": 1, **GREEDY}
+    whole = server.post(CMPL, body).json()["choices"][0]["logprobs"]
+    assert whole["text_offset"] == list(itertools.accumulate((len(t) for t in whole["tokens"][:-1]), initial=0))
+    chunks = [ev["choices"][0]["logprobs"] for ev in server.stream(CMPL, body)
+              if isinstance(ev, dict) and ev["choices"] and ev["choices"][0]["logprobs"]]
+    assert len(chunks) > 1
+    assert [o for c in chunks for o in c["text_offset"]] == whole["text_offset"]
+    assert [t for c in chunks for t in c["tokens"]] == whole["tokens"]
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(server: Server, ref: LLM) -> None:
+    """Chat logprobs' `bytes` are the token's own bytes: a byte token that is part of a UTF-8 character gives its
+    raw byte (the demo model's tokens 128-255), not the bytes of the "\ufffd" its text decodes to."""
+    tok = ref.tokenizer
+    assert tok is not None
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def own(t: int) -> list[int]:
+        if t in tok.all_special_ids:
+            return list(tok.decode([t], skip_special_tokens=False).encode())
+        piece = tok.id_to_token(t)
+        assert piece is not None
+        return [byte_of[c] for c in piece]
+
+    r = server.post(CHAT, {
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "return_token_ids": True, **GREEDY})
+    choice = r.json()["choices"][0]
+    ids, content = choice["token_ids"], choice["logprobs"]["content"]
+    assert any(128 <= t < 256 for t in ids), ids  # the case at stake: a lone byte of a multi-byte character
+    assert [c["bytes"] for c in content] == [own(t) for t in ids]
+    assert bytes(b for c in content for b in c["bytes"]).decode("utf-8", "replace") == choice["message"]["content"]
+
+
+# ---- two ranks in this process: the policy and what the ranks expose ----
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[tuple[str, Any]]:
+    """Two spawned CPU ranks behind the app, served from this process as `moebius serve` configures uvicorn: the
+    URL and the engine."""
+    import uvicorn
+
+    from moebius.config import EngineConfig
+    from moebius.entrypoints.openai.app import ServeSettings, create_app
+    from moebius.entrypoints.openai.engine_loop import EngineLoop
+    from moebius.entrypoints.openai.server import uvicorn_config
+    from moebius.frontend.core import EngineCore
+
+    engine = EngineCore(EngineConfig(device="cpu", num_ranks=2, mode="tp"))
+    loop = EngineLoop(engine)
+    loop.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(create_app(loop, ServeSettings("moebius-demo")), "127.0.0.1", port,
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        loop.stop()
+
+
+def test_policy_changes_only_the_fields_given(two_ranks: tuple[str, Any]) -> None:
+    """POST /admin/policy keeps the settings in effect (the last applied, or the engine's flags) and changes only
+    those it is given: a second POST no longer resets the first's. A refused body (a negative, infinite or NaN
+    threshold, a window of 0, low above high) is a 400 naming the field and changes nothing."""
+    url = two_ranks[0]
+
+    def post(body: dict[str, Any] | bytes) -> Any:
+        if isinstance(body, bytes):
+            return httpx.post(url + "/admin/policy", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"})
+        return httpx.post(url + "/admin/policy", json=body, timeout=60)
+
+    def status() -> dict[str, Any]:
+        return httpx.get(url + "/admin/status", timeout=30).json()
+
+    r = post({"policy": "threshold", "high": 6, "low": 2, "window": 3, "cooldown": 0.5})
+    assert r.status_code == 200, r.text
+    assert r.json()["settings"] == {"policy": "threshold", "profile": "interactive", "high": 6, "low": 2,
+                                    "window": 3, "cooldown": 0.5}
+    r = post({"low": 4})  # T_l only: T_h, W and C stay as the first call set them
+    assert r.status_code == 200, r.text
+    kept = "TP -> EP above 6 in flight, EP -> TP below a mean 4 over 3 steps, cooldown 0.5 s"
+    assert kept in r.json()["policy"] and status()["policy"] == r.json()["policy"]
+    assert post({"policy": "off"}).json() == {"policy": None} and status()["policy"] is None
+    r = post({"cooldown": 1})  # on again: the kept settings, the cooldown changed
+    assert r.status_code == 200, r.text
+    note = r.json()["policy"]
+    assert "TP -> EP above 6 in flight, EP -> TP below a mean 4 over 3 steps, cooldown 1 s" in note
+    for body, field, words in (
+            ({"high": 3}, None, ["low 4", "high 3"]), ({"high": -5}, "high", ["high", "-5"]),
+            ({"low": -0.5}, "low", ["low", "-0.5"]), ({"cooldown": -1}, "cooldown", ["cooldown", "-1"]),
+            ({"window": 0}, "window", ["window", "0"]), ({"window": 2.5}, "window", ["window", "2.5"]),
+            ({"high": "8"}, "high", ["high", '"8"']), ({"policy": "sometimes"}, "policy", ["policy", "sometimes"]),
+            ({"profile": "batch"}, "profile", ["profile", "batch"]), ({"hihg": 8}, "hihg", ["hihg"]),
+            ({"policy": "off", "high": 8}, None, ["off", "high"]),
+            (b'{"low": 1e999}', "low", ["low", "finite", "Infinity"]), (b'{"high": NaN}', "high", ["high", "NaN"]),
+            (b'{"cooldown": -Infinity}', "cooldown", ["cooldown", "finite"])):
+        r = post(body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and all(w in err["message"] for w in words), (body, err)
+    assert status()["policy"] == note  # nothing refused changed the policy
+    assert post({"policy": "off"}).json() == {"policy": None}
+
+
+def _listening(pid: int) -> list[str]:
+    """The local addresses ("ip:port") of the TCP sockets process `pid` listens on (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in itertools.islice(f, 1, None):
+                local, state, inode = (line.split()[i] for i in (1, 3, 9))
+                if state == "0A" and inode in inodes:  # 0A: LISTEN
+                    ip, port = local.split(":")
+                    raw = bytes.fromhex(ip)  # host-order 32-bit words
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.append(f"{ipaddress.ip_address(raw)}:{int(port, 16)}")
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the rank processes' sockets from /proc")
+def test_rank_processes_listen_on_the_loopback_only(two_ranks: tuple[str, Any]) -> None:
+    """Spawned ranks meet at a rendezvous store that listens on 127.0.0.1 (torch's TCPStore server, given only a
+    port, listened on every interface while the HTTP server binds the loopback); their gloo pairs too."""
+    engine = two_ranks[1]
+    pids = [p.pid for p in engine.ranks._procs]
+    assert len(pids) == 2
+    found = {pid: _listening(pid) for pid in pids}
+    assert found[pids[0]], found  # rank 0 serves the store
+    assert all(a.startswith("127.0.0.1:") for addrs in found.values() for a in addrs), found
+
+
+TWO_RANKS_SCRIPT = """
+from moebius import LLM, SamplingParams
+
+with LLM(device="cpu", num_ranks=2, mode="tp") as llm:
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    llm.generate([[1, 2, 3], [4, 5]], sp)
+    assert llm.switch_mode("ep").done
+    llm.generate([[1, 2, 3], [4, 5]], sp)
+    assert llm.switch_mode("tp").done
+print("ok")
+"""
+
+
+def test_two_ranks_warn_nothing_deprecated() -> None:
+    """A 2-rank CPU engine (both layouts and a switch each way) run with every warning shown, ranks included: torch
+    warns of nothing deprecated (the collectives under their current names, as torch 2.13 has them)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-W", "default", "-c", TWO_RANKS_SCRIPT], capture_output=True, text=True,
+                         timeout=180, cwd=root)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
+    warned = [line for line in run.stderr.splitlines()
+              if re.search(r"(Deprecation|Future)Warning", line) and "torch" in line]
+    assert not warned, warned

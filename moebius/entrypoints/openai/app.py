@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
 import re
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("moebius")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context length
+JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/admin/switch", "/admin/policy")  # POSTs with a JSON body
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class ServeSettings:
     max_body_bytes: int = 4 << 20
     switch_timeout_s: float = 600.0
     open_paths: tuple[str, ...] = ("/health",)  # reachable without the API key (load balancers' probes)
+    json_paths: tuple[str, ...] = JSON_ROUTES  # POSTed as application/json only (as vLLM and OpenAI)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -71,12 +74,19 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-class Guard:
-    """Before anything is parsed: the API key (constant-time compare) and the body size (Content-Length, and the
-    bytes actually received for bodies sent without one)."""
+def _media_type(content_type: bytes | None) -> str:
+    """The media type of a Content-Type header ("application/json; charset=utf-8" -> "application/json")."""
+    return (content_type or b"").decode("latin-1").split(";", 1)[0].strip().lower()
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, open_paths: tuple[str, ...]) -> None:
-        self.app, self.max_body, self.open_paths = app, max_body_bytes, open_paths
+
+class Guard:
+    """Before anything is parsed: the API key (constant-time compare), the body size (Content-Length, and the
+    bytes actually received for bodies sent without one) and, on the routes that take a JSON body, its Content-Type
+    (FastAPI would otherwise read a text/plain body as bytes and call a JSON object no object)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, open_paths: tuple[str, ...],
+                 json_paths: tuple[str, ...] = JSON_ROUTES) -> None:
+        self.app, self.max_body, self.open_paths, self.json_paths = app, max_body_bytes, open_paths, json_paths
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -93,6 +103,13 @@ class Guard:
                 return await _send_error(send, APIError(400, "malformed Content-Length header"))
             if int(length) > self.max_body:
                 return await _send_error(send, self._too_large())
+        if scope["method"] == "POST" and scope["path"] in self.json_paths:
+            media = _media_type(headers.get(b"content-type"))
+            if media != "application/json":
+                got = f"Content-Type {media!r}" if media else "no Content-Type header"
+                return await _send_error(send, APIError(
+                    415, f"{scope['path']} takes a JSON body: send it with 'Content-Type: application/json' (got "
+                    f"{got})", code="unsupported_media_type"))
         received = 0
 
         async def counted() -> Message:
@@ -112,21 +129,35 @@ class Guard:
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # pydantic's union branch names in a location
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value as JSON, cut short (a 5000-token prompt is not repeated back)."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """pydantic's first complaint as one readable sentence naming the field."""
+    """pydantic's first complaint as one readable sentence naming the field and the value it got."""
     e = errors[0]
     if e.get("type") == "json_invalid":
         detail = (e.get("ctx") or {}).get("error", "")
-        return APIError(400, f"the request body is not valid JSON ({detail})" if detail else
+        at = next((x for x in e.get("loc", ()) if isinstance(x, int)), None)
+        where = f" at character {at}" if at is not None else ""
+        return APIError(400, f"the request body is not valid JSON ({detail}{where})" if detail else
                         "the request body is not valid JSON")
     loc = [x for x in e.get("loc", ()) if x != "body" and not (isinstance(x, str) and _TYPE_TAG.search(x))]
     if not loc:
-        return APIError(400, "the request body is missing: send a JSON object" if e.get("type") == "missing" else
-                        "the request body must be a JSON object")
+        if e.get("type") == "missing":
+            return APIError(400, "the request body is missing: send a JSON object")
+        got = e.get("input")
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+                type(None): "null", bytes: "bytes"}.get(type(got), type(got).__name__)
+        return APIError(400, f"the request body must be a JSON object, got {kind} ({_shown(got, 40)})")
     path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
     if e.get("type") == "missing":
         return APIError(400, f"{path} is required", param=str(loc[0]))
-    return APIError(400, f"{path}: {str(e.get('msg', 'invalid')).removeprefix('Value error, ')}", param=str(loc[0]))
+    msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+    got = f" (got {_shown(e['input'])})" if "input" in e else ""
+    return APIError(400, f"{path}: {msg}{got}", param=str(loc[0]))
 
 
 def _finite(obj: Any) -> Any:
@@ -150,7 +181,7 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
                ) -> FastAPI:
     app = FastAPI(title="Moebius", version=__version__, description="OpenAI-compatible API over the Moebius engine")
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,  # type: ignore[arg-type]
-                       open_paths=settings.open_paths)
+                       open_paths=settings.open_paths, json_paths=settings.json_paths)
     served, info, created = settings.served_model_name, loop.info, int(time.time())
 
     @app.exception_handler(APIError)

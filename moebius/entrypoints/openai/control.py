@@ -28,7 +28,7 @@ def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
     return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
             "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
             "unfinished": engine.has_unfinished(), "world_size": engine.world_size, "paused": loop.paused,
-            "steps_in_flight": engine.steps_in_flight,
+            "steps_in_flight": engine.steps_in_flight, "policy_settings": policy_settings(engine, loop),
             "last_switch": engine.last_switch.to_json() if engine.last_switch is not None else None,
             "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
 
@@ -47,19 +47,38 @@ def resume(engine: EngineCore, loop: EngineLoop) -> None:
     loop.set_paused(False)
 
 
+POLICY_SETTINGS = ("policy", "profile", "high", "low", "window", "cooldown")  # the engine's switch_* flags
+
+
+def policy_settings(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
+    """The auto-mode settings in effect: those /admin/policy last applied, else the engine's flags."""
+    if loop.policy_settings is not None:
+        return dict(loop.policy_settings)
+    return {k: getattr(engine.config, f"switch_{k}") for k in POLICY_SETTINGS}
+
+
 def set_policy(engine: EngineCore, loop: EngineLoop, body: dict[str, Any]) -> dict[str, Any]:
-    """POST /admin/policy (on the engine thread): auto mode off, or on with these settings (the engine's flags'
-    names without `switch_`: policy, profile, high, low, window, cooldown), each left as it was where not given."""
-    if body.get("policy") == "off":
+    """POST /admin/policy (on the engine thread): auto mode off ({"policy": "off"}: its settings are kept for the next
+    call), or on with the settings in effect (`policy_settings`) changed where the body gives one (the engine's
+    flags' names without `switch_`: policy, profile, high, low, window, cooldown); null or absent: as it was."""
+    given = {k: v for k, v in body.items() if v is not None}
+    if given.get("policy") == "off":
+        if others := {k: v for k, v in given.items() if k != "policy"}:
+            raise ValueError(f'policy "off" takes no other setting, got {others}')
         engine.set_auto(None)
         return {"policy": None}
     if engine.world_size == 1:
         raise ValueError("one rank: both layouts are the same, there is nothing for a policy to decide")
-    given = {f"switch_{k}": v for k, v in body.items() if v is not None}
-    cfg = EngineConfig.from_kwargs(**{**dataclasses.asdict(engine.config), **given})
+    settings = {**policy_settings(engine, loop), **given}
+    try:
+        cfg = EngineConfig.from_kwargs(**{**dataclasses.asdict(engine.config),
+                                          **{f"switch_{k}": v for k, v in settings.items()}})
+    except ValueError as e:  # the flags' names, as the body spells them; and the settings it was checking
+        raise ValueError(f"{str(e).replace('switch_', '')} (the policy's settings would be {settings})") from None
     calibration = engine.kept_calibration() if needs_calibration(cfg) else None
     if needs_calibration(cfg) and calibration is None:
         raise ValueError("no calibration is kept for this engine: give high (T_h), or run moebius calibrate first")
     auto = build_auto(cfg, calibration)
     engine.set_auto(auto)
-    return {"policy": auto.note}
+    loop.policy_settings = settings  # only once applied: a refused call changes nothing
+    return {"policy": auto.note, "settings": settings}

@@ -206,6 +206,7 @@ class Admission:
     error: str | None
     draining: bool
     max_waiting: int | None
+    metrics: ServerMetrics | None
     _closed: bool
 
     @property
@@ -220,13 +221,16 @@ class Admission:
         return None
 
     def _check_submit(self) -> None:
-        """Raise the 503 or 429 a submission gets now (under the subclass's lock)."""
-        if (refusal := self._refusal()) is not None:
+        """Raise the 503 or 429 a submission gets now (under the subclass's lock), counted in the metrics."""
+        refusal = self._refusal()
+        if refusal is None and self.max_waiting is not None and self.waiting >= self.max_waiting:
+            refusal = APIError(429, f"the server is busy: {self.waiting} requests are waiting to start (limit "
+                               f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+        if refusal is not None:
+            if self.metrics is not None:
+                self.metrics.refused(refusal.code or str(refusal.status))
             raise refusal
-        if self.max_waiting is not None and self.waiting >= self.max_waiting:
-            raise APIError(429, f"the server is busy: {self.waiting} requests are waiting to start (limit "
-                           f"{self.max_waiting}); retry later", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
 
     def _call_refusal(self, admit_while_draining: bool) -> APIError | None:
         refusal = self._refusal()
@@ -252,6 +256,8 @@ class EngineLoop(Admission):
         self.error: str | None = None
         self._routes: dict[str, _Route] = {}  # engine thread only
         self.paused = False  # engine thread only (/admin/pause): requests are taken, no step runs
+        # engine thread only: the auto-mode settings /admin/policy last applied (None: the engine's flags so far)
+        self.policy_settings: dict[str, Any] | None = None
         self._tokens_out = 0  # engine thread only: tokens delivered, for the stats line
         self._stats_at = (time.perf_counter(), 0)  # (when, tokens) of the last stats line
         self._tags = itertools.count()

@@ -56,6 +56,9 @@ class ServerMetrics:
                                         "phase: total, weights (expert reshard), kv (KV migration)", ["phase"],
                                         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
                                         registry=r)
+        self.refusals = Counter("moebius:requests_refused", "Requests refused before the engine saw them, by "
+                                "error code: rate_limit_exceeded (429: --max-waiting-requests were waiting), "
+                                "shutting_down and engine_dead (503)", [*name, "code"], registry=r)
         self.healthy = Gauge("moebius:engine_healthy", "1 while the engine loop runs, 0 after it failed", registry=r)
         self.healthy.set(1)
         self.rank_step = Histogram("moebius:rank_step_seconds", "Rank 0's time a step, by part: host (scheduling, "
@@ -67,6 +70,9 @@ class ServerMetrics:
     # ---- what the engine loop records (methods only, so that an engine in a process of its own can relay them) ----
     def aborted(self) -> None:
         self.success.labels(self.model_name, "abort").inc()
+
+    def refused(self, code: str) -> None:
+        self.refusals.labels(self.model_name, code).inc()
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -4,7 +4,7 @@ engine cannot honour yet are accepted at their neutral values and refused with a
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -138,17 +138,24 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class SwitchRequest(_Model):
+class _AdminModel(BaseModel):
+    """An operator's body: a misspelt field is refused (it would otherwise leave the setting as it was, unsaid)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SwitchRequest(_AdminModel):
     mode: str
 
 
-class PolicyRequest(_Model):
-    """POST /admin/policy: "off", or the policy's settings (the engine flags without `switch_`)."""
+class PolicyRequest(_AdminModel):
+    """POST /admin/policy: "off", or the policy's settings (the engine flags without `switch_`), each finite and not
+    negative (JSON's parser reads NaN, Infinity and 1e999 as floats: refused here)."""
 
-    policy: str | None = None  # "threshold" | "cost" | "off"
-    profile: str | None = None  # "interactive" | "rollout"
-    high: float | None = None
-    low: float | None = None
-    window: int | None = None
-    cooldown: float | None = None
+    policy: Literal["threshold", "cost", "off"] | None = None
+    profile: Literal["interactive", "rollout"] | None = None
+    high: Float | None = Field(None, ge=0)
+    low: Float | None = Field(None, ge=0)
+    window: int | None = Field(None, ge=1)
+    cooldown: Float | None = Field(None, ge=0)
 

@@ -14,10 +14,11 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from moebius.config import EngineConfig
+from moebius.config import EngineConfig, HelpFormatter
 from moebius.worker.build import freeze_heap
 
 if TYPE_CHECKING:
@@ -32,27 +33,78 @@ DEMO_MODEL_NAME = "moebius-demo"
 FAILED_EXIT_AFTER_S = 3.0  # after the engine fails: answering 503 this long before the port closes
 
 
+HEADER_TIMEOUT_S = 30.0  # a client has this long to send a request's headers (a slow-loris holds no connection)
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {value!r}") from None
+    if not 1 <= port <= 65535:  # the OS would take 99999 modulo 65536 and listen on 34463
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {port}")
+    return port
+
+
+def _model_name(value: str) -> str:
+    if not value.strip():  # clients could not name it
+        raise argparse.ArgumentTypeError(f"must be a non-empty name, got {value!r}")
+    return value
+
+
+def _seconds(value: str, least: float = 0.0, open_below: bool = True) -> float:
+    """A finite number of seconds above `least` (or at least it, with open_below False)."""
+    bound = f"above {least:g}" if open_below else f"at least {least:g}"
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds < least or (open_below and seconds == least):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds {bound}, got {value!r}")
+    return seconds
+
+
+def _drain_seconds(value: str) -> float:
+    return _seconds(value, open_below=False)
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The `serve` subcommand (sub: the subparsers of the `moebius` parser)."""
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, metrics, admin)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /version, "
-                       "/metrics and the operator endpoints /admin/switch and /admin/status on one port. With no "
-                       "--model, serves the small built-in model (random weights: its text is meaningless). "
-                       "--api-key protects every route but /health.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "/metrics and the operator endpoints /admin/switch, /admin/policy, /admin/pause, "
+                       "/admin/resume and /admin/status on one port. With no --model, serves the small built-in model "
+                       "(random weights: its text is meaningless). --api-key protects every route but /health.",
+                       formatter_class=HelpFormatter)
     http = p.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    http.add_argument("--port", type=int, default=8000, help="port to bind")
-    http.add_argument("--served-model-name", default=None,
+    http.add_argument("--port", type=_port, default=8000, help="port to bind (1-65535)")
+    http.add_argument("--served-model-name", type=_model_name, default=None,
                       help=f"the name clients send as `model` (default: the --model value, or {DEMO_MODEL_NAME!r})")
-    http.add_argument("--max-waiting-requests", type=int, default=None,
+    http.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                       help="answer 429 while this many requests wait for their first token (default: no limit)")
-    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+    http.add_argument("--shutdown-timeout", type=_drain_seconds, default=30.0,
                       help="seconds a shutdown waits for requests in flight to finish")
+    http.add_argument("--header-timeout", type=_seconds, default=HEADER_TIMEOUT_S,
+                      help="seconds a connection has to send a request's headers, from when it opens or its last "
+                      "answer ends; then it is closed (a client that never finishes them holds no connection)")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true",
+                      help="no log line for each HTTP request answered")
     http.add_argument("--engine-process", choices=("on", "off"), default="on",
                       help="on: the engine loop (front end, and through it the rank processes) in a process of its "
                       "own, so that it and the HTTP side each have a core; off: a thread of the server's process")
-    EngineConfig.add_cli_args(p)
+    # the operator endpoints are on --port itself: the offline engine's separate admin server has no place here
+    EngineConfig.add_cli_args(p, exclude=("admin_port", "admin_host"))
     # a busy front end: two plans ahead keep the ranks from waiting on it (measured with the front end sharing its
     # process with the HTTP side: benchmarks/results/h200-p1-serve-steady384-plans{1,2}.json)
     p.set_defaults(plans_ahead=2)
@@ -74,11 +126,67 @@ def http_stack() -> dict[str, str]:
     return stack
 
 
-def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
+class _HeaderDeadline:
+    """Mixed into uvicorn's HTTP protocol: a connection that has not sent a whole request head `header_timeout`
+    seconds after it opened, or after its last answer ended, is closed. uvicorn's keep-alive timeout covers only a
+    connection that sends nothing after an answer (any byte cancels it) and nothing covers one that never finishes
+    its first request line: such clients could hold connections (and file descriptors) forever."""
+
+    header_timeout: float = HEADER_TIMEOUT_S
+    _header_timer: asyncio.TimerHandle | None = None
+    # uvicorn's protocol's own attributes, used here
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_overdue)
+
+    def _headers_overdue(self) -> None:
+        self._header_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request came in time and is being answered; the deadline is armed again when it ends
+        if not self.transport.is_closing():
+            log.debug("closing a connection that sent no whole request head in %g s", self.header_timeout)
+            self.transport.close()
+
+
+def http_protocol(name: str, header_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class `name` ("httptools" or "h11") with the header deadline."""
+    if name == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+    return type(base.__name__, (_HeaderDeadline, base), {"header_timeout": header_timeout})
+
+
+def uvicorn_config(app: Any, host: str, port: int, header_timeout: float = HEADER_TIMEOUT_S,
+                   access_log: bool = True) -> uvicorn.Config:
     """The uvicorn configuration `moebius serve` runs `app` with."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10, **http_stack())
+    stack = http_stack()
+    return uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10,
+                          loop=stack["loop"], http=http_protocol(stack["http"], header_timeout),
+                          access_log=access_log)
 
 
 def _draining_server(config: uvicorn.Config, engine_loop: EngineLoop | EngineClient, drain_timeout: float
@@ -158,12 +266,6 @@ def serve(args: argparse.Namespace) -> int:
     ecfg = EngineConfig.from_cli_args(args)
     if ecfg.rank_process == "auto":  # the step launches must not wait for the GIL the HTTP side holds
         ecfg = dataclasses.replace(ecfg, rank_process="on")
-    if ecfg.admin_port is not None:
-        raise ValueError("--admin-port: `moebius serve` hosts /admin/switch and /admin/status on --port itself")
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     name = args.served_model_name or ecfg.model or DEMO_MODEL_NAME
     metrics = ServerMetrics(name)
     loop: EngineLoop | EngineClient
@@ -178,7 +280,8 @@ def serve(args: argparse.Namespace) -> int:
     loop.start()
     try:
         settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key)
-        config = uvicorn_config(create_app(loop, settings, metrics), args.host, args.port)
+        config = uvicorn_config(create_app(loop, settings, metrics), args.host, args.port, args.header_timeout,
+                                access_log=not args.disable_uvicorn_access_log)
         log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s%s)", name, args.host, args.port,
                  mode, world, "" if world == 1 else "s", ", the engine in a process of its own"
                  if args.engine_process == "on" else "")

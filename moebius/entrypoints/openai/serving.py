@@ -5,6 +5,7 @@ could still begin a stop string)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import time
@@ -21,6 +22,7 @@ from moebius.entrypoints.openai.protocol import (
     unsupported,
 )
 from moebius.sampling_params import SamplingParams
+from moebius.tokenizer import _bytes_to_unicode
 
 if TYPE_CHECKING:
     from moebius.entrypoints.openai.engine_process import EngineClient
@@ -40,10 +42,10 @@ def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: i
     """The engine's parameters for a request, or a 400 naming the parameter. logprobs: top tokens to return a
     log-probability for with each output token (0: the token's own; None: none)."""
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        if getattr(req, name) not in (None, neutral):
-            raise unsupported(name, "is not supported")
+        if (value := getattr(req, name)) not in (None, neutral):
+            raise unsupported(name, f"{value:g} is not supported (only {neutral}: no penalty)")
     if req.logit_bias:
-        raise unsupported("logit_bias", "is not supported")
+        raise unsupported("logit_bias", f"is not supported (got {len(req.logit_bias)} biased tokens)")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -52,8 +54,8 @@ def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: i
         raise APIError(400, f"max_tokens {max_tokens} exceeds the model's context length {info.max_model_len}",
                        param="max_tokens")
     if req.stop_token_ids and max(req.stop_token_ids) >= info.vocab_size:
-        raise APIError(400, f"stop_token_ids must be below the vocabulary size {info.vocab_size}",
-                       param="stop_token_ids")
+        raise APIError(400, f"stop_token_ids must be below the vocabulary size {info.vocab_size}, got "
+                       f"{max(req.stop_token_ids)}", param="stop_token_ids")
     extra: dict[str, Any] = {"min_p": req.min_p} if req.min_p is not None else {}
     try:
         return SamplingParams(
@@ -74,7 +76,7 @@ def completion_inputs(req: CompletionRequest) -> list[Prompt]:
     if req.suffix:
         raise unsupported("suffix", "is not supported")
     if req.best_of is not None and req.best_of != req.n:
-        raise unsupported("best_of", "other than n is not supported")
+        raise unsupported("best_of", f"{req.best_of} other than n ({req.n}) is not supported")
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
         return [p]  # type: ignore[list-item]
@@ -87,8 +89,8 @@ def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.tools:
         raise unsupported("tools", "are not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "other than text is not supported")
+    if req.response_format and (kind := req.response_format.get("type", "text")) != "text":
+        raise unsupported("response_format", f"other than text is not supported, got type {kind!r}")
     if info.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, hence no chat template: use /v1/completions with token ids",
                        param="messages")
@@ -98,9 +100,13 @@ def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
+        if content is None and m.role != "assistant":  # (OpenAI lets an assistant's tool call go without text)
+            raise APIError(400, f"messages[{i}].content is null or missing: a {m.role!r} message needs a string or "
+                           "a list of text parts", param="messages")
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            if bad := next((part for part in content if part.type != "text" or part.text is None), None):
+                raise APIError(400, f"messages[{i}].content: only text parts (with their text) are supported, got "
+                               f"a part of type {bad.type!r}", param="messages")
             content = "\n".join(part.text or "" for part in content)
         messages.append({"role": m.role, "content": content or ""})
     try:
@@ -168,6 +174,7 @@ class _Choice:
         self.stop_reason: int | str | None = None
         self.opened = False  # its first chunk went out
         self.logprobs: list[tuple[int, dict[int, float]]] = []  # (token, {id: log-probability}) per token
+        self.text_offset = 0  # streamed completions: where the next chunk's tokens start in the text
         self.cached_tokens = 0  # its prompt tokens found in the prefix cache
 
     def apply(self, d: SampleDelta) -> None:
@@ -180,10 +187,33 @@ class _Choice:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
 
-def logprobs_json(entries: Sequence[tuple[int, dict[int, float]]], k: int, chat: bool, info: EngineInfo
-                  ) -> dict[str, Any] | None:
+def token_bytes(info: EngineInfo, t: int) -> bytes:
+    """The bytes token `t` stands for: a byte-level BPE token that is part of a UTF-8 character is that raw byte,
+    where its decoded text would be "\ufffd"."""
+    tok = info.tokenizer
+    if tok is None:
+        return f"token_id:{t}".encode()
+    text = tok.decode([t], skip_special_tokens=False)
+    piece = tok.id_to_token(t)
+    if piece is not None and t not in tok.all_special_ids:
+        if _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's byte fallback: <0xE2>
+            return bytes([int(piece[3:5], 16)])
+        if all(c in _BYTE_OF for c in piece):  # byte-level BPE: each character one byte
+            raw = bytes(_BYTE_OF[c] for c in piece)
+            if raw.decode("utf-8", "replace") == text:  # (a tokenizer of another kind whose piece merely looks so)
+                return raw
+    return text.encode("utf-8")
+
+
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}  # GPT-2's byte-level alphabet, back to bytes
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def logprobs_json(entries: Sequence[tuple[int, dict[int, float]]], k: int, chat: bool, info: EngineInfo,
+                  offset: int = 0) -> dict[str, Any] | None:
     """OpenAI's `logprobs` of a choice (or a chunk): per token its log-probability and the k most likely tokens'
-    (entries: (token id, {id: log-probability}, the token's own first)); None when none were asked for."""
+    (entries: (token id, {id: log-probability}, the token's own first)); None when none were asked for. offset: the
+    completion's text offset of the first entry (the tokens' text streamed before this chunk)."""
     if not entries:
         return None
 
@@ -195,16 +225,20 @@ def logprobs_json(entries: Sequence[tuple[int, dict[int, float]]], k: int, chat:
 
     if chat:
         def item(t: int, lp: float) -> dict[str, Any]:
-            s = text(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+            return {"token": text(t), "logprob": lp, "bytes": list(token_bytes(info, t))}
 
         return {"content": [{**item(t, lps[t]), "top_logprobs": [item(u, v) for u, v in top(lps)]}
                             for t, lps in entries]}
     tokens = [text(t) for t, _ in entries]
-    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset))
     return {"tokens": tokens, "token_logprobs": [lps[t] for t, lps in entries],
             "top_logprobs": [{text(u): v for u, v in [(t, lps[t]), *top(lps)]} for t, lps in entries],
             "text_offset": offsets}
+
+
+def logprobs_end(lp: dict[str, Any]) -> int:
+    """The text offset after the last token of a completions `logprobs` (where the next chunk's starts)."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1])
 
 
 class Answer:
@@ -281,7 +315,9 @@ class Answer:
                         c.apply(d)
                         text = d.text
                         lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
-                                           self.info) if d.logprobs else None
+                                           self.info, c.text_offset) if d.logprobs else None
+                        if lp is not None and not self.chat:  # offsets run on across chunks, as in the whole answer
+                            c.text_offset = logprobs_end(lp)
                         if not (text or d.finish_reason or lp or (self.return_ids and d.token_ids)):
                             continue
                         if self.chat:
