@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -263,7 +264,8 @@ async def _where_served(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def test_server_runs_on_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch, extra: bool) -> None:
     """A server configured as `moebius serve` configures uvicorn answers on uvloop's event loop through httptools'
     protocol, which the serve extra installs (they cut the front end's CPU time per streamed token); without them it
-    serves on asyncio and h11."""
+    serves on asyncio and h11. Either way a connection that sends half a request line is closed after the header
+    timeout."""
     import uvicorn
 
     from moebius.entrypoints.openai.server import uvicorn_config
@@ -274,7 +276,7 @@ def test_server_runs_on_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch, ex
         monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
         monkeypatch.setitem(sys.modules, "httptools", None)
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(_where_served, "127.0.0.1", port))
+    server = uvicorn.Server(uvicorn_config(_where_served, "127.0.0.1", port, header_timeout=0.5))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -283,6 +285,10 @@ def test_server_runs_on_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch, ex
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
         got = httpx.get(f"http://127.0.0.1:{port}/", timeout=10).json()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET / HT")
+            start = time.monotonic()
+            assert sock.recv(1024) == b"" and time.monotonic() - start < 3.0
     finally:
         server.should_exit = True
         thread.join(30)
