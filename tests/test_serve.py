@@ -1139,7 +1139,7 @@ def _serve_exit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, st
 @pytest.mark.parametrize("flags, words", [
     (["--port", "99999"], ["--port", "1-65535", "99999"]), (["--port", "0"], ["--port", "1-65535", "0"]),
     (["--port", "-1"], ["--port", "-1"]), (["--port", "http"], ["--port", "'http'"]),
-    (["--served-model-name", ""], ["--served-model-name", "''"]),
+    (["--host", ""], ["--host", "''"]), (["--served-model-name", ""], ["--served-model-name", "''"]),
     (["--served-model-name", "  "], ["--served-model-name", "'  '"]),
     (["--admin-port", "9000"], ["--admin-port"]), (["--admin-host", "0.0.0.0"], ["--admin-host"]),
     (["--header-timeout", "0"], ["--header-timeout", "'0'"]), (["--header-timeout", "inf"], ["--header-timeout"]),

@@ -52,6 +52,12 @@ def _model_name(value: str) -> str:
     return value
 
 
+def _host(value: str) -> str:
+    if not value.strip():  # "" would bind every interface, unsaid
+        raise argparse.ArgumentTypeError(f"must be an address (127.0.0.1, 0.0.0.0 for every interface), got {value!r}")
+    return value
+
+
 def _seconds(value: str, least: float = 0.0, open_below: bool = True) -> float:
     """A finite number of seconds above `least` (or at least it, with open_below False)."""
     bound = f"above {least:g}" if open_below else f"at least {least:g}"
@@ -87,7 +93,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        "(random weights: its text is meaningless). --api-key protects every route but /health.",
                        formatter_class=HelpFormatter)
     http = p.add_argument_group("server")
-    http.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    http.add_argument("--host", type=_host, default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     http.add_argument("--port", type=_port, default=8000, help="port to bind (1-65535)")
     http.add_argument("--served-model-name", type=_model_name, default=None,
                       help=f"the name clients send as `model` (default: the --model value, or {DEMO_MODEL_NAME!r})")
