@@ -111,7 +111,7 @@ def long_prompt(engine: EngineCore, vocab: int, n: int, decoders: int, seed: int
     "during"), after 16 of "before": the step's wall time is the inter-token gap every decoder sees. Returns the
     rows and the long prompt's TTFT (s)."""
     rng = random.Random(seed)
-    keep = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)  # aborted once the prompt is in
+    keep = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # aborted once the prompt is in
     ids = [engine.add_request([rng.randrange(vocab) for _ in range(64)], keep) for _ in range(decoders)]
     rows: list[dict[str, Any]] = []
     first: dict[str, int] = {}
