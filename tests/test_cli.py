@@ -256,6 +256,32 @@ def test_an_engine_failure_midway_keeps_what_was_written(tmp_path: pathlib.Path,
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0]
 
 
+def test_a_request_that_fails_is_written_with_its_error(tmp_path: pathlib.Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the engine ends with finish_reason "error" (its sampling values fail on the rank) is written with
+    why; the other requests' lines are as they are without it, and the command succeeds."""
+    from moebius.worker import runner
+
+    columns = runner.sampling_columns
+
+    def failing(rows: list[tuple[Any, int, int]], vocab: int) -> Any:
+        if any(seed == 666 for _, seed, _ in rows):
+            raise OverflowError("Overflow when unpacking long long")
+        return columns(rows, vocab)
+
+    good = {"prompt": "a", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    want = tmp_path / "want.jsonl"
+    assert main([*DEMO, "--input", _jsonl(tmp_path / "good.jsonl", good), "--output", str(want)]) == 0
+    monkeypatch.setattr(runner, "sampling_columns", failing)
+    out = tmp_path / "out.jsonl"
+    src = _jsonl(tmp_path / "in.jsonl", {"prompt": "b", "seed": 666, "max_tokens": 4}, good)
+    assert main([*DEMO, "--input", src, "--output", str(out)]) == 0
+    lines = {r["index"]: r["outputs"][0] for r in map(json.loads, out.read_text().splitlines())}
+    assert lines[0]["finish_reason"] == "error"
+    assert lines[0]["error"] == "OverflowError: Overflow when unpacking long long"
+    assert lines[1]["token_ids"] == json.loads(want.read_text())["outputs"][0]["token_ids"]
+
+
 def test_input_from_stdin_and_a_byte_order_mark(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = b'\xef\xbb\xbf{"prompt": "a", "max_tokens": 3}\n\n{"prompt_token_ids": [1, 2]}\n'
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))

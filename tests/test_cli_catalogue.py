@@ -135,16 +135,19 @@ LINES: list[tuple[str, str | bytes, str]] = [
     ("ids-past-vocab", _line({"prompt_token_ids": [5, 999999]}), '"prompt_token_ids"[1] = 999999 is outside'),
     ("messages-string", _line({"messages": "hello"}), '"messages" must be a non-empty list'),
     ("messages-empty", _line({"messages": []}), '"messages" must be a non-empty list'),
-    ("messages-of-strings", _line({"messages": ["hi"]}), '"messages"[0] must be an object'),
-    ("message-no-content", _line({"messages": [{"role": "user"}]}), '"messages"[0] has no "content"'),
+    ("messages-of-strings", _line({"messages": ["hi"]}), '"messages": message 0 must be a dict'),
+    ("message-no-content", _line({"messages": [{"role": "user"}]}),
+     '"messages": message 0 (user): content is missing'),
     ("message-null-content", _line({"messages": [{"role": "user", "content": None}]}),
-     '"messages"[0].content must be a string, got null'),
-    ("message-int-content", _line({"messages": [{"role": "user", "content": 5}]}), '"messages"[0].content'),
-    ("message-empty-role", _line({"messages": [{"role": "", "content": "x"}]}), '"messages"[0].role must be a '
-     "non-empty string"),
-    ("message-int-role", _line({"messages": [{"role": 1, "content": "x"}]}), '"messages"[0].role'),
-    ("message-extra-key", _line({"messages": [{"role": "user", "content": "x", "mood": "calm"}]}),
-     "\"messages\"[0] has unknown key(s) ['mood']"),
+     '"messages": message 0 (user): content is null'),
+    ("message-int-content", _line({"messages": [{"role": "user", "content": 5}]}), "content must be a string (or a "
+     "list of text parts), got int 5"),
+    ("message-empty-role", _line({"messages": [{"role": "", "content": "x"}]}), '"messages": message 0: role must '
+     "be a non-empty string, got ''"),
+    ("message-text-part-not-text", _line({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+     "only text parts"),
+    ("message-int-role", _line({"messages": [{"role": 1, "content": "x"}]}), "message 0: role must be a non-empty "
+     "string, got 1"),
     ("max-tokens-string", _line({"prompt": "a", "max_tokens": "10"}), "in.jsonl:1: max_tokens must be an integer"),
     ("max-tokens-float", _line({"prompt": "a", "max_tokens": 1.5}), "max_tokens must be an integer"),
     ("max-tokens-bool", _line({"prompt": "a", "max_tokens": True}), "max_tokens must be an integer"),

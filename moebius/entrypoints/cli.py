@@ -19,6 +19,7 @@ from typing import IO, Any, NoReturn
 
 from moebius import __version__
 from moebius.config import ConfigError, EngineConfig, HelpFormatter, flag_names
+from moebius.frontend.chat import conversation
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.switch.calibration import DEFAULT_BATCHES
 
@@ -209,25 +210,15 @@ def _token_ids(v: Any, vocab: int | None) -> list[int]:
     return v
 
 
-def _messages(v: Any) -> list[dict[str, str]]:
-    """Chat messages: a non-empty list of {"role": str, "content": str} objects."""
+def _messages(v: Any) -> list[dict[str, Any]]:
+    """Chat messages: one conversation, checked as LLM.chat checks it (a role and a text content each)."""
     if not isinstance(v, list) or not v:
         raise ValueError(f"\"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects, got "
                          f"{_show(v)}")
-    for i, m in enumerate(v):
-        if not isinstance(m, dict):
-            raise ValueError(f"\"messages\"[{i}] must be an object {{\"role\": str, \"content\": str}}, got {_show(m)}")
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:
-            raise ValueError(f"\"messages\"[{i}] has unknown key(s) {extra}; a message is {{\"role\": str, "
-                             f"\"content\": str}}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise ValueError(f"\"messages\"[{i}] has no \"{key}\"")
-            if not isinstance(m[key], str) or (key == "role" and not m[key]):
-                what = "a non-empty string" if key == "role" else "a string"
-                raise ValueError(f"\"messages\"[{i}].{key} must be {what}, got {_show(m[key])}")
-    return v
+    try:
+        return conversation(v, '"messages": ')
+    except TypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def _show(v: Any) -> str:
@@ -332,6 +323,8 @@ def _record(index: int, out: Any) -> str:
     samples = []
     for o in out.outputs:
         s: dict[str, Any] = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        if o.error is not None:  # finish_reason "error": why this request failed (the others ran on)
+            s["error"] = o.error
         if o.logprobs is not None:  # per output token {token id: log-probability}, its own token first (vLLM's)
             s["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in o.logprobs]
         samples.append(s)
