@@ -88,7 +88,7 @@ CATALOGUE: list[Bad] = [
     Bad("prompt-beyond-context", CMPL, {"prompt": [1] * 5000}, 400, ("5000", "4096"), "prompt"),
     # prompt + max_tokens beyond the context: refused with the numbers, not cut short (finish reason "length")
     Bad("prompt-plus-max-tokens-beyond-context", CMPL, {"prompt": [1] * 4000, "max_tokens": 100}, 400,
-        ("4000", "100"), "prompt"),
+        ("4000", "100", "ask for at most 96 tokens"), "max_tokens"),
     # ---- sampling and stopping ----
     c("max-tokens-0", ("max_tokens", "0"), "max_tokens", max_tokens=0),
     c("max-tokens-string", ("max_tokens", '"8"'), "max_tokens", max_tokens="8"),

@@ -1277,11 +1277,11 @@ def test_chat_logprob_bytes_are_the_tokens_own(server: Server, ref: LLM) -> None
     assert bytes(b for c in content for b in c["bytes"]).decode("utf-8", "replace") == choice["message"]["content"]
 
 
-# ---- two ranks in this process: the policy and what the ranks expose ----
-@pytest.fixture(scope="module")
-def two_ranks() -> Iterator[tuple[str, Any]]:
-    """Two spawned CPU ranks behind the app, served from this process as `moebius serve` configures uvicorn: the
-    URL and the engine."""
+# ---- served from this process: a request that fails; two ranks' policy and what the ranks expose ----
+@contextlib.contextmanager
+def served_here(**flags: Any) -> Iterator[tuple[str, Any]]:
+    """An engine with these flags behind the app, served from this process as `moebius serve` configures uvicorn
+    (so a test can patch what runs in it): the URL and the engine."""
     import uvicorn
 
     from moebius.config import EngineConfig
@@ -1290,7 +1290,7 @@ def two_ranks() -> Iterator[tuple[str, Any]]:
     from moebius.entrypoints.openai.server import uvicorn_config
     from moebius.frontend.core import EngineCore
 
-    engine = EngineCore(EngineConfig(device="cpu", num_ranks=2, mode="tp"))
+    engine = EngineCore(EngineConfig(device="cpu", **flags))
     loop = EngineLoop(engine)
     loop.start()
     port = free_port()
@@ -1308,6 +1308,43 @@ def two_ranks() -> Iterator[tuple[str, Any]]:
         server.should_exit = True
         thread.join(30)
         loop.stop()
+
+
+def test_a_request_that_fails_is_a_500_and_the_server_serves_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the engine ends with finish_reason "error" (here: its sampling values fail on the rank, as a seed
+    outside int64 did) is a 500 naming why, an error event in a stream, and its other prompts stop; the next request
+    gets the tokens it got before."""
+    from moebius.worker import runner
+
+    columns = runner.sampling_columns
+
+    def failing(rows: list[tuple[SamplingParams, int, int]], vocab: int) -> Any:
+        if any(seed == 666 for _, seed, _ in rows):
+            raise OverflowError("Overflow when unpacking long long")
+        return columns(rows, vocab)
+
+    monkeypatch.setattr(runner, "sampling_columns", failing)
+    good = {"prompt": IDS[1], **GREEDY, "return_token_ids": True}
+    bad = {"prompt": [IDS[1], IDS[2]], "temperature": 0.9, "seed": 666, "max_tokens": 8}
+    with served_here(rank_process="off") as (url, engine):
+        before = httpx.post(url + CMPL, json=good, timeout=60).json()["choices"][0]["token_ids"]
+        r = httpx.post(url + CMPL, json=bad, timeout=60)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "generation_error" and "OverflowError: Overflow when unpacking long long" in \
+            err["message"], err
+        with httpx.stream("POST", url + CMPL, json={**bad, "stream": True}, timeout=60) as s:
+            events = [ln.removeprefix("data: ") for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "OverflowError" in json.loads(events[-2])["error"]["message"], events
+        assert httpx.post(url + CMPL, json=good, timeout=60).json()["choices"][0]["token_ids"] == before
+        assert not engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[tuple[str, Any]]:
+    """Two spawned CPU ranks behind the app, served from this process."""
+    with served_here(num_ranks=2, mode="tp") as served:
+        yield served
 
 
 def test_policy_changes_only_the_fields_given(two_ranks: tuple[str, Any]) -> None:

@@ -20,6 +20,14 @@ from moebius.link.request import PLACEHOLDER, Request
 from moebius.sampling_params import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """A prompt, or a prompt and its max_tokens, longer than the context: `param` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def check_prompt(num_prompt: int, max_tokens: int | None, max_model_len: int, kv_capacity: int) -> None:
     """Raise ValueError, with the numbers and the setting that sets the limit, unless a prompt of this length
     leaves room for output: for `max_tokens` of it (None: at least one token; it runs up to the context)."""
@@ -28,11 +36,13 @@ def check_prompt(num_prompt: int, max_tokens: int | None, max_model_len: int, kv
             f"KV-cache capacity of one request is {limit} tokens (--max-total-tokens or --mem-fraction, in the "
             "smaller layout)")
     if num_prompt >= limit:
-        raise ValueError(f"prompt has {num_prompt} tokens; the {what}, which leaves no room for output")
+        raise ContextLengthError(f"prompt has {num_prompt} tokens; the {what}, which leaves no room for output",
+                                 "prompt")
     if max_tokens is not None and num_prompt + max_tokens > limit:
-        raise ValueError(f"prompt has {num_prompt} tokens and max_tokens is {max_tokens}: {num_prompt + max_tokens} "
-                         f"tokens in all, but the {what}; ask for at most {limit - num_prompt} tokens, or leave "
-                         "max_tokens unset (None: up to the context)")
+        raise ContextLengthError(f"prompt has {num_prompt} tokens and max_tokens is {max_tokens}: "
+                                 f"{num_prompt + max_tokens} tokens in all, but the {what}; ask for at most "
+                                 f"{limit - num_prompt} tokens, or leave max_tokens unset (None: up to the context)",
+                                 "max_tokens")
 
 
 def max_total_len(max_model_len: int, kv_capacity: int) -> int:

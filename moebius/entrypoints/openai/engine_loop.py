@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from moebius.entrypoints.openai.protocol import APIError
+from moebius.link.lifecycle import ContextLengthError
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class SampleDelta:
     stop_reason: int | str | None
     logprobs: list[dict[int, float]] | None = None  # of the new tokens (SamplingParams.logprobs)
     cached_tokens: int = 0  # its prompt tokens found in the prefix cache (known from its first token on)
+    error: str | None = None  # with finish_reason "error": why it failed (the engine serves on)
 
 
 @dataclass(frozen=True)
@@ -403,7 +405,8 @@ class EngineLoop(Admission):
                 with self._lock:
                     self._waiting -= len(cmd.items)
                     self._in_flight -= len(cmd.items)
-                post([(cmd.sink, Failure(APIError(400, f"prompt {i}: {e}" if many else str(e), param=cmd.param)))])
+                param = e.param if isinstance(e, ContextLengthError) else cmd.param
+                post([(cmd.sink, Failure(APIError(400, f"prompt {i}: {e}" if many else str(e), param=param)))])
                 return
         ids = []
         for i, ((prompt, params), valid) in enumerate(zip(cmd.items, checked, strict=True)):
@@ -442,7 +445,7 @@ class EngineLoop(Admission):
                         start = route.first_times[0] if route.first_times else o.token_times[0]
                         route.first_times = (start, o.token_times[-1])
                 samples.append(SampleDelta(o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs,
-                                           o.num_cached_tokens))
+                                           o.num_cached_tokens, o.error))
             if not route.started and any(o.token_ids for o in out.outputs):
                 route.started = True
                 with self._lock:

@@ -8,12 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from moebius.sampling_params import INT64_MAX, INT64_MIN
+
 # Bounds on what one request may ask for: they keep one request from taking a large share of the engine.
 MAX_N = 16  # samples per prompt: each holds its own KV pages and decode slot, so n multiplies a request's memory
 MAX_STOP = 16  # stop strings: every one is searched for after each token
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 64  # prompts in one completions request (each is an engine request, times n)
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the sampler keeps seeds as int64
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 

@@ -183,6 +183,8 @@ class _Choice:
         self.cached_tokens = d.cached_tokens
         if d.logprobs is not None:
             self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
+        if d.finish_reason == "error":  # this request failed (the engine serves on): the answer is an error
+            raise APIError(500, f"generation failed: {d.error}", code="generation_error")
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
@@ -269,9 +271,13 @@ class Answer:
         return self.gen.accepted.prompt_token_ids[index // self.n]
 
     async def whole(self) -> dict[str, Any]:
-        async for upd in self.gen.updates():
-            for d in upd.samples:
-                self.choices[upd.prompt_index * self.n + d.index].apply(d)
+        try:
+            async for upd in self.gen.updates():
+                for d in upd.samples:
+                    self.choices[upd.prompt_index * self.n + d.index].apply(d)
+        except APIError:
+            self.gen.abort()  # the answer is an error: its other prompts and samples stop too
+            raise
         out = []
         for i, c in enumerate(self.choices):
             lp = logprobs_json(c.logprobs, self.k, self.chat, self.info)
