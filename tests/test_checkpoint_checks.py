@@ -357,11 +357,11 @@ def test_spawned_ranks_give_the_same_message_and_leave_no_process(ckpt: Checkpoi
     with pytest.raises(ConfigError, match=r"--max-total-tokens 20 with --block-size 16 makes 1 KV page"):
         make_llm(base, num_ranks=2, mode="tp", max_total_tokens=20)
     assert rank_processes() == before
-    # (a RankError naming each rank's error today; the ConfigError itself would do as well)
+    # every rank gives it: raised once, as the ConfigError one rank in this process raises
     ep_short = (r"the EP layout holds 2 KV heads a rank against the TP layout's 1, so the KV bytes of "
                 r"--max-total-tokens 48 \(3 TP pages of --block-size 16 tokens\) make 1 EP page, and page 0 is "
                 r"reserved.*set --max-total-tokens to at least 64")
-    with pytest.raises((RuntimeError, ConfigError), match=ep_short):
+    with pytest.raises(ConfigError, match="^" + ep_short):  # (no "rank N:" before it)
         make_llm(base, num_ranks=2, mode="tp", max_total_tokens=48)
     assert rank_processes() == before
 
@@ -397,3 +397,21 @@ def test_good_checkpoints_still_give_transformers_tokens(ckpt: Checkpoints, capl
 
 def test_the_catalogue_holds_at_least_20_cases() -> None:
     assert len(BROKEN) + len(KV_SIZINGS) + 3 >= 20  # + the mem-fraction, allocation and EP layout's pages tests
+
+
+def test_the_ranks_start_up_errors_are_merged() -> None:
+    """Start-up errors from rank processes: one every rank gave is raised once as its own type; one some ranks gave
+    names them; different ones are listed by rank in a RankError."""
+    from moebius.worker.launch import RankError, startup_error
+
+    def err(rank: int, kind: str = "ConfigError", message: str = "no usable KV page") -> dict[str, object]:
+        return {"rank": rank, "type": kind, "message": message}
+
+    e = startup_error([err(0), err(1)], 2)
+    assert type(e) is ConfigError and str(e) == "no usable KV page"
+    e = startup_error([err(1, "ValueError", "bad")], 2)
+    assert type(e) is ValueError and str(e) == "rank 1: bad"
+    e = startup_error([err(0, "KeyError", "'x'"), err(2, "KeyError", "'x'")], 4)
+    assert type(e) is RankError and str(e) == "ranks 0, 2: KeyError: 'x'"
+    e = startup_error([err(0), err(1, "OSError", "disk")], 2)
+    assert type(e) is RankError and str(e) == "rank 0: ConfigError: no usable KV page; rank 1: OSError: disk"

@@ -29,5 +29,6 @@ def test_torchrun_two_ranks_match_single_process(mode: str, tmp_path: object) ->
     run = subprocess.run(cmd, timeout=180, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
     with open(out) as f:
-        got = [json.loads(line)["outputs"][0]["token_ids"] for line in f]
+        lines = sorted((json.loads(line) for line in f), key=lambda r: r["index"])  # (written as they finish)
+        got = [r["outputs"][0]["token_ids"] for r in lines]
     assert got == want

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import torch
 import torch.multiprocessing as mp
 
+from moebius.config import ConfigError
 from moebius.link.codec import decode, encode
 from moebius.link.messages import DecodeProbe, PrefillProbe, Probe, StepPlan, StepReport
 from moebius.parallel.groups import Groups, LoopbackRendezvous, broadcast_json, gather_json, init_groups
@@ -61,13 +62,13 @@ def rank_step(rank: Rank, groups: Groups, msg: Message | None) -> tuple[bool, St
     return True, StepReport.merge([decode(StepReport, r) for r in gathered])
 
 
-def _start_rank(spec: RankSpec, groups: Groups) -> tuple[Rank | None, list[str]]:
+def _start_rank(spec: RankSpec, groups: Groups) -> tuple[Rank | None, list[dict[str, Any]]]:
     """Build this rank; all ranks learn whether every rank succeeded (errors listed on rank 0)."""
     rank, error = None, None
     try:
         rank = build_rank(spec, groups)
     except Exception as e:  # reported to the front end, which raises it there
-        error = f"rank {groups.rank}: {type(e).__name__}: {e}"
+        error = {"rank": groups.rank, "type": type(e).__name__, "message": str(e)}
         log.debug(traceback.format_exc())
     errors = gather_json(error, groups)
     errors = broadcast_json([e for e in errors if e] if errors is not None else None, groups)
@@ -143,6 +144,26 @@ class RankError(RuntimeError):
     """A rank failed (at start-up or during a step)."""
 
 
+# Start-up errors raised again as their own type: the same as one rank in this process raises.
+_USER_ERRORS: dict[str, type[Exception]] = {e.__name__: e for e in (ConfigError, ValueError, MemoryError,
+                                                                       FileNotFoundError)}
+
+
+def startup_error(errors: list[dict[str, Any]], world_size: int) -> Exception:
+    """One exception for the ranks' start-up errors: a message every rank gave once, as its own type (a ConfigError
+    stays one), naming the ranks only where some did not fail; different errors listed by rank in a RankError."""
+    by_error: dict[tuple[str, str], list[int]] = {}
+    for e in errors:
+        by_error.setdefault((e["type"], e["message"]), []).append(e["rank"])
+    if len(by_error) == 1:
+        (kind, message), ranks = next(iter(by_error.items()))
+        where = "" if len(ranks) == world_size else f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: "
+        cls = _USER_ERRORS.get(kind)
+        return cls(where + message) if cls is not None else RankError(f"{where}{kind}: {message}")
+    return RankError("; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {kind}: {message}"
+                               for (kind, message), r in by_error.items()))
+
+
 class _InProcess:
     """Ranks whose step runs in this process when it is received: nothing to overlap with the front end's work."""
 
@@ -215,7 +236,7 @@ class SpawnedRanks:
             raise RankError(f"{e}; if they failed importing your script: {MAIN_GUARD}") from None
         if kind == "error":
             self.close()  # every rank saw the errors and is leaving on its own
-            raise RankError("; ".join(payload))
+            raise startup_error(payload, world_size)
         self.kv_capacity = int(payload)
 
     def _recv(self, timeout: float | None = None) -> tuple[str, Any]:
@@ -285,7 +306,7 @@ class TorchrunRanks(_InProcess):
         self.world_size = world
         rank, errors = _start_rank(spec, self.groups)
         if errors:
-            raise RankError("; ".join(errors))
+            raise startup_error(errors, world)
         assert rank is not None
         self.rank: Rank | None = rank
         self.kv_capacity = rank.kv_capacity
