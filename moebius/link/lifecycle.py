@@ -23,7 +23,7 @@ from moebius.sampling_params import SamplingParams
 class ContextLengthError(ValueError):
     """A prompt, or a prompt and its max_tokens, longer than the context: `param` names the field to change."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message)
         self.param = param
 
