@@ -40,6 +40,8 @@ class RequestOutput:
     finished: bool
     arrival_time: float
     prompt_logits: torch.Tensor | None = None  # [prompt_len, vocab] float32, when asked for
+    # the caller's name for the weights the engine held when this output was made (LLM.update_weights)
+    weight_version: str | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -152,6 +152,8 @@ class Checkpoints:
             **{name: functools.partial(write_checkpoint, overrides=ov) for name, ov in VARIANTS.items()},
             # Same weights as "base" (same seed), written in many shards with model.safetensors.index.json.
             "base_sharded": functools.partial(write_checkpoint, max_shard_size="60KB"),
+            # Other random weights of base's shapes (a weight update's target).
+            "base_b": functools.partial(write_checkpoint, seed=3),
             # Byte tokenizer + EOS = <|endoftext|>; greedy text is printable ASCII.
             "text": functools.partial(write_checkpoint, seed=1, tokenizer=True, ascii_bias=True,
                                       eos_token_id=ENDOFTEXT_ID),

@@ -4,16 +4,17 @@ interface (add_request / step / abort / has_unfinished) for drivers that interle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
+import torch
 from tqdm import tqdm
 
 from moebius.config import EngineConfig
 from moebius.entrypoints.admin import AdminServer
 from moebius.frontend.chat import chat_conversations
 from moebius.frontend.core import EngineClosedError, EngineCore, Prompt, is_token_id
-from moebius.link.messages import SwitchOutcome
+from moebius.link.messages import SwitchOutcome, UpdateOutcome
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 
@@ -144,6 +145,29 @@ class LLM:
     @property
     def mode(self) -> str:
         return self.engine.mode
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       weight_version: str | None = None) -> UpdateOutcome:
+        """Write new weights into the running engine between two steps: `(name, tensor)` pairs in the Hugging Face
+        checkpoint's names (experts one by one, or transformers 5's fused `mlp.experts.gate_up_proj` /
+        `down_proj`: a trainer's `model.named_parameters()`), any subset of the model, any floating dtype. Each
+        name, shape and dtype is checked before a byte is written (ValueError / TypeError naming the first bad one;
+        the old weights stay). Both layouts' views are rewritten in place (a later switch moves the new experts),
+        the prefix cache is flushed, and requests in flight continue on the new weights. `weight_version` is
+        reported on every output from now on (`RequestOutput.weight_version`) and by `weight_version`."""
+        self._check_open()
+        return self.engine.update_weights(named_tensors, weight_version)
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> UpdateOutcome:
+        """`update_weights` with every tensor of a safetensors directory of the same architecture and shapes (its
+        files and config.json checked first; ConfigError naming what is wrong)."""
+        self._check_open()
+        return self.engine.update_weights_from_disk(path, weight_version)
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version given with the last weight update (None before any)."""
+        return self.engine.weight_version
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (vLLM's name); returns how many pages were dropped, summed over ranks."""

@@ -37,10 +37,14 @@ from moebius.link.messages import (
     StepWork,
     SwitchOrder,
     SwitchOutcome,
+    UpdateOutcome,
+    WeightUpdate,
 )
 from moebius.link.request import RequestSpec
+from moebius.link.shared_tensors import share
 from moebius.model.builtin import BUILTIN_NOTICE
-from moebius.model.source import resolve_model
+from moebius.model.loader import check_update
+from moebius.model.source import check_update_checkpoint, resolve_model
 from moebius.outputs import RequestOutput
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.parallel.placement import Placement
@@ -57,6 +61,11 @@ from moebius.worker.rank import RankSpec
 log = logging.getLogger("moebius")
 
 Prompt = str | list[int]
+
+
+def _check_version(version: object) -> None:
+    if version is not None and not isinstance(version, str):
+        raise TypeError(f"weight_version must be a string or None, got {type(version).__name__} {version!r}")
 
 
 def _check_mode(target: str) -> None:
@@ -135,6 +144,7 @@ class EngineCore:
         self._retired: list[str] = []  # requests placed on an EP rank that finished: the others forget their specs
         self._pipeline = PlanPipeline(self.ranks, ecfg.plans_ahead)
         self.last_switch: SwitchOutcome | None = None  # outcome of the last switch (the policy's or an operator's)
+        self.weight_version: str | None = None  # the caller's name for the weights held (update_weights)
         self.closed = False
         self._undelivered: list[RequestOutput] = []  # outputs the next step() returns
         self.timeline = ModeTimeline(time.perf_counter())
@@ -473,6 +483,7 @@ class EngineCore:
         for fr in touched:
             out = fr.output()
             if out is not None:
+                out.weight_version = self.weight_version
                 self._undelivered.append(out)
             if fr.finished:
                 self._retire(fr)
@@ -540,6 +551,51 @@ class EngineCore:
             self.timeline.switch(now, outcome, self._switch_reason if outcome.done else str(outcome.reason))
             if self.auto is not None:
                 (self.auto.switched if outcome.done else self.auto.refused)(now)
+        return outcome
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       weight_version: str | None = None) -> UpdateOutcome:
+        """Write new values of some or all of the model's weights, by their Hugging Face checkpoint names (experts
+        one by one or fused, any floating dtype, any device), into the running engine between two steps. Every name,
+        shape and dtype is checked first: a bad one raises naming it and nothing is written. The prefix cache is
+        flushed; requests in flight continue on the new weights; `weight_version` is reported on every output from
+        now on."""
+        self._check_open()
+        _check_version(weight_version)
+        tensors = check_update(self.model_config, named_tensors)
+        update = WeightUpdate()
+        if isinstance(self.ranks, LocalRanks):
+            update.local = tensors  # the rank is in this process: it reads them where they are
+            return self._update(update, weight_version)
+        # rank processes: one copy into shared memory that every rank of this machine maps
+        segment, update.tensors = share(tensors)
+        update.segment = segment.name
+        try:
+            return self._update(update, weight_version)
+        finally:
+            segment.unlink()
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> UpdateOutcome:
+        """`update_weights` from a safetensors directory of the model's architecture and shapes (its config.json,
+        where there is one, and every tensor's header checked before a byte is written); every rank reads its own
+        cut of the files."""
+        self._check_open()
+        _check_version(weight_version)
+        check_update_checkpoint(path, self.model_config)
+        return self._update(WeightUpdate(path=os.path.abspath(path)), weight_version)
+
+    def _update(self, update: WeightUpdate, weight_version: str | None) -> UpdateOutcome:
+        """Send a checked update in a plan of its own (after the steps in flight) and take in its outcome."""
+        self._settle()  # (before the plan is taken: what the steps in flight end is released with it)
+        plan = self._next_plan(with_switch=False)  # a switch asked for rides on the next step, after the update
+        plan.run, plan.update = False, update
+        outcome = self._call(plan).update
+        assert outcome is not None, "the ranks did not report the weight update"
+        if not outcome.done:
+            raise RuntimeError(f"weight update refused on the ranks: {outcome.reason}")
+        self.weight_version = weight_version
+        log.info("weights updated (version %r): %d views rewritten, %d cached pages dropped", weight_version,
+                 outcome.views, outcome.flushed_pages)
         return outcome
 
     def query(self, query: Query | str) -> list[Any]:

@@ -1,10 +1,11 @@
 """What the front end and the ranks tell each other, carried as JSON by `link/codec.py` between ranks and as
 pickles over rank 0's local pipe.
 
-Front end -> ranks: a `StepPlan` before each step (its parts typed: admissions, releases, a switch order, a
-diagnostic query) or, off the serving path, a `DecodeProbe` / `PrefillProbe` that times steps for a benchmark.
+Front end -> ranks: a `StepPlan` before each step (its parts typed: admissions, releases, a weight update, a switch
+order, a diagnostic query) or, off the serving path, a `DecodeProbe` / `PrefillProbe` that times steps for a benchmark.
 Ranks -> front end: a `StepReport` (one rank's, merged over the ranks for the front end), whose token deltas are
-the one stream every output is built from, and, with a switch, its `SwitchOutcome`.
+the one stream every output is built from, and, with a switch, its `SwitchOutcome` (with an update, its
+`UpdateOutcome`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,31 @@ class SwitchOrder:
     owners: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class SharedTensor:
+    """One tensor of a weight update in a shared-memory segment: its checkpoint name, dtype (torch's name, e.g.
+    "bfloat16"), shape and byte offset in the segment (`link/shared_tensors.py`)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+@dataclass
+class WeightUpdate:
+    """New values of some of the model's weights, written on every rank between two steps
+    (`worker/weight_update.py`), by their Hugging Face checkpoint names: the tensors of a safetensors directory
+    (`path`: every rank reads its own cut), or tensors in memory, in a POSIX shared-memory segment every rank on this
+    machine maps (`segment`, `tensors`) or, with the one rank in the front end's process, the tensors themselves."""
+
+    path: str | None = None
+    segment: str | None = None
+    tensors: list[SharedTensor] = field(default_factory=list)
+    # one rank in this process: the checked tensors as they are (not an init field: it never travels)
+    local: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+
 class Query(enum.Enum):
     """A question every rank answers without a step (`worker/diagnostics.py`)."""
 
@@ -53,7 +79,8 @@ class Query(enum.Enum):
 @dataclass
 class StepPlan:
     """What the front end tells every rank before a step, applied in this order: admit new requests, release the
-    ones the front end is done with, switch, then run one step (or not: a switch or a query alone)."""
+    ones the front end is done with, update weights, switch, then run one step (or not: an update, a switch or a
+    query alone)."""
 
     admit: list[Admit] = field(default_factory=list)
     # requests the front end ended (aborted, stopped by a stop string) or saw finish: a rank ends any it still runs,
@@ -62,6 +89,7 @@ class StepPlan:
     switch: SwitchOrder | None = None
     run: bool = True
     query: Query | None = None
+    update: WeightUpdate | None = None
 
 
 @dataclass
@@ -227,6 +255,17 @@ class SwitchOutcome:
 
 
 @dataclass
+class UpdateOutcome:
+    """What a weight update did: done (on every rank), or why no rank wrote a byte; the views rank 0 rewrote and
+    the prefix-cache pages it dropped (they were computed by the old weights)."""
+
+    done: bool
+    reason: str | None = None
+    views: int = 0
+    flushed_pages: int = 0
+
+
+@dataclass
 class StepReport:
     """What the ranks report after a plan: one rank's, or every rank's merged for the front end (`merge`). In TP
     every rank computes the same tokens and only rank 0 reports them; in EP each rank reports its own."""
@@ -241,6 +280,7 @@ class StepReport:
     switch_times: SwitchTimes | None = None
     times: RankTimes = field(default_factory=RankTimes)  # rank 0's
     answers: list[Any] | None = None  # per rank, when the plan asked a query
+    update: UpdateOutcome | None = None  # rank 0's, when the plan carried a weight update
 
     @staticmethod
     def merge(reports: list[StepReport]) -> StepReport:
@@ -248,7 +288,8 @@ class StepReport:
         return StepReport([d for r in reports for d in r.deltas], [k for r in reports for k in r.kv],
                           sum(r.running for r in reports), sum(r.waiting for r in reports),
                           sum((r.work for r in reports), StepWork()), head.switch, head.switch_times, head.times,
-                          None if head.answers is None else [a for r in reports for a in r.answers or []])
+                          None if head.answers is None else [a for r in reports for a in r.answers or []],
+                          head.update)
 
     def waited(self, ms: float) -> StepReport:
         """This report with rank 0's wait for its plan (known only where the plan was received)."""

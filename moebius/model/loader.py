@@ -1,4 +1,5 @@
-"""Fill a layout's weight views: from a local safetensors checkpoint (single file or sharded), or dummy weights.
+"""Fill a layout's weight views: from a local safetensors checkpoint (single file or sharded), or dummy weights;
+and rewrite some of them in a running engine (`check_update` at the front end, `write_update` on each rank).
 
 A checkpoint's files are checked when it is opened (each header read and its byte ranges matched against the file's
 size), and `check_checkpoint` checks, before any rank is built, that every tensor the weight specs read is there, of
@@ -7,12 +8,14 @@ its shape and stored as floating point; the tensors no spec reads are listed in 
 
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import logging
 import os
 import re
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
-from moebius.model.weights import ParamSpec, spec_view, weight_specs
+from moebius.model.weights import ParamSpec, checkpoint_tensors, per_expert, spec_view, weight_specs
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -294,3 +297,88 @@ def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | 
         except KeyError as e:
             raise ConfigError(f"checkpoint {ckpt.path!r} is missing tensor {e.args[0]}") from None
         view.copy_(t)
+
+
+# Tensor dtypes an update takes: those of FLOAT_DTYPES (float8 would be quantized values without their scales)
+UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _unknown(name: str, cfg: ModelConfig, known: dict[str, tuple[int, ...]]) -> str:
+    """Why `name` is no tensor of the model, in words."""
+    m = _LAYER.match(name)
+    if m is not None and int(m.group(1)) >= cfg.num_layers:
+        return (f"tensor {name} is of layer {m.group(1)}, but the engine runs {cfg.num_layers} layers (0.."
+                f"{cfg.num_layers - 1}; --num-layers)")
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return ("tensor lm_head.weight: the model ties lm_head to the embedding (tie_word_embeddings), so it has no "
+                "lm_head of its own; send model.embed_tokens.weight")
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    hint = (f"; did you mean {close[0]}?" if close
+            else " (names are a Hugging Face checkpoint's, e.g. model.norm.weight)")
+    return f"unknown tensor name {name!r}: the model has no weight of that name{hint}"
+
+
+def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """An update's tensors by the names the weight specs read (a fused expert tensor as its per-expert views), every
+    one checked before a byte is written: TypeError for what is not a (name, tensor) pair, ValueError naming the
+    first tensor whose name the model does not read, whose shape is not the model's (both shapes named), whose
+    dtype is not floating point, or that comes twice."""
+    known = checkpoint_tensors(cfg)
+    out: dict[str, torch.Tensor] = {}
+    given_as: dict[str, str] = {}  # per-expert name -> the name it came under (a fused tensor's)
+    if isinstance(named, Mapping):
+        named = named.items()
+    for item in named:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise TypeError(f"a weight update is an iterable of (name, tensor) pairs; got a {type(item).__name__}")
+        name, t = item
+        if not isinstance(name, str):
+            raise TypeError(f"a tensor name must be a string, got {type(name).__name__} {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name} must be a torch.Tensor, got {type(t).__name__}")
+        if name not in known:
+            raise ValueError(_unknown(name, cfg, known))
+        if tuple(t.shape) != known[name]:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}; the model's is {known[name]}")
+        if t.dtype not in UPDATE_DTYPES:
+            kind = ("float8 (quantized values, without their scales)" if "float8" in str(t.dtype)
+                    else "not floating point")
+            raise ValueError(f"tensor {name} is {t.dtype}, {kind}: an update takes "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in UPDATE_DTYPES)} tensors")
+        if t.layout != torch.strided or t.is_meta:
+            raise ValueError(f"tensor {name} is a {'meta' if t.is_meta else str(t.layout)} tensor: an update needs "
+                             "its values in a dense tensor")
+        for n, part in per_expert(cfg, name, t.detach()):
+            if n in out:
+                twice = given_as[n] if given_as[n] == name else f"{given_as[n]} and {name}"
+                raise ValueError(f"tensor {n} is given twice (in {twice}): which one counts would be a guess")
+            out[n], given_as[n] = part, name
+    return out
+
+
+def write_update(umm: UnifiedMemory, specs: list[tuple[ParamSpec, tuple[str, ...]]],
+                 tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """Write checked tensors (`check_update`) into the views they feed; returns how many views changed. `specs`: the
+    rank's resident specs, each with the tensors its cut reads (`spec_reads`). A spec is cut again by its own load,
+    the loader's, from these tensors; where it reads others too (an update of some experts, of q_proj alone), they
+    stand in as zeros and an indicator cut the same way keeps the view's old values in their place."""
+    device = umm.device
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tensors.get(name)
+        return t.to(device) if t is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+    def given(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.full(shape, name in tensors, dtype=torch.bool, device=device)
+
+    written = 0
+    for s, reads in specs:
+        some = sum(n in tensors for n in reads)
+        if not some:
+            continue
+        assert s.load is not None
+        view = spec_view(umm, s, dtype)
+        new = s.load(fetch)
+        view.copy_(new if some == len(reads) else torch.where(s.load(given), new.to(dtype), view))
+        written += 1
+    return written

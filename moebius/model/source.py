@@ -7,6 +7,7 @@ before a rank process is spawned or a byte of the unified buffer is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -171,3 +172,25 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
     eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
     return ResolvedModel(cfg, checkpoint, tok, eos, False)
+
+
+def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
+    """Before a weight update from `path`: a directory of the served model's architecture and shapes. Its config.json,
+    where it has one, describes the same model (at least as many layers as are served), and every tensor the weights
+    read is there, of its shape and stored as floating point (`check_checkpoint`); ConfigError naming what is not."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a directory name, got {type(path).__name__} {path!r}")
+    if not os.path.isdir(path):
+        raise ConfigError(f"weight update from {str(path)!r}: no such directory")
+    layers = cfg.num_layers
+    if os.path.isfile(os.path.join(path, "config.json")):
+        theirs = ModelConfig.from_hf(hf_config_of(str(path)))
+        layers = theirs.num_layers
+        if layers < cfg.num_layers:
+            raise ConfigError(f"{path}/config.json has {layers} layers; the engine serves {cfg.num_layers}")
+        differ = [f"{f.name} {getattr(theirs, f.name)!r} (the engine's: {getattr(cfg, f.name)!r})"
+                  for f in dataclasses.fields(cfg) if f.name != "num_layers"
+                  and getattr(theirs, f.name) != getattr(cfg, f.name)]
+        if differ:
+            raise ConfigError(f"{path}/config.json describes another model than the one served: {'; '.join(differ)}")
+    check_checkpoint(Checkpoint(str(path)), cfg, layers)

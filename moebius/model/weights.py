@@ -7,6 +7,8 @@ the same shard (e.g. P = 1) share one copy. The cut is the layout's sharding fun
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,11 @@ from moebius.parallel.layout import Layout
 
 # fetch(hf_name, full_shape) -> the checkpoint tensor, checked against the shape
 Fetch = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+# transformers 5's Qwen3-MoE holds a layer's experts in two tensors (a trainer's named_parameters() gives them):
+# gate_up_proj [E, 2I, D] (each expert's gate rows, then its up rows) and down_proj [E, D, I]
+FUSED_W13, FUSED_W2 = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+_FUSED = re.compile(r"(model\.layers\.\d+\.)(mlp\.experts\.(?:gate_up_proj|down_proj))$")
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,8 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
         except KeyError as missing:
             try:
                 if which == "w13":
-                    return fetch(p + "mlp.experts.gate_up_proj", (E, 2 * I, D))[e]
-                return fetch(p + "mlp.experts.down_proj", (E, D, I))[e]
+                    return fetch(p + FUSED_W13, (E, 2 * I, D))[e]
+                return fetch(p + FUSED_W2, (E, D, I))[e]
             except KeyError:
                 raise missing from None  # name the per-expert tensor (the usual format) as the missing one
 
@@ -112,6 +119,66 @@ def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
     for i in range(cfg.num_layers):
         specs += _layer_specs(cfg, lay, i, elt)
     return specs
+
+
+def resident_specs(cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
+    """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the dense
+    regions of the other layouts it keeps, each region once. Loading writes these; so does a weight update."""
+    specs = weight_specs(cfg, layouts[mode], elt)
+    names = {s.name for s in specs}
+    for m, lay in layouts.items():
+        if m != mode:
+            specs += [s for s in weight_specs(cfg, lay, elt) if s.slot is None and s.name not in names]
+            names.update(s.name for s in specs)
+    return specs
+
+
+def spec_reads(s: ParamSpec) -> tuple[str, ...]:
+    """The checkpoint tensors a spec's cut reads, in order (its per-expert names), found by running the cut on meta
+    tensors: shapes only, no bytes."""
+    names: list[str] = []
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        names.append(name)
+        return torch.empty(shape, device="meta")
+
+    if s.load is not None:
+        s.load(fetch)
+    return tuple(names)
+
+
+@functools.cache
+def checkpoint_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the model reads, with its full shape: the names of a Hugging Face checkpoint
+    (experts one by one) and the fused expert tensors (`FUSED_W13`, `FUSED_W2`) that stand for a layer's."""
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        shapes[name] = tuple(shape)
+        # no bytes past the first dim: one rank's TP cut (cat, stack, rows) runs on shapes only (check_checkpoint)
+        return torch.empty(shape[:1] + (0,) * (len(shape) - 1))
+
+    for s in weight_specs(cfg, Layout(cfg, "tp", 0, 1), 4):
+        if s.load is not None:
+            s.load(fetch)
+    E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+        shapes[f"model.layers.{i}.{FUSED_W13}"] = (E, 2 * I, D)
+        shapes[f"model.layers.{i}.{FUSED_W2}"] = (E, D, I)
+    return shapes
+
+
+def per_expert(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused expert tensor as the per-expert tensors the weight specs read (views of it, in expert order); any
+    other tensor as it is."""
+    m = _FUSED.match(name)
+    if m is None:
+        return [(name, t)]
+    p, I = m.group(1) + "mlp.experts.", cfg.moe_intermediate_size
+    if m.group(2) == FUSED_W2:
+        return [(f"{p}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+    return [(f"{p}{e}.{proj}.weight", rows) for e in range(t.shape[0])
+            for proj, rows in (("gate_proj", t[e, :I]), ("up_proj", t[e, I:]))]
 
 
 def plan_weights(plan: MemoryPlan, cfg: ModelConfig, layouts: list[Layout], dtype: torch.dtype) -> None:

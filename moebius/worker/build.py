@@ -19,7 +19,7 @@ from moebius.link.lifecycle import StopRules
 from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
-from moebius.model.weights import build_weights, plan_weights, weight_specs
+from moebius.model.weights import build_weights, plan_weights, resident_specs
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import MODES, Layout, check_shapes
@@ -160,9 +160,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     # Weights: dense parts of both layouts, experts in the start layout's slots.
     ckpt = DummyCheckpoint(ecfg.seed, device) if spec.checkpoint is None else Checkpoint(spec.checkpoint)
-    specs = {m: weight_specs(cfg, lay, elt) for m, lay in layouts.items()}
-    other = [s for m in held if m != spec.mode for s in specs[m] if s.slot is None]
-    load_weights(umm, specs[spec.mode] + other, ckpt, dtype, cfg)
+    load_weights(umm, resident_specs(cfg, layouts, spec.mode, elt), ckpt, dtype, cfg)
 
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
                            reshard_kernel=not ecfg.disable_reshard_kernel,

@@ -30,6 +30,8 @@ from moebius.link.messages import (
     SwitchOutcome,
     SwitchTimes,
     TokenDelta,
+    UpdateOutcome,
+    WeightUpdate,
     attended_pairs,
 )
 from moebius.link.request import PLACEHOLDER, Request, RequestSpec
@@ -42,6 +44,7 @@ from moebius.switch.executor import Switcher
 from moebius.switch.handover import RankRequests, SwitchResult, switch_requests
 from moebius.worker.runner import ModelRunner, PendingStep, StepSync, admission_error
 from moebius.worker.scheduler import ScheduledChunk, Scheduler
+from moebius.worker.weight_update import WeightTargets, apply_update
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class Rank:
         self._late_switch_times: SwitchTimes | None = None  # see report()
         self._work = StepWork()  # what the last launched step computes (see report())
         self._synced = 0.0  # seconds blocked on the device for a step's tokens since report() began
+        self.targets = WeightTargets(self.cfg, {m: rt.layout for m, rt in modes.items()}, getattr(torch, spec.dtype))
+        self._updated: UpdateOutcome | None = None  # the plan's weight update (see report())
 
     @property
     def layout(self) -> Layout:
@@ -148,18 +153,21 @@ class Rank:
         host = time.perf_counter() - t0 - self._synced
         return StepReport((before if first else []) + (after if second else []), [self.kv_stats()], *counts,
                           self._work if second else StepWork(), outcome, self._late_switch_times,
-                          RankTimes(host * 1e3, self._synced * 1e3))
+                          RankTimes(host * 1e3, self._synced * 1e3), update=self._updated)
 
     def apply(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], SwitchOutcome | None]:
-        """Apply the plan: admit, release, maybe switch, maybe run one forward step. Returns the deltas of the step
-        in flight resolved before a switch or a call without a step, those of the step, and the switch's outcome."""
+        """Apply the plan: admit, release, maybe update weights, maybe switch, maybe run one forward step. Returns the
+        deltas of the step in flight resolved before a switch or a call without a step, those of the step, and the
+        switch's outcome (an update's: `_updated`)."""
         sched = self.scheduler
         self._work = StepWork()  # (a plan without a step launches nothing)
+        self._updated = None
         # times of a switch that rode on the step before this one (its pass is over by now, or nearly)
         self._late_switch_times = self.switcher.pass_times()
-        # a switch moves requests and a query looks at them: both need every token on the host
+        # a switch moves requests and a query looks at them: both need every token on the host; the step in flight
+        # ran on the weights an update replaces
         t = time.perf_counter()
-        drained = self.drain() if plan.switch or not plan.run else []
+        drained = self.drain() if plan.switch or plan.update or not plan.run else []
         drain_ms = (time.perf_counter() - t) * 1e3
         for a in plan.admit:
             # every rank judges every request alike (a pure function of it): the one that reports it says so
@@ -174,6 +182,8 @@ class Rank:
                 self.others[a.spec.request_id] = a.spec
         if plan.release:
             self._release(plan.release)
+        if plan.update is not None:
+            self._updated = self._update(plan.update)
         outcome = self._switch(plan.switch, drain_ms) if plan.switch else None
         deltas = self._forward_step() if plan.run else []
         if outcome is not None and outcome.done and not plan.run:  # nothing rides on it: its times now
@@ -189,6 +199,14 @@ class Rank:
         sched = self.scheduler
         for req in [r for r in (*sched.running, *sched.waiting) if r.request_id in gone]:
             sched.finish(req)
+
+    def _update(self, update: WeightUpdate) -> UpdateOutcome:
+        """New weights into the resident views (every rank, or none); requests in flight continue on them."""
+        views, error = apply_update(self.umm, self.targets, self.mode, update, self.groups)
+        if error is not None:
+            return UpdateOutcome(False, error)
+        # the cached pages were computed by the old weights: no later prompt may start from them
+        return UpdateOutcome(True, None, views, self.allocator.clear_cache())
 
     def _switch(self, order: SwitchOrder, drain_ms: float) -> SwitchOutcome:
         if order.target == self.mode:

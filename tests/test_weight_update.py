@@ -1,0 +1,212 @@
+"""Weight updates into a running engine (LLM.update_weights, update_weights_from_disk), one rank in process and two
+spawned ranks (the tensors through shared memory), in TP and in EP: after an update the engine serves the new
+checkpoint's greedy tokens (transformers' and a fresh engine's), a switch moves the new weights, a partial update
+changes only what it names, a bad update changes nothing, the prefix cache is flushed and every output names the
+weight version.
+
+A is the "base" checkpoint, B "base_b" (other random weights of the same shapes), M is A with some of B's tensors:
+all of layer 1, experts 0-2 of layer 0 and the gate of its expert 3, and layer 2's q_proj (so a spec's cut reads
+some given tensors and some not: the qkv stack, a layer's experts).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import PROMPTS, Checkpoints, hf_greedy, hf_model, make_llm
+from safetensors.torch import load_file, save_file
+
+from moebius import SamplingParams
+from moebius.config import ConfigError
+
+N = 8  # greedy tokens a prompt
+GREEDY = SamplingParams(max_tokens=N, temperature=0.0)
+TEST_PROMPTS = PROMPTS[1:4]  # 5, 17 and 33 tokens: the last fills two 16-token pages of the prefix cache
+
+
+def _in_m(name: str) -> bool:
+    """The tensors M takes from B."""
+    return (name.startswith("model.layers.1.") or name == "model.layers.2.self_attn.q_proj.weight"
+            or name == "model.layers.0.mlp.experts.3.gate_proj.weight"
+            or any(name.startswith(f"model.layers.0.mlp.experts.{e}.") for e in range(3)))
+
+
+@pytest.fixture(scope="module")
+def paths(ckpt: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    a, b = ckpt("base"), ckpt("base_b")
+    m = str(tmp_path_factory.mktemp("update") / "mixed")
+    shutil.copytree(a, m)
+    mixed = {**load_file(os.path.join(a, "model.safetensors")), **_b_part(b)}
+    save_file(mixed, os.path.join(m, "model.safetensors"), metadata={"format": "pt"})
+    return {"A": a, "B": b, "M": m}
+
+
+def _b_part(b: str) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in load_file(os.path.join(b, "model.safetensors")).items() if _in_m(n)}
+
+
+@pytest.fixture(scope="module")
+def want(paths: dict[str, str]) -> dict[str, list[list[int]]]:
+    """transformers' greedy tokens of each checkpoint."""
+    return {k: [hf_greedy(p, ids, N) for ids in TEST_PROMPTS] for k, p in paths.items()}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
+def llm(request: pytest.FixtureRequest, paths: dict[str, str]) -> Iterator[Any]:
+    """An engine on A (P = 2: spawned ranks), shared by the module's tests; each test starts it on A in TP."""
+    engine = make_llm(paths["A"], num_ranks=request.param, mode="tp")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def on_a(llm: Any, paths: dict[str, str]) -> Any:
+    if llm.mode != "tp":
+        llm.switch_mode("tp")
+    llm.update_weights_from_disk(paths["A"], "A")
+    return llm
+
+
+def tokens(llm: Any, prompts: list[list[int]] = TEST_PROMPTS) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def addresses(llm: Any) -> list[list[int]]:
+    """Every rank's buffer address and view addresses (weights, KV, static buffers): what the graphs captured."""
+    return [a["ptrs"] for a in llm.engine.query("fingerprint")]
+
+
+def test_update_from_a_trainers_tensors_serves_b_in_both_layouts(on_a: Any, paths: dict[str, str],
+                                                                   want: dict[str, list[list[int]]]) -> None:
+    """A trainer's named_parameters() (transformers 5: the experts fused) in TP: B's tokens, as transformers and a
+    fresh engine on B give them, at the same addresses; a switch then moves B's experts into EP."""
+    llm = on_a
+    assert tokens(llm) == want["A"]
+    before = addresses(llm)
+    outcome = llm.update_weights(hf_model(paths["B"]).named_parameters(), weight_version="B")
+    assert outcome.done and outcome.views > 0
+    assert tokens(llm) == want["B"]
+    fresh = make_llm(paths["B"])
+    try:
+        assert tokens(fresh) == want["B"]
+    finally:
+        fresh.close()
+    assert addresses(llm) == before
+    assert llm.switch_mode("ep").done
+    assert tokens(llm) == want["B"]
+
+
+def test_update_from_disk_in_ep_then_switch_to_tp(on_a: Any, paths: dict[str, str],
+                                                  want: dict[str, list[list[int]]]) -> None:
+    llm = on_a
+    assert llm.switch_mode("ep").done
+    assert tokens(llm) == want["A"]
+    llm.update_weights_from_disk(paths["B"], "B")
+    assert tokens(llm) == want["B"]
+    assert llm.switch_mode("tp").done
+    assert tokens(llm) == want["B"]
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_partial_update_changes_only_what_it_names(on_a: Any, paths: dict[str, str],
+                                                   want: dict[str, list[list[int]]], mode: str) -> None:
+    """Some of B's tensors, as float64 (any floating dtype; exact in float32), give M's tokens in the layout updated
+    and after a switch."""
+    llm = on_a
+    if mode == "ep":
+        llm.switch_mode("ep")
+    assert want["M"] != want["A"] and want["M"] != want["B"]
+    llm.update_weights((n, t.double()) for n, t in _b_part(paths["B"]).items())
+    assert tokens(llm) == want["M"]
+    assert llm.switch_mode("tp" if mode == "ep" else "ep").done
+    assert tokens(llm) == want["M"]
+
+
+def _bad_updates(cfg_path: str) -> list[tuple[list[tuple[Any, Any]], type[Exception], str]]:
+    b = load_file(os.path.join(cfg_path, "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    fused = hf_model(cfg_path).state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    good = [(n, t) for n, t in b.items() if n.startswith("model.layers.1.")]
+    return [
+        (good + [("model.layers.0.self_attn.q.weight", b[q])], ValueError,
+         "unknown tensor name 'model.layers.0.self_attn.q.weight'.*did you mean " + q.replace(".", r"\.")),
+        ([("model.layers.3.input_layernorm.weight", torch.ones(64))], ValueError, "layer 3.*runs 3 layers"),
+        (good + [(q, b[q][:32])], ValueError, rf"{q} has shape \(32, 64\); the model's is \(64, 64\)"),
+        ([(q, b[q].to(torch.int32))], ValueError, f"{q} is torch.int32, not floating point"),
+        ([(q, b[q].to(torch.float8_e4m3fn))], ValueError, f"{q} is torch.float8_e4m3fn, float8"),
+        ([(q, b[q]), (q, b[q])], ValueError, f"{q} is given twice"),
+        ([("model.layers.0.mlp.experts.gate_up_proj", fused),
+          ("model.layers.0.mlp.experts.1.up_proj.weight", fused[1, 32:])], ValueError,
+         "experts.1.up_proj.weight is given twice .in model.layers.0.mlp.experts.gate_up_proj and"),
+        ([(q, b[q].tolist())], TypeError, f"{q} must be a torch.Tensor, got list"),
+        ([(0, b[q])], TypeError, "a tensor name must be a string"),
+        ([q], TypeError, r"iterable of \(name, tensor\) pairs"),
+    ]
+
+
+def test_a_bad_update_changes_nothing(on_a: Any, paths: dict[str, str], want: dict[str, list[list[int]]],
+                                      ckpt: Checkpoints) -> None:
+    """Each bad name, shape or dtype raises naming it, even after good tensors of the same update: the engine
+    serves A's tokens after all of them. So do refused directories."""
+    llm = on_a
+    for named, error, match in _bad_updates(paths["B"]):
+        with pytest.raises(error, match=match):
+            llm.update_weights(iter(named), "bad")
+    with pytest.raises(TypeError, match="weight_version must be a string"):
+        llm.update_weights([], 3)
+    missing = ckpt.copy("base", "update_missing")
+    kept = {n: t for n, t in load_file(os.path.join(missing, "model.safetensors")).items()
+            if n != "model.layers.2.mlp.gate.weight"}
+    save_file(kept, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="missing tensor model.layers.2.mlp.gate.weight"):
+        llm.update_weights_from_disk(missing)
+    other = ckpt.copy("base", "update_other_model")
+    with open(os.path.join(other, "config.json")) as f:
+        text = f.read().replace('"norm_topk_prob": true', '"norm_topk_prob": false')
+    with open(os.path.join(other, "config.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(ConfigError, match="another model.*norm_topk_prob False .the engine's: True"):
+        llm.update_weights_from_disk(other)
+    with pytest.raises(ConfigError, match="no such directory"):
+        llm.update_weights_from_disk(os.path.join(other, "nowhere"))
+    assert llm.weight_version == "A"
+    assert tokens(llm) == want["A"]
+
+
+def test_update_flushes_the_prefix_cache(on_a: Any, paths: dict[str, str], want: dict[str, list[list[int]]]) -> None:
+    """A prompt whose pages were cached under A gives B's tokens after the update, computed in full."""
+    llm = on_a
+    prompt = TEST_PROMPTS[2]  # 33 tokens: two full pages
+    llm.generate(prompt, GREEDY)
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 32
+    outcome = llm.update_weights_from_disk(paths["B"])
+    assert outcome.flushed_pages >= 2
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.token_ids == want["B"][2] and out.num_cached_tokens == 0
+
+
+def test_weight_version_on_every_output(on_a: Any, paths: dict[str, str], want: dict[str, list[list[int]]]) -> None:
+    """The version of the last update is on every output (generate's, and step()'s while a request runs across an
+    update: it continues on the new weights) and on the LLM; an update without one reports None."""
+    llm = on_a
+    assert llm.weight_version == "A" and llm.generate(TEST_PROMPTS[0], GREEDY)[0].weight_version == "A"
+    llm.add_request(TEST_PROMPTS[1], GREEDY)
+    made: list[int] = []  # its tokens under A (an output's list grows with the request: copied)
+    while len(made) < 3:
+        for o in llm.step():
+            assert o.weight_version == "A"
+            made = list(o.token_ids)
+    llm.update_weights_from_disk(paths["B"], "B-1")
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    final = outs[-1]
+    assert final.finished and len(final.token_ids) == N and final.weight_version == "B-1"
+    assert final.token_ids[:len(made)] == made == want["A"][1][:len(made)]
+    llm.update_weights(hf_model(paths["B"]).named_parameters())
+    assert llm.weight_version is None and llm.generate(TEST_PROMPTS[0], GREEDY)[0].weight_version is None
