@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import PROMPTS, Checkpoints, hf_greedy, make_llm
 from safetensors.torch import load_file, save_file
+from test_bad_inputs import _edit_config
 
 from moebius.config import PRESETS, ConfigError, EngineConfig
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
@@ -40,18 +41,7 @@ EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
 
 def edit_config(**changes: Any) -> Callable[[str], None]:
     """config.json with keys set (None: removed)."""
-    def edit(path: str) -> None:
-        f = os.path.join(path, "config.json")
-        with open(f) as fh:
-            cfg = json.load(fh)
-        for k, v in changes.items():
-            if v is None:
-                cfg.pop(k, None)
-            else:
-                cfg[k] = v
-        with open(f, "w") as fh:
-            json.dump(cfg, fh)
-    return edit
+    return lambda path: _edit_config(path, **changes)
 
 
 def edit_tensors(fn: Callable[[dict[str, torch.Tensor]], None], file: str = WEIGHTS) -> Callable[[str], None]:

@@ -260,19 +260,12 @@ def test_a_request_that_fails_is_written_with_its_error(tmp_path: pathlib.Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A request the engine ends with finish_reason "error" (its sampling values fail on the rank) is written with
     why; the other requests' lines are as they are without it, and the command succeeds."""
-    from moebius.worker import runner
-
-    columns = runner.sampling_columns
-
-    def failing(rows: list[tuple[Any, int, int]], vocab: int) -> Any:
-        if any(seed == 666 for _, seed, _ in rows):
-            raise OverflowError("Overflow when unpacking long long")
-        return columns(rows, vocab)
+    from test_offline_catalogue import fail_sampling_for_seed
 
     good = {"prompt": "a", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
     want = tmp_path / "want.jsonl"
     assert main([*DEMO, "--input", _jsonl(tmp_path / "good.jsonl", good), "--output", str(want)]) == 0
-    monkeypatch.setattr(runner, "sampling_columns", failing)
+    fail_sampling_for_seed(monkeypatch, 666)
     out = tmp_path / "out.jsonl"
     src = _jsonl(tmp_path / "in.jsonl", {"prompt": "b", "seed": 666, "max_tokens": 4}, good)
     assert main([*DEMO, "--input", src, "--output", str(out)]) == 0

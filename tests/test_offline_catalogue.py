@@ -350,6 +350,18 @@ def test_a_closed_llm_says_so(closed: LLM, llm: LLM, before: list[list[int]], ca
 
 
 # ---- one bad request never breaks the engine ----
+def fail_sampling_for_seed(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Make the rank's sampling conversion fail for requests with this seed, as a seed outside int64 once did."""
+    columns = runner.sampling_columns
+
+    def failing(rows: list[tuple[SamplingParams, int, int]], vocab: int) -> Any:
+        if any(s == seed for _, s, _ in rows):
+            raise OverflowError("Overflow when unpacking long long")
+        return columns(rows, vocab)
+
+    monkeypatch.setattr(runner, "sampling_columns", failing)
+
+
 def test_a_request_a_rank_cannot_run_ends_with_an_error(monkeypatch: pytest.MonkeyPatch, llm: LLM,
                                                         before: list[list[int]]) -> None:
     """A value that would fail inside a step (here: the sampling conversion, made to fail for seed 666) fails its
@@ -357,14 +369,7 @@ def test_a_request_a_rank_cannot_run_ends_with_an_error(monkeypatch: pytest.Monk
     tokens they get without it."""
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3]]
     want = [o.token_ids for o in llm.generate([prompts[0], prompts[2]], SEEDED)]
-    columns = runner.sampling_columns
-
-    def failing(rows: list[tuple[SamplingParams, int, int]], vocab: int) -> Any:
-        if any(seed == 666 for _, seed, _ in rows):
-            raise OverflowError("Overflow when unpacking long long")
-        return columns(rows, vocab)
-
-    monkeypatch.setattr(runner, "sampling_columns", failing)
+    fail_sampling_for_seed(monkeypatch, 666)
     bad = SamplingParams(temperature=0.9, seed=666, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompts, [SEEDED[0], bad, SEEDED[1]])
     assert [outs[0].token_ids, outs[2].token_ids] == want

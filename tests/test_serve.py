@@ -1314,16 +1314,9 @@ def test_a_request_that_fails_is_a_500_and_the_server_serves_on(monkeypatch: pyt
     """A request the engine ends with finish_reason "error" (here: its sampling values fail on the rank, as a seed
     outside int64 did) is a 500 naming why, an error event in a stream, and its other prompts stop; the next request
     gets the tokens it got before."""
-    from moebius.worker import runner
+    from test_offline_catalogue import fail_sampling_for_seed
 
-    columns = runner.sampling_columns
-
-    def failing(rows: list[tuple[SamplingParams, int, int]], vocab: int) -> Any:
-        if any(seed == 666 for _, seed, _ in rows):
-            raise OverflowError("Overflow when unpacking long long")
-        return columns(rows, vocab)
-
-    monkeypatch.setattr(runner, "sampling_columns", failing)
+    fail_sampling_for_seed(monkeypatch, 666)
     good = {"prompt": IDS[1], **GREEDY, "return_token_ids": True}
     bad = {"prompt": [IDS[1], IDS[2]], "temperature": 0.9, "seed": 666, "max_tokens": 8}
     with served_here(rank_process="off") as (url, engine):
