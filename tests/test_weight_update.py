@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from moebius import SamplingParams
 from moebius.config import ConfigError
+from moebius.link.messages import SharedTensor, WeightUpdate
 
 N = 8  # greedy tokens a prompt
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0)
@@ -174,6 +175,14 @@ def test_a_bad_update_changes_nothing(on_a: Any, paths: dict[str, str], want: di
         llm.update_weights_from_disk(other)
     with pytest.raises(ConfigError, match="no such directory"):
         llm.update_weights_from_disk(os.path.join(other, "nowhere"))
+    # a segment no rank can map (ranks on another machine): every rank says so, and none writes
+    lost = WeightUpdate(segment="moebius-test-no-such-segment",
+                        tensors=[SharedTensor("model.norm.weight", "float32", [64], 0)])
+    ranks = "; ".join(f"rank {r}: FileNotFoundError: no shared-memory segment moebius-test-no-such-segment on .*"
+                      for r in range(llm.engine.world_size))
+    with pytest.raises(RuntimeError, match=f"refused on the ranks: no rank wrote a byte: {ranks}"):
+        llm.engine._update(lost, "lost")
+    assert not os.path.exists("/dev/shm/moebius-test-no-such-segment")
     assert llm.weight_version == "A"
     assert tokens(llm) == want["A"]
 

@@ -18,8 +18,14 @@ SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments (a RAM fi
 
 
 def _map(segment: str, nbytes: int) -> torch.Tensor:
-    """The segment as bytes, mapped shared (its tensors are views; the mapping goes with the last of them)."""
-    return torch.from_file(os.path.join(SHM_DIR, segment), shared=True, size=nbytes, dtype=torch.uint8)
+    """The segment as bytes, mapped shared (its tensors are views; the mapping goes with the last of them);
+    FileNotFoundError where this machine has no such segment, ValueError where it is shorter than `nbytes`."""
+    path = os.path.join(SHM_DIR, segment)
+    # (torch.from_file would create a missing file, or extend a short one, with zeros: weights of nothing)
+    size = os.stat(path).st_size
+    if size < nbytes:
+        raise ValueError(f"shared-memory segment {segment} holds {size} bytes, fewer than the {nbytes} of its tensors")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _end(refs: list[SharedTensor]) -> int:

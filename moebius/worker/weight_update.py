@@ -7,11 +7,12 @@ shared-memory segment it could not map, a directory it could not open): one that
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 
 import torch
 
-from moebius.config import ConfigError, ModelConfig
+from moebius.config import ModelConfig
 from moebius.link.messages import WeightUpdate
 from moebius.link.shared_tensors import attach
 from moebius.memory.umm import UnifiedMemory
@@ -43,7 +44,11 @@ def _source(update: WeightUpdate) -> Checkpoint | Mapping[str, torch.Tensor]:
     if update.path is not None:
         return Checkpoint(update.path)
     if update.segment is not None:
-        return attach(update.segment, update.tensors)
+        try:
+            return attach(update.segment, update.tensors)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no shared-memory segment {update.segment} on {socket.gethostname()}: tensors "
+                                    "in memory reach the ranks of the front end's machine only") from None
     return update.local
 
 
@@ -55,7 +60,7 @@ def apply_update(umm: UnifiedMemory, targets: WeightTargets, mode: str, update: 
     error = None
     try:
         source = _source(update)
-    except (OSError, RuntimeError, ConfigError) as e:  # a segment this rank cannot map (another machine?)
+    except (OSError, ValueError, RuntimeError) as e:  # a segment this rank cannot map (another machine?)
         error = f"{type(e).__name__}: {e}"
     errors = all_gather_json(error, groups)
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
