@@ -219,3 +219,33 @@ def test_weight_version_on_every_output(on_a: Any, paths: dict[str, str], want: 
     assert final.token_ids[:len(made)] == made == want["A"][1][:len(made)]
     llm.update_weights(hf_model(paths["B"]).named_parameters())
     assert llm.weight_version is None and llm.generate(TEST_PROMPTS[0], GREEDY)[0].weight_version is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rank_process", ["off", "on"])
+def test_graphs_captured_at_start_replay_the_new_weights(paths: dict[str, str], rank_process: str) -> None:
+    """On the GPU, the rank in process (updated from GPU tensors where they are) or in a process of its own (through
+    host shared memory): decode steps replay the graphs captured at start, and after the update they give a fresh
+    engine's tokens on B, at the same addresses, in TP and after a switch to EP; from disk back to A's."""
+    from moebius import LLM
+    from moebius.link.messages import DecodeProbe
+
+    kw: dict[str, Any] = dict(device="cuda", dtype="float32", block_size=16, max_total_tokens=4096, mode="tp",
+                              rank_process=rank_process, warmup="none", cuda_graph_max_bs=8)
+    with LLM(paths["B"], **kw) as fresh:
+        b = tokens(fresh)
+        fresh.switch_mode("ep")
+        assert tokens(fresh) == b
+    with LLM(paths["A"], **kw) as llm:
+        a = tokens(llm)
+        assert a != b
+        before = addresses(llm)
+        llm.update_weights((n, p.detach().cuda()) for n, p in hf_model(paths["B"]).named_parameters())
+        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0)))
+        assert tokens(llm) == b
+        assert addresses(llm) == before
+        assert llm.switch_mode("ep").done and tokens(llm) == b
+        llm.update_weights_from_disk(paths["A"])
+        assert tokens(llm) == a
+        assert llm.switch_mode("tp").done and tokens(llm) == a
