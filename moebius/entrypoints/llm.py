@@ -52,6 +52,9 @@ class LLM:
                             f"{type(prompts).__name__}")
         if not isinstance(use_tqdm, bool):
             raise TypeError(f"use_tqdm must be True or False, got {use_tqdm!r}")
+        if self.engine.paused and self.admin is None:  # nothing could resume it while generate() waits
+            raise RuntimeError("generation is paused (pause_generation): generate() would wait forever; call "
+                               "resume_generation() first")
         prompts = list(prompts)
         params = _params_for(sampling_params, len(prompts))
         checked = []
@@ -141,6 +144,31 @@ class LLM:
         weights, KV, span, total, in ms)."""
         self._check_open()
         return self.engine.switch_mode(mode)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop stepping until resume_generation(), around a weight update (vLLM's and SGLang's semantics): mode
+        "abort" ends every request now with finish_reason "abort" and the tokens it had; "retract" sends every request
+        back to waiting with its KV freed, to recompute prompt + output so far after resume (under the weights of
+        then); "keep" (or SGLang's "in_place") leaves them as they are, to continue after resume. New requests are
+        taken while paused and wait; step() runs no step. The outputs this produces come with the next step()."""
+        self._check_open()
+        self._others += self.engine.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        """Steps run again (a no-op when not paused)."""
+        self._check_open()
+        self.engine.resume_generation()
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether pause_generation() holds the engine."""
+        return self.engine.paused
+
+    def abort_all(self) -> list[str]:
+        """Abort every request in flight (finish_reason "abort", the tokens each had; outputs with the next step());
+        returns their ids."""
+        self._check_open()
+        return self.engine.abort_all()
 
     @property
     def mode(self) -> str:

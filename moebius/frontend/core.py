@@ -73,6 +73,17 @@ def _check_mode(target: str) -> None:
         raise ValueError(f"mode must be {' or '.join(map(repr, MODES))}, got {target!r}")
 
 
+PAUSE_MODES = ("abort", "retract", "keep")  # vLLM's names; SGLang's "in_place" is "keep"
+PAUSE_ALIASES = {"in_place": "keep"}
+
+
+def pause_mode(mode: object) -> str:
+    """A pause mode by vLLM's or SGLang's name, as PAUSE_MODES spells it; ValueError naming any other value."""
+    if not isinstance(mode, str) or PAUSE_ALIASES.get(mode, mode) not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {[*PAUSE_MODES, *PAUSE_ALIASES]}, got {mode!r}")
+    return PAUSE_ALIASES.get(mode, mode)
+
+
 def is_token_id(v: object) -> bool:
     """An integer that can be a token id: Python's or numpy's, never a bool (True is not token 1)."""
     return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
@@ -146,6 +157,7 @@ class EngineCore:
         self.last_switch: SwitchOutcome | None = None  # outcome of the last switch (the policy's or an operator's)
         self.weight_version: str | None = None  # the caller's name for the weights held (update_weights)
         self.closed = False
+        self.paused = False  # pause_generation: no step runs until resume_generation (requests are still taken)
         self._undelivered: list[RequestOutput] = []  # outputs the next step() returns
         self.timeline = ModeTimeline(time.perf_counter())
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
@@ -319,6 +331,40 @@ class EngineCore:
             self._end_on_ranks(child)
         self._collect([fr])
 
+    def abort_all(self) -> list[str]:
+        """Abort every live request (their outputs, finish_reason "abort" with the tokens they had, come with the
+        next step() or pause_generation); returns their ids."""
+        self._check_open()
+        self._settle()  # the tokens of the steps in flight belong to the partial outputs
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """Stop stepping until resume_generation (new requests are still admitted and wait), around a weight update.
+        mode "abort": every live request ends now with finish_reason "abort" and the tokens it had; "retract": every
+        request goes back to waiting on its rank, its KV freed, and recomputes prompt + output so far after resume
+        (under the weights of then); "keep" (SGLang's "in_place"): requests keep their KV and continue after resume.
+        Returns the outputs produced by the steps in flight and the aborts."""
+        self._check_open()
+        mode = pause_mode(mode)
+        self._settle()  # no step of before the pause runs on after it
+        if mode == "abort":
+            self.abort_all()
+            self._release_ended()  # their pages are free before any update
+        elif mode == "retract":
+            plan = self._next_plan(with_switch=False)
+            plan.run, plan.retract = False, True
+            self._call(plan)
+        self.paused = True
+        return self._deliver()
+
+    def resume_generation(self) -> None:
+        """Steps run again from the next step() on (a no-op when not paused)."""
+        self._check_open()
+        self.paused = False
+
     def discard(self, request_ids: Iterable[str]) -> None:
         """Abort these requests, and return none of their outputs, not even the final ones (a caller that gave up on
         them: an interrupted generate)."""
@@ -340,6 +386,9 @@ class EngineCore:
         never sent ahead, and nothing goes ahead of a switch's step (requests added in between are placed by the
         layout in use when they are added)."""
         self._check_open()
+        if self.paused:  # no step; what the front end ended is still released on the ranks
+            self._release_ended()
+            return self._deliver()
         if not (self._requests or self._ends or len(self._pipeline) or self._pending.switch is not None):
             return self._deliver()  # nothing for the ranks to do
         if len(self._pipeline) and self._pending.switch is not None:

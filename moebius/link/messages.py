@@ -90,6 +90,9 @@ class StepPlan:
     run: bool = True
     query: Query | None = None
     update: WeightUpdate | None = None
+    # a pause in mode "retract": every running request goes back to waiting, its KV freed; it recomputes prompt and
+    # output so far when steps run again (under the weights of that time)
+    retract: bool = False
 
 
 @dataclass
@@ -140,6 +143,10 @@ class TokenDelta:
     logprob_ids: list[int] | None = None
     cached_tokens: int | None = None  # on a request's first token: prompt tokens taken from the prefix cache
     error: str | None = None  # why a rank refused it (finish_reason "error")
+    # (SamplingParams.return_routed_experts) the expert ids [positions][MoE layers][k] the step's forward chose for
+    # the request's positions routed_start.. (a prompt chunk that samples nothing reports them with no token)
+    routed_experts: list[list[list[int]]] | None = None
+    routed_start: int = 0
 
     def __reduce__(self) -> tuple[type[TokenDelta], tuple[Any, ...]]:
         # pickled as the constructor's arguments: a rank process's reply carries one a request every step, and

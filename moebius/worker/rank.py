@@ -167,7 +167,7 @@ class Rank:
         # a switch moves requests and a query looks at them: both need every token on the host; the step in flight
         # ran on the weights an update replaces
         t = time.perf_counter()
-        drained = self.drain() if plan.switch or plan.update or not plan.run else []
+        drained = self.drain() if plan.switch or plan.update or plan.retract or not plan.run else []
         drain_ms = (time.perf_counter() - t) * 1e3
         for a in plan.admit:
             # every rank judges every request alike (a pure function of it): the one that reports it says so
@@ -184,6 +184,8 @@ class Rank:
             self._release(plan.release)
         if plan.update is not None:
             self._updated = self._update(plan.update)
+        if plan.retract:  # (after an update in the same plan: the recompute runs on the new weights)
+            sched.retract()
         outcome = self._switch(plan.switch, drain_ms) if plan.switch else None
         deltas = self._forward_step() if plan.run else []
         if outcome is not None and outcome.done and not plan.run:  # nothing rides on it: its times now

@@ -86,6 +86,18 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
+    def retract(self) -> int:
+        """Every running request back to the front of the queue, its KV freed, in the order they ran (a pause in mode
+        "retract": each recomputes prompt + output so far when admitted again, as a preempted one). Returns how many
+        went back. Not counted as preemptions: nothing was short of pages."""
+        n = len(self.running)
+        for req in reversed(self.running):
+            self.alloc.free(req.pages)
+            req.pages, req.num_computed, req.status, req.prefix_keys = [], 0, Status.WAITING, []
+            self.waiting.appendleft(req)
+        self.running = []
+        return n
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.alloc.pages_for(num_tokens) - len(req.pages)
         if need > self.alloc.num_free:
