@@ -21,11 +21,12 @@ from moebius.sampling_params import SamplingParams
 
 
 class ContextLengthError(ValueError):
-    """A prompt, or a prompt and its max_tokens, longer than the context: `param` names the field to change."""
+    """A prompt, or a prompt and its max_tokens, longer than the context (`max_tokens_at_fault`: the latter, so a
+    smaller max_tokens would do)."""
 
-    def __init__(self, message: str, param: str = "prompt") -> None:
+    def __init__(self, message: str, max_tokens_at_fault: bool = False) -> None:
         super().__init__(message)
-        self.param = param
+        self.max_tokens_at_fault = max_tokens_at_fault
 
 
 def check_prompt(num_prompt: int, max_tokens: int | None, max_model_len: int, kv_capacity: int) -> None:
@@ -36,13 +37,12 @@ def check_prompt(num_prompt: int, max_tokens: int | None, max_model_len: int, kv
             f"KV-cache capacity of one request is {limit} tokens (--max-total-tokens or --mem-fraction, in the "
             "smaller layout)")
     if num_prompt >= limit:
-        raise ContextLengthError(f"prompt has {num_prompt} tokens; the {what}, which leaves no room for output",
-                                 "prompt")
+        raise ContextLengthError(f"prompt has {num_prompt} tokens; the {what}, which leaves no room for output")
     if max_tokens is not None and num_prompt + max_tokens > limit:
         raise ContextLengthError(f"prompt has {num_prompt} tokens and max_tokens is {max_tokens}: "
                                  f"{num_prompt + max_tokens} tokens in all, but the {what}; ask for at most "
                                  f"{limit - num_prompt} tokens, or leave max_tokens unset (None: up to the context)",
-                                 "max_tokens")
+                                 max_tokens_at_fault=True)
 
 
 def max_total_len(max_model_len: int, kv_capacity: int) -> int:

@@ -405,7 +405,7 @@ class EngineLoop(Admission):
                 with self._lock:
                     self._waiting -= len(cmd.items)
                     self._in_flight -= len(cmd.items)
-                param = e.param if isinstance(e, ContextLengthError) else cmd.param
+                param = "max_tokens" if isinstance(e, ContextLengthError) and e.max_tokens_at_fault else cmd.param
                 post([(cmd.sink, Failure(APIError(400, f"prompt {i}: {e}" if many else str(e), param=param)))])
                 return
         ids = []
