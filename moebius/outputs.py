@@ -23,6 +23,12 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0  # prompt tokens this sample took from the prefix cache (known from its first token)
     error: str | None = None  # with finish_reason "error": what failed (the engine itself serves on)
+    # (SamplingParams.return_routed_experts) per output token, per MoE layer, the router's top-k expert ids (global
+    # ids, in the router's order) of the forward that sampled the token: that of the token before it
+    routed_experts: list[list[list[int]]] | None = None
+    # (return_prompt_routed_experts) the same for every prompt token but the last (whose is routed_experts[0]):
+    # prompt_routed_experts + routed_experts is the routing of prompt + output[:-1], the sequence a trainer forwards
+    prompt_routed_experts: list[list[list[int]]] | None = None
 
     @property
     def finished(self) -> bool:

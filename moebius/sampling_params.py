@@ -53,6 +53,11 @@ class SamplingParams:
     # Return each output token's log-probability under the model (the raw distribution, before temperature and
     # cuts) and the `logprobs` most likely tokens' (0: the sampled token's alone; None: nothing), as vLLM does.
     logprobs: int | None = None
+    # (routing replay) CompletionOutput.routed_experts: per output token, each MoE layer's top-k expert ids of the
+    # forward that sampled it (SGLang's name); return_prompt_routed_experts adds CompletionOutput.
+    # prompt_routed_experts, those of every prompt token but the last (whose forward samples the first output token)
+    return_routed_experts: bool = False
+    return_prompt_routed_experts: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
@@ -96,7 +101,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens {self.min_tokens} is larger than max_tokens {self.max_tokens}")
         if self.seed is not None:
             _int("seed", self.seed, lo=INT64_MIN, hi=INT64_MAX, what="an integer in [-2**63, 2**63 - 1] (int64)")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "prompt_logits"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "prompt_logits",
+                     "return_routed_experts", "return_prompt_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.stop is not None and not isinstance(self.stop, str | list | tuple):

@@ -36,17 +36,37 @@ class Sample:
     sent_text: int = 0  # (DELTA) characters already in an output
     changed: bool = False  # got something since its last output
     released: bool = False  # ended here (abort, stop string) while a rank ran it: the ranks were told
+    # (return_routed_experts) the router's choices by position of prompt + output, as the ranks reported them (a
+    # recomputed position, after preemption, overwrites its own)
+    routed: list[list[list[int]]] = field(default_factory=list)
+    num_prompt: int = 0
+
+    def _take_routed(self, d: TokenDelta) -> None:
+        if d.routed_experts is None:
+            return
+        at = d.routed_start
+        if at > len(self.routed):  # positions the prefix cache held: never routed here
+            self.routed += [[] for _ in range(at - len(self.routed))]
+        self.routed[at: at + len(d.routed_experts)] = d.routed_experts
+        last = self.num_prompt - 1  # the prompt's last position: its forward samples output token 0
+        self.out.routed_experts = self.routed[last: last + len(self.out.token_ids)]
+        if self.out.prompt_routed_experts is not None or at < last:
+            self.out.prompt_routed_experts = self.routed[:last]
 
     def take(self, d: TokenDelta, now: float) -> bool:
         """Its new tokens (at time `now`), their log-probabilities and text, and its end. Returns True when a stop
         string in the text ended it here (the ranks still run it: the front end releases it)."""
         out = self.out
+        if not d.new_token_ids and d.finish_reason is None:  # a prompt chunk's routing alone: no output yet
+            self._take_routed(d)
+            return False
         self.changed = True
         if d.finish_reason == "error":  # a rank could not run it (it says why): it ended there, with nothing new
             self.fail(d.error or "a rank could not run this request")
             return False
         out.token_ids += d.new_token_ids
         out.token_times += [now] * len(d.new_token_ids)
+        self._take_routed(d)
         if d.cached_tokens is not None:
             out.num_cached_tokens = d.cached_tokens
         if d.logprobs is not None and d.logprob_ids is not None:
@@ -97,7 +117,8 @@ class Sample:
         return CompletionOutput(out.index, out.token_ids[t0:], out.text[c0:visible], out.finish_reason,
                                 out.stop_reason, out.token_times[t0:],
                                 out.logprobs[t0:] if out.logprobs is not None else None, out.num_cached_tokens,
-                                out.error)
+                                out.error, out.routed_experts[t0:] if out.routed_experts is not None else None,
+                                out.prompt_routed_experts if t0 == 0 else None)
 
 
 @dataclass
@@ -120,7 +141,8 @@ class FrontRequest:
         fr = FrontRequest(request_id, prompt, ids, params, now, kind)
         for i in range(params.n):
             detok = IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens) if tokenizer else None
-            fr.samples.append(Sample(CompletionOutput(i, [], "", None), detok, StopStrings(params)))
+            fr.samples.append(Sample(CompletionOutput(i, [], "", None), detok, StopStrings(params),
+                                     num_prompt=len(ids)))
         fr.children = child_ids(request_id, params.n)
         return fr
 

@@ -282,7 +282,12 @@ class Rank:
         tokens, _ = flight.pending.result()
         self._synced += time.perf_counter() - t
         logprobs = flight.pending.logprobs()
+        routed = flight.pending.routed_experts()
         deltas: list[TokenDelta] = []
+        if routed:  # prompt chunks that sample nothing report their routing on their own
+            sampled = {r.request_id for r in flight.sampling}
+            deltas += [TokenDelta(rid, [], None, routed_experts=ids, routed_start=pos)
+                       for rid, (pos, ids) in routed.items() if rid not in sampled]
         for row, req in enumerate(flight.sampling):
             if req.finished:
                 continue  # finished (or released) before this step was resolved: its row is dropped
@@ -299,4 +304,6 @@ class Rank:
             deltas.append(TokenDelta(req.request_id, [tokens[row]], req.finish_reason, req.stop_reason, logits,
                                      lp[0][:k] if lp else None, lp[1][:k] if lp else None,
                                      req.num_cached_tokens if first else None))
+            if req.request_id in routed:
+                deltas[-1].routed_start, deltas[-1].routed_experts = routed[req.request_id]
         return deltas

@@ -157,15 +157,48 @@ def admission_error(spec: RequestSpec, vocab: int) -> str | None:
     return None
 
 
+@dataclass
+class RoutedRows:
+    """A step's router choices for the requests that asked: (request id, first position, first row in `host`,
+    rows) spans over `host`, [rows, MoE layers, K] int32 on the host (pinned on the GPU, read after the step's
+    event)."""
+
+    spans: list[tuple[str, int, int, int]]
+    host: torch.Tensor
+
+
+def routed_positions(req: object, start: int, n: int) -> tuple[int, int]:
+    """The positions [lo, hi) of a chunk [start, start + n) whose routing a request asks for: every one with
+    return_prompt_routed_experts, else those from the prompt's last token on (the forwards that sample its output
+    tokens); (0, 0) when it asks for none."""
+    p = req.params  # type: ignore[attr-defined]
+    if p.return_prompt_routed_experts:
+        return start, start + n
+    if p.return_routed_experts:
+        return max(start, req.num_prompt - 1), start + n  # type: ignore[attr-defined]
+    return 0, 0
+
+
 class PendingStep:
     """A launched step: its sampled tokens on the device ([n] int64, one per sampling chunk, batch order), on their
     way to a pinned host buffer (with their log-probabilities, when the step's requests ask for them); `result()`
     waits for them."""
 
     def __init__(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor], host: torch.Tensor,
-                 done: torch.cuda.Event | None, logprobs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 done: torch.cuda.Event | None, logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 routed: RoutedRows | None = None) -> None:
         self.tokens, self.prompt_logits, self._host, self._done = tokens, prompt_logits, host, done
         self._logprobs = logprobs  # host (pinned) [n, 1 + k] values and ids
+        self._routed = routed
+
+    def routed_experts(self) -> dict[str, tuple[int, list[list[list[int]]]]]:
+        """Per request that asked (SamplingParams.return_routed_experts / return_prompt_routed_experts): the first
+        position this step routed for it and the expert ids of each of its positions ([n][MoE layers][k]), after
+        `result()`."""
+        if self._routed is None:
+            return {}
+        ids = self._routed.host.tolist()
+        return {rid: (pos, ids[at: at + n]) for rid, pos, at, n in self._routed.spans}
 
     def result(self) -> tuple[list[int], dict[int, torch.Tensor]]:
         if self._done is not None:
@@ -202,6 +235,11 @@ class ModelRunner:
                               torch.zeros(n, 1 + MAX_LOGPROBS, dtype=torch.int64, pin_memory=True))
                              for _ in "ab"] if device.type == "cuda" else []
         self._turn = 0
+        # the router's expert ids of every token of a step, written by every forward (graph replays too) at a fixed
+        # address; read only for the requests that ask (`_routed_rows`). Built once, like the graphs that write it.
+        moe_layers = qwen3_moe.num_moe_layers(weights)
+        self.routed: torch.Tensor | None = torch.zeros(
+            bufs.input_ids.shape[0], moe_layers, cfg.top_k, dtype=torch.int32, device=device) if moe_layers else None
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
         # tokens per query block of the GPU attention kernel, for the block tables of steps with prompt chunks
         self.q_block: int | None = None
@@ -396,7 +434,7 @@ class ModelRunner:
         # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py); every kernel of the
         # forward runs in the step's order
         kc = self.kernels.with_release(self.release_order(ids.shape[0]))
-        return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc)
+        return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc, self.routed)
 
     @staticmethod
     def _attend(call: AttentionCall, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -430,11 +468,12 @@ class ModelRunner:
         k_lp = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
         greedy = not stop_masks and k_lp is None and all(r.params.temperature == 0 for r in reqs)
         if bucket is not None:  # every rank decodes only: replay the bucket's graph
-            self._metadata(batch, pad_to=bucket, prev=prev, prev_rows=prev_rows)
+            _, _, qsl, _ = self._metadata(batch, pad_to=bucket, prev=prev, prev_rows=prev_rows)
             logits, tokens = self.graphs.replay(bucket)
+            routed = self._routed_rows(batch, qsl)
             if greedy:  # the graph's own argmax: no logits leave it. Its static output is read (copy to the host,
                 # the next step's input fill) before the next replay overwrites it: both are enqueued before that
-                return self._pending(tokens[: len(batch)], prompt_logits)
+                return self._pending(tokens[: len(batch)], prompt_logits, routed=routed)
             logits = logits[: len(batch)]
         else:
             self.comm.begin_step(sync.max_tokens)
@@ -443,6 +482,7 @@ class ModelRunner:
                 hidden = self.pieces.replay(pieces, ids.shape[0], lambda c, q, o: self._attend(c, q, o, meta))
             else:
                 hidden = self.forward(ids, meta)
+            routed = self._routed_rows(batch, qsl)
             for b, c in enumerate(batch):
                 if c.req.wants_prompt_logits:
                     # positions not collected yet (a preempted request recomputes ones it already has)
@@ -453,15 +493,38 @@ class ModelRunner:
                         whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights))
                         prompt_logits[b] = whole.float().cpu()
             if not rows.numel():
-                return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits)
+                return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits,
+                                     routed=routed)
             logits = qwen3_moe.logits(hidden.index_select(0, rows), self.weights)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
-                return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits)
+                return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits,
+                                     routed=routed)
         tokens, whole = self._sample(logits, reqs, stop_masks)
         if k_lp is None:
-            return self._pending(tokens, prompt_logits)
+            return self._pending(tokens, prompt_logits, routed=routed)
         whole = whole if whole is not None else self.comm.gather_vocab(logits)
-        return self._pending(tokens, prompt_logits, logprobs_of(whole, tokens, k_lp))
+        return self._pending(tokens, prompt_logits, logprobs_of(whole, tokens, k_lp), routed=routed)
+
+    def _routed_rows(self, batch: list[ScheduledChunk], qsl: np.ndarray) -> RoutedRows | None:
+        """The router's choices of the step's tokens whose requests ask for them, on their way to the host (one
+        gather and one copy; nothing for a step where none asks)."""
+        if self.routed is None:
+            return None
+        spans, rows, at = [], [], 0
+        for b, c in enumerate(batch):
+            lo, hi = routed_positions(c.req, c.start, c.num_tokens)
+            if hi > lo:
+                spans.append((c.req.request_id, lo, at, hi - lo))
+                rows.append(np.arange(hi - lo, dtype=np.int64) + int(qsl[b]) + lo - c.start)
+                at += hi - lo
+        if not spans:
+            return None
+        picked = self.routed.index_select(0, self._to_device(np.concatenate(rows).tolist(), torch.int64))
+        if self.device.type != "cuda":
+            return RoutedRows(spans, picked)
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)  # complete once the step's event (recorded after it) is
+        return RoutedRows(spans, host)
 
     def _sample(self, logits: torch.Tensor, reqs: list, stop_masks: list[tuple[int, list[int]]]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -482,10 +545,11 @@ class ModelRunner:
         return sample(logits, self._sampling_batch(reqs)), logits
 
     def _pending(self, tokens: torch.Tensor, prompt_logits: dict[int, torch.Tensor],
-                 logprobs: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingStep:
+                 logprobs: tuple[torch.Tensor, torch.Tensor] | None = None, routed: RoutedRows | None = None
+                 ) -> PendingStep:
         """Start the tokens' copy to the host (into this turn's pinned buffer) and mark when it is done."""
         if not self._readback:
-            return PendingStep(tokens, prompt_logits, tokens, None, logprobs)
+            return PendingStep(tokens, prompt_logits, tokens, None, logprobs, routed)
         host, done = self._readback[self._turn]
         host = host[: tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
@@ -497,7 +561,7 @@ class ModelRunner:
                 dst.copy_(src, non_blocking=True)
         self._turn ^= 1
         done.record()
-        return PendingStep(tokens, prompt_logits, host, done, lp_host)
+        return PendingStep(tokens, prompt_logits, host, done, lp_host, routed)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """Small host values on the device without waiting for the GPU: staged through pinned memory (from pageable
