@@ -254,6 +254,11 @@ class EngineConfig:
                              "one after, so that a rank does not wait on a busy front end (a server streaming "
                              "hundreds of answers) for its plan, at one more step before a request added or aborted "
                              "counts")
+    logprobs_mode: str = _flag("raw_logprobs", "what SamplingParams.logprobs returns (vLLM's names): raw_logprobs, "
+                               "the model's distribution before temperature and cuts; processed_logprobs, the one "
+                               "a token is drawn from (after temperature, top-k, top-p, min-p); raw_logits / "
+                               "processed_logits, the logits themselves",
+                               ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"))
     disable_prefix_caching: bool = _flag(False, "compute every prompt in full; by default a request starts from the "
                                          "KV pages of the longest run of full pages (--block-size tokens) "
                                          "an earlier or concurrent request on its rank computed (shared, not "

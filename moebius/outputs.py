@@ -19,7 +19,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     token_times: list[float] = field(default_factory=list)  # wall time (time.perf_counter) of each output token
     # with SamplingParams.logprobs: per output token, {token id: log-probability} of the token itself first, then
-    # of the most likely ones (the raw distribution of the model)
+    # of the most likely ones (the raw distribution of the model; --logprobs-mode picks another)
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0  # prompt tokens this sample took from the prefix cache (known from its first token)
     error: str | None = None  # with finish_reason "error": what failed (the engine itself serves on)

@@ -51,7 +51,8 @@ class SamplingParams:
     # Return the logits of every prompt position (float32, on CPU) in the output: for scoring and tests.
     prompt_logits: bool = False
     # Return each output token's log-probability under the model (the raw distribution, before temperature and
-    # cuts) and the `logprobs` most likely tokens' (0: the sampled token's alone; None: nothing), as vLLM does.
+    # cuts; the engine's --logprobs-mode picks another) and the `logprobs` most likely tokens' (0: the sampled
+    # token's alone; None: nothing), as vLLM does.
     logprobs: int | None = None
     # (routing replay) CompletionOutput.routed_experts: per output token, each MoE layer's top-k expert ids of the
     # forward that sampled it (SGLang's name); return_prompt_routed_experts adds CompletionOutput.

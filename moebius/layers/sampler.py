@@ -85,14 +85,34 @@ def key_ids(keys: torch.Tensor) -> torch.Tensor:
     return _M32 - (keys & _M32)
 
 
+# What a step's log-probabilities are taken from (vLLM's logprobs_mode): the model's logits (raw) or those the
+# token is drawn from (processed: after temperature, top-k, top-p, min-p); as log-probabilities or as logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def _cuts(sb: SamplingBatch) -> bool:
+    return sb.any_top_k or sb.any_top_p or sb.min_p is not None
+
+
 def sample(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Next token of each row: argmax for greedy rows, else a draw from the tempered, top-k/top-p-cut softmax."""
     logits = logits_BV.float()
-    if sb.all_greedy or not (sb.any_top_k or sb.any_top_p or sb.min_p is not None):
+    if sb.all_greedy or not _cuts(sb):
         return race_scores(logits, sb).argmax(dim=-1)
-    B, V = logits.shape
+    return race_scores(logits, sb, tempered_BV=processed_logits(logits, sb)).argmax(dim=-1)
+
+
+def processed_logits(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """[B, V] float32: the logits a row's token is drawn from: divided by the temperature (greedy rows: by 1), -inf
+    outside its top-k, top-p and min-p cuts."""
+    logits = logits_BV.float()
+    if sb.all_greedy:
+        return logits
     t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
     tempered = logits / t[:, None]
+    if not _cuts(sb):
+        return tempered
+    B, V = logits.shape
     sorted_l, _ = tempered.sort(dim=-1, descending=True)
     if sb.any_top_k:
         kth = sorted_l.gather(1, (sb.top_k.clamp(1, V) - 1)[:, None])
@@ -108,13 +128,17 @@ def sample(logits_BV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.min_p is not None:  # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p), in tempered logits
         floor = tempered.max(dim=-1, keepdim=True).values + torch.log(sb.min_p.clamp_min(1e-30))[:, None]
         tempered = tempered.masked_fill((tempered < floor) & (sb.min_p > 0)[:, None], float("-inf"))
-    return race_scores(logits, sb, tempered_BV=tempered).argmax(dim=-1)
+    return tempered
 
 
-def logprobs_of(logits_BV: torch.Tensor, tokens_B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's log-probabilities (the raw distribution: softmax of the whole vocabulary's logits) of each row's
-    sampled token and of its k most likely tokens: ([B, 1 + k] float32, [B, 1 + k] int64 ids), the sampled first."""
-    lp = torch.log_softmax(logits_BV.float(), dim=-1)
+def logprobs_of(logits_BV: torch.Tensor, tokens_B: torch.Tensor, k: int, mode: str = "raw_logprobs"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probabilities (softmax of the whole vocabulary's logits given: the raw ones, or `processed_logits`)
+    of each row's sampled token and of its k most likely tokens: ([B, 1 + k] float32, [B, 1 + k] int64 ids), the
+    sampled first; in a *_logits mode the logits themselves."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs mode must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
+    lp = logits_BV.float() if mode.endswith("_logits") else torch.log_softmax(logits_BV.float(), dim=-1)
     vals, ids = lp.gather(1, tokens_B[:, None]), tokens_B[:, None]
     if k:
         top_v, top_i = lp.topk(k, dim=-1)

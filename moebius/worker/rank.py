@@ -111,6 +111,8 @@ class Rank:
         # EP -> TP switch moves only their outputs and state, not their prompts
         self.others: dict[str, RequestSpec] = {}
         self.overlap = not ecfg.disable_overlap_schedule
+        for rt in modes.values():
+            rt.runner.logprobs_mode = ecfg.logprobs_mode
         self.inflight: InFlight | None = None
         self._late_switch_times: SwitchTimes | None = None  # see report()
         self._work = StepWork()  # what the last launched step computes (see report())

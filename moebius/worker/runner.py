@@ -28,7 +28,7 @@ from moebius.layers.attention import (
     paged_attention,
     query_blocks,
 )
-from moebius.layers.sampler import SamplingBatch, logprobs_of, race_scores, sample
+from moebius.layers.sampler import SamplingBatch, logprobs_of, processed_logits, race_scores, sample
 from moebius.link.request import RequestSpec
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model import qwen3_moe
@@ -240,6 +240,7 @@ class ModelRunner:
         moe_layers = qwen3_moe.num_moe_layers(weights)
         self.routed: torch.Tensor | None = torch.zeros(
             bufs.input_ids.shape[0], moe_layers, cfg.top_k, dtype=torch.int32, device=device) if moe_layers else None
+        self.logprobs_mode = "raw_logprobs"  # --logprobs-mode (the rank sets it): what `logprobs_of` returns
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
         # tokens per query block of the GPU attention kernel, for the block tables of steps with prompt chunks
         self.q_block: int | None = None
@@ -503,7 +504,10 @@ class ModelRunner:
         if k_lp is None:
             return self._pending(tokens, prompt_logits, routed=routed)
         whole = whole if whole is not None else self.comm.gather_vocab(logits)
-        return self._pending(tokens, prompt_logits, logprobs_of(whole, tokens, k_lp), routed=routed)
+        if self.logprobs_mode.startswith("processed"):  # the distribution the tokens were drawn from
+            whole = processed_logits(whole, self._sampling_batch(reqs))
+        return self._pending(tokens, prompt_logits, logprobs_of(whole, tokens, k_lp, self.logprobs_mode),
+                             routed=routed)
 
     def _routed_rows(self, batch: list[ScheduledChunk], qsl: np.ndarray) -> RoutedRows | None:
         """The router's choices of the step's tokens whose requests ask for them, on their way to the host (one
