@@ -259,6 +259,9 @@ class EngineConfig:
                                "a token is drawn from (after temperature, top-k, top-p, min-p); raw_logits / "
                                "processed_logits, the logits themselves",
                                ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"))
+    lm_head_dtype: str = _flag("auto", "dtype of the final projection (lm_head) and of the softmax after it; "
+                               "float32: accumulated and returned in float32 even when the model runs in bfloat16 "
+                               "(log-probabilities closer to a trainer's); auto: the model's", ("auto", "float32"))
     disable_prefix_caching: bool = _flag(False, "compute every prompt in full; by default a request starts from the "
                                          "KV pages of the longest run of full pages (--block-size tokens) "
                                          "an earlier or concurrent request on its rank computed (shared, not "

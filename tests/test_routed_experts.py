@@ -155,3 +155,30 @@ def test_routed_experts_across_live_switches(ckpt: Any, p2: dict[str, LLM]) -> N
     if llm.engine.mode != "ep":
         assert llm.switch_mode("ep").done
     _check_outputs(path, prompts, [last[r] for r in rids], 2, prompt_too=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_routed_experts_from_cuda_graphs(ckpt: Any) -> None:
+    """On the GPU, decode steps replay the graphs captured at start, which write the router's ids into the runner's
+    static buffer: float32, they equal transformers' router (prompt chunks through the step pieces, decodes through
+    the graphs, TP then EP after a switch); bfloat16 (Triton's fused router), the graphs' ids equal an eager
+    engine's."""
+    from moebius.link.messages import DecodeProbe
+
+    path = ckpt("base")
+    kw: dict[str, Any] = dict(device="cuda", block_size=16, max_total_tokens=4096, warmup="none",
+                              cuda_graph_max_bs=8, disable_prefix_caching=True, max_num_batched_tokens=32)
+    prompts = _prompts(41, (5, 23, 40))
+    params = SamplingParams(temperature=0, max_tokens=10, return_routed_experts=True,
+                            return_prompt_routed_experts=True)
+    with LLM(path, dtype="float32", **kw) as llm:
+        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0)))
+        _check_outputs(path, prompts, llm.generate(prompts, params, use_tqdm=False), 2, prompt_too=True)
+    runs = []
+    for eager in (False, True):
+        with LLM(path, dtype="bfloat16", disable_cuda_graph=eager, **kw) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].prompt_routed_experts, o.outputs[0].routed_experts)
+                         for o in outs])
+    assert runs[0] == runs[1]

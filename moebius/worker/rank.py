@@ -113,6 +113,7 @@ class Rank:
         self.overlap = not ecfg.disable_overlap_schedule
         for rt in modes.values():
             rt.runner.logprobs_mode = ecfg.logprobs_mode
+            rt.runner.lm_head_fp32 = ecfg.lm_head_dtype == "float32"
         self.inflight: InFlight | None = None
         self._late_switch_times: SwitchTimes | None = None  # see report()
         self._work = StepWork()  # what the last launched step computes (see report())

@@ -241,6 +241,7 @@ class ModelRunner:
         self.routed: torch.Tensor | None = torch.zeros(
             bufs.input_ids.shape[0], moe_layers, cfg.top_k, dtype=torch.int32, device=device) if moe_layers else None
         self.logprobs_mode = "raw_logprobs"  # --logprobs-mode (the rank sets it): what `logprobs_of` returns
+        self.lm_head_fp32 = False  # --lm-head-dtype float32 (the rank sets it, before any graph is captured)
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
         # tokens per query block of the GPU attention kernel, for the block tables of steps with prompt chunks
         self.q_block: int | None = None
@@ -447,7 +448,7 @@ class ModelRunner:
 
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [T, V] of every new token (used by decode graphs, where every row samples)."""
-        return qwen3_moe.logits(self.forward(ids, meta), self.weights)
+        return qwen3_moe.logits(self.forward(ids, meta), self.weights, self.lm_head_fp32)
 
     def launch(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync,
                prev: PendingStep | None = None, prev_rows: np.ndarray | None = None, graphs: bool = True
@@ -491,12 +492,12 @@ class ModelRunner:
                     hi = min(c.start + c.num_tokens, c.req.num_prompt)
                     if hi > lo:
                         h = hidden[int(qsl[b]) + lo - c.start: int(qsl[b]) + hi - c.start]
-                        whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights))
+                        whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights, self.lm_head_fp32))
                         prompt_logits[b] = whole.float().cpu()
             if not rows.numel():
                 return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits,
                                      routed=routed)
-            logits = qwen3_moe.logits(hidden.index_select(0, rows), self.weights)
+            logits = qwen3_moe.logits(hidden.index_select(0, rows), self.weights, self.lm_head_fp32)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
                 return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits,
                                      routed=routed)
