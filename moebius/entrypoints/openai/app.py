@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -25,6 +26,16 @@ from moebius import __version__
 from moebius.entrypoints.openai import control
 from moebius.entrypoints.openai.engine_loop import EngineLoop
 from moebius.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from moebius.entrypoints.openai.native import (
+    AbortBody,
+    AbortRequestsBody,
+    ContinueBody,
+    GenerateRequest,
+    NativeAnswer,
+    PauseBody,
+    UpdateFromDiskBody,
+    generate_items,
+)
 from moebius.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -48,7 +59,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("moebius")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context length
-JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/admin/switch", "/admin/policy")  # POSTs with a JSON body
+# POSTs with a JSON body (the RL control routes that take an empty body read theirs themselves: _optional_body)
+JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/admin/switch", "/admin/policy", "/generate",
+               "/update_weights_from_disk", "/abort_request", "/abort_requests")
 
 
 @dataclass(frozen=True)
@@ -126,7 +139,8 @@ class Guard:
         return APIError(413, f"the request body is larger than {self.max_body} bytes", code="request_too_large")
 
 
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[")  # pydantic's union branch names in a location
+# pydantic's union branch names in a location (a model's is its class name: fields are never capitalized)
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^[A-Z][A-Za-z0-9]*$")
 
 
 def _shown(value: Any, limit: int = 80) -> str:
@@ -169,6 +183,18 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj
+
+
+async def _optional_body(request: Request, model: type[BaseModel]) -> Any:
+    """A control route's body: none (or only whitespace) gives the model's defaults (SGLang's trainers post
+    /pause_generation without one), else a JSON object checked by the model (a 400 naming the field)."""
+    raw = await request.body()
+    if not raw.strip():
+        return model()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise _validation_error([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -294,6 +320,120 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         except Exception as e:
             raise APIError(500, f"{type(e).__name__}: {e}", code="engine_error") from None
 
+    # ---- the RL trainers' API: SGLang's native names, vLLM's beside them (one implementation, control.py) ----
+    native_rids: dict[str, list[str]] = {}  # a /generate rid in flight -> its engine requests (/abort_request)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        items, rids, field, as_list = generate_items(body, info)
+        if busy := [r for r in rids if r in native_rids]:
+            raise APIError(400, f"rid {busy[0]!r} is already in flight", param="rid")
+        gen = Generation(loop, items, field)
+        for k, rid in enumerate(rids):
+            native_rids[rid] = [gen.sink.request_ids[k]]
+
+        def forget() -> None:
+            gen.abort()
+            for rid in rids:
+                native_rids.pop(rid, None)
+
+        try:
+            await gen.start()
+        except BaseException:
+            forget()
+            raise
+        answer = NativeAnswer(gen, rids, body, info, items, as_list)
+        if body.stream:
+            return StreamingResponse(answer.stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(forget))
+        whole = asyncio.ensure_future(answer.whole())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():  # the client went away (or we are cancelled): free its KV now
+                whole.cancel()
+            forget()
+        if not whole.done() or whole.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(whole.result())
+
+    async def pause_in(mode: str) -> None:
+        try:
+            await on_engine(control.pause, mode)
+        except APIError as e:  # the engine names the mode's value and the modes it takes
+            if e.status == 400:
+                e.param = "mode"
+            raise
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = await _optional_body(request, PauseBody)
+        await pause_in(body.mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        await _optional_body(request, ContinueBody)
+        await on_engine(control.resume)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/pause")
+    async def pause_vllm(mode: str = "abort") -> Response:  # vLLM's: the mode in the query string
+        await pause_in(mode)
+        return JSONResponse({"status": "paused", "mode": mode})
+
+    @app.post("/resume")
+    async def resume_vllm() -> Response:
+        await on_engine(control.resume)
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> Response:
+        return JSONResponse({"is_paused": await on_engine(control.is_paused)})
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortBody) -> Response:
+        if body.abort_all:
+            if body.rid:
+                raise APIError(400, "give rid or abort_all, not both", param="rid")
+            return JSONResponse({"aborted": await on_engine(control.abort_all)})
+        if not body.rid:
+            raise APIError(400, "rid is required (or abort_all: true)", param="rid")
+        # (an unknown rid aborts nothing, as SGLang: it may have just finished)
+        return JSONResponse({"aborted": await on_engine(control.abort_requests, native_rids.get(body.rid, []))})
+
+    @app.post("/abort_requests")
+    async def abort_requests(body: AbortRequestsBody) -> Response:
+        ids = [e for rid in body.request_ids for e in native_rids.get(rid, [rid])]
+        return JSONResponse({"aborted": await on_engine(control.abort_requests, ids)})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        pages = await on_engine(control.flush_cache)
+        return PlainTextResponse(f"Cache flushed ({pages} pages).\n")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return JSONResponse({"pages": await on_engine(control.flush_cache)})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return JSONResponse({"weight_version": await on_engine(control.weight_version)})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateFromDiskBody) -> Response:
+        try:
+            done = await on_engine(control.update_weights_from_disk, body.model_path, body.weight_version,
+                                   body.abort_all_requests)
+        except APIError as e:  # SGLang's reply ({"success": false, "message"}) in the error's status and shape
+            return JSONResponse({"success": False, "message": e.message, "num_paused_requests": 0, **e.body()},
+                                status_code=e.status)
+        return JSONResponse({"success": True, "message": f"Succeeded to update model weights ({done['views']} views, "
+                             f"{done['flushed_pages']} cached pages flushed).", "num_paused_requests": 0,
+                             "weight_version": body.weight_version, "aborted": done["aborted"]})
+
     @app.post("/admin/switch")
     async def switch(body: SwitchRequest) -> Response:
         if body.mode not in MODES:
@@ -306,7 +446,7 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
 
     @app.post("/admin/pause")
     async def pause() -> Response:  # RL weight updates: requests stay, no step runs until /admin/resume
-        await on_engine(control.pause)
+        await on_engine(control.pause, "keep")
         return JSONResponse({"paused": True})
 
     @app.post("/admin/resume")

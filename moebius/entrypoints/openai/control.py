@@ -28,6 +28,7 @@ def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
     return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
             "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
             "unfinished": engine.has_unfinished(), "world_size": engine.world_size, "paused": loop.paused,
+            "weight_version": engine.weight_version,
             "steps_in_flight": engine.steps_in_flight, "policy_settings": policy_settings(engine, loop),
             "last_switch": engine.last_switch.to_json() if engine.last_switch is not None else None,
             "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
@@ -38,13 +39,49 @@ def switch(engine: EngineCore, loop: EngineLoop, mode: str) -> dict[str, Any]:
     return engine.switch_mode(mode, reason="operator").to_json()
 
 
-def pause(engine: EngineCore, loop: EngineLoop) -> None:
-    """POST /admin/pause: no step runs until resume (requests keep coming in)."""
-    loop.set_paused(True)
+def pause(engine: EngineCore, loop: EngineLoop, mode: str = "keep") -> None:
+    """POST /admin/pause (mode keep), /pause_generation and /pause (mode abort unless given): no step runs until
+    resume (requests keep coming in); abort ends every request with the tokens it had, retract frees their KV
+    (`EngineCore.pause_generation`)."""
+    loop.pause(mode)
 
 
 def resume(engine: EngineCore, loop: EngineLoop) -> None:
-    loop.set_paused(False)
+    loop.resume()
+
+
+def is_paused(engine: EngineCore, loop: EngineLoop) -> bool:
+    return engine.paused
+
+
+def abort_all(engine: EngineCore, loop: EngineLoop) -> int:
+    """Every request in flight ends with finish_reason abort and the tokens it had; how many."""
+    return loop.abort_all()
+
+
+def abort_requests(engine: EngineCore, loop: EngineLoop, request_ids: list[str]) -> int:
+    """These engine requests end with finish_reason abort and the tokens they had (their answers go out); how many
+    were live."""
+    return loop.abort_requests(request_ids)
+
+
+def flush_cache(engine: EngineCore, loop: EngineLoop) -> int:
+    """The prefix cache's pages dropped on every rank (summed)."""
+    return engine.reset_prefix_cache()
+
+
+def weight_version(engine: EngineCore, loop: EngineLoop) -> str | None:
+    return engine.weight_version
+
+
+def update_weights_from_disk(engine: EngineCore, loop: EngineLoop, path: str, version: str | None,
+                             abort_first: bool) -> dict[str, Any]:
+    """New weights from a safetensors directory, between two steps (after the steps in flight; a switch asked for
+    runs after it); abort_first: every request in flight ends first (SGLang's abort_all_requests). The prefix cache
+    is always flushed (its pages hold the old weights' KV)."""
+    aborted = loop.abort_all() if abort_first else 0
+    outcome = engine.update_weights_from_disk(path, version)
+    return {"views": outcome.views, "flushed_pages": outcome.flushed_pages, "aborted": aborted}
 
 
 POLICY_SETTINGS = ("policy", "profile", "high", "low", "window", "cooldown")  # the engine's switch_* flags

@@ -75,6 +75,7 @@ class Update:
     prompt_index: int
     samples: list[SampleDelta]
     finished: bool
+    weight_version: str | None = None  # of the weights the engine held when these tokens came (update_weights)
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,6 @@ class EngineLoop(Admission):
         self.draining = False
         self.error: str | None = None
         self._routes: dict[str, _Route] = {}  # engine thread only
-        self.paused = False  # engine thread only (/admin/pause): requests are taken, no step runs
         # engine thread only: the auto-mode settings /admin/policy last applied (None: the engine's flags so far)
         self.policy_settings: dict[str, Any] | None = None
         self._tokens_out = 0  # engine thread only: tokens delivered, for the stats line
@@ -265,6 +265,7 @@ class EngineLoop(Admission):
         self._tags = itertools.count()
         self._switches_seen = len(engine.timeline.switches)
         self._preemptions_seen = 0
+        self._version_seen: str | None = None  # the weight version /metrics was last given
         self._thread = threading.Thread(target=self._run, name="moebius-engine-loop", daemon=True)
         if metrics is not None:
             metrics.set_layout(engine.mode)
@@ -341,23 +342,48 @@ class EngineLoop(Admission):
         elif not self._thread.ident:  # never started: the engine is still ours to close
             self._engine.close()
 
-    def set_paused(self, flag: bool) -> None:
-        """On the engine thread (through `call`): stop or restart stepping; requests keep coming in. A pause first
-        reads the steps already sent to the ranks, so that none runs while paused."""
-        if flag and not self.paused:
-            self._deliver(self._engine.settle())
-        self.paused = flag
+    @property
+    def paused(self) -> bool:
+        """Whether the engine is paused (pause_generation): requests are taken, no step runs."""
+        return self._engine.paused
+
+    def pause(self, mode: str) -> None:
+        """On the engine thread (through `call`): stop stepping until `resume` (`EngineCore.pause_generation`: the
+        steps already sent to the ranks are read first; mode abort ends every request, its partial tokens delivered
+        now; retract frees their KV; keep leaves them); requests keep coming in."""
+        self._deliver(self._engine.pause_generation(mode))
+
+    def resume(self) -> None:
+        self._engine.resume_generation()
+
+    def abort_requests(self, request_ids: list[str]) -> int:
+        """On the engine thread: abort these engine requests, their answers kept (finish_reason abort, the tokens
+        each had, delivered now), unlike `abort` (a client gone); how many were live."""
+        live = [rid for rid in request_ids if rid in self._routes]
+        if live:
+            before = self._engine.settle()  # the steps in flight first: their tokens belong to the partial answers
+            for rid in live:
+                self._engine.abort(rid)
+            self._deliver(before + self._engine.settle())
+        return len(live)
+
+    def abort_all(self) -> int:
+        """On the engine thread: abort every request in flight (finish_reason abort, the tokens each had, delivered
+        now); how many."""
+        ids = self._engine.abort_all()
+        self._deliver(self._engine.settle())
+        return len(ids)
 
     # ---- the engine thread ----
     def _run(self) -> None:
         engine = self._engine
         try:
             while True:
-                for cmd in self._take(block=self.paused or not engine.has_unfinished()):
+                for cmd in self._take(block=engine.paused or not engine.has_unfinished()):
                     if isinstance(cmd, _Stop):
                         return
                     self._handle(cmd)
-                if engine.has_unfinished() and not self.paused:
+                if engine.has_unfinished() and not engine.paused:
                     self._deliver(engine.step())
                     if self.metrics is not None:
                         for times in engine.take_times():  # every step taken in, however many this call did
@@ -453,7 +479,7 @@ class EngineLoop(Admission):
                     self._running += 1
                 if m is not None and out.ttft is not None:
                     m.first_token(out.ttft)
-            events.append((route.sink, Update(route.prompt_index, samples, out.finished)))
+            events.append((route.sink, Update(route.prompt_index, samples, out.finished, out.weight_version)))
             if out.finished:
                 del self._routes[out.request_id]
                 self._settle(route)
@@ -499,6 +525,9 @@ class EngineLoop(Admission):
                                                          "kv": ev.kv_ms})
                 self._switches_seen += 1
             m.set_layout(engine.mode)
+        if engine.weight_version != self._version_seen:
+            m.set_weight_version(engine.weight_version)
+            self._version_seen = engine.weight_version
         m.flush()
 
     def _fail(self, e: BaseException) -> None:

@@ -53,14 +53,15 @@ START_TIMEOUT_S = 3600.0  # a large model's weights load and its warm-up compile
 def _pack(ev: Event) -> Any:
     if isinstance(ev, Update):
         return (ev.prompt_index, ev.finished, [(d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason,
-                                                d.logprobs, d.cached_tokens) for d in ev.samples])
+                                                d.logprobs, d.cached_tokens, d.error) for d in ev.samples],
+                ev.weight_version)
     return ev
 
 
 def _unpack(ev: Any) -> Event:
     if isinstance(ev, tuple):
-        index, finished, samples = ev
-        return Update(index, [SampleDelta(*d) for d in samples], finished)
+        index, finished, samples, version = ev
+        return Update(index, [SampleDelta(*d) for d in samples], finished, version)
     return ev
 
 

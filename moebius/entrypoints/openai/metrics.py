@@ -61,6 +61,11 @@ class ServerMetrics:
                                 "shutting_down and engine_dead (503)", [*name, "code"], registry=r)
         self.healthy = Gauge("moebius:engine_healthy", "1 while the engine loop runs, 0 after it failed", registry=r)
         self.healthy.set(1)
+        # an info metric: 1 on the label of the weights served (a weight update's version; "" before any)
+        self.weight_version = Gauge("moebius:weight_version", "The weights served: 1 on the version given with the "
+                                    "last weight update (\"\" before any)", [*name, "version"], registry=r)
+        self.weight_version.labels(model_name, "").set(1)
+        self._version = ""
         self.rank_step = Histogram("moebius:rank_step_seconds", "Rank 0's time a step, by part: host (scheduling, "
                                    "metadata, launches), device (waiting for a step's tokens), plan (waiting for "
                                    "its next plan from this server, with the rank in a process of its own)",
@@ -99,6 +104,14 @@ class ServerMetrics:
     def set_layout(self, mode: str) -> None:
         for m in MODES:
             self.layout.labels(m).set(1 if m == mode else 0)
+
+    def set_weight_version(self, version: str | None) -> None:
+        """The weights served now: their version's series 1, the version before's removed."""
+        new = version or ""
+        if new != self._version:
+            self.weight_version.remove(self.model_name, self._version)
+            self.weight_version.labels(self.model_name, new).set(1)
+            self._version = new
 
     def switch(self, source: str, target: str, done: bool, phases_ms: dict[str, float | None]) -> None:
         self.switches.labels(f"{source}_to_{target}", "done" if done else "refused").inc()

@@ -1,0 +1,268 @@
+"""The RL trainers' HTTP API (`moebius serve`), spoken to with only the documented payloads (httpx): SGLang's
+/generate (its greedy tokens equal the offline API's; meta_info's finish reason object, token counts,
+output_token_logprobs as [logprob, token_id, text], weight_version; streamed), /pause_generation (an empty body:
+abort) with a long /generate in flight (its partial tokens, finish_reason {"type": "abort"}), /continue_generation,
+/abort_request, /flush_cache, /update_weights_from_disk to checkpoint B (then B's tokens, /get_weight_version,
+/metrics and /admin/status name the version), and vLLM's /pause?mode=, /resume, /is_paused, /reset_prefix_cache,
+/abort_requests; bad payloads are a 4xx naming the field and change nothing; every route wants the API key.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from conftest import PROMPTS, Checkpoints, shared_llm  # noqa: E402
+from test_serve import Server  # noqa: E402
+
+from moebius import SamplingParams  # noqa: E402
+
+N = 8
+IDS = PROMPTS[1:3]  # 5 and 17 tokens
+LONG = 400  # max_new_tokens of a generation a pause catches in flight (the context is 512)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("rl"), "--model", ckpt("base"), "--dtype", "float32", "--block-size", "16",
+               "--max-total-tokens", "4096", "--seed", "0")
+    yield s
+    assert s.close() == 0, s.tail()
+
+
+def offline(path: str, ids: list[int], n: int = N, **kw: Any) -> Any:
+    return shared_llm(path).generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw))[0]
+
+
+def gen(server: Server, body: dict[str, Any], **kw: Any) -> Any:
+    r = server.post("/generate", body, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(n: int = N, **kw: Any) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def test_generate_equals_offline(server: Server, ckpt: Checkpoints) -> None:
+    a = ckpt("base")
+    want = [offline(a, ids, logprobs=0) for ids in IDS]
+    one = gen(server, {"input_ids": IDS[0], "sampling_params": greedy(), "return_logprob": True, "rid": "q1"})
+    assert one["output_ids"] == want[0].outputs[0].token_ids
+    meta = one["meta_info"]
+    assert meta["id"] == "q1" and meta["finish_reason"] == {"type": "length", "length": N}
+    assert meta["prompt_tokens"] == len(IDS[0]) and meta["completion_tokens"] == N
+    assert meta["weight_version"] is None
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == one["output_ids"] and all(text is None for _, _, text in lps)
+    for (lp, t, _), ref in zip(lps, want[0].outputs[0].logprobs, strict=True):
+        assert lp == pytest.approx(ref[t], abs=1e-4)
+    batch = gen(server, {"input_ids": IDS, "sampling_params": greedy()})
+    assert isinstance(batch, list) and [b["output_ids"] for b in batch] == [w.outputs[0].token_ids for w in want]
+    # a stop token: finish_reason names the token matched, the tokens are the offline API's
+    stop = want[1].outputs[0].token_ids[2]
+    got = gen(server, {"input_ids": IDS[1], "sampling_params": greedy(stop_token_ids=[stop])})
+    ref = offline(a, IDS[1], stop_token_ids=[stop]).outputs[0]
+    assert got["output_ids"] == ref.token_ids and got["meta_info"]["finish_reason"] == {"type": "stop",
+                                                                                      "matched": stop}
+
+
+def test_generate_streamed(server: Server) -> None:
+    whole = gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})
+    events = list(server.stream("/generate", {"input_ids": IDS[1], "sampling_params": greedy()}))
+    assert events[-1] == "[DONE]" and len(events) > 2
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert chunks[-1]["output_ids"] == whole["output_ids"]  # each event: everything so far
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": N}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def _wait_running(server: Server, n: int = 1) -> None:
+    deadline = time.monotonic() + 30
+    while server.get("/admin/status").json()["running"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _long(server: Server, rid: str, box: dict[str, Any]) -> threading.Thread:
+    """A long greedy /generate in a thread; its answer into box[rid]."""
+    def run() -> None:
+        box[rid] = server.post("/generate", {"input_ids": IDS[0], "rid": rid, "sampling_params": greedy(LONG)},
+                               timeout=120)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_pause_abort_returns_partial_tokens(server: Server, ckpt: Checkpoints) -> None:
+    box: dict[str, Any] = {}
+    t = _long(server, "long", box)
+    _wait_running(server)
+    r = httpx.post(server.url + "/pause_generation", headers=server.headers, timeout=60)  # no body: mode abort
+    assert r.status_code == 200, r.text
+    t.join(60)
+    out = box["long"].json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    got = out["output_ids"]
+    assert 0 < len(got) < LONG and out["meta_info"]["completion_tokens"] == len(got)
+    assert got == offline(ckpt("base"), IDS[0], len(got)).outputs[0].token_ids
+    assert server.get("/is_paused").json() == {"is_paused": True}
+    # while paused a request waits; /continue_generation (empty body) lets it run
+    box2: dict[str, Any] = {}
+    t2 = threading.Thread(target=lambda: box2.update(r=server.post("/generate", {"input_ids": IDS[1],
+                                                                                 "sampling_params": greedy()})))
+    t2.start()
+    time.sleep(0.5)
+    assert t2.is_alive() and server.get("/admin/status").json()["waiting"] == 1
+    assert httpx.post(server.url + "/continue_generation", headers=server.headers, timeout=60).status_code == 200
+    t2.join(60)
+    assert box2["r"].json()["output_ids"] == offline(ckpt("base"), IDS[1]).outputs[0].token_ids
+    assert server.get("/is_paused").json() == {"is_paused": False}
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_retract_or_keep_then_continue_gives_the_same_tokens(server: Server, ckpt: Checkpoints,
+                                                                     mode: str) -> None:
+    box: dict[str, Any] = {}
+    t = _long(server, f"long-{mode}", box)
+    _wait_running(server)
+    assert server.post("/pause_generation", {"mode": mode}).status_code == 200
+    st = server.get("/admin/status").json()
+    assert st["paused"] is True and t.is_alive()
+    if mode == "retract":
+        assert st["kv"]["free_tokens"] == st["kv"]["total_tokens"]  # its KV freed: it recomputes after continue
+    assert server.post("/continue_generation", {}).status_code == 200
+    t.join(120)
+    out = box[f"long-{mode}"].json()
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
+    assert out["output_ids"] == offline(ckpt("base"), IDS[0], LONG).outputs[0].token_ids
+
+
+def test_abort_request_by_rid_and_vllm_names(server: Server, ckpt: Checkpoints) -> None:
+    box: dict[str, Any] = {}
+    t = _long(server, "mine", box)
+    _wait_running(server)
+    assert server.post("/abort_request", {"rid": "mine"}).json() == {"aborted": 1}
+    t.join(60)
+    assert box["mine"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    t = _long(server, "theirs", box)
+    _wait_running(server)
+    assert server.post("/abort_requests", {"request_ids": ["theirs"]}).json() == {"aborted": 1}
+    t.join(60)
+    assert box["theirs"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    t = _long(server, "all", box)
+    _wait_running(server)
+    assert server.post("/abort_request", {"abort_all": True}).json() == {"aborted": 1}
+    t.join(60)
+    assert box["all"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    # vLLM's pause / is_paused / resume; the prefix cache flushed under both names
+    r = httpx.post(server.url + "/pause?mode=keep", headers=server.headers, timeout=60)
+    assert r.status_code == 200 and server.get("/is_paused").json() == {"is_paused": True}
+    assert httpx.post(server.url + "/resume", headers=server.headers, timeout=60).status_code == 200
+    assert server.get("/is_paused").json() == {"is_paused": False}
+    assert server.post("/reset_prefix_cache").status_code == 200
+    r = server.get("/flush_cache")
+    assert r.status_code == 200 and r.text.startswith("Cache flushed")
+    assert server.post("/flush_cache").status_code == 200
+    assert gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})["output_ids"] == \
+        offline(ckpt("base"), IDS[1]).outputs[0].token_ids
+
+
+def _metric_lines(server: Server) -> list[str]:
+    return [ln for ln in server.get("/metrics").text.splitlines() if ln.startswith("moebius:weight_version{")]
+
+
+def test_update_weights_from_disk(server: Server, ckpt: Checkpoints) -> None:
+    a, b = ckpt("base"), ckpt("base_b")
+    assert server.get("/get_weight_version").json() == {"weight_version": None}
+    try:
+        r = server.post("/update_weights_from_disk", {"model_path": b, "weight_version": "B-1"})
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        assert server.get("/get_weight_version").json() == {"weight_version": "B-1"}
+        out = gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})
+        assert out["output_ids"] == offline(b, IDS[1]).outputs[0].token_ids
+        assert out["meta_info"]["weight_version"] == "B-1"
+        assert server.get("/admin/status").json()["weight_version"] == "B-1"
+        assert any('version="B-1"' in ln and ln.endswith(" 1.0") for ln in _metric_lines(server))
+        assert not any('version=""' in ln for ln in _metric_lines(server))
+    finally:
+        r = server.post("/update_weights_from_disk", {"model_path": a, "weight_version": "A-2",
+                                                       "flush_cache": True, "abort_all_requests": True})
+        assert r.status_code == 200, r.text
+    assert gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})["output_ids"] == \
+        offline(a, IDS[1]).outputs[0].token_ids
+
+
+BAD: list[tuple[str, Any, int, str]] = [  # (path, body, status, a word the message must hold)
+    ("/generate", {"input_ids": IDS[0], "text": "hi", "sampling_params": greedy()}, 400, "exactly one"),
+    ("/generate", {"sampling_params": greedy()}, 400, "exactly one"),
+    ("/generate", {"input_ids": []}, 400, "input_ids"),
+    ("/generate", {"input_ids": [[1, 2], []]}, 400, "input_ids"),
+    ("/generate", {"input_ids": ["a"]}, 400, "input_ids"),
+    ("/generate", {"input_ids": [10**9]}, 400, "vocabulary"),
+    ("/generate", {"text": "hello"}, 400, "tokenizer"),
+    ("/generate", {"input_ids": IDS[0], "sampling_params": {"max_tokens": 4}}, 400, "sampling_params.max_tokens"),
+    ("/generate", {"input_ids": IDS[0], "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
+    ("/generate", {"input_ids": IDS[0], "sampling_params": {"top_p": 0}}, 400, "sampling_params.top_p"),
+    ("/generate", {"input_ids": IDS[0], "sampling_params": {"max_new_tokens": 100000}}, 400, "max_new_tokens"),
+    ("/generate", {"input_ids": IDS[0], "sampling_params": {"repetition_penalty": 1.2}}, 400, "repetition_penalty"),
+    ("/generate", {"input_ids": IDS, "sampling_params": [greedy()]}, 400, "sampling_params"),
+    ("/generate", {"input_ids": IDS, "rid": ["x", "x"]}, 400, "rid"),
+    ("/generate", {"input_ids": IDS[0], "return_logprob": "yes"}, 400, "return_logprob"),
+    ("/generate", {"input_ids": IDS[0], "bogus": 1}, 400, "bogus"),
+    ("/pause_generation", {"mode": "wait"}, 400, "mode"),
+    ("/pause_generation", {"mode": 1}, 400, "mode"),
+    ("/pause_generation", {"mood": "abort"}, 400, "mood"),
+    ("/continue_generation", {"torch_empty_cache": "no"}, 400, "torch_empty_cache"),
+    ("/abort_request", {}, 400, "rid"),
+    ("/abort_request", {"rid": "x", "abort_all": True}, 400, "rid"),
+    ("/abort_requests", {"request_ids": []}, 400, "request_ids"),
+    ("/update_weights_from_disk", {}, 400, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, 400, "/nonexistent/ckpt"),
+    ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": 3}, 400, "weight_version"),
+    ("/update_weights_from_disk", {"model_path": "/tmp", "load_format": "gguf"}, 400, "load_format"),
+]
+
+
+def test_bad_payloads_are_4xx_naming_the_field_and_change_nothing(server: Server, ckpt: Checkpoints) -> None:
+    before = server.get("/get_weight_version").json()
+    want = offline(ckpt("base"), IDS[1]).outputs[0].token_ids
+    for path, body, status, word in BAD:
+        r = server.post(path, body)
+        assert r.status_code == status, (path, body, r.text)
+        err = r.json()["error"]
+        assert word in err["message"] or word == err["param"], (path, body, err)
+    # a body that is not JSON on a JSON route: 415 naming the Content-Type
+    r = httpx.post(server.url + "/generate", content=b"input_ids=1", timeout=30,
+                   headers={**server.headers, "Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415
+    r = httpx.post(server.url + "/pause_generation", content=b"{not json", timeout=30,
+                   headers={**server.headers, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/pause?mode=sleep", headers=server.headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode" and "'sleep'" in r.text
+    # nothing changed: not paused, the same weights and version, the same tokens
+    assert server.get("/is_paused").json() == {"is_paused": False}
+    assert server.get("/get_weight_version").json() == before
+    assert gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})["output_ids"] == want
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/generate"), ("POST", "/pause_generation"),
+                                         ("POST", "/continue_generation"), ("POST", "/abort_request"),
+                                         ("GET", "/flush_cache"), ("GET", "/get_weight_version"),
+                                         ("POST", "/update_weights_from_disk"), ("POST", "/pause"),
+                                         ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reset_prefix_cache"),
+                                         ("POST", "/abort_requests")])
+def test_every_route_wants_the_api_key(server: Server, method: str, path: str) -> None:
+    r = httpx.request(method, server.url + path, json={}, timeout=30)
+    assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"
+    assert server.get("/is_paused").json() == {"is_paused": False}
