@@ -1,8 +1,9 @@
 """Generation control around a weight update (LLM.pause_generation / resume_generation / is_paused / abort_all), one
 rank in process and two spawned ranks: "abort" ends every request with the tokens it had, "retract" frees every
 request's KV and, after resume, finishes with the tokens of a run without the pause (or, with an update to B in
-between, B's tokens for what follows the retract), "keep" continues with the same tokens; while paused no step runs
-and new requests wait.
+between, B's tokens for what follows the retract), "keep" continues with the same tokens (with an update in
+between: those of a run that updated at that step without a pause); retracted requests move with a switch; while
+paused no step runs and new requests wait.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ TEST_PROMPTS = PROMPTS[1:4]  # 5, 17 and 33 tokens
 STEPS_BEFORE = 4  # steps run before the pause: every request has some tokens, none all of them
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
+@pytest.fixture(scope="module", params=[(1, "tp"), (2, "tp"), (2, "ep")], ids=["P1", "P2-tp", "P2-ep"])
 def llm(request: pytest.FixtureRequest, ckpt: Checkpoints) -> Iterator[Any]:
-    engine = make_llm(ckpt("base"), num_ranks=request.param, mode="tp")
+    ranks, mode = request.param
+    engine = make_llm(ckpt("base"), num_ranks=ranks, mode=mode)
     yield engine
     engine.close()
 
@@ -147,3 +149,33 @@ def test_abort_all_and_bad_mode(llm: Any, want: list[list[int]]) -> None:
     last = _run(llm, last)
     assert all(last[r].outputs[0].finish_reason == "abort" for r in ids)
     assert [o.token_ids for o in llm.generate(TEST_PROMPTS, GREEDY)] == want
+
+
+def test_keep_then_update_equals_an_update_at_that_step(llm: Any, ckpt: Checkpoints, want: list[list[int]]) -> None:
+    got = {}
+    try:
+        for pause in (True, False):
+            ids, last = _start(llm)
+            if pause:
+                llm.pause_generation("keep")
+            llm.update_weights_from_disk(ckpt("base_b"), "B")
+            llm.resume_generation()
+            last = _run(llm, last)
+            got[pause] = [last[r].outputs[0].token_ids for r in ids]
+            llm.update_weights_from_disk(ckpt("base"), None)
+    finally:
+        llm.resume_generation()
+    assert got[True] == got[False] != want
+
+
+def test_retracted_requests_move_with_a_switch(llm: Any, want: list[list[int]]) -> None:
+    if llm.engine.world_size == 1:
+        pytest.skip("one rank: both layouts are the same")
+    start = llm.mode
+    ids, last = _start(llm)
+    llm.pause_generation("retract")
+    assert llm.switch_mode("ep" if start == "tp" else "tp").done
+    llm.resume_generation()
+    last = _run(llm, last)
+    assert [last[r].outputs[0].token_ids for r in ids] == want
+    assert llm.switch_mode(start).done

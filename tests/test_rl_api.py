@@ -177,6 +177,22 @@ def test_abort_request_by_rid_and_vllm_names(server: Server, ckpt: Checkpoints) 
         offline(ckpt("base"), IDS[1]).outputs[0].token_ids
 
 
+def test_abort_while_paused_answers_and_frees_the_kv(server: Server) -> None:
+    box: dict[str, Any] = {}
+    t = _long(server, "held", box)
+    _wait_running(server)
+    assert server.post("/pause_generation", {"mode": "keep"}).status_code == 200
+    st = server.get("/admin/status").json()
+    assert st["kv"]["free_tokens"] < st["kv"]["total_tokens"]
+    assert server.post("/abort_request", {"abort_all": True}).json() == {"aborted": 1}
+    t.join(60)
+    assert box["held"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    st = server.get("/admin/status").json()
+    assert st["paused"] is True and st["in_flight"] == 0
+    assert st["kv"]["free_tokens"] == st["kv"]["total_tokens"]  # freed with no step to do it
+    assert server.post("/continue_generation").status_code == 200
+
+
 def _metric_lines(server: Server) -> list[str]:
     return [ln for ln in server.get("/metrics").text.splitlines() if ln.startswith("moebius:weight_version{")]
 

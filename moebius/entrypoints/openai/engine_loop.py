@@ -364,15 +364,19 @@ class EngineLoop(Admission):
             before = self._engine.settle()  # the steps in flight first: their tokens belong to the partial answers
             for rid in live:
                 self._engine.abort(rid)
-            self._deliver(before + self._engine.settle())
+            self._deliver(before + self._release())
         return len(live)
 
     def abort_all(self) -> int:
         """On the engine thread: abort every request in flight (finish_reason abort, the tokens each had, delivered
         now); how many."""
         ids = self._engine.abort_all()
-        self._deliver(self._engine.settle())
+        self._deliver(self._release())
         return len(ids)
+
+    def _release(self) -> list[RequestOutput]:
+        """The outputs of what was just aborted; while paused (no step comes to do it) their pages are freed now."""
+        return self._engine.step() if self._engine.paused else self._engine.settle()
 
     # ---- the engine thread ----
     def _run(self) -> None:
