@@ -177,6 +177,30 @@ def test_abort_request_by_rid_and_vllm_names(server: Server, ckpt: Checkpoints) 
         offline(ckpt("base"), IDS[1]).outputs[0].token_ids
 
 
+def test_retract_update_continue_finishes_on_the_new_weights(server: Server, ckpt: Checkpoints) -> None:
+    """A trainer's step: pause (retract) with a generation in flight, update to B, continue: the answer is A's tokens
+    up to the pause, then B's continuation of prompt + those (a fresh engine on B), under B's version."""
+    a, b = ckpt("base"), ckpt("base_b")
+    box: dict[str, Any] = {}
+    t = _long(server, "rl-step", box)
+    _wait_running(server)
+    try:
+        assert server.post("/pause_generation", {"mode": "retract"}).status_code == 200
+        r = server.post("/update_weights_from_disk", {"model_path": b, "weight_version": "B-r"})
+        assert r.status_code == 200, r.text
+        assert server.post("/continue_generation").status_code == 200
+        t.join(120)
+    finally:
+        server.post("/continue_generation")
+        assert server.post("/update_weights_from_disk", {"model_path": a}).status_code == 200
+    out = box["rl-step"].json()
+    assert out["meta_info"]["weight_version"] == "B-r"
+    got, on_a = out["output_ids"], offline(a, IDS[0], LONG).outputs[0].token_ids
+    k = next(i for i, (x, y) in enumerate(zip(got, on_a, strict=True)) if x != y)  # where A's tokens end
+    assert k > 0
+    assert got[k:] == offline(b, IDS[0] + got[:k], LONG - k).outputs[0].token_ids
+
+
 def test_abort_while_paused_answers_and_frees_the_kv(server: Server) -> None:
     box: dict[str, Any] = {}
     t = _long(server, "held", box)
@@ -282,3 +306,33 @@ def test_every_route_wants_the_api_key(server: Server, method: str, path: str) -
     r = httpx.request(method, server.url + path, json={}, timeout=30)
     assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"
     assert server.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_text_prompts_logprob_text_and_stop_strings(ckpt: Checkpoints) -> None:
+    """With a tokenizer (the engine loop in this process): text in, the offline API's text and tokens out, each
+    token's text with return_text_in_logprobs, the top log-probabilities, and a stop string as the match."""
+    from test_serve import served_here
+
+    path = ckpt("text")
+    ref = shared_llm(path)
+    with served_here(model=path, dtype="float32", block_size=16, max_total_tokens=4096, seed=0) as (url, _):
+        def post(body: dict[str, Any]) -> Any:
+            r = httpx.post(url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        sp = {"max_new_tokens": N, "temperature": 0}
+        want = ref.generate(["Hello"], SamplingParams(max_tokens=N, temperature=0.0, logprobs=2))[0].outputs[0]
+        out = post({"text": "Hello", "sampling_params": sp, "return_logprob": True, "return_text_in_logprobs": True,
+                    "top_logprobs_num": 2})
+        assert out["text"] == want.text and out["output_ids"] == want.token_ids
+        meta = out["meta_info"]
+        assert "".join(text for _, _, text in meta["output_token_logprobs"]) == out["text"]
+        assert len(meta["output_top_logprobs"]) == len(out["output_ids"])
+        for top, lps in zip(meta["output_top_logprobs"], want.logprobs, strict=True):
+            assert len(top) == 2 and top[0][0] >= top[1][0]
+            assert top[0][0] == pytest.approx(max(lps.values()), abs=1e-4)
+        stop = want.text[2:4]
+        got = post({"text": "Hello", "sampling_params": {**sp, "stop": stop}})
+        ref_stop = ref.generate(["Hello"], SamplingParams(max_tokens=N, temperature=0.0, stop=stop))[0].outputs[0]
+        assert got["text"] == ref_stop.text and got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
