@@ -67,6 +67,13 @@ def test_generate_equals_offline(server: Server, ckpt: Checkpoints) -> None:
         assert lp == pytest.approx(ref[t], abs=1e-4)
     batch = gen(server, {"input_ids": IDS, "sampling_params": greedy()})
     assert isinstance(batch, list) and [b["output_ids"] for b in batch] == [w.outputs[0].token_ids for w in want]
+    # n samples of one prompt: a list, each its own id, the offline API's seeded samples
+    seeded = {"max_new_tokens": N, "temperature": 0.8, "sampling_seed": 7, "n": 2, "ignore_eos": True}
+    two = gen(server, {"input_ids": IDS[0], "sampling_params": seeded, "rid": "s"})
+    ref2 = shared_llm(a).generate([IDS[0]], SamplingParams(max_tokens=N, temperature=0.8, seed=7, n=2,
+                                                            ignore_eos=True))[0]
+    assert [x["output_ids"] for x in two] == [o.token_ids for o in ref2.outputs]
+    assert [x["meta_info"]["id"] for x in two] == ["s-0", "s-1"]
     # a stop token: finish_reason names the token matched, the tokens are the offline API's
     stop = want[1].outputs[0].token_ids[2]
     got = gen(server, {"input_ids": IDS[1], "sampling_params": greedy(stop_token_ids=[stop])})
@@ -83,6 +90,14 @@ def test_generate_streamed(server: Server) -> None:
     assert chunks[-1]["output_ids"] == whole["output_ids"]  # each event: everything so far
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": N}
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_generate_batch_streamed(server: Server, ckpt: Checkpoints) -> None:
+    events = list(server.stream("/generate", {"input_ids": IDS, "sampling_params": greedy()}))
+    assert events[-1] == "[DONE]"
+    last = {e["index"]: e for e in events[:-1] if isinstance(e, dict)}
+    assert [last[i]["output_ids"] for i in range(2)] == [offline(ckpt("base"), ids).outputs[0].token_ids
+                                                         for ids in IDS]
 
 
 def _wait_running(server: Server, n: int = 1) -> None:

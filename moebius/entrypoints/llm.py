@@ -52,7 +52,7 @@ class LLM:
                             f"{type(prompts).__name__}")
         if not isinstance(use_tqdm, bool):
             raise TypeError(f"use_tqdm must be True or False, got {use_tqdm!r}")
-        if self.engine.paused and self.admin is None:  # nothing could resume it while generate() waits
+        if self.engine.paused:  # nothing could resume it while generate() waits
             raise RuntimeError("generation is paused (pause_generation): generate() would wait forever; call "
                                "resume_generation() first")
         prompts = list(prompts)
