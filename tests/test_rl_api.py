@@ -55,7 +55,8 @@ def greedy(n: int = N, **kw: Any) -> dict[str, Any]:
 def test_generate_equals_offline(server: Server, ckpt: Checkpoints) -> None:
     a = ckpt("base")
     want = [offline(a, ids, logprobs=0) for ids in IDS]
-    one = gen(server, {"input_ids": IDS[0], "sampling_params": greedy(), "return_logprob": True, "rid": "q1"})
+    one = gen(server, {"input_ids": IDS[0], "sampling_params": greedy(), "return_logprob": True, "rid": "q1",
+                       "logprob_start_len": len(IDS[0])})  # (from the prompt's end: the output's tokens only)
     assert one["output_ids"] == want[0].outputs[0].token_ids
     meta = one["meta_info"]
     assert meta["id"] == "q1" and meta["finish_reason"] == {"type": "length", "length": N}
@@ -274,6 +275,7 @@ BAD: list[tuple[str, Any, int, str]] = [  # (path, body, status, a word the mess
     ("/generate", {"input_ids": IDS, "rid": ["x", "x"]}, 400, "rid"),
     ("/generate", {"input_ids": IDS[0], "return_logprob": "yes"}, 400, "return_logprob"),
     ("/generate", {"input_ids": IDS[0], "bogus": 1}, 400, "bogus"),
+    ("/generate", {"input_ids": IDS[0], "return_logprob": True, "logprob_start_len": 0}, 400, "logprob_start_len"),
     ("/pause_generation", {"mode": "wait"}, 400, "mode"),
     ("/pause_generation", {"mode": 1}, 400, "mode"),
     ("/pause_generation", {"mood": "abort"}, 400, "mood"),

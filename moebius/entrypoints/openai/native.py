@@ -115,6 +115,10 @@ def generate_items(body: GenerateRequest, info: EngineInfo) -> tuple[list[tuple[
             raise APIError(400, f"sampling_params has {len(sps)} entries for {n} prompts", param="sampling_params")
     else:
         sps = [sps] * n
+    shortest = min(len(p) for p in prompts) if field == "input_ids" else None
+    if body.logprob_start_len != -1 and (shortest is None or body.logprob_start_len < shortest):
+        raise APIError(400, f"logprob_start_len {body.logprob_start_len}: the prompt's log-probabilities are not "
+                       "served; give -1 (the output's tokens only)", param="logprob_start_len")
     logprobs = body.top_logprobs_num if body.return_logprob else None
     items = [(p, _params(sp, info, logprobs, "sampling_params" if len(set(map(id, sps))) == 1
                          else f"sampling_params[{i}]")) for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))]
