@@ -339,6 +339,12 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
 
         try:
             await gen.start()
+        except APIError as e:
+            forget()
+            if e.param == "max_tokens":  # the engine's name for it: SGLang's in this API
+                e.param, e.message = "sampling_params.max_new_tokens", e.message.replace("max_tokens",
+                                                                                         "max_new_tokens")
+            raise
         except BaseException:
             forget()
             raise
