@@ -8,6 +8,8 @@ paused no step runs and new requests wait.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,3 +181,13 @@ def test_retracted_requests_move_with_a_switch(llm: Any, want: list[list[int]]) 
     last = _run(llm, last)
     assert [last[r].outputs[0].token_ids for r in ids] == want
     assert llm.switch_mode(start).done
+
+
+def test_offline_admin_status_says_paused_and_the_version(ckpt: Checkpoints) -> None:
+    with make_llm(ckpt("base"), admin_port=0) as llm:
+        llm.update_weights_from_disk(ckpt("base"), "v1")
+        llm.pause_generation("keep")
+        llm.step()  # (the admin endpoints' snapshot is taken after a step() call)
+        with urllib.request.urlopen(f"http://127.0.0.1:{llm.admin.port}/admin/status", timeout=10) as r:
+            status = json.loads(r.read())
+        assert status["paused"] is True and status["weight_version"] == "v1"

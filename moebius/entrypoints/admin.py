@@ -1,7 +1,8 @@
 """Operator endpoints of a running engine (loopback by default, optional API key):
 
     POST /admin/switch  {"mode": "tp" | "ep"}  -> the switch outcome (as LLM.switch_mode returns it)
-    GET  /admin/status                         -> {"mode": ..., "kv": ..., "unfinished": ...}
+    GET  /admin/status                         -> {"mode": ..., "kv": ..., "unfinished": ..., "paused": ...,
+                                                   "weight_version": ...}
 
 Hosted by the entry point that drives the engine (`LLM`): a switch asked for here is carried out by its loop at the
 next step boundary (the HTTP thread never touches engine state), so it is the same operation as `LLM.switch_mode`
@@ -64,7 +65,8 @@ class AdminServer:
 
     def publish(self) -> None:
         """Snapshot what GET /admin/status reports (called by the loop that drives the engine, after each step)."""
-        self._status = {"mode": self.core.mode, "kv": self.core.kv_stats(), "unfinished": self.core.has_unfinished()}
+        self._status = {"mode": self.core.mode, "kv": self.core.kv_stats(), "unfinished": self.core.has_unfinished(),
+                        "paused": self.core.paused, "weight_version": self.core.weight_version}
 
     def close(self) -> None:
         self.httpd.shutdown()
