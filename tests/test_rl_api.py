@@ -175,14 +175,20 @@ def test_abort_request_by_rid_and_vllm_names(server: Server, ckpt: Checkpoints) 
     assert server.post("/abort_requests", {"request_ids": ["theirs"]}).json() == {"aborted": 1}
     t.join(60)
     assert box["theirs"].json()["meta_info"]["finish_reason"]["type"] == "abort"
-    t = _long(server, "all", box)
-    _wait_running(server)
-    assert server.post("/abort_request", {"abort_all": True}).json() == {"aborted": 1}
-    t.join(60)
-    assert box["all"].json()["meta_info"]["finish_reason"]["type"] == "abort"
-    # vLLM's pause / is_paused / resume; the prefix cache flushed under both names
+    for path, body in (("/abort_request", {"abort_all": True}), ("/abort_requests", {})):
+        t = _long(server, "all", box)
+        _wait_running(server)
+        assert server.post(path, body).json() == {"aborted": 1}
+        t.join(60)
+        assert box["all"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    # vLLM's pause / is_paused / resume (its clear_cache on by default: the prefix cache's pages dropped); the prefix
+    # cache flushed under both names
+    gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})  # its prompt's full page cached
+    assert server.post("/reset_prefix_cache").json()["pages"] > 0
+    gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})
     r = httpx.post(server.url + "/pause?mode=keep", headers=server.headers, timeout=60)
     assert r.status_code == 200 and server.get("/is_paused").json() == {"is_paused": True}
+    assert server.post("/reset_prefix_cache").json()["pages"] == 0  # /pause cleared it
     assert httpx.post(server.url + "/resume", headers=server.headers, timeout=60).status_code == 200
     assert server.get("/is_paused").json() == {"is_paused": False}
     assert server.post("/reset_prefix_cache").status_code == 200
@@ -283,7 +289,8 @@ BAD: list[tuple[str, Any, int, str]] = [  # (path, body, status, a word the mess
     ("/continue_generation", {"torch_empty_cache": "no"}, 400, "torch_empty_cache"),
     ("/abort_request", {}, 400, "rid"),
     ("/abort_request", {"rid": "x", "abort_all": True}, 400, "rid"),
-    ("/abort_requests", {"request_ids": []}, 400, "request_ids"),
+    ("/abort_requests", {"request_ids": "r1"}, 400, "request_ids"),
+    ("/pause?clear_cache=maybe", {}, 400, "clear_cache"),
     ("/update_weights_from_disk", {}, 400, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, 400, "/nonexistent/ckpt"),
     ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": 3}, 400, "weight_version"),

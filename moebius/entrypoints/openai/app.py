@@ -365,9 +365,9 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
             return Response(status_code=499)
         return JSONResponse(whole.result())
 
-    async def pause_in(mode: str) -> None:
+    async def pause_in(mode: str, clear_cache: bool = False) -> None:
         try:
-            await on_engine(control.pause, mode)
+            await on_engine(control.pause, mode, clear_cache)
         except APIError as e:  # the engine names the mode's value and the modes it takes
             if e.status == 400:
                 e.param = "mode"
@@ -386,8 +386,8 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/pause")
-    async def pause_vllm(mode: str = "abort") -> Response:  # vLLM's: the mode in the query string
-        await pause_in(mode)
+    async def pause_vllm(mode: str = "abort", clear_cache: bool = True) -> Response:  # vLLM's: the query string
+        await pause_in(mode, clear_cache)
         return JSONResponse({"status": "paused", "mode": mode})
 
     @app.post("/resume")
@@ -412,6 +412,8 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
 
     @app.post("/abort_requests")
     async def abort_requests(body: AbortRequestsBody) -> Response:
+        if not body.request_ids:  # as vLLM: none given, every request in flight
+            return JSONResponse({"aborted": await on_engine(control.abort_all)})
         ids = [e for rid in body.request_ids for e in native_rids.get(rid, [rid])]
         return JSONResponse({"aborted": await on_engine(control.abort_requests, ids)})
 

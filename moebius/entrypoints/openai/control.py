@@ -39,11 +39,13 @@ def switch(engine: EngineCore, loop: EngineLoop, mode: str) -> dict[str, Any]:
     return engine.switch_mode(mode, reason="operator").to_json()
 
 
-def pause(engine: EngineCore, loop: EngineLoop, mode: str = "keep") -> None:
+def pause(engine: EngineCore, loop: EngineLoop, mode: str = "keep", clear_cache: bool = False) -> None:
     """POST /admin/pause (mode keep), /pause_generation and /pause (mode abort unless given): no step runs until
     resume (requests keep coming in); abort ends every request with the tokens it had, retract frees their KV
-    (`EngineCore.pause_generation`)."""
+    (`EngineCore.pause_generation`). clear_cache: the prefix cache flushed too (vLLM's /pause does by default)."""
     loop.pause(mode)
+    if clear_cache:
+        engine.reset_prefix_cache()
 
 
 def resume(engine: EngineCore, loop: EngineLoop) -> None:

@@ -266,9 +266,9 @@ class AbortBody(_Strict):
 
 
 class AbortRequestsBody(_Strict):
-    """POST /abort_requests: /generate rids (or the engine's own request ids)."""
+    """POST /abort_requests (vLLM's): /generate rids (or the engine's own request ids); none or empty: all."""
 
-    request_ids: list[str] = Field(min_length=1)
+    request_ids: list[str] | None = None
 
 
 class UpdateFromDiskBody(_Strict):
