@@ -142,9 +142,19 @@ def test_new_requests_wait_while_paused(llm: Any, want: list[list[int]]) -> None
     assert [last[r].outputs[0].token_ids for r in ids] == want
 
 
+def test_wait_finishes_every_request_then_pauses(llm: Any, want: list[list[int]]) -> None:
+    ids, last = _start(llm)
+    llm.pause_generation("wait")
+    assert llm.is_paused
+    _no_step_while_paused(llm, last)  # (the outputs of the steps the pause ran)
+    assert [last[r].outputs[0].token_ids for r in ids] == want and all(last[r].finished for r in ids)
+    assert not llm.has_unfinished()
+    llm.resume_generation()
+
+
 def test_abort_all_and_bad_mode(llm: Any, want: list[list[int]]) -> None:
-    with pytest.raises(ValueError, match="mode must be one of .*'wait'"):
-        llm.pause_generation("wait")
+    with pytest.raises(ValueError, match="mode must be one of .*'in_place'.*got 'sleep'"):
+        llm.pause_generation("sleep")
     assert not llm.is_paused
     ids, last = _start(llm)
     assert sorted(llm.abort_all()) == sorted(ids)

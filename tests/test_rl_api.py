@@ -181,6 +181,15 @@ def test_abort_request_by_rid_and_vllm_names(server: Server, ckpt: Checkpoints) 
         assert server.post(path, body).json() == {"aborted": 1}
         t.join(60)
         assert box["all"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    # vLLM's mode wait: /pause answers once the generation in flight has finished
+    t = _long(server, "waited", box)
+    _wait_running(server)
+    r = httpx.post(server.url + "/pause?mode=wait", headers=server.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    t.join(30)
+    assert box["waited"].json()["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
+    assert server.get("/is_paused").json() == {"is_paused": True}
+    assert httpx.post(server.url + "/resume", headers=server.headers, timeout=60).status_code == 200
     # vLLM's pause / is_paused / resume (its clear_cache on by default: the prefix cache's pages dropped); the prefix
     # cache flushed under both names
     gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})  # its prompt's full page cached
@@ -283,7 +292,7 @@ BAD: list[tuple[str, Any, int, str]] = [  # (path, body, status, a word the mess
     ("/generate", {"input_ids": IDS[0], "return_logprob": "yes"}, 400, "return_logprob"),
     ("/generate", {"input_ids": IDS[0], "bogus": 1}, 400, "bogus"),
     ("/generate", {"input_ids": IDS[0], "return_logprob": True, "logprob_start_len": 0}, 400, "logprob_start_len"),
-    ("/pause_generation", {"mode": "wait"}, 400, "mode"),
+    ("/pause_generation", {"mode": "sleep"}, 400, "mode"),
     ("/pause_generation", {"mode": 1}, 400, "mode"),
     ("/pause_generation", {"mood": "abort"}, 400, "mood"),
     ("/continue_generation", {"torch_empty_cache": "no"}, 400, "torch_empty_cache"),

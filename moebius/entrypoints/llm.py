@@ -149,8 +149,9 @@ class LLM:
         """Stop stepping until resume_generation(), around a weight update (vLLM's and SGLang's semantics): mode
         "abort" ends every request now with finish_reason "abort" and the tokens it had; "retract" sends every request
         back to waiting with its KV freed, to recompute prompt + output so far after resume (under the weights of
-        then); "keep" (or SGLang's "in_place") leaves them as they are, to continue after resume. New requests are
-        taken while paused and wait; step() runs no step. The outputs this produces come with the next step()."""
+        then); "keep" (or SGLang's "in_place") leaves them as they are, to continue after resume; "wait" runs them to
+        their end first. New requests are taken while paused and wait; step() runs no step. The outputs this produces
+        come with the next step()."""
         self._check_open()
         self._others += self.engine.pause_generation(mode)
 

@@ -73,7 +73,7 @@ def _check_mode(target: str) -> None:
         raise ValueError(f"mode must be {' or '.join(map(repr, MODES))}, got {target!r}")
 
 
-PAUSE_MODES = ("abort", "retract", "keep")  # vLLM's names; SGLang's "in_place" is "keep"
+PAUSE_MODES = ("abort", "retract", "keep", "wait")  # vLLM's names; SGLang's "in_place" is "keep"
 PAUSE_ALIASES = {"in_place": "keep"}
 
 
@@ -345,12 +345,18 @@ class EngineCore:
         """Stop stepping until resume_generation (new requests are still admitted and wait), around a weight update.
         mode "abort": every live request ends now with finish_reason "abort" and the tokens it had; "retract": every
         request goes back to waiting on its rank, its KV freed, and recomputes prompt + output so far after resume
-        (under the weights of then); "keep" (SGLang's "in_place"): requests keep their KV and continue after resume.
-        Returns the outputs produced by the steps in flight and the aborts."""
+        (under the weights of then); "keep" (SGLang's "in_place"): requests keep their KV and continue after resume;
+        "wait" (vLLM's): steps run here until every request has finished, then the pause. Returns the outputs produced
+        by the steps in flight (for "wait": every step's) and the aborts."""
         self._check_open()
         mode = pause_mode(mode)
         self._settle()  # no step of before the pause runs on after it
-        if mode == "abort":
+        if mode == "wait":
+            outs: list[RequestOutput] = []
+            while self.has_unfinished():
+                outs += self.step()
+            self._undelivered[:0] = outs
+        elif mode == "abort":
             self.abort_all()
             self._release_ended()  # their pages are free before any update
         elif mode == "retract":

@@ -350,8 +350,13 @@ class EngineLoop(Admission):
     def pause(self, mode: str) -> None:
         """On the engine thread (through `call`): stop stepping until `resume` (`EngineCore.pause_generation`: the
         steps already sent to the ranks are read first; mode abort ends every request, its partial tokens delivered
-        now; retract frees their KV; keep leaves them); requests keep coming in."""
-        self._deliver(self._engine.pause_generation(mode))
+        now; retract frees their KV; keep leaves them; wait steps here until every request has finished, each step's
+        outputs delivered as it comes, while new requests wait in the queue); requests keep coming in."""
+        engine = self._engine
+        while mode == "wait" and engine.has_unfinished():
+            self._deliver(engine.step())
+            self._publish()
+        self._deliver(engine.pause_generation(mode))
 
     def resume(self) -> None:
         self._engine.resume_generation()
