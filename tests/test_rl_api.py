@@ -288,6 +288,8 @@ BAD: list[tuple[str, Any, int, str]] = [  # (path, body, status, a word the mess
     ("/generate", {"input_ids": IDS[0], "sampling_params": {"repetition_penalty": 1.2}}, 400, "repetition_penalty"),
     ("/generate", {"input_ids": IDS[1], "sampling_params": {"max_new_tokens": 500}}, 400, "max_new_tokens is 500"),
     ("/generate", {"input_ids": IDS, "sampling_params": [greedy()]}, 400, "sampling_params"),
+    ("/generate", {"input_ids": IDS, "sampling_params": [greedy(), greedy(repetition_penalty=2.0)]}, 400,
+     "sampling_params[1].repetition_penalty"),
     ("/generate", {"input_ids": IDS, "rid": ["x", "x"]}, 400, "rid"),
     ("/generate", {"input_ids": IDS[0], "return_logprob": "yes"}, 400, "return_logprob"),
     ("/generate", {"input_ids": IDS[0], "bogus": 1}, 400, "bogus"),

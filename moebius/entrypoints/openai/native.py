@@ -110,6 +110,7 @@ def generate_items(body: GenerateRequest, info: EngineInfo) -> tuple[list[tuple[
                        param=field)
     n = len(prompts)
     sps = body.sampling_params if body.sampling_params is not None else NativeSampling()
+    listed = isinstance(sps, list)
     if isinstance(sps, list):
         if len(sps) != n:
             raise APIError(400, f"sampling_params has {len(sps)} entries for {n} prompts", param="sampling_params")
@@ -120,8 +121,8 @@ def generate_items(body: GenerateRequest, info: EngineInfo) -> tuple[list[tuple[
         raise APIError(400, f"logprob_start_len {body.logprob_start_len}: the prompt's log-probabilities are not "
                        "served; give -1 (the output's tokens only)", param="logprob_start_len")
     logprobs = body.top_logprobs_num if body.return_logprob else None
-    items = [(p, _params(sp, info, logprobs, "sampling_params" if len(set(map(id, sps))) == 1
-                         else f"sampling_params[{i}]")) for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))]
+    items = [(p, _params(sp, info, logprobs, f"sampling_params[{i}]" if listed else "sampling_params"))
+             for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))]
     if body.rid is None:
         rids = [uuid.uuid4().hex for _ in prompts]
     else:
