@@ -232,6 +232,22 @@ def test_retract_update_continue_finishes_on_the_new_weights(server: Server, ckp
     assert got[k:] == offline(b, IDS[0] + got[:k], LONG - k).outputs[0].token_ids
 
 
+class _Here(Server):
+    """A server started by test_serve.served_here (no API key), spoken to as a Server."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.headers = url, {}
+
+
+def test_trainer_step_on_two_ranks_in_ep(ckpt: Checkpoints) -> None:
+    """The trainer's step above with two spawned ranks in EP (each retracts its own requests)."""
+    from test_serve import served_here
+
+    with served_here(model=ckpt("base"), num_ranks=2, mode="ep", dtype="float32", block_size=16,
+                     max_total_tokens=4096, seed=0) as (url, _):
+        test_retract_update_continue_finishes_on_the_new_weights(_Here(url), ckpt)
+
+
 def test_abort_while_paused_answers_and_frees_the_kv(server: Server) -> None:
     box: dict[str, Any] = {}
     t = _long(server, "held", box)
