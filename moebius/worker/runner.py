@@ -240,6 +240,7 @@ class ModelRunner:
         moe_layers = qwen3_moe.num_moe_layers(weights)
         self.routed: torch.Tensor | None = torch.zeros(
             bufs.input_ids.shape[0], moe_layers, cfg.top_k, dtype=torch.int32, device=device) if moe_layers else None
+        self._routed_readback: list[torch.Tensor] = []  # two pinned [max tokens, MoE layers, k], used in turn
         self.logprobs_mode = "raw_logprobs"  # --logprobs-mode (the rank sets it): what `logprobs_of` returns
         self.lm_head_fp32 = False  # --lm-head-dtype float32 (the rank sets it, before any graph is captured)
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
@@ -527,7 +528,10 @@ class ModelRunner:
         picked = self.routed.index_select(0, self._to_device(np.concatenate(rows).tolist(), torch.int64))
         if self.device.type != "cuda":
             return RoutedRows(spans, picked)
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        if not self._routed_readback:  # pinned once, on the first step that asks (a step allocates nothing)
+            self._routed_readback = [torch.empty(self.routed.shape, dtype=self.routed.dtype, pin_memory=True)
+                                     for _ in "ab"]
+        host = self._routed_readback[self._turn][: picked.shape[0]]  # this turn's, as the tokens' (`_pending`)
         host.copy_(picked, non_blocking=True)  # complete once the step's event (recorded after it) is
         return RoutedRows(spans, host)
 
