@@ -142,8 +142,11 @@ def test_new_requests_wait_while_paused(llm: Any, want: list[list[int]]) -> None
     assert [last[r].outputs[0].token_ids for r in ids] == want
 
 
-def test_wait_finishes_every_request_then_pauses(llm: Any, want: list[list[int]]) -> None:
+@pytest.mark.parametrize("paused_before", [False, True], ids=["running", "paused"])
+def test_wait_finishes_every_request_then_pauses(llm: Any, want: list[list[int]], paused_before: bool) -> None:
     ids, last = _start(llm)
+    if paused_before:  # a pause in place: wait runs its requests to their end too
+        llm.pause_generation("keep")
     llm.pause_generation("wait")
     assert llm.is_paused
     _no_step_while_paused(llm, last)  # (the outputs of the steps the pause ran)

@@ -352,6 +352,7 @@ class EngineCore:
         mode = pause_mode(mode)
         self._settle()  # no step of before the pause runs on after it
         if mode == "wait":
+            self.paused = False  # (from a pause already in place too: its requests run to their end)
             outs: list[RequestOutput] = []
             while self.has_unfinished():
                 outs += self.step()

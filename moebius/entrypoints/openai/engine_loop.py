@@ -353,6 +353,8 @@ class EngineLoop(Admission):
         now; retract frees their KV; keep leaves them; wait steps here until every request has finished, each step's
         outputs delivered as it comes, while new requests wait in the queue); requests keep coming in."""
         engine = self._engine
+        if mode == "wait":  # (from a pause already in place too: its requests run to their end)
+            engine.resume_generation()
         while mode == "wait" and engine.has_unfinished():
             self._deliver(engine.step())
             self._publish()
