@@ -223,7 +223,7 @@ def test_retract_update_continue_finishes_on_the_new_weights(server: Server, ckp
         t.join(120)
     finally:
         server.post("/continue_generation")
-        assert server.post("/update_weights_from_disk", {"model_path": a}).status_code == 200
+        assert server.post("/update_weights_from_disk", {"model_path": a, "weight_version": "A"}).status_code == 200
     out = box["rl-step"].json()
     assert out["meta_info"]["weight_version"] == "B-r"
     got, on_a = out["output_ids"], offline(a, IDS[0], LONG).outputs[0].token_ids
@@ -270,7 +270,6 @@ def _metric_lines(server: Server) -> list[str]:
 
 def test_update_weights_from_disk(server: Server, ckpt: Checkpoints) -> None:
     a, b = ckpt("base"), ckpt("base_b")
-    assert server.get("/get_weight_version").json() == {"weight_version": None}
     try:
         r = server.post("/update_weights_from_disk", {"model_path": b, "weight_version": "B-1"})
         assert r.status_code == 200 and r.json()["success"] is True, r.text
@@ -285,6 +284,9 @@ def test_update_weights_from_disk(server: Server, ckpt: Checkpoints) -> None:
         r = server.post("/update_weights_from_disk", {"model_path": a, "weight_version": "A-2",
                                                        "flush_cache": True, "abort_all_requests": True})
         assert r.status_code == 200, r.text
+    # no version given: the weights change, the version stays (as SGLang)
+    assert server.post("/update_weights_from_disk", {"model_path": a}).status_code == 200
+    assert server.get("/get_weight_version").json() == {"weight_version": "A-2"}
     assert gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})["output_ids"] == \
         offline(a, IDS[1]).outputs[0].token_ids
 

@@ -80,9 +80,9 @@ def update_weights_from_disk(engine: EngineCore, loop: EngineLoop, path: str, ve
                              abort_first: bool) -> dict[str, Any]:
     """New weights from a safetensors directory, between two steps (after the steps in flight; a switch asked for
     runs after it); abort_first: every request in flight ends first (SGLang's abort_all_requests). The prefix cache
-    is always flushed (its pages hold the old weights' KV)."""
+    is always flushed (its pages hold the old weights' KV). No version given: the version stays (as SGLang)."""
     aborted = loop.abort_all() if abort_first else 0
-    outcome = engine.update_weights_from_disk(path, version)
+    outcome = engine.update_weights_from_disk(path, version if version is not None else engine.weight_version)
     return {"views": outcome.views, "flushed_pages": outcome.flushed_pages, "aborted": aborted}
 
 
