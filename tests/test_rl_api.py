@@ -390,3 +390,13 @@ def test_text_prompts_logprob_text_and_stop_strings(ckpt: Checkpoints) -> None:
         got = post({"text": "Hello", "sampling_params": {**sp, "stop": stop}})
         ref_stop = ref.generate(["Hello"], SamplingParams(max_tokens=N, temperature=0.0, stop=stop))[0].outputs[0]
         assert got["text"] == ref_stop.text and got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_an_update_crosses_the_engine_process_pipe_whole() -> None:
+    """The engine process packs each Update as tuples: the weight version and a failed sample's error come through."""
+    from moebius.entrypoints.openai.engine_loop import SampleDelta, Update
+    from moebius.entrypoints.openai.engine_process import _pack, _unpack
+
+    upd = Update(1, [SampleDelta(0, [5, 6], "ab", "error", None, [{5: -0.1}, {6: -0.2}], 3, "why it failed")], True,
+                 "step-7")
+    assert _unpack(_pack(upd)) == upd
