@@ -182,3 +182,41 @@ def test_routed_experts_from_cuda_graphs(ckpt: Any) -> None:
             runs.append([(o.outputs[0].token_ids, o.outputs[0].prompt_routed_experts, o.outputs[0].routed_experts)
                          for o in outs])
     assert runs[0] == runs[1]
+
+
+def test_prompt_routing_is_whole_with_the_prefix_cache_on(ckpt: Any) -> None:
+    """A request that asks for its prompt's routing computes every prompt position: the second run of the same
+    prompt (its pages in the prefix cache) still gets the whole routing, equal to the first."""
+    path = ckpt("dense_layer")
+    llm = shared_llm(path)  # prefix caching on (the default)
+    prompt = _prompts(11, (37,))[0]
+    sp = SamplingParams(temperature=0, max_tokens=4, return_routed_experts=True, return_prompt_routed_experts=True)
+    first, second = (llm.generate([list(prompt)], sp)[0].outputs[0] for _ in range(2))
+    assert second.prompt_routed_experts == first.prompt_routed_experts and len(first.prompt_routed_experts) == 36
+    _check_outputs(path, [prompt], [llm.generate([list(prompt)], sp)[0]], 2, prompt_too=True)
+
+
+def test_generate_endpoint_returns_sglangs_routed_experts(ckpt: Any) -> None:
+    """/generate with return_routed_experts: meta_info.routed_experts is base64 int32 shaped (prompt + output - 1,
+    decoder layers, top-k), a dense layer's rows -1, equal to transformers' router on prompt + output[:-1]."""
+    import base64
+
+    import httpx
+    from test_serve import served_here
+
+    path = ckpt("dense_layer")
+    prompt = _prompts(13, (21,))[0]
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+            "return_routed_experts": True}
+    with served_here(model=path, rank_process="off") as (url, _):
+        for _ in range(2):  # the second time with the prompt's pages in the prefix cache
+            r = httpx.post(url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            ids = torch.frombuffer(bytearray(base64.b64decode(out["meta_info"]["routed_experts"])), dtype=torch.int32)
+            seq = prompt + out["output_ids"][:-1]
+            rows = ids.reshape(len(seq), 3, 2)  # the checkpoint's 3 decoder layers, layer 1 dense
+            assert (rows[:, 1] == -1).all()
+            assert_routing_matches(path, seq, rows[:, [0, 2]].tolist(), 2)
+        plain = httpx.post(url + "/generate", json={**body, "return_routed_experts": False}, timeout=60).json()
+        assert "routed_experts" not in plain["meta_info"] and plain["output_ids"] == out["output_ids"]

@@ -108,8 +108,8 @@ class Scheduler:
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], list[int]]:
         """The indexed pages (and keys) a request admitted now would start with: full pages short of its last
-        token. Nothing for a request that wants every prompt position's logits, nor with the cache off."""
-        if not self.prefix_caching or req.params.prompt_logits:
+        token. Nothing for a request that wants every prompt position's logits or routing, nor with the cache off."""
+        if not self.prefix_caching or req.params.prompt_logits or req.params.return_prompt_routed_experts:
             return [], []
         bs = self.alloc.block_size
         return self.alloc.match(req.page_tokens(b, bs) for b in range((req.num_tokens - 1) // bs))

@@ -47,6 +47,8 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     world_size: int
+    moe_layers: tuple[bool, ...] = ()  # per decoder layer: whether it routes (routed experts' -1 rows otherwise)
+    top_k: int = 0  # experts a token is routed to
 
 
 # ---- events: engine thread -> one HTTP request ----
@@ -68,6 +70,10 @@ class SampleDelta:
     logprobs: list[dict[int, float]] | None = None  # of the new tokens (SamplingParams.logprobs)
     cached_tokens: int = 0  # its prompt tokens found in the prefix cache (known from its first token on)
     error: str | None = None  # with finish_reason "error": why it failed (the engine serves on)
+    # (return_routed_experts) per new token, per MoE layer, the router's top-k ids; and the prompt's (all of it so
+    # far, sent until the first token: a receiver replaces, never appends)
+    routed_experts: list[list[list[int]]] | None = None
+    prompt_routed_experts: list[list[list[int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -246,8 +252,9 @@ class EngineLoop(Admission):
     def __init__(self, engine: EngineCore, metrics: ServerMetrics | None = None,
                  max_waiting: int | None = None) -> None:
         self._engine = engine
-        self.info = EngineInfo(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
-                               engine.world_size)
+        mc = engine.model_config
+        self.info = EngineInfo(engine.tokenizer, engine.max_model_len, mc.vocab_size, engine.world_size,
+                               tuple(mc.is_moe_layer(i) for i in range(mc.num_layers)), mc.top_k)
         self.metrics, self.max_waiting = metrics, max_waiting
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the counters and flags below, and orders puts against shutdown
@@ -482,7 +489,8 @@ class EngineLoop(Admission):
                         start = route.first_times[0] if route.first_times else o.token_times[0]
                         route.first_times = (start, o.token_times[-1])
                 samples.append(SampleDelta(o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs,
-                                           o.num_cached_tokens, o.error))
+                                           o.num_cached_tokens, o.error, o.routed_experts,
+                                           o.prompt_routed_experts))
             if not route.started and any(o.token_ids for o in out.outputs):
                 route.started = True
                 with self._lock:

@@ -53,7 +53,8 @@ START_TIMEOUT_S = 3600.0  # a large model's weights load and its warm-up compile
 def _pack(ev: Event) -> Any:
     if isinstance(ev, Update):
         return (ev.prompt_index, ev.finished, [(d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason,
-                                                d.logprobs, d.cached_tokens, d.error) for d in ev.samples],
+                                                d.logprobs, d.cached_tokens, d.error, d.routed_experts,
+                                                d.prompt_routed_experts) for d in ev.samples],
                 ev.weight_version)
     return ev
 

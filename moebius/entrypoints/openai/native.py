@@ -6,9 +6,11 @@ Written from SGLang's documented payloads; no SGLang code."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -66,10 +68,11 @@ class GenerateRequest(_Strict):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # -1: the output's tokens only (prompt log-probabilities: not served)
+    return_routed_experts: bool = False  # meta_info.routed_experts: the routing of prompt + output[:-1] (SGLang's)
     stream: bool = False
 
 
-def _params(sp: NativeSampling, info: EngineInfo, logprobs: int | None, where: str) -> SamplingParams:
+def _params(sp: NativeSampling, info: EngineInfo, logprobs: int | None, routed: bool, where: str) -> SamplingParams:
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(sp, name) != neutral:
             raise APIError(400, f"{where}.{name} {getattr(sp, name):g} is not supported (only {neutral:g}: no "
@@ -88,7 +91,8 @@ def _params(sp: NativeSampling, info: EngineInfo, logprobs: int | None, where: s
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
             seed=sp.sampling_seed, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
             stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, include_stop_str_in_output=sp.no_stop_trim,
-            skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs)
+            skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs, return_routed_experts=routed,
+            return_prompt_routed_experts=routed)
     except (ValueError, TypeError) as e:  # (min_new_tokens above max_new_tokens, ...)
         raise APIError(400, f"{where}: {e}", param=where) from None
 
@@ -121,7 +125,8 @@ def generate_items(body: GenerateRequest, info: EngineInfo) -> tuple[list[tuple[
         raise APIError(400, f"logprob_start_len {body.logprob_start_len}: the prompt's log-probabilities are not "
                        "served; give -1 (the output's tokens only)", param="logprob_start_len")
     logprobs = body.top_logprobs_num if body.return_logprob else None
-    items = [(p, _params(sp, info, logprobs, f"sampling_params[{i}]" if listed else "sampling_params"))
+    routed = body.return_routed_experts
+    items = [(p, _params(sp, info, logprobs, routed, f"sampling_params[{i}]" if listed else "sampling_params"))
              for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))]
     if body.rid is None:
         rids = [uuid.uuid4().hex for _ in prompts]
@@ -142,9 +147,15 @@ class _Sample:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cached = 0
+        self.routed: list[list[list[int]]] = []  # per output token (return_routed_experts)
+        self.prompt_routed: list[list[list[int]]] = []  # per prompt token but the last
 
     def apply(self, d: SampleDelta) -> None:
         self.tokens += d.token_ids
+        if d.routed_experts is not None:
+            self.routed += d.routed_experts
+        if d.prompt_routed_experts is not None:  # all of the prompt's so far: replaces
+            self.prompt_routed = d.prompt_routed_experts
         self.text += d.text
         self.cached = d.cached_tokens
         if d.logprobs is not None:
@@ -153,6 +164,18 @@ class _Sample:
             raise APIError(500, f"generation failed: {d.error}", code="generation_error")
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+def routed_experts_b64(rows: list[list[list[int]]], info: EngineInfo) -> str:
+    """SGLang's meta_info.routed_experts: base64 of int32 ids shaped (prompt + output - 1 tokens, decoder layers,
+    top-k), in the router's order; a dense layer's row is -1."""
+    moe = [i for i, m in enumerate(info.moe_layers) if m]
+    flat: list[int] = []
+    for row in rows:
+        by_layer = dict(zip(moe, row, strict=True))
+        for layer in range(len(info.moe_layers)):
+            flat += by_layer.get(layer, [-1] * info.top_k)
+    return base64.b64encode(array("i", flat).tobytes()).decode("ascii")
 
 
 def finish_reason(s: _Sample, max_tokens: int | None) -> dict[str, Any] | None:
@@ -207,6 +230,8 @@ class NativeAnswer:
                 k = self.body.top_logprobs_num
                 meta["output_top_logprobs"] = [[[v, u, self._text(u)] for u, v in
                                                 sorted(lps.items(), key=lambda kv: -kv[1])[:k]] for lps in s.logprobs]
+        if self.body.return_routed_experts:
+            meta["routed_experts"] = routed_experts_b64(s.prompt_routed + s.routed, self.info)
         return {"text": s.text, "output_ids": list(s.tokens), "meta_info": meta}
 
     def _apply(self, upd: Any) -> list[int]:
