@@ -193,6 +193,31 @@ class LLM:
         self._check_open()
         return self.engine.update_weights_from_disk(path, weight_version)
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> None:
+        """Join a trainer's process group for `update_weights_from_distributed` (SGLang's protocol): the trainer is
+        rank 0 of `world_size` (1 + the engine's ranks, usually), hosting the TCP store on master_address:master_port;
+        the engine's rank r is `rank_offset + r`. Blocks until every member joined: the trainer joins at the same
+        time (SGLang's `init_custom_process_group`, plain torch.distributed). gloo on CPUs, nccl on GPUs."""
+        self._check_open()
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                              backend)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str | None = None,
+                                        weight_version: str | None = None) -> UpdateOutcome:
+        """`update_weights` with tensors the trainer's rank 0 broadcasts in the group, one `dist.broadcast(t, src=0)`
+        each in the order of `names` (dtypes as "bfloat16" or "torch.bfloat16"). The metadata is checked before any
+        rank receives: a bad name, shape or dtype raises ValueError naming it, the trainer must then not broadcast,
+        and the old weights stay."""
+        self._check_open()
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the trainer's process group `group_name` (the trainer destroys its side too)."""
+        self._check_open()
+        self.engine.destroy_weights_update_group(group_name)
+
     @property
     def weight_version(self) -> str | None:
         """The version given with the last weight update (None before any)."""

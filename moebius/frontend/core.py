@@ -15,7 +15,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from moebius.link.messages import (
     StepWork,
     SwitchOrder,
     SwitchOutcome,
+    UpdateGroupOrder,
     UpdateOutcome,
     WeightUpdate,
 )
@@ -57,6 +58,7 @@ from moebius.switch.policy import predicted_remaining
 from moebius.worker.build import freeze_heap
 from moebius.worker.launch import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
 from moebius.worker.rank import RankSpec
+from moebius.worker.update_group import check_broadcast, check_group_order
 
 log = logging.getLogger("moebius")
 
@@ -156,6 +158,7 @@ class EngineCore:
         self._pipeline = PlanPipeline(self.ranks, ecfg.plans_ahead)
         self.last_switch: SwitchOutcome | None = None  # outcome of the last switch (the policy's or an operator's)
         self.weight_version: str | None = None  # the caller's name for the weights held (update_weights)
+        self.update_groups: set[str] = set()  # trainers' process groups every rank joined (update_group.py)
         self.closed = False
         self.paused = False  # pause_generation: no step runs until resume_generation (requests are still taken)
         self._undelivered: list[RequestOutput] = []  # outputs the next step() returns
@@ -639,6 +642,58 @@ class EngineCore:
         _check_version(weight_version)
         check_update_checkpoint(path, self.model_config)
         return self._update(WeightUpdate(path=os.path.abspath(path)), weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> None:
+        """Join a trainer's process group (SGLang's protocol, `worker/update_group.py`): rank 0 is the trainer's, the
+        engine's rank r is `rank_offset + r` of `world_size`. Blocks until the trainer and every rank joined; the
+        trainer calls its side at the same time. ValueError naming a bad argument; RuntimeError if a rank failed
+        (then no rank is in the group)."""
+        self._check_open()
+        order = UpdateGroupOrder(group_name, True, master_address, int(master_port), int(rank_offset),
+                                 int(world_size), backend)
+        check_group_order(order, self.world_size, self.device == "cuda")
+        if group_name in self.update_groups:
+            raise ValueError(f"process group {group_name!r} is joined already (destroy it first)")
+        self._group_call(order)
+        self.update_groups.add(group_name)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave a trainer's process group joined by `init_weights_update_group`; ValueError if none by that name."""
+        self._check_open()
+        if group_name not in self.update_groups:
+            raise ValueError(f"no process group {group_name!r} joined (joined: {sorted(self.update_groups)})")
+        self.update_groups.discard(group_name)  # (gone on the front end even if a rank failed to leave it cleanly)
+        self._group_call(UpdateGroupOrder(group_name, init=False))
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str | None = None,
+                                        weight_version: str | None = None) -> UpdateOutcome:
+        """`update_weights` with tensors the trainer's rank 0 broadcasts in the group, one broadcast each in the
+        order of `names`. Every name, shape and dtype is checked here first: a bad one raises ValueError naming it
+        before any rank waits for a byte, so a trainer that learns of the refusal must not broadcast (SGLang's
+        contract: the trainer issues this call, and broadcasts only while it has not returned an error).
+        `group_name`: which group (may be left out when one is joined)."""
+        self._check_open()
+        _check_version(weight_version)
+        if group_name is None and len(self.update_groups) == 1:
+            group_name = next(iter(self.update_groups))
+        if group_name not in self.update_groups:
+            raise ValueError(f"no process group {group_name!r} joined (joined: {sorted(self.update_groups)}): "
+                             "call init_weights_update_group first")
+        meta = check_broadcast(self.model_config, group_name, names, dtypes, shapes)
+        return self._update(WeightUpdate(broadcast=meta), weight_version)
+
+    def _group_call(self, order: UpdateGroupOrder) -> None:
+        self._settle()
+        plan = self._next_plan(with_switch=False)
+        plan.run, plan.update = False, WeightUpdate(group=order)
+        outcome = self._call(plan).update
+        assert outcome is not None, "the ranks did not report the process group order"
+        if not outcome.done:
+            raise RuntimeError(f"{'joining' if order.init else 'leaving'} process group {order.group_name!r} "
+                               f"failed: {outcome.reason}")
+        log.info("%s the trainer's process group %r", "joined" if order.init else "left", order.group_name)
 
     def _update(self, update: WeightUpdate, weight_version: str | None) -> UpdateOutcome:
         """Send a checked update in a plan of its own (after the steps in flight) and take in its outcome."""

@@ -62,6 +62,36 @@ class WeightUpdate:
     tensors: list[SharedTensor] = field(default_factory=list)
     # one rank in this process: the checked tensors as they are (not an init field: it never travels)
     local: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # from a trainer's process group (`worker/update_group.py`): the tensors its rank 0 broadcasts, in this order
+    broadcast: BroadcastTensors | None = None
+    # join or leave a trainer's process group: no weight is written (nor the prefix cache flushed)
+    group: UpdateGroupOrder | None = None
+
+
+@dataclass
+class BroadcastTensors:
+    """The tensors a trainer's rank 0 broadcasts to the engine's ranks in the process group `group_name`, one
+    broadcast each in this order (checked at the front end before the ranks receive a byte)."""
+
+    group_name: str
+    names: list[str]
+    dtypes: list[str]  # torch dtype names without "torch."
+    shapes: list[list[int]]
+
+
+@dataclass
+class UpdateGroupOrder:
+    """Join (`init`) or leave (not `init`) a trainer's process group `group_name` (SGLang's
+    `init_weights_update_group`): the engine's rank r is rank `rank_offset + r` of `world_size`, rank 0 the trainer,
+    meeting at the trainer's TCP store on master_address:master_port."""
+
+    group_name: str
+    init: bool = True
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 1
+    world_size: int = 0
+    backend: str = "gloo"
 
 
 class Query(enum.Enum):

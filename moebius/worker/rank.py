@@ -210,6 +210,8 @@ class Rank:
         views, error = apply_update(self.umm, self.targets, self.mode, update, self.groups)
         if error is not None:
             return UpdateOutcome(False, error)
+        if update.group is not None:  # joined or left a trainer's process group: no weight changed
+            return UpdateOutcome(True, None, 0, 0)
         # the cached pages were computed by the old weights: no later prompt may start from them
         return UpdateOutcome(True, None, views, self.allocator.clear_cache())
 
