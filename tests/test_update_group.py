@@ -13,6 +13,7 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from conftest import PROMPTS, Checkpoints, free_port, hf_greedy, make_llm
@@ -214,3 +215,42 @@ def test_group_arguments_checked(llm: Any) -> None:
                 "world_size": 1 + llm.engine.world_size, "group_name": GROUP, **kwargs}
         with pytest.raises(ValueError, match=said):
             llm.init_weights_update_group(**args)
+
+
+def test_http_routes(paths: dict[str, str], want: dict[str, list[list[int]]], trainer: Trainer) -> None:
+    """SGLang's three routes with its payloads (master_port as a string, dtypes as "torch.float32"), replies
+    {"success", "message"}; a bad name is a 400 naming it before the trainer broadcasts; /generate then gives B's
+    tokens and the version."""
+    from test_serve import served_here
+
+    with served_here(model=paths["A"], dtype="float32", block_size=16, max_total_tokens=4096, seed=0,
+                     rank_process="off") as (url, _):
+        def post(route: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+            r = httpx.post(url + route, json=body, timeout=120)
+            assert r.status_code == status, r.text
+            return r.json()
+
+        port = free_port()
+        trainer.send("init", port, 2)
+        out = post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": str(port),
+                                                  "rank_offset": 1, "world_size": 2, "group_name": GROUP,
+                                                  "backend": "gloo"})
+        trainer.done()
+        assert out["success"] is True and GROUP in out["message"]
+        names, _, shapes = metadata(paths["B"])
+        body = {"names": names, "dtypes": ["torch.float32"] * len(names), "shapes": shapes, "group_name": GROUP,
+                "weight_version": "B"}
+        bad = post("/update_weights_from_distributed", {**body, "names": ["lm_head.bias", *names[1:]]}, 400)
+        assert bad["success"] is False and "lm_head.bias" in bad["message"]
+        trainer.send("broadcast", paths["B"])
+        out = post("/update_weights_from_distributed", body)
+        trainer.done()
+        assert out["success"] is True
+        for ids, w in zip(TEST_PROMPTS, want["B"], strict=True):
+            gen = post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": N, "temperature": 0}})
+            assert gen["output_ids"] == w and gen["meta_info"]["weight_version"] == "B"
+        assert post("/destroy_weights_update_group", {"group_name": GROUP})["success"] is True
+        trainer.send("destroy")
+        trainer.done()
+        again = post("/destroy_weights_update_group", {"group_name": GROUP}, 400)
+        assert again["success"] is False and GROUP in again["message"]

@@ -40,8 +40,11 @@ from moebius.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DestroyWeightsUpdateGroupBody,
+    InitWeightsUpdateGroupBody,
     PolicyRequest,
     SwitchRequest,
+    UpdateWeightsFromDistributedBody,
 )
 from moebius.entrypoints.openai.serving import (
     Answer,
@@ -61,7 +64,8 @@ log = logging.getLogger("moebius")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs up to the context length
 # POSTs with a JSON body (the RL control routes that take an empty body read theirs themselves: _optional_body)
 JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/admin/switch", "/admin/policy", "/generate",
-               "/update_weights_from_disk", "/abort_request", "/abort_requests")
+               "/update_weights_from_disk", "/abort_request", "/abort_requests", "/init_weights_update_group",
+               "/update_weights_from_distributed", "/destroy_weights_update_group")
 
 
 @dataclass(frozen=True)
@@ -441,6 +445,34 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         return JSONResponse({"success": True, "message": f"Succeeded to update model weights ({done['views']} views, "
                              f"{done['flushed_pages']} cached pages flushed).", "num_paused_requests": 0,
                              "weight_version": body.weight_version, "aborted": done["aborted"]})
+
+    async def sglang_reply(fn: Any, *args: Any) -> tuple[Any, JSONResponse | None]:
+        """fn on the engine, or SGLang's refusal ({"success": false, "message"}) in the error's status."""
+        try:
+            return await on_engine(fn, *args), None
+        except APIError as e:
+            return None, JSONResponse({"success": False, "message": e.message, **e.body()}, status_code=e.status)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> Response:
+        _, refused = await sglang_reply(control.init_weights_update_group, body.master_address, body.master_port,
+                                        body.rank_offset, body.world_size, body.group_name, body.backend)
+        return refused or JSONResponse({"success": True, "message": f"Joined process group {body.group_name!r}."})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> Response:
+        done, refused = await sglang_reply(control.update_weights_from_distributed, body.names, body.dtypes,
+                                           body.shapes, body.group_name, body.weight_version,
+                                           body.abort_all_requests)
+        return refused or JSONResponse({
+            "success": True, "message": f"Succeeded to update model weights ({done['views']} views, "
+            f"{done['flushed_pages']} cached pages flushed).", "weight_version": body.weight_version,
+            "aborted": done["aborted"]})
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> Response:
+        _, refused = await sglang_reply(control.destroy_weights_update_group, body.group_name)
+        return refused or JSONResponse({"success": True, "message": f"Left process group {body.group_name!r}."})
 
     @app.post("/admin/switch")
     async def switch(body: SwitchRequest) -> Response:

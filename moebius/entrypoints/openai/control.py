@@ -86,6 +86,28 @@ def update_weights_from_disk(engine: EngineCore, loop: EngineLoop, path: str, ve
     return {"views": outcome.views, "flushed_pages": outcome.flushed_pages, "aborted": aborted}
 
 
+def init_weights_update_group(engine: EngineCore, loop: EngineLoop, master_address: str, master_port: int,
+                              rank_offset: int, world_size: int, group_name: str, backend: str | None) -> None:
+    """Join a trainer's process group (blocks the engine thread until the trainer and every rank are in)."""
+    engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                     backend or ("nccl" if engine.device == "cuda" else "gloo"))
+
+
+def update_weights_from_distributed(engine: EngineCore, loop: EngineLoop, names: list[str], dtypes: list[str],
+                                    shapes: list[list[int]], group_name: str, version: str | None,
+                                    abort_first: bool) -> dict[str, Any]:
+    """New weights the trainer broadcasts in the group (checked first: a ValueError before the trainer may send);
+    as update_weights_from_disk for abort_first and the version."""
+    aborted = loop.abort_all() if abort_first else 0
+    outcome = engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                     version if version is not None else engine.weight_version)
+    return {"views": outcome.views, "flushed_pages": outcome.flushed_pages, "aborted": aborted}
+
+
+def destroy_weights_update_group(engine: EngineCore, loop: EngineLoop, group_name: str) -> None:
+    engine.destroy_weights_update_group(group_name)
+
+
 POLICY_SETTINGS = ("policy", "profile", "high", "low", "window", "cooldown")  # the engine's switch_* flags
 
 

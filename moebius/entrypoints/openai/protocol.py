@@ -160,3 +160,38 @@ class PolicyRequest(_AdminModel):
     window: int | None = Field(None, ge=1)
     cooldown: Float | None = Field(None, ge=0)
 
+
+
+# ---- SGLang's weight updates from a trainer's process group (its payloads; `master_port` may come as a string) ----
+class InitWeightsUpdateGroupBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # not strict: SGLang's trainers send master_port as "29500" too
+    master_address: str = Field(min_length=1)
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["nccl", "gloo"] | None = None  # none given: nccl on GPUs, gloo on CPUs
+
+
+class UpdateWeightsFromDistributedBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]  # "bfloat16" or "torch.bfloat16"
+    shapes: list[list[int]]
+    group_name: str = Field("weight_update_group", min_length=1)
+    weight_version: str | None = None
+    flush_cache: bool = True  # the prefix cache is flushed either way (its pages hold the old weights' KV)
+    abort_all_requests: bool = False
+    load_format: str | None = None  # one broadcast a tensor: SGLang's "flattened_bucket" is not taken (yet)
+
+    @field_validator("load_format")
+    @classmethod
+    def _format(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "direct"):
+            raise ValueError(f"load_format {value!r} is not supported: one broadcast a tensor (null, auto or direct)")
+        return value
+
+
+class DestroyWeightsUpdateGroupBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    group_name: str = Field("weight_update_group", min_length=1)
