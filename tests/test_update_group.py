@@ -31,6 +31,7 @@ def _trainer(commands: Any, replies: Any) -> None:
     path), ("destroy",), ("stop",); each answered "ok" or the error."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed import distributed_c10d as c10d
@@ -52,6 +53,11 @@ def _trainer(commands: Any, replies: Any) -> None:
                 tensors = load_file(os.path.join(cmd[1], "model.safetensors"))
                 for name in sorted(tensors):
                     dist.broadcast(tensors[name].contiguous(), src=0, group=pg)
+            elif cmd[0] == "bucket":  # SGLang's flattened bucket: every tensor's bytes back to back, one broadcast
+                tensors = load_file(os.path.join(cmd[1], "model.safetensors"))
+                parts = [(tensors[n].double() if i % 3 == 0 else tensors[n]).flatten().view(torch.uint8)
+                         for i, n in enumerate(sorted(tensors))]
+                dist.broadcast(torch.cat(parts), src=0, group=pg)
             elif cmd[0] == "destroy":
                 dist.destroy_process_group(pg)
                 pg = None
@@ -163,6 +169,27 @@ def test_broadcast_update_serves_b(llm: Any, trainer: Trainer, paths: dict[str, 
         if llm.engine.world_size > 1:
             assert llm.switch_mode("ep" if mode == "tp" else "tp").done
             assert tokens(llm) == want["B"]
+    finally:
+        llm.destroy_weights_update_group(GROUP)
+        trainer.send("destroy")
+        trainer.done()
+
+
+def test_flattened_bucket(llm: Any, trainer: Trainer, paths: dict[str, str],
+                          want: dict[str, list[list[int]]]) -> None:
+    """SGLang's load_format "flattened_bucket": B's tensors (float64 and float32 mixed) in one uint8 broadcast: B's
+    tokens; an unknown load_format is refused."""
+    llm.update_weights_from_disk(paths["A"], "A")
+    join(llm, trainer)
+    try:
+        names, _, shapes = metadata(paths["B"])
+        dtypes = ["float64" if i % 3 == 0 else "float32" for i in range(len(names))]
+        trainer.send("bucket", paths["B"])
+        outcome = llm.update_weights_from_distributed(names, dtypes, shapes, GROUP, "B", "flattened_bucket")
+        trainer.done()
+        assert outcome.done and tokens(llm) == want["B"]
+        with pytest.raises(ValueError, match="load_format"):
+            llm.update_weights_from_distributed(names, dtypes, shapes, GROUP, "B", "bucketed")
     finally:
         llm.destroy_weights_update_group(GROUP)
         trainer.send("destroy")

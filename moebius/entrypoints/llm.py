@@ -205,13 +205,16 @@ class LLM:
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                         shapes: Sequence[Sequence[int]], group_name: str | None = None,
-                                        weight_version: str | None = None) -> UpdateOutcome:
+                                        weight_version: str | None = None, load_format: str | None = None
+                                        ) -> UpdateOutcome:
         """`update_weights` with tensors the trainer's rank 0 broadcasts in the group, one `dist.broadcast(t, src=0)`
         each in the order of `names` (dtypes as "bfloat16" or "torch.bfloat16"). The metadata is checked before any
         rank receives: a bad name, shape or dtype raises ValueError naming it, the trainer must then not broadcast,
-        and the old weights stay."""
+        and the old weights stay. load_format "flattened_bucket" (SGLang's): one uint8 broadcast of every tensor's
+        bytes back to back, in the order of `names`."""
         self._check_open()
-        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version,
+                                                           load_format)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the trainer's process group `group_name` (the trainer destroys its side too)."""

@@ -668,12 +668,14 @@ class EngineCore:
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                         shapes: Sequence[Sequence[int]], group_name: str | None = None,
-                                        weight_version: str | None = None) -> UpdateOutcome:
+                                        weight_version: str | None = None, load_format: str | None = None
+                                        ) -> UpdateOutcome:
         """`update_weights` with tensors the trainer's rank 0 broadcasts in the group, one broadcast each in the
         order of `names`. Every name, shape and dtype is checked here first: a bad one raises ValueError naming it
         before any rank waits for a byte, so a trainer that learns of the refusal must not broadcast (SGLang's
         contract: the trainer issues this call, and broadcasts only while it has not returned an error).
-        `group_name`: which group (may be left out when one is joined)."""
+        `group_name`: which group (may be left out when one is joined). load_format "flattened_bucket": SGLang's
+        bucket, every tensor's bytes back to back in one uint8 broadcast."""
         self._check_open()
         _check_version(weight_version)
         if group_name is None and len(self.update_groups) == 1:
@@ -681,7 +683,7 @@ class EngineCore:
         if group_name not in self.update_groups:
             raise ValueError(f"no process group {group_name!r} joined (joined: {sorted(self.update_groups)}): "
                              "call init_weights_update_group first")
-        meta = check_broadcast(self.model_config, group_name, names, dtypes, shapes)
+        meta = check_broadcast(self.model_config, group_name, names, dtypes, shapes, load_format)
         return self._update(WeightUpdate(broadcast=meta), weight_version)
 
     def _group_call(self, order: UpdateGroupOrder) -> None:

@@ -77,6 +77,8 @@ class BroadcastTensors:
     names: list[str]
     dtypes: list[str]  # torch dtype names without "torch."
     shapes: list[list[int]]
+    # SGLang's load_format "flattened_bucket": one broadcast of every tensor's bytes back to back (uint8)
+    bucket: bool = False
 
 
 @dataclass

@@ -14,6 +14,7 @@ not share those trainers' store keys.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -26,6 +27,7 @@ from moebius.link.messages import BroadcastTensors, UpdateGroupOrder
 from moebius.model.loader import check_update
 
 BACKENDS = ("gloo", "nccl")
+LOAD_FORMATS = (None, "auto", "direct", "flattened_bucket")  # SGLang's names; all but the last: a broadcast a tensor
 # how long a rank waits for the trainer to join, or for one broadcast: a trainer that died frees the engine then
 TIMEOUT = timedelta(minutes=10)
 
@@ -39,9 +41,12 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def check_broadcast(cfg: ModelConfig, group_name: str, names: Sequence[str], dtypes: Sequence[str],
-                    shapes: Sequence[Sequence[int]]) -> BroadcastTensors:
+                    shapes: Sequence[Sequence[int]], load_format: str | None = None) -> BroadcastTensors:
     """The metadata of a broadcast update checked as `check_update` checks tensors (every name, shape and dtype,
-    nothing twice), before the trainer sends a byte; ValueError naming the first bad entry."""
+    nothing twice), before the trainer sends a byte; ValueError naming the first bad entry. load_format: None
+    (one broadcast a tensor) or "flattened_bucket" (one broadcast of their bytes back to back, SGLang's)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names, dtypes and shapes must have one entry per tensor: got {len(names)} names, "
                          f"{len(dtypes)} dtypes, {len(shapes)} shapes")
@@ -56,7 +61,7 @@ def check_broadcast(cfg: ModelConfig, group_name: str, names: Sequence[str], dty
         fake.append((name, torch.empty((), dtype=dtype).expand(*shape)))
     check_update(cfg, fake)
     return BroadcastTensors(group_name, list(names), [str(d).removeprefix("torch.") for d in parsed],
-                            [list(s) for s in shapes])
+                            [list(s) for s in shapes], load_format == "flattened_bucket")
 
 
 def check_group_order(order: UpdateGroupOrder, engine_ranks: int, on_gpu: bool) -> None:
@@ -94,11 +99,30 @@ def join(order: UpdateGroupOrder, engine_rank: int) -> dist.ProcessGroup:
 
 def receive(pg: dist.ProcessGroup, meta: BroadcastTensors, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the trainer broadcasts, in the metadata's order, each into a temporary on this rank's device."""
+    if meta.bucket:
+        return _receive_bucket(pg, meta, device)
     out = []
     for name, dtype, shape in zip(meta.names, meta.dtypes, meta.shapes, strict=True):
         t = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
         dist.broadcast(t, src=0, group=pg)
         out.append((name, t))
+    return out
+
+
+def _receive_bucket(pg: dist.ProcessGroup, meta: BroadcastTensors, device: torch.device
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """SGLang's flattened bucket: every tensor's bytes in the metadata's order, in one uint8 broadcast."""
+    dtypes = [parse_dtype(d) for d in meta.dtypes]
+    sizes = [math.prod(s) * d.itemsize for s, d in zip(meta.shapes, dtypes, strict=True)]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(flat, src=0, group=pg)
+    out, start = [], 0
+    for name, dtype, shape, size in zip(meta.names, dtypes, meta.shapes, sizes, strict=True):
+        part = flat[start:start + size]
+        if start % dtype.itemsize:  # (a view as a wider dtype needs an aligned start: mixed dtypes may not give one)
+            part = part.clone()
+        out.append((name, part.view(dtype).view(shape)))
+        start += size
     return out
 
 

@@ -463,7 +463,7 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> Response:
         done, refused = await sglang_reply(control.update_weights_from_distributed, body.names, body.dtypes,
                                            body.shapes, body.group_name, body.weight_version,
-                                           body.abort_all_requests)
+                                           body.abort_all_requests, body.load_format)
         return refused or JSONResponse({
             "success": True, "message": f"Succeeded to update model weights ({done['views']} views, "
             f"{done['flushed_pages']} cached pages flushed).", "weight_version": body.weight_version,

@@ -95,12 +95,13 @@ def init_weights_update_group(engine: EngineCore, loop: EngineLoop, master_addre
 
 def update_weights_from_distributed(engine: EngineCore, loop: EngineLoop, names: list[str], dtypes: list[str],
                                     shapes: list[list[int]], group_name: str, version: str | None,
-                                    abort_first: bool) -> dict[str, Any]:
+                                    abort_first: bool, load_format: str | None = None) -> dict[str, Any]:
     """New weights the trainer broadcasts in the group (checked first: a ValueError before the trainer may send);
     as update_weights_from_disk for abort_first and the version."""
     aborted = loop.abort_all() if abort_first else 0
     outcome = engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                     version if version is not None else engine.weight_version)
+                                                     version if version is not None else engine.weight_version,
+                                                     load_format)
     return {"views": outcome.views, "flushed_pages": outcome.flushed_pages, "aborted": aborted}
 
 

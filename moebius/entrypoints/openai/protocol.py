@@ -182,14 +182,7 @@ class UpdateWeightsFromDistributedBody(BaseModel):
     weight_version: str | None = None
     flush_cache: bool = True  # the prefix cache is flushed either way (its pages hold the old weights' KV)
     abort_all_requests: bool = False
-    load_format: str | None = None  # one broadcast a tensor: SGLang's "flattened_bucket" is not taken (yet)
-
-    @field_validator("load_format")
-    @classmethod
-    def _format(cls, value: str | None) -> str | None:
-        if value not in (None, "auto", "direct"):
-            raise ValueError(f"load_format {value!r} is not supported: one broadcast a tensor (null, auto or direct)")
-        return value
+    load_format: str | None = None  # null, "auto", "direct": a broadcast a tensor; "flattened_bucket": one in all
 
 
 class DestroyWeightsUpdateGroupBody(BaseModel):
