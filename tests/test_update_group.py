@@ -36,23 +36,27 @@ def _trainer(commands: Any, replies: Any) -> None:
     from safetensors.torch import load_file
     from torch.distributed import distributed_c10d as c10d
 
-    pg = None
+    pg, dev = None, "cpu"
     while True:
         cmd = commands.get()
         try:
             if cmd[0] == "stop":
                 return
             if cmd[0] == "init":  # SGLang's init_custom_process_group, as slime and verl call it on their side
+                backend = cmd[3] if len(cmd) > 3 else "gloo"
+                if backend == "nccl":  # the trainer's GPU: the last one (the engine's rank is on GPU 0)
+                    dev = f"cuda:{torch.cuda.device_count() - 1}"
+                    torch.cuda.set_device(dev)
                 store, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{cmd[1]}", 0, cmd[2],
                                                           timeout=timedelta(seconds=60)))
-                made = c10d._new_process_group_helper(world, rank, [], "gloo", store, group_name=GROUP,
+                made = c10d._new_process_group_helper(world, rank, [], backend, store, group_name=GROUP,
                                                       timeout=timedelta(seconds=60))
                 pg = made[0] if isinstance(made, tuple) else made
                 c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
             elif cmd[0] == "broadcast":
                 tensors = load_file(os.path.join(cmd[1], "model.safetensors"))
                 for name in sorted(tensors):
-                    dist.broadcast(tensors[name].contiguous(), src=0, group=pg)
+                    dist.broadcast(tensors[name].to(dev).contiguous(), src=0, group=pg)
             elif cmd[0] == "bucket":  # SGLang's flattened bucket: every tensor's bytes back to back, one broadcast
                 tensors = load_file(os.path.join(cmd[1], "model.safetensors"))
                 parts = [(tensors[n].double() if i % 3 == 0 else tensors[n]).flatten().view(torch.uint8)
@@ -281,3 +285,27 @@ def test_http_routes(paths: dict[str, str], want: dict[str, list[list[int]]], tr
         trainer.done()
         again = post("/destroy_weights_update_group", {"group_name": GROUP}, 400)
         assert again["success"] is False and GROUP in again["message"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (trainer and engine)")
+def test_nccl_between_two_gpus(paths: dict[str, str], trainer: Trainer) -> None:
+    """The trainer on the last GPU broadcasts B over NCCL to an engine rank on GPU 0: a fresh GPU engine's B tokens."""
+    fresh = make_llm(paths["B"], device="cuda", dtype="float32")
+    try:
+        want_b = tokens(fresh)
+    finally:
+        fresh.close()
+    llm = make_llm(paths["A"], device="cuda", dtype="float32")
+    try:
+        port = free_port()
+        trainer.send("init", port, 2, "nccl")
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "nccl")
+        trainer.done()
+        push_b(llm, trainer, paths["B"], "B")
+        assert tokens(llm) == want_b
+        llm.destroy_weights_update_group(GROUP)
+        trainer.send("destroy")
+        trainer.done()
+    finally:
+        llm.close()

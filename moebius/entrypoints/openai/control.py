@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from moebius.config import EngineConfig
 from moebius.switch.auto import build as build_auto
 from moebius.switch.auto import needs_calibration
+from moebius.worker.update_group import check_broadcast
 
 if TYPE_CHECKING:
     from moebius.entrypoints.openai.engine_loop import EngineLoop
@@ -98,6 +99,8 @@ def update_weights_from_distributed(engine: EngineCore, loop: EngineLoop, names:
                                     abort_first: bool, load_format: str | None = None) -> dict[str, Any]:
     """New weights the trainer broadcasts in the group (checked first: a ValueError before the trainer may send);
     as update_weights_from_disk for abort_first and the version."""
+    if abort_first:  # a refused update aborts nothing: the metadata checked before the requests end
+        check_broadcast(engine.model_config, group_name, names, dtypes, shapes, load_format)
     aborted = loop.abort_all() if abort_first else 0
     outcome = engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
                                                      version if version is not None else engine.weight_version,
