@@ -199,7 +199,7 @@ def test_the_package_holds_the_commands_and_benchmarks_the_tools() -> None:
                ("kernels/moe_tune.py", "switch/reshard_copy.py", "comm/comm_bench.py"))
     assert not glob.glob(str(TOOLS / "*.py")), "a tool goes into a topical folder of benchmarks/"
     assert {"kernels/moe_tune.py", "kernels/kernel_ab.py", "switch/switch_phases.py", "steps/decode_ab.py",
-            "steps/tp_rank_model.py", "comm/comm_bench.py"} <= set(tools)
+            "steps/tp_rank_model.py", "comm/comm_bench.py", "rl/weight_update.py"} <= set(tools)
     names = {Path(t).stem for t in tools}
     assert len(names) == len(tools) and not names & modules  # one name, one file
     for path in sorted(BENCH.glob("*.py")):
