@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         push_weights(engine, model, pg, "step-0")  # from here on the engine holds the trainer's weights exactly
         gen = torch.Generator().manual_seed(args.seed)
         history: list[dict[str, Any]] = []
+        seen = max((s["t"] for s in engine.status()["timeline"]["switches"]), default=-1.0)  # switches before us
         for step in range(args.steps):
             prompts = torch.randint(0, min(vocab, 256), (args.prompts_per_step, args.prompt_len),
                                     generator=gen).tolist()
@@ -262,9 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             layout = engine.status()  # after the rollout: auto mode may have switched during it
             r, gap_mean, gap_max = grpo_step(model, opt, prompts, samples, args.group_size)
             push_weights(engine, model, pg, f"step-{step + 1}")
-            switches = [s for s in layout["timeline"]["switches"] if s["done"]]  # (the last 100: status's tail)
+            new = [s for s in layout["timeline"]["switches"] if s["t"] > seen and s["done"]]
+            seen = max([seen] + [s["t"] for s in layout["timeline"]["switches"]])
             row = {"step": step, "reward": round(r, 4), "logprob_diff_mean": gap_mean, "logprob_diff_max": gap_max,
-                   "mode": layout["mode"], "switches": len(switches)}
+                   "mode": layout["mode"], "switched": [f"{s['source']}->{s['target']}" for s in new]}
             history.append(row)
             print(json.dumps(row), flush=True)
         engine.post("/destroy_weights_update_group", {"group_name": GROUP})
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary = {"rewards": [h["reward"] for h in history],
                    "logprob_diff_mean": sum(h["logprob_diff_mean"] for h in history) / max(len(history), 1),
                    "logprob_diff_max": max((h["logprob_diff_max"] for h in history), default=0.0),
-                   "modes": [h["mode"] for h in history], "switches": history[-1]["switches"] if history else 0}
+                   "modes": [h["mode"] for h in history], "switches": sum(len(h["switched"]) for h in history)}
         print(json.dumps({"summary": summary}), flush=True)
         return summary
     finally:
