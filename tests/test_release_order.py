@@ -68,13 +68,14 @@ def test_runner_forward_runs_the_whole_forward_in_the_steps_order(monkeypatch: p
     seen: list[KernelConfig] = []
 
     def record(ids: torch.Tensor, meta: object, weights: object, kv: object, cfg: object, comm: object,
-               kc: KernelConfig) -> torch.Tensor:  # stands in for the model
+               kc: KernelConfig, routed: object = None) -> torch.Tensor:  # stands in for the model
         seen.append(kc)
         return ids
 
     monkeypatch.setattr(qwen3_moe, "forward", record)
     base = KernelConfig(moe_backend="grouped_mm", pdl=False)
-    runner = SimpleNamespace(kernels=base, qkv_elems=EP_30B_QKV, weights=None, kv=[], cfg=None, comm=None)
+    runner = SimpleNamespace(kernels=base, qkv_elems=EP_30B_QKV, weights=None, kv=[], cfg=None, comm=None,
+                             routed=None)
     runner.release_order = lambda tokens: ModelRunner.release_order(runner, tokens)  # the runner's own rule
     for tokens in (1, 2048):
         ids = torch.zeros(tokens, dtype=torch.int64)
