@@ -145,14 +145,14 @@ def wait(t: threading.Thread) -> Any:
     return t.box.get("out")  # type: ignore[attr-defined]
 
 
-def join_update_group(engine: Engine, world_size: int) -> dist.ProcessGroup:
+def join_update_group(engine: Engine, world_size: int, address: str) -> dist.ProcessGroup:
     """The trainer as rank 0 of a new group with the engine's ranks 1..P: SGLang's `init_custom_process_group` (a
     TCP store on the trainer's port, the group's name as its prefix), while the engine joins over HTTP."""
     port = free_port()
     t = call_while(engine.post, "/init_weights_update_group",
-                   {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world_size,
+                   {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world_size,
                     "group_name": GROUP, "backend": "gloo"})
-    store, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size,
+    store, rank, world = next(dist.rendezvous(f"tcp://{address}:{port}", 0, world_size,
                                               timeout=timedelta(seconds=120)))
     made = c10d._new_process_group_helper(world, rank, [], "gloo", store, group_name=GROUP,
                                           timeout=timedelta(seconds=120))
@@ -217,7 +217,10 @@ def grpo_step(model: torch.nn.Module, opt: torch.optim.Optimizer, prompts: list[
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a Qwen3-MoE Hugging Face directory (default: a tiny random one written here)")
-    ap.add_argument("--url", help="a running `moebius serve` (default: one started here); its key: MOEBIUS_API_KEY")
+    ap.add_argument("--url", help="a running `moebius serve` of --model (default: one started here); its key: the "
+                    "environment's MOEBIUS_API_KEY")
+    ap.add_argument("--master-address", default="127.0.0.1", help="this trainer's address as the engine reaches it "
+                    "(the update group's TCP store)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompts-per-step", type=int, default=4)
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.smallest:
         args.steps, args.group_size, args.prompts_per_step, args.max_new_tokens = 12, 4, 4, 8
+    if args.url and not args.model:  # the trainer must start from the weights the engine serves (same shapes)
+        raise SystemExit("--url needs --model: the directory the server at that URL serves")
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be >= 2 (advantages are normalised within a group), got "
                          f"{args.group_size}")
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                     experts_implementation="eager")
         vocab = model.config.vocab_size
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        pg = join_update_group(engine, 1 + engine.status()["world_size"])
+        pg = join_update_group(engine, 1 + engine.status()["world_size"], args.master_address)
         push_weights(engine, model, pg, "step-0")  # from here on the engine holds the trainer's weights exactly
         gen = torch.Generator().manual_seed(args.seed)
         history: list[dict[str, Any]] = []
