@@ -10,6 +10,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +208,23 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _whole_unless_gone(request: Request, answer: Coroutine[Any, Any, Any], abort: Callable[[], None]
+                             ) -> Response:
+    """The whole answer as JSON, or 499 once the client has gone (then `abort` frees what it held at once)."""
+    whole = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not whole.done():  # the client went away (or we are cancelled): free its KV now
+            whole.cancel()
+            abort()
+    if not whole.done() or whole.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return JSONResponse(whole.result())
+
+
 def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics: ServerMetrics | None = None
                ) -> FastAPI:
     app = FastAPI(title="Moebius", version=__version__, description="OpenAI-compatible API over the Moebius engine")
@@ -250,18 +268,7 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
             # the background abort covers a client gone before the stream's first event (its generator never ran)
             return StreamingResponse(answer.stream(usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=BackgroundTask(gen.abort))
-        whole = asyncio.ensure_future(answer.whole())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not whole.done():  # the client went away (or we are cancelled): free its KV now
-                whole.cancel()
-                gen.abort()
-        if not whole.done() or whole.cancelled():
-            return Response(status_code=499)  # nobody reads it
-        return JSONResponse(whole.result())
+        return await _whole_unless_gone(request, answer.whole(), gen.abort)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -356,18 +363,10 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         if body.stream:
             return StreamingResponse(answer.stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=BackgroundTask(forget))
-        whole = asyncio.ensure_future(answer.whole())
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return await _whole_unless_gone(request, answer.whole(), lambda: None)
         finally:
-            gone.cancel()
-            if not whole.done():  # the client went away (or we are cancelled): free its KV now
-                whole.cancel()
             forget()
-        if not whole.done() or whole.cancelled():
-            return Response(status_code=499)
-        return JSONResponse(whole.result())
 
     async def pause_in(mode: str, clear_cache: bool = False) -> None:
         try:
