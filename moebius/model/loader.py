@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
-from moebius.model.weights import ParamSpec, checkpoint_tensors, per_expert, spec_view, weight_specs
+from moebius.model.weights import ParamSpec, checkpoint_tensors, fused_name, per_expert_names, spec_view, weight_specs
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -293,10 +293,12 @@ def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | 
             view.copy_(rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, umm.device))
             continue
         try:
-            t = s.load(fetch)
+            if s.fill is not None:  # the cut straight into the view (experts: no stacked temporary)
+                s.fill(fetch, view)
+            else:
+                view.copy_(s.load(fetch))
         except KeyError as e:
             raise ConfigError(f"checkpoint {ckpt.path!r} is missing tensor {e.args[0]}") from None
-        view.copy_(t)
 
 
 # Tensor dtypes an update takes: those of FLOAT_DTYPES (float8 would be quantized values without their scales)
@@ -319,8 +321,8 @@ def _unknown(name: str, cfg: ModelConfig, known: dict[str, tuple[int, ...]]) -> 
 
 
 def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """An update's tensors by the names the weight specs read (a fused expert tensor as its per-expert views), every
-    one checked before a byte is written: TypeError for what is not a (name, tensor) pair, ValueError naming the
+    """An update's tensors by name (a fused expert tensor kept whole: the expert cut takes it as it is), every one
+    checked before a byte is written: TypeError for what is not a (name, tensor) pair, ValueError naming the
     first tensor whose name the model does not read, whose shape is not the model's (both shapes named), whose
     dtype is not floating point, or that comes twice."""
     known = checkpoint_tensors(cfg)
@@ -348,37 +350,55 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
         if t.layout != torch.strided or t.is_meta:
             raise ValueError(f"tensor {name} is a {'meta' if t.is_meta else str(t.layout)} tensor: an update needs "
                              "its values in a dense tensor")
-        for n, part in per_expert(cfg, name, t.detach()):
-            if n in out:
+        for n in per_expert_names(cfg, name, t.shape[0]):  # names only: no view a fused tensor's expert
+            if n in given_as:
                 twice = given_as[n] if given_as[n] == name else f"{given_as[n]} and {name}"
                 raise ValueError(f"tensor {n} is given twice (in {twice}): which one counts would be a guess")
-            out[n], given_as[n] = part, name
+            given_as[n] = name
+        out[name] = t.detach()
     return out
 
 
 def write_update(umm: UnifiedMemory, specs: list[tuple[ParamSpec, tuple[str, ...]]],
                  tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> int:
     """Write checked tensors (`check_update`) into the views they feed; returns how many views changed. `specs`: the
-    rank's resident specs, each with the tensors its cut reads (`spec_reads`). A spec is cut again by its own load,
-    the loader's, from these tensors; where it reads others too (an update of some experts, of q_proj alone), they
-    stand in as zeros and an indicator cut the same way keeps the view's old values in their place."""
+    rank's resident specs, each with the tensors its cut reads (`spec_reads`: per-expert names; a fused tensor
+    stands for its layer's). A spec with a copy-into form (the experts) is written by it, each given piece once
+    straight from its source; one that is not given stands in as a meta tensor the cut skips. Any other spec is cut
+    again by its own load; where it reads tensors not given (q_proj alone of the qkv stack), they stand in as zeros
+    and an indicator cut the same way keeps the view's old values in their place."""
     device = umm.device
+
+    def covered(name: str) -> bool:
+        return name in tensors or fused_name(name) in tensors
 
     def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = tensors.get(name)
         return t.to(device) if t is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+    def fetch_into(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is not None:
+            return t  # copy_ moves and casts it on the way into the view: no temporary on the device
+        if covered(name):
+            raise KeyError(name)  # its layer's fused tensor is given: the cut takes that one
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def given(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.full(shape, name in tensors, dtype=torch.bool, device=device)
 
     written = 0
     for s, reads in specs:
-        some = sum(n in tensors for n in reads)
+        some = sum(map(covered, reads))
         if not some:
             continue
         assert s.load is not None
         view = spec_view(umm, s, dtype)
-        new = s.load(fetch)
-        view.copy_(new if some == len(reads) else torch.where(s.load(given), new.to(dtype), view))
+        if s.fill is not None:
+            s.fill(fetch_into, view)
+        elif some == len(reads):
+            view.copy_(s.load(fetch))
+        else:
+            view.copy_(torch.where(s.load(given), s.load(fetch).to(dtype), view))
         written += 1
     return written

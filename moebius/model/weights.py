@@ -35,6 +35,9 @@ class ParamSpec:
     load: Callable[[Fetch], torch.Tensor] | None  # None: computed, not loaded (the RoPE table)
     slot: int | None = None  # expert weights: layer slot and byte offset in it
     offset: int = 0
+    # the cut written straight into the view, each byte once from the source (`load` is this into a fresh tensor);
+    # a source piece fetched as a meta tensor is skipped (an update of some experts leaves the others' rows)
+    fill: Callable[[Fetch, torch.Tensor], None] | None = None
 
 
 def _attn_tag(lay: Layout) -> str:
@@ -79,34 +82,79 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
         ]
         return specs
     E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
-    local = range(lay.first_expert, lay.first_expert + El)
-
-    def expert(fetch: Fetch, e: int, which: str) -> torch.Tensor:
-        """One expert's [gate|up] rows [2I, D] or down [D, I], from per-expert or fused (transformers 5) tensors."""
-        try:
-            if which == "w13":
-                return torch.cat([fetch(p + f"mlp.experts.{e}.gate_proj.weight", (I, D)),
-                                  fetch(p + f"mlp.experts.{e}.up_proj.weight", (I, D))])
-            return fetch(p + f"mlp.experts.{e}.down_proj.weight", (D, I))
-        except KeyError as missing:
-            try:
-                if which == "w13":
-                    return fetch(p + FUSED_W13, (E, 2 * I, D))[e]
-                return fetch(p + FUSED_W2, (E, D, I))[e]
-            except KeyError:
-                raise missing from None  # name the per-expert tensor (the usual format) as the missing one
-
     slot = lay.slot_of(i)
     w13_bytes = El * 2 * Il * D * elt
+    w13 = _ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)))
+    w2 = _ExpertCut(p, "w2", lay, (E, D, I), ((D, I),))
     specs += [
         ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
-        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D),
-                  lambda f: torch.stack([lay.shard_w13(expert(f, e, "w13")) for e in local]), slot=slot),
-        ParamSpec(p + "mlp.experts.w2", (El, D, Il),
-                  lambda f: torch.stack([lay.shard_w2(expert(f, e, "w2")) for e in local]), slot=slot,
-                  offset=w13_bytes),
+        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
+        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=w13_bytes, fill=w2.fill),
     ]
     return specs
+
+
+def _tp_block(t: torch.Tensor, dim: int, lay: Layout) -> torch.Tensor:
+    """This rank's 1/tp block of `t` along `dim`, as a view (splitting one dim is a view whatever the strides): the
+    rows of gate and of up `Layout.shard_w13` keeps, the columns of down `Layout.shard_w2` keeps."""
+    return t if lay.tp == 1 else t.unflatten(dim, (lay.tp, t.shape[dim] // lay.tp)).select(dim, lay.tp_rank)
+
+
+class _ExpertCut:
+    """A layer's local experts, [gate | up] (`w13`: the slot's [El, 2, Il, D]) or down (`w2`: [El, D, Il]), cut from
+    per-expert or fused (transformers 5) tensors as views of the source, each with where it lands in the slot: one
+    piece for a fused tensor, one per expert and projection otherwise. Both the load and an update write these."""
+
+    def __init__(self, p: str, which: str, lay: Layout, fused: tuple[int, ...],
+                 per_expert_shapes: tuple[tuple[int, ...], ...]) -> None:
+        self.p, self.which, self.lay, self.fused_shape = p, which, lay, fused
+        self.shapes = per_expert_shapes
+        self.local = range(lay.first_expert, lay.first_expert + lay.num_local_experts)
+
+    def _names(self, e: int) -> tuple[str, ...]:
+        projs = ("gate_proj", "up_proj") if self.which == "w13" else ("down_proj",)
+        return tuple(f"{self.p}mlp.experts.{e}.{proj}.weight" for proj in projs)
+
+    def pieces(self, fetch: Fetch) -> list[tuple[tuple[int | slice, ...], torch.Tensor]]:
+        """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there)."""
+        w13 = self.which == "w13"
+        try:
+            first = fetch(self._names(self.local.start)[0], self.shapes[0])
+        except KeyError as missing:
+            try:
+                t = fetch(self.p + (FUSED_W13 if w13 else FUSED_W2), self.fused_shape)[self.local.start:self.local.stop]
+            except KeyError:
+                raise missing from None  # name the per-expert tensor (the usual format) as the missing one
+            # fused [El, 2I, D]: gate and up rows split, then each cut; [El, D, I]: columns cut
+            return [((slice(None),), _tp_block(t.unflatten(1, (2, t.shape[1] // 2)), 2, self.lay) if w13
+                     else _tp_block(t, 2, self.lay))]
+        out: list[tuple[tuple[int | slice, ...], torch.Tensor]] = []
+        for j, e in enumerate(self.local):
+            for k, (name, shape) in enumerate(zip(self._names(e), self.shapes, strict=True)):
+                t = first if j == 0 and k == 0 else fetch(name, shape)
+                out.append(((j, k) if w13 else (j,), _tp_block(t, 0 if w13 else 1, self.lay)))
+        return out
+
+    def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
+        """Each piece copied once into its place in `dst` (the slot's view, [El, 2Il, D] or [El, D, Il])."""
+        _write(self.pieces(fetch), dst.unflatten(1, (2, dst.shape[1] // 2)) if self.which == "w13" else dst)
+
+    def load(self, fetch: Fetch) -> torch.Tensor:
+        """The cut as a tensor of its own: the pieces written into a fresh one (its last dims the source's: a
+        shape-only check passes tensors of width 0)."""
+        pieces = self.pieces(fetch)
+        src = pieces[0][1]
+        El = len(self.local)
+        shape = (El, 2, *src.shape[-2:]) if self.which == "w13" else (El, *src.shape[-2:])
+        out = torch.empty(shape, dtype=src.dtype, device=src.device)
+        _write(pieces, out)
+        return out.flatten(1, 2) if self.which == "w13" else out
+
+
+def _write(pieces: list[tuple[tuple[int | slice, ...], torch.Tensor]], into: torch.Tensor) -> None:
+    for at, src in pieces:
+        if not src.is_meta:  # a tensor the update does not give: its rows keep their values
+            into[at].copy_(src)
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
@@ -166,6 +214,28 @@ def checkpoint_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"model.layers.{i}.{FUSED_W13}"] = (E, 2 * I, D)
         shapes[f"model.layers.{i}.{FUSED_W2}"] = (E, D, I)
     return shapes
+
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_name(name: str) -> str | None:
+    """The fused expert tensor a per-expert name is part of (None for any other name)."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    return m.group(1) + ("down_proj" if m.group(2) == "down_proj" else "gate_up_proj")
+
+
+def per_expert_names(cfg: ModelConfig, name: str, experts: int) -> list[str]:
+    """The per-expert names a fused expert tensor of `experts` experts stands for, in expert order (as `per_expert`
+    names its views); any other name as it is."""
+    m = _FUSED.match(name)
+    if m is None:
+        return [name]
+    p = m.group(1) + "mlp.experts."
+    projs = ("down_proj",) if m.group(2) == FUSED_W2 else ("gate_proj", "up_proj")
+    return [f"{p}{e}.{proj}.weight" for e in range(experts) for proj in projs]
 
 
 def per_expert(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
