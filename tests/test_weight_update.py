@@ -221,6 +221,54 @@ def test_weight_version_on_every_output(on_a: Any, paths: dict[str, str], want: 
     assert llm.weight_version is None and llm.generate(TEST_PROMPTS[0], GREEDY)[0].weight_version is None
 
 
+def test_expert_updates_write_each_byte_once_without_layer_sized_temporaries(
+        on_a: Any, paths: dict[str, str], want: dict[str, list[list[int]]], request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path, counted on the rank in process: a partial per-expert update (M's experts) and a trainer's full
+    fused update (B) make no tensor as large as a third of a layer's experts (no per-expert cat / stack into a
+    temporary, no zeros or masks), and the fused one writes each layer's gate_up_proj and down_proj into the slot
+    in one copy each, straight from the source's views."""
+    if request.node.callspec.params["llm"] != 1:
+        pytest.skip("counts torch calls in this process: the rank must be in it (P = 1)")
+    llm = on_a
+    named = [(n, t.detach()) for n, t in hf_model(paths["B"]).named_parameters()]
+    fused = [t for n, t in named if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    E, I2, D = fused[0].shape
+    big = E * I2 // 2 * D  # a third of one layer's expert bytes (in elements)
+    made: list[tuple[str, tuple[int, ...]]] = []  # big tensors made while updating
+    copied: list[tuple[int, ...]] = []  # big copies' destination shapes
+
+    def counting(fn_name: str) -> None:
+        fn = getattr(torch, fn_name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.numel() >= big:
+                made.append((fn_name, tuple(out.shape)))
+            return out
+        monkeypatch.setattr(torch, fn_name, wrapped)
+
+    for fn_name in ("stack", "cat", "zeros", "full", "where", "empty", "zeros_like", "empty_like"):
+        counting(fn_name)
+    copy = torch.Tensor.copy_
+
+    def counting_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if self.numel() >= big:
+            copied.append(tuple(self.shape))
+        return copy(self, src, non_blocking)
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+
+    llm.update_weights(_b_part(paths["B"]).items())
+    assert made == [] and not any(len(s) >= 3 for s in copied)  # the given experts' rows one by one, no layer
+    copied.clear()
+    llm.update_weights(named, weight_version="B")
+    monkeypatch.undo()
+    assert made == []
+    expert_copies = [s for s in copied if len(s) >= 3]
+    assert sorted(expert_copies) == sorted([(E, 2, I2 // 2, D), (E, D, I2 // 2)] * (len(fused) // 2))
+    assert tokens(llm) == want["B"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rank_process", ["off", "on"])

@@ -219,6 +219,7 @@ def checkpoint_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+@functools.cache  # asked once per expert and weight at every update: a bounded set of names
 def fused_name(name: str) -> str | None:
     """The fused expert tensor a per-expert name is part of (None for any other name)."""
     m = _PER_EXPERT.match(name)
