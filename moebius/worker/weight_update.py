@@ -1,6 +1,7 @@
 """A weight update on a rank (`WeightUpdate`), between two steps: the load path with another source. The rank's
 resident specs (dense regions of both layouts, experts of the active one: `resident_specs`) are cut again by their
-own loads and written into the same views, so no address changes and every captured graph stays valid; the next
+own loads (experts: copied from the source's views straight into the slot, `ParamSpec.fill`) and written into the
+same views, so no address changes and every captured graph stays valid; the next
 switch moves the new experts like any others. Every rank first says whether it holds the update's tensors (a
 shared-memory segment it could not map, a directory it could not open, a trainer's broadcast it did not receive):
 one that does not, and no rank writes. Joining and leaving a trainer's process group (`worker/update_group.py`)
@@ -50,7 +51,7 @@ def _source(update: WeightUpdate, targets: WeightTargets, device: torch.device
         pg = targets.update_groups.get(update.broadcast.group_name)
         if pg is None:
             raise ValueError(f"no process group {update.broadcast.group_name!r} joined on this rank")
-        # received whole before any write: the trainer's tensors cut like in-memory ones (fused experts split)
+        # received whole before any write: the trainer's tensors cut like in-memory ones (fused experts kept whole)
         return check_update(targets.cfg, update_group.receive(pg, update.broadcast, device))
     if update.path is not None:
         return Checkpoint(update.path)
