@@ -17,7 +17,7 @@ import torch
 from moebius.config import ModelConfig
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.model.qwen3_moe import AttnWeights, DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moebius.parallel.layout import Layout
+from moebius.parallel.layout import Layout, tp_block
 
 # fetch(hf_name, full_shape) -> the checkpoint tensor, checked against the shape
 Fetch = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -95,9 +95,9 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
 
 
 def _tp_block(t: torch.Tensor, dim: int, lay: Layout) -> torch.Tensor:
-    """This rank's 1/tp block of `t` along `dim`, as a view (splitting one dim is a view whatever the strides): the
-    rows of gate and of up `Layout.shard_w13` keeps, the columns of down `Layout.shard_w2` keeps."""
-    return t if lay.tp == 1 else t.unflatten(dim, (lay.tp, t.shape[dim] // lay.tp)).select(dim, lay.tp_rank)
+    """This rank's 1/tp block of `t` along `dim` (`tp_block`: the rows of gate and of up `Layout.shard_w13` keeps,
+    the columns of down `Layout.shard_w2` keeps)."""
+    return tp_block(t, dim, lay.tp, lay.tp_rank)
 
 
 class _ExpertCut:

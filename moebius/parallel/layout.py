@@ -183,18 +183,24 @@ class Layout:
 
 
 # ---- the expert shard geometry (load and both switch directions) ----
+def tp_block(t: torch.Tensor, dim: int, parts: int, q: int) -> torch.Tensor:
+    """Block q of `parts` equal blocks of `t` along `dim`, as a view whatever the strides: the one TP cut of an MLP
+    that loading, a weight update and a switch all make (`w13_shard`, `w2_shard`, the loader's expert cut)."""
+    return t if parts == 1 else t.unflatten(dim, (parts, t.shape[dim] // parts)).select(dim, q)
+
+
 def w13_shard(w13_EFD: torch.Tensor, parts: int, q: int) -> torch.Tensor:
     """TP shard q of `parts` of whole experts' [gate | up] stacks ([E, 2I, D]) as a 2-D view with contiguous rows,
     [E * 2, I/parts * D]: a row is one expert's gate (or up) rows q * I/parts .. (q + 1) * I/parts."""
     E, F, D = w13_EFD.shape
-    return w13_EFD.view(E * 2, parts, F // 2 // parts * D)[:, q]
+    return tp_block(w13_EFD.unflatten(1, (2, F // 2)), 2, parts, q).view(E * 2, F // 2 // parts * D)
 
 
 def w2_shard(w2_EDF: torch.Tensor, parts: int, q: int) -> torch.Tensor:
     """TP shard q of `parts` of whole experts' down projections ([E, D, I]) as a 2-D view, [E * D, I/parts]: the
     columns that pair with `w13_shard`'s rows."""
     E, D, I = w2_EDF.shape
-    return w2_EDF.view(E * D, parts, I // parts)[:, q]
+    return tp_block(w2_EDF, 2, parts, q).view(E * D, I // parts)
 
 
 def expert_shard(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, parts: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
