@@ -259,6 +259,10 @@ class EngineConfig:
                                "a token is drawn from (after temperature, top-k, top-p, min-p); raw_logits / "
                                "processed_logits, the logits themselves",
                                ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"))
+    enable_return_routed_experts: bool = _flag(False, "let requests ask for routed experts "
+                                               "(SamplingParams.return_routed_experts, /generate's "
+                                               "return_routed_experts): every forward then also writes each MoE "
+                                               "layer's expert ids (SGLang's flag; off: no step does that work)")
     lm_head_dtype: str = _flag("auto", "dtype of the final projection (lm_head) and of the softmax after it; "
                                "float32: accumulated and returned in float32 even when the model runs in bfloat16 "
                                "(log-probabilities closer to a trainer's); auto: the model's", ("auto", "float32"))

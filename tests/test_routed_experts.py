@@ -16,6 +16,7 @@ from conftest import VOCAB, hf_model, make_llm, shared_llm
 from moebius import LLM, SamplingParams
 
 Routing = list[list[list[int]]]  # [positions][MoE layers][k]
+ON: dict[str, Any] = dict(enable_return_routed_experts=True)  # the engines that record them
 
 
 def hf_routing(path: str, ids: list[int], top_k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -65,7 +66,7 @@ def test_routed_experts_equal_transformers_router_p1(ckpt: Any) -> None:
     step's token budget (chunked prefill), mixed with a request that does not ask and one that asks for its output
     only; sampled and greedy."""
     path = ckpt("dense_layer")
-    llm = shared_llm(path, max_num_batched_tokens=16, disable_prefix_caching=True)
+    llm = shared_llm(path, max_num_batched_tokens=16, disable_prefix_caching=True, **ON)
     prompts = _prompts(7, (5, 23, 40))
     params = [SamplingParams(temperature=0, max_tokens=9, return_routed_experts=True,
                              return_prompt_routed_experts=True),
@@ -84,7 +85,7 @@ def test_routed_experts_stream_as_deltas(ckpt: Any) -> None:
     from moebius.sampling_params import RequestOutputKind
 
     path = ckpt("sparse_step2")  # MoE layers 1 and 3 of 4, top-3
-    llm = shared_llm(path, disable_prefix_caching=True)
+    llm = shared_llm(path, disable_prefix_caching=True, **ON)
     prompt = _prompts(11, (12,))[0]
     rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, return_routed_experts=True,
                                                  return_prompt_routed_experts=True,
@@ -114,7 +115,7 @@ def p2() -> Iterator[dict[str, LLM]]:
 def _p2(made: dict[str, LLM], path: str, mode: str) -> LLM:
     if mode not in made:
         made[mode] = make_llm(path, num_ranks=2, mode=mode, block_size=4, max_total_tokens=1024,
-                              max_running_requests=8, max_num_batched_tokens=16, disable_prefix_caching=True)
+                              max_running_requests=8, max_num_batched_tokens=16, disable_prefix_caching=True, **ON)
     return made[mode]
 
 
@@ -168,7 +169,7 @@ def test_routed_experts_from_cuda_graphs(ckpt: Any) -> None:
 
     path = ckpt("base")
     kw: dict[str, Any] = dict(device="cuda", block_size=16, max_total_tokens=4096, warmup="none",
-                              cuda_graph_max_bs=8, disable_prefix_caching=True, max_num_batched_tokens=32)
+                              cuda_graph_max_bs=8, disable_prefix_caching=True, max_num_batched_tokens=32, **ON)
     prompts = _prompts(41, (5, 23, 40))
     params = SamplingParams(temperature=0, max_tokens=10, return_routed_experts=True,
                             return_prompt_routed_experts=True)
@@ -188,7 +189,7 @@ def test_prompt_routing_is_whole_with_the_prefix_cache_on(ckpt: Any) -> None:
     """A request that asks for its prompt's routing computes every prompt position: the second run of the same
     prompt (its pages in the prefix cache) still gets the whole routing, equal to the first."""
     path = ckpt("dense_layer")
-    llm = shared_llm(path)  # prefix caching on (the default)
+    llm = shared_llm(path, **ON)  # prefix caching on (the default)
     prompt = _prompts(11, (37,))[0]
     sp = SamplingParams(temperature=0, max_tokens=4, return_routed_experts=True, return_prompt_routed_experts=True)
     first, second = (llm.generate([list(prompt)], sp)[0].outputs[0] for _ in range(2))
@@ -208,7 +209,7 @@ def test_generate_endpoint_returns_sglangs_routed_experts(ckpt: Any) -> None:
     prompt = _prompts(13, (21,))[0]
     body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6},
             "return_routed_experts": True}
-    with served_here(model=path, rank_process="off") as (url, _):
+    with served_here(model=path, rank_process="off", **ON) as (url, _):
         for _ in range(2):  # the second time with the prompt's pages in the prefix cache
             r = httpx.post(url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
@@ -220,3 +221,20 @@ def test_generate_endpoint_returns_sglangs_routed_experts(ckpt: Any) -> None:
             assert_routing_matches(path, seq, rows[:, [0, 2]].tolist(), 2)
         plain = httpx.post(url + "/generate", json={**body, "return_routed_experts": False}, timeout=60).json()
         assert "routed_experts" not in plain["meta_info"] and plain["output_ids"] == out["output_ids"]
+
+
+def test_an_engine_without_the_flag_records_nothing_and_refuses_to(ckpt: Any) -> None:
+    """Without --enable-return-routed-experts no forward writes expert ids (no buffer on any runner) and a request
+    asking for them is refused naming the flag, offline and over /generate."""
+    import httpx
+    from test_serve import served_here
+
+    path = ckpt("dense_layer")
+    llm = shared_llm(path)
+    assert all(rt.runner.routed is None for rt in llm.engine.ranks.rank.modes.values())
+    for sp in (SamplingParams(return_routed_experts=True), SamplingParams(return_prompt_routed_experts=True)):
+        with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+            llm.generate([[1, 2, 3]], sp)
+    with served_here(model=path, rank_process="off") as (url, _):
+        r = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "return_routed_experts": True}, timeout=60)
+        assert r.status_code == 400 and "--enable-return-routed-experts" in r.text, r.text

@@ -268,6 +268,10 @@ class EngineCore:
         """What a request's parameters must satisfy on this engine: room for max_tokens in the context, a tokenizer
         for stop strings, stop token ids in the vocabulary."""
         check_prompt(num_prompt, params.max_tokens, self.max_model_len, self.kv_capacity)
+        if (params.return_routed_experts or params.return_prompt_routed_experts) \
+                and not self.config.enable_return_routed_experts:
+            raise ValueError("routed experts are recorded only on an engine started with "
+                             "--enable-return-routed-experts (enable_return_routed_experts=True)")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
         V = self.model_config.vocab_size

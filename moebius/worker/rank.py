@@ -114,6 +114,8 @@ class Rank:
         for rt in modes.values():
             rt.runner.logprobs_mode = ecfg.logprobs_mode
             rt.runner.lm_head_fp32 = ecfg.lm_head_dtype == "float32"
+            if not ecfg.enable_return_routed_experts:  # before any graph is captured: no forward records them
+                rt.runner.routed = None
         self.inflight: InFlight | None = None
         self._late_switch_times: SwitchTimes | None = None  # see report()
         self._work = StepWork()  # what the last launched step computes (see report())
