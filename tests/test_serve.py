@@ -266,7 +266,6 @@ def test_server_runs_on_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch, ex
     protocol, which the serve extra installs (they cut the front end's CPU time per streamed token); without them it
     serves on asyncio and h11. Either way a connection that sends half a request line is closed after the header
     timeout."""
-    import uvicorn
 
     from moebius.entrypoints.openai.server import uvicorn_config
 
@@ -276,22 +275,12 @@ def test_server_runs_on_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch, ex
         monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
         monkeypatch.setitem(sys.modules, "httptools", None)
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(_where_served, "127.0.0.1", port, header_timeout=0.5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+    with uvicorn_thread(uvicorn_config(_where_served, "127.0.0.1", port, header_timeout=0.5)) as thread:
         got = httpx.get(f"http://127.0.0.1:{port}/", timeout=10).json()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"GET / HT")
             start = time.monotonic()
             assert sock.recv(1024) == b"" and time.monotonic() - start < 3.0
-    finally:
-        server.should_exit = True
-        thread.join(30)
     assert not thread.is_alive()
     loop, protocol = ("uvloop", "httptools_impl") if extra else ("asyncio", "h11_impl")
     assert (got["loop"].split(".")[0], got["protocol"]) == (loop, f"uvicorn.protocols.http.{protocol}"), got
@@ -1282,7 +1271,6 @@ def test_chat_logprob_bytes_are_the_tokens_own(server: Server, ref: LLM) -> None
 def served_here(**flags: Any) -> Iterator[tuple[str, Any]]:
     """An engine with these flags behind the app, served from this process as `moebius serve` configures uvicorn
     (so a test can patch what runs in it): the URL and the engine."""
-    import uvicorn
 
     from moebius.config import EngineConfig
     from moebius.entrypoints.openai.app import ServeSettings, create_app
@@ -1294,8 +1282,20 @@ def served_here(**flags: Any) -> Iterator[tuple[str, Any]]:
     loop = EngineLoop(engine)
     loop.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(create_app(loop, ServeSettings("moebius-demo")), "127.0.0.1", port,
-                                           access_log=False))
+    try:
+        with uvicorn_thread(uvicorn_config(create_app(loop, ServeSettings("moebius-demo")), "127.0.0.1", port,
+                                           access_log=False)):
+            yield f"http://127.0.0.1:{port}", engine
+    finally:
+        loop.stop()
+
+
+@contextlib.contextmanager
+def uvicorn_thread(config: Any) -> Iterator[threading.Thread]:
+    """A uvicorn server with this config run in a thread of this process, started; stopped on the way out."""
+    import uvicorn
+
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -1303,11 +1303,10 @@ def served_here(**flags: Any) -> Iterator[tuple[str, Any]]:
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}", engine
+        yield thread
     finally:
         server.should_exit = True
         thread.join(30)
-        loop.stop()
 
 
 def test_a_request_that_fails_is_a_500_and_the_server_serves_on(monkeypatch: pytest.MonkeyPatch) -> None:
