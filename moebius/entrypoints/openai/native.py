@@ -6,11 +6,9 @@ Written from SGLang's documented payloads; no SGLang code."""
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 import uuid
-from array import array
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -18,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moebius.entrypoints.openai.engine_loop import EngineInfo, SampleDelta
 from moebius.entrypoints.openai.protocol import MAX_N, MAX_PROMPTS, MAX_STOP_TOKEN_IDS, APIError, Float, _check_stop
+from moebius.entrypoints.openai.serving import routed_experts_b64
 from moebius.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -166,18 +165,6 @@ class _Sample:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
 
-def routed_experts_b64(rows: list[list[list[int]]], info: EngineInfo) -> str:
-    """SGLang's meta_info.routed_experts: base64 of int32 ids shaped (prompt + output - 1 tokens, decoder layers,
-    top-k), in the router's order; a dense layer's row is -1."""
-    moe = [i for i, m in enumerate(info.moe_layers) if m]
-    flat: list[int] = []
-    for row in rows:
-        by_layer = dict(zip(moe, row, strict=True))
-        for layer in range(len(info.moe_layers)):
-            flat += by_layer.get(layer, [-1] * info.top_k)
-    return base64.b64encode(array("i", flat).tobytes()).decode("ascii")
-
-
 def finish_reason(s: _Sample, max_tokens: int | None) -> dict[str, Any] | None:
     """SGLang's finish reason object: {"type": "length", "length": n}, {"type": "stop", "matched": the stop token
     id or string (EOS: its id)}, {"type": "abort", "message": ...}; None while running."""
@@ -230,7 +217,7 @@ class NativeAnswer:
                 k = self.body.top_logprobs_num
                 meta["output_top_logprobs"] = [[[v, u, self._text(u)] for u, v in
                                                 sorted(lps.items(), key=lambda kv: -kv[1])[:k]] for lps in s.logprobs]
-        if self.body.return_routed_experts:
+        if self.body.return_routed_experts:  # shaped (prompt + output - 1 tokens, decoder layers, top-k)
             meta["routed_experts"] = routed_experts_b64(s.prompt_routed + s.routed, self.info)
         return {"text": s.text, "output_ids": list(s.tokens), "meta_info": meta}
 

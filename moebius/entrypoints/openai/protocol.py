@@ -87,6 +87,10 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids of the prompt and of each choice
+    # (routing replay, needs --enable-return-routed-experts) each choice's `routed_experts`: its output tokens' and,
+    # with return_prompt_routed_experts, its prompt's router choices, encoded as /generate's meta_info.routed_experts
+    return_routed_experts: bool = False
+    return_prompt_routed_experts: bool = False
     user: str | None = None  # ignored
 
     @field_validator("stop", mode="before")

@@ -1,15 +1,28 @@
 """Completions and chat completions: request -> SamplingParams (or a 400), then the answer, whole or as server-sent
 events. Text is streamed as the engine's deltas bring it (they never take text back: the engine holds back what
-could still begin a stop string)."""
+could still begin a stop string).
+
+The RL extensions, whole and streamed:
+- `return_token_ids` (vLLM's names and places): completions give each choice `prompt_token_ids` and `token_ids`, a
+  stream each choice's first chunk `prompt_token_ids` and every chunk the `token_ids` it adds; chat gives
+  `prompt_token_ids` at the top of the answer (a stream: on each choice's first chunk, the one with the role) and
+  `token_ids` in each choice (a stream: in every chunk, the tokens it adds).
+- `return_routed_experts` / `return_prompt_routed_experts`: each choice's `routed_experts`, encoded as /generate's
+  `meta_info.routed_experts` (routed_experts_b64): the prompt's rows (every prompt token but the last) when
+  return_prompt_routed_experts, then one row per output token when return_routed_experts; with both, the routing of
+  prompt + output[:-1], what /generate returns. A stream sends it once, whole, on each choice's last chunk (the one
+  with its finish_reason)."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import itertools
 import json
 import re
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +77,8 @@ def sampling_params(req: SamplingFields, info: EngineInfo, default_max_tokens: i
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs, **extra)
+            logprobs=logprobs, return_routed_experts=req.return_routed_experts,
+            return_prompt_routed_experts=req.return_prompt_routed_experts, **extra)
     except (ValueError, TypeError) as e:  # SamplingParams names the parameter first ("min_tokens 10 is ...")
         words = re.findall(r"[a-z_]+", str(e))
         raise APIError(400, str(e), param=next((w for w in words if w in _PARAMS), None)) from None
@@ -176,9 +190,15 @@ class _Choice:
         self.logprobs: list[tuple[int, dict[int, float]]] = []  # (token, {id: log-probability}) per token
         self.text_offset = 0  # streamed completions: where the next chunk's tokens start in the text
         self.cached_tokens = 0  # its prompt tokens found in the prefix cache
+        self.routed: list[list[list[int]]] = []  # per output token (return_routed_experts)
+        self.prompt_routed: list[list[list[int]]] = []  # per prompt token but the last (return_prompt_routed_experts)
 
     def apply(self, d: SampleDelta) -> None:
         self.tokens += d.token_ids
+        if d.routed_experts is not None:
+            self.routed += d.routed_experts
+        if d.prompt_routed_experts is not None:  # all of the prompt's so far: replaces
+            self.prompt_routed = d.prompt_routed_experts
         self.text += d.text
         self.cached_tokens = d.cached_tokens
         if d.logprobs is not None:
@@ -187,6 +207,19 @@ class _Choice:
             raise APIError(500, f"generation failed: {d.error}", code="generation_error")
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+def routed_experts_b64(rows: list[list[list[int]]], info: EngineInfo) -> str:
+    """SGLang's meta_info.routed_experts (and each OpenAI choice's `routed_experts`): base64 of int32 ids shaped
+    (rows, decoder layers, top-k), in the router's order; a dense layer's entry is -1. rows: per token, per MoE
+    layer, its top-k ids."""
+    moe = [i for i, m in enumerate(info.moe_layers) if m]
+    flat: list[int] = []
+    for row in rows:
+        by_layer = dict(zip(moe, row, strict=True))
+        for layer in range(len(info.moe_layers)):
+            flat += by_layer.get(layer, [-1] * info.top_k)
+    return base64.b64encode(array("i", flat).tobytes()).decode("ascii")
 
 
 def token_bytes(info: EngineInfo, t: int) -> bytes:
@@ -253,6 +286,10 @@ class Answer:
         self.created = int(time.time())
         self.n = gen.params.n
         self.choices = [_Choice() for _ in range(len(gen.sink.request_ids) * self.n)]
+        # (the engine may report more than was asked, e.g. the prompt's rows of a chunked prompt: what goes out is
+        # what the request asked for)
+        self.routed_out, self.routed_prompt = gen.params.return_routed_experts, gen.params.return_prompt_routed_experts
+        self.routed = self.routed_out or self.routed_prompt
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -269,6 +306,10 @@ class Answer:
     def _prompt_ids(self, index: int) -> list[int]:
         assert self.gen.accepted is not None
         return self.gen.accepted.prompt_token_ids[index // self.n]
+
+    def _routed_b64(self, c: _Choice) -> str:
+        asked = (c.prompt_routed if self.routed_prompt else []) + (c.routed if self.routed_out else [])
+        return routed_experts_b64(asked, self.info)
 
     async def whole(self) -> dict[str, Any]:
         try:
@@ -288,10 +329,15 @@ class Answer:
                 choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             choice["stop_reason"] = c.stop_reason
             if self.return_ids:
-                choice.update(prompt_token_ids=self._prompt_ids(i), token_ids=c.tokens)
+                if not self.chat:  # (chat: at the top, the answer's one prompt)
+                    choice["prompt_token_ids"] = self._prompt_ids(i)
+                choice["token_ids"] = c.tokens
+            if self.routed:
+                choice["routed_experts"] = self._routed_b64(c)
             out.append(choice)
+        top = {"prompt_token_ids": self._prompt_ids(0)} if self.chat and self.return_ids else {}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
-                "usage": self.usage()}
+                "usage": self.usage(), **top}
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events ending in `data: [DONE]`; an engine failure becomes an error event. Cancelled (client
@@ -300,8 +346,9 @@ class Answer:
         # every chunk's JSON is {head, "choices": [choice], maybe "usage": null}: the head dumped once
         head, tail = json.dumps(self._head(obj))[:-1], ', "usage": null}' if include_usage else "}"
 
-        def event(choice: dict[str, Any]) -> str:
-            return f'data: {head}, "choices": [{json.dumps(choice)}]{tail}\n\n'
+        def event(choice: dict[str, Any], prompt_ids: list[int] | None = None) -> str:
+            top = f', "prompt_token_ids": {json.dumps(prompt_ids)}' if prompt_ids is not None else ""
+            return f'data: {head}, "choices": [{json.dumps(choice)}]{top}{tail}\n\n'
 
         try:
             if self.chat:  # the role first, as OpenAI sends it
@@ -309,9 +356,7 @@ class Answer:
                     c.opened = True
                     first: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}
-                    if self.return_ids:
-                        first["prompt_token_ids"] = self._prompt_ids(i)
-                    yield event(first)
+                    yield event(first, self._prompt_ids(i) if self.return_ids else None)
             async for batch in self.gen.batches():
                 events = []
                 for upd in batch:
@@ -336,6 +381,8 @@ class Answer:
                             choice["token_ids"] = d.token_ids
                             if not c.opened:
                                 choice["prompt_token_ids"] = self._prompt_ids(i)
+                        if self.routed and d.finish_reason is not None:
+                            choice["routed_experts"] = self._routed_b64(c)
                         c.opened = True
                         events.append(event(choice))
                 if events:
