@@ -14,7 +14,7 @@ from moebius.config import EngineConfig
 from moebius.entrypoints.admin import AdminServer
 from moebius.frontend.chat import chat_conversations
 from moebius.frontend.core import EngineClosedError, EngineCore, Prompt, is_token_id
-from moebius.link.messages import SwitchOutcome, UpdateOutcome
+from moebius.link.messages import MemoryOutcome, SwitchOutcome, UpdateOutcome
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,6 +55,9 @@ class LLM:
         if self.engine.paused:  # nothing could resume it while generate() waits
             raise RuntimeError("generation is paused (pause_generation): generate() would wait forever; call "
                                "resume_generation() first")
+        if self.engine.released:
+            raise RuntimeError(f"the engine's memory is released ({', '.join(sorted(self.engine.released))}): "
+                               "generate() would wait forever; call resume_memory_occupation() first")
         prompts = list(prompts)
         params = _params_for(sampling_params, len(prompts))
         checked = []
@@ -170,6 +173,37 @@ class LLM:
         returns their ids."""
         self._check_open()
         return self.engine.abort_all()
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None, keep_weights: bool = True
+                                  ) -> MemoryOutcome:
+        """Free the GPU memory of the weights and / or the KV cache (`tags`: "weights", "kv_cache"; None: both) for a
+        trainer that shares the GPU, keeping every address, so resume_memory_occupation() brings the engine back
+        with its CUDA graphs as they were (SGLang's call). keep_weights: the weights wait in host memory and come
+        back on resume; False drops them (then update the weights after resume). No step runs while anything is
+        released; releasing the KV cache needs no request in flight. Returns what rank 0 gave back."""
+        self._check_open()
+        return self.engine.release_memory_occupation(tags, keep_weights)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> MemoryOutcome:
+        """Take the released memory back (`tags`; None: all), at the same addresses."""
+        self._check_open()
+        return self.engine.resume_memory_occupation(tags)
+
+    def sleep(self, level: int = 1) -> MemoryOutcome:
+        """vLLM's name: level 1 releases the weights (kept in host memory) and the KV cache; level 2 drops the
+        weights as well (update them after wake_up)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        return self.release_memory_occupation(None, keep_weights=level == 1)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> MemoryOutcome:
+        """vLLM's name for resume_memory_occupation."""
+        return self.resume_memory_occupation(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether any memory is released (vLLM's name)."""
+        self._check_open()
+        return bool(self.engine.released)
 
     @property
     def mode(self) -> str:

@@ -29,6 +29,8 @@ from moebius.link.lifecycle import check_prompt, max_total_len, placement_weight
 from moebius.link.messages import (
     Admit,
     KVStats,
+    MemoryOrder,
+    MemoryOutcome,
     Probe,
     Query,
     RankTimes,
@@ -43,6 +45,7 @@ from moebius.link.messages import (
 )
 from moebius.link.request import RequestSpec
 from moebius.link.shared_tensors import share
+from moebius.memory.umm import TAGS
 from moebius.model.builtin import BUILTIN_NOTICE
 from moebius.model.loader import check_update
 from moebius.model.source import check_update_checkpoint, resolve_model
@@ -84,6 +87,18 @@ def pause_mode(mode: object) -> str:
     if not isinstance(mode, str) or PAUSE_ALIASES.get(mode, mode) not in PAUSE_MODES:
         raise ValueError(f"mode must be one of {[*PAUSE_MODES, *PAUSE_ALIASES]}, got {mode!r}")
     return PAUSE_ALIASES.get(mode, mode)
+
+
+def memory_tags(tags: object) -> list[str]:
+    """The tags of a memory release or resume: a list of "weights" / "kv_cache" (None: both)."""
+    if tags is None:
+        return list(TAGS)
+    if not isinstance(tags, list | tuple) or not all(isinstance(t, str) for t in tags):
+        raise TypeError(f"tags must be a list of strings out of {', '.join(TAGS)} (or None for all), got {tags!r}")
+    for t in tags:
+        if t not in TAGS:
+            raise ValueError(f"memory tag {t!r} is not one of {', '.join(TAGS)}")
+    return list(dict.fromkeys(tags))
 
 
 def is_token_id(v: object) -> bool:
@@ -161,6 +176,7 @@ class EngineCore:
         self.update_groups: set[str] = set()  # trainers' process groups every rank joined (update_group.py)
         self.closed = False
         self.paused = False  # pause_generation: no step runs until resume_generation (requests are still taken)
+        self.released: frozenset[str] = frozenset()  # memory tags released (no step runs while any is)
         self._undelivered: list[RequestOutput] = []  # outputs the next step() returns
         self.timeline = ModeTimeline(time.perf_counter())
         self.last_work = StepWork()  # what the step launched by the last step() computes (benchmarks price it)
@@ -359,6 +375,8 @@ class EngineCore:
         mode = pause_mode(mode)
         self._settle()  # no step of before the pause runs on after it
         if mode == "wait":
+            if self.released and self.has_unfinished():
+                self.check_resident("pause_generation(mode='wait') would wait forever")
             self.paused = False  # (from a pause already in place too: its requests run to their end)
             outs: list[RequestOutput] = []
             while self.has_unfinished():
@@ -378,6 +396,60 @@ class EngineCore:
         """Steps run again from the next step() on (a no-op when not paused)."""
         self._check_open()
         self.paused = False
+
+    @property
+    def held(self) -> bool:
+        """Whether step() runs no step now: generation paused, or memory released."""
+        return self.paused or bool(self.released)
+
+    def check_resident(self, what: str, tags: Iterable[str] = TAGS) -> None:
+        """A call that touches the buffer's memory under `tags` is refused while it is released (on the GPU the
+        addresses are unmapped: a read would be an illegal address)."""
+        gone = sorted(self.released.intersection(tags))
+        if gone:
+            raise RuntimeError(f"{what}: the engine's memory is released ({', '.join(gone)}): call "
+                               "resume_memory_occupation first")
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None, keep_weights: bool = True
+                                  ) -> MemoryOutcome:
+        """Give back the memory of the unified buffer under `tags` ("weights", "kv_cache"; None: both) while
+        keeping its addresses, so that after resume_memory_occupation every view and captured graph is valid
+        (colocated training: the trainer takes the GPU meanwhile). keep_weights: the weights are kept in (pinned)
+        host memory and restored on resume; False drops them (an update must write them after resume). No step runs
+        while anything is released (requests are still taken and wait). Releasing the KV cache needs no request in
+        flight (it flushes the prefix cache); a tag released already is left as it is."""
+        self._check_open()
+        tags = memory_tags(tags)
+        if not isinstance(keep_weights, bool):
+            raise TypeError(f"keep_weights must be a bool, got {keep_weights!r}")
+        if "kv_cache" in tags and self._requests:
+            raise RuntimeError(f"releasing the KV cache with {len(self._requests)} request(s) in flight would lose "
+                               "them: let them finish, or pause_generation(mode='abort') first")
+        return self._memory(MemoryOrder(True, [t for t in tags if t not in self.released], keep_weights))
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> MemoryOutcome:
+        """Map memory again under the released `tags` (None: all), at the same addresses: kept weights restored,
+        the KV cache empty. Steps run again once nothing is released (and generation is not paused)."""
+        self._check_open()
+        tags = memory_tags(tags)
+        return self._memory(MemoryOrder(False, [t for t in tags if t in self.released]))
+
+    def _memory(self, order: MemoryOrder) -> MemoryOutcome:
+        if not order.tags:
+            return MemoryOutcome(True)
+        self._settle()  # (before the plan is taken: what the steps in flight end is released with it)
+        plan = self._next_plan(with_switch=False)  # a switch asked for rides on the next step after the resume
+        plan.run, plan.memory = False, order
+        outcome = self._call(plan).memory
+        assert outcome is not None, "the ranks did not report the memory order"
+        what = "release" if order.release else "resume"
+        if not outcome.done:
+            raise RuntimeError(f"memory {what} of {', '.join(order.tags)} failed on the ranks (every rank is as "
+                               f"before): {outcome.reason}")
+        self.released = (self.released | set(order.tags)) if order.release else (self.released - set(order.tags))
+        log.info("memory %s of %s: %.2f GiB on rank 0 (%.2f GiB through the host) in %.2f s", what,
+                 ", ".join(order.tags), outcome.nbytes / 2**30, outcome.host_bytes / 2**30, outcome.seconds)
+        return outcome
 
     def discard(self, request_ids: Iterable[str]) -> None:
         """Abort these requests, and return none of their outputs, not even the final ones (a caller that gave up on
@@ -400,7 +472,7 @@ class EngineCore:
         never sent ahead, and nothing goes ahead of a switch's step (requests added in between are placed by the
         layout in use when they are added)."""
         self._check_open()
-        if self.paused:  # no step; what the front end ended is still released on the ranks
+        if self.held:  # no step; what the front end ended is still released on the ranks
             self._release_ended()
             return self._deliver()
         if not (self._requests or self._ends or len(self._pipeline) or self._pending.switch is not None):
@@ -572,6 +644,7 @@ class EngineCore:
         mode timeline keeps it)."""
         self._check_open()
         _check_mode(target)
+        self.check_resident(f"switch to {target}")
         self._settle()  # the switch moves what the step in flight leaves
         self._switch_reason = reason
         self._pending.switch = SwitchOrder(target)
@@ -703,6 +776,7 @@ class EngineCore:
 
     def _update(self, update: WeightUpdate, weight_version: str | None) -> UpdateOutcome:
         """Send a checked update in a plan of its own (after the steps in flight) and take in its outcome."""
+        self.check_resident("weight update", ["weights"])
         self._settle()  # (before the plan is taken: what the steps in flight end is released with it)
         plan = self._next_plan(with_switch=False)  # a switch asked for rides on the next step, after the update
         plan.run, plan.update = False, update
@@ -720,6 +794,8 @@ class EngineCore:
         kernels, comm, heap, reset_prefix_cache)."""
         self._check_open()
         q = query if isinstance(query, Query) else Query(query)
+        if q is Query.FINGERPRINT:  # (reads the weights and the KV pages)
+            self.check_resident("fingerprint query")
         self._settle()  # (before the plan is taken: what the steps in flight end is released with it)
         plan = self._next_plan(with_switch=False)
         plan.run, plan.query = False, q
@@ -732,6 +808,7 @@ class EngineCore:
         self._check_open()
         if self._requests:
             raise RuntimeError("probe: the engine is serving requests; time steps on an idle engine")
+        self.check_resident("probe")
         self._release_ended()
         return self._call(probe).answers or []
 

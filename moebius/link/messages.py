@@ -5,7 +5,7 @@ Front end -> ranks: a `StepPlan` before each step (its parts typed: admissions, 
 order, a diagnostic query) or, off the serving path, a `DecodeProbe` / `PrefillProbe` that times steps for a benchmark.
 Ranks -> front end: a `StepReport` (one rank's, merged over the ranks for the front end), whose token deltas are
 the one stream every output is built from, and, with a switch, its `SwitchOutcome` (with an update, its
-`UpdateOutcome`).
+`UpdateOutcome`; with a memory release or resume, its `MemoryOutcome`).
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class WeightUpdate:
     broadcast: BroadcastTensors | None = None
     # join or leave a trainer's process group: no weight is written (nor the prefix cache flushed)
     group: UpdateGroupOrder | None = None
+    # tensors by handle, every rank opens them where they lie: the checked plain description of
+    # `link/tensor_handles.py` (CUDA IPC handles; CPU tensors in a shared-memory segment)
+    handles: dict[str, Any] | None = None
 
 
 @dataclass
@@ -94,6 +97,17 @@ class UpdateGroupOrder:
     rank_offset: int = 1
     world_size: int = 0
     backend: str = "gloo"
+
+
+@dataclass
+class MemoryOrder:
+    """Release (`release`) or map again the memory of the unified buffer under `tags` ("weights", "kv_cache"),
+    keeping every address (`memory/umm.py`). keep_weights: released weights are copied to the host first and
+    restored on resume (else dropped: zeros until an update writes them)."""
+
+    release: bool
+    tags: list[str]
+    keep_weights: bool = True
 
 
 class Query(enum.Enum):
@@ -125,6 +139,7 @@ class StepPlan:
     # a pause in mode "retract": every running request goes back to waiting, its KV freed; it recomputes prompt and
     # output so far when steps run again (under the weights of that time)
     retract: bool = False
+    memory: MemoryOrder | None = None  # release or resume memory (a plan without a step)
 
 
 @dataclass
@@ -305,6 +320,18 @@ class UpdateOutcome:
 
 
 @dataclass
+class MemoryOutcome:
+    """What a memory release or resume did: done on every rank, or why not (then every rank is as before); rank
+    0's bytes unmapped (or mapped again), those copied to or from the host, and its seconds."""
+
+    done: bool
+    reason: str | None = None
+    nbytes: int = 0
+    host_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class StepReport:
     """What the ranks report after a plan: one rank's, or every rank's merged for the front end (`merge`). In TP
     every rank computes the same tokens and only rank 0 reports them; in EP each rank reports its own."""
@@ -320,6 +347,7 @@ class StepReport:
     times: RankTimes = field(default_factory=RankTimes)  # rank 0's
     answers: list[Any] | None = None  # per rank, when the plan asked a query
     update: UpdateOutcome | None = None  # rank 0's, when the plan carried a weight update
+    memory: MemoryOutcome | None = None  # rank 0's, when the plan released or resumed memory
 
     @staticmethod
     def merge(reports: list[StepReport]) -> StepReport:
@@ -328,7 +356,7 @@ class StepReport:
                           sum(r.running for r in reports), sum(r.waiting for r in reports),
                           sum((r.work for r in reports), StepWork()), head.switch, head.switch_times, head.times,
                           None if head.answers is None else [a for r in reports for a in r.answers or []],
-                          head.update)
+                          head.update, head.memory)
 
     def waited(self, ms: float) -> StepReport:
         """This report with rank 0's wait for its plan (known only where the plan was received)."""

@@ -256,8 +256,9 @@ def plan_weights(plan: MemoryPlan, cfg: ModelConfig, layouts: list[Layout], dtyp
     """Reserve the dense regions of every layout (shared where the shard is the same)."""
     for lay in layouts:
         for s in weight_specs(cfg, lay, dtype.itemsize):
-            if s.slot is None and s.name not in plan.regions:
-                plan.add(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
+            if s.slot is None and s.name not in plan.regions:  # (rope is computed, not loaded: kept on release)
+                plan.add(s.name, s.shape, torch.float32 if s.name == "rope" else dtype,
+                         tag=None if s.load is None else "weights")
 
 
 def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Tensor:

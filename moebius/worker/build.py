@@ -153,7 +153,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     start_pages = _num_pages(ecfg, device, sizes, page_bytes[spec.mode], spec.max_model_len)
     pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes)
     kv_bytes = start_pages * page_bytes[spec.mode]
-    plan.add_slots(cfg.num_layers + 1, expert_bytes + kv_bytes)
+    plan.add_slots(cfg.num_layers + 1, expert_bytes + kv_bytes, [("weights", expert_bytes), ("kv_cache", kv_bytes)])
     if ecfg.max_total_tokens is not None or device.type != "cuda":  # --mem-fraction sized it to fit already
         _check_fits(ecfg, device, plan.total_bytes, kv_bytes, cfg.num_layers + 1)
     umm = UnifiedMemory(plan, device)

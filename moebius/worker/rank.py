@@ -22,6 +22,8 @@ from moebius.config import EngineConfig, ModelConfig
 from moebius.link.lifecycle import StopRules
 from moebius.link.messages import (
     KVStats,
+    MemoryOrder,
+    MemoryOutcome,
     RankTimes,
     StepPlan,
     StepReport,
@@ -38,7 +40,7 @@ from moebius.link.request import PLACEHOLDER, Request, RequestSpec
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import UnifiedMemory
 from moebius.model.qwen3_moe import ModelWeights
-from moebius.parallel.groups import Groups, all_gather_ints
+from moebius.parallel.groups import Groups, all_gather_ints, all_gather_json
 from moebius.parallel.layout import Layout
 from moebius.switch.executor import Switcher
 from moebius.switch.handover import RankRequests, SwitchResult, switch_requests
@@ -122,6 +124,7 @@ class Rank:
         self._synced = 0.0  # seconds blocked on the device for a step's tokens since report() began
         self.targets = WeightTargets(self.cfg, {m: rt.layout for m, rt in modes.items()}, getattr(torch, spec.dtype))
         self._updated: UpdateOutcome | None = None  # the plan's weight update (see report())
+        self._memory_done: MemoryOutcome | None = None  # the plan's memory release or resume (see report())
 
     @property
     def layout(self) -> Layout:
@@ -158,7 +161,7 @@ class Rank:
         host = time.perf_counter() - t0 - self._synced
         return StepReport((before if first else []) + (after if second else []), [self.kv_stats()], *counts,
                           self._work if second else StepWork(), outcome, self._late_switch_times,
-                          RankTimes(host * 1e3, self._synced * 1e3), update=self._updated)
+                          RankTimes(host * 1e3, self._synced * 1e3), update=self._updated, memory=self._memory_done)
 
     def apply(self, plan: StepPlan) -> tuple[list[TokenDelta], list[TokenDelta], SwitchOutcome | None]:
         """Apply the plan: admit, release, maybe update weights, maybe switch, maybe run one forward step. Returns the
@@ -172,7 +175,7 @@ class Rank:
         # a switch moves requests and a query looks at them: both need every token on the host; the step in flight
         # ran on the weights an update replaces
         t = time.perf_counter()
-        drained = self.drain() if plan.switch or plan.update or plan.retract or not plan.run else []
+        drained = self.drain() if plan.switch or plan.update or plan.retract or plan.memory or not plan.run else []
         drain_ms = (time.perf_counter() - t) * 1e3
         for a in plan.admit:
             # every rank judges every request alike (a pure function of it): the one that reports it says so
@@ -187,11 +190,15 @@ class Rank:
                 self.others[a.spec.request_id] = a.spec
         if plan.release:
             self._release(plan.release)
+        if plan.memory is not None and plan.memory.release is False:  # (mapped again before anything touches it)
+            self._memory_done = self._memory(plan.memory)
         if plan.update is not None:
             self._updated = self._update(plan.update)
         if plan.retract:  # (after an update in the same plan: the recompute runs on the new weights)
             sched.retract()
         outcome = self._switch(plan.switch, drain_ms) if plan.switch else None
+        if plan.memory is not None and plan.memory.release:
+            self._memory_done = self._memory(plan.memory)
         deltas = self._forward_step() if plan.run else []
         if outcome is not None and outcome.done and not plan.run:  # nothing rides on it: its times now
             outcome.device = self.switcher.pass_times()
@@ -216,6 +223,26 @@ class Rank:
             return UpdateOutcome(True, None, 0, 0)
         # the cached pages were computed by the old weights: no later prompt may start from them
         return UpdateOutcome(True, None, views, self.allocator.clear_cache())
+
+    def _memory(self, order: MemoryOrder) -> MemoryOutcome:
+        """Release or map again the buffer's memory under the order's tags on every rank, or on none: where some
+        rank failed, the others undo what they did. A release of the KV cache forgets the cached pages (their bytes
+        are gone)."""
+        umm, error = self.umm, None
+        try:
+            stats = umm.release(order.tags, order.keep_weights) if order.release else umm.resume(order.tags)
+        except (RuntimeError, MemoryError, OSError, ValueError) as e:  # no cuda-python, the host or device is full
+            error = f"{type(e).__name__}: {e}"
+        failed = [f"rank {r}: {e}" for r, e in enumerate(all_gather_json(error, self.groups)) if e]
+        if failed:  # (the front end orders only tags all mapped, or all released: the undo touches nothing else)
+            if order.release:  # mapped again, with the weights kept so far
+                umm.resume(order.tags)
+            else:  # released again, keeping the weights restored so far
+                umm.release(order.tags, keep_weights=True)
+            return MemoryOutcome(False, "; ".join(failed))
+        if order.release and "kv_cache" in order.tags:
+            self.allocator.clear_cache()
+        return MemoryOutcome(True, None, stats.nbytes, stats.host_bytes, stats.seconds)
 
     def _switch(self, order: SwitchOrder, drain_ms: float) -> SwitchOutcome:
         if order.target == self.mode:

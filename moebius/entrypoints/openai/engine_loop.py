@@ -360,6 +360,8 @@ class EngineLoop(Admission):
         now; retract frees their KV; keep leaves them; wait steps here until every request has finished, each step's
         outputs delivered as it comes, while new requests wait in the queue); requests keep coming in."""
         engine = self._engine
+        if mode == "wait" and engine.has_unfinished():  # no step runs while memory is released
+            engine.check_resident("pause with mode wait would wait forever")
         if mode == "wait":  # (from a pause already in place too: its requests run to their end)
             engine.resume_generation()
         while mode == "wait" and engine.has_unfinished():
@@ -389,19 +391,20 @@ class EngineLoop(Admission):
         return len(ids)
 
     def _release(self) -> list[RequestOutput]:
-        """The outputs of what was just aborted; while paused (no step comes to do it) their pages are freed now."""
-        return self._engine.step() if self._engine.paused else self._engine.settle()
+        """The outputs of what was just aborted; while paused or released (no step comes to do it) their pages are
+        freed now."""
+        return self._engine.step() if self._engine.held else self._engine.settle()
 
     # ---- the engine thread ----
     def _run(self) -> None:
         engine = self._engine
         try:
             while True:
-                for cmd in self._take(block=engine.paused or not engine.has_unfinished()):
+                for cmd in self._take(block=engine.held or not engine.has_unfinished()):
                     if isinstance(cmd, _Stop):
                         return
                     self._handle(cmd)
-                if engine.has_unfinished() and not engine.paused:
+                if engine.has_unfinished() and not engine.held:
                     self._deliver(engine.step())
                     if self.metrics is not None:
                         for times in engine.take_times():  # every step taken in, however many this call did
