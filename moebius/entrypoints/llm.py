@@ -4,7 +4,7 @@ interface (add_request / step / abort / has_unfinished) for drivers that interle
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -217,9 +217,20 @@ class LLM:
         name, shape and dtype is checked before a byte is written (ValueError / TypeError naming the first bad one;
         the old weights stay). Both layouts' views are rewritten in place (a later switch moves the new experts),
         the prefix cache is flushed, and requests in flight continue on the new weights. `weight_version` is
-        reported on every output from now on (`RequestOutput.weight_version`) and by `weight_version`."""
+        reported on every output from now on (`RequestOutput.weight_version`) and by `weight_version`. With rank
+        processes, CUDA tensors reach them by CUDA IPC handle (no copy through the host), CPU ones through one
+        shared-memory segment."""
         self._check_open()
         return self.engine.update_weights(named_tensors, weight_version)
+
+    def update_weights_from_handles(self, description: Mapping[str, Any], weight_version: str | None = None
+                                    ) -> UpdateOutcome:
+        """`update_weights` with tensors another process of this machine exported by handle (its
+        `moebius.link.tensor_handles.export_tensors(named_tensors)` description: CUDA tensors by IPC handle, CPU
+        ones in shared memory), read where they lie; the exporter keeps them until this returns. ValueError naming
+        what is wrong in the description (or a name, shape, dtype) before anything is opened."""
+        self._check_open()
+        return self.engine.update_weights_from_handles(description, weight_version)
 
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> UpdateOutcome:
         """`update_weights` with every tensor of a safetensors directory of the same architecture and shapes (its

@@ -15,7 +15,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ from moebius.link.messages import (
     WeightUpdate,
 )
 from moebius.link.request import RequestSpec
-from moebius.link.shared_tensors import share
+from moebius.link.tensor_handles import check_description, check_segment, export_tensors, open_tensors
 from moebius.memory.umm import TAGS
 from moebius.model.builtin import BUILTIN_NOTICE
 from moebius.model.loader import check_update
@@ -703,13 +703,34 @@ class EngineCore:
         if isinstance(self.ranks, LocalRanks):
             update.local = tensors  # the rank is in this process: it reads them where they are
             return self._update(update, weight_version)
-        # rank processes: one copy into shared memory that every rank of this machine maps
-        segment, update.tensors = share(tensors)
-        update.segment = segment.name
+        # rank processes: CUDA tensors by IPC handle (no copy), CPU ones copied once into shared memory
+        with export_tensors(tensors) as update.handles:  # (kept alive until every rank has read them)
+            return self._update(update, weight_version)
+
+    def update_weights_from_handles(self, description: Mapping[str, Any], weight_version: str | None = None
+                                    ) -> UpdateOutcome:
+        """`update_weights` with tensors another process of this machine exported by handle
+        (`link/tensor_handles.export_tensors`: CUDA IPC handles, a shared-memory segment), read where they lie. The
+        description and every name, shape and dtype are checked before anything is opened (ValueError naming the
+        first bad one); a handle a rank cannot open (another machine, a GPU it does not see) refuses the update on
+        every rank, naming why. The exporter keeps its tensors until this returns."""
+        self._check_open()
+        _check_version(weight_version)
+        description = check_description(description)
+        # stand-ins of the described shapes and dtypes (one element each, expanded): the checks read nothing else
+        check_update(self.model_config, [
+            (t["name"], torch.empty([1] * len(t["shape"]), dtype=getattr(torch, t["dtype"])).expand(t["shape"]))
+            for t in description["tensors"]])
+        check_segment(description)
+        if not isinstance(self.ranks, LocalRanks):  # every rank opens them itself
+            return self._update(WeightUpdate(handles=description), weight_version)
+        tensors, opener = open_tensors(description)
+        update = WeightUpdate()
+        update.local = check_update(self.model_config, tensors)
         try:
             return self._update(update, weight_version)
-        finally:
-            segment.unlink()
+        finally:  # the copies out of the exporter's memory are done before it may change it
+            opener.synchronize(torch.device(self.device))
 
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> UpdateOutcome:
         """`update_weights` from a safetensors directory of the model's architecture and shapes (its config.json,

@@ -18,6 +18,7 @@ import torch
 from moebius.config import ModelConfig
 from moebius.link.messages import UpdateGroupOrder, WeightUpdate
 from moebius.link.shared_tensors import attach
+from moebius.link.tensor_handles import open_tensors
 from moebius.memory.umm import UnifiedMemory
 from moebius.model.loader import Checkpoint, check_update, load_weights, write_update
 from moebius.model.weights import ParamSpec, resident_specs, spec_reads
@@ -55,6 +56,8 @@ def _source(update: WeightUpdate, targets: WeightTargets, device: torch.device
         return check_update(targets.cfg, update_group.receive(pg, update.broadcast, device))
     if update.path is not None:
         return Checkpoint(update.path)
+    if update.handles is not None:  # (their copies read the exporter's memory: apply_update waits for them)
+        return open_tensors(update.handles)[0]
     if update.segment is not None:
         try:
             return attach(update.segment, update.tensors)
@@ -85,7 +88,10 @@ def apply_update(umm: UnifiedMemory, targets: WeightTargets, mode: str, update: 
         load_weights(umm, [s for s, _ in specs], source, targets.dtype, targets.cfg)
         return len(specs), None
     assert source is not None
-    return write_update(umm, specs, source, targets.dtype), None
+    views = write_update(umm, specs, source, targets.dtype)
+    if update.handles is not None and umm.device.type == "cuda":  # the exporter may change them once we answer
+        torch.cuda.synchronize(umm.device)
+    return views, None
 
 
 def _group_order(targets: WeightTargets, order: UpdateGroupOrder, groups: Groups) -> tuple[int, str | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -35,6 +36,7 @@ from moebius.entrypoints.openai.native import (
     NativeAnswer,
     PauseBody,
     UpdateFromDiskBody,
+    UpdateWeightsFromTensorBody,
     generate_items,
 )
 from moebius.entrypoints.openai.protocol import (
@@ -66,7 +68,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 # POSTs with a JSON body (the RL control routes that take an empty body read theirs themselves: _optional_body)
 JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/admin/switch", "/admin/policy", "/generate",
                "/update_weights_from_disk", "/abort_request", "/abort_requests", "/init_weights_update_group",
-               "/update_weights_from_distributed", "/destroy_weights_update_group")
+               "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_tensor")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,20 @@ class ServeSettings:
     switch_timeout_s: float = 600.0
     open_paths: tuple[str, ...] = ("/health",)  # reachable without the API key (load balancers' probes)
     json_paths: tuple[str, ...] = JSON_ROUTES  # POSTed as application/json only (as vLLM and OpenAI)
+
+
+def _loopback_only(request: Request) -> None:
+    """403 unless the client is this machine's loopback (IPv4, IPv6, or IPv4 mapped into IPv6): CUDA IPC handles
+    and shared memory name this machine's memory, so only its own processes may hand them in."""
+    host = request.client.host if request.client is not None else None
+    try:
+        ip = ipaddress.ip_address(host or "")
+        ok = (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+    except ValueError:
+        ok = False
+    if not ok:
+        raise APIError(403, f"{request.url.path} takes tensors by handle from processes of this machine only "
+                       f"(127.0.0.1 or ::1); this request came from {host}", code="forbidden")
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -444,6 +460,15 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         return JSONResponse({"success": True, "message": f"Succeeded to update model weights ({done['views']} views, "
                              f"{done['flushed_pages']} cached pages flushed).", "num_paused_requests": 0,
                              "weight_version": body.weight_version, "aborted": done["aborted"]})
+
+    @app.post("/update_weights_from_tensor", dependencies=[Depends(_loopback_only)])  # (before the body's checks)
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> Response:
+        done, refused = await sglang_reply(control.update_weights_from_tensor, body.named_tensors,
+                                           body.weight_version, body.abort_all_requests)
+        return refused or JSONResponse({
+            "success": True, "message": f"Succeeded to update model weights ({done['views']} views, "
+            f"{done['flushed_pages']} cached pages flushed).", "weight_version": body.weight_version,
+            "aborted": done["aborted"]})
 
     async def sglang_reply(fn: Any, *args: Any) -> tuple[Any, JSONResponse | None]:
         """fn on the engine, or SGLang's refusal ({"success": false, "message"}) in the error's status."""

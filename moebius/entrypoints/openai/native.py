@@ -297,3 +297,30 @@ class UpdateFromDiskBody(_Strict):
         if value not in (None, "auto", "safetensors"):
             raise ValueError("only safetensors directories are read: give auto, safetensors or null")
         return value
+
+
+class UpdateWeightsFromTensorBody(_Strict):
+    """POST /update_weights_from_tensor (SGLang's route, loopback callers only): `named_tensors` is the plain
+    description `moebius.link.tensor_handles.export_tensors` makes (CUDA IPC handles, a shared-memory segment) in
+    place of SGLang's `serialized_named_tensors`, which are pickles and never read here."""
+
+    # SGLang's pickled tensors: refused naming what to send instead (first: its complaint is the one reported)
+    serialized_named_tensors: Any = None
+    named_tensors: dict[str, Any]
+    load_format: str | None = None  # "direct" (SGLang's default) or null: the tensors are the model's own
+    weight_version: str | None = None
+    flush_cache: bool = True  # the prefix cache is flushed either way (its pages hold the old weights' KV)
+    abort_all_requests: bool = False
+
+    @field_validator("load_format")
+    @classmethod
+    def _format(cls, value: str | None) -> str | None:
+        if value not in (None, "direct"):
+            raise ValueError("the tensors are read as the model's own names: give direct or null")
+        return value
+
+    @field_validator("serialized_named_tensors")
+    @classmethod
+    def _pickles(cls, value: Any) -> Any:
+        raise ValueError("pickled tensors are never read: send named_tensors, the plain description of "
+                         "moebius.link.tensor_handles.export_tensors")
