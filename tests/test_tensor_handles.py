@@ -5,7 +5,8 @@ engine's on B) and `LLM.update_weights` with a rank process goes the same way; t
 refused naming why; `POST /update_weights_from_tensor` from a client process that has only torch (it loads the
 module by path, every other package blocked) updates a served engine to B, a caller not on loopback is refused
 (403), bad bodies are 400s that change nothing, and the API key is asked for. GPU (marked `gpu`): a second process
-exports CUDA tensors by IPC and the engine, rank in process and in a process of its own, updates from them.
+exports CUDA tensors (views of one flat bucket: one IPC handle) and the engine, rank in process and in a process of
+its own, updates from them to B's tokens; then `update_weights` with this process's CUDA tensors goes back to A's.
 """
 
 from __future__ import annotations
@@ -282,7 +283,8 @@ EXPORTER = textwrap.dedent("""
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rank_process", ["off", "on"])
 def test_cuda_ipc_update_from_another_process(paths: dict[str, str], tmp_path: Any, rank_process: str) -> None:
-    cuda = {"device": "cuda", "max_total_tokens": 4096, "rank_process": rank_process}
+    cuda = {"device": "cuda", "max_total_tokens": 4096, "rank_process": rank_process, "warmup": "none",
+            "cuda_graph_max_bs": 8}
     fresh = make_llm(paths["B"], **cuda)
     try:
         want_b = tokens(fresh)
@@ -294,11 +296,15 @@ def test_cuda_ipc_update_from_another_process(paths: dict[str, str], tmp_path: A
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     llm = make_llm(paths["A"], **cuda)
     try:
+        want_a = tokens(llm)
         description = json.loads(exporter.stdout.readline())
         assert all("cuda" in t for t in description["tensors"]) and description["segment"] is None
         assert len({t["cuda"]["handle"] for t in description["tensors"]}) == 1
         outcome = llm.update_weights_from_handles(description, "B")
         assert outcome.views > 0 and tokens(llm) == want_b
+        # this process's own CUDA tensors: by IPC handle to a rank process, as they are to the rank in process
+        llm.update_weights({n: t.to("cuda") for n, t in weights(paths["A"]).items()}, "A")
+        assert tokens(llm) == want_a
     finally:
         llm.close()
         exporter.communicate("done\n", timeout=60)
