@@ -166,6 +166,11 @@ class UnifiedMemory:
         base = self.plan.slots_offset + slot * self.plan.slot_bytes
         return self._view(base + offset, shape, dtype, self.plan.slot_bytes - offset)
 
+    def releasable_bytes(self, tags: Iterable[str] = TAGS) -> int:
+        """The bytes a release of `tags` gives back (whole granules of one tag: the rest stays mapped)."""
+        want = set(tags)
+        return sum(nb for _, nb, tag in self.backing.segments if tag in want)
+
     @property
     def released(self) -> set[str]:
         """The tags with memory released now."""
