@@ -1,7 +1,7 @@
 """Routed experts (SamplingParams.return_routed_experts / return_prompt_routed_experts): the expert ids each MoE
 layer's router chose equal transformers' router choices (the top-k of `output_router_logits`) on the same sequence,
-for the prompt tokens and the generated ones, in TP and EP (P = 2 spawned CPU ranks, EP's ids global) and across
-live switches between steps; requests that do not ask get nothing."""
+for the prompt tokens and the generated ones, in TP and EP (P = 2 and 4 spawned CPU ranks, EP's ids global: at P = 4
+a rank holds 2 of the 8 experts) and across live switches between steps; requests that do not ask get nothing."""
 
 from __future__ import annotations
 
@@ -104,28 +104,24 @@ def test_routed_experts_stream_as_deltas(ckpt: Any) -> None:
     assert_routing_matches(path, prompt + tokens[:-1], prompt_routed + routed, 3)
 
 
-@pytest.fixture(scope="module")
-def p2() -> Iterator[dict[str, LLM]]:
-    made: dict[str, LLM] = {}
-    yield made
-    for llm in made.values():
-        llm.close()
-
-
-def _p2(made: dict[str, LLM], path: str, mode: str) -> LLM:
-    if mode not in made:
-        made[mode] = make_llm(path, num_ranks=2, mode=mode, block_size=4, max_total_tokens=1024,
-                              max_running_requests=8, max_num_batched_tokens=16, disable_prefix_caching=True, **ON)
-    return made[mode]
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def spawned(request: pytest.FixtureRequest, ckpt: Any) -> Iterator[LLM]:
+    """One engine of P spawned ranks for the module (started in EP); a test switches it to the layout it needs."""
+    llm = make_llm(ckpt("tied_mha_nonorm"), num_ranks=request.param, mode="ep", block_size=4, max_total_tokens=1024,
+                   max_running_requests=8, max_num_batched_tokens=16, disable_prefix_caching=True, **ON)
+    yield llm
+    llm.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["tp", "ep"])
-def test_routed_experts_equal_transformers_router_p2(ckpt: Any, p2: dict[str, LLM], mode: str) -> None:
-    """P = 2 spawned ranks: TP (every rank routes every token, rank 0 reports) and EP (each rank routes its own
+def test_routed_experts_equal_transformers_router_spawned(ckpt: Any, spawned: LLM, mode: str) -> None:
+    """P spawned ranks: TP (every rank routes every token, rank 0 reports) and EP (each rank routes its own
     requests, ids global, not slot ids)."""
     path = ckpt("tied_mha_nonorm")
-    llm = _p2(p2, path, mode)
+    llm = spawned
+    if llm.engine.mode != mode:
+        assert llm.switch_mode(mode).done
     prompts = _prompts(21, (3, 19, 30, 8))
     params = SamplingParams(temperature=0, max_tokens=8, return_routed_experts=True,
                             return_prompt_routed_experts=True)
@@ -134,11 +130,13 @@ def test_routed_experts_equal_transformers_router_p2(ckpt: Any, p2: dict[str, LL
 
 
 @pytest.mark.slow
-def test_routed_experts_across_live_switches(ckpt: Any, p2: dict[str, LLM]) -> None:
+def test_routed_experts_across_live_switches(ckpt: Any, spawned: LLM) -> None:
     """Switches between steps while requests run (some mid-prefill): every position's routing equals transformers',
     whichever layout ran it."""
     path = ckpt("tied_mha_nonorm")
-    llm = _p2(p2, path, "ep")
+    llm = spawned
+    if llm.engine.mode != "ep":
+        assert llm.switch_mode("ep").done
     prompts = _prompts(31, (5, 26, 40, 11))
     params = SamplingParams(temperature=0, max_tokens=10, return_routed_experts=True,
                             return_prompt_routed_experts=True)

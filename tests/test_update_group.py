@@ -2,7 +2,7 @@
 / destroy_weights_update_group), on gloo: a trainer process that imports torch only joins the group as SGLang's
 trainers do (`dist.rendezvous` on its own TCP store, `_new_process_group_helper` under the group's name: what
 SGLang's `init_custom_process_group` runs) and broadcasts checkpoint B's tensors; the engine (A) then serves B's
-greedy tokens, one rank in process and two spawned ranks, in TP and EP. Bad metadata is refused before the trainer
+greedy tokens, one rank in process, two and four spawned ranks, in TP and EP. Bad metadata is refused before the trainer
 is told to broadcast, and the engine keeps A; a group destroyed can be joined again.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import PROMPTS, Checkpoints, free_port, hf_greedy, make_llm
+from conftest import PROMPTS, Checkpoints, free_port, hf_greedy, make_llm, skip_at_p4
 
 from moebius import SamplingParams
 
@@ -123,7 +123,7 @@ def want(paths: dict[str, str]) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=["P1", "P2", "P4"])
 def llm(request: pytest.FixtureRequest, paths: dict[str, str]) -> Iterator[Any]:
     engine = make_llm(paths["A"], num_ranks=request.param, mode="tp")
     yield engine
@@ -183,6 +183,7 @@ def test_flattened_bucket(llm: Any, trainer: Trainer, paths: dict[str, str],
                           want: dict[str, list[list[int]]]) -> None:
     """SGLang's load_format "flattened_bucket": B's tensors (float64 and float32 mixed) in one uint8 broadcast: B's
     tokens; an unknown load_format is refused."""
+    skip_at_p4(llm, "every rank unpacks the same bucket")
     llm.update_weights_from_disk(paths["A"], "A")
     join(llm, trainer)
     try:
@@ -205,6 +206,7 @@ def test_bad_metadata_refused_before_broadcast_then_reinit(llm: Any, trainer: Tr
     """A bad name, shape or dtype raises naming it before any rank waits for a byte (the trainer, never told to
     broadcast, sends nothing) and A's tokens stay; the group is still usable, and after destroy a re-init of the same
     name works."""
+    skip_at_p4(llm, "the front end refuses before any rank waits; test_broadcast_update_serves_b joins at P = 4")
     llm.update_weights_from_disk(paths["A"], "A")
     join(llm, trainer)
     names, dtypes, shapes = metadata(paths["B"])
