@@ -350,12 +350,61 @@ def test_bad_payloads_are_4xx_naming_the_field_and_change_nothing(server: Server
     assert gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})["output_ids"] == want
 
 
+def test_release_and_resume_memory_over_http(server: Server, ckpt: Checkpoints) -> None:
+    """SGLang's /release_memory_occupation and /resume_memory_occupation, vLLM's /sleep, /wake_up and /is_sleeping:
+    a /generate sent while released waits and ends after the resume with the tokens it would have had; dropped
+    weights come back through an update; an update while the weights are released, or a KV release with a request
+    in flight, is a 409 that changes nothing; bad tags and levels are 400s."""
+    want = [offline(ckpt("base"), ids).outputs[0].token_ids for ids in IDS]
+    r = server.post("/release_memory_occupation", raw=b"")
+    assert r.status_code == 200 and r.json()["success"] and r.json()["nbytes"] > 0, r.text
+    assert server.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert server.get("/admin/status").json()["memory_released"] == ["kv_cache", "weights"]
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(r=server.post("/generate", {"input_ids": IDS[0],
+                                                                                "sampling_params": greedy()})))
+    t.start()
+    t.join(1.0)
+    assert t.is_alive()  # held: no step runs while the memory is released
+    r = server.post("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    t.join(60)
+    assert box["r"].status_code == 200 and box["r"].json()["output_ids"] == want[0]
+    assert server.get("/is_sleeping").json() == {"is_sleeping": False}
+
+    r = httpx.post(server.url + "/sleep?level=2", headers=server.headers, timeout=60)
+    assert r.status_code == 200 and r.json()["host_bytes"] == 0, r.text
+    r = server.post("/update_weights_from_disk", {"model_path": ckpt("base")})
+    assert r.status_code == 409 and "resume_memory_occupation" in r.json()["message"], r.text
+    r = httpx.post(server.url + "/wake_up?tags=weights&tags=kv_cache", headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert server.post("/update_weights_from_disk", {"model_path": ckpt("base")}).status_code == 200
+    assert gen(server, {"input_ids": IDS[1], "sampling_params": greedy()})["output_ids"] == want[1]
+
+    box = {}
+    t = _long(server, "held", box)
+    _wait_running(server)
+    r = server.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status_code == 409 and "1 request(s) in flight" in r.json()["message"], r.text
+    for body, word in [({"tags": ["gpu"]}, "'gpu'"), ({"tags": "weights"}, "tags"), ({"keep_weights": "no"},
+                                                                                     "keep_weights")]:
+        r = server.post("/release_memory_occupation", body)
+        assert r.status_code == 400 and word in r.text, (body, r.text)
+    r = httpx.post(server.url + "/sleep?level=3", headers=server.headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "level"
+    assert server.get("/is_sleeping").json() == {"is_sleeping": False}
+    server.post("/abort_request", {"abort_all": True})
+    t.join(60)
+
+
 @pytest.mark.parametrize("method,path", [("POST", "/generate"), ("POST", "/pause_generation"),
                                          ("POST", "/continue_generation"), ("POST", "/abort_request"),
                                          ("GET", "/flush_cache"), ("GET", "/get_weight_version"),
                                          ("POST", "/update_weights_from_disk"), ("POST", "/pause"),
                                          ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reset_prefix_cache"),
-                                         ("POST", "/abort_requests")])
+                                         ("POST", "/abort_requests"), ("POST", "/release_memory_occupation"),
+                                         ("POST", "/resume_memory_occupation"), ("POST", "/sleep"),
+                                         ("POST", "/wake_up"), ("GET", "/is_sleeping")])
 def test_every_route_wants_the_api_key(server: Server, method: str, path: str) -> None:
     r = httpx.request(method, server.url + path, json={}, timeout=30)
     assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from moebius.config import EngineConfig
 from moebius.entrypoints.admin import AdminServer
 from moebius.frontend.chat import chat_conversations
-from moebius.frontend.core import EngineClosedError, EngineCore, Prompt, is_token_id
+from moebius.frontend.core import EngineClosedError, EngineCore, EngineStateError, Prompt, is_token_id
 from moebius.link.messages import MemoryOutcome, SwitchOutcome, UpdateOutcome
 from moebius.outputs import RequestOutput
 from moebius.sampling_params import RequestOutputKind, SamplingParams
@@ -56,7 +56,7 @@ class LLM:
             raise RuntimeError("generation is paused (pause_generation): generate() would wait forever; call "
                                "resume_generation() first")
         if self.engine.released:
-            raise RuntimeError(f"the engine's memory is released ({', '.join(sorted(self.engine.released))}): "
+            raise EngineStateError(f"the engine's memory is released ({', '.join(sorted(self.engine.released))}): "
                                "generate() would wait forever; call resume_memory_occupation() first")
         prompts = list(prompts)
         params = _params_for(sampling_params, len(prompts))

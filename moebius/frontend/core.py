@@ -118,6 +118,11 @@ class EngineClosedError(RuntimeError):
     """The engine (or the LLM around it) was closed: nothing runs on it any more."""
 
 
+class EngineStateError(RuntimeError):
+    """A call the engine cannot take in its present state (memory released, requests in flight); it changed
+    nothing (the server answers 409)."""
+
+
 class EngineCore:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.config = ecfg
@@ -407,8 +412,8 @@ class EngineCore:
         addresses are unmapped: a read would be an illegal address)."""
         gone = sorted(self.released.intersection(tags))
         if gone:
-            raise RuntimeError(f"{what}: the engine's memory is released ({', '.join(gone)}): call "
-                               "resume_memory_occupation first")
+            raise EngineStateError(f"{what}: the engine's memory is released ({', '.join(gone)}): call "
+                                   "resume_memory_occupation first")
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None, keep_weights: bool = True
                                   ) -> MemoryOutcome:
@@ -423,8 +428,8 @@ class EngineCore:
         if not isinstance(keep_weights, bool):
             raise TypeError(f"keep_weights must be a bool, got {keep_weights!r}")
         if "kv_cache" in tags and self._requests:
-            raise RuntimeError(f"releasing the KV cache with {len(self._requests)} request(s) in flight would lose "
-                               "them: let them finish, or pause_generation(mode='abort') first")
+            raise EngineStateError(f"releasing the KV cache with {len(self._requests)} request(s) in flight would "
+                                   "lose them: let them finish, or pause_generation(mode='abort') first")
         return self._memory(MemoryOrder(True, [t for t in tags if t not in self.released], keep_weights))
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> MemoryOutcome:

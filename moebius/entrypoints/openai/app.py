@@ -13,9 +13,9 @@ import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -35,6 +35,8 @@ from moebius.entrypoints.openai.native import (
     GenerateRequest,
     NativeAnswer,
     PauseBody,
+    ReleaseMemoryBody,
+    ResumeMemoryBody,
     UpdateFromDiskBody,
     UpdateWeightsFromTensorBody,
     generate_items,
@@ -57,6 +59,7 @@ from moebius.entrypoints.openai.serving import (
     completion_inputs,
     sampling_params,
 )
+from moebius.frontend.core import EngineStateError
 from moebius.parallel.layout import MODES
 
 if TYPE_CHECKING:
@@ -344,6 +347,8 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
             raise
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
+        except EngineStateError as e:  # (memory released, requests in flight): nothing changed
+            raise APIError(409, str(e), code="conflict") from None
         except Exception as e:
             raise APIError(500, f"{type(e).__name__}: {e}", code="engine_error") from None
 
@@ -497,6 +502,36 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> Response:
         _, refused = await sglang_reply(control.destroy_weights_update_group, body.group_name)
         return refused or JSONResponse({"success": True, "message": f"Left process group {body.group_name!r}."})
+
+    def released(what: str, done: dict[str, Any]) -> str:
+        return (f"{what} {done['nbytes'] / 2**30:.2f} GiB on rank 0 ({done['host_bytes'] / 2**30:.2f} GiB through "
+                f"host memory) in {done['seconds']:.2f} s.")
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Response:
+        body = await _optional_body(request, ReleaseMemoryBody)
+        done, refused = await sglang_reply(control.release_memory, body.tags, body.keep_weights)
+        return refused or JSONResponse({"success": True, "message": released("Released", done), **done})
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> Response:
+        body = await _optional_body(request, ResumeMemoryBody)
+        done, refused = await sglang_reply(control.resume_memory, body.tags)
+        return refused or JSONResponse({"success": True, "message": released("Resumed", done), **done})
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:  # vLLM's: level 1 keeps the weights in host memory, 2 drops them
+        if level not in (1, 2):
+            raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+        return JSONResponse(await on_engine(control.release_memory, None, level == 1))
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:  # vLLM's ?tags=...&tags=...
+        return JSONResponse(await on_engine(control.resume_memory, tags))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return JSONResponse({"is_sleeping": await on_engine(control.is_sleeping)})
 
     @app.post("/admin/switch")
     async def switch(body: SwitchRequest) -> Response:

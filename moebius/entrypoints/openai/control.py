@@ -30,7 +30,7 @@ def status(engine: EngineCore, loop: EngineLoop) -> dict[str, Any]:
     return {"mode": engine.mode, "policy": engine.auto.note if engine.auto is not None else None,
             "kv": engine.kv_stats(), "running": loop.running, "waiting": loop.waiting, "in_flight": loop.in_flight,
             "unfinished": engine.has_unfinished(), "world_size": engine.world_size, "paused": loop.paused,
-            "weight_version": engine.weight_version,
+            "weight_version": engine.weight_version, "memory_released": sorted(engine.released),
             "steps_in_flight": engine.steps_in_flight, "policy_settings": policy_settings(engine, loop),
             "last_switch": engine.last_switch.to_json() if engine.last_switch is not None else None,
             "timeline": {"samples": [asdict(s) for s in samples], "switches": [asdict(s) for s in switches]}}
@@ -56,6 +56,22 @@ def resume(engine: EngineCore, loop: EngineLoop) -> None:
 
 def is_paused(engine: EngineCore, loop: EngineLoop) -> bool:
     return engine.paused
+
+
+def release_memory(engine: EngineCore, loop: EngineLoop, tags: list[str] | None, keep_weights: bool
+                   ) -> dict[str, Any]:
+    """POST /release_memory_occupation, /sleep: the buffer's memory under `tags` given back, addresses kept
+    (`EngineCore.release_memory_occupation`); what rank 0 gave back."""
+    return dataclasses.asdict(engine.release_memory_occupation(tags, keep_weights))
+
+
+def resume_memory(engine: EngineCore, loop: EngineLoop, tags: list[str] | None) -> dict[str, Any]:
+    """POST /resume_memory_occupation, /wake_up."""
+    return dataclasses.asdict(engine.resume_memory_occupation(tags))
+
+
+def is_sleeping(engine: EngineCore, loop: EngineLoop) -> bool:
+    return bool(engine.released)
 
 
 def abort_all(engine: EngineCore, loop: EngineLoop) -> int:

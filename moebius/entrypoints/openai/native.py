@@ -273,6 +273,19 @@ class ContinueBody(_Strict):
     torch_empty_cache: bool = True  # (nothing to empty: the unified buffer keeps its memory)
 
 
+class ResumeMemoryBody(_Strict):
+    """POST /resume_memory_occupation (SGLang's): tags "weights", "kv_cache" (none or an empty body: both)."""
+
+    tags: list[str] | None = None
+
+
+class ReleaseMemoryBody(ResumeMemoryBody):
+    """POST /release_memory_occupation (SGLang's), and keep_weights (ours): the weights wait in host memory and come
+    back on resume (false: dropped, as SGLang without --enable-weights-cpu-backup; update them after the resume)."""
+
+    keep_weights: bool = True
+
+
 class AbortBody(_Strict):
     rid: str = ""
     abort_all: bool = False
