@@ -73,25 +73,29 @@ def test_cpu_tensors_round_trip_through_shared_memory() -> None:
     assert not os.path.exists(os.path.join(tensor_handles.SHM_DIR, segment))  # close() unlinked it
     with pytest.raises(ValueError, match=f"no shared-memory segment {segment} on"):
         check_segment(description)
-
-
-def _cuda_entry() -> dict[str, Any]:
-    return {"name": "w", "dtype": "float32", "shape": [2, 3], "cuda": {
-        "gpu_uuid": "GPU-x", "device": 0, "handle": "AAAA", "storage_size": 24, "storage_offset_bytes": 0,
-        "ref_counter": "AAAA", "ref_counter_offset": 0, "event_handle": "AAAA", "event_sync_required": False,
-        "stride": [3, 1], "storage_offset": 0}}
+    with pytest.raises(ValueError, match="tensor m is on meta: only CPU and CUDA tensors can be exported"):
+        export_tensors({"a": base, "m": torch.empty(2, device="meta")})
+    with pytest.raises(ValueError, match="tensor a is given twice"):
+        export_tensors([("a", base), ("a", base)])
 
 
 def _described(**changes: Any) -> dict[str, Any]:
+    """A description with one tensor in a segment and one by CUDA IPC handle, with `changes`: `t_x` in the first
+    tensor, `cuda_x` in the second one's cuda, `st_x` in its storage, else at the top."""
     d = {"format": tensor_handles.FORMAT, "host": "h", "segment": "psm_1",
-         "tensors": [{"name": "v", "dtype": "float32", "shape": [4], "offset": 0}, _cuda_entry()]}
+         "storages": [{"gpu_uuid": "GPU-x", "device": 0, "handle": "AAAA", "storage_size": 24,
+                       "storage_offset_bytes": 0, "ref_counter": "AAAA", "ref_counter_offset": 0,
+                       "event_handle": "AAAA", "event_sync_required": False}],
+         "tensors": [{"name": "v", "dtype": "float32", "shape": [4], "offset": 0},
+                     {"name": "w", "dtype": "float32", "shape": [2, 3],
+                      "cuda": {"storage": 0, "stride": [3, 1], "storage_offset": 0}}]}
     for key, value in changes.items():
-        if key.startswith("cuda_"):
-            d["tensors"][1]["cuda"][key[5:]] = value
-        elif key.startswith("t_"):
-            d["tensors"][0][key[2:]] = value
-        else:
+        where, _, field = key.partition("_")
+        target = {"t": d["tensors"][0], "cuda": d["tensors"][1]["cuda"], "st": d["storages"][0]}.get(where)
+        if target is None:
             d[key] = value
+        else:
+            target[field] = value
     return d
 
 
@@ -102,20 +106,23 @@ def _described(**changes: Any) -> dict[str, Any]:
     ({"tensors": []}, "tensors must be a non-empty list"),
     ({"t_dtype": "Tensor"}, "tensor v: dtype must be a torch dtype name"),
     ({"t_dtype": "no_such"}, "tensor v: dtype must be a torch dtype name"),
-    ({"t_shape": [4, -1]}, r"tensor v: shape must be a list of non-negative integers"),
+    ({"t_shape": [4, -1]}, "tensor v: shape must be a list of non-negative integers"),
     ({"t_offset": 6}, "tensor v: offset must be a non-negative multiple of its element size"),
     ({"t_name": "w"}, "tensor w is given twice"),
     ({"t_cuda": {}}, "tensor v needs exactly one of 'offset'"),
-    ({"cuda_handle": "not base64!"}, "tensor w: cuda.handle is not base64"),
-    ({"cuda_device": "0"}, "tensor w: cuda.device must be int"),
-    ({"cuda_event_sync_required": 1}, "tensor w: cuda.event_sync_required must be bool"),
+    ({"st_handle": "not base64!"}, "storages[0].handle is not base64"),
+    ({"st_device": "0"}, "storages[0].device must be int"),
+    ({"st_event_sync_required": 1}, "storages[0].event_sync_required must be bool"),
+    ({"storages": {}}, "storages must be a list"),
+    ({"cuda_storage": 1}, "tensor w: cuda.storage must index storages (of 1)"),
     ({"cuda_stride": [3]}, "tensor w: cuda.stride must be a list of integers, one a dimension"),
-    ({"cuda_storage_offset": 1}, r"reach past its storage of 24 bytes"),
+    ({"cuda_storage_offset": 1}, "reach past its storage of 24 bytes"),
 ])
 def test_bad_descriptions_are_refused_naming_the_field(changes: dict[str, Any], message: str) -> None:
     check_description(_described())
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as refused:
         check_description(_described(**changes))
+    assert message in str(refused.value)
 
 
 # ---- the engine ----
@@ -299,7 +306,7 @@ def test_cuda_ipc_update_from_another_process(paths: dict[str, str], tmp_path: A
         want_a = tokens(llm)
         description = json.loads(exporter.stdout.readline())
         assert all("cuda" in t for t in description["tensors"]) and description["segment"] is None
-        assert len({t["cuda"]["handle"] for t in description["tensors"]}) == 1
+        assert len(description["storages"]) == 1
         outcome = llm.update_weights_from_handles(description, "B")
         assert outcome.views > 0 and tokens(llm) == want_b
         # this process's own CUDA tensors: by IPC handle to a rank process, as they are to the rank in process

@@ -11,10 +11,11 @@ This file imports only torch and the standard library, so a trainer process with
 
 The description (format FORMAT):
     {"format": "moebius.tensors.v1", "host": <the exporter's hostname>, "segment": <shared-memory name> | null,
+     "storages": [{"gpu_uuid", "device", "handle", "storage_size", "storage_offset_bytes", "ref_counter",
+                   "ref_counter_offset", "event_handle", "event_sync_required"}, ...],   (CUDA storages, once each)
      "tensors": [{"name", "dtype" (torch's name: "bfloat16"), "shape", and either
                   "offset" (bytes into the segment: a contiguous CPU tensor) or
-                  "cuda": {"gpu_uuid", "device", "handle", "storage_size", "storage_offset_bytes", "ref_counter",
-                           "ref_counter_offset", "event_handle", "event_sync_required", "stride", "storage_offset"}}]}
+                  "cuda": {"storage" (an index into storages), "stride", "storage_offset"}}, ...]}
 The byte strings (handle, ref_counter, event_handle) are base64; `stride` and `storage_offset` are in elements.
 The exporter must keep its tensors (and the segment) until the update call has returned: the engine reads them in
 place.
@@ -36,9 +37,9 @@ import torch
 FORMAT = "moebius.tensors.v1"
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments (a RAM file system)
 ALIGN = 64  # bytes: every tensor in a segment starts at an offset its dtype (and vectorised copies) can read from
-CUDA_FIELDS = {"gpu_uuid": str, "device": int, "handle": str, "storage_size": int, "storage_offset_bytes": int,
-               "ref_counter": str, "ref_counter_offset": int, "event_handle": str, "event_sync_required": bool,
-               "stride": list, "storage_offset": int}
+# one exported CUDA storage: what torch's _share_cuda_() gives (bytes in base64), and the GPU's UUID
+STORAGE_FIELDS = {"gpu_uuid": str, "device": int, "handle": str, "storage_size": int, "storage_offset_bytes": int,
+                  "ref_counter": str, "ref_counter_offset": int, "event_handle": str, "event_sync_required": bool}
 # a segment's name as Python's shared_memory makes them: never a path (a description may come from the network)
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 
@@ -70,51 +71,60 @@ class TensorExport:
         items = [(name, t.detach()) for name, t in named_tensors]
         self._keep: list[torch.Tensor] = []  # what the handles point into, until close()
         self._segment: shared_memory.SharedMemory | None = None
+        seen: set[str] = set()
+        for name, t in items:  # (before a segment exists that a refusal would leave behind)
+            if name in seen:
+                raise ValueError(f"tensor {name} is given twice")
+            seen.add(name)
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"tensor {name} is on {t.device}: only CPU and CUDA tensors can be exported")
+            if t.device.type == "cuda" and t.untyped_storage().nbytes() == 0:
+                raise ValueError(f"tensor {name} is empty: a CUDA IPC handle needs memory to point at")
         host = [(n, t) for n, t in items if t.device.type == "cpu"]
-        entries: dict[str, dict[str, Any]] = {}
         offsets, end = {}, 0
         for name, t in host:
             offsets[name] = end
             end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        if host:
-            self._segment = shared_memory.SharedMemory(create=True, size=max(end, 1))
-            self._segment.close()  # (Python's own mapping: the bytes are written through torch's)
-            try:
+        try:
+            if host:
+                self._segment = shared_memory.SharedMemory(create=True, size=max(end, 1))
+                self._segment.close()  # (Python's own mapping: the bytes are written through torch's)
                 buf = map_segment(self._segment.name, end)
                 for name, t in host:
                     n = t.numel() * t.element_size()
                     buf[offsets[name]: offsets[name] + n].view(t.dtype).view(t.shape).copy_(t)
-            except BaseException:
-                self.close()
-                raise
-        shared: dict[tuple[int, int], dict[str, Any]] = {}  # one _share_cuda_ a storage (views of one bucket)
+            self.description = self._describe(items, offsets)
+        except BaseException:
+            self.close()
+            raise
+
+    def _describe(self, items: list[tuple[str, torch.Tensor]], offsets: dict[str, int]) -> dict[str, Any]:
+        entries: list[dict[str, Any]] = []
+        storages: list[dict[str, Any]] = []
+        index: dict[tuple[int, int], int] = {}  # one _share_cuda_ a storage (views of one bucket share it)
         for name, t in items:
-            if name in entries:
-                raise ValueError(f"tensor {name} is given twice")
             entry: dict[str, Any] = {"name": name, "dtype": str(t.dtype).removeprefix("torch."),
                                      "shape": list(t.shape)}
             if t.device.type == "cpu":
                 entry["offset"] = offsets[name]
-            elif t.device.type == "cuda":
+            else:
                 storage = t.untyped_storage()
-                if storage.nbytes() == 0:
-                    raise ValueError(f"tensor {name} is empty: a CUDA IPC handle needs memory to point at")
                 key = (storage.data_ptr(), storage.nbytes())
-                if key not in shared:
+                if key not in index:
                     (device, handle, size, offset_bytes, ref_counter, ref_counter_offset, event_handle,
                      event_sync) = storage._share_cuda_()
-                    shared[key] = {"gpu_uuid": gpu_uuid(device), "device": device, "handle": _b64(handle),
-                                   "storage_size": size, "storage_offset_bytes": offset_bytes,
-                                   "ref_counter": _b64(ref_counter), "ref_counter_offset": ref_counter_offset,
-                                   "event_handle": _b64(event_handle), "event_sync_required": bool(event_sync)}
-                entry["cuda"] = {**shared[key], "stride": list(t.stride()), "storage_offset": t.storage_offset()}
+                    index[key] = len(storages)
+                    storages.append({"gpu_uuid": gpu_uuid(device), "device": device, "handle": _b64(handle),
+                                     "storage_size": size, "storage_offset_bytes": offset_bytes,
+                                     "ref_counter": _b64(ref_counter), "ref_counter_offset": ref_counter_offset,
+                                     "event_handle": _b64(event_handle), "event_sync_required": bool(event_sync)})
+                entry["cuda"] = {"storage": index[key], "stride": list(t.stride()),
+                                 "storage_offset": t.storage_offset()}
                 self._keep.append(t)
-            else:
-                raise ValueError(f"tensor {name} is on {t.device}: only CPU and CUDA tensors can be exported")
-            entries[name] = entry
-        self.description: dict[str, Any] = {
-            "format": FORMAT, "host": socket.gethostname(),
-            "segment": self._segment.name if self._segment is not None else None, "tensors": list(entries.values())}
+            entries.append(entry)
+        return {"format": FORMAT, "host": socket.gethostname(),
+                "segment": self._segment.name if self._segment is not None else None, "storages": storages,
+                "tensors": entries}
 
     def close(self) -> None:
         """Drop the tensors and unlink the segment (the engine must be done with them)."""
@@ -147,12 +157,24 @@ def check_description(description: Any) -> dict[str, Any]:
     if description.get("format") != FORMAT:
         raise ValueError(f"format must be {FORMAT!r}, got {description.get('format')!r}")
     host, segment, tensors = description.get("host"), description.get("segment"), description.get("tensors")
+    storages = description.get("storages", [])
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be the exporter's hostname, got {host!r}")
     if segment is not None and not (isinstance(segment, str) and _SEGMENT.fullmatch(segment)):
         raise ValueError(f"segment must be a shared-memory name (letters, digits, '_', '.', '-'), got {segment!r}")
     if not isinstance(tensors, list) or not tensors:
         raise ValueError(f"tensors must be a non-empty list, got {type(tensors).__name__}")
+    if not isinstance(storages, list):
+        raise ValueError(f"storages must be a list, got {type(storages).__name__}")
+    for k, st in enumerate(storages):
+        if not isinstance(st, Mapping):
+            raise ValueError(f"storages[{k}] must be an object, got {type(st).__name__}")
+        for field, kind in STORAGE_FIELDS.items():
+            value = st.get(field)
+            if not (_int(value) if kind is int else isinstance(value, kind)):
+                raise ValueError(f"storages[{k}].{field} must be {kind.__name__}, got {value!r}")
+        for field in ("handle", "ref_counter", "event_handle"):
+            _unb64(f"storages[{k}].{field}", st[field])
     names = set()
     for k, t in enumerate(tensors):
         where = f"tensors[{k}]"
@@ -184,20 +206,20 @@ def check_description(description: Any) -> dict[str, Any]:
         cuda = t["cuda"]
         if not isinstance(cuda, Mapping):
             raise ValueError(f"{where}: cuda must be an object, got {type(cuda).__name__}")
-        for field, kind in CUDA_FIELDS.items():
-            value = cuda.get(field)
-            ok = (_ints(value) and len(value) == len(shape) if kind is list else
-                  _int(value) if kind is int else isinstance(value, kind))
-            if not ok:
-                raise ValueError(f"{where}: cuda.{field} must be {'a list of integers, one a dimension' if kind is list else kind.__name__}, got {value!r}")  # noqa: E501
-        for field in ("handle", "ref_counter", "event_handle"):
-            _unb64(f"{where}: cuda.{field}", cuda[field])
-        itemsize = getattr(torch, dtype).itemsize
-        last = cuda["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, cuda["stride"], strict=True))
-        if 0 not in shape and (last + 1) * itemsize > cuda["storage_size"]:
-            raise ValueError(f"{where}: shape {shape}, stride {cuda['stride']} and storage_offset "
-                             f"{cuda['storage_offset']} reach past its storage of {cuda['storage_size']} bytes")
-    return dict(description)
+        k = cuda.get("storage")
+        if not (_int(k) and k < len(storages)):
+            raise ValueError(f"{where}: cuda.storage must index storages (of {len(storages)}), got {k!r}")
+        stride, offset = cuda.get("stride"), cuda.get("storage_offset")
+        if not (_ints(stride) and len(stride) == len(shape)):
+            raise ValueError(f"{where}: cuda.stride must be a list of integers, one a dimension, got {stride!r}")
+        if not _int(offset):
+            raise ValueError(f"{where}: cuda.storage_offset must be a non-negative integer, got {offset!r}")
+        size = storages[k]["storage_size"]
+        last = offset + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+        if 0 not in shape and (last + 1) * getattr(torch, dtype).itemsize > size:
+            raise ValueError(f"{where}: shape {shape}, stride {stride} and storage_offset {offset} reach past its "
+                             f"storage of {size} bytes")
+    return {**description, "storages": storages}
 
 
 def _int(v: Any) -> bool:
@@ -216,7 +238,7 @@ def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     size = os.stat(path).st_size
     if size < nbytes:
         raise ValueError(f"shared-memory segment {segment} holds {size} bytes, fewer than the {nbytes} of its tensors")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)  # (segments hold >= 1 byte)
 
 
 def segment_end(tensors: list[Mapping[str, Any]]) -> int:
@@ -262,19 +284,21 @@ class CudaOpener:
         self._storages: dict[tuple[str, int], torch.UntypedStorage] = {}
         self.devices: set[int] = set()
 
-    def open(self, name: str, dtype: str, shape: list[int], cuda: Mapping[str, Any]) -> torch.Tensor:
-        device = _local_device(cuda["gpu_uuid"], name)
-        key = (cuda["handle"], cuda["storage_offset_bytes"])
+    def open(self, name: str, dtype: str, shape: list[int], cuda: Mapping[str, Any],
+             storage_fields: Mapping[str, Any]) -> torch.Tensor:
+        st = storage_fields
+        device = _local_device(st["gpu_uuid"], name)
+        key = (st["handle"], st["storage_offset_bytes"])
         storage = self._storages.get(key)
         if storage is None:
             torch.cuda._lazy_init()
             try:  # (the same call as torch.multiprocessing.reductions.rebuild_cuda_tensor, its fields from JSON)
                 storage = torch.UntypedStorage._new_shared_cuda(
-                    device, _unb64("handle", cuda["handle"]), cuda["storage_size"], cuda["storage_offset_bytes"],
-                    _unb64("ref_counter", cuda["ref_counter"]), cuda["ref_counter_offset"],
-                    _unb64("event_handle", cuda["event_handle"]), cuda["event_sync_required"])
+                    device, _unb64("handle", st["handle"]), st["storage_size"], st["storage_offset_bytes"],
+                    _unb64("ref_counter", st["ref_counter"]), st["ref_counter_offset"],
+                    _unb64("event_handle", st["event_handle"]), st["event_sync_required"])
             except RuntimeError as e:
-                raise RuntimeError(f"tensor {name}: the CUDA IPC handle of GPU {cuda['gpu_uuid']} (cuda:{device} "
+                raise RuntimeError(f"tensor {name}: the CUDA IPC handle of GPU {st['gpu_uuid']} (cuda:{device} "
                                    f"here) could not be opened: {e}") from None
             self._storages[key] = storage
             self.devices.add(device)
@@ -298,7 +322,8 @@ def open_tensors(description: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor
         buf = map_segment(description["segment"], segment_end(tensors))
     for t in tensors:
         if "cuda" in t:
-            out[t["name"]] = opener.open(t["name"], t["dtype"], t["shape"], t["cuda"])
+            out[t["name"]] = opener.open(t["name"], t["dtype"], t["shape"], t["cuda"],
+                                         description["storages"][t["cuda"]["storage"]])
         else:
             dtype = getattr(torch, t["dtype"])
             n = torch.Size(t["shape"]).numel() * dtype.itemsize
