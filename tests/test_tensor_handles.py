@@ -182,14 +182,15 @@ CLIENT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def served(paths: dict[str, str]) -> Iterator[tuple[str, Any, Any]]:
-    """An engine on A behind the app, served from this process with an API key: the URL, the app, the LLM."""
+    """An engine on A behind the app, served from this process with an API key, its rank in a process of its own
+    as under `moebius serve` (the rank maps the client's segment itself): the URL, the app, the LLM."""
     from test_serve import uvicorn_thread
 
     from moebius.entrypoints.openai.app import ServeSettings, create_app
     from moebius.entrypoints.openai.engine_loop import EngineLoop
     from moebius.entrypoints.openai.server import uvicorn_config
 
-    llm = make_llm(paths["A"])
+    llm = make_llm(paths["A"], rank_process="on")
     loop = EngineLoop(llm.engine)
     loop.start()
     app = create_app(loop, ServeSettings("moebius-demo", api_key=KEY))
