@@ -136,7 +136,7 @@ def greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
 
 
-def _eager_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def eager_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The same engine, every step eager: the in-process rank's runner launched with graphs=False (as the probes)."""
     runner = llm.engine.ranks.rank.runner
     runner.launch = functools.partial(type(runner).launch, runner, graphs=False)
@@ -308,7 +308,7 @@ def main() -> None:
     if not args.skip_graphs and not over():
         llm.reset_prefix_cache()
         graph = greedy(llm, prompts, args.max_tokens)
-        eager = _eager_generate(llm, prompts, args.max_tokens)
+        eager = eager_generate(llm, prompts, args.max_tokens)
         for i, (b, g, e) in enumerate(zip(before, graph, eager, strict=True)):
             first = next((k for k, (x, y) in enumerate(zip(g, e, strict=True)) if x != y), None)
             tables["graphs"].append(dict(prompt=i, tokens_graph=g, tokens_eager=e, tokens_before_update=b,

@@ -214,7 +214,7 @@ class UnifiedMemory:
             if host is not None:
                 self.buffer[a: a + nb].copy_(host, non_blocking=True)
                 stats.host_bytes += nb
-            else:
+            elif not self.backing.maps_zeros:
                 self.buffer[a: a + nb].zero_()
             stats.nbytes += nb
         self.backing.synchronize()
@@ -243,9 +243,12 @@ class _HostBacking:
     madvise(MADV_DONTNEED) and come back as zero pages when touched."""
 
     can_release = hasattr(mmap, "MADV_DONTNEED")
+    maps_zeros = True  # (zeroing them would only make the pages resident again)
 
     def __init__(self, plan: MemoryPlan) -> None:
-        self.map_ = mmap.mmap(-1, _round_up(max(plan.total_bytes, 1), mmap.PAGESIZE))
+        # private: a shared mapping's pages live on in shmem after MADV_DONTNEED (only the page tables go)
+        self.map_ = mmap.mmap(-1, _round_up(max(plan.total_bytes, 1), mmap.PAGESIZE),
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self.map_, dtype=torch.uint8)[: plan.total_bytes]
         self.segments = plan.segments(mmap.PAGESIZE)
 
@@ -269,6 +272,7 @@ class _TorchBacking:
     """A GPU buffer from torch's caching allocator (no cuda-python): it cannot be released."""
 
     can_release = False
+    maps_zeros = False
 
     def __init__(self, plan: MemoryPlan, device: torch.device) -> None:
         self.tensor = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=device)
@@ -352,6 +356,7 @@ class _DeviceBacking:
     pinned (page-locked in place, so a 60 GB copy is not rounded up by torch's pinned-memory cache)."""
 
     can_release = True
+    maps_zeros = False  # (cuMemCreate's memory holds whatever was there)
 
     def __init__(self, plan: MemoryPlan, device: torch.device) -> None:
         drv = _driver()
