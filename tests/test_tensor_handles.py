@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -215,6 +216,30 @@ def served_tokens(url: str) -> list[list[int]]:
     return out
 
 
+def served_generation(url: str) -> Any:
+    """A long /generate in flight (its future), once the engine has it."""
+    import concurrent.futures
+
+    import httpx
+
+    body = {"input_ids": IDS[0], "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(lambda: httpx.post(url + "/generate", json=body, timeout=120,
+                                            headers={"Authorization": f"Bearer {KEY}"}).json())
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + 30
+    while not served_running(url) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return future
+
+
+def served_running(url: str) -> bool:
+    import httpx
+
+    r = httpx.get(url + "/admin/status", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    return r.json().get("running", 0) > 0
+
+
 def asgi_post(app: Any, body: Any, client: tuple[str, int] = ("127.0.0.1", 5000), key: str | None = KEY) -> Any:
     import httpx
 
@@ -251,6 +276,12 @@ def test_route_refuses_other_callers_and_bad_bodies(served: tuple[str, Any, Any]
         for body, message in bad:
             r = asgi_post(app, body)
             assert r.status_code == 400 and message in r.text, (body, r.text)
+        # abort_all_requests with a bad name: refused before any request is aborted
+        wrong = {**good, "tensors": [{**good["tensors"][0], "name": "model.nope"}]}
+        generating = served_generation(url)
+        r = asgi_post(app, {"named_tensors": wrong, "abort_all_requests": True})
+        assert r.status_code == 400 and "model.nope" in r.text, r.text
+        assert generating.result(timeout=120)["meta_info"]["finish_reason"]["type"] == "length"
     assert served_tokens(url) == before == want["A"]  # nothing changed
 
 

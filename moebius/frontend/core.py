@@ -721,12 +721,7 @@ class EngineCore:
         every rank, naming why. The exporter keeps its tensors until this returns."""
         self._check_open()
         _check_version(weight_version)
-        description = check_description(description)
-        # stand-ins of the described shapes and dtypes (one element each, expanded): the checks read nothing else
-        check_update(self.model_config, [
-            (t["name"], torch.empty([1] * len(t["shape"]), dtype=getattr(torch, t["dtype"])).expand(t["shape"]))
-            for t in description["tensors"]])
-        check_segment(description)
+        description = self.check_handles(description)
         if not isinstance(self.ranks, LocalRanks):  # every rank opens them itself
             return self._update(WeightUpdate(handles=description), weight_version)
         tensors, opener = open_tensors(description)
@@ -736,6 +731,17 @@ class EngineCore:
             return self._update(update, weight_version)
         finally:  # the copies out of the exporter's memory are done before it may change it
             opener.synchronize(torch.device(self.device))
+
+    def check_handles(self, description: Mapping[str, Any]) -> dict[str, Any]:
+        """A description of tensors by handle checked, field by field, then every name, shape and dtype against the
+        model and its segment on this machine, without opening anything (ValueError naming the first bad one)."""
+        description = check_description(description)
+        # stand-ins of the described shapes and dtypes (one element each, expanded): the checks read nothing else
+        check_update(self.model_config, [
+            (t["name"], torch.empty([1] * len(t["shape"]), dtype=getattr(torch, t["dtype"])).expand(t["shape"]))
+            for t in description["tensors"]])
+        check_segment(description)
+        return description
 
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> UpdateOutcome:
         """`update_weights` from a safetensors directory of the model's architecture and shapes (its config.json,

@@ -10,7 +10,6 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig
-from moebius.link.tensor_handles import check_description
 from moebius.switch.auto import build as build_auto
 from moebius.switch.auto import needs_calibration
 from moebius.worker.update_group import check_broadcast
@@ -107,9 +106,9 @@ def update_weights_from_disk(engine: EngineCore, loop: EngineLoop, path: str, ve
 def update_weights_from_tensor(engine: EngineCore, loop: EngineLoop, description: dict[str, Any],
                                version: str | None, abort_first: bool) -> dict[str, Any]:
     """New weights from tensors a process of this machine exported by handle (`link/tensor_handles.py`; the
-    description checked before any request is aborted); as update_weights_from_disk for abort_first and the
-    version."""
-    check_description(description)
+    description, names, shapes and dtypes checked before any request is aborted); as update_weights_from_disk for
+    abort_first and the version."""
+    engine.check_handles(description)
     aborted = loop.abort_all() if abort_first else 0
     outcome = engine.update_weights_from_handles(description,
                                                  version if version is not None else engine.weight_version)
