@@ -154,6 +154,8 @@ class Checkpoints:
             "base_sharded": functools.partial(write_checkpoint, max_shard_size="60KB"),
             # Other random weights of base's shapes (a weight update's target).
             "base_b": functools.partial(write_checkpoint, seed=3),
+            # Other random weights of dense_layer's shapes (an update of a dense MLP layer).
+            "dense_layer_b": functools.partial(write_checkpoint, overrides=VARIANTS["dense_layer"], seed=3),
             # Byte tokenizer + EOS = <|endoftext|>; greedy text is printable ASCII.
             "text": functools.partial(write_checkpoint, seed=1, tokenizer=True, ascii_bias=True,
                                       eos_token_id=ENDOFTEXT_ID),

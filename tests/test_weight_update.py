@@ -129,6 +129,22 @@ def test_partial_update_changes_only_what_it_names(on_a: Any, paths: dict[str, s
     assert tokens(llm) == want["M"]
 
 
+def test_a_dense_mlp_layer_updates_in_both_layouts_at_p4(ckpt: Checkpoints) -> None:
+    """dense_layer at P = 4 (layer 1 a dense SwiGLU MLP: a quarter of its rows on each TP rank, whole on each EP
+    rank): a trainer's update in EP gives B's tokens, and so does a switch to TP after it (the update rewrote TP's
+    dense regions too); from disk back to A in TP, and A's tokens after a switch to EP."""
+    a, b = ckpt("dense_layer"), ckpt("dense_layer_b")
+    want = {k: [hf_greedy(p, ids, N) for ids in TEST_PROMPTS] for k, p in (("A", a), ("B", b))}
+    assert want["A"] != want["B"]
+    with make_llm(a, num_ranks=4, mode="ep") as llm:
+        llm.update_weights(hf_model(b).named_parameters())
+        assert tokens(llm) == want["B"]
+        assert llm.switch_mode("tp").done and tokens(llm) == want["B"]
+        llm.update_weights_from_disk(a)
+        assert tokens(llm) == want["A"]
+        assert llm.switch_mode("ep").done and tokens(llm) == want["A"]
+
+
 def _bad_updates(cfg_path: str) -> list[tuple[list[tuple[Any, Any]], type[Exception], str]]:
     b = load_file(os.path.join(cfg_path, "model.safetensors"))
     q = "model.layers.0.self_attn.q_proj.weight"
