@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, hf_logits, make_llm, shared_llm
+from conftest import VOCAB, hf_logits, import_tool, make_llm, shared_llm
 
 from moebius import LLM, SamplingParams
+from moebius.bench import results
 from moebius.config import ConfigError
 
 # fp32 engine vs fp32 transformers: the same math summed in another order (measured: ~1e-6 mean, ~5e-6 max)
@@ -186,3 +187,23 @@ def test_fp32_head_on_the_gpu(ckpt: Any) -> None:
     assert torch.equal(got["auto"][2], got["auto"][2].bfloat16().float())
     assert not torch.equal(got["float32"][2], got["float32"][2].bfloat16().float())
     assert got["float32"][0] <= got["auto"][0] * 1.05
+
+
+def test_mismatch_benchmark_harness(tmp_path: Any) -> None:
+    """benchmarks/rl/logprob_mismatch.py on the CPU with tiny shapes in float32 (engine and trainer alike): the
+    sampled tokens line up with transformers' rows (mismatch within the fp32 bound), the head scaled to the target
+    entropy gives non-degenerate distributions, and the result file holds the tables."""
+    tool = import_tool("rl/logprob_mismatch.py")
+    out = tmp_path / "mismatch.json"
+    args = tool.parser().parse_args(["--device", "cpu", "--tiny", "--num-layers", "1", "--dtype", "float32",
+                                     "--heads", "bf16", "--prompt-lens", "3", "20", "--prompts-per-len", "1",
+                                     "--max-tokens", "8", "--output", str(out)])
+    tool.run(args)
+    r = results.load_result(str(out))
+    (row,) = results.table(r, "mismatch")
+    assert (row["engine_head"], row["reference"], row["tokens"]) == ("bf16", "hf_fp32", 16)
+    assert row["max_abs"] < FP32_BOUND
+    s = results.summary_of(r)
+    assert s["entropy_ok"] and abs(s["calib_entropy_after"] - 2.0) < 0.01 and 0.5 < s["entropy_mean"] < 4
+    assert [x["prompt_len"] for x in results.table(r, "per_length")] == [3, 20]
+    assert (tmp_path / "mismatch.png").is_file()
