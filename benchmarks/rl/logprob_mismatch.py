@@ -2,7 +2,7 @@
 engine against transformers' forward over the same sequence (what a trainer computes), bf16 head and fp32 head.
 
     python benchmarks/rl/logprob_mismatch.py --output benchmarks/results/h200-p1-logprob-mismatch.json
-    python benchmarks/rl/logprob_mismatch.py --device cpu --tiny --num-layers 2      (a smoke run, ~1 min)
+    python benchmarks/rl/logprob_mismatch.py --device cpu --tiny --num-layers 2      (a smoke run, ~20 s)
 
 1. The model: transformers' `Qwen3MoeForCausalLM` with the published Qwen3-30B-A3B config (moebius.config's preset)
    cut to --num-layers, random weights at a trained model's scale (every matrix std --init-std 0.02, norms 1) in
@@ -67,18 +67,18 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def hf_config(num_layers: int, overrides: dict[str, Any], attn: str | None) -> Any:
+def hf_config(num_layers: int, overrides: dict[str, Any], attn: str | None, experts: str | None) -> Any:
     """transformers' Qwen3MoeConfig of the preset's shapes, num_layers decoder layers, overrides applied."""
     from transformers import Qwen3MoeConfig
 
     from moebius.config import PRESETS
 
     kw = {k: v for k, v in PRESETS[PRESET].items() if k not in ("architectures", "model_type")}
-    theta = kw.pop("rope_theta")
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}  # transformers 5's spelling
     kw.update(num_hidden_layers=num_layers, **overrides)
     if attn is not None:
         kw["attn_implementation"] = attn
+    if experts is not None:
+        kw["experts_implementation"] = experts
     cfg = Qwen3MoeConfig(**kw)
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     return cfg
@@ -147,8 +147,9 @@ def sample(path: str, head: str, prompts: list[list[int]], args: argparse.Namesp
                               rank_process="off", seed=args.seed, block_size=16,
                               max_model_len=max(len(p) for p in prompts) + args.max_tokens + 16,
                               max_total_tokens=sum(len(p) + args.max_tokens + 16 for p in prompts))
-    if cuda:
-        kw.update(warmup="none", cuda_graph_max_bs=args.cuda_graph_max_bs)
+    if cuda:  # a KV pool of 16k tokens at least (~16 KB a token at 8 layers): room beside the graphs' padding
+        kw.update(warmup="none", cuda_graph_max_bs=args.cuda_graph_max_bs,
+                  max_total_tokens=max(kw["max_total_tokens"], 16384))
     t0 = time.perf_counter()
     llm = LLM(**kw)
     try:
@@ -234,10 +235,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-entropy", type=float, default=2.0,
                     help="nats: lm_head scaled to this mean next-token entropy; 0: not scaled")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 128, 512])
-    ap.add_argument("--prompts-per-len", type=int, default=8)
+    ap.add_argument("--prompts-per-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens sampled a prompt")
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS), help="engine heads to run")
     ap.add_argument("--hf-attn", default="sdpa", help="transformers' attn_implementation (eager, sdpa)")
+    ap.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (eager, grouped_mm, "
+                    "...; default: transformers' own)")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=64)
     ap.add_argument("--checkpoint-dir", default=None, help="where the checkpoint goes (default: a temporary "
                     "directory, removed at the end)")
@@ -292,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             num_gpus=1 if cuda else 0)
 
     # 1. the checkpoint
-    cfg = hf_config(args.num_layers, overrides, args.hf_attn)
+    cfg = hf_config(args.num_layers, overrides, args.hf_attn, args.hf_experts)
     vocab = cfg.vocab_size
     ids_vocab = min(vocab, cfg.bos_token_id) if cfg.bos_token_id else vocab  # no special tokens in the prompts
     own_dir = args.checkpoint_dir is None
@@ -325,6 +328,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             summary[f"engine_{head}_generate_s"] = round(runs[head]["generate_s"], 2)
             print(f"engine, {head} head: {len(prompts)} prompts sampled in {runs[head]['generate_s']:.1f} s")
         summary["tokens_per_engine"] = len(prompts) * args.max_tokens
+        for head, r in runs.items():  # a model whose every position samples the same few tokens is degenerate too
+            toks = [t for s in r["seqs"] for t in s["tokens"]]
+            summary[f"engine_{head}_distinct_tokens"] = len(set(toks))
         save()
 
         # 3. the references: the model in its dtype, then cast to float32
