@@ -145,7 +145,8 @@ class UnifiedMemory:
         self.buffer = self.backing.tensor
         self.base_ptr = self.buffer.data_ptr()
         self._unmapped: dict[int, str] = {}  # offset -> tag of every segment released now
-        self._host: dict[int, torch.Tensor] = {}  # segment offset -> the weights kept on the host while released
+        self._host: dict[int, torch.Tensor] = {}  # segment offset -> its host copy's memory (kept once pinned)
+        self._kept: dict[int, bool] = {}  # segment offset -> its host copy holds the bytes released
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype, limit: int) -> torch.Tensor:
         nbytes = _nbytes(shape, dtype)
@@ -188,10 +189,15 @@ class UnifiedMemory:
         todo = [(a, nb, tag) for a, nb, tag in self.backing.segments if tag in want and a not in self._unmapped]
         t0, stats = time.perf_counter(), ReleaseStats()
         self.backing.synchronize()  # the steps before are done with these bytes
+        if not keep_weights:
+            self.drop_host_copies()
         kept = [(a, nb) for a, nb, tag in todo if tag == "weights" and keep_weights]
         for a, nb in kept:
-            self._host[a] = host = self.backing.host_buffer(nb)
+            host = self._host.get(a)
+            if host is None:  # pinned once, then kept for the next release (pinning is the slow part)
+                self._host[a] = host = self.backing.host_buffer(nb)
             host.copy_(self.buffer[a: a + nb], non_blocking=True)
+            self._kept[a] = True
             stats.host_bytes += nb
         self.backing.synchronize()
         for a, nb, tag in todo:
@@ -210,7 +216,7 @@ class UnifiedMemory:
         for a, nb in todo:
             self.backing.map(a, nb)
             del self._unmapped[a]
-            host = self._host.get(a)
+            host = self._host.get(a) if self._kept.pop(a, False) else None
             if host is not None:
                 self.buffer[a: a + nb].copy_(host, non_blocking=True)
                 stats.host_bytes += nb
@@ -218,11 +224,18 @@ class UnifiedMemory:
                 self.buffer[a: a + nb].zero_()
             stats.nbytes += nb
         self.backing.synchronize()
-        for a, _ in todo:
-            if a in self._host:
-                self.backing.free_host(self._host.pop(a))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    @property
+    def host_copy_bytes(self) -> int:
+        """Host memory held for the weights' copies (kept after a resume, for the next release)."""
+        return sum(h.numel() for h in self._host.values())
+
+    def drop_host_copies(self) -> None:
+        """Free the host memory of the weights' copies (a release that drops the weights, or the caller's call)."""
+        for a in [a for a in self._host if not self._kept.get(a)]:  # (never the copy of weights still released)
+            del self._host[a]  # (a pinned one is unregistered as it goes: _unregister)
 
 
 def _backing(plan: MemoryPlan, device: torch.device) -> _HostBacking | _TorchBacking | _DeviceBacking:
@@ -257,9 +270,6 @@ class _HostBacking:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
-
-    def free_host(self, host: torch.Tensor) -> None:
-        pass
 
     def unmap(self, offset: int, nbytes: int) -> None:
         self.map_.madvise(mmap.MADV_DONTNEED, offset, nbytes)
@@ -383,13 +393,20 @@ class _DeviceBacking:
         torch.cuda.synchronize(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        host = torch.empty(nbytes, dtype=torch.uint8)
+        # huge pages where the kernel gives them: page-locking is what a first release waits on, and 4 KiB pages
+        # lock at half the rate (benchmarks/results/h200-pinned-host.json)
+        anon = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            anon.madvise(mmap.MADV_HUGEPAGE)
+        host = torch.frombuffer(anon, dtype=torch.uint8)
         _check(_driver().cuMemHostRegister(host.data_ptr(), nbytes, 0),
                f"page-locking {nbytes / 2**30:.2f} GiB of host memory for the weights")
+        weakref.finalize(host, _unregister, host.data_ptr())  # (before its pages go with the last reference)
         return host
 
-    def free_host(self, host: torch.Tensor) -> None:
-        _check(_driver().cuMemHostUnregister(host.data_ptr()), "cuMemHostUnregister")
+
+def _unregister(ptr: int) -> None:
+    _driver().cuMemHostUnregister(ptr)
 
     def unmap(self, offset: int, nbytes: int) -> None:
         self.vrange.unmap(offset, nbytes)

@@ -44,7 +44,8 @@ def memory_report(rank: Rank) -> dict[str, Any]:
     kv = sum(t.numel() * t.element_size() for t in rt.kv.layers)
     out: dict[str, Any] = {"umm_bytes": rank.umm.plan.total_bytes, "kv_bytes": kv,
                            "kv_tokens": (rt.kv.num_pages - 1) * rank.spec.engine.block_size,
-                           "releasable_bytes": rank.umm.releasable_bytes(), "released": sorted(rank.umm.released)}
+                           "releasable_bytes": rank.umm.releasable_bytes(), "released": sorted(rank.umm.released),
+                           "host_copy_bytes": rank.umm.host_copy_bytes}
     if rank.device.type == "cuda":
         out["peak_allocated"] = torch.cuda.max_memory_allocated(rank.device)
         out["peak_reserved"] = torch.cuda.max_memory_reserved(rank.device)
