@@ -11,6 +11,7 @@ and pin it, D2H (first and second copy: the first into fresh pageable memory fau
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import time
 from collections.abc import Callable
@@ -57,16 +58,16 @@ def main() -> None:
     rows = []
     for what, get, unregister in ways:
         host, pin_s = _timed(get)
-        _, d2h_first = _timed(lambda: host.copy_(dev, non_blocking=True))  # noqa: B023  (called at once)
-        _, d2h = _timed(lambda: host.copy_(dev, non_blocking=True))  # noqa: B023
-        _, h2d = _timed(lambda: dev.copy_(host, non_blocking=True))  # noqa: B023
+        _, d2h_first = _timed(functools.partial(host.copy_, dev, non_blocking=True))
+        _, d2h = _timed(functools.partial(host.copy_, dev, non_blocking=True))
+        _, h2d = _timed(functools.partial(dev.copy_, host, non_blocking=True))
         if unregister:
             drv.cuMemHostUnregister(host.data_ptr())
         rows.append(dict(what=what, gib=args.gib, get_and_pin_s=pin_s, d2h_first_gb_per_s=n / d2h_first / 1e9,
                          d2h_gb_per_s=n / d2h / 1e9, h2d_gb_per_s=n / h2d / 1e9))
         print(f"{what:40s} get+pin {pin_s:6.2f} s  D2H {n / d2h_first / 1e9:6.1f} / {n / d2h / 1e9:6.1f} GB/s  "
               f"H2D {n / h2d / 1e9:6.1f} GB/s", flush=True)
-        del host
+        host = None  # (its memory back before the next way)
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         thp = f.read().strip()
     if args.output:
