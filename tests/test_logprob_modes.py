@@ -196,8 +196,8 @@ def test_mismatch_benchmark_harness(tmp_path: Any) -> None:
     tool = import_tool("rl/logprob_mismatch.py")
     out = tmp_path / "mismatch.json"
     args = tool.parser().parse_args(["--device", "cpu", "--tiny", "--num-layers", "1", "--dtype", "float32",
-                                     "--heads", "bf16", "--prompt-lens", "3", "20", "--prompts-per-len", "1",
-                                     "--max-tokens", "8", "--output", str(out)])
+                                     "--heads", "bf16", "--set", "vocab_size=2048", "--prompt-lens", "3", "20",
+                                     "--prompts-per-len", "1", "--max-tokens", "8", "--output", str(out)])
     tool.run(args)
     r = results.load_result(str(out))
     (row,) = results.table(r, "mismatch")
