@@ -74,6 +74,16 @@ def test_the_plan_tags_whole_granules() -> None:
     assert {t for _, _, t in segs} == {"weights", "kv_cache", None}
 
 
+def test_every_releasable_backing_has_the_whole_interface() -> None:
+    """(The GPU's backing runs only on a GPU: its methods are checked here at least.)"""
+    from moebius.memory import umm
+
+    for backing in (umm._HostBacking, umm._DeviceBacking):
+        assert backing.can_release
+        for name in ("synchronize", "host_buffer", "unmap", "map"):
+            assert callable(getattr(backing, name, None)), (backing.__name__, name)
+
+
 def test_a_host_buffer_releases_its_pages_and_keeps_its_addresses() -> None:
     plan = MemoryPlan()
     plan.add("w", (1 << 20,), torch.float32, tag="weights")

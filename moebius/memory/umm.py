@@ -404,12 +404,12 @@ class _DeviceBacking:
         weakref.finalize(host, _unregister, host.data_ptr())  # (before its pages go with the last reference)
         return host
 
-
-def _unregister(ptr: int) -> None:
-    _driver().cuMemHostUnregister(ptr)
-
     def unmap(self, offset: int, nbytes: int) -> None:
         self.vrange.unmap(offset, nbytes)
 
     def map(self, offset: int, nbytes: int) -> None:
         self.vrange.map(offset, nbytes)
+
+
+def _unregister(ptr: int) -> None:
+    _driver().cuMemHostUnregister(ptr)
