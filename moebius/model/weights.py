@@ -152,11 +152,9 @@ class _ExpertCut:
 
 
 def _write(pieces: list[tuple[tuple[int | slice, ...], torch.Tensor]], into: torch.Tensor) -> None:
-    given = [(into[at], src) for at, src in pieces if not src.is_meta]  # (not given: its rows keep their values)
-    if len(given) == 1:  # a fused tensor's layer
-        given[0][0].copy_(given[0][1])
-    elif given:  # a layer's per-expert pieces: one multi-tensor launch where the device has one, not one copy each
-        torch._foreach_copy_(*map(list, zip(*given, strict=True)))
+    for at, src in pieces:
+        if not src.is_meta:  # a tensor the update does not give: its rows keep their values
+            into[at].copy_(src)
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
