@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import PROMPTS, Checkpoints, make_llm, shared_llm, skip_at_p4
+from conftest import PROMPTS, Checkpoints, make_llm, shared_llm
 
 from moebius import SamplingParams
 
@@ -130,8 +130,8 @@ def test_keep_continues_with_the_same_tokens(llm: Any, want: list[list[int]]) ->
     assert [last[r].outputs[0].token_ids for r in ids] == want
 
 
+@pytest.mark.same_at_p4("the front end holds new requests")
 def test_new_requests_wait_while_paused(llm: Any, want: list[list[int]]) -> None:
-    skip_at_p4(llm, "the front end holds new requests")
     llm.pause_generation("keep")
     with pytest.raises(RuntimeError, match="paused"):
         llm.generate(TEST_PROMPTS, GREEDY)
@@ -145,8 +145,8 @@ def test_new_requests_wait_while_paused(llm: Any, want: list[list[int]]) -> None
 
 
 @pytest.mark.parametrize("paused_before", [False, True], ids=["running", "paused"])
+@pytest.mark.same_at_p4("the front end steps until nothing runs")
 def test_wait_finishes_every_request_then_pauses(llm: Any, want: list[list[int]], paused_before: bool) -> None:
-    skip_at_p4(llm, "the front end steps until nothing runs")
     ids, last = _start(llm)
     if paused_before:  # a pause in place: wait runs its requests to their end too
         llm.pause_generation("keep")
@@ -158,8 +158,8 @@ def test_wait_finishes_every_request_then_pauses(llm: Any, want: list[list[int]]
     llm.resume_generation()
 
 
+@pytest.mark.same_at_p4("the ranks abort as in test_abort_returns_partial_tokens")
 def test_abort_all_and_bad_mode(llm: Any, want: list[list[int]]) -> None:
-    skip_at_p4(llm, "the ranks' abort is test_abort_returns_partial_tokens'")
     with pytest.raises(ValueError, match="mode must be one of .*'in_place'.*got 'sleep'"):
         llm.pause_generation("sleep")
     assert not llm.is_paused

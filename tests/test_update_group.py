@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import PROMPTS, Checkpoints, free_port, hf_greedy, make_llm, skip_at_p4
+from conftest import PROMPTS, Checkpoints, free_port, hf_greedy, make_llm
 
 from moebius import SamplingParams
 
@@ -157,6 +157,8 @@ def push_b(llm: Any, trainer: Trainer, path: str, version: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["tp", "ep"])
+@pytest.mark.same_at_p4("P4-tp receives in TP and serves in EP after a switch; an EP rank writes what it "
+                        "received as it writes tensors (test_weight_update's P4)", mode="ep")
 def test_broadcast_update_serves_b(llm: Any, trainer: Trainer, paths: dict[str, str],
                                    want: dict[str, list[list[int]]], mode: str) -> None:
     """B's tensors broadcast by the trainer, received in `mode`: B's tokens, also after a switch to the other
@@ -179,11 +181,11 @@ def test_broadcast_update_serves_b(llm: Any, trainer: Trainer, paths: dict[str, 
         trainer.done()
 
 
+@pytest.mark.same_at_p4("every rank unpacks the same bucket")
 def test_flattened_bucket(llm: Any, trainer: Trainer, paths: dict[str, str],
                           want: dict[str, list[list[int]]]) -> None:
     """SGLang's load_format "flattened_bucket": B's tensors (float64 and float32 mixed) in one uint8 broadcast: B's
     tokens; an unknown load_format is refused."""
-    skip_at_p4(llm, "every rank unpacks the same bucket")
     llm.update_weights_from_disk(paths["A"], "A")
     join(llm, trainer)
     try:
@@ -201,12 +203,12 @@ def test_flattened_bucket(llm: Any, trainer: Trainer, paths: dict[str, str],
         trainer.done()
 
 
+@pytest.mark.same_at_p4("the front end refuses before any rank waits; test_broadcast_update_serves_b joins at P = 4")
 def test_bad_metadata_refused_before_broadcast_then_reinit(llm: Any, trainer: Trainer, paths: dict[str, str],
                                                           want: dict[str, list[list[int]]]) -> None:
     """A bad name, shape or dtype raises naming it before any rank waits for a byte (the trainer, never told to
     broadcast, sends nothing) and A's tokens stay; the group is still usable, and after destroy a re-init of the same
     name works."""
-    skip_at_p4(llm, "the front end refuses before any rank waits; test_broadcast_update_serves_b joins at P = 4")
     llm.update_weights_from_disk(paths["A"], "A")
     join(llm, trainer)
     names, dtypes, shapes = metadata(paths["B"])

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS, Checkpoints, hf_greedy, hf_model, make_llm, skip_at_p4
+from conftest import PROMPTS, Checkpoints, hf_greedy, hf_model, make_llm
 from safetensors.torch import load_file, save_file
 
 from moebius import SamplingParams
@@ -204,6 +204,7 @@ def test_a_bad_update_changes_nothing(on_a: Any, paths: dict[str, str], want: di
     assert tokens(llm) == want["A"]
 
 
+@pytest.mark.same_at_p4("each rank flushes its own cache as at P = 2")
 def test_update_flushes_the_prefix_cache(on_a: Any, paths: dict[str, str], want: dict[str, list[list[int]]]) -> None:
     """A prompt whose pages were cached under A gives B's tokens after the update, computed in full."""
     llm = on_a
@@ -216,11 +217,11 @@ def test_update_flushes_the_prefix_cache(on_a: Any, paths: dict[str, str], want:
     assert out.token_ids == want["B"][2] and out.num_cached_tokens == 0
 
 
+@pytest.mark.same_at_p4("the version is the front end's")
 def test_weight_version_on_every_output(on_a: Any, paths: dict[str, str], want: dict[str, list[list[int]]]) -> None:
     """The version of the last update is on every output (generate's, and step()'s while a request runs across an
     update: it continues on the new weights) and on the LLM; an update without one reports None."""
     llm = on_a
-    skip_at_p4(llm, "the version is the front end's")
     assert llm.weight_version == "A" and llm.generate(TEST_PROMPTS[0], GREEDY)[0].weight_version == "A"
     llm.add_request(TEST_PROMPTS[1], GREEDY)
     made: list[int] = []  # its tokens under A (an output's list grows with the request: copied)
