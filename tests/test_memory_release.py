@@ -188,6 +188,21 @@ def test_requests_wait_over_a_weights_release(fresh: Any, want: dict[str, Any]) 
     assert [done[i] for i in ids] == want["base"]
 
 
+def test_the_peer_switch_transport_works_after_a_resume(ckpt: Checkpoints, want: dict[str, Any]) -> None:
+    """The peer transport's staging (shared files on the CPU, symmetric memory on GPUs) lives outside the unified
+    buffer and is never released: switches after a resume still go through it, both ways, with the same tokens."""
+    llm = make_llm(ckpt("base"), num_ranks=2, mode="tp", switch_transport="peer")
+    try:
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        for target in ("ep", "tp"):
+            out = llm.switch_mode(target)
+            assert out.done and out.transport == "peer" and out.peer_exchanges > 0, out
+            assert _tokens(llm) == want["base"]
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize(("tags", "error", "match"), [
     (["weights", "gpu"], ValueError, r"memory tag 'gpu' is not one of weights, kv_cache"),
     ("weights", TypeError, r"tags must be a list of strings out of weights, kv_cache"),
