@@ -1,0 +1,290 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 / V3), the torch reference: transformers' DeepseekV3Attention and
+DeepseekV2Attention over a paged latent cache.
+
+A token's cache entry is its normalised latent and its roped rope key, C + R values in a paged cache [pages,
+page_size, C + R] addressed like moebius/layers/attention.py's K/V cache (slot_mapping to write, block tables to
+read). Two forms attend over it: `expanded` (the latents up-projected to per-head keys and values, as transformers
+does; for prompt chunks) and `absorbed` (the key up-projection folded into the query and the value up-projection
+applied after the weighted latent sum, so the cache is read once and never expanded; for decode). Layout-free: the
+heads are those of the weights handed in (a TP shard is a leading slice of heads, `head_slice`), the latent cache is
+the same on every shard, and the output is this shard's part of o_proj's sum.
+
+Shapes: T tokens, D hidden, H heads (this shard's), N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim,
+C kv_lora_rank (the latent), L q_lora_rank; Q = H * (N + R) (q's width), A = C + R (one cache entry),
+U = H * (N + V) (kv_b_proj's rows), O = H * V (o_proj's input); B sequences, S keys of a sequence, P pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moebius.config import ConfigError
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.layers.attention import AttentionMetadata
+from moebius.layers.linear import linear
+from moebius.layers.norm import rms_norm
+from moebius.layers.rotary import apply_rope
+
+# transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps
+# (DeepSeek's reference code does the same)
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """`rope_scaling.type = yarn` as transformers' _compute_yarn_parameters reads it (None: its default)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """The attention's fields of a DeepSeek-V2 / V3 config (`from_hf`)."""
+
+    hidden_size: int
+    num_heads: int  # the whole model's; a shard's count comes from its weights
+    q_lora_rank: int | None  # None: q projected directly (q_proj)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
+    rope_interleave: bool  # the checkpoint's rope dims in (even, odd) pairs, each pair one frequency
+    yarn: YarnScaling | None  # None: plain rope
+    max_position_embeddings: int
+    rms_norm_eps: float  # the decoder layers' norms (the latent norms use LATENT_NORM_EPS)
+    attention_bias: bool  # q_a_proj, kv_a_proj_with_mqa and o_proj carry a bias
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> MLAConfig:
+        """From a transformers config dict (config.json): the legacy `rope_scaling` + `rope_theta` or transformers
+        5's `rope_parameters`, taken in transformers' order of precedence."""
+        rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        max_pos = int(config.get("max_position_embeddings", 4096))
+        yarn = None
+        if rope_type == "yarn":
+            original = int(config.get("original_max_position_embeddings")
+                           or rope.get("original_max_position_embeddings", max_pos))
+            factor = rope.get("factor")
+            yarn = YarnScaling(
+                factor=float(factor) if factor is not None else max_pos / original,
+                original_max_position_embeddings=original, beta_fast=float(rope.get("beta_fast") or 32),
+                beta_slow=float(rope.get("beta_slow") or 1), mscale=rope.get("mscale"),
+                mscale_all_dim=rope.get("mscale_all_dim"), attention_factor=rope.get("attention_factor"),
+                truncate=bool(rope.get("truncate", True)))
+        elif rope_type != "default":
+            raise ConfigError(f"rope scaling {rope_type!r} is not supported for MLA (only default and yarn)")
+        q_lora = config.get("q_lora_rank")
+        return cls(
+            hidden_size=int(config["hidden_size"]), num_heads=int(config["num_attention_heads"]),
+            q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(config["kv_lora_rank"]),
+            qk_nope_head_dim=int(config["qk_nope_head_dim"]), qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+            v_head_dim=int(config["v_head_dim"]),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            # DeepseekV2Attention always rotates interleaved pairs (complex rope) and has no such field
+            rope_interleave=config.get("model_type") == "deepseek_v2" or bool(config.get("rope_interleave", True)),
+            yarn=yarn, max_position_embeddings=max_pos, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(config.get("attention_bias", False)))
+
+    @property
+    def cache_dim(self) -> int:
+        """Values one token's cache entry holds: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """transformers' `yarn_apply_mscale`: YaRN scales the whole q.k (rope and nope dims) by mscale_all_dim's
+        mscale squared, beside the attention factor its rope tables carry."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.yarn is not None and self.yarn.mscale_all_dim:
+            scale *= yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim) ** 2
+        return scale
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's Eq. 21: 0.1 * mscale * ln(factor) + 1 (1 when nothing is stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(cfg: MLAConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [R / 2] float32, the factor cos and sin are multiplied by), as transformers' default and
+    yarn rope initialisers compute them over the R rope dims."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    y = cfg.yarn
+    if y is None:
+        return 1.0 / pos_freqs, 1.0
+    attention_factor = y.attention_factor
+    if attention_factor is None:
+        attention_factor = (yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+                            if y.mscale and y.mscale_all_dim else yarn_mscale(y.factor))
+
+    def correction_dim(rotations: float) -> float:
+        """The dim whose wavelength fits `rotations` times into the original context."""
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp  # 1: the dim keeps its frequency (short wavelengths), 0: interpolated by the factor
+    inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+def rope_table(cfg: MLAConfig, max_pos: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[max_pos, R] float32: cos in the first half, sin in the second, both times YaRN's attention factor (the
+    table moebius.layers.rotary.apply_rope reads)."""
+    inv_freq, factor = rope_frequencies(cfg)
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor).to(device)
+
+
+def apply_mla_rope(x_TXR: torch.Tensor, positions_T: torch.Tensor, table: torch.Tensor, interleave: bool
+                   ) -> torch.Tensor:
+    """Rotate the rope dims of each token (X: heads, or none). Interleaved checkpoints pair dims (2i, 2i + 1); the
+    result is laid out in halves [evens | odds], as transformers' apply_rotary_pos_emb_interleave leaves it (V2's
+    complex rope keeps the pairs in place: the same dot products, its dims permuted)."""
+    if interleave:
+        x_TXR = torch.cat([x_TXR[..., 0::2], x_TXR[..., 1::2]], dim=-1)
+    return apply_rope(x_TXR, positions_T, table)
+
+
+@dataclass
+class MLAWeights:
+    """One layer's attention weights, in the checkpoint's shapes; q_b / q, kv_b and o may hold a slice of heads."""
+
+    q_a_LD: torch.Tensor | None  # q_a_proj; None when q is projected directly
+    q_a_bias: torch.Tensor | None  # [L]
+    q_a_norm: torch.Tensor | None  # [L], q_a_layernorm
+    q_QL: torch.Tensor  # q_b_proj [Q, L], or q_proj [Q, D] without q-LoRA: per head N nope then R rope rows
+    kv_a_AD: torch.Tensor  # kv_a_proj_with_mqa: the latent's C rows then the rope key's R
+    kv_a_bias: torch.Tensor | None  # [A]
+    kv_a_norm: torch.Tensor  # [C], kv_a_layernorm
+    kv_b_UC: torch.Tensor  # kv_b_proj: per head N key rows then V value rows
+    o_DO: torch.Tensor  # o_proj
+    o_bias: torch.Tensor | None  # [D]; give it to one shard only, so that the sum over shards adds it once
+
+
+def head_slice(w: MLAWeights, cfg: MLAConfig, h0: int, h1: int, *, with_bias: bool = True) -> MLAWeights:
+    """The weights of heads [h0, h1) (a TP shard): rows of q_b / q and kv_b, columns of o_proj. The latent
+    projections are every head's. with_bias=False drops o_proj's bias (every shard but one)."""
+    qk, kv, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
+    return replace(w, q_QL=w.q_QL[h0 * qk: h1 * qk], kv_b_UC=w.kv_b_UC[h0 * kv: h1 * kv],
+                   o_DO=w.o_DO[:, h0 * v: h1 * v], o_bias=w.o_bias if with_bias else None)
+
+
+def project(x_TD: torch.Tensor, w: MLAWeights, cfg: MLAConfig, positions_T: torch.Tensor, table: torch.Tensor, *,
+            kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_nope [T, H, N], q_rope [T, H, R] roped, the cache entries [T, A]: normalised latent then roped key)."""
+    N, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if w.q_a_LD is None:
+        q = linear(x_TD, w.q_QL, kc=kc)
+    else:
+        q = linear(rms_norm(linear(x_TD, w.q_a_LD, w.q_a_bias, kc=kc), w.q_a_norm, LATENT_NORM_EPS), w.q_QL, kc=kc)
+    q_nope_THN, q_rope_THR = q.unflatten(-1, (-1, N + R)).split([N, R], dim=-1)
+    latent_TC, k_rope_TR = linear(x_TD, w.kv_a_AD, w.kv_a_bias, kc=kc).split([cfg.kv_lora_rank, R], dim=-1)
+    q_rope_THR = apply_mla_rope(q_rope_THR, positions_T, table, cfg.rope_interleave)
+    k_rope_TR = apply_mla_rope(k_rope_TR[:, None], positions_T, table, cfg.rope_interleave)[:, 0]
+    entry_TA = torch.cat([rms_norm(latent_TC, w.kv_a_norm, LATENT_NORM_EPS), k_rope_TR], dim=-1)
+    return q_nope_THN, q_rope_THR, entry_TA
+
+
+def write_latent(cache_PSA: torch.Tensor, entry_TA: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store this step's cache entries in their pages (slot = page * page_size + offset)."""
+    if entry_TA.shape[0] == 0:
+        return
+    cache_PSA[meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size] = entry_TA
+
+
+def _gather(cache_PSA: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's cache entries through its block table, padded to the longest [B, S, A] (zeros past its end:
+    a page's unwritten rest may hold NaN, and 0 * NaN is NaN), and the causal mask [B, Q, S] of its new tokens."""
+    j = torch.arange(meta.max_seq_len, device=cache_PSA.device)
+    entries = cache_PSA[meta.block_tables[:, j // meta.block_size].long(), j % meta.block_size]
+    entries = torch.where((j[None, :] < meta.seq_lens[:, None])[:, :, None], entries, 0)
+    q_len = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    qpos_BQ = (meta.seq_lens - q_len)[:, None] + torch.arange(meta.max_query_len, device=j.device)[None, :]
+    return entries, j[None, None, :] <= qpos_BQ[:, :, None]
+
+
+def _padded(x_TX: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[T, ...] -> [B, Q, ...]: each new token at its sequence and place in the chunk (zeros elsewhere)."""
+    out = x_TX.new_zeros(meta.seq_lens.shape[0], meta.max_query_len, *x_TX.shape[1:])
+    out[meta.token_seq, meta.token_qpos] = x_TX
+    return out
+
+
+def _softmax(scores_BHQS: torch.Tensor, mask_BQS: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' eager order: scale, mask, softmax in float32, back to the activations' dtype."""
+    scores = scores_BHQS.float() * scale
+    scores.masked_fill_(~mask_BQS[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).to(dtype)
+
+
+def expanded(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor, kv_b_UC: torch.Tensor,
+             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """[T, H, V]: every cached latent of the step's sequences up-projected through kv_b to per-head keys (with the
+    shared rope key) and values, causal attention over them (transformers' expand_kv and eager attention)."""
+    T, H, N = q_nope_THN.shape
+    if T == 0:  # a rank with no requests this step still runs the layer for its collectives
+        return q_nope_THN.new_zeros(0, H, kv_b_UC.shape[0] // H - N)
+    entries_BSA, mask_BQS = _gather(cache_PSA, meta)
+    C = kv_b_UC.shape[1]
+    latent_BSC, k_rope_BSR = entries_BSA.split([C, entries_BSA.shape[-1] - C], dim=-1)
+    k_nope_BSHN, v_BSHV = F.linear(latent_BSC, kv_b_UC).unflatten(-1, (H, -1)).split([N, kv_b_UC.shape[0] // H - N],
+                                                                                     dim=-1)
+    k_BSHK = torch.cat([k_nope_BSHN, k_rope_BSR[:, :, None].expand(-1, -1, H, -1)], dim=-1)
+    q_BQHK = _padded(torch.cat([q_nope_THN, q_rope_THR], dim=-1), meta)
+    probs = _softmax(torch.einsum("bqhk,bshk->bhqs", q_BQHK, k_BSHK), mask_BQS, scale, q_nope_THN.dtype)
+    out_BQHV = torch.einsum("bhqs,bshv->bqhv", probs, v_BSHV)
+    return out_BQHV[meta.token_seq, meta.token_qpos]
+
+
+def absorbed(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor, kv_b_UC: torch.Tensor,
+             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """[T, H, V], equal to `expanded`, reading the latents as they are: q_nope @ W_UK per head scores against the
+    latent, q_rope against the rope key; the weighted latent sum goes through W_UV per head after the softmax."""
+    T, H, N = q_nope_THN.shape
+    wkv_HXC = kv_b_UC.unflatten(0, (H, -1))
+    wk_HNC, wv_HVC = wkv_HXC.split([N, wkv_HXC.shape[1] - N], dim=1)
+    if T == 0:
+        return q_nope_THN.new_zeros(0, H, wv_HVC.shape[1])
+    entries_BSA, mask_BQS = _gather(cache_PSA, meta)
+    latent_BSC, k_rope_BSR = entries_BSA.split([kv_b_UC.shape[1], entries_BSA.shape[-1] - kv_b_UC.shape[1]], dim=-1)
+    q_latent_BQHC = _padded(torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC), meta)
+    q_rope_BQHR = _padded(q_rope_THR, meta)
+    scores = (torch.einsum("bqhc,bsc->bhqs", q_latent_BQHC, latent_BSC)
+              + torch.einsum("bqhr,bsr->bhqs", q_rope_BQHR, k_rope_BSR))
+    probs = _softmax(scores, mask_BQS, scale, q_nope_THN.dtype)
+    o_latent_BQHC = torch.einsum("bhqs,bsc->bqhc", probs, latent_BSC)
+    return torch.einsum("thc,hvc->thv", o_latent_BQHC[meta.token_seq, meta.token_qpos], wv_HVC)
+
+
+def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, meta: AttentionMetadata,
+                  cfg: MLAConfig, table: torch.Tensor, *, absorb: bool | None = None,
+                  kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """This shard's heads' part of o_proj's output [T, D] (the whole output with every head; a sum over shards
+    otherwise); the step's cache entries are written first. absorb: the form (default: absorbed when every
+    sequence brings one token, a decode step, since it reads the cache once; expanded for prompt chunks)."""
+    q_nope_THN, q_rope_THR, entry_TA = project(x_TD, w, cfg, meta.positions, table, kc=kc)
+    write_latent(cache_PSA, entry_TA, meta)
+    form = absorbed if (meta.max_query_len == 1 if absorb is None else absorb) else expanded
+    o_THV = form(q_nope_THN, q_rope_THR, cache_PSA, w.kv_b_UC, meta, cfg.softmax_scale)
+    return linear(o_THV.flatten(1), w.o_DO, w.o_bias, kc=kc)
