@@ -38,7 +38,7 @@ def want(ckpt: Checkpoints) -> dict[str, list[list[int]]]:
     return {k: [hf_greedy(ckpt(k), ids, N) for ids in TEST_PROMPTS] for k in ("base", "base_b")}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["P1", "P2"])
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=["P1", "P2", "P4"])
 def llm(request: pytest.FixtureRequest, ckpt: Checkpoints) -> Iterator[Any]:
     engine = make_llm(ckpt("base"), num_ranks=request.param, mode="tp")
     yield engine
@@ -144,6 +144,7 @@ def test_a_switch_after_a_resume_keeps_the_tokens(fresh: Any, want: dict[str, An
     assert _tokens(llm) == want["base"]
 
 
+@pytest.mark.same_at_p4("dropping is each rank's own unmap, as at P = 2")
 def test_dropped_weights_are_filled_by_the_next_update(fresh: Any, want: dict[str, Any], ckpt: Checkpoints) -> None:
     llm = fresh
     out = llm.sleep(level=2)
@@ -160,6 +161,7 @@ def test_dropped_weights_are_filled_by_the_next_update(fresh: Any, want: dict[st
     assert _tokens(llm) == want["base"]
 
 
+@pytest.mark.same_at_p4("holding requests is the front end's")
 def test_requests_wait_over_a_weights_release(fresh: Any, want: dict[str, Any]) -> None:
     """Requests in flight keep their KV over a release of the weights alone, wait while it lasts, and end with
     the tokens they would have had."""
@@ -203,6 +205,7 @@ def test_the_peer_switch_transport_works_after_a_resume(ckpt: Checkpoints, want:
         llm.close()
 
 
+@pytest.mark.same_at_p4("the front end refuses them")
 @pytest.mark.parametrize(("tags", "error", "match"), [
     (["weights", "gpu"], ValueError, r"memory tag 'gpu' is not one of weights, kv_cache"),
     ("weights", TypeError, r"tags must be a list of strings out of weights, kv_cache"),
@@ -216,6 +219,7 @@ def test_bad_tags_are_refused(fresh: Any, tags: Any, error: type[Exception], mat
     assert not fresh.is_sleeping()
 
 
+@pytest.mark.same_at_p4("the front end refuses them")
 def test_bad_levels_and_flags_are_refused(fresh: Any) -> None:
     with pytest.raises(ValueError, match="sleep level must be 1 or 2, got 3"):
         fresh.sleep(level=3)
