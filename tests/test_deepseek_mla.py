@@ -230,3 +230,17 @@ def test_unsupported_rope_scaling_is_named() -> None:
     raw = dict(CASES["v3_direct"], rope_scaling={"type": "dynamic", "factor": 2.0})
     with pytest.raises(ConfigError, match="dynamic"):
         MLAConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_empty_step(absorb: bool) -> None:
+    """A rank with no tokens this step (EP) still runs the layer: [0, D] out, the cache untouched."""
+    cfg, attn, _ = hf_modules("v3_lora_yarn")
+    cache = torch.zeros(4, BS, cfg.cache_dim)
+    none = torch.zeros(0, dtype=torch.int64)
+    meta = AttentionMetadata(none, none, torch.zeros(1, dtype=torch.int64), none, torch.zeros(0, 1, dtype=torch.int32),
+                             none, none, 0, 0, BS)
+    with torch.no_grad():
+        y = mla_attention(torch.zeros(0, cfg.hidden_size), weights_of(attn), cache, meta, cfg,
+                          rope_table(cfg, 64), absorb=absorb)
+    assert y.shape == (0, cfg.hidden_size) and not cache.any()

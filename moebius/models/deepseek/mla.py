@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from moebius.config import ConfigError
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
@@ -213,15 +212,25 @@ def write_latent(cache_PSA: torch.Tensor, entry_TA: torch.Tensor, meta: Attentio
     cache_PSA[meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size] = entry_TA
 
 
-def _gather(cache_PSA: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's cache entries through its block table, padded to the longest [B, S, A] (zeros past its end:
-    a page's unwritten rest may hold NaN, and 0 * NaN is NaN), and the causal mask [B, Q, S] of its new tokens."""
+def _gather(cache_PSA: torch.Tensor, meta: AttentionMetadata, C: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sequence's latents [B, S, C] and rope keys [B, S, R] through its block table, padded to the longest
+    (zeros past its end: a page's unwritten rest may hold NaN, and 0 * NaN is NaN), and the causal mask [B, Q, S]
+    of its new tokens."""
     j = torch.arange(meta.max_seq_len, device=cache_PSA.device)
     entries = cache_PSA[meta.block_tables[:, j // meta.block_size].long(), j % meta.block_size]
     entries = torch.where((j[None, :] < meta.seq_lens[:, None])[:, :, None], entries, 0)
     q_len = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     qpos_BQ = (meta.seq_lens - q_len)[:, None] + torch.arange(meta.max_query_len, device=j.device)[None, :]
-    return entries, j[None, None, :] <= qpos_BQ[:, :, None]
+    latent_BSC, k_rope_BSR = entries.split([C, entries.shape[-1] - C], dim=-1)
+    return latent_BSC, k_rope_BSR, j[None, None, :] <= qpos_BQ[:, :, None]
+
+
+def _up_projections(kv_b_UC: torch.Tensor, H: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj per head: the key up-projection W_UK [H, N, C] and the value up-projection W_UV [H, V, C]."""
+    wkv_HXC = kv_b_UC.unflatten(0, (H, -1))
+    wk_HNC, wv_HVC = wkv_HXC.split([N, wkv_HXC.shape[1] - N], dim=1)
+    return wk_HNC, wv_HVC
 
 
 def _padded(x_TX: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -243,13 +252,12 @@ def expanded(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torc
     """[T, H, V]: every cached latent of the step's sequences up-projected through kv_b to per-head keys (with the
     shared rope key) and values, causal attention over them (transformers' expand_kv and eager attention)."""
     T, H, N = q_nope_THN.shape
+    wk_HNC, wv_HVC = _up_projections(kv_b_UC, H, N)
     if T == 0:  # a rank with no requests this step still runs the layer for its collectives
-        return q_nope_THN.new_zeros(0, H, kv_b_UC.shape[0] // H - N)
-    entries_BSA, mask_BQS = _gather(cache_PSA, meta)
-    C = kv_b_UC.shape[1]
-    latent_BSC, k_rope_BSR = entries_BSA.split([C, entries_BSA.shape[-1] - C], dim=-1)
-    k_nope_BSHN, v_BSHV = F.linear(latent_BSC, kv_b_UC).unflatten(-1, (H, -1)).split([N, kv_b_UC.shape[0] // H - N],
-                                                                                     dim=-1)
+        return q_nope_THN.new_zeros(0, H, wv_HVC.shape[1])
+    latent_BSC, k_rope_BSR, mask_BQS = _gather(cache_PSA, meta, kv_b_UC.shape[1])
+    k_nope_BSHN = torch.einsum("bsc,hnc->bshn", latent_BSC, wk_HNC)
+    v_BSHV = torch.einsum("bsc,hvc->bshv", latent_BSC, wv_HVC)
     k_BSHK = torch.cat([k_nope_BSHN, k_rope_BSR[:, :, None].expand(-1, -1, H, -1)], dim=-1)
     q_BQHK = _padded(torch.cat([q_nope_THN, q_rope_THR], dim=-1), meta)
     probs = _softmax(torch.einsum("bqhk,bshk->bhqs", q_BQHK, k_BSHK), mask_BQS, scale, q_nope_THN.dtype)
@@ -262,16 +270,13 @@ def absorbed(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torc
     """[T, H, V], equal to `expanded`, reading the latents as they are: q_nope @ W_UK per head scores against the
     latent, q_rope against the rope key; the weighted latent sum goes through W_UV per head after the softmax."""
     T, H, N = q_nope_THN.shape
-    wkv_HXC = kv_b_UC.unflatten(0, (H, -1))
-    wk_HNC, wv_HVC = wkv_HXC.split([N, wkv_HXC.shape[1] - N], dim=1)
+    wk_HNC, wv_HVC = _up_projections(kv_b_UC, H, N)
     if T == 0:
         return q_nope_THN.new_zeros(0, H, wv_HVC.shape[1])
-    entries_BSA, mask_BQS = _gather(cache_PSA, meta)
-    latent_BSC, k_rope_BSR = entries_BSA.split([kv_b_UC.shape[1], entries_BSA.shape[-1] - kv_b_UC.shape[1]], dim=-1)
+    latent_BSC, k_rope_BSR, mask_BQS = _gather(cache_PSA, meta, kv_b_UC.shape[1])
     q_latent_BQHC = _padded(torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC), meta)
-    q_rope_BQHR = _padded(q_rope_THR, meta)
     scores = (torch.einsum("bqhc,bsc->bhqs", q_latent_BQHC, latent_BSC)
-              + torch.einsum("bqhr,bsr->bhqs", q_rope_BQHR, k_rope_BSR))
+              + torch.einsum("bqhr,bsr->bhqs", _padded(q_rope_THR, meta), k_rope_BSR))
     probs = _softmax(scores, mask_BQS, scale, q_nope_THN.dtype)
     o_latent_BQHC = torch.einsum("bhqs,bsc->bqhc", probs, latent_BSC)
     return torch.einsum("thc,hvc->thv", o_latent_BQHC[meta.token_seq, meta.token_qpos], wv_HVC)
