@@ -147,7 +147,7 @@ def inputs(cfg: MLAConfig) -> list[torch.Tensor]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_transformers(case: str, schedule: str) -> None:
     """Every token's output (the last ones included) equals transformers' module run on the whole sequence, each
-    step in the form the engine picks (absorbed for decode steps, expanded otherwise)."""
+    sequence in the form the engine picks (absorbed for a decode, expanded for a chunk, apart in a mixed step)."""
     cfg, attn, rotary = hf_modules(case)
     xs = inputs(cfg)
     with torch.no_grad():

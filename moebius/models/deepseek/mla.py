@@ -24,7 +24,7 @@ import torch
 
 from moebius.config import ConfigError
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
-from moebius.layers.attention import AttentionMetadata
+from moebius.layers.attention import AttentionMetadata, _sequences
 from moebius.layers.linear import linear
 from moebius.layers.norm import rms_norm
 from moebius.layers.rotary import apply_rope
@@ -282,14 +282,31 @@ def absorbed(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torc
     return torch.einsum("thc,hvc->thv", o_latent_BQHC[meta.token_seq, meta.token_qpos], wv_HVC)
 
 
+def latent_attention(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
+                     kv_b_UC: torch.Tensor, meta: AttentionMetadata, scale: float, absorb: bool | None = None
+                     ) -> torch.Tensor:
+    """[T, H, V] over the paged latent cache. absorb=None: the sequences bringing one token (decodes) absorbed,
+    since that reads their cache once, the prompt chunks expanded (apart, so that no decode is padded to a chunk's
+    length nor its cache expanded); True / False: one form for every sequence."""
+    if absorb is not None:
+        return (absorbed if absorb else expanded)(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale)
+    decode_B = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
+    if meta.max_query_len == 1 or not bool(decode_B.any()):
+        return latent_attention(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale, meta.max_query_len == 1)
+    T, H, N = q_nope_THN.shape
+    out = q_nope_THN.new_empty(T, H, kv_b_UC.shape[0] // H - N)
+    for sel, absorb_sel in ((decode_B, True), (~decode_B, False)):
+        sub, rows = _sequences(meta, sel)
+        out[rows] = latent_attention(q_nope_THN[rows], q_rope_THR[rows], cache_PSA, kv_b_UC, sub, scale, absorb_sel)
+    return out
+
+
 def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, meta: AttentionMetadata,
                   cfg: MLAConfig, table: torch.Tensor, *, absorb: bool | None = None,
                   kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """This shard's heads' part of o_proj's output [T, D] (the whole output with every head; a sum over shards
-    otherwise); the step's cache entries are written first. absorb: the form (default: absorbed when every
-    sequence brings one token, a decode step, since it reads the cache once; expanded for prompt chunks)."""
+    otherwise); the step's cache entries are written first. absorb: the form, as `latent_attention` takes it."""
     q_nope_THN, q_rope_THR, entry_TA = project(x_TD, w, cfg, meta.positions, table, kc=kc)
     write_latent(cache_PSA, entry_TA, meta)
-    form = absorbed if (meta.max_query_len == 1 if absorb is None else absorb) else expanded
-    o_THV = form(q_nope_THN, q_rope_THR, cache_PSA, w.kv_b_UC, meta, cfg.softmax_scale)
+    o_THV = latent_attention(q_nope_THN, q_rope_THR, cache_PSA, w.kv_b_UC, meta, cfg.softmax_scale, absorb)
     return linear(o_THV.flatten(1), w.o_DO, w.o_bias, kc=kc)
