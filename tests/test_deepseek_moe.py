@@ -124,6 +124,31 @@ def test_v2_softmax_routing_matches_transformers(topk_method: str) -> None:
         assert differs(route(logits_TE, greedy)[1], ids_TK)
 
 
+@pytest.mark.parametrize("make,topk_method", [(v2_config, "greedy"), (v2_config, "group_limited_greedy"),
+                                               (v3_config, "noaux_tc")])
+def test_ties_break_as_in_transformers(make, topk_method: str) -> None:
+    """Inputs and router weights on a coarse grid (and V3's bias on a grid of 1/8): many tokens have experts tied at
+    the k-th place, and transformers' ids (which of the tied, in which order) come back."""
+    config = make() if topk_method == "noaux_tc" else make(topk_method=topk_method)
+    moe = hf_moe(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randint(-1, 2, (E, D), generator=gen) * 0.25)
+        if isinstance(moe, DeepseekV3MoE):
+            moe.gate.e_score_correction_bias.copy_(torch.randint(-1, 2, (E,), generator=gen) * 0.125)
+        x_TD = torch.randint(-1, 2, (T, D), generator=gen).float()
+        _, w_ref, ids_ref = moe.gate(x_TD)
+    cfg = MoEConfig.from_hf(config.to_dict())
+    logits_TE = router_logits(x_TD, moe.gate.weight)
+    scores_TE = logits_TE.sigmoid() if cfg.scoring_func == "sigmoid" else logits_TE.softmax(-1)
+    bias_E = bias_of(moe)
+    choice_TE = (scores_TE if bias_E is None else scores_TE + bias_E).sort(dim=-1, descending=True).values
+    assert (choice_TE[:, cfg.top_k - 1] == choice_TE[:, cfg.top_k]).sum() >= 5  # ties at the boundary
+    w_TK, ids_TK = route(logits_TE, cfg, bias_E)
+    assert torch.equal(ids_TK, ids_ref)
+    torch.testing.assert_close(w_TK, w_ref, rtol=1e-6, atol=0)
+
+
 def test_route_empty_batch() -> None:
     """A rank may route no tokens in a step (EP with no requests of its own)."""
     cfg = MoEConfig.from_hf(v3_config().to_dict())
@@ -233,3 +258,48 @@ def test_published_configs() -> None:
 def test_config_errors_name_the_field(base: dict, change: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         MoEConfig.from_hf(base | change)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,backend,tol", [(torch.bfloat16, "triton", 2e-2), (torch.bfloat16, "grouped_mm", 2e-2),
+                                               (torch.float32, "triton", 1e-4)])
+def test_gpu_route_and_block_match_the_cpu(dtype: torch.dtype, backend: str, tol: float) -> None:
+    """On the GPU: route picks the experts the CPU picks on the same float32 logits, and moe_block through the
+    engine's GPU experts (bf16: the fused Triton kernel or torch._grouped_mm; float32: the dense loop), for the
+    upper half of the experts and half the shared experts, is the float32 CPU block within tol (relative norm)."""
+    from moebius.kernels import KernelConfig
+
+    d, inter, experts, tokens = 256, 192, 64, 77
+    cfg = MoEConfig.from_hf(DEEPSEEK_V3 | dict(n_routed_experts=experts, moe_intermediate_size=inter,
+                                               n_shared_experts=2))
+    gen = torch.Generator().manual_seed(0)
+    x_TD = torch.randn(tokens, d, generator=gen)
+    gate_ED = torch.randn(experts, d, generator=gen) * 0.06
+    bias_E = torch.randn(experts, generator=gen) * 0.1
+    w13_EFD = torch.randn(experts, 2 * inter, d, generator=gen) * 0.05
+    w2_EDF = torch.randn(experts, d, inter, generator=gen) * 0.05
+    shared_FD = torch.randn(2 * 2 * inter, d, generator=gen) * 0.05
+    shared_DF = torch.randn(d, 2 * inter, generator=gen) * 0.05
+    half = experts // 2
+    # the shared experts' first intermediate half: its gate rows, then its up rows
+    shared = DenseWeights(torch.cat([shared_FD[:inter], shared_FD[2 * inter:3 * inter]]), shared_DF[:, :inter])
+    part = MoEWeights(gate_ED, bias_E, w13_EFD[half:], w2_EDF[half:], half, shared)
+
+    logits_TE = router_logits(x_TD, gate_ED)
+    w_TK, ids_TK = route(logits_TE, cfg, bias_E)
+    w_gpu, ids_gpu = route(logits_TE.cuda(), cfg, bias_E.cuda())
+    order, order_gpu = ids_TK.argsort(dim=-1), ids_gpu.cpu().argsort(dim=-1)  # sorted=False: the order may differ
+    assert torch.equal(ids_TK.gather(1, order), ids_gpu.cpu().gather(1, order_gpu))
+    torch.testing.assert_close(w_TK.gather(1, order), w_gpu.cpu().gather(1, order_gpu), rtol=1e-5, atol=1e-6)
+
+    ref = moe_block(x_TD, w_TK, ids_TK, part, cfg)
+    on_gpu = MoEWeights(gate_ED.cuda(), bias_E.cuda(), part.w13_EFD.to("cuda", dtype), part.w2_EDF.to("cuda", dtype),
+                        half, DenseWeights(shared.w13_FD.to("cuda", dtype), shared.w2_DF.to("cuda", dtype)))
+    out = moe_block(x_TD.to("cuda", dtype), w_gpu, ids_gpu, on_gpu, cfg, kc=KernelConfig(moe_backend=backend))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel(out, ref) < tol
