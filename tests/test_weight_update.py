@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from moebius import SamplingParams
 from moebius.config import ConfigError
-from moebius.link.messages import SharedTensor, WeightUpdate
+from moebius.link.messages import WeightUpdate
+from moebius.link.tensor_handles import FORMAT
 
 N = 8  # greedy tokens a prompt
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0)
@@ -193,9 +195,10 @@ def test_a_bad_update_changes_nothing(on_a: Any, paths: dict[str, str], want: di
     with pytest.raises(ConfigError, match="no such directory"):
         llm.update_weights_from_disk(os.path.join(other, "nowhere"))
     # a segment no rank can map (ranks on another machine): every rank says so, and none writes
-    lost = WeightUpdate(segment="moebius-test-no-such-segment",
-                        tensors=[SharedTensor("model.norm.weight", "float32", [64], 0)])
-    ranks = "; ".join(f"rank {r}: FileNotFoundError: no shared-memory segment moebius-test-no-such-segment on .*"
+    lost = WeightUpdate(handles={
+        "format": FORMAT, "host": socket.gethostname(), "segment": "moebius-test-no-such-segment", "storages": [],
+        "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "offset": 0}]})
+    ranks = "; ".join(f"rank {r}: FileNotFoundError: .*moebius-test-no-such-segment'"
                       for r in range(llm.engine.world_size))
     with pytest.raises(RuntimeError, match=f"refused on the ranks: no rank wrote a byte: {ranks}"):
         llm.engine._update(lost, "lost")

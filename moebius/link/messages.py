@@ -40,26 +40,13 @@ class SwitchOrder:
 
 
 @dataclass
-class SharedTensor:
-    """One tensor of a weight update in a shared-memory segment: its checkpoint name, dtype (torch's name, e.g.
-    "bfloat16"), shape and byte offset in the segment (`link/shared_tensors.py`)."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-
-
-@dataclass
 class WeightUpdate:
     """New values of some of the model's weights, written on every rank between two steps
     (`worker/weight_update.py`), by their Hugging Face checkpoint names: the tensors of a safetensors directory
-    (`path`: every rank reads its own cut), or tensors in memory, in a POSIX shared-memory segment every rank on this
-    machine maps (`segment`, `tensors`) or, with the one rank in the front end's process, the tensors themselves."""
+    (`path`: every rank reads its own cut), or tensors in memory: by handle (`handles`), or, with the one rank in the
+    front end's process, the tensors themselves."""
 
     path: str | None = None
-    segment: str | None = None
-    tensors: list[SharedTensor] = field(default_factory=list)
     # one rank in this process: the checked tensors as they are (not an init field: it never travels)
     local: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     # from a trainer's process group (`worker/update_group.py`): the tensors its rank 0 broadcasts, in this order

@@ -10,14 +10,12 @@ come the same way: every rank or none.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 
 import torch
 
 from moebius.config import ModelConfig
 from moebius.link.messages import UpdateGroupOrder, WeightUpdate
-from moebius.link.shared_tensors import attach
 from moebius.link.tensor_handles import open_tensors
 from moebius.memory.umm import UnifiedMemory
 from moebius.model.loader import Checkpoint, check_update, load_weights, write_update
@@ -58,12 +56,6 @@ def _source(update: WeightUpdate, targets: WeightTargets, device: torch.device
         return Checkpoint(update.path)
     if update.handles is not None:  # (their copies read the exporter's memory: apply_update waits for them)
         return open_tensors(update.handles)[0]
-    if update.segment is not None:
-        try:
-            return attach(update.segment, update.tensors)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no shared-memory segment {update.segment} on {socket.gethostname()}: tensors "
-                                    "in memory reach the ranks of the front end's machine only") from None
     return update.local
 
 
