@@ -6,6 +6,7 @@ live switches."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -206,4 +207,5 @@ def test_mismatch_benchmark_harness(tmp_path: Any) -> None:
     s = results.summary_of(r)
     assert s["entropy_ok"] and abs(s["calib_entropy_after"] - 2.0) < 0.01 and 0.5 < s["entropy_mean"] < 4
     assert [x["prompt_len"] for x in results.table(r, "per_length")] == [3, 20]
-    assert (tmp_path / "mismatch.png").is_file()
+    # (the plot needs the bench extra's matplotlib, which CI does not install)
+    assert (tmp_path / "mismatch.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
