@@ -15,8 +15,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-
 # Published Qwen3-MoE configs (Hugging Face config.json of the releases); weights come from --load-format dummy.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(
@@ -44,7 +42,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and hyper-parameters of a Qwen3-MoE model (the fields of `Qwen3MoeConfig` that the math uses)."""
+    """Shapes and hyper-parameters of a model as every part of the engine sees them (parsed by its family:
+    moebius/models/<family>/config.py); `family` names it in moebius/models/registry.py."""
 
     vocab_size: int
     hidden_size: int
@@ -64,57 +63,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
-        """Build from a config.json dict; raise ConfigError naming what is unsupported."""
-        archs = hf.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ConfigError(
-                f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
-                f"Moebius serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"unsupported hidden_act {act!r}; Qwen3-MoE uses 'silu'")
-        # transformers 4.x writes rope_theta/rope_scaling, 5.x writes rope_parameters.
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-        if kind != "default":
-            raise ConfigError(f"unsupported rope scaling {kind!r}; only plain RoPE (rope_scaling = null) is supported")
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        if hf.get("use_sliding_window"):
-            raise ConfigError("sliding-window attention (use_sliding_window = true) is not supported")
-        layers = hf["num_hidden_layers"]
-        if num_layers is not None:
-            if not 1 <= num_layers <= layers:
-                raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
-            layers = num_layers
-        heads = hf["num_attention_heads"]
-        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
-        cfg = cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            intermediate_size=hf.get("intermediate_size", 0),
-            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-            num_experts=num_experts,
-            top_k=hf.get("num_experts_per_tok", 1),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
-        )
-        cfg.validate()
-        return cfg
+    family: str = "qwen3_moe"
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from moebius.bench.results import check_result, load_result, summary_of, table
-from moebius.model.builtin import builtin_hf_config
+from moebius.models.builtin import builtin_hf_config
 
 POINT_FIELDS = {"mode", "batch", "context_len", "step_ms", "floor_ms", "ratio_to_floor", "tokens_per_s", "cuda_graph"}
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
@@ -165,13 +165,14 @@ def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
     kernels."""
     from conftest import import_tool
 
-    from moebius.config import PRESETS, ModelConfig, read_hf_config
+    from moebius.config import PRESETS, read_hf_config
+    from moebius.models.registry import model_config
     from moebius.parallel.layout import Layout
 
     tp_rank_model_dir = import_tool("steps/tp_rank_model.py").tp_rank_model_dir
     for preset in sorted(PRESETS):
-        full = ModelConfig.from_hf(PRESETS[preset])
-        cut = ModelConfig.from_hf(read_hf_config(tp_rank_model_dir(preset, 2)))
+        full = model_config(PRESETS[preset])
+        cut = model_config(read_hf_config(tp_rank_model_dir(preset, 2)))
         rank, alone = Layout(full, "tp", 1, 2), Layout(cut, "tp", 0, 1)
         got = [(lay.num_heads, lay.num_kv_heads, lay.moe_inter, lay.dense_inter, lay.num_local_experts)
                for lay in (rank, alone)]

@@ -25,7 +25,7 @@ from test_bad_inputs import _edit_config
 
 from moebius.config import PRESETS, ConfigError, EngineConfig
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
-from moebius.model.source import hf_config_of, resolve_model
+from moebius.models.source import hf_config_of, resolve_model
 from moebius.sampling_params import SamplingParams
 from moebius.worker import build
 
@@ -222,14 +222,14 @@ def test_a_checkpoint_misread_fails_without_the_checks(ckpt: Checkpoints, monkey
     retype(Q_PROJ, torch.float8_e4m3fn)(path)
     with pytest.raises(ConfigError, match="quant_method 'fp8'"):
         make_llm(path)
-    monkeypatch.setattr("moebius.model.source.check_quantization", lambda *a: None)
+    monkeypatch.setattr("moebius.models.source.check_quantization", lambda *a: None)
     with pytest.raises(ConfigError, match=rf"{re.escape(Q_PROJ)} .* F8_E4M3"):
         make_llm(path)
 
 
 def test_the_rank_side_loader_refuses_a_float8_tensor_too(ckpt: Checkpoints) -> None:
     """A rank reading a checkpoint (build_rank's Checkpoint.get) checks the dtype itself, not only the front end."""
-    from moebius.model.loader import Checkpoint
+    from moebius.models.loader import Checkpoint
 
     path = ckpt.copy("base", "rank-float8")
     retype(Q_PROJ, torch.float8_e4m3fn)(path)

@@ -23,7 +23,7 @@ import pytest
 from moebius import __version__
 from moebius.config import ConfigError, EngineConfig, HelpFormatter
 from moebius.entrypoints.cli import CALIBRATE_EXCLUDES, SAMPLING_FLAGS, _read_prompts, _sampling, build_parser, main
-from moebius.model.builtin import BUILTIN_NOTICE
+from moebius.models.builtin import BUILTIN_NOTICE
 from moebius.sampling_params import SamplingParams
 
 DEMO = ["generate", "--device", "cpu", "--no-progress"]

@@ -11,6 +11,7 @@ import pytest
 from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
 from moebius.bench.sweep import crossover
 from moebius.config import PRESETS, ModelConfig
+from moebius.models.registry import model_config
 
 REF = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools", "floor.py")
 
@@ -22,7 +23,7 @@ def test_floor_agrees_with_reference(preset: str) -> None:
     ref = importlib.util.module_from_spec(spec)
     sys.modules["ref_floor"] = ref  # its dataclasses look their module up while being built
     spec.loader.exec_module(ref)
-    cfg = ModelConfig.from_hf(PRESETS[preset])
+    cfg = model_config(PRESETS[preset])
     shape = ref.Shape(**ref.PRESETS[preset])
     for P in (1, 2, 4, 8):
         for mode in ("tp", "ep"):
@@ -37,7 +38,7 @@ def test_floor_agrees_with_reference(preset: str) -> None:
 
 def test_switch_floor_by_hand() -> None:
     """Qwen3-30B-A3B on 2 ranks, no KV: half a rank's experts cross the link, the other half is copied in HBM."""
-    cfg = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    cfg = model_config(PRESETS["qwen3-30b-a3b"])
     rank = 48 * 128 * 3 * 2048 * 768 * 2 / 2  # bytes of a rank's experts (bf16)
     want = (rank / 2 / 395e9 + 2 * rank / 2 / 4.28e12) * 1e3
     assert switch_floor_ms(cfg, 2, 0) == pytest.approx(want)
@@ -45,7 +46,7 @@ def test_switch_floor_by_hand() -> None:
 
 
 def test_floor_shape_tp_wins_small_ep_wins_large_on_8_ranks() -> None:
-    cfg = ModelConfig.from_hf(PRESETS["qwen3-235b-a22b"])
+    cfg = model_config(PRESETS["qwen3-235b-a22b"])
     f = {m: [decode_step_floor_ms(cfg, 8, m, b, 1024) for b in (8, 2048)] for m in ("tp", "ep")}
     assert f["tp"][0] < f["ep"][0] and f["ep"][1] < f["tp"][1]
 
@@ -77,7 +78,7 @@ def test_prefill_floor_by_hand() -> None:
     assert prefill_floor_ms(cfg, 1, "tp", 10, prefix=6) == pytest.approx(want, rel=1e-12)
     assert step_floor_ms(cfg, 1, "ep", work) == pytest.approx(want, rel=1e-12)  # one rank: the same work
     # large chunks are bound by FLOPs: 4x the tokens, more than 4x the time (attention grows with the square)
-    big = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    big = model_config(PRESETS["qwen3-30b-a3b"])
     assert prefill_floor_ms(big, 1, "tp", 16384) > 4 * prefill_floor_ms(big, 1, "tp", 4096)
 
 
@@ -85,7 +86,7 @@ def test_step_floor_of_a_decode_batch_is_the_decode_floor() -> None:
     from moebius.bench.floor import step_floor_ms
     from moebius.link.messages import StepWork
 
-    cfg = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    cfg = model_config(PRESETS["qwen3-30b-a3b"])
     for P, mode, B, ctx in ((1, "tp", 64, 512), (2, "tp", 8, 1024), (2, "ep", 256, 512)):
         work = StepWork(tokens=B, decode_tokens=B, sequences=B, kv_tokens=B * ctx, attended=B * ctx, sampled=B)
         # the step floor also writes the new tokens' KV, which the decode floor leaves out

@@ -62,7 +62,6 @@ def test_no_pdl_on_the_cpu_whatever_the_config() -> None:
 def test_runner_forward_runs_the_whole_forward_in_the_steps_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """ModelRunner.forward hands the model its step's config: LATE for one token, EARLY for a large prefill, the
     runtime's other settings kept."""
-    from moebius.model import qwen3_moe
     from moebius.worker.runner import ModelRunner
 
     seen: list[KernelConfig] = []
@@ -72,10 +71,9 @@ def test_runner_forward_runs_the_whole_forward_in_the_steps_order(monkeypatch: p
         seen.append(kc)
         return ids
 
-    monkeypatch.setattr(qwen3_moe, "forward", record)
     base = KernelConfig(moe_backend="grouped_mm", pdl=False)
     runner = SimpleNamespace(kernels=base, qkv_elems=EP_30B_QKV, weights=None, kv=[], cfg=None, comm=None,
-                             routed=None)
+                             routed=None, model=SimpleNamespace(forward=record))  # the family's model
     runner.release_order = lambda tokens: ModelRunner.release_order(runner, tokens)  # the runner's own rule
     for tokens in (1, 2048):
         ids = torch.zeros(tokens, dtype=torch.int64)

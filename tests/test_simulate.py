@@ -67,9 +67,10 @@ def test_simulated_auto_switches_where_the_policy_says() -> None:
 
 def test_kv_switch_time_per_token() -> None:
     from moebius.bench.simulate import kv_switch_ms_per_token
-    from moebius.config import PRESETS, ModelConfig
+    from moebius.config import PRESETS
+    from moebius.models.registry import model_config
 
-    cfg = ModelConfig.from_hf(PRESETS["qwen3-235b-a22b"])
+    cfg = model_config(PRESETS["qwen3-235b-a22b"])
     assert kv_switch_ms_per_token(cfg, 1, 2.0) == 0.0  # one rank: no KV changes owner
     one = kv_switch_ms_per_token(cfg, 8, 1.0)
     assert one > 0 and kv_switch_ms_per_token(cfg, 8, 2.0) == pytest.approx(2 * one)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moebius.config import ModelConfig
-from moebius.model.builtin import BUILTIN_NOTICE, builtin_hf_config
+from moebius.models.builtin import BUILTIN_NOTICE, builtin_hf_config
+from moebius.models.registry import model_config
 from moebius.tokenizer import (
     BUILTIN_SPECIAL_IDS,
     BUILTIN_VOCAB_SIZE,
@@ -191,7 +191,7 @@ def test_from_dir_errors(tmp_path: Path) -> None:
 
 def test_builtin_model_config() -> None:
     hf = builtin_hf_config()
-    cfg = ModelConfig.from_hf(hf)
+    cfg = model_config(hf)
     assert cfg.vocab_size == BUILTIN_VOCAB_SIZE >= Tokenizer.builtin().vocab_size
     assert hf["eos_token_id"] == Tokenizer.builtin().token_to_id(IM_END)
     for p in (1, 2, 4):

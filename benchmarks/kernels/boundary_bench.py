@@ -46,6 +46,7 @@ from moebius.bench.results import params_of, write_result
 from moebius.config import PRESETS, ModelConfig
 from moebius.kernels.fused import add_rmsnorm
 from moebius.kernels.linear import TILE_ELEMS, linear
+from moebius.models.registry import model_config
 
 LATE_KERNELS = kernels.DEFAULT_KERNELS.with_release(kernels.LATE)  # the order the engine runs 1-2 tokens a rank in
 
@@ -112,7 +113,7 @@ def layer_stages(cfg: ModelConfig, P: int, batch: int, context: int) -> list[tup
 
 
 def layer_chain(args: argparse.Namespace, dev: torch.device) -> None:
-    cfg = ModelConfig.from_hf(PRESETS[args.preset])
+    cfg = model_config(PRESETS[args.preset])
     P, L = args.layer_chain, cfg.num_layers
     vocab = cfg.vocab_size // P
     hbm = Hardware().hbm_bytes_per_s

@@ -57,10 +57,11 @@ def build_sources(cfg: Any, dtype: torch.dtype, device: str, seed: int
     """Random tensors of every checkpoint name the model reads: (per-expert list, fused list), sharing storage (a
     per-expert tensor is a view of its layer's fused tensor). Norm weights near one, the rest std 0.02 (as the dummy
     checkpoint), so generation stays finite."""
-    from moebius.model.weights import checkpoint_tensors, per_expert
+    from moebius.models.registry import family_of
+    from moebius.models.specs import per_expert
 
     g = torch.Generator(device=device).manual_seed(seed)
-    shapes = checkpoint_tensors(cfg)
+    shapes = family_of(cfg).checkpoint_tensors(cfg)
     fused_names = [n for n in shapes if n.endswith("mlp.experts.gate_up_proj") or n.endswith("mlp.experts.down_proj")]
     covered: set[str] = set()
     fused: list[tuple[str, torch.Tensor]] = []
@@ -263,7 +264,7 @@ def main() -> None:
 
     # 1. in memory, against copies of the same bytes
     dst = {n: torch.empty_like(t) for n, t in fused}  # fused storage: per-expert destinations are views of it
-    from moebius.model.weights import per_expert
+    from moebius.models.specs import per_expert
     dst_per = [d for n, t in fused for _, d in per_expert(cfg, n, dst[n])]
 
     def copy_per() -> None:

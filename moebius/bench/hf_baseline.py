@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from moebius.bench.floor import decode_step_floor_ms
-from moebius.config import ModelConfig
+from moebius.models.registry import model_config
 
 log = logging.getLogger("moebius")
 
@@ -127,7 +127,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, ranks: int
                 ) -> list[dict[str, Any]]:
-    cfg = ModelConfig.from_hf(spec.cfg_dict, spec.num_layers)
+    cfg = model_config(spec.cfg_dict, spec.num_layers)
     points = []
     for b in spec.batches:
         floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len)

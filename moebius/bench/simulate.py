@@ -29,6 +29,7 @@ from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
 from moebius.bench.results import load_result, params_of, save_result, table
 from moebius.bench.workload import SYSTEMS, Job
 from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig
+from moebius.models.registry import model_config
 from moebius.switch.auto import AutoMode
 from moebius.switch.auto import build as build_auto
 from moebius.switch.calibration import Calibration, CalibrationKey
@@ -123,13 +124,13 @@ def profile_model(key: CalibrationKey) -> ModelConfig | None:
     """The model a profile was measured on, where it is a preset (a checkpoint path may not be at hand)."""
     if key.model not in PRESETS:
         return None
-    return ModelConfig.from_hf(PRESETS[key.model], num_layers=key.num_layers)
+    return model_config(PRESETS[key.model], num_layers=key.num_layers)
 
 
 def floor_profile(preset: str, P: int, context: int, efficiency: float, switch_efficiency: float) -> Calibration:
     """A profile made from the floor model: each layout's step floor times `efficiency`, and the weights' switch
     floor times `switch_efficiency`."""
-    cfg = ModelConfig.from_hf(PRESETS[preset])
+    cfg = model_config(PRESETS[preset])
     ms = {m: [decode_step_floor_ms(cfg, P, m, b, context) * efficiency for b in FLOOR_BATCHES] for m in ("tp", "ep")}
     switch = switch_floor_ms(cfg, P, 0) * switch_efficiency
     key = CalibrationKey(preset, cfg.num_layers, P, "floor model", "bfloat16")

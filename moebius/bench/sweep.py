@@ -33,6 +33,7 @@ from moebius.bench.results import command_line, flatten, gpus_used, params_of, s
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.frontend.core import EngineCore
 from moebius.link.messages import DecodeProbe, PrefillProbe, StepWork
+from moebius.models.registry import model_config
 from moebius.sampling_params import SamplingParams
 from moebius.switch.policy import ep_ahead_from
 
@@ -290,7 +291,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         with open(os.path.join(args.model, "config.json")) as f:
             cfg_dict = json.load(f)
-    cfg = ModelConfig.from_hf(cfg_dict, args.num_layers)
+    cfg = model_config(cfg_dict, args.num_layers)
     t0 = time.perf_counter()
     points, other = run_engine_sweep(args, cfg)
     memory = other["memory"]

@@ -24,10 +24,11 @@ from moebius.bench.floor import step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
 from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
-from moebius.config import EngineConfig, ModelConfig
+from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
 from moebius.link.messages import StepWork
-from moebius.model.source import hf_config_of
+from moebius.models.registry import model_config
+from moebius.models.source import hf_config_of
 from moebius.sampling_params import SamplingParams
 
 log = logging.getLogger("moebius")
@@ -182,7 +183,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(a: argparse.Namespace) -> int:
     cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup)
     hf_cfg = hf_config_of(a.model)
-    model_cfg = ModelConfig.from_hf(hf_cfg, a.num_layers)
+    model_cfg = model_config(hf_cfg, a.num_layers)
     vocab = model_cfg.vocab_size
     jobs = workload(a, vocab)
     # transformers first, on a free GPU (its model is freed before the engine takes its share of the memory)

@@ -267,10 +267,10 @@ def _lines(data: bytes, name: str) -> list[tuple[int, str]]:
 def _vocab_size(ecfg: EngineConfig) -> int:
     """The model's vocabulary from its config.json (read, not loaded: --model and --num-layers are checked here), to
     check token ids before the model loads."""
-    from moebius.config import ModelConfig
-    from moebius.model.source import hf_config_of
+    from moebius.models.registry import model_config
+    from moebius.models.source import hf_config_of
 
-    return ModelConfig.from_hf(hf_config_of(ecfg.model), ecfg.num_layers).vocab_size
+    return model_config(hf_config_of(ecfg.model), ecfg.num_layers).vocab_size
 
 
 def _read_prompts(args: argparse.Namespace, vocab: int | None = None) -> list[Item]:

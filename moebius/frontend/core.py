@@ -46,9 +46,9 @@ from moebius.link.messages import (
 from moebius.link.request import RequestSpec
 from moebius.link.tensor_handles import check_description, check_segment, export_tensors, open_tensors
 from moebius.memory.umm import TAGS
-from moebius.model.builtin import BUILTIN_NOTICE
-from moebius.model.loader import check_update
-from moebius.model.source import check_update_checkpoint, resolve_model
+from moebius.models.builtin import BUILTIN_NOTICE
+from moebius.models.loader import check_update
+from moebius.models.source import check_update_checkpoint, resolve_model
 from moebius.outputs import RequestOutput
 from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.parallel.placement import Placement

@@ -21,7 +21,7 @@ import torch
 
 from moebius.config import ModelConfig
 from moebius.link.messages import SwitchTimes
-from moebius.model.qwen3_moe import ModelWeights, MoEWeights
+from moebius.models.weights import ModelWeights, MoEWeights
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout
 from moebius.switch.plan import KVMove, LiveKV, ep_to_tp_pack, kv_ep_to_tp, kv_tp_to_ep, tp_to_ep_unpack

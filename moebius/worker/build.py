@@ -18,8 +18,8 @@ from moebius.kernels.flash import use_flash
 from moebius.link.lifecycle import StopRules
 from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
-from moebius.model.loader import Checkpoint, DummyCheckpoint, load_weights
-from moebius.model.weights import build_weights, plan_weights, resident_specs
+from moebius.models.loader import Checkpoint, DummyCheckpoint, load_weights
+from moebius.models.registry import family_of
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import MODES, Layout, check_shapes
@@ -141,7 +141,8 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
     plan = MemoryPlan()
-    plan_weights(plan, cfg, list(layouts.values()), dtype)
+    family = family_of(cfg)
+    family.plan_weights(plan, cfg, list(layouts.values()), dtype)
     dense_bytes = plan.total_bytes
     max_pages_per_seq = -(-spec.max_model_len // bs)
     buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq)
@@ -160,7 +161,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     # Weights: dense parts of both layouts, experts in the start layout's slots.
     ckpt = DummyCheckpoint(ecfg.seed, device) if spec.checkpoint is None else Checkpoint(spec.checkpoint)
-    load_weights(umm, resident_specs(cfg, layouts, spec.mode, elt), ckpt, dtype, cfg)
+    load_weights(umm, family.resident_specs(cfg, layouts, spec.mode, elt), ckpt, dtype, cfg)
 
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
                            reshard_kernel=not ecfg.disable_reshard_kernel,
@@ -169,7 +170,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
                            fresh_chunk_lengths=fresh_chunk_lengths(ecfg.max_num_batched_tokens, spec.max_model_len))
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
-        weights = build_weights(umm, cfg, lay, dtype)
+        weights = family.build_weights(umm, cfg, lay, dtype)
         kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes, pages[m], bs,
                     lay.num_kv_heads, cfg.head_dim, dtype)
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebius.link.messages import Query
-from moebius.model.qwen3_moe import MoEWeights
+from moebius.models.weights import MoEWeights
 
 if TYPE_CHECKING:
     from moebius.worker.rank import Rank

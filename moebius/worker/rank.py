@@ -39,7 +39,7 @@ from moebius.link.messages import (
 from moebius.link.request import PLACEHOLDER, Request, RequestSpec
 from moebius.memory.kv_pool import BlockAllocator, KVPool
 from moebius.memory.umm import UnifiedMemory
-from moebius.model.qwen3_moe import ModelWeights
+from moebius.models.weights import ModelWeights
 from moebius.parallel.groups import Groups, all_gather_ints, all_gather_json
 from moebius.parallel.layout import Layout
 from moebius.switch.executor import Switcher

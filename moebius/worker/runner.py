@@ -31,8 +31,8 @@ from moebius.layers.attention import (
 from moebius.layers.sampler import SamplingBatch, logprobs_of, processed_logits, race_scores, sample
 from moebius.link.request import RequestSpec
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
-from moebius.model import qwen3_moe
-from moebius.model.qwen3_moe import ModelWeights
+from moebius.models.registry import family_of
+from moebius.models.weights import ModelWeights
 from moebius.parallel.dispatch import Communicator
 from moebius.sampling_params import MAX_LOGPROBS, SamplingParams
 from moebius.worker.cuda_graphs import AttentionCall, CudaGraphs, StepPieces, default_buckets, piece_buckets
@@ -219,6 +219,7 @@ class ModelRunner:
                  bufs: StaticBuffers, block_size: int, device: torch.device,
                  kernels: KernelConfig = DEFAULT_KERNELS) -> None:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
+        self.model = family_of(cfg).model  # the family's layout-free forward
         self.qkv_elems = weights.layers[0].attn.qkv_QD.numel()  # picks the launch release order (forward)
         # how this runtime's kernels run: a forward in its step's release order (`forward`), the kernels after it
         # (sampling's vocabulary argmax) in the EARLY one (`_kc_sampling`)
@@ -237,7 +238,7 @@ class ModelRunner:
         self._turn = 0
         # the router's expert ids of every token of a step, written by every forward (graph replays too) at a fixed
         # address; read only for the requests that ask (`_routed_rows`). Built once, like the graphs that write it.
-        moe_layers = qwen3_moe.num_moe_layers(weights)
+        moe_layers = self.model.num_moe_layers(weights)
         self.routed: torch.Tensor | None = torch.zeros(
             bufs.input_ids.shape[0], moe_layers, cfg.top_k, dtype=torch.int32, device=device) if moe_layers else None
         self._routed_readback: list[torch.Tensor] = []  # two pinned [max tokens, MoE layers, k], used in turn
@@ -437,7 +438,7 @@ class ModelRunner:
         # the LATE order of kernel launches leaves them to (moebius/kernels/linear.py); every kernel of the
         # forward runs in the step's order
         kc = self.kernels.with_release(self.release_order(ids.shape[0]))
-        return qwen3_moe.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc, self.routed)
+        return self.model.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc, self.routed)
 
     @staticmethod
     def _attend(call: AttentionCall, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -449,7 +450,7 @@ class ModelRunner:
 
     def forward_logits(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [T, V] of every new token (used by decode graphs, where every row samples)."""
-        return qwen3_moe.logits(self.forward(ids, meta), self.weights, self.lm_head_fp32)
+        return self.model.logits(self.forward(ids, meta), self.weights, self.lm_head_fp32)
 
     def launch(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync,
                prev: PendingStep | None = None, prev_rows: np.ndarray | None = None, graphs: bool = True
@@ -493,12 +494,12 @@ class ModelRunner:
                     hi = min(c.start + c.num_tokens, c.req.num_prompt)
                     if hi > lo:
                         h = hidden[int(qsl[b]) + lo - c.start: int(qsl[b]) + hi - c.start]
-                        whole = self.comm.gather_vocab(qwen3_moe.logits(h, self.weights, self.lm_head_fp32))
+                        whole = self.comm.gather_vocab(self.model.logits(h, self.weights, self.lm_head_fp32))
                         prompt_logits[b] = whole.float().cpu()
             if not rows.numel():
                 return self._pending(torch.zeros(0, dtype=torch.int64, device=self.device), prompt_logits,
                                      routed=routed)
-            logits = qwen3_moe.logits(hidden.index_select(0, rows), self.weights, self.lm_head_fp32)
+            logits = self.model.logits(hidden.index_select(0, rows), self.weights, self.lm_head_fp32)
             if greedy:  # no sampling tensors to build and copy, no whole logits to gather
                 return self._pending(self.comm.vocab_argmax(logits, kc=self._kc_sampling()), prompt_logits,
                                      routed=routed)

@@ -24,7 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from moebius.config import ModelConfig
 from moebius.link.messages import BroadcastTensors, UpdateGroupOrder
-from moebius.model.loader import check_update
+from moebius.models.loader import check_update
 
 BACKENDS = ("gloo", "nccl")
 LOAD_FORMATS = (None, "auto", "direct", "flattened_bucket")  # SGLang's names; all but the last: a broadcast a tensor

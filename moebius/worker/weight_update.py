@@ -1,6 +1,6 @@
 """A weight update on a rank (`WeightUpdate`), between two steps: the load path with another source. The rank's
-resident specs (dense regions of both layouts, experts of the active one: `resident_specs`) are cut again by their
-own loads (experts: copied from the source's views straight into the slot, `ParamSpec.fill`) and written into the
+resident specs (dense regions of both layouts, experts of the active one: `Family.resident_specs`) are cut again by
+their own loads (experts: copied from the source's views straight into the slot, `ParamSpec.fill`) and written into the
 same views, so no address changes and every captured graph stays valid; the next
 switch moves the new experts like any others. Every rank first says whether it holds the update's tensors (a
 shared-memory segment it could not map, a directory it could not open, a trainer's broadcast it did not receive):
@@ -18,8 +18,9 @@ from moebius.config import ModelConfig
 from moebius.link.messages import UpdateGroupOrder, WeightUpdate
 from moebius.link.tensor_handles import open_tensors
 from moebius.memory.umm import UnifiedMemory
-from moebius.model.loader import Checkpoint, check_update, load_weights, write_update
-from moebius.model.weights import ParamSpec, resident_specs, spec_reads
+from moebius.models.loader import Checkpoint, check_update, load_weights, write_update
+from moebius.models.registry import family_of
+from moebius.models.specs import ParamSpec, spec_reads
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout
 from moebius.worker import update_group
@@ -37,7 +38,7 @@ class WeightTargets:
 
     def specs(self, mode: str) -> list[tuple[ParamSpec, tuple[str, ...]]]:
         if mode not in self._specs:
-            specs = [s for s in resident_specs(self.cfg, self.layouts, mode, self.dtype.itemsize)
+            specs = [s for s in family_of(self.cfg).resident_specs(self.cfg, self.layouts, mode, self.dtype.itemsize)
                      if s.load is not None]
             self._specs[mode] = [(s, self._reads.setdefault((s.name, s.slot, s.offset), spec_reads(s)))
                                  for s in specs]

@@ -18,8 +18,9 @@ import torch
 
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
 from moebius.memory.kv_pool import kv_budget
-from moebius.model.builtin import builtin_hf_config
-from moebius.model.loader import Checkpoint, check_checkpoint
+from moebius.models.builtin import builtin_hf_config
+from moebius.models.loader import Checkpoint, check_checkpoint
+from moebius.models.registry import model_config
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
 
@@ -155,7 +156,7 @@ def check_kv_budget(ecfg: EngineConfig) -> None:
 def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     name = ecfg.model
     hf = hf_config_of(name)
-    cfg = ModelConfig.from_hf(hf, ecfg.num_layers)
+    cfg = model_config(hf, ecfg.num_layers)
     check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()
@@ -184,7 +185,7 @@ def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
         raise ConfigError(f"weight update from {str(path)!r}: no such directory")
     layers = cfg.num_layers
     if os.path.isfile(os.path.join(path, "config.json")):
-        theirs = ModelConfig.from_hf(hf_config_of(str(path)))
+        theirs = model_config(hf_config_of(str(path)))
         layers = theirs.num_layers
         if layers < cfg.num_layers:
             raise ConfigError(f"{path}/config.json has {layers} layers; the engine serves {cfg.num_layers}")

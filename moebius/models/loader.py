@@ -25,7 +25,8 @@ from safetensors import SafetensorError, safe_open
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
-from moebius.model.weights import ParamSpec, checkpoint_tensors, fused_name, per_expert_names, spec_view, weight_specs
+from moebius.models.registry import family_of
+from moebius.models.specs import ParamSpec, fused_name, per_expert_names, spec_view
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -233,7 +234,7 @@ def check_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, checkpoint_layers: int)
         return torch.empty(shape[:1] + (0,) * (len(shape) - 1))
 
     # one rank in TP holds every head and every expert whole: its specs read every tensor any layout reads
-    for s in weight_specs(cfg, Layout(cfg, "tp", 0, 1), 4):
+    for s in family_of(cfg).weight_specs(cfg, Layout(cfg, "tp", 0, 1), 4):
         if s.load is not None:
             try:
                 s.load(fetch)
@@ -325,7 +326,7 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
     checked before a byte is written: TypeError for what is not a (name, tensor) pair, ValueError naming the
     first tensor whose name the model does not read, whose shape is not the model's (both shapes named), whose
     dtype is not floating point, or that comes twice."""
-    known = checkpoint_tensors(cfg)
+    known = family_of(cfg).checkpoint_tensors(cfg)
     out: dict[str, torch.Tensor] = {}
     given_as: dict[str, str] = {}  # per-expert name -> the name it came under (a fused tensor's)
     if isinstance(named, Mapping):

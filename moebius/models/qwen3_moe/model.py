@@ -21,6 +21,7 @@ from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
 from moebius.layers.moe import dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights
 from moebius.parallel.dispatch import Communicator
 
 
@@ -31,37 +32,6 @@ class AttnWeights:
     o_DQ: torch.Tensor  # [D, H * d]
     q_norm: torch.Tensor  # [d]
     k_norm: torch.Tensor  # [d]
-
-
-@dataclass
-class MoEWeights:
-    gate_ED: torch.Tensor  # router, [E, D], every expert
-    w13_EFD: torch.Tensor  # [E_local, 2 * I_local, D], gate rows then up rows
-    w2_EDF: torch.Tensor  # [E_local, D, I_local]
-    first_expert: int
-
-
-@dataclass
-class DenseWeights:
-    w13_FD: torch.Tensor  # [2 * I_local, D]
-    w2_DF: torch.Tensor  # [D, I_local]
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    attn: AttnWeights
-    mlp: MoEWeights | DenseWeights
-
-
-@dataclass
-class ModelWeights:
-    embed_VD: torch.Tensor
-    lm_head_VD: torch.Tensor  # TP: this rank's vocabulary slice (comm.vocab_argmax / gather_vocab)
-    norm: torch.Tensor
-    rope: torch.Tensor  # [max_pos, d] cos|sin table
-    layers: list[LayerWeights]
 
 
 def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,

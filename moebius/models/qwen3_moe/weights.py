@@ -1,0 +1,104 @@
+"""Qwen3-MoE's weights: every view of a layout with the checkpoint names it is cut from (`weight_specs`), and the
+views as the forward takes them (`build_weights`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moebius.config import ModelConfig
+from moebius.memory.umm import UnifiedMemory
+from moebius.models.qwen3_moe.model import AttnWeights
+from moebius.models.specs import ExpertCut, Fetch, ParamSpec, spec_view
+from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moebius.parallel.layout import Layout
+
+
+def _attn_tag(lay: Layout) -> str:
+    """Names an attention shard by the heads it holds, so layouts holding the same heads share the region."""
+    return f"q{lay.q_heads.start}-{lay.q_heads.stop}.kv{lay.kv_heads.start}-{lay.kv_heads.stop}"
+
+
+def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
+    D, d = cfg.hidden_size, cfg.head_dim
+    p = f"model.layers.{i}."
+    qh, kvh, tag = lay.q_heads, lay.kv_heads, _attn_tag(lay)
+    rows = (len(qh) + 2 * len(kvh)) * d
+
+    def qkv(kind: str) -> Callable[[Fetch], torch.Tensor]:
+        def load(fetch: Fetch) -> torch.Tensor:
+            shape = (lambda n: (n, D)) if kind == "weight" else (lambda n: (n,))
+            q = fetch(p + f"self_attn.q_proj.{kind}", shape(cfg.q_size))
+            k = fetch(p + f"self_attn.k_proj.{kind}", shape(cfg.kv_size))
+            v = fetch(p + f"self_attn.v_proj.{kind}", shape(cfg.kv_size))
+            return torch.cat([lay.shard_heads(q, qh, cfg.num_heads), lay.shard_heads(k, kvh, cfg.num_kv_heads),
+                              lay.shard_heads(v, kvh, cfg.num_kv_heads)])
+        return load
+
+    specs = [
+        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,))),
+        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,))),
+        ParamSpec(p + f"qkv.{tag}", (rows, D), qkv("weight")),
+        ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * d),
+                  lambda f: f(p + "self_attn.o_proj.weight", (D, cfg.q_size))[:, qh.start * d: qh.stop * d]),
+        ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,))),
+        ParamSpec(p + "k_norm", (d,), lambda f: f(p + "self_attn.k_norm.weight", (d,))),
+    ]
+    if cfg.attention_bias:
+        specs.append(ParamSpec(p + f"qkv_bias.{tag}", (rows,), qkv("bias")))
+    if not cfg.is_moe_layer(i):
+        I, It = cfg.intermediate_size, lay.dense_inter
+        specs += [
+            ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
+                [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
+            ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
+                      lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
+        ]
+        return specs
+    E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
+    slot = lay.slot_of(i)
+    w13_bytes = El * 2 * Il * D * elt
+    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)))
+    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),))
+    specs += [
+        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
+        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
+        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=w13_bytes, fill=w2.fill),
+    ]
+    return specs
+
+
+def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
+    V, D = cfg.vocab_size, cfg.hidden_size
+    embed = ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))
+    head = ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D)))
+    specs = [embed] + ([] if cfg.tie_word_embeddings else [head])
+    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,))))
+    specs.append(ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None))
+    for i in range(cfg.num_layers):
+        specs += _layer_specs(cfg, lay, i, elt)
+    return specs
+
+
+def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
+    """The layout's weight views over the buffer (contents are whatever was loaded there)."""
+    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        tag = _attn_tag(lay)
+        attn = AttnWeights(views[p + f"qkv.{tag}"], views.get(p + f"qkv_bias.{tag}"), views[p + f"o_proj.{tag}"],
+                           views[p + "q_norm"], views[p + "k_norm"])
+        if cfg.is_moe_layer(i):
+            mlp: MoEWeights | DenseWeights = MoEWeights(views[p + "mlp.gate"], views[p + "mlp.experts.w13"],
+                                                        views[p + "mlp.experts.w2"], lay.first_expert)
+        else:
+            mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
+                               views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
+        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
+    embed = views["model.embed_tokens"]
+    head = embed if cfg.tie_word_embeddings else views["lm_head"]
+    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
+    head = head[rows.start: rows.stop]
+    return ModelWeights(embed, head, views["model.norm"], views["rope"], layers)

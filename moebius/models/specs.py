@@ -1,0 +1,222 @@
+"""What a model family is to the engine (`Family`), and the weight-spec machinery every family shares.
+
+A family's `weight_specs` lists every view of one layout: dense parts (attention, norms, router, embeddings, dense
+MLPs) as named regions, expert weights at the head of their layer slot. A region's name encodes its shard, so
+layouts with the same shard (e.g. P = 1) share one copy. The cut is the layout's sharding function
+(parallel/layout.py); the experts' cut (`ExpertCut`: per-expert or fused tensors, Hugging Face's names) is shared.
+Load, switch and weight update all read these specs.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moebius.config import ModelConfig
+from moebius.memory.umm import MemoryPlan, UnifiedMemory
+from moebius.parallel.layout import Layout, tp_block
+
+# fetch(hf_name, full_shape) -> the checkpoint tensor, checked against the shape
+Fetch = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+# transformers 5's Qwen3-MoE holds a layer's experts in two tensors (a trainer's named_parameters() gives them):
+# gate_up_proj [E, 2I, D] (each expert's gate rows, then its up rows) and down_proj [E, D, I]
+FUSED_W13, FUSED_W2 = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+_FUSED = re.compile(r"(model\.layers\.\d+\.)(mlp\.experts\.(?:gate_up_proj|down_proj))$")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # region name (dense parts) or a descriptive name (slot parts)
+    shape: tuple[int, ...]
+    load: Callable[[Fetch], torch.Tensor] | None  # None: computed, not loaded (the RoPE table)
+    slot: int | None = None  # expert weights: layer slot and byte offset in it
+    offset: int = 0
+    # the cut written straight into the view, each byte once from the source (`load` is this into a fresh tensor);
+    # a source piece fetched as a meta tensor is skipped (an update of some experts leaves the others' rows)
+    fill: Callable[[Fetch, torch.Tensor], None] | None = None
+
+
+def tp_cut(t: torch.Tensor, dim: int, lay: Layout) -> torch.Tensor:
+    """This rank's 1/tp block of `t` along `dim` (`tp_block`: the rows of gate and of up `Layout.shard_w13` keeps,
+    the columns of down `Layout.shard_w2` keeps)."""
+    return tp_block(t, dim, lay.tp, lay.tp_rank)
+
+
+class ExpertCut:
+    """A layer's local experts, [gate | up] (`w13`: the slot's [El, 2, Il, D]) or down (`w2`: [El, D, Il]), cut from
+    per-expert or fused (transformers 5) tensors as views of the source, each with where it lands in the slot: one
+    piece for a fused tensor, one per expert and projection otherwise. Both the load and an update write these."""
+
+    def __init__(self, p: str, which: str, lay: Layout, fused: tuple[int, ...],
+                 per_expert_shapes: tuple[tuple[int, ...], ...]) -> None:
+        self.p, self.which, self.lay, self.fused_shape = p, which, lay, fused
+        self.shapes = per_expert_shapes
+        self.local = range(lay.first_expert, lay.first_expert + lay.num_local_experts)
+
+    def _names(self, e: int) -> tuple[str, ...]:
+        projs = ("gate_proj", "up_proj") if self.which == "w13" else ("down_proj",)
+        return tuple(f"{self.p}mlp.experts.{e}.{proj}.weight" for proj in projs)
+
+    def pieces(self, fetch: Fetch) -> list[tuple[tuple[int | slice, ...], torch.Tensor]]:
+        """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there)."""
+        w13 = self.which == "w13"
+        try:
+            first = fetch(self._names(self.local.start)[0], self.shapes[0])
+        except KeyError as missing:
+            try:
+                t = fetch(self.p + (FUSED_W13 if w13 else FUSED_W2), self.fused_shape)[self.local.start:self.local.stop]
+            except KeyError:
+                raise missing from None  # name the per-expert tensor (the usual format) as the missing one
+            # fused [El, 2I, D]: gate and up rows split, then each cut; [El, D, I]: columns cut
+            return [((slice(None),), tp_cut(t.unflatten(1, (2, t.shape[1] // 2)), 2, self.lay) if w13
+                     else tp_cut(t, 2, self.lay))]
+        out: list[tuple[tuple[int | slice, ...], torch.Tensor]] = []
+        for j, e in enumerate(self.local):
+            for k, (name, shape) in enumerate(zip(self._names(e), self.shapes, strict=True)):
+                t = first if j == 0 and k == 0 else fetch(name, shape)
+                out.append(((j, k) if w13 else (j,), tp_cut(t, 0 if w13 else 1, self.lay)))
+        return out
+
+    def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
+        """Each piece copied once into its place in `dst` (the slot's view, [El, 2Il, D] or [El, D, Il])."""
+        _write(self.pieces(fetch), dst.unflatten(1, (2, dst.shape[1] // 2)) if self.which == "w13" else dst)
+
+    def load(self, fetch: Fetch) -> torch.Tensor:
+        """The cut as a tensor of its own: the pieces written into a fresh one (its last dims the source's: a
+        shape-only check passes tensors of width 0)."""
+        pieces = self.pieces(fetch)
+        src = pieces[0][1]
+        El = len(self.local)
+        shape = (El, 2, *src.shape[-2:]) if self.which == "w13" else (El, *src.shape[-2:])
+        out = torch.empty(shape, dtype=src.dtype, device=src.device)
+        _write(pieces, out)
+        return out.flatten(1, 2) if self.which == "w13" else out
+
+
+def _write(pieces: list[tuple[tuple[int | slice, ...], torch.Tensor]], into: torch.Tensor) -> None:
+    for at, src in pieces:
+        if not src.is_meta:  # a tensor the update does not give: its rows keep their values
+            into[at].copy_(src)
+
+
+def spec_reads(s: ParamSpec) -> tuple[str, ...]:
+    """The checkpoint tensors a spec's cut reads, in order (its per-expert names), found by running the cut on meta
+    tensors: shapes only, no bytes."""
+    names: list[str] = []
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        names.append(name)
+        return torch.empty(shape, device="meta")
+
+    if s.load is not None:
+        s.load(fetch)
+    return tuple(names)
+
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@functools.cache  # asked once per expert and weight at every update: a bounded set of names
+def fused_name(name: str) -> str | None:
+    """The fused expert tensor a per-expert name is part of (None for any other name)."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    return m.group(1) + ("down_proj" if m.group(2) == "down_proj" else "gate_up_proj")
+
+
+def per_expert_names(cfg: ModelConfig, name: str, experts: int) -> list[str]:
+    """The per-expert names a fused expert tensor of `experts` experts stands for, in expert order (as `per_expert`
+    names its views); any other name as it is."""
+    m = _FUSED.match(name)
+    if m is None:
+        return [name]
+    p = m.group(1) + "mlp.experts."
+    projs = ("down_proj",) if m.group(2) == FUSED_W2 else ("gate_proj", "up_proj")
+    return [f"{p}{e}.{proj}.weight" for e in range(experts) for proj in projs]
+
+
+def per_expert(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused expert tensor as the per-expert tensors the weight specs read (views of it, in expert order); any
+    other tensor as it is."""
+    m = _FUSED.match(name)
+    if m is None:
+        return [(name, t)]
+    p, I = m.group(1) + "mlp.experts.", cfg.moe_intermediate_size
+    if m.group(2) == FUSED_W2:
+        return [(f"{p}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+    return [(f"{p}{e}.{proj}.weight", rows) for e in range(t.shape[0])
+            for proj, rows in (("gate_proj", t[e, :I]), ("up_proj", t[e, I:]))]
+
+
+def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
+    if s.slot is not None:
+        return umm.slot_view(s.slot, s.offset, s.shape, dtype)
+    return umm.view(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
+
+
+WeightSpecs = Callable[[ModelConfig, Layout, int], list[ParamSpec]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: what the engine asks of it. `parse_config`: config.json (and --num-layers) -> ModelConfig
+    (ConfigError naming what it cannot serve); `weight_specs`: every view of a layout (cfg, layout, bytes an
+    element); `build_weights`: the layout's weight views over the buffer, in the form its `model` takes;
+    `model`: the layout-free forward (`forward`, `logits`, `num_moe_layers`)."""
+
+    name: str
+    architectures: tuple[str, ...]
+    parse_config: Callable[[dict[str, Any], int | None], ModelConfig]
+    weight_specs: WeightSpecs
+    build_weights: Callable[[UnifiedMemory, ModelConfig, Layout, torch.dtype], Any]
+    model: Any
+
+    def resident_specs(self, cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
+        """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the
+        dense regions of the other layouts it keeps, each region once. Loading writes these; so does an update."""
+        specs = self.weight_specs(cfg, layouts[mode], elt)
+        names = {s.name for s in specs}
+        for m, lay in layouts.items():
+            if m != mode:
+                specs += [s for s in self.weight_specs(cfg, lay, elt) if s.slot is None and s.name not in names]
+                names.update(s.name for s in specs)
+        return specs
+
+    def plan_weights(self, plan: MemoryPlan, cfg: ModelConfig, layouts: list[Layout], dtype: torch.dtype) -> None:
+        """Reserve the dense regions of every layout (shared where the shard is the same)."""
+        for lay in layouts:
+            for s in self.weight_specs(cfg, lay, dtype.itemsize):
+                if s.slot is None and s.name not in plan.regions:  # (rope is computed, not loaded: kept on release)
+                    plan.add(s.name, s.shape, torch.float32 if s.name == "rope" else dtype,
+                             tag=None if s.load is None else "weights")
+
+    def checkpoint_tensors(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor the model reads, with its full shape: the names of a Hugging Face checkpoint
+        (experts one by one) and the fused expert tensors (`FUSED_W13`, `FUSED_W2`) that stand for a layer's."""
+        return _checkpoint_tensors(self.weight_specs, cfg)
+
+
+@functools.cache
+def _checkpoint_tensors(weight_specs: WeightSpecs, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        shapes[name] = tuple(shape)
+        # no bytes past the first dim: one rank's TP cut (cat, stack, rows) runs on shapes only (check_checkpoint)
+        return torch.empty(shape[:1] + (0,) * (len(shape) - 1))
+
+    for s in weight_specs(cfg, Layout(cfg, "tp", 0, 1), 4):
+        if s.load is not None:
+            s.load(fetch)
+    E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+        shapes[f"model.layers.{i}.{FUSED_W13}"] = (E, 2 * I, D)
+        shapes[f"model.layers.{i}.{FUSED_W2}"] = (E, D, I)
+    return shapes
