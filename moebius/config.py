@@ -41,6 +41,17 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class KVSpec:
+    """One token's cache entry in one layer: `parts` tensors (K and V: 2; MLA's latent with its rope key: 1) of
+    `heads` heads of `dim` values. A layout splits the heads over its TP ranks, at least one a rank (fewer heads than
+    ranks are replicated, as MLA's single latent is on every TP rank); EP holds them all (parallel/layout.py)."""
+
+    parts: int
+    heads: int
+    dim: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of a model as every part of the engine sees them (parsed by its family:
     moebius/models/<family>/config.py); `family` names it in moebius/models/registry.py."""
@@ -64,6 +75,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
     family: str = "qwen3_moe"
+    kv_parts: int = 2  # the KV spec's (`kv_spec`): 2 for K and V heads of head_dim
+    kv_dim: int = 0  # 0: head_dim
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -81,6 +94,11 @@ class ModelConfig:
         """Same rule as transformers' Qwen3MoeDecoderLayer."""
         return (layer not in self.mlp_only_layers and self.num_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        """What one token's cache entry is in one layer (its heads are num_kv_heads, split by the layout)."""
+        return KVSpec(self.kv_parts, self.num_kv_heads, self.kv_dim or self.head_dim)
 
     @property
     def q_size(self) -> int:

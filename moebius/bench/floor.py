@@ -34,11 +34,12 @@ def decode_step_floor_ms(cfg: ModelConfig, P: int, mode: str, batch: int, contex
     b, D, d, L = dtype_bytes, cfg.hidden_size, cfg.head_dim, cfg.num_layers
     expert = 3 * D * cfg.moe_intermediate_size  # elements of one whole expert
     lm_head = cfg.vocab_size * D
+    kv_entry = cfg.kv_spec.parts * cfg.kv_spec.dim  # elements one token caches a KV head a layer
     if mode == "tp":
         toks, kvh, qh = batch, max(1, cfg.num_kv_heads // P), cfg.num_heads // P
         attn_w = D * qh * d * 2 + D * kvh * d * 2
         moe_w = _experts_hit(cfg, batch, cfg.num_experts) * expert / P
-        kv = batch * context * kvh * d * 2
+        kv = batch * context * kvh * kv_entry
         lm = lm_head / P
         pairs, inter = batch * cfg.top_k, cfg.moe_intermediate_size / P
         flops = L * (toks * (2 * attn_w + 2 * cfg.top_k * expert / P) + 4 * batch * context * qh * d) + 2 * lm * toks
@@ -47,7 +48,7 @@ def decode_step_floor_ms(cfg: ModelConfig, P: int, mode: str, batch: int, contex
         toks, kvh, qh = math.ceil(batch / P), cfg.num_kv_heads, cfg.num_heads
         attn_w = D * qh * d * 2 + D * kvh * d * 2
         moe_w = _experts_hit(cfg, batch, cfg.num_experts / P) * expert
-        kv = toks * context * kvh * d * 2
+        kv = toks * context * kvh * kv_entry
         lm = lm_head
         pairs, inter = batch * cfg.top_k / P, cfg.moe_intermediate_size
         flops = (L * (toks * 2 * attn_w + 2 * cfg.top_k * batch / P * expert + 4 * toks * context * qh * d)
@@ -70,8 +71,9 @@ def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int =
     b, L = dtype_bytes, cfg.num_layers
     experts = L * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * b / P  # a rank's, either way
     remote, local = experts * (P - 1) / P, experts / P
-    replicas = max(1, P // cfg.num_kv_heads)  # TP holds each KV head on this many ranks
-    kv = kv_tokens * L * cfg.num_kv_heads * cfg.head_dim * 2 * b / P * (P - 1) / P * replicas
+    spec = cfg.kv_spec
+    replicas = max(1, P // spec.heads)  # TP holds each KV head on this many ranks
+    kv = kv_tokens * L * spec.heads * spec.parts * spec.dim * b / P * (P - 1) / P * replicas
     return ((remote + kv) / hw.link_bytes_per_s + 2 * local / hw.hbm_bytes_per_s) * 1e3
 
 
@@ -93,7 +95,8 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     kvh, qh = max(1, cfg.num_kv_heads // tp), cfg.num_heads // tp
     attn_w = D * qh * d * 2 + D * kvh * d * 2
     moe_w = _experts_hit(cfg, T, cfg.num_experts / (P if ep else 1)) * expert / tp
-    kv = (work.kv_tokens + T) * share * kvh * d * 2  # read every sequence's KV, write the new tokens'
+    # read every sequence's KV, write the new tokens'
+    kv = (work.kv_tokens + T) * share * kvh * cfg.kv_spec.parts * cfg.kv_spec.dim
     lm = cfg.vocab_size * D / tp if work.sampled else 0.0
     pairs, inter = T * cfg.top_k * share, cfg.moe_intermediate_size / tp
     flops = (L * (T * share * 2 * attn_w + 2 * pairs * expert / tp + 4 * work.attended * share * qh * d)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from moebius.config import ConfigError
+from moebius.config import ConfigError, KVSpec
 from moebius.memory.umm import UnifiedMemory
 
 # KV tokens a CPU rank holds when --max-total-tokens is unset (no device memory to size the cache by)
@@ -183,18 +183,20 @@ class BlockAllocator:
 
 
 class KVPool:
-    """Per-layer KV views [num_pages, 2 (K, V), block_size, kv_heads, head_dim] inside the layer slots.
+    """Per-layer cache views [num_pages, parts, block_size, heads, dim] inside the layer slots, as the family's KV
+    spec says (K and V heads: [pages, 2, bs, kv_heads, head_dim]; an MLA latent: [pages, 1, bs, 1, latent]), with
+    `heads` the heads this rank holds.
 
-    A page is contiguous (K then V of its block_size tokens), so moving a page is one contiguous copy.
+    A page is contiguous (every part of its block_size tokens), so moving a page is one contiguous copy.
     """
 
     def __init__(self, umm: UnifiedMemory, slots: list[int], offset: int, num_pages: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        shape = (num_pages, 2, block_size, num_kv_heads, head_dim)
+                 spec: KVSpec, heads: int, dtype: torch.dtype) -> None:
+        shape = (num_pages, spec.parts, block_size, heads, spec.dim)
         self.layers = [umm.slot_view(s, offset, shape, dtype) for s in slots]
         self.num_pages = num_pages
         self.block_size = block_size
 
     @staticmethod
-    def page_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def page_bytes(block_size: int, spec: KVSpec, heads: int, dtype: torch.dtype) -> int:
+        return spec.parts * block_size * heads * spec.dim * dtype.itemsize

@@ -149,7 +149,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     for m in held:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
-    page_bytes = {m: KVPool.page_bytes(bs, lay.num_kv_heads, cfg.head_dim, dtype) for m, lay in layouts.items()}
+    page_bytes = {m: KVPool.page_bytes(bs, cfg.kv_spec, lay.num_kv_heads, dtype) for m, lay in layouts.items()}
     sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, cfg.num_layers + 1)
     start_pages = _num_pages(ecfg, device, sizes, page_bytes[spec.mode], spec.max_model_len)
     pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes)
@@ -172,7 +172,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     for m, lay in layouts.items():
         weights = family.build_weights(umm, cfg, lay, dtype)
         kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes, pages[m], bs,
-                    lay.num_kv_heads, cfg.head_dim, dtype)
+                    cfg.kv_spec, lay.num_kv_heads, dtype)
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
                              StaticBuffers.build(umm, m, *buf_shape), bs, device, kernels=kernels)
         modes[m] = ModeRuntime(lay, weights, kv, runner)
