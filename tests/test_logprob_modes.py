@@ -127,7 +127,7 @@ def test_fp32_head_logits_unit() -> None:
     model's dtype rounds them to bfloat16."""
     from types import SimpleNamespace
 
-    from moebius.models.qwen3_moe import model as qwen3_moe
+    from moebius.models.qwen3_moe import forward as qwen3_moe
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 64, generator=g).bfloat16()

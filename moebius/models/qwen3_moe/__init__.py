@@ -1,9 +1,9 @@
 """Qwen3-MoE (`Qwen3MoeForCausalLM`): GQA attention with per-head q/k RMSNorm, softmax top-k routing, optional
 dense MLP layers (`mlp_only_layers`, `decoder_sparse_step`)."""
 
-from moebius.models.qwen3_moe import model
+from moebius.models.qwen3_moe import forward
 from moebius.models.qwen3_moe.config import parse_config
 from moebius.models.qwen3_moe.weights import build_weights, weight_specs
 from moebius.models.specs import Family
 
-FAMILY = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), parse_config, weight_specs, build_weights, model)
+FAMILY = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), parse_config, weight_specs, build_weights, forward)

@@ -9,7 +9,7 @@ import torch
 
 from moebius.config import ModelConfig
 from moebius.memory.umm import UnifiedMemory
-from moebius.models.qwen3_moe.model import AttnWeights
+from moebius.models.qwen3_moe.forward import AttnWeights
 from moebius.models.specs import ExpertCut, Fetch, ParamSpec, spec_view
 from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moebius.parallel.layout import Layout
