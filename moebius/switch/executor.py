@@ -167,10 +167,11 @@ class Switcher:
                     log.warning("rank %d: no memory for a second layer of switch staging; switching unpipelined",
                                 self.rank)
             rows = None
-            if plan is not None:  # cache [pages, 2, block, heads, d]: rows [n, 2, heads moved, d]
+            if plan is not None:  # cache [pages, parts, block, heads, d]: rows [n, parts, heads moved, d]
                 n_send, n_recv = sum(len(x) for x in plan.send_slots), sum(len(x) for x in plan.recv_slots)
-                rows = (cache.new_empty((n_send, 2, max(map(len, plan.send_heads)), cache.shape[-1])),
-                        cache.new_empty((n_recv, 2, len(plan.recv_heads[0]), cache.shape[-1])))
+                parts = cache.shape[1]  # the KV spec's: K and V, or MLA's one latent
+                rows = (cache.new_empty((n_send, parts, max(map(len, plan.send_heads)), cache.shape[-1])),
+                        cache.new_empty((n_recv, parts, len(plan.recv_heads[0]), cache.shape[-1])))
             return Staging(experts, rows), ""
         except torch.OutOfMemoryError as e:
             return Staging(None, None), str(e).splitlines()[0]
@@ -351,14 +352,15 @@ class Switcher:
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
                  send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
                  rows: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """src/dst caches [pages, 2, bs, heads, d]: gather by source (page, offset) into the staging rows, exchange,
-        scatter by target (page, offset). rows: (sent [n_send, 2, w, d], received [n_recv, 2, w, d]), reused."""
+        """src/dst caches [pages, parts, bs, heads, d]: gather by source (page, offset) into the staging rows,
+        exchange, scatter by target (page, offset). rows: (sent [n_send, parts, w, d], received [n_recv, parts, w,
+        d]), reused."""
         out, got = rows
         send_counts = [len(s) for s in plan.send_slots]
         recv_counts = [len(r) for r in plan.recv_slots]
         start = 0
         for (pg, off), h, n in zip(send, plan.send_heads, send_counts, strict=True):
-            if n:  # [n, 2, heads, d] of src written straight into the rows (no temporary)
+            if n:  # [n, parts, heads, d] of src written straight into the rows (no temporary)
                 torch.ops.aten.index.Tensor_out(src[:, :, :, h.start: h.stop], [pg, None, off],
                                                 out=out[start: start + n])
             start += n
