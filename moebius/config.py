@@ -77,6 +77,8 @@ class ModelConfig:
     family: str = "qwen3_moe"
     kv_parts: int = 2  # the KV spec's (`kv_spec`): 2 for K and V heads of head_dim
     kv_dim: int = 0  # 0: head_dim
+    # the family's own fields (frozen dataclasses: a ModelConfig is a cache key), read only by its folder
+    extra: Any = None
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -91,7 +93,8 @@ class ModelConfig:
                 raise ConfigError("moe_intermediate_size must be positive for MoE layers")
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Same rule as transformers' Qwen3MoeDecoderLayer."""
+        """Same rule as transformers' Qwen3MoeDecoderLayer; another family states its rule in these fields (DeepSeek:
+        its dense layers as mlp_only_layers)."""
         return (layer not in self.mlp_only_layers and self.num_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
 

@@ -130,6 +130,50 @@ def write_checkpoint(path: str, overrides: dict[str, Any] | None = None, *, seed
     return path
 
 
+# Keyword arguments of transformers' DeepseekV3Config / DeepseekV2Config (tiny: 4 heads, 8 experts, P up to 4).
+DEEPSEEK_V3_CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+    qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, first_k_dense_replace=1, max_position_embeddings=512,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+# V2: softmax group-limited greedy routing, q projected directly (no q-LoRA), two shared experts, every layer MoE.
+DEEPSEEK_V2_CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=4, topk_group=2, topk_method="group_limited_greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+    kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+    first_k_dense_replace=0, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def write_deepseek_checkpoint(path: str, version: int = 3, overrides: dict[str, Any] | None = None, *,
+                              seed: int = 0) -> str:
+    """Save a random DeepseekV3ForCausalLM (version 3) or DeepseekV2ForCausalLM (2) with save_pretrained, its
+    weights re-initialised as `_reinit_` does and V3's e_score_correction_bias random (std 0.1: it changes some
+    choices); return the directory."""
+    import transformers
+
+    arch = f"DeepseekV{version}ForCausalLM"
+    base = DEEPSEEK_V3_CONFIG if version == 3 else DEEPSEEK_V2_CONFIG
+    # no EOS (as write_checkpoint's default): greedy runs are compared to transformers' full length
+    cfg = getattr(transformers, f"DeepseekV{version}Config")(**{**base, **(overrides or {}), "eos_token_id": None})
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    _reinit_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
 def set_eos(path: str, eos_token_id: int | list[int] | None) -> None:
     """Rewrite eos_token_id in config.json and generation_config.json (where present)."""
     for name in ("config.json", "generation_config.json"):
@@ -159,6 +203,10 @@ class Checkpoints:
             # Byte tokenizer + EOS = <|endoftext|>; greedy text is printable ASCII.
             "text": functools.partial(write_checkpoint, seed=1, tokenizer=True, ascii_bias=True,
                                       eos_token_id=ENDOFTEXT_ID),
+            # DeepSeek-V3 (q-LoRA, sigmoid group-limited routing with its bias, a shared expert, a dense first
+            # layer, YaRN) and DeepSeek-V2 (softmax group-limited greedy, no q-LoRA, two shared experts)
+            "deepseek_v3": functools.partial(write_deepseek_checkpoint, version=3),
+            "deepseek_v2": functools.partial(write_deepseek_checkpoint, version=2),
         }
 
     def __call__(self, name: str) -> str:

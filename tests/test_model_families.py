@@ -24,7 +24,7 @@ from moebius.switch.plan import LiveKV, kv_ep_to_tp, kv_tp_to_ep
 
 def test_an_unknown_architecture_names_those_served() -> None:
     with pytest.raises(ConfigError, match=r"unsupported architecture \['LlamaForCausalLM'\] in config.json; Moebius "
-                                          r"serves Qwen3MoeForCausalLM"):
+                                          r"serves Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM$"):
         model_config({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
     with pytest.raises(ConfigError, match="unsupported architecture 'mystery'"):
         family_for({"model_type": "mystery"})

@@ -290,8 +290,10 @@ def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | 
 
     for s in specs:
         view = spec_view(umm, s, torch.float32 if s.load is None else dtype)
-        if s.load is None:  # the RoPE table
-            view.copy_(rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, umm.device))
+        if s.load is None:  # the RoPE table: the family's, or plain RoPE over head_dim
+            table = family_of(cfg).rope_table
+            view.copy_(rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, umm.device)
+                       if table is None else table(cfg, umm.device))
             continue
         try:
             if s.fill is not None:  # the cut straight into the view (experts: no stacked temporary)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.models import qwen3_moe
+from moebius.models import deepseek, qwen3_moe
 from moebius.models.specs import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, deepseek.FAMILY)}
 
 
 def family_for(hf: dict[str, Any]) -> Family:
@@ -30,3 +30,10 @@ def model_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
 
 def family_of(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.family]
+
+
+def checks_own_keys(hf: dict[str, Any]) -> bool:
+    """Whether the family of a config.json (by its `architectures`; False for none served) refuses missing or
+    ill-typed shape keys itself, in its parse_config."""
+    archs = hf.get("architectures") or []
+    return any(f.checks_own_keys and any(a in f.architectures for a in archs) for f in FAMILIES.values())

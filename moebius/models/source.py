@@ -20,7 +20,7 @@ from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read
 from moebius.memory.kv_pool import kv_budget
 from moebius.models.builtin import builtin_hf_config
 from moebius.models.loader import Checkpoint, check_checkpoint
-from moebius.models.registry import model_config
+from moebius.models.registry import checks_own_keys, model_config
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
 
@@ -97,6 +97,8 @@ def check_hf_config(hf: dict[str, Any], where: str, model_dir: str | None = None
     """ConfigError unless config.json (`where`) describes a Qwen3-MoE model Moebius reads as it is meant: not
     quantized, every shape key present (all missing ones named at once) and of the right type."""
     check_quantization(hf, where, model_dir)
+    if checks_own_keys(hf):  # (another family's keys: its parse_config names what is missing)
+        return
     missing = [k for k in REQUIRED_KEYS if k not in hf]
     if "num_experts" not in hf and "num_local_experts" not in hf:
         missing.append("num_experts")

@@ -134,6 +134,10 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         torch.set_num_threads(ecfg.cpu_threads)
     dtype = getattr(torch, spec.dtype)
     check_shapes(cfg, spec.world_size)
+    family = family_of(cfg)
+    if family.cpu_only and device.type != "cpu":
+        raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device}: "
+                          f"{family.cpu_only}; serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
@@ -141,7 +145,6 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
     plan = MemoryPlan()
-    family = family_of(cfg)
     family.plan_weights(plan, cfg, list(layouts.values()), dtype)
     dense_bytes = plan.total_bytes
     max_pages_per_seq = -(-spec.max_model_len // bs)

@@ -180,6 +180,16 @@ class MLAWeights:
     o_DO: torch.Tensor  # o_proj
     o_bias: torch.Tensor | None  # [D]; give it to one shard only, so that the sum over shards adds it once
 
+    # the names the engine asks any attention's weights by: its first projection of x (the runner picks a launch
+    # order by its size) and its output projection (the diagnostics list the resident views' addresses)
+    @property
+    def qkv_QD(self) -> torch.Tensor:
+        return self.q_QL if self.q_a_LD is None else self.q_a_LD
+
+    @property
+    def o_DQ(self) -> torch.Tensor:
+        return self.o_DO
+
 
 def head_slice(w: MLAWeights, cfg: MLAConfig, h0: int, h1: int, *, with_bias: bool = True) -> MLAWeights:
     """The weights of heads [h0, h1) (a TP shard): rows of q_b / q and kv_b, columns of o_proj. The latent

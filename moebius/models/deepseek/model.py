@@ -1,0 +1,91 @@
+"""DeepSeek-V2 / V3 forward (transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM semantics), reading weight
+views handed to it, over the `Communicator`: the same math in every layout (head counts from the weight shapes, the
+shared experts' shard from theirs). MLA is `mla.py`'s torch reference over the paged latent cache (decodes absorbed,
+prompt chunks expanded), routing `moe.py`'s. CPU only for now (`FAMILY.cpu_only`). Shapes: T tokens, D hidden,
+K top-k, V vocab; P pages, S page size, A one latent cache entry.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moebius.config import ModelConfig
+from moebius.kernels import KernelConfig
+from moebius.layers.attention import AttentionMetadata
+from moebius.layers.moe import dense_mlp, experts, summed
+from moebius.layers.norm import add_rms_norm
+from moebius.models.deepseek.config import DeepseekConfig
+from moebius.models.deepseek.mla import mla_attention, rope_table
+from moebius.models.deepseek.moe import route, router_logits
+from moebius.models.deepseek.weights import DeepseekMoEWeights
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights
+from moebius.parallel.dispatch import Communicator
+
+
+def family_rope_table(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """The region "rope": [max_position_embeddings, qk_rope_head_dim] float32, YaRN's where the config says."""
+    ext = cfg.extra
+    assert isinstance(ext, DeepseekConfig)
+    return rope_table(ext.mla, cfg.max_position_embeddings, device)
+
+
+def moe(h_TD: torch.Tensor, w: DeepseekMoEWeights, ext: DeepseekConfig, comm: Communicator, kc: KernelConfig,
+        routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+    """This rank's part of the MoE block's output for the tokens dispatched to it (its local experts' pairs plus its
+    shard of the shared experts), and the handle that combines it. routed_TK: where the router's global expert ids
+    are written (taken before the dispatch: the same in every layout)."""
+    w_TK, ids_TK = route(router_logits(h_TD, w.gate_ED), ext.moe, w.bias_E)
+    if routed_TK is not None:
+        routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
+    # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
+    x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK.to(h_TD.dtype), ids_TK, kc=kc)
+    y_TD = summed(experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, ext.moe.num_experts, kc=kc),
+                  kc=kc)
+    if w.shared is not None:  # a 1/P shard on the dispatched tokens: the combine's sum over ranks completes it
+        y_TD = y_TD + dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
+    return y_TD, handle
+
+
+def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
+            cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """Final-normed hidden states [T, D] of the new tokens; their latent cache entries are written into `kv` (one
+    [pages, 1, page size, 1, A] cache a layer). Each sublayer's output is summed over ranks (attention:
+    `reduce_add_norm`; experts: `combine_add_norm`), added to the residual and normed for the next sublayer.
+    routed_TLK: a [>= T, MoE layers, K] integer buffer the router's expert ids of every MoE layer are written into."""
+    ext = cfg.extra
+    assert isinstance(ext, DeepseekConfig)
+    eps = cfg.rms_norm_eps
+    residual = F.embedding(input_ids_T, weights.embed_VD)
+    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, eps, kc=kc)
+    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
+    j = 0  # the MoE layer's index among the MoE layers (dense layers route nothing)
+    for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
+        cache_PSA = cache[:, 0, :, 0]  # the one part and the one latent "head" of the pool's view
+        a = mla_attention(h, layer.attn, cache_PSA, meta, ext.mla, weights.rope, kc=kc)
+        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
+        if isinstance(layer.mlp, DeepseekMoEWeights):
+            record = None
+            if routed_TLK is not None:
+                record, j = routed_TLK[:, j], j + 1
+            y, handle = moe(h, layer.mlp, ext, comm, kc, record)
+        else:
+            assert isinstance(layer.mlp, DenseWeights)
+            y, handle = dense_mlp(h, layer.mlp.w13_FD, layer.mlp.w2_DF, kc=kc), None  # no dispatch: nothing to combine
+        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
+    return h
+
+
+def num_moe_layers(weights: ModelWeights) -> int:
+    """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
+    return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
+
+
+def logits(hidden_TD: torch.Tensor, weights: ModelWeights, fp32: bool = False) -> torch.Tensor:
+    """[T, V] logits (TP: this rank's vocabulary slice). fp32 (--lm-head-dtype float32): accumulated and returned in
+    float32 from the weights as they are (through float32 copies: this family runs on the CPU only)."""
+    w = weights.lm_head_VD
+    if not fp32 or w.dtype == torch.float32:
+        return F.linear(hidden_TD, w)
+    return F.linear(hidden_TD.float(), w.float())

@@ -1,0 +1,172 @@
+"""DeepSeek-V2 / V3's weights: every view of a layout with the checkpoint names transformers writes
+(`weight_specs`), and the views as the forward takes them (`build_weights`).
+
+Attention (MLA): TP cuts by heads, q_b_proj's (or q_proj's) and kv_b_proj's rows of a rank's heads and o_proj's
+columns of them; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are every head's, replicated
+(the latent cache is replicated in TP too); o_proj's bias is given to the shard of head 0 only, since TP sums the
+shards' outputs (`Communicator.reduce_add_norm`). EP holds every head.
+
+Routed experts: the shared `ExpertCut` (transformers' per-expert names, or fused tensors), as Qwen3-MoE's.
+Dense layers (first_k_dense_replace): a dense MLP sharded by TP and whole in EP, as Qwen3-MoE's.
+
+Shared experts: one 1/P shard of their intermediate dim on every rank in both layouts (the same region, so a
+switch moves none of their bytes), run by the forward on the tokens its routed experts see and added to the routed
+output before the combine sums over the ranks. TP: every token on every rank, summed by the all-reduce, as a dense
+MLP sharded by TP. EP: the tokens of every rank (after the dispatch), summed by the combine's reduce-scatter: the
+FLOPs of running a whole replica on one's own tokens, with 1/P of its bytes a rank and no bytes added to the
+exchange (the combine carries a D-row a token anyway). Its cost: EP runs it on the dispatch's padding rows too (each
+rank's step padded to the largest rank's token count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moebius.config import ModelConfig
+from moebius.memory.umm import UnifiedMemory
+from moebius.models.deepseek.config import DeepseekConfig
+from moebius.models.deepseek.mla import MLAWeights
+from moebius.models.specs import ExpertCut, Fetch, ParamSpec, spec_view
+from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moebius.parallel.layout import Layout, w2_shard, w13_shard
+
+
+@dataclass
+class DeepseekMoEWeights(MoEWeights):
+    """The engine's MoE views (the switch moves w13 / w2) and the family's own: V3's routing bias and this rank's
+    shard of the shared experts."""
+
+    bias_E: torch.Tensor | None = None  # e_score_correction_bias, every expert (V3); None for V2
+    shared: DenseWeights | None = None  # this rank's 1/P of the shared experts' intermediate dim; None without them
+
+
+def _ext(cfg: ModelConfig) -> DeepseekConfig:
+    ext = cfg.extra
+    if not isinstance(ext, DeepseekConfig):
+        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not a DeepseekConfig")
+    return ext
+
+
+def _heads_tag(lay: Layout) -> str:
+    """Names an attention shard by its heads, so layouts holding the same heads share the region."""
+    return f"h{lay.q_heads.start}-{lay.q_heads.stop}"
+
+
+def _shared_tag(lay: Layout) -> str:
+    return f"{lay.rank}of{lay.world_size}"
+
+
+def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
+    mla = _ext(cfg).mla
+    D, H, C, L = cfg.hidden_size, cfg.num_heads, mla.kv_lora_rank, mla.q_lora_rank
+    N, R, V = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    qh, tag, a = lay.q_heads, _heads_tag(lay), p + "self_attn."
+
+    def rows(name: str, shape: tuple[int, int]) -> Callable[[Fetch], torch.Tensor]:
+        return lambda f: lay.shard_heads(f(a + name, shape), qh, H)
+
+    def whole(name: str, shape: tuple[int, ...]) -> Callable[[Fetch], torch.Tensor]:
+        return lambda f: f(a + name, shape)
+
+    specs = [
+        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,))),
+        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,))),
+        ParamSpec(p + "kv_a", (C + R, D), whole("kv_a_proj_with_mqa.weight", (C + R, D))),
+        ParamSpec(p + "kv_a_norm", (C,), whole("kv_a_layernorm.weight", (C,))),
+        ParamSpec(p + f"kv_b.{tag}", (len(qh) * (N + V), C), rows("kv_b_proj.weight", (H * (N + V), C))),
+        ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * V),
+                  lambda f: f(a + "o_proj.weight", (D, H * V))[:, qh.start * V: qh.stop * V]),
+    ]
+    if L is None:
+        specs.append(ParamSpec(p + f"q.{tag}", (len(qh) * (N + R), D), rows("q_proj.weight", (H * (N + R), D))))
+    else:
+        specs += [
+            ParamSpec(p + "q_a", (L, D), whole("q_a_proj.weight", (L, D))),
+            ParamSpec(p + "q_a_norm", (L,), whole("q_a_layernorm.weight", (L,))),
+            ParamSpec(p + f"q.{tag}", (len(qh) * (N + R), L), rows("q_b_proj.weight", (H * (N + R), L))),
+        ]
+    if mla.attention_bias:
+        specs += [ParamSpec(p + "kv_a_bias", (C + R,), whole("kv_a_proj_with_mqa.bias", (C + R,))),
+                  ParamSpec(p + "o_bias", (D,), whole("o_proj.bias", (D,)))]
+        if L is not None:
+            specs.append(ParamSpec(p + "q_a_bias", (L,), whole("q_a_proj.bias", (L,))))
+    return specs
+
+
+def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
+    D, moe = cfg.hidden_size, _ext(cfg).moe
+    p = f"model.layers.{i}."
+    specs = _attn_specs(cfg, lay, p)
+    if not cfg.is_moe_layer(i):
+        I, It = cfg.intermediate_size, lay.dense_inter
+        specs += [
+            ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
+                [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
+            ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
+                      lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
+        ]
+        return specs
+    E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
+    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)))
+    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),))
+    slot = lay.slot_of(i)
+    specs += [
+        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
+        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
+        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
+    ]
+    if moe.scoring_func == "sigmoid":  # V3's router carries the selection bias
+        specs.append(ParamSpec(p + "mlp.gate.bias", (E,), lambda f: f(p + "mlp.gate.e_score_correction_bias", (E,))))
+    if moe.n_shared_experts:
+        Is, P, r, s = moe.shared_intermediate_size, lay.world_size, lay.rank, p + "mlp.shared_experts."
+        specs += [
+            ParamSpec(p + f"mlp.shared.w13.{_shared_tag(lay)}", (2 * Is // P, D), lambda f: w13_shard(torch.cat(
+                [f(s + "gate_proj.weight", (Is, D)), f(s + "up_proj.weight", (Is, D))])[None], P, r).reshape(-1, D)),
+            ParamSpec(p + f"mlp.shared.w2.{_shared_tag(lay)}", (D, Is // P),
+                      lambda f: w2_shard(f(s + "down_proj.weight", (D, Is))[None], P, r).reshape(D, -1)),
+        ]
+    return specs
+
+
+def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
+    V, D = cfg.vocab_size, cfg.hidden_size
+    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
+    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,))))
+    specs.append(ParamSpec("rope", (cfg.max_position_embeddings, _ext(cfg).mla.qk_rope_head_dim), None))
+    for i in range(cfg.num_layers):
+        specs += _layer_specs(cfg, lay, i, elt)
+    return specs
+
+
+def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
+    """The layout's weight views over the buffer (contents are whatever was loaded there)."""
+    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    tag, shared = _heads_tag(lay), _shared_tag(lay)
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = MLAWeights(
+            q_a_LD=views.get(p + "q_a"), q_a_bias=views.get(p + "q_a_bias"), q_a_norm=views.get(p + "q_a_norm"),
+            q_QL=views[p + f"q.{tag}"], kv_a_AD=views[p + "kv_a"], kv_a_bias=views.get(p + "kv_a_bias"),
+            kv_a_norm=views[p + "kv_a_norm"], kv_b_UC=views[p + f"kv_b.{tag}"], o_DO=views[p + f"o_proj.{tag}"],
+            # the shards' outputs are summed: the bias once, on the shard of head 0
+            o_bias=views.get(p + "o_bias") if lay.q_heads.start == 0 else None)
+        if cfg.is_moe_layer(i):
+            w13_s, w2_s = views.get(p + f"mlp.shared.w13.{shared}"), views.get(p + f"mlp.shared.w2.{shared}")
+            mlp: MoEWeights | DenseWeights = DeepseekMoEWeights(
+                views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert,
+                bias_E=views.get(p + "mlp.gate.bias"),
+                shared=None if w13_s is None or w2_s is None else DenseWeights(w13_s, w2_s))
+        else:
+            mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
+                               views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
+        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
+    embed = views["model.embed_tokens"]
+    head = embed if cfg.tie_word_embeddings else views["lm_head"]
+    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
+    return ModelWeights(embed, head[rows.start: rows.stop], views["model.norm"], views["rope"], layers)
