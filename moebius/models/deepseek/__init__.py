@@ -2,12 +2,12 @@
 attention, shared experts, grouped routing. Served on the CPU only for now: the GPU needs Triton kernels for paged
 latent attention, which do not exist yet."""
 
-from moebius.models.deepseek import model
+from moebius.models.deepseek import forward
 from moebius.models.deepseek.config import parse_config
 from moebius.models.deepseek.weights import build_weights, weight_specs
 from moebius.models.specs import Family
 
 FAMILY = Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), parse_config, weight_specs,
-                build_weights, model, rope_table=model.family_rope_table,
+                build_weights, forward, rope_table=forward.family_rope_table,
                 cpu_only="no Triton kernels for paged latent attention (MLA) yet; only the torch reference, on the "
                          "CPU", checks_own_keys=True)
