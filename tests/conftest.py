@@ -207,6 +207,8 @@ class Checkpoints:
             # layer, YaRN) and DeepSeek-V2 (softmax group-limited greedy, no q-LoRA, two shared experts)
             "deepseek_v3": functools.partial(write_deepseek_checkpoint, version=3),
             "deepseek_v2": functools.partial(write_deepseek_checkpoint, version=2),
+            # other random weights of deepseek_v3's shapes (a weight update's target)
+            "deepseek_v3_b": functools.partial(write_deepseek_checkpoint, version=3, seed=3),
         }
 
     def __call__(self, name: str) -> str:

@@ -7,6 +7,7 @@ Checkpoints (tests/conftest.py, written by transformers' classes, std 0.3 weight
   deepseek_v3  q-LoRA, sigmoid group-limited routing with e_score_correction_bias, one shared expert, layer 0
                dense (first_k_dense_replace = 1), YaRN rope scaling (mscale_all_dim), routed_scaling_factor 2.5
   deepseek_v2  softmax group-limited greedy routing, q projected directly (q_lora_rank = null), two shared experts
+  deepseek_v3_b  other weights of deepseek_v3's shapes (a weight update from disk)
 Every engine runs prompts crossing 4-token pages with a 16-token step budget, so prompt chunks (expanded MLA) and
 decodes (absorbed) share steps.
 """
@@ -186,3 +187,21 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
         if params.temperature == 0:
             assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
     assert_kv_free(llm)
+
+
+def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:
+    """An update from disk rewrites every view the specs cut (the next tokens are the new checkpoint's), and the
+    routed experts of each output token are those of the MoE layers (top-k ids, each below n_routed_experts)."""
+    llm = LLM(model=ckpt("deepseek_v3"), enable_return_routed_experts=True, **ENGINE_KW)
+    try:
+        prompt = PROMPTS[3]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True))
+        sample = out[0].outputs[0]
+        assert list(sample.token_ids) == hf_greedy(ckpt("deepseek_v3"), tuple(prompt), 4)
+        routed = torch.tensor(sample.routed_experts)
+        assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, MoE layers, top-k
+        assert llm.update_weights_from_disk(ckpt("deepseek_v3_b")).done
+        assert greedy_outputs(llm, [prompt]) == [hf_greedy(ckpt("deepseek_v3_b"), tuple(prompt), N_OUT)]
+        assert_kv_free(llm)
+    finally:
+        llm.close()
