@@ -207,6 +207,12 @@ class Checkpoints:
             # layer, YaRN) and DeepSeek-V2 (softmax group-limited greedy, no q-LoRA, two shared experts)
             "deepseek_v3": functools.partial(write_deepseek_checkpoint, version=3),
             "deepseek_v2": functools.partial(write_deepseek_checkpoint, version=2),
+            # V3 with attention_bias (q_a / kv_a / o_proj biases: o_proj's on one TP shard only); V2 with q-LoRA and
+            # plain greedy routing
+            "deepseek_v3_bias": functools.partial(write_deepseek_checkpoint, version=3,
+                                                  overrides=dict(attention_bias=True)),
+            "deepseek_v2_lora": functools.partial(write_deepseek_checkpoint, version=2,
+                                                  overrides=dict(q_lora_rank=48, topk_method="greedy")),
             # other random weights of deepseek_v3's shapes (a weight update's target)
             "deepseek_v3_b": functools.partial(write_deepseek_checkpoint, version=3, seed=3),
         }
