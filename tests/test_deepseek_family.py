@@ -1,7 +1,8 @@
 """The DeepSeek-V2 / V3 family served end to end on the CPU (float32): config.json parsed into the engine's
 ModelConfig (MLA's latent as the KV spec, DeepSeek's dense-layer rule), the checkpoint names transformers writes,
 and greedy tokens identical to transformers' own DeepseekV3ForCausalLM / DeepseekV2ForCausalLM for P = 1, 2 (and 4
-for V3) in TP and EP, across live switches with arrivals, aborts and n > 1, with no KV page leaked; the GPU refused.
+for V3) in TP and EP, across live switches with arrivals, aborts and n > 1, with no KV page leaked; a TP target that
+cannot hold the replicated latent cache refused; a weight update and routed experts; the GPU refused.
 
 Checkpoints (tests/conftest.py, written by transformers' classes, std 0.3 weights):
   deepseek_v3  q-LoRA, sigmoid group-limited routing with e_score_correction_bias, one shared expert, layer 0
@@ -210,6 +211,30 @@ def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:
         assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, MoE layers, top-k
         assert llm.update_weights_from_disk(ckpt("deepseek_v3_b")).done
         assert greedy_outputs(llm, [prompt]) == [hf_greedy(ckpt("deepseek_v3_b"), tuple(prompt), N_OUT)]
+        assert_kv_free(llm)
+    finally:
+        llm.close()
+
+
+def test_a_tp_target_that_cannot_hold_the_replicated_latents_is_refused(ckpt: Checkpoints) -> None:
+    """EP holds each request's latent once, TP every request's on every rank: with 15 usable pages a rank, four
+    requests of distinct prompts (about 5 pages each, 2 a rank in EP) do not fit in TP; the switch is refused naming
+    the pages, and serving goes on in EP to transformers' tokens."""
+    path = ckpt("deepseek_v3")
+    llm = LLM(model=path, num_ranks=2, mode="ep", **{**ENGINE_KW, "max_total_tokens": 64})
+    try:
+        prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[2] + [1], PROMPTS[3][::-1]]
+        ids = [llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in prompts]
+        for _ in range(3):
+            llm.step()
+        out = llm.switch_mode("tp")
+        assert not out.done and "tp layout cannot hold the live KV: needs 21 pages on a rank, has 15" in out.reason
+        last: dict[str, Any] = {}
+        while llm.has_unfinished():
+            for o in llm.step():
+                last[o.request_id] = o
+        assert llm.mode == "ep"
+        assert [list(last[i].outputs[0].token_ids) for i in ids] == [hf_greedy(path, tuple(p), 8) for p in prompts]
         assert_kv_free(llm)
     finally:
         llm.close()
