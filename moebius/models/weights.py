@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -39,3 +40,18 @@ class ModelWeights:
     norm: torch.Tensor
     rope: torch.Tensor  # [max_pos, d] cos|sin table
     layers: list[LayerWeights]
+
+
+def logits(hidden_TD: torch.Tensor, weights: ModelWeights, fp32: bool = False) -> torch.Tensor:
+    """[T, V] logits (TP: this rank's vocabulary slice). fp32 (--lm-head-dtype float32): accumulated and returned
+    in float32 whatever the model's dtype, from the weights as they are (an fp32 copy would go stale on a weight
+    update): on the GPU one matmul with a float32 output, elsewhere through float32 copies."""
+    w = weights.lm_head_VD
+    if not fp32 or w.dtype == torch.float32:
+        return F.linear(hidden_TD, w)
+    if hidden_TD.is_cuda:
+        try:
+            return torch.mm(hidden_TD, w.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without mm's out_dtype for these dtypes
+            pass
+    return F.linear(hidden_TD.float(), w.float())

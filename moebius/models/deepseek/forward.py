@@ -19,7 +19,7 @@ from moebius.models.deepseek.config import DeepseekConfig
 from moebius.models.deepseek.mla import mla_attention, rope_table
 from moebius.models.deepseek.moe import route, router_logits
 from moebius.models.deepseek.weights import DeepseekMoEWeights
-from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
 
 
@@ -80,12 +80,3 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
 def num_moe_layers(weights: ModelWeights) -> int:
     """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
     return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
-
-
-def logits(hidden_TD: torch.Tensor, weights: ModelWeights, fp32: bool = False) -> torch.Tensor:
-    """[T, V] logits (TP: this rank's vocabulary slice). fp32 (--lm-head-dtype float32): accumulated and returned in
-    float32 from the weights as they are (through float32 copies: this family runs on the CPU only)."""
-    w = weights.lm_head_VD
-    if not fp32 or w.dtype == torch.float32:
-        return F.linear(hidden_TD, w)
-    return F.linear(hidden_TD.float(), w.float())

@@ -21,7 +21,7 @@ from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
 from moebius.layers.moe import dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
-from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
 
 
@@ -89,18 +89,3 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
 def num_moe_layers(weights: ModelWeights) -> int:
     """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
     return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
-
-
-def logits(hidden_TD: torch.Tensor, weights: ModelWeights, fp32: bool = False) -> torch.Tensor:
-    """[T, V] logits (TP: this rank's vocabulary slice). fp32 (--lm-head-dtype float32): accumulated and returned
-    in float32 whatever the model's dtype, from the weights as they are (an fp32 copy would go stale on a weight
-    update): on the GPU one matmul with a float32 output, elsewhere through float32 copies."""
-    w = weights.lm_head_VD
-    if not fp32 or w.dtype == torch.float32:
-        return F.linear(hidden_TD, w)
-    if hidden_TD.is_cuda:
-        try:
-            return torch.mm(hidden_TD, w.t(), out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a torch without mm's out_dtype for these dtypes
-            pass
-    return F.linear(hidden_TD.float(), w.float())
