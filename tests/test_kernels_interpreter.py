@@ -292,6 +292,63 @@ def test_switch_reshard_copies_under_the_interpreter() -> None:
     _run("reshard")
 
 
+def mla_cases() -> None:
+    from attention_cases import paged_metadata
+
+    from moebius.kernels.mla import latent_decode_attention
+    from moebius.layers.attention import _sequences
+    from moebius.models.deepseek.mla import absorbed, absorbed_kernel
+
+    g = torch.Generator().manual_seed(0)
+    bs, pages, N, V = 4, 64, 8, 12
+    ctx = [1, 4, 5, 17, 38]  # one key, a whole page, one past it, several pages (38: an empty fourth split of 4)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    # (heads, latent C, rope R): one head block; two, the second partial, with C and R under powers of two
+    for H, C, R in [(4, 16, 16), (20, 24, 8)]:
+        meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cpu", seed=H)
+        cache = torch.randn(pages, bs, C + R, generator=g)
+        for b, n in enumerate(ctx):  # a last page's unwritten rest holds NaN: never read
+            cache[meta.block_tables[b, (n - 1) // bs], (n - 1) % bs + 1:] = float("nan")
+        q_nope, q_rope = torch.randn(len(ctx), H, N, generator=g), torch.randn(len(ctx), H, R, generator=g)
+        kv_b = torch.randn(H * (N + V), C, generator=g) * C ** -0.5
+        scale = 1.3 * (N + R) ** -0.5
+        want = absorbed(q_nope, q_rope, cache, kv_b, meta, scale)
+        for splits in (1, 3, 4):
+            meta.num_splits = splits
+            got = absorbed_kernel(q_nope, q_rope, cache, kv_b, meta, scale)
+            assert torch.allclose(got, want, **tol), (H, C, R, splits, (got - want).abs().max())
+            for h0, h1 in [(0, H // 2), (H // 2, H)]:  # TP shards: a leading slice of heads, kv_b's rows of them
+                got = absorbed_kernel(q_nope[:, h0:h1], q_rope[:, h0:h1], cache, kv_b[h0 * (N + V): h1 * (N + V)],
+                                      meta, scale)
+                assert torch.allclose(got, want[:, h0:h1], **tol), (H, splits, h0, h1)
+        # the kernel's own output, the weighted latent sums: the reference with W_UV = identity (V = C) returns them
+        wk = torch.randn(H, N, C, generator=g) * C ** -0.5
+        kv_id = torch.cat([wk, torch.eye(C).expand(H, C, C)], dim=1).flatten(0, 1)
+        want = absorbed(q_nope, q_rope, cache, kv_id, meta, scale)
+        for splits in (1, 4):
+            got = latent_decode_attention(torch.einsum("thn,hnc->thc", q_nope, wk), q_rope, cache,
+                                          meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, splits)
+            assert torch.allclose(got, want, **tol), (H, C, R, splits, "latent sums")
+    # a mixed step's decodes, as latent_attention hands them to the kernel on CUDA (their own metadata)
+    H, C, R = 4, 16, 16
+    q_lens, ctx = [1, 6, 1, 1], [9, 6, 30, 2]
+    meta = paged_metadata(q_lens, ctx, bs, pages, "cpu", seed=7)
+    cache = torch.randn(pages, bs, C + R, generator=g)
+    q_nope, q_rope = torch.randn(sum(q_lens), H, N, generator=g), torch.randn(sum(q_lens), H, R, generator=g)
+    kv_b = torch.randn(H * (N + V), C, generator=g) * C ** -0.5
+    sub, rows = _sequences(meta, (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1)
+    want = absorbed(q_nope, q_rope, cache, kv_b, meta, 0.3)[rows]
+    got = absorbed_kernel(q_nope[rows], q_rope[rows], cache, kv_b, sub, 0.3)
+    assert torch.allclose(got, want, **tol), "mixed step's decodes"
+
+
+def test_latent_decode_attention_under_the_interpreter() -> None:
+    """kernels/mla.py (DeepSeek's MLA decode, absorbed form, over a paged latent cache) against
+    models/deepseek/mla.py's torch `absorbed`: with and without KV splits, TP shards of heads, a mixed step's
+    decodes, and its raw weighted latent sums."""
+    _run("mla")
+
+
 def _run(case: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,5 +361,5 @@ def _run(case: str) -> None:
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
              "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
-             "reshard": reshard_cases, "norm": norm_cases}
+             "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases}
     cases[sys.argv[1]]()

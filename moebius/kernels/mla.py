@@ -1,0 +1,165 @@
+"""Paged multi-head latent attention (MLA, DeepSeek-V2 / V3) in Triton: the decode step in the absorbed form.
+
+The cache holds one entry a token, [pages, page_size, C + R]: the normalised latent (C = kv_lora_rank) then the roped
+rope key (R = qk_rope_head_dim), shared by every head. The caller folds the key up-projection into the query
+(q_latent = q_nope @ W_UK per head); here, for each decoding sequence and head, scores = q_latent . latent +
+q_rope . rope_key over the sequence's pages through its block table, the softmax with the softmax scale, and the
+weighted sum of the latents, [T, H, C]; the caller applies the value up-projection W_UV after. A program takes one
+sequence and a block of BH heads, so the latent tiles it reads serve all of them (the cache is read once per head
+block, never expanded). For long contexts the keys are split over NUM_SPLITS programs (flash-decoding) and a second
+kernel merges the partials, as kernels/attention.py's decode does. No host value is needed at launch beyond the grid
+(CUDA-graph safe). The torch reference is `moebius.models.deepseek.mla.absorbed`. Prompt chunks have no kernel here
+yet (they take that module's torch `expanded` form).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.kernels.pdl import enter, pdl
+
+# heads a program takes: tl.dot needs at least 16 rows compiled; more would hold a [BH, C] float32 accumulator of
+# C = 512 (every published DeepSeek config) past the registers of 4 warps
+HEAD_BLOCK = 16
+
+
+@triton.jit
+def _mla_decode(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale, H,
+                stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+                C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (head block x split, sequence): the online softmax (base 2) over this split's keys of the sequence.
+    CP, RP: C and R rounded up to powers of two (Triton's ranges), the rest masked."""
+    enter(PDL)
+    # head blocks (and splits) vary fastest: the programs of one sequence run side by side and read its pages together
+    hblk = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
+    b = tl.program_id(1)
+    t = tl.load(QStart + b).to(tl.int64)  # the sequence's one new token
+    seq_len = tl.load(SeqLens + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
+    lo = split * per_split
+    hi = tl.minimum(seq_len, lo + per_split)
+    h = hblk * BH + tl.arange(0, BH)
+    hv = h < H
+    c = tl.arange(0, CP)
+    cv = c < C
+    r = tl.arange(0, RP)
+    rv = r < R
+    q_lat = tl.load(QLat + t * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None] & cv[None, :],
+                    other=0.0)
+    q_rope = tl.load(QRope + t * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None] & rv[None, :],
+                     other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, CP], tl.float32)
+    scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
+    for start in range(lo, hi, BN):
+        j = start + tl.arange(0, BN)
+        jv = j < hi
+        page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
+        base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok
+        # masked to 0 past the sequence's end: a page's unwritten rest may hold NaN (0 * NaN is NaN in the dots)
+        lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None] & cv[None, :], other=0.0)
+        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None] & rv[None, :], other=0.0)
+        s = (tl.dot(q_lat, tl.trans(lat), input_precision=PREC)
+             + tl.dot(q_rope, tl.trans(rope), input_precision=PREC))
+        s = tl.where(jv[None, :], s, float("-inf"))
+        # scaled after the row max (scale2 > 0), so each score takes one fused multiply-add before exp2
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * scale2 - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # the probabilities in the cache's dtype before the latent sum, as the torch reference rounds them
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PREC)
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + t * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
+                 mask=hv[:, None] & cv[None, :])
+    else:
+        # partials of token t, head h, split s at ((t * H + h) * NUM_SPLITS + s)
+        idx = (t * H + h) * NUM_SPLITS + split
+        tl.store(PartAcc + idx[:, None] * C + c[None, :], acc, mask=hv[:, None] & cv[None, :])
+        tl.store(PartML + idx * 2, m_i, mask=hv)
+        tl.store(PartML + idx * 2 + 1, l_i, mask=hv)
+
+
+@triton.jit
+def _mla_merge(PartAcc, PartML, Out, stride_ot, stride_oh, H, C: tl.constexpr, CP: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, head): the splits' partial sums rescaled to the largest maximum and normalised. SP:
+    NUM_SPLITS rounded up to a power of two."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    sv = s < NUM_SPLITS
+    idx = (t * H + h) * NUM_SPLITS + s
+    m = tl.load(PartML + idx * 2, mask=sv, other=float("-inf"))
+    l = tl.load(PartML + idx * 2 + 1, mask=sv, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))  # log2 units
+    L = tl.sum(l * w, 0)
+    c = tl.arange(0, CP)
+    cv = c < C
+    acc = tl.load(PartAcc + idx[:, None] * C + c[None, :], mask=sv[:, None] & cv[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(L > 0, L, 1.0)
+    tl.store(Out + t * stride_ot + h * stride_oh + c, out.to(Out.dtype.element_ty), mask=cv)
+
+
+def decode_tiles(C: int, element_size: int) -> tuple[int, int, int]:
+    """(KV tile, warps, pipeline stages): not tuned yet (no GPU run of this kernel so far); a [BN, C] latent tile of
+    bf16 at C = 512 is 32 KiB a stage at BN = 32, float32 (the tests' oracle runs) half the tokens for the same
+    bytes."""
+    BN = 32 if element_size <= 2 else 16
+    return BN, 8 if C >= 256 else 4, 2
+
+
+def latent_decode_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, num_splits: int = 1, *, kc: KernelConfig = DEFAULT_KERNELS,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode (one new token a sequence: T == B) over the paged latent cache, absorbed form: q_latent [T, H, C]
+    (q_nope through W_UK), q_rope [T, H, R] (roped), cache [pages, page_size, C + R] (the last dim contiguous),
+    block_tables [B, max_pages] int32, seq_lens [B] (keys of each sequence, its new token's included; the new
+    entry already written), query_start_loc [B + 1]. Returns the weighted latent sums [T, H, C] in q_latent's dtype
+    (in `out` when given); the caller applies W_UV. num_splits > 1: each sequence's keys split over that many
+    programs, then merged."""
+    T, H, C = q_latent_THC.shape
+    R = q_rope_THR.shape[2]
+    B = seq_lens.shape[0]
+    if cache_PSA.shape[2] != C + R:
+        raise ValueError(f"the latent cache's entries hold {cache_PSA.shape[2]} values, not C + R = {C} + {R}")
+    if T != B:
+        raise ValueError(f"latent_decode_attention takes one token a sequence: {T} tokens for {B} sequences")
+    if cache_PSA.stride(2) != 1 or q_latent_THC.stride(2) != 1 or q_rope_THR.stride(2) != 1:
+        raise ValueError("the cache's, q_latent's and q_rope's last dims must be contiguous")
+    out = torch.empty_like(q_latent_THC) if out is None else out
+    if T == 0:
+        return out
+    if B > 65535:
+        raise ValueError(f"latent decode attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
+    BN, warps, stages = decode_tiles(C, cache_PSA.element_size())
+    CP, RP = triton.next_power_of_2(C), max(16, triton.next_power_of_2(R))  # (tl.dot's K of at least 16)
+    if num_splits > 1:
+        part_acc = torch.empty(T * H * num_splits, C, dtype=torch.float32, device=q_latent_THC.device)
+        part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_latent_THC.device)
+    else:
+        part_acc = part_ml = out
+    grid = (triton.cdiv(H, HEAD_BLOCK) * num_splits, B)
+    _mla_decode[grid](q_latent_THC, q_rope_THR, cache_PSA, out, part_acc, part_ml, block_tables, seq_lens,
+                      query_start_loc, scale, H,
+                      q_latent_THC.stride(0), q_latent_THC.stride(1), q_rope_THR.stride(0), q_rope_THR.stride(1),
+                      out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), block_tables.stride(0),
+                      C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=HEAD_BLOCK, BN=BN, PAGE=cache_PSA.shape[1],
+                      PREC="ieee" if q_latent_THC.dtype == torch.float32 else "tf32", num_warps=warps,
+                      num_stages=stages, **pdl(q_latent_THC, kc))
+    if num_splits > 1:
+        _mla_merge[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, C=C, CP=CP, NUM_SPLITS=num_splits,
+                           SP=triton.next_power_of_2(num_splits), **pdl(q_latent_THC, kc))
+    return out
