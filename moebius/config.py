@@ -33,6 +33,61 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1, hidden_act="silu",
         bos_token_id=151643, eos_token_id=151645,
     ),
+    # The DeepSeek-V2 / V3 family's releases, their config.json fields as published on Hugging Face (written from
+    # memory, not copied from the files: values marked "uncertain" were not checked against them). The checkpoints'
+    # auto_map, dropout, aux-loss and init fields are left out (nothing reads them), and DeepSeek-V3's
+    # quantization_config (FP8 blocks) too: a preset is random weights in --dtype, and an FP8 config is refused.
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", scoring_func="softmax", n_group=1,
+        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=163840,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                          beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+        attention_bias=False, tie_word_embeddings=False, hidden_act="silu", bos_token_id=100000,
+        eos_token_id=100001,
+    ),
+    "moonlight-16b-a3b": dict(  # moonshotai/Moonlight-16B-A3B: DeepSeek-V3's architecture at V2-Lite's size
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840, hidden_size=2048,
+        intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-5, rope_theta=50000.0,
+        max_position_embeddings=8192, rope_scaling=None, num_nextn_predict_layers=0, attention_bias=False,
+        tie_word_embeddings=False, hidden_act="silu", bos_token_id=163584, eos_token_id=163585,
+    ),
+    "deepseek-v3": dict(  # deepseek-ai/DeepSeek-V3 (R1: the same shapes); cut it with --num-layers
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=3, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8,
+        topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=163840,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        num_nextn_predict_layers=1, attention_bias=False, tie_word_embeddings=False, hidden_act="silu",
+        bos_token_id=0, eos_token_id=1,
+    ),
+    "kimi-k2": dict(  # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture, 384 experts, 64 heads; cut it too
+        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", vocab_size=163840, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+        num_key_value_heads=64, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=1, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6, rope_theta=50000.0,
+        max_position_embeddings=131072,
+        # uncertain: rope_scaling's beta_fast (1.0 here, V3's is 32) and eos_token_id (the Instruct release's
+        # generation_config ends a turn at 163586, <|im_end|>)
+        rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0,
+                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        num_nextn_predict_layers=0, attention_bias=False, tie_word_embeddings=False, hidden_act="silu",
+        bos_token_id=163584, eos_token_id=163585,
+    ),
 }
 
 

@@ -17,7 +17,8 @@ REF = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools", "fl
 
 
 @pytest.mark.skipif(not os.path.isfile(REF), reason="../shared/tools/floor.py is not beside this checkout")
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+# the reference models GQA shapes only: the Qwen3 presets (the DeepSeek ones are checked by hand below)
+@pytest.mark.parametrize("preset", sorted(p for p, hf in PRESETS.items() if hf["model_type"] == "qwen3_moe"))
 def test_floor_agrees_with_reference(preset: str) -> None:
     spec = importlib.util.spec_from_file_location("ref_floor", REF)
     ref = importlib.util.module_from_spec(spec)
