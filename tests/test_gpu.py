@@ -4,6 +4,7 @@ and CUDA-graph replay against eager execution token for token, across layout swi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -867,3 +868,62 @@ def test_logprobs_graph_and_eager_agree() -> None:
         assert a.token_ids == b.token_ids
         for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
             assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-3 and x[k] <= 0 for k in x), (x, y)
+
+
+def _latent_case(heads: int, ctx: list[int], q_lens: list[int], seed: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """DeepSeek-V2-Lite / V3's MLA shapes (C = 512, R = 64, N = V = 128) in bf16 on the GPU: q_nope, q_rope, a paged
+    latent cache (NaN past each sequence's end, where pages are unwritten), kv_b, and the step's metadata. Magnitudes
+    as the model's: the latent normalised (about 1 a value), q_latent = q_nope @ W_UK about 1 a value."""
+    torch.manual_seed(seed)
+    C, R, N, V, bs, pages = 512, 64, 128, 128, 16, 512
+    meta = paged_metadata(q_lens, ctx, bs, pages, "cuda")
+    cache = torch.randn(pages, bs, C + R, device="cuda", dtype=torch.bfloat16)
+    for b, n in enumerate(ctx):
+        cache[meta.block_tables[b, (n - 1) // bs], (n - 1) % bs + 1:] = float("nan")
+    T = sum(q_lens)
+    q_nope = torch.randn(T, heads, N, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(T, heads, R, device="cuda", dtype=torch.bfloat16)
+    kv_b = (torch.randn(heads * (N + V), C, device="cuda") * N ** -0.5).to(torch.bfloat16)
+    return q_nope, q_rope, cache, kv_b, meta
+
+
+@pytest.mark.parametrize("heads", [8, 16, 128])  # a TP shard of V2-Lite, V2-Lite whole, V3 on one rank
+@pytest.mark.parametrize("splits", [1, 4, 16, 32])
+def test_latent_decode_attention_matches_reference(heads: int, splits: int) -> None:
+    """kernels/mla.py (MLA decode, absorbed form, through models/deepseek/mla.absorbed_kernel) in bf16 against the
+    float32 torch absorbed form on the same bf16 values: relative error < 2e-2 (bf16 rounds q_latent, the
+    probabilities and the output: about 3 significant digits each; the GQA kernel's tolerance is 1e-2), finite."""
+    from moebius.models.deepseek.mla import absorbed, absorbed_kernel
+
+    ctx = [1, 17, 300, 1000, 64, 513]
+    q_nope, q_rope, cache, kv_b, meta = _latent_case(heads, ctx, [1] * len(ctx))
+    scale = 192 ** -0.5
+    ref = absorbed(q_nope.float(), q_rope.float(), cache.float(), kv_b.float(), meta, scale)
+    meta.num_splits = splits
+    out = absorbed_kernel(q_nope, q_rope, cache, kv_b, meta, scale)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert _rel(out, ref) < 2e-2, (heads, splits, _rel(out, ref))
+
+
+def test_latent_attention_takes_the_kernel_for_decodes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """models/deepseek/mla.latent_attention on CUDA: a mixed step's decodes through the Triton kernel (one launch,
+    with their own metadata), its prompt chunk through the torch expanded form; the whole step's output within
+    bf16 noise (< 2e-2) of the float32 CPU path."""
+    from moebius.kernels import mla as kernel
+    from moebius.models.deepseek.mla import latent_attention
+
+    calls: list[int] = []
+    fast = kernel.latent_decode_attention
+    monkeypatch.setattr(kernel, "latent_decode_attention",
+                        lambda q, *a, **kw: (calls.append(q.shape[0]), fast(q, *a, **kw))[1])
+    q_lens, ctx = [1, 40, 1, 1], [300, 40, 17, 1000]
+    q_nope, q_rope, cache, kv_b, meta = _latent_case(16, ctx, q_lens)
+    meta.num_splits = 4
+    out = latent_attention(q_nope, q_rope, cache, kv_b, meta, 192 ** -0.5)
+    assert calls == [3]
+    cpu = {k: getattr(meta, k).cpu() for k in ("positions", "slot_mapping", "query_start_loc", "seq_lens",
+                                                "block_tables", "token_seq", "token_qpos")}
+    ref = latent_attention(q_nope.float().cpu(), q_rope.float().cpu(), cache.float().cpu(), kv_b.float().cpu(),
+                           replace(meta, **cpu), 192 ** -0.5)
+    assert torch.isfinite(out).all() and _rel(out.cpu(), ref) < 2e-2

@@ -5,7 +5,8 @@ program align and the chunked align passes, all local experts and a slice of the
 prompt chunks also from the host's query-block table, a step's leading decodes also in a launch of their own),
 the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
-with and without the expert pairs summed inside it (moebius/kernels/fused.py). The interpreter is chosen when Triton
+with and without the expert pairs summed inside it (moebius/kernels/fused.py). MLA's paged latent decode attention
+(moebius/kernels/mla.py) against DeepSeek's torch absorbed form. The interpreter is chosen when Triton
 defines the kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra);
 skipped without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
 tests/test_symmetric_protocol.py.)"""
