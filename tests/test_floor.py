@@ -107,3 +107,67 @@ def test_prefill_work_of_several_prompts() -> None:
     mixed = prefill_work(10, prefix=6, sequences=3, decodes=5, decode_context=20)
     assert (mixed.tokens, mixed.decode_tokens, mixed.sequences, mixed.sampled) == (15, 5, 8, 8)
     assert (mixed.kv_tokens, mixed.attended) == (28 + 5 * 21, work.attended + 5 * 21)
+
+
+# ---- the DeepSeek family's terms (MLA, its latent cache, shared experts, dense first layers) -------------------
+
+
+def test_deepseek_attention_weights_by_hand() -> None:
+    """MLA's projections a layer, counted by hand from the published shapes: V2-Lite (no q-LoRA) whole on one rank,
+    DeepSeek-V3 (q-LoRA) on one of 8 TP ranks (16 of its 128 heads; q_a and kv_a every head's, replicated)."""
+    from moebius.bench.floor import decode_step_terms, floor_terms
+
+    lite = model_config(PRESETS["deepseek-v2-lite"])
+    # q_proj 16 heads x 192 rows x 2048, kv_a 576 x 2048, kv_b 16 x 256 x 512, o_proj 2048 x 16 x 128
+    layer = 16 * 192 * 2048 + 576 * 2048 + 16 * 256 * 512 + 2048 * 16 * 128
+    assert layer == 13_762_560
+    assert floor_terms(lite, 1, "tp").attn_weights == 27 * layer
+    dense = 3 * 2048 * 10944  # first_k_dense_replace = 1: layer 0's MLP
+    assert decode_step_terms(lite, 1, "tp", 8, 100)["weights_bytes"] == (27 * layer + dense) * 2
+    v3 = model_config(PRESETS["deepseek-v3"], num_layers=4)
+    shard = 1536 * 7168 + 16 * 192 * 1536 + 576 * 7168 + 16 * 256 * 512 + 7168 * 16 * 128
+    f = floor_terms(v3, 8, "tp")
+    assert f.attn_weights == 4 * shard and f.moe_layers == 1  # layers 0-2 dense
+    assert f.dense_weights == 3 * 3 * 7168 * 18432 / 8
+    assert f.shared_weights == 3 * 7168 * 2048 / 8  # one shared expert a MoE layer, 1/8 on every rank
+    assert floor_terms(v3, 8, "ep").shared_weights == f.shared_weights  # the same shard in EP
+    # the absorbed form a cached token: scores over 576 values and the weighted sum over 512, each of 16 heads
+    assert f.attn_flops_per_key == 4 * 16 * (2 * 576 + 2 * 512)
+
+
+@pytest.mark.parametrize("P", (2, 4, 8))
+def test_deepseek_tp_reads_p_times_eps_kv_a_rank(P: int) -> None:
+    """MLA's one latent a token is replicated on every TP rank, so a TP rank reads the whole batch's cache while
+    an EP rank reads its 1/P of the requests': P times the bytes at the same batch (Qwen3-235B's 4 KV heads over 8
+    TP ranks: each on 2 ranks, so twice EP's)."""
+    from moebius.bench.floor import decode_step_terms
+
+    cfg = model_config(PRESETS["deepseek-v3"], num_layers=4)
+    tp, ep = (decode_step_terms(cfg, P, m, 64, 1000) for m in ("tp", "ep"))
+    assert tp["kv_bytes"] == pytest.approx(P * ep["kv_bytes"])
+    assert ep["kv_bytes"] == 64 / P * 1000 * 4 * 576 * 2  # tokens x layers x the latent's values x bf16
+    qwen = model_config(PRESETS["qwen3-235b-a22b"])
+    tp, ep = (decode_step_terms(qwen, 8, m, 64, 1000) for m in ("tp", "ep"))
+    assert tp["kv_bytes"] == pytest.approx(2 * ep["kv_bytes"])
+
+
+def test_deepseek_switch_floor_by_hand() -> None:
+    """V2-Lite on 2 ranks: the experts of its 26 MoE layers (none in the dense layer 0), and EP -> TP's gather of
+    the other rank's half of the latents."""
+    cfg = model_config(PRESETS["deepseek-v2-lite"])
+    rank = 26 * 64 * 3 * 2048 * 1408 * 2 / 2
+    weights = (rank / 2 / 395e9 + 2 * rank / 2 / 4.28e12) * 1e3
+    assert switch_floor_ms(cfg, 2, 0) == pytest.approx(weights)
+    kv = 1000 * 27 * 576 * 2 / 2  # each rank receives the other's 500 tokens' latents, 27 layers, bf16
+    assert switch_floor_ms(cfg, 2, 1000) == pytest.approx(weights + kv / 395e9 * 1e3)
+
+
+def test_deepseek_step_floor_of_a_decode_batch_is_the_decode_floor() -> None:
+    from moebius.bench.floor import step_floor_ms
+    from moebius.link.messages import StepWork
+
+    cfg = model_config(PRESETS["moonlight-16b-a3b"])
+    for P, mode, B, ctx in ((1, "tp", 64, 512), (4, "tp", 8, 1024), (4, "ep", 256, 512)):
+        work = StepWork(tokens=B, decode_tokens=B, sequences=B, kv_tokens=B * ctx, attended=B * ctx, sampled=B)
+        assert step_floor_ms(cfg, P, mode, work) == pytest.approx(decode_step_floor_ms(cfg, P, mode, B, ctx),
+                                                                   rel=5e-3)

@@ -5,7 +5,10 @@ ModelConfig; tests check the two agree).
 floor = max(HBM bytes / HBM bandwidth, FLOPs / matmul rate) + link bytes / link bandwidth, where HBM bytes count the
 layout's attention weights, the distinct experts the batch hits (uniform routing), the batch's KV, the MoE
 activations of the (token, expert) pairs a rank computes, and the lm_head; link bytes are TP's two all-reduces per
-layer or EP's dispatch + combine per layer.
+layer or EP's dispatch + combine per MoE layer. What attention, the cache and the dense parts cost is the model
+family's (`Family.floor_terms`: GQA heads for Qwen3-MoE; MLA's projections, its latent cache replicated in TP and
+the absorbed form's FLOPs, shared experts and dense first layers for DeepSeek); the rest is the same for every
+family.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass
 
 from moebius.config import ModelConfig
 from moebius.link.messages import StepWork, attended_pairs, split_evenly
+from moebius.models.registry import family_of
+from moebius.models.specs import FloorTerms
+from moebius.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -29,38 +35,55 @@ def _experts_hit(cfg: ModelConfig, tokens: float, candidates: float) -> float:
     return 0.0 if tokens <= 0 else candidates * (1.0 - (1.0 - cfg.top_k / cfg.num_experts) ** tokens)
 
 
-def decode_step_floor_ms(cfg: ModelConfig, P: int, mode: str, batch: int, context: int, dtype_bytes: int = 2,
-                         hw: Hardware = Hardware()) -> float:
-    b, D, d, L = dtype_bytes, cfg.hidden_size, cfg.head_dim, cfg.num_layers
+def floor_terms(cfg: ModelConfig, P: int, mode: str) -> FloorTerms:
+    """The model's family's terms for a rank of `mode` on P ranks (attention, dense MLPs, cache, shared experts)."""
+    if mode not in ("tp", "ep"):
+        raise ValueError(f"mode must be tp or ep, not {mode!r}")
+    family = family_of(cfg)
+    if family.floor_terms is None:
+        raise ValueError(f"the {family.name} family gives the floor model no terms (Family.floor_terms)")
+    return family.floor_terms(cfg, Layout(cfg, mode, 0, P))
+
+
+def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: int, dtype_bytes: int = 2,
+                      hw: Hardware = Hardware()) -> dict[str, float]:
+    """A decode step's floor on a rank with its parts: the HBM bytes of each kind (attention and dense MLP weights,
+    routed experts, shared experts, the KV read, MoE activations, lm_head), FLOPs, link bytes, and `floor_ms`."""
+    b, D = dtype_bytes, cfg.hidden_size
+    f = floor_terms(cfg, P, mode)
+    Lm = f.moe_layers
     expert = 3 * D * cfg.moe_intermediate_size  # elements of one whole expert
     lm_head = cfg.vocab_size * D
-    kv_entry = cfg.kv_spec.parts * cfg.kv_spec.dim  # elements one token caches a KV head a layer
+    weights = f.attn_weights + f.dense_weights  # run on the rank's own tokens
     if mode == "tp":
-        toks, kvh, qh = batch, max(1, cfg.num_kv_heads // P), cfg.num_heads // P
-        attn_w = D * qh * d * 2 + D * kvh * d * 2
+        toks = batch
         moe_w = _experts_hit(cfg, batch, cfg.num_experts) * expert / P
-        kv = batch * context * kvh * kv_entry
         lm = lm_head / P
         pairs, inter = batch * cfg.top_k, cfg.moe_intermediate_size / P
-        flops = L * (toks * (2 * attn_w + 2 * cfg.top_k * expert / P) + 4 * batch * context * qh * d) + 2 * lm * toks
-        link = 2 * (2 * (P - 1) / P) * batch * D * b if P > 1 else 0.0
-    elif mode == "ep":
-        toks, kvh, qh = math.ceil(batch / P), cfg.num_kv_heads, cfg.num_heads
-        attn_w = D * qh * d * 2 + D * kvh * d * 2
+        routed_flops = Lm * toks * 2 * cfg.top_k * expert / P
+        # two all-reduces a layer (attention, MLP)
+        link = cfg.num_layers * 2 * (2 * (P - 1) / P) * batch * D * b if P > 1 else 0.0
+    else:
+        toks = math.ceil(batch / P)
         moe_w = _experts_hit(cfg, batch, cfg.num_experts / P) * expert
-        kv = toks * context * kvh * kv_entry
         lm = lm_head
         pairs, inter = batch * cfg.top_k / P, cfg.moe_intermediate_size
-        flops = (L * (toks * 2 * attn_w + 2 * cfg.top_k * batch / P * expert + 4 * toks * context * qh * d)
-                 + 2 * lm * toks)
+        routed_flops = Lm * 2 * cfg.top_k * batch / P * expert
         remote = (P - 1) * (1.0 - (1.0 - 1.0 / P) ** cfg.top_k) if P > 1 else 0.0
-        link = 2 * toks * remote * D * b
-    else:
-        raise ValueError(f"mode must be tp or ep, not {mode!r}")
-    moe_act = pairs * (3 * D + 2 * inter) * b
-    hbm = L * ((attn_w + moe_w + kv) * b + moe_act) + lm * b
-    t = max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + L * link / hw.link_bytes_per_s
-    return t * 1e3
+        link = Lm * 2 * toks * remote * D * b  # dispatch and combine of each MoE layer
+    flops = (toks * 2 * weights + routed_flops + toks * context * f.attn_flops_per_key
+             + batch * 2 * f.shared_weights + 2 * lm * toks)
+    terms = {"weights_bytes": weights * b, "experts_bytes": Lm * moe_w * b, "shared_bytes": f.shared_weights * b,
+             "kv_bytes": toks * context * f.kv_per_token * b, "act_bytes": Lm * pairs * (3 * D + 2 * inter) * b,
+             "lm_bytes": lm * b}
+    hbm = sum(terms.values())
+    t = max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s
+    return {**terms, "hbm_bytes": hbm, "flops": flops, "link_bytes": link, "floor_ms": t * 1e3}
+
+
+def decode_step_floor_ms(cfg: ModelConfig, P: int, mode: str, batch: int, context: int, dtype_bytes: int = 2,
+                         hw: Hardware = Hardware()) -> float:
+    return decode_step_terms(cfg, P, mode, batch, context, dtype_bytes, hw)["floor_ms"]
 
 
 def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int = 2, hw: Hardware = Hardware()
@@ -69,7 +92,8 @@ def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int =
     direction; the KV of `kv_tokens` live tokens counted the EP -> TP way, the larger), plus the local share of the
     experts read and written in HBM."""
     b, L = dtype_bytes, cfg.num_layers
-    experts = L * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * b / P  # a rank's, either way
+    Lm = sum(1 for i in range(L) if cfg.is_moe_layer(i))  # (DeepSeek's dense first layers hold no experts)
+    experts = Lm * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * b / P  # a rank's, either way
     remote, local = experts * (P - 1) / P, experts / P
     spec = cfg.kv_spec
     replicas = max(1, P // spec.heads)  # TP holds each KV head on this many ranks
@@ -85,29 +109,29 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     tokens), the MoE activations of its (token, expert) pairs; FLOPs of the projections and experts per token,
     attention per (query, key) pair, lm_head per sampled row; TP's all-reduces or EP's exchange per token. EP
     spreads the work evenly over the ranks."""
-    b, D, d, L = dtype_bytes, cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    b, D, L = dtype_bytes, cfg.hidden_size, cfg.num_layers
     T, expert = work.tokens, 3 * D * cfg.moe_intermediate_size
     ep = mode == "ep"
-    if mode not in ("tp", "ep"):
-        raise ValueError(f"mode must be tp or ep, not {mode!r}")
+    f = floor_terms(cfg, P, mode)
+    Lm = f.moe_layers
     share = 1.0 / P if ep else 1.0  # of the tokens, KV, pairs and sampled rows a rank computes
     tp = 1 if ep else P  # the tensor-parallel degree of attention, experts and lm_head
-    kvh, qh = max(1, cfg.num_kv_heads // tp), cfg.num_heads // tp
-    attn_w = D * qh * d * 2 + D * kvh * d * 2
+    weights = f.attn_weights + f.dense_weights
     moe_w = _experts_hit(cfg, T, cfg.num_experts / (P if ep else 1)) * expert / tp
     # read every sequence's KV, write the new tokens'
-    kv = (work.kv_tokens + T) * share * kvh * cfg.kv_spec.parts * cfg.kv_spec.dim
+    kv = (work.kv_tokens + T) * share * f.kv_per_token
     lm = cfg.vocab_size * D / tp if work.sampled else 0.0
     pairs, inter = T * cfg.top_k * share, cfg.moe_intermediate_size / tp
-    flops = (L * (T * share * 2 * attn_w + 2 * pairs * expert / tp + 4 * work.attended * share * qh * d)
-             + 2 * lm * work.sampled * share)
+    # (MLA: the absorbed form's FLOPs a (query, key) pair, though a long prompt chunk may be cheaper expanded)
+    flops = (T * share * 2 * weights + Lm * 2 * pairs * expert / tp + work.attended * share * f.attn_flops_per_key
+             + T * 2 * f.shared_weights + 2 * lm * work.sampled * share)
     if ep:
         remote = (P - 1) * (1.0 - (1.0 - 1.0 / P) ** cfg.top_k) if P > 1 else 0.0
-        link = 2 * math.ceil(T / P) * remote * D * b
+        link = Lm * 2 * math.ceil(T / P) * remote * D * b
     else:
-        link = 2 * (2 * (P - 1) / P) * T * D * b if P > 1 else 0.0
-    hbm = L * ((attn_w + moe_w + kv) * b + pairs * (3 * D + 2 * inter) * b) + lm * b
-    return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + L * link / hw.link_bytes_per_s) * 1e3
+        link = L * 2 * (2 * (P - 1) / P) * T * D * b if P > 1 else 0.0
+    hbm = (weights + Lm * moe_w + kv + f.shared_weights) * b + Lm * pairs * (3 * D + 2 * inter) * b + lm * b
+    return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s) * 1e3
 
 
 def prefill_work(tokens: int, prefix: int = 0, sequences: int = 1, decodes: int = 0, decode_context: int = 0

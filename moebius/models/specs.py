@@ -165,6 +165,22 @@ WeightSpecs = Callable[[ModelConfig, Layout, int], list[ParamSpec]]
 
 
 @dataclass(frozen=True)
+class FloorTerms:
+    """What one rank of a layout reads and computes beside the routed experts, summed over the model's layers, for
+    the floor model (bench/floor.py, which adds the routed experts, activations, lm_head and links itself): elements
+    and FLOPs, no dtype. A family answers these from its own shapes (GQA heads, MLA's projections and latent)."""
+
+    attn_weights: float  # attention's weight elements a rank reads (its heads' shard; replicated parts whole)
+    dense_weights: float  # dense MLP layers' weight elements a rank reads (TP: its shard; EP: whole)
+    kv_per_token: float  # cache elements a rank reads for one cached token of a request it runs
+    attn_flops_per_key: float  # FLOPs one query token spends on one cached token (scores and weighted sum)
+    moe_layers: int  # layers with routed experts
+    # weight elements a rank runs on every token of the batch in either layout (DeepSeek's shared experts: a 1/P
+    # shard on every rank); attention and dense MLPs run on the rank's own tokens (EP) or all (TP)
+    shared_weights: float = 0.0
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: what the engine asks of it. `parse_config`: config.json (and --num-layers) -> ModelConfig
     (ConfigError naming what it cannot serve); `weight_specs`: every view of a layout (cfg, layout, bytes an
@@ -172,7 +188,8 @@ class Family:
     `model`: the layout-free forward (`forward`, `logits`, `num_moe_layers`); `rope_table`: the float32 table the
     region named "rope" holds (None: plain RoPE over head_dim, `layers/rotary.rope_table`); `cpu_only`: why the
     family cannot run on a GPU yet ("" where it can); `checks_own_keys`: parse_config refuses missing or ill-typed
-    shape keys itself (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped)."""
+    shape keys itself (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`:
+    a layout's `FloorTerms` for the floor model (None: the floor model refuses the family, naming it)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -183,6 +200,7 @@ class Family:
     rope_table: Callable[[ModelConfig, torch.device], torch.Tensor] | None = None
     cpu_only: str = ""
     checks_own_keys: bool = False
+    floor_terms: Callable[[ModelConfig, Layout], FloorTerms] | None = None
 
     def resident_specs(self, cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
         """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the

@@ -4,10 +4,11 @@ latent attention, which do not exist yet."""
 
 from moebius.models.deepseek import forward
 from moebius.models.deepseek.config import parse_config
+from moebius.models.deepseek.floor_terms import floor_terms
 from moebius.models.deepseek.weights import build_weights, weight_specs
 from moebius.models.specs import Family
 
 FAMILY = Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), parse_config, weight_specs,
                 build_weights, forward, rope_table=forward.family_rope_table,
                 cpu_only="no Triton kernels for paged latent attention (MLA) yet; only the torch reference, on the "
-                         "CPU", checks_own_keys=True)
+                         "CPU", checks_own_keys=True, floor_terms=floor_terms)
