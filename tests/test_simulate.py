@@ -96,3 +96,92 @@ def test_simulate_command_projects_and_validates(tmp_path: Any) -> None:
                  "--switch-cooldown", "0", "--validate", real, "--output", out]) == 0
     rows = {r["system"]: r for r in table(load_result(out), "system")}
     assert all(r["sim_over_real"] > 0 and r["real_completion_s"] > 0 for r in rows.values())
+
+
+# ---- KV capacity: TP holds every request's KV on every rank (MLA: the whole latent cache), EP each once ---------
+
+
+def test_floor_profile_kv_capacity_tp_is_1_over_p_of_ep_for_a_latent_cache() -> None:
+    """The floor model's profile carries each layout's KV capacity on an H200: a DeepSeek preset's latent is
+    replicated in TP, so TP holds 1/P of EP's tokens; Qwen3-235B's 4 KV heads over 8 ranks, 1/2."""
+    from moebius.bench.floor import kv_capacity_tokens
+    from moebius.bench.simulate import floor_profile
+    from moebius.config import PRESETS, ConfigError
+    from moebius.models.registry import model_config
+
+    for preset in ("deepseek-v2-lite", "moonlight-16b-a3b"):
+        cap = floor_profile(preset, 4, 1024, 1.4, 2.0).kv_tokens
+        assert cap["tp"] > 0 and 4 * cap["tp"] == cap["ep"]
+    cap = floor_profile("qwen3-235b-a22b", 8, 1024, 1.4, 2.0).kv_tokens
+    assert cap["tp"] == pytest.approx(cap["ep"] / 2, rel=1e-5)
+    # by hand: 1 GiB of KV a rank over V2-Lite's 27 layers + the spare slot, 576 bf16 values a token a layer
+    lite = model_config(PRESETS["deepseek-v2-lite"])
+    per_rank = 2**30 // (28 * 576 * 2)
+    assert kv_capacity_tokens(lite, 4, 2**30) == {"tp": per_rank, "ep": 4 * per_rank}
+    # DeepSeek-V3 whole is ~160 GiB of weights a rank on 8 in bf16: refused naming it; cut, it fits
+    with pytest.raises(ConfigError, match=r"a rank's weights take .* GiB \(61 layers on 8 ranks"):
+        floor_profile("deepseek-v3", 8, 1024, 1.4, 2.0)
+    cap = floor_profile("deepseek-v3", 8, 1024, 1.4, 2.0, num_layers=20).kv_tokens
+    assert 8 * cap["tp"] == cap["ep"] > 0
+
+
+def test_simulated_admission_keeps_within_the_layouts_capacity() -> None:
+    """Three requests of 1 prompt + 4 output tokens (5 of KV each): TP holding 10 tokens runs two, the third starts
+    when they end; EP holding 100 runs all three at once."""
+    jobs = [Job(0.0, [0], 4) for _ in range(3)]
+    cap = {"tp": 10, "ep": 100}
+    tp = simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "tp", None, budget=64, max_running=8, system="tp",
+                  capacity=cap)
+    assert [x for _, x in tp.ttft] == [pytest.approx(0.01)] * 2 + [pytest.approx(0.05)]
+    assert tp.wall_s == pytest.approx(0.08) and tp.most_kv["tp"] == 10
+    ep = simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "ep", None, budget=64, max_running=8, system="ep",
+                  capacity=cap)
+    assert ep.wall_s == pytest.approx(0.04) and ep.most_kv["ep"] == 15
+    with pytest.raises(ValueError, match="job 0 needs 5 tokens of KV, more than the 4"):
+        simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "tp", None, 64, 8, "tp", capacity={"tp": 4, "ep": 100})
+
+
+def test_auto_mode_does_not_ask_for_tp_while_the_live_kv_would_not_fit() -> None:
+    """The policy's wish to go back to TP is refused while the live requests' KV exceeds TP's capacity (cooling
+    down as after a refused switch), and granted once it fits; the engine's call (no kv_tokens) is unchanged."""
+    from moebius.switch.policy import Decision
+
+    auto = AutoMode(ThresholdPolicy(Thresholds.of("rollout", 10, cooldown=1.0)), "test",
+                    capacity={"tp": 100, "ep": 400})
+    assert auto.observe(0.0, "ep", 5, lambda: [], lambda: 150) is None and auto.refusals == 1
+    assert auto.observe(0.5, "ep", 5, lambda: [], lambda: 50) is None  # cooling down
+    assert auto.observe(1.5, "ep", 5, lambda: [], lambda: 50) == Decision("tp", "mean of the last 1 counts 5.0 "
+                                                                                "< T_l 10")
+    plain = AutoMode(ThresholdPolicy(Thresholds.of("rollout", 10, cooldown=1.0)), "test", capacity={"tp": 1})
+    assert plain.observe(0.0, "ep", 5, lambda: []) is not None  # no kv_tokens: the switch's own check decides
+
+
+def test_simulated_auto_waits_for_tp_to_hold_the_live_kv() -> None:
+    """The drain of test_simulated_auto_switches_where_the_policy_says with TP holding 200 tokens: the policy asks
+    for TP from 9 requests left (333 tokens reserved) on, and the switch waits until the 5 left hold 195."""
+    tp, ep = StepCurve((1, 64), (1.0, 64.0)), StepCurve((1, 64), (10.0, 12.0))
+    jobs = [Job(0.0, [0], n) for n in range(1, 41)]
+    auto = AutoMode(ThresholdPolicy(Thresholds.of("rollout", 10, cooldown=0)), "test", capacity={"tp": 200})
+    run = simulate(jobs, {"tp": tp, "ep": ep}, {"tp": 1.0, "ep": 1.0}, "ep", auto, budget=64, max_running=64,
+                   system="auto", capacity={"tp": 200, "ep": 10_000})
+    assert [(s["source"], s["target"]) for s in run.switches] == [("ep", "tp")]
+    assert auto.refusals == 4  # at 9, 8, 7 and 6 requests left
+    assert run.switches[0]["t"] == pytest.approx(run.steps[34][0])  # after step 35: outputs 36..40 left
+    assert run.most_kv["tp"] == sum(1 + n for n in range(36, 41)) == 195
+
+
+def test_calibration_keeps_the_kv_capacity() -> None:
+    from moebius.config import EngineConfig
+    from moebius.switch.auto import build
+    from moebius.switch.calibration import Calibration, CalibrationKey
+
+    cal = Calibration(CalibrationKey("m", 2, 2, "cpu", "float32"), 8, [1, 4], [1.0, 4.0], [2.0, 3.0],
+                      {"tp": 1.0, "ep": 1.0}, kv_tokens={"tp": 100, "ep": 200})
+    again = Calibration.from_json(cal.to_json())
+    assert again == cal
+    old = cal.to_json()
+    del old["kv_tokens"]  # a profile kept before: capacity not known
+    assert Calibration.from_json(old).kv_tokens == {}
+    ecfg = EngineConfig.from_kwargs(mode="auto")
+    assert build(ecfg, cal).capacity == {"tp": 100, "ep": 200}
+    assert build(EngineConfig.from_kwargs(mode="auto", switch_policy="cost"), cal).capacity == {"tp": 100, "ep": 200}

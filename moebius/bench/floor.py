@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moebius.config import ModelConfig
+from moebius.config import ConfigError, ModelConfig
 from moebius.link.messages import StepWork, attended_pairs, split_evenly
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
-from moebius.parallel.layout import Layout
+from moebius.parallel.layout import MODES, Layout
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Hardware:
     hbm_bytes_per_s: float = 4.28e12  # H200 device-to-device copy, read + write counted (measured)
     link_bytes_per_s: float = 395e9  # H200 -> H200 peer copy over NVLink, one direction (measured)
     bf16_flops: float = 790e12  # dense bf16 matmul on random data (measured)
+    memory_bytes: float = 143771 * 2**20  # an H200's memory as nvidia-smi gives it (143771 MiB)
 
 
 def _experts_hit(cfg: ModelConfig, tokens: float, candidates: float) -> float:
@@ -151,3 +152,41 @@ def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: i
     """The least time a prefill step of one chunk can take (`step_floor_ms` of `prefill_work`)."""
     return step_floor_ms(cfg, P, mode, prefill_work(tokens, prefix), dtype_bytes, hw)
 
+
+
+def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2) -> int:
+    """Bytes of weights a rank of the switchable engine holds (worker/build.py's plan): the dense regions of both
+    layouts, each distinct shard once (the rope table in float32), and num_layers + 1 layer slots of experts."""
+    family, regions = family_of(cfg), {}
+    for mode in MODES:
+        lay = Layout(cfg, mode, 0, P)
+        for s in family.weight_specs(cfg, lay, dtype_bytes):
+            if s.slot is None:
+                regions[s.name] = math.prod(s.shape) * (4 if s.name == "rope" else dtype_bytes)
+    return sum(regions.values()) + (cfg.num_layers + 1) * Layout(cfg, "tp", 0, P).expert_bytes(dtype_bytes)
+
+
+def kv_capacity_tokens(cfg: ModelConfig, P: int, kv_bytes: float, dtype_bytes: int = 2) -> dict[str, int]:
+    """Tokens of KV each layout holds engine-wide when a rank's KV cache is `kv_bytes` (over its num_layers + 1
+    layer slots, as worker/build.py lays it out): a rank holds its KV heads of the family's KV spec (`Layout`) for
+    each token of the requests it runs; TP runs every request on every rank, EP each on one. So for MLA (one latent
+    replicated in TP) TP holds 1/P of EP's tokens; for GQA with fewer KV heads than ranks, KV heads / P of them."""
+    spec, out = cfg.kv_spec, {}
+    for mode in MODES:
+        lay = Layout(cfg, mode, 0, P)
+        per_token = (cfg.num_layers + 1) * lay.num_kv_heads * spec.parts * spec.dim * dtype_bytes
+        out[mode] = int(kv_bytes // per_token) * (P if lay.data_parallel else 1)
+    return out
+
+
+def floor_kv_capacity(cfg: ModelConfig, P: int, mem_fraction: float = 0.85, dtype_bytes: int = 2,
+                      hw: Hardware = Hardware()) -> dict[str, int]:
+    """`kv_capacity_tokens` of what `mem_fraction` of a GPU leaves after a rank's weights (step buffers left out);
+    ConfigError naming the bytes when the weights alone do not fit."""
+    weights = rank_weight_bytes(cfg, P, dtype_bytes)
+    left = hw.memory_bytes * mem_fraction - weights
+    if left <= 0:
+        raise ConfigError(f"a rank's weights take {weights / 2**30:.1f} GiB ({cfg.num_layers} layers on {P} ranks, "
+                          f"{dtype_bytes} bytes an element), more than {mem_fraction} of the GPU's "
+                          f"{hw.memory_bytes / 2**30:.1f} GiB: cut the layers (--floor-layers) or add ranks")
+    return kv_capacity_tokens(cfg, P, left, dtype_bytes)

@@ -9,7 +9,10 @@ The model: each step runs the running requests' next token and prefill chunks un
 to `--max-running-requests`, first come first served, no preemption); a step of T tokens takes the layout's
 calibrated decode step at batch T, or, where it holds a prompt chunk and the profile measured mixed steps (as the
 engine runs them), the calibrated mixed step of T tokens; a switch takes the profile's switch time (nothing in flight)
-plus the running requests' KV over the link (the floor model's KV term times `--switch-efficiency`).
+plus the running requests' KV over the link (the floor model's KV term times `--switch-efficiency`). Where the
+profile knows each layout's KV capacity (the floor model's does: TP's is 1/P of EP's for MLA's latent cache), a
+request is admitted only while its prompt and output fit the layout in use, and auto mode's switch only where the
+live requests' KV fits the target.
 
     moebius bench simulate rollout --floor-model qwen3-235b-a22b --floor-ranks 8 --requests 2048 \\
         --output benchmarks/results/sim-235b-p8-rollout.json
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moebius.bench import bursty, rollout
-from moebius.bench.floor import decode_step_floor_ms, switch_floor_ms
+from moebius.bench.floor import decode_step_floor_ms, floor_kv_capacity, switch_floor_ms
 from moebius.bench.results import load_result, params_of, save_result, table
 from moebius.bench.workload import SYSTEMS, Job
 from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig
@@ -46,14 +49,19 @@ class SimRun:
     switches: list[dict[str, Any]] = field(default_factory=list)
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (arrival s, TTFT s)
     steps: list[tuple[float, float, int]] = field(default_factory=list)  # (end s, step s, decode tokens)
+    most_kv: dict[str, int] = field(default_factory=lambda: {"tp": 0, "ep": 0})  # the most KV reserved, a layout
 
 
 def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str, float], start: str,
              auto: AutoMode | None, budget: int, max_running: int, system: str,
-             mixed: dict[str, StepCurve] | None = None, kv_ms_per_token: float = 0.0) -> SimRun:
+             mixed: dict[str, StepCurve] | None = None, kv_ms_per_token: float = 0.0,
+             capacity: dict[str, int] | None = None) -> SimRun:
     """One system's run of the jobs in the model above (auto None: the layout stays `start`). mixed: the step time
     by tokens of a step that holds a prompt chunk (None: as a decode step of as many tokens). kv_ms_per_token: what
-    a switch adds for each token of KV the running requests hold (switch_ms is a switch with nothing in flight)."""
+    a switch adds for each token of KV the running requests hold (switch_ms is a switch with nothing in flight).
+    capacity: tokens of KV each layout holds engine-wide (`Calibration.kv_tokens`; None: no limit): a request is
+    admitted with its prompt and all its output reserved (the model has no preemption) while they fit the layout
+    in use, and auto mode's switch is refused (`AutoMode.observe`) while the reserved tokens exceed the target's."""
     run = SimRun(system)
     arrivals = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
     pending = [(jobs[i].arrival, i) for i in arrivals]
@@ -61,6 +69,16 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
     waiting: list[int] = []
     running: dict[int, list[int]] = {}  # job -> [prompt tokens left, output tokens made]
     t, mode, left = 0.0, start, len(jobs)
+    reserved = 0  # KV tokens the running requests will reach
+
+    def need(i: int) -> int:
+        return len(jobs[i].prompt) + jobs[i].output_len
+
+    if capacity:
+        for i in range(len(jobs)):
+            if need(i) > min(capacity.values()):  # the engine refuses it at admission (its kv_capacity)
+                raise ValueError(f"job {i} needs {need(i)} tokens of KV, more than the {min(capacity.values())} "
+                                 f"the smaller layout holds ({capacity})")
     while left:
         while pending and pending[0][0] <= t:
             waiting.append(heapq.heappop(pending)[1])
@@ -77,9 +95,12 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
             if st[0] and tokens:
                 chunks[i] = min(st[0], tokens)
                 tokens -= chunks[i]
-        while waiting and tokens and len(running) < max_running:
+        while (waiting and tokens and len(running) < max_running
+               and (not capacity or reserved + need(waiting[0]) <= capacity[mode])):
             i = waiting.pop(0)
             running[i] = [len(jobs[i].prompt), 0]
+            reserved += need(i)
+            run.most_kv[mode] = max(run.most_kv[mode], reserved)
             chunks[i] = min(len(jobs[i].prompt), tokens)
             tokens -= chunks[i]
         step = float((mixed if mixed and chunks else curves)[mode].at(budget - tokens)) / 1e3
@@ -98,16 +119,19 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
                 run.ttft.append((jobs[i].arrival, t - jobs[i].arrival))
             if st[1] >= jobs[i].output_len:
                 del running[i]
+                reserved -= need(i)
                 left -= 1
         if auto is not None:
             d = auto.observe(t, mode, len(running) + len(waiting),
-                             lambda: [jobs[i].output_len - st[1] for i, st in running.items()])
+                             lambda: [jobs[i].output_len - st[1] for i, st in running.items()],
+                             (lambda held=reserved: held) if capacity else None)
             if d is not None:
                 kv = sum(len(jobs[i].prompt) - st[0] + st[1] for i, st in running.items())
                 cost = (switch_ms[d.target] + kv * kv_ms_per_token) / 1e3
                 run.switches.append({"t": t, "source": mode, "target": d.target, "reason": d.reason, "ms": cost * 1e3})
                 t += cost
                 mode = d.target
+                run.most_kv[mode] = max(run.most_kv[mode], reserved)
                 auto.switched(t)
     run.wall_s = t
     return run
@@ -127,14 +151,17 @@ def profile_model(key: CalibrationKey) -> ModelConfig | None:
     return model_config(PRESETS[key.model], num_layers=key.num_layers)
 
 
-def floor_profile(preset: str, P: int, context: int, efficiency: float, switch_efficiency: float) -> Calibration:
-    """A profile made from the floor model: each layout's step floor times `efficiency`, and the weights' switch
-    floor times `switch_efficiency`."""
-    cfg = model_config(PRESETS[preset])
+def floor_profile(preset: str, P: int, context: int, efficiency: float, switch_efficiency: float,
+                  num_layers: int | None = None, mem_fraction: float = 0.85) -> Calibration:
+    """A profile made from the floor model: each layout's step floor times `efficiency`, the weights' switch floor
+    times `switch_efficiency`, and each layout's KV capacity on an H200 (`floor_kv_capacity`: `mem_fraction` of it
+    less a rank's weights; TP's is 1/P of EP's for a latent cache)."""
+    cfg = model_config(PRESETS[preset], num_layers=num_layers)
     ms = {m: [decode_step_floor_ms(cfg, P, m, b, context) * efficiency for b in FLOOR_BATCHES] for m in ("tp", "ep")}
     switch = switch_floor_ms(cfg, P, 0) * switch_efficiency
     key = CalibrationKey(preset, cfg.num_layers, P, "floor model", "bfloat16")
-    return Calibration(key, context, list(FLOOR_BATCHES), ms["tp"], ms["ep"], {"tp": switch, "ep": switch})
+    return Calibration(key, context, list(FLOOR_BATCHES), ms["tp"], ms["ep"], {"tp": switch, "ep": switch},
+                       kv_tokens=floor_kv_capacity(cfg, P, mem_fraction))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -148,6 +175,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         src.add_argument("--profile", help="a calibration JSON (moebius calibrate)")
         src.add_argument("--floor-model", choices=sorted(PRESETS), help="a profile from the floor model")
         src.add_argument("--floor-ranks", type=int, default=8)
+        src.add_argument("--floor-layers", type=int, default=None,
+                         help="cut the preset to its first N layers (default: all; DeepSeek-V3 and Kimi K2 do not "
+                         "fit 8 H200s in bf16 whole)")
         src.add_argument("--floor-context", type=int, default=1024, help="cached tokens a request in the floor")
         src.add_argument("--efficiency", type=float, default=1.4,
                          help="step time / floor (as the sweep measured it from batch 16 on: ratio_to_floor in "
@@ -177,7 +207,8 @@ def main(a: argparse.Namespace) -> int:
         with open(a.profile) as f:
             cal = Calibration.from_json(json.load(f))
     else:
-        cal = floor_profile(a.floor_model, a.floor_ranks, a.floor_context, a.efficiency, a.switch_efficiency)
+        cal = floor_profile(a.floor_model, a.floor_ranks, a.floor_context, a.efficiency, a.switch_efficiency,
+                            a.floor_layers)
     tp, ep = cal.curves()
     curves = {"tp": tp, "ep": ep}
     mixed = dict(zip(("tp", "ep"), cal.mixed_curves(), strict=True)) if cal.mixed_curves() else None
@@ -195,13 +226,15 @@ def main(a: argparse.Namespace) -> int:
     for system in SYSTEMS:
         auto = build_auto(ecfg, cal) if system == "auto" else None
         runs.append(simulate(jobs, curves, cal.switch_ms, start if auto else system, auto,
-                             a.max_num_batched_tokens, a.max_running_requests, system, mixed, kv_ms))
+                             a.max_num_batched_tokens, a.max_running_requests, system, mixed, kv_ms,
+                             cal.kv_tokens or None))
     rows = []
     for r in runs:
         decode = sum(n for _, _, n in r.steps)
         tpot = sum(s * n for _, s, n in r.steps) / decode if decode else None
         rows.append({"system": r.system, "completion_s": r.wall_s, "tp_s": r.seconds["tp"], "ep_s": r.seconds["ep"],
-                     "switches": len(r.switches), "ttft_p50_s": statistics.median(x for _, x in r.ttft),
+                     "switches": len(r.switches), "most_kv_tp": r.most_kv["tp"], "most_kv_ep": r.most_kv["ep"],
+                     "ttft_p50_s": statistics.median(x for _, x in r.ttft),
                      "tpot_mean_ms": tpot * 1e3 if tpot else None})
     by = {r["system"]: r for r in rows}
     better = min(by["tp"]["completion_s"], by["ep"]["completion_s"])

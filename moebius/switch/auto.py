@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moebius.config import ConfigError, EngineConfig
 from moebius.switch.calibration import Calibration
@@ -37,18 +37,34 @@ class AutoMode:
     policy: ThresholdPolicy | CostPolicy
     note: str  # what it will do, in words (logged at start, reported by status)
     cost_every: float = 0.25  # seconds between the cost policy's predictions (each sorts the requests in flight)
+    # tokens of KV each layout holds engine-wide (`Calibration.kv_tokens`; TP's is 1/P of EP's for MLA): a switch
+    # whose target cannot hold the live KV is not asked for (empty: not known; the switch's own check refuses it)
+    capacity: dict[str, int] = field(default_factory=dict)
+    refusals: int = 0  # switches the policy wanted and the capacity refused
     _next_cost: float = float("-inf")
 
-    def observe(self, now: float, mode: str, in_flight: int, remaining: Callable[[], Sequence[int]]
-                ) -> Decision | None:
+    def observe(self, now: float, mode: str, in_flight: int, remaining: Callable[[], Sequence[int]],
+                kv_tokens: Callable[[], int] | None = None) -> Decision | None:
         """After a step: the switch to ask for, if any. in_flight: requests running or queued; remaining(): their
-        predicted remaining output tokens (only the cost policy asks, at most every `cost_every` seconds)."""
+        predicted remaining output tokens (only the cost policy asks, at most every `cost_every` seconds);
+        kv_tokens(): the KV tokens the live requests hold (asked only when a switch is wanted and the target's
+        capacity is known; past it the switch is refused as the engine's would be, and the policy cools down)."""
         if isinstance(self.policy, ThresholdPolicy):
-            return self.policy.observe(now, mode, in_flight)
-        if now < self._next_cost:
+            d = self.policy.observe(now, mode, in_flight)
+        elif now < self._next_cost:
             return None
-        self._next_cost = now + self.cost_every
-        return self.policy.decide(now, mode, remaining())
+        else:
+            self._next_cost = now + self.cost_every
+            d = self.policy.decide(now, mode, remaining())
+        if d is not None and kv_tokens is not None and d.target in self.capacity:
+            held = kv_tokens()
+            if held > self.capacity[d.target]:
+                log.info("auto mode: no switch to %s (%s): the live requests hold %d KV tokens, %s holds %d",
+                         d.target, d.reason, held, d.target.upper(), self.capacity[d.target])
+                self.refusals += 1
+                self.policy.refused(now)
+                return None
+        return d
 
     def switched(self, now: float) -> None:
         self.policy.switched(now)
@@ -70,7 +86,8 @@ def build(ecfg: EngineConfig, calibration: Calibration | None) -> AutoMode:
         assert calibration is not None
         tp, ep = calibration.curves()
         return AutoMode(CostPolicy(tp, ep, calibration.switch_ms, cooldown),
-                        f"cost policy over the calibrated steps ({calibration.summary()})")
+                        f"cost policy over the calibrated steps ({calibration.summary()})",
+                        capacity=dict(calibration.kv_tokens))
     high = ecfg.switch_high
     note = ""
     if high is None:
@@ -87,4 +104,4 @@ def build(ecfg: EngineConfig, calibration: Calibration | None) -> AutoMode:
     note = (note + "; " if note else "") + (f"threshold policy ({ecfg.switch_profile}): TP -> EP above {t.high:g} "
                                             f"in flight, EP -> TP below a mean {t.low:g} over {t.window} steps, "
                                             f"cooldown {t.cooldown:g} s")
-    return AutoMode(ThresholdPolicy(t), note)
+    return AutoMode(ThresholdPolicy(t), note, capacity=dict(calibration.kv_tokens) if calibration else {})

@@ -60,6 +60,9 @@ class Calibration:
     mixed_batches: list[int] = field(default_factory=list)
     tp_mixed_ms: list[float] = field(default_factory=list)
     ep_mixed_ms: list[float] = field(default_factory=list)
+    # tokens of KV each layout holds engine-wide (TP: a rank's pool, every request on every rank; EP: the ranks'
+    # pools together), by the family's KV spec: what the policy's switch must fit (empty: not known)
+    kv_tokens: dict[str, int] = field(default_factory=dict)
 
     def curves(self) -> tuple[StepCurve, StepCurve]:
         return StepCurve(tuple(self.batches), tuple(self.tp_ms)), StepCurve(tuple(self.batches), tuple(self.ep_ms))
@@ -94,7 +97,8 @@ class Calibration:
             raise ValueError(f"calibration file format {d.get('format')!r}, expected 1 or {FORMAT}")
         return Calibration(CalibrationKey(**d["key"]), d["context_len"], list(d["batches"]), list(d["tp_ms"]),
                            list(d["ep_ms"]), dict(d["switch_ms"]), list(d.get("mixed_batches", [])),
-                           list(d.get("tp_mixed_ms", [])), list(d.get("ep_mixed_ms", [])))
+                           list(d.get("tp_mixed_ms", [])), list(d.get("ep_mixed_ms", [])),
+                           {m: int(n) for m, n in d.get("kv_tokens", {}).items()})
 
 
 def _rows(batches: list[int], tp_ms: list[float], ep_ms: list[float]) -> str:
