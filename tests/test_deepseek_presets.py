@@ -5,6 +5,7 @@ names them, and the smallest starts on the CPU (the others are tens to hundreds 
 from __future__ import annotations
 
 import pytest
+from conftest import Checkpoints
 
 from moebius.config import PRESETS, ConfigError, EngineConfig
 from moebius.models.registry import family_of, model_config
@@ -103,3 +104,33 @@ def test_deepseek_v2_lite_starts_on_the_cpu() -> None:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) == 2
         assert llm.engine.model_config.kv_spec.dim == 576
+
+
+# ---- the engine's capacity: TP holds every request's latent on every rank, EP each request's once --------------
+
+
+def test_engine_tp_holds_every_latent_on_every_rank(ckpt: Checkpoints) -> None:
+    """A tiny DeepSeek-V3 checkpoint on 2 ranks with 15 usable pages of 4 tokens a rank: four requests reaching 21
+    tokens each (84 in all) never hold more than a rank's 60 at once in TP, the same on both ranks (the latents
+    replicated), while EP holds them spread over the ranks, more than 60 in all; every request ends in both, no
+    page leaked. The admission needs no change for it: each rank's pool counts its own copies (KV spec x Layout)."""
+    from moebius import LLM
+    from moebius.sampling_params import SamplingParams
+
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(13)] for i in range(4)]
+    peak: dict[str, int] = {}
+    for mode in ("tp", "ep"):
+        with LLM(model=ckpt("deepseek_v3"), num_ranks=2, mode=mode, dtype="float32", device="cpu", block_size=4,
+                 max_total_tokens=64, max_num_batched_tokens=16, max_running_requests=8, seed=0) as llm:
+            for p in prompts:
+                llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+            done, peak[mode] = 0, 0
+            while llm.has_unfinished():
+                done += sum(1 for o in llm.step() if o.finished)
+                used = [s["total_tokens"] - s["free_tokens"] for s in llm.kv_stats()["per_rank"]]
+                if mode == "tp":
+                    assert used[0] == used[1] <= 60, used
+                peak[mode] = max(peak[mode], used[0] if mode == "tp" else sum(used))
+            assert done == 4
+            assert all(s["free_tokens"] == s["total_tokens"] for s in llm.kv_stats()["per_rank"])
+    assert peak["tp"] <= 60 < peak["ep"]
