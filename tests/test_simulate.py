@@ -126,17 +126,24 @@ def test_floor_profile_kv_capacity_tp_is_1_over_p_of_ep_for_a_latent_cache() -> 
 
 
 def test_simulated_admission_keeps_within_the_layouts_capacity() -> None:
-    """Three requests of 1 prompt + 4 output tokens (5 of KV each): TP holding 10 tokens runs two, the third starts
-    when they end; EP holding 100 runs all three at once."""
+    """As the engine's scheduler: three requests of 1 prompt + 4 output tokens all start in TP holding 10 tokens,
+    and at the fourth step (9 held, 3 more needed) the newest is preempted (its 3 freed: 8 held after the step) and
+    recomputes its 4 tokens a step later;
+    EP holding 100 runs all three through. Two prompts of 8 tokens: the second is admitted only once the first ends
+    (8 + 8 > 10)."""
     jobs = [Job(0.0, [0], 4) for _ in range(3)]
     cap = {"tp": 10, "ep": 100}
     tp = simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "tp", None, budget=64, max_running=8, system="tp",
                   capacity=cap)
-    assert [x for _, x in tp.ttft] == [pytest.approx(0.01)] * 2 + [pytest.approx(0.05)]
-    assert tp.wall_s == pytest.approx(0.08) and tp.most_kv["tp"] == 10
+    assert [x for _, x in tp.ttft] == [pytest.approx(0.01)] * 3
+    assert tp.wall_s == pytest.approx(0.05) and tp.preemptions == 1 and tp.most_kv["tp"] == 9
+    assert [n for _, _, n in tp.steps] == [0, 3, 3, 2, 0]  # step 5: the preempted one's recompute samples its last
     ep = simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "ep", None, budget=64, max_running=8, system="ep",
                   capacity=cap)
-    assert ep.wall_s == pytest.approx(0.04) and ep.most_kv["ep"] == 15
+    assert ep.wall_s == pytest.approx(0.04) and ep.preemptions == 0 and ep.most_kv["ep"] == 12
+    long = [Job(0.0, [0] * 8, 2) for _ in range(2)]
+    tp = simulate(long, {"tp": FLAT, "ep": FLAT}, {}, "tp", None, 64, 8, "tp", capacity=cap)
+    assert [x for _, x in tp.ttft] == [pytest.approx(0.01), pytest.approx(0.03)] and tp.wall_s == pytest.approx(0.04)
     with pytest.raises(ValueError, match="job 0 needs 5 tokens of KV, more than the 4"):
         simulate(jobs, {"tp": FLAT, "ep": FLAT}, {}, "tp", None, 64, 8, "tp", capacity={"tp": 4, "ep": 100})
 
@@ -158,7 +165,8 @@ def test_auto_mode_does_not_ask_for_tp_while_the_live_kv_would_not_fit() -> None
 
 def test_simulated_auto_waits_for_tp_to_hold_the_live_kv() -> None:
     """The drain of test_simulated_auto_switches_where_the_policy_says with TP holding 200 tokens: the policy asks
-    for TP from 9 requests left (333 tokens reserved) on, and the switch waits until the 5 left hold 195."""
+    for TP from 9 requests left (after step 31, each holding 31 tokens: 279) on, and the switch waits until the 5
+    left after step 35 hold 175."""
     tp, ep = StepCurve((1, 64), (1.0, 64.0)), StepCurve((1, 64), (10.0, 12.0))
     jobs = [Job(0.0, [0], n) for n in range(1, 41)]
     auto = AutoMode(ThresholdPolicy(Thresholds.of("rollout", 10, cooldown=0)), "test", capacity={"tp": 200})
@@ -167,7 +175,7 @@ def test_simulated_auto_waits_for_tp_to_hold_the_live_kv() -> None:
     assert [(s["source"], s["target"]) for s in run.switches] == [("ep", "tp")]
     assert auto.refusals == 4  # at 9, 8, 7 and 6 requests left
     assert run.switches[0]["t"] == pytest.approx(run.steps[34][0])  # after step 35: outputs 36..40 left
-    assert run.most_kv["tp"] == sum(1 + n for n in range(36, 41)) == 195
+    assert run.most_kv["tp"] == 5 * 36 and run.preemptions == 0  # step 36: each of the 5 one token more
 
 
 def test_calibration_keeps_the_kv_capacity() -> None:

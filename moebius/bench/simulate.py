@@ -10,9 +10,10 @@ to `--max-running-requests`, first come first served, no preemption); a step of 
 calibrated decode step at batch T, or, where it holds a prompt chunk and the profile measured mixed steps (as the
 engine runs them), the calibrated mixed step of T tokens; a switch takes the profile's switch time (nothing in flight)
 plus the running requests' KV over the link (the floor model's KV term times `--switch-efficiency`). Where the
-profile knows each layout's KV capacity (the floor model's does: TP's is 1/P of EP's for MLA's latent cache), a
-request is admitted only while its prompt and output fit the layout in use, and auto mode's switch only where the
-live requests' KV fits the target.
+profile knows each layout's KV capacity (the floor model's does: TP's is 1/P of EP's for MLA's latent cache), the
+KV the running requests hold stays within the layout's as the engine's scheduler keeps it (admission while a chunk
+fits, preemption by recompute of the newest when a step does not), and auto mode switches only where the live KV
+fits the target.
 
     moebius bench simulate rollout --floor-model qwen3-235b-a22b --floor-ranks 8 --requests 2048 \\
         --output benchmarks/results/sim-235b-p8-rollout.json
@@ -49,7 +50,8 @@ class SimRun:
     switches: list[dict[str, Any]] = field(default_factory=list)
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (arrival s, TTFT s)
     steps: list[tuple[float, float, int]] = field(default_factory=list)  # (end s, step s, decode tokens)
-    most_kv: dict[str, int] = field(default_factory=lambda: {"tp": 0, "ep": 0})  # the most KV reserved, a layout
+    most_kv: dict[str, int] = field(default_factory=lambda: {"tp": 0, "ep": 0})  # the most KV held, a layout
+    preemptions: int = 0  # running requests sent back for want of KV (capacity)
 
 
 def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str, float], start: str,
@@ -59,50 +61,72 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
     """One system's run of the jobs in the model above (auto None: the layout stays `start`). mixed: the step time
     by tokens of a step that holds a prompt chunk (None: as a decode step of as many tokens). kv_ms_per_token: what
     a switch adds for each token of KV the running requests hold (switch_ms is a switch with nothing in flight).
-    capacity: tokens of KV each layout holds engine-wide (`Calibration.kv_tokens`; None: no limit): a request is
-    admitted with its prompt and all its output reserved (the model has no preemption) while they fit the layout
-    in use, and auto mode's switch is refused (`AutoMode.observe`) while the reserved tokens exceed the target's."""
+    capacity: tokens of KV each layout holds engine-wide (`Calibration.kv_tokens`; None: no limit), in tokens as
+    the engine's scheduler keeps pages: a running request's next chunk or token needs room, else the most recently
+    admitted one is preempted (it recomputes its prompt and output so far when admitted again), and nothing is
+    admitted in a step that preempted; auto mode's switch is refused (`AutoMode.observe`) while the KV held exceeds
+    the target's capacity."""
     run = SimRun(system)
     arrivals = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
     pending = [(jobs[i].arrival, i) for i in arrivals]
     heapq.heapify(pending)
     waiting: list[int] = []
-    running: dict[int, list[int]] = {}  # job -> [prompt tokens left, output tokens made]
-    t, mode, left = 0.0, start, len(jobs)
-    reserved = 0  # KV tokens the running requests will reach
-
-    def need(i: int) -> int:
-        return len(jobs[i].prompt) + jobs[i].output_len
-
+    running: dict[int, list[int]] = {}  # job -> [prompt tokens left, output tokens made], in admission order
+    made_before: dict[int, int] = {}  # a preempted job's outputs: recomputed with its prompt when admitted again
+    held: dict[int, int] = {}  # KV tokens a running job holds
+    t, mode, left, used = 0.0, start, len(jobs), 0
     if capacity:
-        for i in range(len(jobs)):
-            if need(i) > min(capacity.values()):  # the engine refuses it at admission (its kv_capacity)
-                raise ValueError(f"job {i} needs {need(i)} tokens of KV, more than the {min(capacity.values())} "
-                                 f"the smaller layout holds ({capacity})")
+        for i, job in enumerate(jobs):
+            if len(job.prompt) + job.output_len > min(capacity.values()):  # the engine refuses it at admission
+                raise ValueError(f"job {i} needs {len(job.prompt) + job.output_len} tokens of KV, more than the "
+                                 f"{min(capacity.values())} the smaller layout holds ({capacity})")
+
+    def preempt(i: int) -> None:
+        nonlocal used
+        made_before[i] = running.pop(i)[1]
+        used -= held.pop(i)
+        waiting.insert(0, i)
+        run.preemptions += 1
+
     while left:
         while pending and pending[0][0] <= t:
             waiting.append(heapq.heappop(pending)[1])
         if not running and not waiting:
             t = pending[0][0]
             continue
-        tokens, decoding = budget, set()
-        for i, st in running.items():  # decodes first, then prefill chunks, in admission order
-            if st[0] == 0 and tokens:
-                tokens -= 1
+        cap = capacity[mode] if capacity else float("inf")
+        tokens, decoding, chunks, preempted = budget, set(), {}, False
+        for i in list(running):  # each running job's next token or prompt chunk, in admission order
+            if not tokens:
+                break
+            if i not in running:
+                continue
+            st = running[i]
+            n = 1 if st[0] == 0 else min(st[0], tokens)
+            while used + n > cap:  # no room: the most recently admitted goes back to the queue's head
+                victim = next(reversed(running))
+                preempt(victim)
+                preempted = True
+                if victim == i:
+                    break
+            if i not in running:
+                continue
+            if st[0] == 0:
                 decoding.add(i)
-        chunks = {}
-        for i, st in running.items():
-            if st[0] and tokens:
-                chunks[i] = min(st[0], tokens)
-                tokens -= chunks[i]
-        while (waiting and tokens and len(running) < max_running
-               and (not capacity or reserved + need(waiting[0]) <= capacity[mode])):
-            i = waiting.pop(0)
-            running[i] = [len(jobs[i].prompt), 0]
-            reserved += need(i)
-            run.most_kv[mode] = max(run.most_kv[mode], reserved)
-            chunks[i] = min(len(jobs[i].prompt), tokens)
-            tokens -= chunks[i]
+            else:
+                chunks[i] = n
+            tokens, used, held[i] = tokens - n, used + n, held[i] + n
+        while waiting and tokens and not preempted and len(running) < max_running:
+            i = waiting[0]
+            made = made_before.get(i, 0)
+            n = min(len(jobs[i].prompt) + made, tokens)
+            if used + n > cap:
+                break
+            waiting.pop(0)
+            running[i] = [len(jobs[i].prompt) + made, made]
+            chunks[i] = n
+            tokens, used, held[i] = tokens - n, used + n, n
+        run.most_kv[mode] = max(run.most_kv[mode], used)
         step = float((mixed if mixed and chunks else curves)[mode].at(budget - tokens)) / 1e3
         t += step
         run.seconds[mode] += step
@@ -119,19 +143,18 @@ def simulate(jobs: list[Job], curves: dict[str, StepCurve], switch_ms: dict[str,
                 run.ttft.append((jobs[i].arrival, t - jobs[i].arrival))
             if st[1] >= jobs[i].output_len:
                 del running[i]
-                reserved -= need(i)
+                used -= held.pop(i)
                 left -= 1
         if auto is not None:
             d = auto.observe(t, mode, len(running) + len(waiting),
                              lambda: [jobs[i].output_len - st[1] for i, st in running.items()],
-                             (lambda held=reserved: held) if capacity else None)
+                             (lambda kv=used: kv) if capacity else None)
             if d is not None:
                 kv = sum(len(jobs[i].prompt) - st[0] + st[1] for i, st in running.items())
                 cost = (switch_ms[d.target] + kv * kv_ms_per_token) / 1e3
                 run.switches.append({"t": t, "source": mode, "target": d.target, "reason": d.reason, "ms": cost * 1e3})
                 t += cost
                 mode = d.target
-                run.most_kv[mode] = max(run.most_kv[mode], reserved)
                 auto.switched(t)
     run.wall_s = t
     return run
@@ -234,6 +257,7 @@ def main(a: argparse.Namespace) -> int:
         tpot = sum(s * n for _, s, n in r.steps) / decode if decode else None
         rows.append({"system": r.system, "completion_s": r.wall_s, "tp_s": r.seconds["tp"], "ep_s": r.seconds["ep"],
                      "switches": len(r.switches), "most_kv_tp": r.most_kv["tp"], "most_kv_ep": r.most_kv["ep"],
+                     "preemptions": r.preemptions,
                      "ttft_p50_s": statistics.median(x for _, x in r.ttft),
                      "tpot_mean_ms": tpot * 1e3 if tpot else None})
     by = {r["system"]: r for r in rows}
