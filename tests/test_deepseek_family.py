@@ -112,7 +112,7 @@ def test_unsupported_settings_are_refused_by_name(ckpt: Checkpoints) -> None:
     from moebius.worker.rank import RankSpec
 
     with pytest.raises(ConfigError, match=r"the deepseek family \(DeepseekV3ForCausalLM, DeepseekV2ForCausalLM\) "
-                                          r"cannot run on cuda: no Triton kernels for prompt chunks of latent attention"):
+                                          r"cannot run on cuda: no Triton kernels for prompt chunks"):
         build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=ckpt("deepseek_v3"), device="cuda"),
                             model=model_config(hf), checkpoint=ckpt("deepseek_v3"), device="cuda", dtype="float32",
                             eos_token_ids=(), max_model_len=64))
@@ -238,3 +238,35 @@ def test_a_tp_target_that_cannot_hold_the_replicated_latents_is_refused(ckpt: Ch
         assert_kv_free(llm)
     finally:
         llm.close()
+
+
+def test_the_prefix_cache_and_the_server_serve_the_family(ckpt: Checkpoints, tmp_path: Any) -> None:
+    """A prompt asked again takes its whole pages of latents from the prefix cache and gives the same tokens;
+    `moebius serve` on the checkpoint answers /generate and /v1/completions with transformers' greedy tokens."""
+    pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from test_serve import Server
+
+    path = ckpt("deepseek_v3")
+    prompt = PROMPTS[-1]  # 23 tokens: five whole 4-token pages to reuse
+    want = hf_greedy(path, tuple(prompt), N_OUT)
+    llm = LLM(model=path, **ENGINE_KW)
+    try:
+        first, again = (llm.generate([prompt], SamplingParams(max_tokens=N_OUT, temperature=0.0))[0]
+                        for _ in range(2))
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens == 20
+    finally:
+        llm.close()
+    server = Server(tmp_path, "--model", path, "--dtype", "float32", "--block-size", str(BLOCK),
+                    "--max-total-tokens", "512")
+    try:
+        r = server.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_OUT,
+                                                                               "temperature": 0}})
+        assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
+        r = server.post("/v1/completions", {"model": server.get("/v1/models").json()["data"][0]["id"],
+                                            "prompt": prompt, "max_tokens": N_OUT, "temperature": 0,
+                                            "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
+    finally:
+        assert server.close() == 0, server.tail()
