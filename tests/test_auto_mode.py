@@ -57,6 +57,8 @@ def test_auto_is_the_default_with_several_ranks_and_calibrates(ckpt: Any, tmp_pa
         cal = llm.engine.calibration()
         assert cal.batches and len(cal.tp_ms) == len(cal.ep_ms) == len(cal.batches)
         assert set(cal.switch_ms) == {"tp", "ep"}
+        # each layout's KV tokens engine-wide, as the engine's pools hold them (kept in the file below)
+        assert cal.kv_tokens == llm.engine.kv_capacity_by_layout and min(cal.kv_tokens.values()) > 0
         events = [(e.source, e.target, e.reason) for e in llm.engine.timeline.switches]
         assert events == [("tp", "ep", "calibration"), ("ep", "tp", "calibration")]
         assert llm.mode == "tp"

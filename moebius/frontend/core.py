@@ -45,6 +45,7 @@ from moebius.link.messages import (
 )
 from moebius.link.request import RequestSpec
 from moebius.link.tensor_handles import check_description, check_segment, export_tensors, open_tensors
+from moebius.memory.kv_pool import KVPool
 from moebius.memory.umm import TAGS
 from moebius.models.builtin import BUILTIN_NOTICE
 from moebius.models.loader import check_update
@@ -54,7 +55,7 @@ from moebius.parallel.layout import MODES, Layout, check_shapes
 from moebius.parallel.placement import Placement
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.switch import calibration as calibration_store
-from moebius.switch.auto import AutoMode, needs_calibration, resolve_mode
+from moebius.switch.auto import AutoMode, engine_tokens, needs_calibration, resolve_mode
 from moebius.switch.auto import build as build_auto
 from moebius.switch.calibration import Calibration, CalibrationKey, calibrate
 from moebius.switch.policy import predicted_remaining
@@ -192,9 +193,15 @@ class EngineCore:
         self._times_taken: deque[RankTimes] = deque(maxlen=64)  # ... of each step taken in, for take_times()
         self._switch_reason = ""  # why the pending switch was asked for
         self._finished_lengths: list[int] = []  # output lengths of finished samples, sorted (the cost policy's)
+        # KV tokens each held layout holds a rank and engine-wide (the start layout's pool asked once; see
+        # _layout_kv_tokens): what kv_stats reports and auto mode's policy checks a switch's target against
+        self.kv_rank_tokens = self._layout_kv_tokens(ecfg.block_size, getattr(torch, dtype))
+        self.kv_capacity_by_layout = {m: engine_tokens([n] * self.world_size, Layout(cfg, m, 0, self.world_size)
+                                                       .data_parallel) for m, n in self.kv_rank_tokens.items()}
         self.auto: AutoMode | None = None
         if auto:
-            self.auto = build_auto(ecfg, self.calibration() if needs_calibration(ecfg) else None)
+            self.set_auto(build_auto(ecfg, self.calibration() if needs_calibration(ecfg) else None))
+            assert self.auto is not None
             log.info("auto mode, starting in %s: %s", start, self.auto.note)
         freeze_heap()  # the front end's start-up, as each rank froze its own
 
@@ -204,8 +211,24 @@ class EngineCore:
         return self.layout.mode
 
     def set_auto(self, auto: AutoMode | None) -> None:
-        """Let `auto` decide the layout from the next step on (None: only explicit switches)."""
+        """Let `auto` decide the layout from the next step on (None: only explicit switches). Its capacities are
+        this engine's pools' (a kept calibration's may predate them, or lack them)."""
+        if auto is not None:
+            auto.capacity = dict(self.kv_capacity_by_layout)
         self.auto = auto
+
+    def _layout_kv_tokens(self, block_size: int, dtype: torch.dtype) -> dict[str, int]:
+        """KV tokens a rank's pool holds in each held layout (page 0 reserved): the start layout's pool as the ranks
+        report it, and the other's pages cut from the same bytes as worker/build.py cuts them (a layout holding
+        more KV heads a rank makes fewer pages)."""
+        start = self.layout
+        held = (start.mode,) if self.config.static_layout else MODES
+        cfg, P = self.model_config, self.world_size
+        page_bytes = {m: KVPool.page_bytes(block_size, cfg.kv_spec, Layout(cfg, m, 0, P).num_kv_heads, dtype)
+                      for m in held}
+        start_pages = min(a["kv_tokens"] for a in self.query(Query.MEMORY)) // block_size + 1
+        kv_bytes = start_pages * page_bytes[start.mode]
+        return {m: (kv_bytes // b - 1) * block_size for m, b in page_bytes.items()}
 
     def kept_calibration(self) -> Calibration | None:
         """The calibration profile kept for this model, ranks, GPU, dtype and step settings, if any (nothing is
@@ -237,6 +260,7 @@ class EngineCore:
                 cal = calibrate(self, key, max_batch=min(ecfg.max_running_requests, ecfg.max_num_batched_tokens),
                                 max_context=self.max_model_len, vocab=self.model_config.vocab_size,
                                 kv_tokens=self.kv_capacity, budget=ecfg.max_num_batched_tokens, context=context,
+                                capacity=self.kv_capacity_by_layout,
                                 **({"batches": batches} if batches else {}))
             finally:
                 self.auto = auto
@@ -573,8 +597,10 @@ class EngineCore:
             self.timeline.sample(now, self.mode, report.running, report.waiting, used, self._steps, self._tokens,
                                  self._rank_total)
         if self.auto is not None and self._pending.switch is None:
-            # the signal: requests in flight, running or queued (a burst counts before its prefill is through)
-            decision = self.auto.observe(now, self.mode, report.running + report.waiting, self._remaining)
+            # the signal: requests in flight, running or queued (a burst counts before its prefill is through); a
+            # target that cannot hold the live KV is declined by the policy before the ranks would refuse it
+            decision = self.auto.observe(now, self.mode, report.running + report.waiting, self._remaining,
+                                         self._kv_held)
             if decision is not None:
                 self.request_switch(decision.target, reason=decision.reason)
 
@@ -606,6 +632,11 @@ class EngineCore:
             touched[fr.request_id] = fr
             self._tokens += len(d.new_token_ids)
         self._collect(touched.values())
+
+    def _kv_held(self) -> int:
+        """KV tokens the live requests hold engine-wide, in whole pages (what a switch moves; cached pages no
+        request holds are free), as of the last report."""
+        return engine_tokens([k.total_tokens - k.free_tokens for k in self._kv_stats], self.layout.data_parallel)
 
     def _remaining(self) -> list[int]:
         """Predicted remaining output tokens of every request in flight (the cost policy's input)."""
@@ -850,12 +881,21 @@ class EngineCore:
         return sum(r["pages"] for r in self.query(Query.RESET_PREFIX_CACHE))
 
     def kv_stats(self) -> dict[str, object]:
-        """KV-pool tokens free / in total, summed over ranks and per rank (as of the last step), and the requests
-        preempted so far to make room (they recompute their tokens)."""
+        """The KV cache as of the last report from the ranks.
+
+        free_tokens / total_tokens: tokens engine-wide in the active layout: in EP the ranks' sum (each request's
+        cache on one rank); in TP one rank's (every request's cache on every rank: its share of the KV heads, or
+        all of a replicated cache, MLA's latent or GQA's heads below P), so TP's total is what TP can hold.
+        capacity: total_tokens each held layout has engine-wide ("tp", "ep"; MLA's TP 1/P of EP's).
+        per_rank: each rank's pool, free_tokens / total_tokens (pages but the reserved one, in tokens).
+        preemptions: requests preempted so far to make room (they recompute their tokens)."""
         self._check_open()
-        per_rank = self._kv_stats or [KVStats(self.kv_capacity, self.kv_capacity)]
-        return {"free_tokens": sum(r.free_tokens for r in per_rank),
-                "total_tokens": sum(r.total_tokens for r in per_rank), "preemptions": self._preemptions,
+        n = self.kv_rank_tokens[self.mode]
+        per_rank = self._kv_stats or [KVStats(n, n)] * self.world_size
+        dp = self.layout.data_parallel
+        return {"free_tokens": engine_tokens([r.free_tokens for r in per_rank], dp),
+                "total_tokens": engine_tokens([r.total_tokens for r in per_rank], dp),
+                "capacity": dict(self.kv_capacity_by_layout), "preemptions": self._preemptions,
                 "per_rank": [{"free_tokens": r.free_tokens, "total_tokens": r.total_tokens} for r in per_rank]}
 
     def close(self) -> None:

@@ -28,6 +28,13 @@ def resolve_mode(ecfg: EngineConfig, world_size: int) -> tuple[str, bool]:
     return ("ep" if ecfg.switch_profile == "rollout" else "tp"), True
 
 
+def engine_tokens(per_rank: Sequence[int], data_parallel: bool) -> int:
+    """KV tokens engine-wide from each rank's (held or held at most): EP holds each request on one rank, so the
+    ranks' sum; TP every request on every rank (its heads of them, or all of a cache replicated: MLA's latent, GQA's
+    heads below P), so one rank's (the largest: they hold the same)."""
+    return sum(per_rank) if data_parallel else max(per_rank, default=0)
+
+
 def needs_calibration(ecfg: EngineConfig) -> bool:
     return ecfg.switch_policy == "cost" or ecfg.switch_high is None
 
@@ -37,8 +44,9 @@ class AutoMode:
     policy: ThresholdPolicy | CostPolicy
     note: str  # what it will do, in words (logged at start, reported by status)
     cost_every: float = 0.25  # seconds between the cost policy's predictions (each sorts the requests in flight)
-    # tokens of KV each layout holds engine-wide (`Calibration.kv_tokens`; TP's is 1/P of EP's for MLA): a switch
-    # whose target cannot hold the live KV is not asked for (empty: not known; the switch's own check refuses it)
+    # tokens of KV each layout holds engine-wide (a running engine's from its ranks' pools, `EngineCore.
+    # kv_capacity_by_layout`; the simulator's `Calibration.kv_tokens`; TP's is 1/P of EP's for MLA): a switch whose
+    # target cannot hold the live KV is not asked for (empty: not known; the switch's own check refuses it)
     capacity: dict[str, int] = field(default_factory=dict)
     refusals: int = 0  # switches the policy wanted and the capacity refused
     _next_cost: float = float("-inf")

@@ -153,10 +153,11 @@ class Engine(Protocol):
 
 def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: int, vocab: int, kv_tokens: int,
               budget: int, batches: tuple[int, ...] = DEFAULT_BATCHES, context: int = 256, steps: int = 8,
-              warmup: int = 3, progress: bool = True) -> Calibration:
+              warmup: int = 3, progress: bool = True, capacity: dict[str, int] | None = None) -> Calibration:
     """Time both layouts (the engine must be idle, the policy off) at the global batches up to `max_batch`, each
     request holding about `context` tokens (at most half `max_context`); ends in the layout it started in. A batch
-    whose KV would not fit `kv_tokens` (a rank's pool in the smaller layout) is left out. budget: tokens a step."""
+    whose KV would not fit `kv_tokens` (a rank's pool in the smaller layout) is left out. budget: tokens a step.
+    capacity: each layout's KV tokens engine-wide, as the engine's pools hold them (kept as `kv_tokens`)."""
     context = max(1, min(context, max_context // 2))
 
     def length(b: int) -> int:  # tokens a request reaches: it decodes while the batch's other prompts prefill
@@ -185,7 +186,8 @@ def calibrate(core: Engine, key: CalibrationKey, max_batch: int, max_context: in
     mixed_batches = [b for b in batches if b in mixed["tp"]]
     return Calibration(key, context, list(batches), [times["tp"][b] for b in batches],
                        [times["ep"][b] for b in batches], switch_ms, mixed_batches,
-                       [mixed["tp"][b] for b in mixed_batches], [mixed["ep"][b] for b in mixed_batches])
+                       [mixed["tp"][b] for b in mixed_batches], [mixed["ep"][b] for b in mixed_batches],
+                       dict(capacity or {}))
 
 
 def _served_step_ms(core: Engine, batch: int, context: int, length: int, steps: int, warmup: int, vocab: int,
