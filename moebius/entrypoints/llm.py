@@ -277,7 +277,8 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def kv_stats(self) -> dict[str, object]:
-        """KV-cache tokens free / in total (summed over ranks, and "per_rank"); requests preempted so far."""
+        """KV-cache tokens free / in total the engine holds in its layout (TP: one rank's, every rank holds every
+        request; EP: summed over ranks), "capacity" by layout, "per_rank"; requests preempted so far."""
         self._check_open()
         return self.engine.kv_stats()
 
