@@ -5,8 +5,9 @@ program align and the chunked align passes, all local experts and a slice of the
 prompt chunks also from the host's query-block table, a step's leading decodes also in a launch of their own),
 the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (moebius/kernels/copy.py), the q/k
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
-with and without the expert pairs summed inside it (moebius/kernels/fused.py). MLA's paged latent decode attention
-(moebius/kernels/mla.py) against DeepSeek's torch absorbed form. The interpreter is chosen when Triton
+with and without the expert pairs summed inside it (moebius/kernels/fused.py). MLA's paged latent attention
+(moebius/kernels/mla.py: decodes, and causal prompt chunks beside them) against DeepSeek's torch absorbed and
+expanded forms. The interpreter is chosen when Triton
 defines the kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra);
 skipped without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
 tests/test_symmetric_protocol.py.)"""
@@ -350,6 +351,67 @@ def test_latent_decode_attention_under_the_interpreter() -> None:
     _run("mla")
 
 
+def mla_chunk_cases() -> None:
+    from attention_cases import paged_metadata
+
+    from moebius.kernels.mla import latent_chunk_attention
+    from moebius.layers.attention import _sequences
+    from moebius.models.deepseek.mla import absorbed, absorbed_kernel, expanded
+
+    g = torch.Generator().manual_seed(1)
+    bs, pages, N, V = 4, 96, 8, 12
+    tol = dict(rtol=1e-4, atol=1e-4)
+    # (new tokens, keys after the step) a sequence: chunks from position 0 (5 over two pages, 9 over three query
+    # blocks of 4), chunks after cached tokens (6 from position 11, 11 from 19, both crossing pages), decodes beside
+    # them (one with a single key), and a one-token prompt
+    q_lens, ctx = [5, 1, 9, 6, 1, 11, 1], [5, 9, 9, 17, 2, 30, 1]
+    for H, C, R in [(4, 16, 16), (20, 24, 8)]:  # one head block; two, the second partial, C and R not powers of 2
+        meta = paged_metadata(q_lens, ctx, bs, pages, "cpu", seed=H)  # random (shuffled) distinct pages
+        cache = torch.randn(pages, bs, C + R, generator=g)
+        for b, n in enumerate(ctx):  # a last page's unwritten rest holds NaN: never read
+            cache[meta.block_tables[b, (n - 1) // bs], (n - 1) % bs + 1:] = float("nan")
+        T = sum(q_lens)
+        q_nope, q_rope = torch.randn(T, H, N, generator=g), torch.randn(T, H, R, generator=g)
+        kv_b = torch.randn(H * (N + V), C, generator=g) * C ** -0.5
+        scale = 1.3 * (N + R) ** -0.5
+        want = expanded(q_nope, q_rope, cache, kv_b, meta, scale)
+        assert torch.allclose(absorbed(q_nope, q_rope, cache, kv_b, meta, scale), want, **tol)
+        # the whole mixed step in the chunk launch (its decodes as one-token chunks)
+        got = absorbed_kernel(q_nope, q_rope, cache, kv_b, meta, scale)
+        assert torch.isfinite(got).all() and torch.allclose(got, want, **tol), (H, C, R, (got - want).abs().max())
+        # as latent_attention splits it on CUDA: the decodes in the decode launch (with splits), the chunks apart
+        decode_B = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
+        parts = torch.empty_like(want)
+        for sel, splits in ((decode_B, 3), (~decode_B, 1)):
+            sub, rows = _sequences(meta, sel)
+            sub.num_splits = splits
+            parts[rows] = absorbed_kernel(q_nope[rows], q_rope[rows], cache, kv_b, sub, scale)
+            if splits == 1:
+                assert sub.max_query_len == 11 and torch.allclose(
+                    parts[rows], expanded(q_nope[rows], q_rope[rows], cache, kv_b, sub, scale), **tol), "chunks only"
+        assert torch.allclose(parts, want, **tol), (H, "decodes apart")
+        for h0, h1 in [(0, H // 2), (H // 2, H)]:  # TP shards: a leading slice of heads, kv_b's rows of them
+            got = absorbed_kernel(q_nope[:, h0:h1], q_rope[:, h0:h1], cache, kv_b[h0 * (N + V): h1 * (N + V)], meta,
+                                  scale)
+            assert torch.allclose(got, want[:, h0:h1], **tol), (H, h0, h1)
+        # the kernel's own output, the weighted latent sums: the reference with W_UV = identity (V = C) returns them
+        wk = torch.randn(H, N, C, generator=g) * C ** -0.5
+        kv_id = torch.cat([wk, torch.eye(C).expand(H, C, C)], dim=1).flatten(0, 1)
+        want = absorbed(q_nope, q_rope, cache, kv_id, meta, scale)
+        got = latent_chunk_attention(torch.einsum("thn,hnc->thc", q_nope, wk), q_rope, cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale)
+        assert torch.allclose(got, want, **tol), (H, C, R, "latent sums")
+
+
+def test_latent_chunk_attention_under_the_interpreter() -> None:
+    """kernels/mla.py's causal prompt-chunk launch (DeepSeek's MLA, absorbed form, over a paged latent cache with
+    shuffled pages and NaN past each sequence's end) against models/deepseek/mla.py's torch `expanded` and
+    `absorbed`: chunks from position 0 and after cached tokens, crossing pages and query blocks, beside decodes in
+    one mixed step (in the chunk launch, and apart as latent_attention runs them on CUDA), TP shards of heads, and
+    its raw weighted latent sums."""
+    _run("mla_chunk")
+
+
 def _run(case: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -362,5 +424,6 @@ def _run(case: str) -> None:
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
              "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
-             "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases}
+             "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases,
+             "mla_chunk": mla_chunk_cases}
     cases[sys.argv[1]]()

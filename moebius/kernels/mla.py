@@ -1,15 +1,16 @@
-"""Paged multi-head latent attention (MLA, DeepSeek-V2 / V3) in Triton: the decode step in the absorbed form.
+"""Paged multi-head latent attention (MLA, DeepSeek-V2 / V3) in Triton, absorbed form: decodes and prompt chunks.
 
 The cache holds one entry a token, [pages, page_size, C + R]: the normalised latent (C = kv_lora_rank) then the roped
 rope key (R = qk_rope_head_dim), shared by every head. The caller folds the key up-projection into the query
 (q_latent = q_nope @ W_UK per head); here, for each decoding sequence and head, scores = q_latent . latent +
 q_rope . rope_key over the sequence's pages through its block table, the softmax with the softmax scale, and the
-weighted sum of the latents, [T, H, C]; the caller applies the value up-projection W_UV after. A program takes one
-sequence and a block of BH heads, so the latent tiles it reads serve all of them (the cache is read once per head
-block, never expanded). For long contexts the keys are split over NUM_SPLITS programs (flash-decoding) and a second
-kernel merges the partials, as kernels/attention.py's decode does. No host value is needed at launch beyond the grid
-(CUDA-graph safe). The torch reference is `moebius.models.deepseek.mla.absorbed`. Prompt chunks have no kernel here
-yet (they take that module's torch `expanded` form).
+weighted sum of the latents, [T, H, C]; the caller applies the value up-projection W_UV after. One kernel for both
+(`_mla_fwd`): a program takes BM new tokens of one sequence and a block of BH heads (rows = tokens x heads), so the
+latent tiles it reads serve all of them (the cache is read once per query block, never expanded), each row causal
+to its own position, as kernels/attention.py's chunk launch; a decode is the case of one token (BM = 1, DECODE).
+For long decode contexts the keys are split over NUM_SPLITS programs (flash-decoding) and a second kernel merges
+the partials, as kernels/attention.py's decode does. No host value is needed at launch beyond the grid (CUDA-graph
+safe). The torch reference is `moebius.models.deepseek.mla.absorbed` (and `expanded`, which it equals).
 """
 
 from __future__ import annotations
@@ -27,66 +28,115 @@ HEAD_BLOCK = 16
 
 
 @triton.jit
-def _mla_decode(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale, H,
-                stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
-                C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """Program (head block x split, sequence): the online softmax (base 2) over this split's keys of the sequence.
-    CP, RP: C and R rounded up to powers of two (Triton's ranges), the rest masked."""
+def _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok, start, hi, qpos, c, cv, r,
+                 rv, m_i, l_i, acc, scale2, C: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
+                 PREC: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One KV tile of the online softmax (base 2) for every row (query token x head). MASK: the tile may hold keys
+    at or past `hi`; CAUSAL (with MASK): or past a row's own position `qpos`."""
+    j = start + tl.arange(0, BN)
+    jv = j < hi
+    page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
+    base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok
+    if MASK:
+        # masked to 0 past the sequence's end: a page's unwritten rest may hold NaN (0 * NaN is NaN in the dots)
+        lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None] & cv[None, :], other=0.0)
+        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None] & rv[None, :], other=0.0)
+    else:
+        lat = tl.load(Cache + base[:, None] + c[None, :], mask=cv[None, :], other=0.0)
+        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=rv[None, :], other=0.0)
+    s = (tl.dot(q_lat, tl.trans(lat), input_precision=PREC)
+         + tl.dot(q_rope, tl.trans(rope), input_precision=PREC))
+    if MASK:
+        if CAUSAL:
+            s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(jv[None, :], s, float("-inf"))
+    # scaled after the row max (scale2 > 0), so each score takes one fused multiply-add before exp2
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * scale2 - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # the probabilities in the cache's dtype before the latent sum, as the torch reference rounds them
+    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_fwd(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, scale, H,
+             stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+             C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+             BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr,
+             DECODE: tl.constexpr, PDL: tl.constexpr):
+    """Program (head block x split, sequence, query block): the online softmax (base 2) over this split's keys of
+    the sequence for BM of its new tokens x BH heads (rows: token-major), each row causal to its own position.
+    DECODE: one new token a sequence (BM == 1, one query block). CP, RP: C and R rounded up to powers of two
+    (Triton's ranges), the rest masked."""
     enter(PDL)
     # head blocks (and splits) vary fastest: the programs of one sequence run side by side and read its pages together
     hblk = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     b = tl.program_id(1)
-    t = tl.load(QStart + b).to(tl.int64)  # the sequence's one new token
-    seq_len = tl.load(SeqLens + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
-    lo = split * per_split
-    hi = tl.minimum(seq_len, lo + per_split)
-    h = hblk * BH + tl.arange(0, BH)
-    hv = h < H
-    c = tl.arange(0, CP)
-    cv = c < C
-    r = tl.arange(0, RP)
-    rv = r < R
-    q_lat = tl.load(QLat + t * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None] & cv[None, :],
-                    other=0.0)
-    q_rope = tl.load(QRope + t * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None] & rv[None, :],
-                     other=0.0)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, CP], tl.float32)
-    scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
-    for start in range(lo, hi, BN):
-        j = start + tl.arange(0, BN)
-        jv = j < hi
-        page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
-        base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok
-        # masked to 0 past the sequence's end: a page's unwritten rest may hold NaN (0 * NaN is NaN in the dots)
-        lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None] & cv[None, :], other=0.0)
-        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None] & rv[None, :], other=0.0)
-        s = (tl.dot(q_lat, tl.trans(lat), input_precision=PREC)
-             + tl.dot(q_rope, tl.trans(rope), input_precision=PREC))
-        s = tl.where(jv[None, :], s, float("-inf"))
-        # scaled after the row max (scale2 > 0), so each score takes one fused multiply-add before exp2
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * scale2 - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # the probabilities in the cache's dtype before the latent sum, as the torch reference rounds them
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PREC)
-        m_i = m_new
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + t * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
-                 mask=hv[:, None] & cv[None, :])
+    # a chunk's last query blocks (the longest KV walks) are scheduled first, so the launch does not end on them
+    mblk = tl.num_programs(2) - 1 - tl.program_id(2)
+    q0 = tl.load(QStart + b).to(tl.int64)
+    if DECODE:
+        qlen = 1
     else:
-        # partials of token t, head h, split s at ((t * H + h) * NUM_SPLITS + s)
-        idx = (t * H + h) * NUM_SPLITS + split
-        tl.store(PartAcc + idx[:, None] * C + c[None, :], acc, mask=hv[:, None] & cv[None, :])
-        tl.store(PartML + idx * 2, m_i, mask=hv)
-        tl.store(PartML + idx * 2 + 1, l_i, mask=hv)
+        qlen = (tl.load(QStart + b + 1) - q0).to(tl.int32)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    m0 = mblk * BM
+    if m0 < qlen:
+        kv_end = seq_len - qlen + tl.minimum(m0 + BM, qlen)  # causal: no row of the block looks past this
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
+        lo = split * per_split
+        hi = tl.minimum(kv_end, lo + per_split)
+        rows = tl.arange(0, BM * BH)
+        tok = m0 + rows // BH
+        h = hblk * BH + rows % BH
+        valid = (h < H) & (tok < qlen)
+        qpos = seq_len - qlen + tok
+        t = q0 + tok
+        c = tl.arange(0, CP)
+        cv = c < C
+        r = tl.arange(0, RP)
+        rv = r < R
+        q_lat = tl.load(QLat + t[:, None] * stride_lt + h[:, None] * stride_lh + c[None, :],
+                        mask=valid[:, None] & cv[None, :], other=0.0)
+        q_rope = tl.load(QRope + t[:, None] * stride_rt + h[:, None] * stride_rh + r[None, :],
+                         mask=valid[:, None] & rv[None, :], other=0.0)
+        m_i = tl.full([BM * BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM * BH], tl.float32)
+        acc = tl.zeros([BM * BH, CP], tl.float32)
+        scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
+        if DECODE:
+            # one loop, every tile masked, as kernels/attention.py's decode (its last-tile loop costs a
+            # memory-bound decode more than the masks it saves)
+            for start in range(lo, hi, BN):
+                m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
+                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, BN, PAGE, PREC,
+                                             True, False)
+        else:
+            # keys up to the block's first query position are visible to every row: whole tiles there skip the mask
+            full = lo + tl.maximum(tl.minimum(hi, seq_len - qlen + m0 + 1) - lo, 0) // BN * BN
+            for start in range(lo, full, BN):
+                m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
+                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, BN, PAGE, PREC,
+                                             False, True)
+            for start in range(full, hi, BN):
+                m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
+                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, BN, PAGE, PREC,
+                                             True, True)
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + c[None, :],
+                     out.to(Out.dtype.element_ty), mask=valid[:, None] & cv[None, :])
+        else:
+            # partials of token t, head h, split s at ((t * H + h) * NUM_SPLITS + s)
+            idx = (t * H + h) * NUM_SPLITS + split
+            tl.store(PartAcc + idx[:, None] * C + c[None, :], acc, mask=valid[:, None] & cv[None, :])
+            tl.store(PartML + idx * 2, m_i, mask=valid)
+            tl.store(PartML + idx * 2 + 1, l_i, mask=valid)
 
 
 @triton.jit
@@ -120,6 +170,15 @@ def decode_tiles(C: int, element_size: int) -> tuple[int, int, int]:
     return BN, 8 if C >= 256 else 4, 2
 
 
+def chunk_tiles(C: int, element_size: int) -> tuple[int, int, int, int]:
+    """(query tokens a program, KV tile, warps, pipeline stages) of a launch with prompt chunks: not tuned yet (no
+    GPU run of it so far). 4 tokens x HEAD_BLOCK heads = 64 rows, whose [64, C] float32 accumulator at C = 512 is
+    what 8 warps hold in registers (FlashMLA's tile is 64 rows of the same latent); every row reuses each latent
+    tile, so the cache is read once a query block of 4 tokens x 16 heads."""
+    BN, warps, stages = decode_tiles(C, element_size)
+    return 4, BN, warps, stages
+
+
 def latent_decode_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, num_splits: int = 1, *, kc: KernelConfig = DEFAULT_KERNELS,
@@ -130,35 +189,63 @@ def latent_decode_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor
     entry already written), query_start_loc [B + 1]. Returns the weighted latent sums [T, H, C] in q_latent's dtype
     (in `out` when given); the caller applies W_UV. num_splits > 1: each sequence's keys split over that many
     programs, then merged."""
+    T, B = q_latent_THC.shape[0], seq_lens.shape[0]
+    if T != B:
+        raise ValueError(f"latent_decode_attention takes one token a sequence: {T} tokens for {B} sequences")
+    return _launch(q_latent_THC, q_rope_THR, cache_PSA, block_tables, seq_lens, query_start_loc, 1, scale,
+                   num_splits, kc, out)
+
+
+def latent_chunk_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                           max_query_len: int, scale: float, *, kc: KernelConfig = DEFAULT_KERNELS,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt chunks (and any decodes among them) over the paged latent cache, absorbed form, causal: sequence b's
+    new tokens are q rows query_start_loc[b] .. [b + 1], the last ones of its seq_lens[b] keys (its cached tokens
+    before them, then the chunk's own, whose entries are already written), each attending to the keys up to its
+    own position. Arguments and result as `latent_decode_attention`'s; max_query_len: the longest chunk (a host
+    value: the grid's query blocks)."""
+    return _launch(q_latent_THC, q_rope_THR, cache_PSA, block_tables, seq_lens, query_start_loc, max_query_len,
+                   scale, 1, kc, out)
+
+
+def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+            scale: float, num_splits: int, kc: KernelConfig, out: torch.Tensor | None) -> torch.Tensor:
+    """One launch of _mla_fwd: decode tiles (and KV splits) when max_query_len == 1, else chunk tiles, one split."""
     T, H, C = q_latent_THC.shape
     R = q_rope_THR.shape[2]
     B = seq_lens.shape[0]
     if cache_PSA.shape[2] != C + R:
         raise ValueError(f"the latent cache's entries hold {cache_PSA.shape[2]} values, not C + R = {C} + {R}")
-    if T != B:
-        raise ValueError(f"latent_decode_attention takes one token a sequence: {T} tokens for {B} sequences")
     if cache_PSA.stride(2) != 1 or q_latent_THC.stride(2) != 1 or q_rope_THR.stride(2) != 1:
         raise ValueError("the cache's, q_latent's and q_rope's last dims must be contiguous")
+    if num_splits > 1 and max_query_len > 1:
+        raise ValueError("KV splits are for decode (max_query_len == 1) only")
     out = torch.empty_like(q_latent_THC) if out is None else out
     if T == 0:
         return out
     if B > 65535:
-        raise ValueError(f"latent decode attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
-    BN, warps, stages = decode_tiles(C, cache_PSA.element_size())
+        raise ValueError(f"latent attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
+    decode = max_query_len == 1
+    if decode:
+        BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size())
+    else:
+        BM, BN, warps, stages = chunk_tiles(C, cache_PSA.element_size())
     CP, RP = triton.next_power_of_2(C), max(16, triton.next_power_of_2(R))  # (tl.dot's K of at least 16)
     if num_splits > 1:
         part_acc = torch.empty(T * H * num_splits, C, dtype=torch.float32, device=q_latent_THC.device)
         part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_latent_THC.device)
     else:
         part_acc = part_ml = out
-    grid = (triton.cdiv(H, HEAD_BLOCK) * num_splits, B)
-    _mla_decode[grid](q_latent_THC, q_rope_THR, cache_PSA, out, part_acc, part_ml, block_tables, seq_lens,
-                      query_start_loc, scale, H,
-                      q_latent_THC.stride(0), q_latent_THC.stride(1), q_rope_THR.stride(0), q_rope_THR.stride(1),
-                      out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), block_tables.stride(0),
-                      C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=HEAD_BLOCK, BN=BN, PAGE=cache_PSA.shape[1],
-                      PREC="ieee" if q_latent_THC.dtype == torch.float32 else "tf32", num_warps=warps,
-                      num_stages=stages, **pdl(q_latent_THC, kc))
+    grid = (triton.cdiv(H, HEAD_BLOCK) * num_splits, B, triton.cdiv(max_query_len, BM))
+    _mla_fwd[grid](q_latent_THC, q_rope_THR, cache_PSA, out, part_acc, part_ml, block_tables, seq_lens,
+                   query_start_loc, scale, H,
+                   q_latent_THC.stride(0), q_latent_THC.stride(1), q_rope_THR.stride(0), q_rope_THR.stride(1),
+                   out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), block_tables.stride(0),
+                   C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=HEAD_BLOCK, BM=BM, BN=BN,
+                   PAGE=cache_PSA.shape[1], PREC="ieee" if q_latent_THC.dtype == torch.float32 else "tf32",
+                   DECODE=decode, num_warps=warps, num_stages=stages, **pdl(q_latent_THC, kc))
     if num_splits > 1:
         _mla_merge[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, C=C, CP=CP, NUM_SPLITS=num_splits,
                            SP=triton.next_power_of_2(num_splits), **pdl(q_latent_THC, kc))

@@ -295,39 +295,45 @@ def absorbed(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torc
 def absorbed_kernel(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
                     kv_b_UC: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                     kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """`absorbed` for a step of decodes only (max_query_len == 1) through the Triton kernel
-    (moebius/kernels/mla.py): W_UK folded into the query here, the kernel's weighted latent sums through W_UV."""
-    from moebius.kernels.mla import latent_decode_attention
+    """`absorbed` through the Triton kernels (moebius/kernels/mla.py): a step of decodes only (max_query_len == 1,
+    with meta.num_splits) in the decode launch, else the causal chunk launch; W_UK folded into the query here, the
+    kernel's weighted latent sums through W_UV."""
+    from moebius.kernels.mla import latent_chunk_attention, latent_decode_attention
 
     T, H, N = q_nope_THN.shape
     wk_HNC, wv_HVC = _up_projections(kv_b_UC, H, N)
     if T == 0:
         return q_nope_THN.new_zeros(0, H, wv_HVC.shape[1])
-    q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC)
-    o_latent_THC = latent_decode_attention(q_latent_THC.contiguous(), q_rope_THR.contiguous(), cache_PSA,
-                                           meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                                           meta.num_splits, kc=kc)
+    q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC).contiguous()
+    if meta.max_query_len == 1:
+        o_latent_THC = latent_decode_attention(q_latent_THC, q_rope_THR.contiguous(), cache_PSA, meta.block_tables,
+                                               meta.seq_lens, meta.query_start_loc, scale, meta.num_splits, kc=kc)
+    else:
+        o_latent_THC = latent_chunk_attention(q_latent_THC, q_rope_THR.contiguous(), cache_PSA, meta.block_tables,
+                                              meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale, kc=kc)
     return torch.einsum("thc,hvc->thv", o_latent_THC, wv_HVC)
 
 
 def latent_attention(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
                      kv_b_UC: torch.Tensor, meta: AttentionMetadata, scale: float, absorb: bool | None = None, *,
                      kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """[T, H, V] over the paged latent cache. absorb=None: the sequences bringing one token (decodes) absorbed,
-    since that reads their cache once, the prompt chunks expanded (apart, so that no decode is padded to a chunk's
-    length nor its cache expanded); True / False: one form for every sequence. On CUDA the absorbed decodes take
-    the Triton kernel (`absorbed_kernel`); prompt chunks stay on the torch forms (no chunk kernel yet)."""
+    """[T, H, V] over the paged latent cache. absorb=None: on the CPU the sequences bringing one token (decodes)
+    absorbed, since that reads their cache once, the prompt chunks expanded (apart, so that no decode is padded to
+    a chunk's length nor its cache expanded); on CUDA both absorbed through the Triton kernels (`absorbed_kernel`),
+    the decodes in a launch of their own (decode tiles, KV splits), the chunks in the causal chunk launch.
+    True / False: one form for every sequence (True on CUDA: the kernels)."""
+    on_kernel = q_nope_THN.is_cuda and triton_available()
     if absorb is not None:
-        if absorb and meta.max_query_len == 1 and q_nope_THN.is_cuda and triton_available():
+        if absorb and on_kernel:
             return absorbed_kernel(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale, kc=kc)
         return (absorbed if absorb else expanded)(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale)
     decode_B = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
     if meta.max_query_len == 1 or not bool(decode_B.any()):
-        return latent_attention(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale, meta.max_query_len == 1,
-                                kc=kc)
+        return latent_attention(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale,
+                                meta.max_query_len == 1 or on_kernel, kc=kc)
     T, H, N = q_nope_THN.shape
     out = q_nope_THN.new_empty(T, H, kv_b_UC.shape[0] // H - N)
-    for sel, absorb_sel in ((decode_B, True), (~decode_B, False)):
+    for sel, absorb_sel in ((decode_B, True), (~decode_B, on_kernel)):
         sub, rows = _sequences(meta, sel)
         out[rows] = latent_attention(q_nope_THN[rows], q_rope_THR[rows], cache_PSA, kv_b_UC, sub, scale, absorb_sel,
                                      kc=kc)
