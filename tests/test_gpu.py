@@ -927,3 +927,47 @@ def test_latent_attention_takes_the_kernel_for_decodes_on_cuda(monkeypatch: pyte
     ref = latent_attention(q_nope.float().cpu(), q_rope.float().cpu(), cache.float().cpu(), kv_b.float().cpu(),
                            replace(meta, **cpu), 192 ** -0.5)
     assert torch.isfinite(out).all() and _rel(out.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("heads", [8, 16, 128])  # a TP shard of V2-Lite, V2-Lite whole, V3 on one rank
+@pytest.mark.parametrize("kind", ["fresh", "prefix", "mixed"])
+def test_latent_chunk_attention_matches_reference(heads: int, kind: str) -> None:
+    """kernels/mla.py's causal prompt-chunk launch (through models/deepseek/mla.absorbed_kernel) in bf16 against the
+    float32 torch expanded form on the same bf16 values: relative error < 2e-2 (the decode kernel's bound), finite.
+    fresh: chunks from position 0 (one of 512 tokens over 32 pages); prefix: chunks after cached tokens; mixed:
+    chunks beside decodes in one launch."""
+    from moebius.models.deepseek.mla import absorbed_kernel, expanded
+
+    q_lens, ctx = {"fresh": ([512, 77], [512, 77]), "prefix": ([300, 40, 5], [1000, 57, 517]),
+                   "mixed": ([1, 200, 1, 33], [300, 200, 17, 100])}[kind]
+    q_nope, q_rope, cache, kv_b, meta = _latent_case(heads, ctx, q_lens)
+    scale = 192 ** -0.5
+    ref = expanded(q_nope.float(), q_rope.float(), cache.float(), kv_b.float(), meta, scale)
+    out = absorbed_kernel(q_nope, q_rope, cache, kv_b, meta, scale)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert _rel(out, ref) < 2e-2, (heads, kind, _rel(out, ref))
+
+
+def test_latent_attention_takes_the_kernels_for_chunks_and_decodes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """models/deepseek/mla.latent_attention on CUDA: a mixed step's decodes in the decode launch (3 tokens), its
+    prompt chunks in the chunk launch (40 + 25 tokens, one launch); the whole step within bf16 noise (< 2e-2) of the
+    float32 CPU path (decodes absorbed, chunks expanded)."""
+    from moebius.kernels import mla as kernel
+    from moebius.models.deepseek.mla import latent_attention
+
+    calls: list[tuple[str, int]] = []
+    decode, chunk = kernel.latent_decode_attention, kernel.latent_chunk_attention
+    monkeypatch.setattr(kernel, "latent_decode_attention",
+                        lambda q, *a, **kw: (calls.append(("decode", q.shape[0])), decode(q, *a, **kw))[1])
+    monkeypatch.setattr(kernel, "latent_chunk_attention",
+                        lambda q, *a, **kw: (calls.append(("chunk", q.shape[0])), chunk(q, *a, **kw))[1])
+    q_lens, ctx = [1, 40, 1, 25, 1], [300, 40, 17, 90, 1000]
+    q_nope, q_rope, cache, kv_b, meta = _latent_case(16, ctx, q_lens)
+    meta.num_splits = 4
+    out = latent_attention(q_nope, q_rope, cache, kv_b, meta, 192 ** -0.5)
+    assert calls == [("decode", 3), ("chunk", 65)], calls
+    cpu = {k: getattr(meta, k).cpu() for k in ("positions", "slot_mapping", "query_start_loc", "seq_lens",
+                                                "block_tables", "token_seq", "token_qpos")}
+    ref = latent_attention(q_nope.float().cpu(), q_rope.float().cpu(), cache.float().cpu(), kv_b.float().cpu(),
+                           replace(meta, **cpu), 192 ** -0.5)
+    assert torch.isfinite(out).all() and _rel(out.cpu(), ref) < 2e-2
