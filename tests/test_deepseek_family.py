@@ -112,7 +112,7 @@ def test_unsupported_settings_are_refused_by_name(ckpt: Checkpoints) -> None:
     from moebius.worker.rank import RankSpec
 
     with pytest.raises(ConfigError, match=r"the deepseek family \(DeepseekV3ForCausalLM, DeepseekV2ForCausalLM\) "
-                                          r"cannot run on cuda: no Triton kernels for prompt chunks"):
+                                          r"cannot run on cuda: no CUDA graphs or step pieces for the latent cache"):
         build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=ckpt("deepseek_v3"), device="cuda"),
                             model=model_config(hf), checkpoint=ckpt("deepseek_v3"), device="cuda", dtype="float32",
                             eos_token_ids=(), max_model_len=64))

@@ -908,7 +908,7 @@ def test_latent_decode_attention_matches_reference(heads: int, splits: int) -> N
 
 def test_latent_attention_takes_the_kernel_for_decodes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """models/deepseek/mla.latent_attention on CUDA: a mixed step's decodes through the Triton kernel (one launch,
-    with their own metadata), its prompt chunk through the torch expanded form; the whole step's output within
+    with their own metadata; the chunk kernel takes its prompt chunk, not counted here); the whole step's output within
     bf16 noise (< 2e-2) of the float32 CPU path."""
     from moebius.kernels import mla as kernel
     from moebius.models.deepseek.mla import latent_attention

@@ -230,7 +230,9 @@ def assert_all_kv_free(e: Engine) -> None:
     for r, s in enumerate(per_rank):
         assert s["total_tokens"] > 0
         assert s["free_tokens"] == s["total_tokens"], f"{e}: rank {r} KV pool not fully free: {stats}"
-    assert stats["free_tokens"] == stats["total_tokens"] == sum(s["total_tokens"] for s in per_rank)
+    # engine-wide: EP's requests on one rank each (the sum), TP's on every rank (one rank's pool)
+    whole = sum(s["total_tokens"] for s in per_rank) if e.llm.mode == "ep" else per_rank[0]["total_tokens"]
+    assert stats["free_tokens"] == stats["total_tokens"] == whole == stats["capacity"][e.llm.mode]
 
 
 # Results of the batch test per (checkpoint, P, mode): every layout is compared with every one run before it.
