@@ -298,7 +298,7 @@ def mla_cases() -> None:
     from attention_cases import paged_metadata
 
     from moebius.kernels.mla import latent_decode_attention
-    from moebius.layers.attention import _sequences
+    from moebius.layers.attention import select_sequences
     from moebius.models.deepseek.mla import absorbed, absorbed_kernel
 
     g = torch.Generator().manual_seed(0)
@@ -338,7 +338,7 @@ def mla_cases() -> None:
     cache = torch.randn(pages, bs, C + R, generator=g)
     q_nope, q_rope = torch.randn(sum(q_lens), H, N, generator=g), torch.randn(sum(q_lens), H, R, generator=g)
     kv_b = torch.randn(H * (N + V), C, generator=g) * C ** -0.5
-    sub, rows = _sequences(meta, (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1)
+    sub, rows = select_sequences(meta, (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1)
     want = absorbed(q_nope, q_rope, cache, kv_b, meta, 0.3)[rows]
     got = absorbed_kernel(q_nope[rows], q_rope[rows], cache, kv_b, sub, 0.3)
     assert torch.allclose(got, want, **tol), "mixed step's decodes"
@@ -355,7 +355,7 @@ def mla_chunk_cases() -> None:
     from attention_cases import paged_metadata
 
     from moebius.kernels.mla import latent_chunk_attention
-    from moebius.layers.attention import _sequences
+    from moebius.layers.attention import select_sequences
     from moebius.models.deepseek.mla import absorbed, absorbed_kernel, expanded
 
     g = torch.Generator().manual_seed(1)
@@ -383,7 +383,7 @@ def mla_chunk_cases() -> None:
         decode_B = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
         parts = torch.empty_like(want)
         for sel, splits in ((decode_B, 3), (~decode_B, 1)):
-            sub, rows = _sequences(meta, sel)
+            sub, rows = select_sequences(meta, sel)
             sub.num_splits = splits
             parts[rows] = absorbed_kernel(q_nope[rows], q_rope[rows], cache, kv_b, sub, scale)
             if splits == 1:

@@ -159,7 +159,7 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     return o if out is None else out.copy_(o)
 
 
-def _sequences(meta: AttentionMetadata, sel: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
+def select_sequences(meta: AttentionMetadata, sel: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
     """The metadata of the sequences `sel` [B] bool picks, and which of the step's tokens are theirs."""
     idx = sel.nonzero().flatten()
     q_len = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[idx]
@@ -186,7 +186,7 @@ def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: Attentio
     if meta.max_query_len > 1 and bool(decode.any()):
         out = torch.empty_like(q_THd)
         for sel in (decode, ~decode):
-            sub, rows = _sequences(meta, sel)
+            sub, rows = select_sequences(meta, sel)
             out[rows] = paged_attention_ref(q_THd[rows], cache, sub, scale)
         return out
     B, L, Q = meta.seq_lens.shape[0], meta.max_seq_len, meta.max_query_len

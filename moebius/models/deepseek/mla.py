@@ -24,7 +24,7 @@ import torch
 
 from moebius.config import ConfigError
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
-from moebius.layers.attention import AttentionMetadata, _sequences
+from moebius.layers.attention import AttentionMetadata, select_sequences
 from moebius.layers.linear import linear
 from moebius.layers.norm import rms_norm
 from moebius.layers.rotary import apply_rope
@@ -334,7 +334,7 @@ def latent_attention(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_P
     T, H, N = q_nope_THN.shape
     out = q_nope_THN.new_empty(T, H, kv_b_UC.shape[0] // H - N)
     for sel, absorb_sel in ((decode_B, True), (~decode_B, on_kernel)):
-        sub, rows = _sequences(meta, sel)
+        sub, rows = select_sequences(meta, sel)
         out[rows] = latent_attention(q_nope_THN[rows], q_rope_THR[rows], cache_PSA, kv_b_UC, sub, scale, absorb_sel,
                                      kc=kc)
     return out
