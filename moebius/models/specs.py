@@ -161,6 +161,33 @@ def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Ten
     return umm.view(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
 
 
+def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
+    """A dense SwiGLU layer's views (`p`: the layer's name prefix): [gate | up] rows and down columns, TP-sharded
+    (`Layout.shard_w13` / `shard_w2`), whole in EP."""
+    D, I, It = cfg.hidden_size, cfg.intermediate_size, lay.dense_inter
+    return [
+        ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
+            [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
+        ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
+                  lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
+    ]
+
+
+def routed_expert_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
+    """An MoE layer's router and its local experts' views, [gate | up] then down at the head of the layer's slot
+    (Hugging Face's per-expert names or fused tensors, through `ExpertCut`)."""
+    p, D = f"model.layers.{i}.", cfg.hidden_size
+    E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
+    slot = lay.slot_of(i)
+    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)))
+    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),))
+    return [
+        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
+        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
+        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
+    ]
+
+
 WeightSpecs = Callable[[ModelConfig, Layout, int], list[ParamSpec]]
 
 

@@ -10,7 +10,7 @@ import torch
 from moebius.config import ModelConfig
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.qwen3_moe.forward import AttnWeights
-from moebius.models.specs import ExpertCut, Fetch, ParamSpec, spec_view
+from moebius.models.specs import Fetch, ParamSpec, dense_mlp_specs, routed_expert_specs, spec_view
 from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moebius.parallel.layout import Layout
 
@@ -47,26 +47,7 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
     ]
     if cfg.attention_bias:
         specs.append(ParamSpec(p + f"qkv_bias.{tag}", (rows,), qkv("bias")))
-    if not cfg.is_moe_layer(i):
-        I, It = cfg.intermediate_size, lay.dense_inter
-        specs += [
-            ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
-                [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
-            ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
-                      lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
-        ]
-        return specs
-    E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
-    slot = lay.slot_of(i)
-    w13_bytes = El * 2 * Il * D * elt
-    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)))
-    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),))
-    specs += [
-        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
-        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
-        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=w13_bytes, fill=w2.fill),
-    ]
-    return specs
+    return specs + (routed_expert_specs(cfg, lay, i, elt) if cfg.is_moe_layer(i) else dense_mlp_specs(cfg, lay, p))
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
