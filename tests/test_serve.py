@@ -1065,7 +1065,7 @@ def test_engine_client_streams_aborts_and_counts(ref: LLM) -> None:
     from moebius.entrypoints.openai import control
     from moebius.entrypoints.openai.engine_loop import Accepted, Update
     from moebius.entrypoints.openai.engine_process import EngineClient
-    from moebius.entrypoints.openai.serving import _Choice
+    from moebius.entrypoints.openai.serving import Choice
 
     client = EngineClient(EngineConfig(device="cpu"))
     client.start()
@@ -1079,7 +1079,7 @@ def test_engine_client_streams_aborts_and_counts(ref: LLM) -> None:
         while not isinstance(ev := await gone.get(), Update) or not ev.samples:
             pass
         client.abort(gone.request_ids)
-        choice, updates = _Choice(), 0
+        choice, updates = Choice(), 0
         while True:
             ev = await whole.get()
             assert isinstance(ev, Update)

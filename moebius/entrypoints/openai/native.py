@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from moebius.entrypoints.openai.engine_loop import EngineInfo, SampleDelta
+from moebius.entrypoints.openai.engine_loop import EngineInfo
 from moebius.entrypoints.openai.protocol import MAX_N, MAX_PROMPTS, MAX_STOP_TOKEN_IDS, APIError, Float, _check_stop
-from moebius.entrypoints.openai.serving import routed_experts_b64
+from moebius.entrypoints.openai.serving import Choice, routed_experts_b64
 from moebius.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -138,34 +138,7 @@ def generate_items(body: GenerateRequest, info: EngineInfo) -> tuple[list[tuple[
     return items, rids, field, batch or any(p.n > 1 for _, p in items)
 
 
-class _Sample:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.text = ""
-        self.logprobs: list[dict[int, float]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.cached = 0
-        self.routed: list[list[list[int]]] = []  # per output token (return_routed_experts)
-        self.prompt_routed: list[list[list[int]]] = []  # per prompt token but the last
-
-    def apply(self, d: SampleDelta) -> None:
-        self.tokens += d.token_ids
-        if d.routed_experts is not None:
-            self.routed += d.routed_experts
-        if d.prompt_routed_experts is not None:  # all of the prompt's so far: replaces
-            self.prompt_routed = d.prompt_routed_experts
-        self.text += d.text
-        self.cached = d.cached_tokens
-        if d.logprobs is not None:
-            self.logprobs += d.logprobs
-        if d.finish_reason == "error":  # this request failed (the engine serves on): the answer is an error
-            raise APIError(500, f"generation failed: {d.error}", code="generation_error")
-        if d.finish_reason is not None:
-            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
-
-
-def finish_reason(s: _Sample, max_tokens: int | None) -> dict[str, Any] | None:
+def finish_reason(s: Choice, max_tokens: int | None) -> dict[str, Any] | None:
     """SGLang's finish reason object: {"type": "length", "length": n}, {"type": "stop", "matched": the stop token
     id or string (EOS: its id)}, {"type": "abort", "message": ...}; None while running."""
     if s.finish_reason is None:
@@ -189,7 +162,7 @@ class NativeAnswer:
         self.first = [0]  # index of each prompt's first sample in the flat list
         for p in self.params:
             self.first.append(self.first[-1] + p.n)
-        self.samples = [_Sample() for _ in range(self.first[-1])]
+        self.samples = [Choice() for _ in range(self.first[-1])]
         self.weight_version: str | None = None
         self.start = time.perf_counter()
 
@@ -208,15 +181,15 @@ class NativeAnswer:
             "id": self.rids[prompt] if n == 1 else f"{self.rids[prompt]}-{i - self.first[prompt]}",
             "finish_reason": finish_reason(s, params.max_tokens),
             "prompt_tokens": len(self.gen.accepted.prompt_token_ids[prompt]), "completion_tokens": len(s.tokens),
-            "cached_tokens": s.cached, "weight_version": self.weight_version,
+            "cached_tokens": s.cached_tokens, "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - self.start}
         if self.body.return_logprob:
             meta["output_token_logprobs"] = [[lps.get(t), t, self._text(t)]
-                                             for t, lps in zip(s.tokens, s.logprobs, strict=True)]
+                                             for t, lps in s.logprobs]
             if self.body.top_logprobs_num:
                 k = self.body.top_logprobs_num
-                meta["output_top_logprobs"] = [[[v, u, self._text(u)] for u, v in
-                                                sorted(lps.items(), key=lambda kv: -kv[1])[:k]] for lps in s.logprobs]
+                meta["output_top_logprobs"] = [[[v, u, self._text(u)] for u, v in sorted(
+                    lps.items(), key=lambda kv: -kv[1])[:k]] for _, lps in s.logprobs]
         if self.body.return_routed_experts:  # shaped (prompt + output - 1 tokens, decoder layers, top-k)
             meta["routed_experts"] = routed_experts_b64(s.prompt_routed + s.routed, self.info)
         return {"text": s.text, "output_ids": list(s.tokens), "meta_info": meta}

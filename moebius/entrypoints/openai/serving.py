@@ -178,8 +178,8 @@ class Generation:
             self.pending.clear()
 
 
-class _Choice:
-    """One choice of the answer: what it got so far."""
+class Choice:
+    """One choice (sample) of an answer, OpenAI's or SGLang's /generate: what it got so far."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -285,7 +285,7 @@ class Answer:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = gen.params.n
-        self.choices = [_Choice() for _ in range(len(gen.sink.request_ids) * self.n)]
+        self.choices = [Choice() for _ in range(len(gen.sink.request_ids) * self.n)]
         # (the engine may report more than was asked, e.g. the prompt's rows of a chunked prompt: what goes out is
         # what the request asked for)
         self.routed_out, self.routed_prompt = gen.params.return_routed_experts, gen.params.return_prompt_routed_experts
@@ -307,7 +307,7 @@ class Answer:
         assert self.gen.accepted is not None
         return self.gen.accepted.prompt_token_ids[index // self.n]
 
-    def _routed_b64(self, c: _Choice) -> str:
+    def _routed_b64(self, c: Choice) -> str:
         asked = (c.prompt_routed if self.routed_prompt else []) + (c.routed if self.routed_out else [])
         return routed_experts_b64(asked, self.info)
 
