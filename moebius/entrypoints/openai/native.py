@@ -270,12 +270,17 @@ class AbortRequestsBody(_Strict):
     request_ids: list[str] | None = None
 
 
-class UpdateFromDiskBody(_Strict):
-    model_path: str = Field(min_length=1)
-    load_format: str | None = None  # "auto" or "safetensors": the only format read
+class _UpdateBody(_Strict):
+    """What every SGLang weight-update body carries."""
+
     weight_version: str | None = None
     flush_cache: bool = True  # the prefix cache is flushed either way (its pages hold the old weights' KV)
     abort_all_requests: bool = False
+
+
+class UpdateFromDiskBody(_UpdateBody):
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None  # "auto" or "safetensors": the only format read
 
     @field_validator("load_format")
     @classmethod
@@ -285,7 +290,7 @@ class UpdateFromDiskBody(_Strict):
         return value
 
 
-class UpdateWeightsFromTensorBody(_Strict):
+class UpdateWeightsFromTensorBody(_UpdateBody):
     """POST /update_weights_from_tensor (SGLang's route, loopback callers only): `named_tensors` is the plain
     description `moebius.link.tensor_handles.export_tensors` makes (CUDA IPC handles, a shared-memory segment) in
     place of SGLang's `serialized_named_tensors`, which are pickles and never read here."""
@@ -294,9 +299,6 @@ class UpdateWeightsFromTensorBody(_Strict):
     serialized_named_tensors: Any = None
     named_tensors: dict[str, Any]
     load_format: str | None = None  # "direct" (SGLang's default) or null: the tensors are the model's own
-    weight_version: str | None = None
-    flush_cache: bool = True  # the prefix cache is flushed either way (its pages hold the old weights' KV)
-    abort_all_requests: bool = False
 
     @field_validator("load_format")
     @classmethod
