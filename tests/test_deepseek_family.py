@@ -2,7 +2,8 @@
 ModelConfig (MLA's latent as the KV spec, DeepSeek's dense-layer rule), the checkpoint names transformers writes,
 and greedy tokens identical to transformers' own DeepseekV3ForCausalLM / DeepseekV2ForCausalLM for P = 1, 2 (and 4
 for V3) in TP and EP, across live switches with arrivals, aborts and n > 1, with no KV page leaked; a TP target that
-cannot hold the replicated latent cache refused; a weight update and routed experts; the GPU refused.
+cannot hold the replicated latent cache refused; a weight update and routed experts. On a GPU (float32): decode
+graphs, step pieces around the latent kernels, eager steps: transformers' tokens.
 
 Checkpoints (tests/conftest.py, written by transformers' classes, std 0.3 weights):
   deepseek_v3  q-LoRA, sigmoid group-limited routing with e_score_correction_bias, one shared expert, layer 0
@@ -29,7 +30,7 @@ import torch
 from conftest import MIN_MARGIN, VOCAB, Checkpoints
 
 from moebius import LLM, SamplingParams
-from moebius.config import ConfigError, EngineConfig, KVSpec
+from moebius.config import ConfigError, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 
 BLOCK = 4
@@ -104,18 +105,10 @@ def test_config_and_checkpoint_names(ckpt: Checkpoints, name: str) -> None:
 
 
 def test_unsupported_settings_are_refused_by_name(ckpt: Checkpoints) -> None:
-    """The GPU (no MLA kernels yet) at start-up, naming the family; a config without a DeepSeek key, naming it."""
+    """A config without a DeepSeek key, naming it."""
     hf = _config(ckpt("deepseek_v3"))
     with pytest.raises(ConfigError, match="config.json has no n_routed_experts"):
         model_config({k: v for k, v in hf.items() if k != "n_routed_experts"})
-    from moebius.worker.build import build_rank
-    from moebius.worker.rank import RankSpec
-
-    with pytest.raises(ConfigError, match=r"the deepseek family \(DeepseekV3ForCausalLM, DeepseekV2ForCausalLM\) "
-                                          r"cannot run on cuda: no CUDA graphs or step pieces for the latent cache"):
-        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=ckpt("deepseek_v3"), device="cuda"),
-                            model=model_config(hf), checkpoint=ckpt("deepseek_v3"), device="cuda", dtype="float32",
-                            eos_token_ids=(), max_model_len=64))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,6 +189,31 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
         if params.temperature == 0:
             assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
     assert_kv_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_greedy_equals_transformers_on_the_gpu(ckpt: Checkpoints, name: str) -> None:
+    """On the GPU in float32: decode graphs and step pieces (the latent kernels between them) give transformers'
+    greedy tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
+    from moebius.link.messages import DecodeProbe, PrefillProbe
+
+    path = ckpt(name)
+    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
+    kw = dict(ENGINE_KW, device="cuda", cuda_graph_max_bs=8, warmup="none")
+    with LLM(model=path, **kw) as llm:
+        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0,
+                                                                         graphs=True)))
+        assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=16, context=8, steps=1, warmup=0)))
+        for mode in ("tp", "ep", "tp"):
+            if llm.mode != mode:
+                assert llm.switch_mode(mode).done
+            assert greedy_outputs(llm, PROMPTS) == want, mode
+            assert_kv_free(llm)
+    for flag in ("disable_cuda_graph", "disable_overlap_schedule"):
+        with LLM(model=path, **{flag: True}, **kw) as llm:
+            assert greedy_outputs(llm, PROMPTS) == want, flag
 
 
 def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:

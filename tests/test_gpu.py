@@ -906,29 +906,6 @@ def test_latent_decode_attention_matches_reference(heads: int, splits: int) -> N
     assert _rel(out, ref) < 2e-2, (heads, splits, _rel(out, ref))
 
 
-def test_latent_attention_takes_the_kernel_for_decodes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """models/deepseek/mla.latent_attention on CUDA: a mixed step's decodes through the Triton kernel (one launch,
-    with their own metadata; the chunk kernel takes its prompt chunk, not counted here); the whole step's output within
-    bf16 noise (< 2e-2) of the float32 CPU path."""
-    from moebius.kernels import mla as kernel
-    from moebius.models.deepseek.mla import latent_attention
-
-    calls: list[int] = []
-    fast = kernel.latent_decode_attention
-    monkeypatch.setattr(kernel, "latent_decode_attention",
-                        lambda q, *a, **kw: (calls.append(q.shape[0]), fast(q, *a, **kw))[1])
-    q_lens, ctx = [1, 40, 1, 1], [300, 40, 17, 1000]
-    q_nope, q_rope, cache, kv_b, meta = _latent_case(16, ctx, q_lens)
-    meta.num_splits = 4
-    out = latent_attention(q_nope, q_rope, cache, kv_b, meta, 192 ** -0.5)
-    assert calls == [3]
-    cpu = {k: getattr(meta, k).cpu() for k in ("positions", "slot_mapping", "query_start_loc", "seq_lens",
-                                                "block_tables", "token_seq", "token_qpos")}
-    ref = latent_attention(q_nope.float().cpu(), q_rope.float().cpu(), cache.float().cpu(), kv_b.float().cpu(),
-                           replace(meta, **cpu), 192 ** -0.5)
-    assert torch.isfinite(out).all() and _rel(out.cpu(), ref) < 2e-2
-
-
 @pytest.mark.parametrize("heads", [8, 16, 128])  # a TP shard of V2-Lite, V2-Lite whole, V3 on one rank
 @pytest.mark.parametrize("kind", ["fresh", "prefix", "mixed"])
 def test_latent_chunk_attention_matches_reference(heads: int, kind: str) -> None:
@@ -948,26 +925,45 @@ def test_latent_chunk_attention_matches_reference(heads: int, kind: str) -> None
     assert _rel(out, ref) < 2e-2, (heads, kind, _rel(out, ref))
 
 
-def test_latent_attention_takes_the_kernels_for_chunks_and_decodes_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """models/deepseek/mla.latent_attention on CUDA: a mixed step's decodes in the decode launch (3 tokens), its
-    prompt chunks in the chunk launch (40 + 25 tokens, one launch); the whole step within bf16 noise (< 2e-2) of the
-    float32 CPU path (decodes absorbed, chunks expanded)."""
+@pytest.mark.parametrize("decodes", [0, 2])
+def test_latent_attention_takes_the_kernels_for_chunks_and_decodes_on_cuda(monkeypatch: pytest.MonkeyPatch,
+                                                                           decodes: int) -> None:
+    """models/deepseek/mla.latent_attention on CUDA: a mixed step's leading decodes (meta.decodes, as the runner
+    sets them with --mixed-attention apart) in the decode launch, the sequences after them (a decode among them too)
+    in one causal chunk launch over the step's rows; decodes=0: everything in the chunk launch. The whole step within
+    bf16 noise (< 2e-2) of the float32 CPU path (decodes absorbed, chunks expanded)."""
     from moebius.kernels import mla as kernel
     from moebius.models.deepseek.mla import latent_attention
 
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, int, int]] = []
     decode, chunk = kernel.latent_decode_attention, kernel.latent_chunk_attention
-    monkeypatch.setattr(kernel, "latent_decode_attention",
-                        lambda q, *a, **kw: (calls.append(("decode", q.shape[0])), decode(q, *a, **kw))[1])
-    monkeypatch.setattr(kernel, "latent_chunk_attention",
-                        lambda q, *a, **kw: (calls.append(("chunk", q.shape[0])), chunk(q, *a, **kw))[1])
-    q_lens, ctx = [1, 40, 1, 25, 1], [300, 40, 17, 90, 1000]
+    monkeypatch.setattr(kernel, "latent_decode_attention", lambda q, r, c, bt, sl, *a, **kw: (
+        calls.append(("decode", q.shape[0], sl.shape[0])), decode(q, r, c, bt, sl, *a, **kw))[1])
+    monkeypatch.setattr(kernel, "latent_chunk_attention", lambda q, r, c, bt, sl, *a, **kw: (
+        calls.append(("chunk", q.shape[0], sl.shape[0])), chunk(q, r, c, bt, sl, *a, **kw))[1])
+    q_lens, ctx = [1, 1, 40, 1, 25], [300, 1000, 40, 17, 90]
     q_nope, q_rope, cache, kv_b, meta = _latent_case(16, ctx, q_lens)
-    meta.num_splits = 4
+    meta.num_splits, meta.decodes = 4, decodes
     out = latent_attention(q_nope, q_rope, cache, kv_b, meta, 192 ** -0.5)
-    assert calls == [("decode", 3), ("chunk", 65)], calls
+    assert calls == ([("decode", 2, 2), ("chunk", 68, 3)] if decodes else [("chunk", 68, 5)]), calls
     cpu = {k: getattr(meta, k).cpu() for k in ("positions", "slot_mapping", "query_start_loc", "seq_lens",
                                                 "block_tables", "token_seq", "token_qpos")}
     ref = latent_attention(q_nope.float().cpu(), q_rope.float().cpu(), cache.float().cpu(), kv_b.float().cpu(),
                            replace(meta, **cpu), 192 ** -0.5)
     assert torch.isfinite(out).all() and _rel(out.cpu(), ref) < 2e-2
+
+
+def test_latent_step_pieces_match_eager_steps_in_bf16() -> None:
+    """DeepSeek-V2-Lite's shapes (two layers, dummy bf16 weights; the first dense, the second with routed and shared
+    experts): decode graphs replay, steps with prompt chunks run in pieces around the latent kernels (the leading
+    decodes in their own launch), and give the prompt logits and tokens of the same steps run eagerly with the
+    decodes in the chunks' launch."""
+    kw = dict(_MIXED_KW, model="deepseek-v2-lite", load_format="dummy", num_layers=2, cuda_graph_max_bs=8)
+    with LLM(**kw) as llm:
+        assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=2048, context=0, steps=1, warmup=0)))
+        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=4, context=300, steps=1, warmup=0,
+                                                                         graphs=True)))
+        pieces = _mixed_run(llm)
+    with LLM(disable_cuda_graph=True, mixed_attention="shared", **kw) as llm:
+        eager = _mixed_run(llm)
+    _assert_same_logits(pieces, eager)

@@ -23,12 +23,27 @@ class AttentionCut(Protocol):
     are CUDA graphs, attention runs eagerly between them, its launch depending on the step's sequences)."""
 
     def q_buffer(self, T: int) -> torch.Tensor:
-        """The static [T, H, d] buffer the layer's q is written into."""
+        """The static [T, H, q_dim] buffer the layer's q is written into (`AttentionGeometry`)."""
         ...
 
     def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig) -> torch.Tensor:
-        """The layer's attention output [T, H, d] (a static buffer, written between the graphs)."""
+        """The layer's attention output [T, H, o_dim] (a static buffer, written between the graphs)."""
         ...
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What the runner asks of a family's attention on a rank (its forward module's `attention_geometry`): the
+    static buffers between step pieces hold q [T, heads, q_dim] and the output [T, heads, o_dim]; a decoding
+    sequence runs `split_units` programs before KV splits (its KV heads; MLA: its head blocks); `group`: query
+    heads a KV head, for the query-block table of kernels/attention.py's chunk launch (None: the family's kernels
+    take no such table)."""
+
+    heads: int
+    q_dim: int
+    o_dim: int
+    split_units: int
+    group: int | None
 
 
 @dataclass

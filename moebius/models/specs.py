@@ -212,9 +212,9 @@ class Family:
     """A model family: what the engine asks of it. `parse_config`: config.json (and --num-layers) -> ModelConfig
     (ConfigError naming what it cannot serve); `weight_specs`: every view of a layout (cfg, layout, bytes an
     element); `build_weights`: the layout's weight views over the buffer, in the form its `model` takes;
-    `model`: the layout-free forward (`forward`, `logits`, `num_moe_layers`); `rope_table`: the float32 table the
-    region named "rope" holds (None: plain RoPE over head_dim, `layers/rotary.rope_table`); `cpu_only`: why the
-    family cannot run on a GPU yet ("" where it can); `checks_own_keys`: parse_config refuses missing or ill-typed
+    `model`: the layout-free forward (`forward`, `logits`, `num_moe_layers`, `attention_geometry`, `attend`);
+    `rope_table`: the float32 table the region named "rope" holds (None: plain RoPE over head_dim,
+    `layers/rotary.rope_table`); `checks_own_keys`: parse_config refuses missing or ill-typed
     shape keys itself (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`:
     a layout's `FloorTerms` for the floor model (None: the floor model refuses the family, naming it)."""
 
@@ -225,7 +225,6 @@ class Family:
     build_weights: Callable[[UnifiedMemory, ModelConfig, Layout, torch.dtype], Any]
     model: Any
     rope_table: Callable[[ModelConfig, torch.device], torch.Tensor] | None = None
-    cpu_only: str = ""
     checks_own_keys: bool = False
     floor_terms: Callable[[ModelConfig, Layout], FloorTerms] | None = None
 

@@ -135,9 +135,6 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     dtype = getattr(torch, spec.dtype)
     check_shapes(cfg, spec.world_size)
     family = family_of(cfg)
-    if family.cpu_only and device.type != "cpu":
-        raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device}: "
-                          f"{family.cpu_only}; serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}

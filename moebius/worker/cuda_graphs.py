@@ -161,7 +161,7 @@ class _Cut:
         if self.pool is not None:
             self.end()
             self._begin()
-        return self.o[: q_THd.shape[0]]
+        return self.o[: q_THd.shape[0]]  # [T, H, o_dim]
 
 
 class StepPieces:
@@ -170,13 +170,13 @@ class StepPieces:
     attention, whose launch depends on the step's sequences (host values); attention reads q from and writes its
     output to static buffers between them. Padding tokens (past the step's own) write only the reserved KV page 0."""
 
-    def __init__(self, buckets: list[int], pool: object, heads: int, head_dim: int, dtype: torch.dtype,
+    def __init__(self, buckets: list[int], pool: object, heads: int, q_dim: int, o_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.buckets = sorted(buckets)
         self.pool = pool
-        shape = (self.buckets[-1], heads, head_dim)
-        self.q = torch.zeros(shape, dtype=dtype, device=device)
-        self.o = torch.zeros(shape, dtype=dtype, device=device)  # zeros: padding rows stay finite
+        self.q = torch.zeros(self.buckets[-1], heads, q_dim, dtype=dtype, device=device)
+        # zeros: padding rows stay finite
+        self.o = torch.zeros(self.buckets[-1], heads, o_dim, dtype=dtype, device=device)
         self.sets: dict[int, PieceSet] = {}
 
     def capture(self, inputs: Callable[[int], None], forward: Callable[[int, _Cut], torch.Tensor]) -> float:

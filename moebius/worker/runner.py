@@ -25,7 +25,6 @@ from moebius.layers.attention import (
     AttentionMetadata,
     leading_decodes,
     num_splits_for,
-    paged_attention,
     query_blocks,
 )
 from moebius.layers.sampler import SamplingBatch, logprobs_of, processed_logits, race_scores, sample
@@ -245,24 +244,21 @@ class ModelRunner:
         self.logprobs_mode = "raw_logprobs"  # --logprobs-mode (the rank sets it): what `logprobs_of` returns
         self.lm_head_fp32 = False  # --lm-head-dtype float32 (the rank sets it, before any graph is captured)
         self.last_metadata_s = 0.0  # host time of the last step's metadata (diagnostics: bench_decode reports it)
+        # the family's attention on this rank: the step pieces' buffers, KV splits, the query-block table
+        self.geometry = self.model.attention_geometry(cfg, weights, kv)
+        self.attn_kernels = device.type == "cuda" and triton_available()  # the family's Triton attention runs
         # tokens per query block of the GPU attention kernel, for the block tables of steps with prompt chunks
         self.q_block: int | None = None
-        if device.type == "cuda" and triton_available():
+        if self.attn_kernels and self.geometry.group is not None:
             from moebius.kernels.attention import query_block_tokens
 
-            heads, kvh, d = self._heads()
-            self.q_block = query_block_tokens(d, heads // kvh)
+            self.q_block = query_block_tokens(self.geometry.q_dim, self.geometry.group)
 
     @property
     def decodes_apart(self) -> bool:
         """Whether the leading decodes of a step with prompt chunks attend in a launch of their own (on the GPU, as
         KernelConfig.decodes_apart asks)."""
-        return self.kernels.decodes_apart and self.q_block is not None
-
-    def _heads(self) -> tuple[int, int, int]:
-        """(query heads, KV heads, head dim) of this rank's attention."""
-        kvh, d = self.kv[0].shape[3], self.kv[0].shape[4]
-        return self.weights.layers[0].attn.qkv_QD.shape[0] // d - 2 * kvh, kvh, d
+        return self.kernels.decodes_apart and self.attn_kernels
 
     # ---- decode graphs ----
     def capture_graphs(self, cap: int, pool: object) -> tuple[int, float]:
@@ -281,8 +277,8 @@ class ModelRunner:
     # ---- graph pieces of steps with prompt chunks ----
     def capture_pieces(self, cap: int, pool: object) -> tuple[int, float]:
         """Capture the step pieces of up to `cap` tokens into `pool`; returns (buckets, seconds)."""
-        heads, _, d = self._heads()
-        self.pieces = StepPieces(piece_buckets(cap), pool, heads, d, self.kv[0].dtype, self.device)
+        g = self.geometry
+        self.pieces = StepPieces(piece_buckets(cap), pool, g.heads, g.q_dim, g.o_dim, self.kv[0].dtype, self.device)
         return len(self.pieces.buckets), self.pieces.capture(self._piece_inputs, self._piece_forward)
 
     def _piece_inputs(self, b: int) -> None:
@@ -417,8 +413,8 @@ class ModelRunner:
 
     def _kv_splits(self, decodes: int) -> int:
         """KV splits of the Triton attention launch over `decodes` one-token sequences (1 without them, or where
-        that kernel does not run: q_block is None)."""
-        return num_splits_for(decodes, self.kv[0].shape[3]) if decodes and self.q_block is not None else 1
+        the Triton kernels do not run)."""
+        return num_splits_for(decodes, self.geometry.split_units) if decodes and self.attn_kernels else 1
 
     def decode_metadata(self, b: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """The static-buffer views a decode graph of bucket b reads (contents written before each replay)."""
@@ -440,10 +436,9 @@ class ModelRunner:
         kc = self.kernels.with_release(self.release_order(ids.shape[0]))
         return self.model.forward(ids, meta, self.weights, self.kv, self.cfg, self.comm, kc, self.routed)
 
-    @staticmethod
-    def _attend(call: AttentionCall, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
-        """A layer's attention between two step pieces, over the step's own tokens and sequences."""
-        paged_attention(q, call.cache, meta, call.scale, kc=call.kc, out=out)
+    def _attend(self, call: AttentionCall, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
+        """A layer's attention between two step pieces, over the step's own tokens and sequences (the family's)."""
+        self.model.attend(q, call.cache, meta, call.scale, call.kc, out)
 
     def _kc_sampling(self) -> KernelConfig:
         return self.kernels.with_release(EARLY)

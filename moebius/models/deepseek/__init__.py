@@ -1,7 +1,5 @@
 """The DeepSeek-V2 / V3 family (DeepSeek-V2-Lite, Moonlight, DeepSeek-V3 / R1, Kimi K2): multi-head latent
-attention, shared experts, grouped routing. Served on the CPU only for now: the Triton kernels for paged latent
-attention (kernels/mla.py: decodes and prompt chunks) are not yet checked on a GPU end to end, and there are no CUDA
-graphs or step pieces for the latent cache yet."""
+attention, shared experts, grouped routing."""
 
 from moebius.models.deepseek import forward
 from moebius.models.deepseek.config import parse_config
@@ -10,7 +8,5 @@ from moebius.models.deepseek.weights import build_weights, weight_specs
 from moebius.models.specs import Family
 
 FAMILY = Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), parse_config, weight_specs,
-                build_weights, forward, rope_table=forward.family_rope_table,
-                cpu_only="no CUDA graphs or step pieces for the latent cache yet, and the latent-attention "
-                         "kernels (kernels/mla.py) not yet checked end to end on a GPU",
-                checks_own_keys=True, floor_terms=floor_terms)
+                build_weights, forward, rope_table=forward.family_rope_table, checks_own_keys=True,
+                floor_terms=floor_terms)

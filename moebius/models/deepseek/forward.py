@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V3 forward (transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM semantics), reading weight
 views handed to it, over the `Communicator`: the same math in every layout (head counts from the weight shapes, the
-shared experts' shard from theirs). MLA is `mla.py`'s torch reference over the paged latent cache (decodes absorbed,
-prompt chunks expanded), routing `moe.py`'s. CPU only for now (`FAMILY.cpu_only`). Shapes: T tokens, D hidden,
-K top-k, V vocab; P pages, S page size, A one latent cache entry.
+shared experts' shard from theirs). MLA is `mla.py`'s over the paged latent cache (on the GPU absorbed through the
+Triton kernels; on the CPU the torch reference, decodes absorbed and prompt chunks expanded), routing `moe.py`'s.
+Shapes: T tokens, D hidden, K top-k, V vocab; P pages, S page size, A one latent cache entry.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ModelConfig
-from moebius.kernels import KernelConfig
-from moebius.layers.attention import AttentionMetadata
+from moebius.kernels import KernelConfig, triton_available
+from moebius.layers.attention import AttentionGeometry, AttentionMetadata
 from moebius.layers.moe import dense_mlp, experts, summed
 from moebius.layers.norm import add_rms_norm
 from moebius.models.deepseek.config import DeepseekConfig
-from moebius.models.deepseek.mla import mla_attention, rope_table
+from moebius.models.deepseek.mla import attend_absorbed, mla_attention, rope_table
 from moebius.models.deepseek.moe import route, router_logits
 from moebius.models.deepseek.weights import DeepseekMoEWeights
 from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
@@ -80,3 +80,21 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
 def num_moe_layers(weights: ModelWeights) -> int:
     """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
     return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
+
+
+def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor]) -> AttentionGeometry:
+    """A rank's latent attention: between step pieces the absorbed query (C + R a head) and the weighted latent
+    sums (C a head); a decoding sequence's programs are its head blocks (kernels/mla.py's HEAD_BLOCK heads each);
+    no query-block table."""
+    ext = cfg.extra
+    assert isinstance(ext, DeepseekConfig)
+    mla = ext.mla
+    heads = weights.layers[0].attn.q_QL.shape[0] // (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    block = heads  # (off the GPU's kernels no step splits its keys: any value)
+    if triton_available():
+        from moebius.kernels.mla import HEAD_BLOCK as block
+    return AttentionGeometry(heads=heads, q_dim=mla.cache_dim, o_dim=mla.kv_lora_rank,
+                             split_units=-(-heads // block), group=None)
+
+
+attend = attend_absorbed  # a layer's attention between two step pieces

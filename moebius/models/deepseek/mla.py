@@ -292,52 +292,74 @@ def absorbed(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torc
     return torch.einsum("thc,hvc->thv", o_latent_BQHC[meta.token_seq, meta.token_qpos], wv_HVC)
 
 
+def latent_kernels(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
+                   meta: AttentionMetadata, scale: float, *, kc: KernelConfig = DEFAULT_KERNELS,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weighted latent sums [T, H, C] of an absorbed query (q_latent = q_nope through W_UK) through the Triton
+    kernels (moebius/kernels/mla.py): a step of decodes only (max_query_len == 1) in the decode launch with
+    meta.num_splits; with prompt chunks, the leading meta.decodes one-token sequences in the decode launch (the
+    splits are theirs) and the sequences after them in the causal chunk launch. Reads no value the host would wait
+    for (graph and overlap safe)."""
+    from moebius.kernels.mla import latent_chunk_attention, latent_decode_attention
+
+    out = torch.empty_like(q_latent_THC) if out is None else out
+    if meta.max_query_len == 1:
+        return latent_decode_attention(q_latent_THC, q_rope_THR, cache_PSA, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, scale, meta.num_splits, kc=kc, out=out)
+    d = meta.decodes
+    if d:
+        latent_decode_attention(q_latent_THC[:d], q_rope_THR[:d], cache_PSA, meta.block_tables[:d],
+                                meta.seq_lens[:d], meta.query_start_loc[: d + 1], scale, meta.num_splits, kc=kc,
+                                out=out[:d])
+    # (query_start_loc[d:] still counts from the step's first token: the chunks' rows of the whole q and out)
+    latent_chunk_attention(q_latent_THC, q_rope_THR, cache_PSA, meta.block_tables[d:], meta.seq_lens[d:],
+                           meta.query_start_loc[d:], meta.max_query_len, scale, kc=kc, out=out)
+    return out
+
+
 def absorbed_kernel(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
                     kv_b_UC: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                     kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """`absorbed` through the Triton kernels (moebius/kernels/mla.py): a step of decodes only (max_query_len == 1,
-    with meta.num_splits) in the decode launch, else the causal chunk launch; W_UK folded into the query here, the
-    kernel's weighted latent sums through W_UV."""
-    from moebius.kernels.mla import latent_chunk_attention, latent_decode_attention
-
+    """`absorbed` through the Triton kernels (`latent_kernels`): W_UK folded into the query here, the kernels'
+    weighted latent sums through W_UV."""
     T, H, N = q_nope_THN.shape
     wk_HNC, wv_HVC = _up_projections(kv_b_UC, H, N)
     if T == 0:
         return q_nope_THN.new_zeros(0, H, wv_HVC.shape[1])
-    q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC).contiguous()
-    if meta.max_query_len == 1:
-        o_latent_THC = latent_decode_attention(q_latent_THC, q_rope_THR.contiguous(), cache_PSA, meta.block_tables,
-                                               meta.seq_lens, meta.query_start_loc, scale, meta.num_splits, kc=kc)
-    else:
-        o_latent_THC = latent_chunk_attention(q_latent_THC, q_rope_THR.contiguous(), cache_PSA, meta.block_tables,
-                                              meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale, kc=kc)
-    return torch.einsum("thc,hvc->thv", o_latent_THC, wv_HVC)
+    q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC)
+    return torch.einsum("thc,hvc->thv", latent_kernels(q_latent_THC, q_rope_THR, cache_PSA, meta, scale, kc=kc),
+                        wv_HVC)
 
 
 def latent_attention(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
                      kv_b_UC: torch.Tensor, meta: AttentionMetadata, scale: float, absorb: bool | None = None, *,
                      kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """[T, H, V] over the paged latent cache. absorb=None: on the CPU the sequences bringing one token (decodes)
-    absorbed, since that reads their cache once, the prompt chunks expanded (apart, so that no decode is padded to
-    a chunk's length nor its cache expanded); on CUDA both absorbed through the Triton kernels (`absorbed_kernel`),
-    the decodes in a launch of their own (decode tiles, KV splits), the chunks in the causal chunk launch.
-    True / False: one form for every sequence (True on CUDA: the kernels)."""
-    on_kernel = q_nope_THN.is_cuda and triton_available()
+    """[T, H, V] over the paged latent cache. absorb=None: on CUDA absorbed through the Triton kernels
+    (`absorbed_kernel`); on the CPU the sequences bringing one token (decodes) absorbed, since that reads their
+    cache once, the prompt chunks expanded (apart, so that no decode is padded to a chunk's length nor its cache
+    expanded). True / False: one form for every sequence (True on CUDA: the kernels)."""
+    if q_nope_THN.is_cuda and triton_available() and absorb is not False:
+        return absorbed_kernel(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale, kc=kc)
     if absorb is not None:
-        if absorb and on_kernel:
-            return absorbed_kernel(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale, kc=kc)
         return (absorbed if absorb else expanded)(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale)
     decode_B = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
     if meta.max_query_len == 1 or not bool(decode_B.any()):
-        return latent_attention(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale,
-                                meta.max_query_len == 1 or on_kernel, kc=kc)
+        return latent_attention(q_nope_THN, q_rope_THR, cache_PSA, kv_b_UC, meta, scale, meta.max_query_len == 1)
     T, H, N = q_nope_THN.shape
     out = q_nope_THN.new_empty(T, H, kv_b_UC.shape[0] // H - N)
-    for sel, absorb_sel in ((decode_B, True), (~decode_B, on_kernel)):
+    for sel, absorb_sel in ((decode_B, True), (~decode_B, False)):
         sub, rows = select_sequences(meta, sel)
-        out[rows] = latent_attention(q_nope_THN[rows], q_rope_THR[rows], cache_PSA, kv_b_UC, sub, scale, absorb_sel,
-                                     kc=kc)
+        out[rows] = latent_attention(q_nope_THN[rows], q_rope_THR[rows], cache_PSA, kv_b_UC, sub, scale, absorb_sel)
     return out
+
+
+def attend_absorbed(q_THA: torch.Tensor, cache_PSA: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kc: KernelConfig, out_THC: torch.Tensor) -> None:
+    """A layer's attention between two step pieces: the absorbed query [T, H, C + R] (q_latent then q_rope, as
+    `mla_attention` writes it into the pieces' buffer) over the cache, its weighted latent sums into out [T, H, C]
+    (the kernels: pieces run on the GPU only)."""
+    C = out_THC.shape[2]
+    latent_kernels(q_THA[..., :C], q_THA[..., C:], cache_PSA, meta, scale, kc=kc, out=out_THC)
 
 
 def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, meta: AttentionMetadata,
@@ -347,6 +369,15 @@ def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, me
     otherwise); the step's cache entries are written first. absorb: the form, as `latent_attention` takes it."""
     q_nope_THN, q_rope_THR, entry_TA = project(x_TD, w, cfg, meta.positions, table, kc=kc)
     write_latent(cache_PSA, entry_TA, meta)
-    o_THV = latent_attention(q_nope_THN, q_rope_THR, cache_PSA, w.kv_b_UC, meta, cfg.softmax_scale, absorb,
-                             kc=kc)
+    if meta.cut is not None:  # captured in pieces: the absorbed query into the static buffer, attention between
+        T, H, N = q_nope_THN.shape
+        wk_HNC, wv_HVC = _up_projections(w.kv_b_UC, H, N)
+        q_THA = meta.cut.q_buffer(T)
+        q_THA[..., : cfg.kv_lora_rank] = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC)
+        q_THA[..., cfg.kv_lora_rank:] = q_rope_THR
+        o_latent_THC = meta.cut.attend(q_THA, cache_PSA, cfg.softmax_scale, kc)
+        o_THV = torch.einsum("thc,hvc->thv", o_latent_THC, wv_HVC)
+    else:
+        o_THV = latent_attention(q_nope_THN, q_rope_THR, cache_PSA, w.kv_b_UC, meta, cfg.softmax_scale, absorb,
+                                 kc=kc)
     return linear(o_THV.flatten(1), w.o_DO, w.o_bias, kc=kc)

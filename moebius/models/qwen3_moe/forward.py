@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.kernels.pairs import PairRows
-from moebius.layers.attention import AttentionMetadata, qkv_attention
+from moebius.layers.attention import AttentionGeometry, AttentionMetadata, paged_attention, qkv_attention
 from moebius.layers.linear import linear
 from moebius.layers.moe import dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
@@ -89,3 +89,17 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
 def num_moe_layers(weights: ModelWeights) -> int:
     """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
     return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
+
+
+def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor]) -> AttentionGeometry:
+    """A rank's GQA attention: q and the output per head of head_dim; a decoding sequence's programs are its KV
+    heads; query blocks group the query heads of a KV head."""
+    kvh, d = kv[0].shape[3], kv[0].shape[4]
+    heads = weights.layers[0].attn.qkv_QD.shape[0] // d - 2 * kvh
+    return AttentionGeometry(heads=heads, q_dim=d, o_dim=d, split_units=kvh, group=heads // kvh)
+
+
+def attend(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kc: KernelConfig,
+           out: torch.Tensor) -> None:
+    """A layer's attention between two step pieces (q written by the piece before, `out` read by the one after)."""
+    paged_attention(q_THd, cache, meta, scale, kc=kc, out=out)
