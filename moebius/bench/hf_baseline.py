@@ -1,5 +1,6 @@
-"""The sweep's baseline: transformers' own Qwen3MoeForCausalLM (random weights) on the sweep's shapes, the ways a
-user runs it. Points as the sweep's, modes:
+"""The benchmarks' baseline: transformers' own model of the config.json (random weights), the class its
+`architectures` names (`Qwen3MoeForCausalLM`, `DeepseekV2ForCausalLM`, ...; the model_type's causal-LM class where
+transformers has no such class), on the benchmarks' shapes, the ways a user runs it. Points as the sweep's, modes:
 
 - `hf-eager-1gpu`: batched decode steps with a DynamicCache of `context` tokens per request, one GPU;
 - `hf-cb-1gpu`: its continuous batching (`generate_batch`: paged cache, its own CUDA graphs where the version has
@@ -56,9 +57,15 @@ def point(mode: str, batch: int, context: int, step_ms: float, floor_ms: float, 
 
 
 def run_one_gpu(spec: BaselineSpec) -> list[dict[str, Any]]:
-    """`hf-eager-1gpu` and `hf-cb-1gpu` in this process (on the CPU where there is no GPU)."""
+    """`hf-eager-1gpu` and `hf-cb-1gpu` in this process (on the CPU where there is no GPU); one error point per mode
+    and batch where this transformers cannot build the model."""
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    return _time_model(_build(spec, dev), spec, dev, "1gpu", 1)
+    try:
+        model = _build(spec, dev)
+    except BaselineUnavailable as e:
+        log.warning("transformers baseline: %s", e)
+        return [{"mode": m, "batch": b, "error": str(e)} for b in spec.batches for m in ("hf-eager-1gpu", "hf-cb-1gpu")]
+    return _time_model(model, spec, dev, "1gpu", 1)
 
 
 def run_tensor_parallel(spec: BaselineSpec, num_ranks: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -99,21 +106,55 @@ def run_tensor_parallel(spec: BaselineSpec, num_ranks: int, timeout_s: float) ->
     return [{"mode": m, "batch": b, "error": why} for b in spec.batches for m in modes]
 
 
+class BaselineUnavailable(RuntimeError):
+    """This transformers cannot build the model of a config.json (no such class, or its config refused)."""
+
+
+def hf_model_class(cfg_dict: dict[str, Any], num_layers: int) -> tuple[type, Any]:
+    """transformers' model class and config for a config.json cut to `num_layers`: the class `architectures[0]`
+    names with its own config class (so a model_type transformers lacks on a known architecture, Kimi-K2's
+    `kimi_k2` on DeepSeek-V3's, still builds); without such a class, the model_type's config and its causal-LM
+    class. BaselineUnavailable saying what is missing."""
+    import transformers
+
+    archs = cfg_dict.get("architectures") or []
+    model_type = cfg_dict.get("model_type")
+    # num_hidden_layers at construction: configs derive per-layer lists (layer types, dense layers) from it
+    fields = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
+    fields["num_hidden_layers"] = num_layers
+    cls = getattr(transformers, archs[0], None) if archs else None
+    try:
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls, cls.config_class(**fields)
+        if model_type is None:
+            raise BaselineUnavailable(f"transformers {transformers.__version__} has no class {archs[0]!r}"
+                                      if archs else "the config.json names neither architectures nor model_type")
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config
+    except BaselineUnavailable:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # an unknown model_type, no causal-LM class, a refused field
+        raise BaselineUnavailable(f"transformers {transformers.__version__} cannot build {archs or model_type}: "
+                                  f"{type(e).__name__}: {e}"[:500]) from e
+
+
+def attn_implementation(cls: type) -> str:
+    """sdpa where the class supports it (what a user gets by default on a GPU), else its eager attention."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def _build(spec: BaselineSpec, dev: torch.device, mesh: Any = None, tp_size: int = 1) -> Any:
     """The model on `dev`; with a device mesh, sharded over its `tp_size` ranks by its tensor-parallel plan."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in spec.cfg_dict.items() if k != "architectures"})
-    hf_cfg.num_hidden_layers = spec.num_layers
+    cls, hf_cfg = hf_model_class(spec.cfg_dict, spec.num_layers)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)  # the same whole model on every rank, so the shards make one model
     with dev:
-        model = Qwen3MoeForCausalLM._from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
+        model = cls._from_config(hf_cfg, dtype=dtype, attn_implementation=attn_implementation(cls))
     if mesh is not None:
         from transformers.distributed import DistributedConfig
 
         config = DistributedConfig(tp_size=tp_size, tp_plan="auto")
-        model = Qwen3MoeForCausalLM.maybe_distribute_model(model, config, mesh)
+        model = cls.maybe_distribute_model(model, config, mesh)
     model.eval()
     with torch.no_grad():  # first-call costs (kernel selection, allocator growth) outside the timed steps
         model(input_ids=torch.randint(0, hf_cfg.vocab_size, (8, 16), generator=_gen(0)).to(dev))
@@ -156,20 +197,24 @@ def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, 
 
 def _eager_step(model: Any, b: int, spec: BaselineSpec, vocab: int, dev: torch.device
                 ) -> tuple[float, dict[str, Any]]:
+    import inspect
+
     from transformers import DynamicCache
 
+    # the cache's keyword: `cache` where `past_key_values` is deprecated (5.x's later releases), else the old name
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = DynamicCache()
         ids = torch.randint(0, vocab, (b, spec.context_len), generator=_gen(b)).to(dev)
         for s in range(0, spec.context_len, 256):  # prefill in chunks to bound activation memory
-            model(input_ids=ids[:, s: s + 256], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, s: s + 256], use_cache=True, **{key: cache})
         nxt = torch.randint(0, vocab, (b, 1), generator=_gen(b + 1)).to(dev)
         times = []
         for _ in range(spec.warmup + max(5, spec.steps)):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=nxt, use_cache=True, **{key: cache}).logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             nxt.cpu()
             times.append(time.perf_counter() - t)
@@ -232,22 +277,27 @@ def run_throughput(cfg_dict: dict[str, Any], num_layers: int, jobs: list[tuple[l
     """`moebius bench throughput --hf-baseline`: the same requests (prompt ids, output length; no EOS) through
     transformers' continuous batching (`init_continuous_batching`: its paged cache and scheduler) on one GPU (the CPU
     without one), every request added at once; wall time from the first added to the last finished, after an
-    unmeasured run of the first `warmup_requests`. {"error": ...} where this transformers cannot run it."""
+    unmeasured run of the first `warmup_requests`; with the class run and its attention (`model`,
+    `attn_implementation`). {"error": ...} where this transformers cannot build or run it."""
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    model = _build(BaselineSpec(cfg_dict, num_layers, [], 0, 0, 0), dev)
+    try:
+        model = _build(BaselineSpec(cfg_dict, num_layers, [], 0, 0, 0), dev)
+    except BaselineUnavailable as e:
+        return {"error": str(e)}
+    what = {"model": type(model).__name__, "attn_implementation": model.config._attn_implementation}
     try:
         if warmup_requests:
             _serve_cb(model, jobs[:warmup_requests], dev)
         wall, out = _serve_cb(model, jobs, dev)
     except Exception as e:  # noqa: BLE001 - its continuous-batching API moves between versions: keep our result
-        return {"error": f"{type(e).__name__}: {e}"[:500]}
+        return {"error": f"{type(e).__name__}: {e}"[:500], **what}
     finally:
         del model
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return {"wall_s": wall, "output_tokens": out, "requests_per_s": len(jobs) / wall,
-            "output_tokens_per_s": out / wall}
+            "output_tokens_per_s": out / wall, **what}
 
 
 def _serve_cb(model: Any, jobs: list[tuple[list[int], int]], dev: torch.device) -> tuple[float, int]:
@@ -286,14 +336,14 @@ def _serve_cb(model: Any, jobs: list[tuple[list[int], int]], dev: torch.device) 
 
 def _worker(spec_path: str, out_path: str) -> None:
     """One rank of the tensor-parallel baseline (under torch.distributed.run)."""
-    from transformers import Qwen3MoeForCausalLM
     from transformers.distributed import DistributedConfig
 
     with open(spec_path) as f:
         spec = BaselineSpec(**json.load(f))
+    cls, _ = hf_model_class(spec.cfg_dict, spec.num_layers)
     world = int(os.environ["WORLD_SIZE"])
     # what from_pretrained(..., tp_plan="auto") does first: the process group, this rank's device, the mesh
-    _, device_map, mesh = Qwen3MoeForCausalLM.prepare_distribute_model(
+    _, device_map, mesh = cls.prepare_distribute_model(
         DistributedConfig(tp_size=world, tp_plan="auto"))
     dev = torch.device(device_map)
     points = _time_model(_build(spec, dev, mesh, world), spec, dev, f"tp{world}", world)
