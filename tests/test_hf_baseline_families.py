@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import BASE_CONFIG, DEEPSEEK_V2_CONFIG
 
-from moebius.bench.hf_baseline import BaselineSpec, hf_model_class, run_one_gpu, run_throughput
+from moebius.bench.hf_baseline import BaselineSpec, hf_model_class, run_one_gpu, run_tensor_parallel, run_throughput
 
 VOCAB = 512
 DEEPSEEK_V2 = {**DEEPSEEK_V2_CONFIG, "vocab_size": VOCAB, "architectures": ["DeepseekV2ForCausalLM"],
@@ -67,3 +67,16 @@ def test_sweep_baseline_times_deepseek_eager_and_continuous_batching() -> None:
     for p in points:
         assert "error" not in p, p
         assert p["batch"] == 2 and p["context_len"] == 16 and p["step_ms"] > 0 and p["floor_ms"] > 0
+        assert p["model"] == "DeepseekV2ForCausalLM" and p["attn_implementation"] == "sdpa"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_worker_shards_deepseek_by_its_own_plan() -> None:
+    """Two gloo ranks under torch.distributed.run build DeepseekV2ForCausalLM, shard it by its tensor-parallel plan
+    (MLA's kv_a projection, its experts) and time both modes."""
+    spec = BaselineSpec(cfg_dict=DEEPSEEK_V2, num_layers=2, batches=[2], context_len=16, steps=3, warmup=1)
+    points = run_tensor_parallel(spec, 2, timeout_s=300)
+    assert [p["mode"] for p in points] == ["hf-eager-tp2", "hf-cb-tp2"]
+    for p in points:
+        assert "error" not in p, p
+        assert p["batch"] == 2 and p["step_ms"] > 0 and p["model"] == "DeepseekV2ForCausalLM"

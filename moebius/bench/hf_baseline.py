@@ -169,6 +169,7 @@ def _gen(seed: int) -> torch.Generator:
 def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, ranks: int
                 ) -> list[dict[str, Any]]:
     cfg = model_config(spec.cfg_dict, spec.num_layers)
+    what = {"model": type(model).__name__, "attn_implementation": model.config._attn_implementation}
     points = []
     for b in spec.batches:
         floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len)
@@ -178,7 +179,7 @@ def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, 
                 continue
             try:
                 step, extra = timer(model, b, spec, cfg.vocab_size, dev)
-                points.append(point(mode, b, spec.context_len, step, floor, False, **extra))
+                points.append(point(mode, b, spec.context_len, step, floor, False, **extra, **what))
                 log.info("%s batch %d: %.3f ms", mode, b, step)
             except torch.cuda.OutOfMemoryError:
                 points.append({"mode": mode, "batch": b, "error": "out of memory"})
