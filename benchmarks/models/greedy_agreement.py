@@ -352,8 +352,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # 4. the fp32 reference over each system's sequences
         model.float()
         t0 = time.perf_counter()
-        scored = {s: [score(model, p, t, args.device) for p, t in zip(prompts, seqs[s], strict=True)]
-                  for s in SYSTEMS}
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # a true fp32 reference: no TF32 matmuls, whoever enabled them
+        try:
+            scored = {s: [score(model, p, t, args.device) for p, t in zip(prompts, seqs[s], strict=True)]
+                      for s in SYSTEMS}
+        finally:
+            torch.set_float32_matmul_precision(precision)
         summary["reference_s"] = round(time.perf_counter() - t0, 1)
         del model
         gc.collect()
