@@ -307,6 +307,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (--device cpu for a smoke run)")
+    if args.max_tokens < 1 or args.per_len < 1 or min(args.prompt_lens) < 1:
+        raise SystemExit("--max-tokens, --per-len and every --prompt-lens must be >= 1")
     overrides = {**(tiny_shapes(PRESETS[args.preset]) if args.tiny else {}), **lm._parse_set(args.set)}
     dtype = DTYPES[args.dtype]
     shapes = args.preset + (" (--tiny)" if args.tiny else "") + "".join(f" --set {x}" for x in args.set)
