@@ -119,36 +119,46 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
     cache[page, 1, off] = v_THd
 
 
-def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
-                    cache: torch.Tensor, meta: AttentionMetadata, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Split the fused q|k|v projection into heads, RMS-normalise q and k per head, rotate them by position, and
-    store k and v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel on the GPU."""
+def fused_qk_path(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, rope: torch.Tensor, head_dim: int) -> bool:
+    """Whether the fused Triton kernels take q/k: on the GPU, for per-head q/k norms and rope over the whole head
+    (Qwen3's attention); other attentions (no q/k norm, partial rotary) take the torch ops there."""
+    return qkv_TQ.is_cuda and triton_available() and q_norm is not None and rope.shape[-1] == head_dim
+
+
+def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                    rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, eps: float, *,
+                    kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Split the fused q|k|v projection into heads, RMS-normalise q and k per head (where the norms are given),
+    rotate them by position (the rope table's width of each head: partial rotary where narrower), and store k and
+    v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel on the GPU (`fused_qk_path`)."""
     kvh, d = cache.shape[3], cache.shape[4]
     num_heads = qkv_TQ.shape[1] // d - 2 * kvh
-    if qkv_TQ.is_cuda and triton_available():
+    if fused_qk_path(qkv_TQ, q_norm, rope, d):
         from moebius.kernels.fused import qk_norm_rope_kv as fast
 
         return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps, kc=kc,
                     out=out)
     q, k, v = qkv_TQ.split([num_heads * d, kvh * d, kvh * d], dim=-1)
-    q = apply_rope(rms_norm(q.unflatten(-1, (-1, d)), q_norm, eps), meta.positions, rope)
-    k = apply_rope(rms_norm(k.unflatten(-1, (-1, d)), k_norm, eps), meta.positions, rope)
+    q, k = q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d))
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, meta.positions, rope), apply_rope(k, meta.positions, rope)
     write_kv(cache, k, v.unflatten(-1, (-1, d)), meta)
     return q if out is None else out.copy_(q)
 
 
-def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
-                  cache: torch.Tensor, meta: AttentionMetadata, eps: float, scale: float, *,
+def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                  rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, eps: float, scale: float, *,
                   kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
     Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
-    one Triton launch. A forward captured in pieces (`meta.cut`) leaves attention itself to run between them."""
+    one Triton launch (`fused_qk_path`). A forward captured in pieces (`meta.cut`) leaves attention itself to run
+    between them. q_norm / k_norm None: no q/k norm."""
     if meta.cut is not None:
         q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc,
                             out=meta.cut.q_buffer(qkv_TQ.shape[0]))
         return meta.cut.attend(q, cache, scale, kc)
-    if qkv_TQ.is_cuda and triton_available() and meta.max_query_len == 1:
+    if fused_qk_path(qkv_TQ, q_norm, rope, cache.shape[4]) and meta.max_query_len == 1:
         from moebius.kernels.attention import QK_FUSED_MAX_TOKENS, qk_decode_attention
 
         if qkv_TQ.shape[0] <= QK_FUSED_MAX_TOKENS:

@@ -13,8 +13,13 @@ def rope_table(head_dim: int, max_pos: int, theta: float, device: torch.device |
 
 
 def apply_rope(x_THd: torch.Tensor, positions_T: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of each token by its position: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
-    half = x_THd.shape[-1] // 2
+    """Rotate each head of each token by its position: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]. A table
+    narrower than the heads (partial rotary, GLM's partial_rotary_factor) rotates their first table-width dims and
+    passes the rest through."""
+    rot = table.shape[-1]
+    if rot < x_THd.shape[-1]:
+        return torch.cat([apply_rope(x_THd[..., :rot], positions_T, table), x_THd[..., rot:]], dim=-1)
+    half = rot // 2
     cs = table[positions_T]  # [T, head_dim]
     cos = cs[:, None, :half].to(x_THd.dtype)
     sin = cs[:, None, half:].to(x_THd.dtype)

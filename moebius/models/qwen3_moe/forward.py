@@ -8,7 +8,6 @@ dim, E experts, F rows of a [gate | up] stack, K top-k, V vocab.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,29 +16,12 @@ import torch.nn.functional as F
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.kernels.pairs import PairRows
-from moebius.layers.attention import AttentionGeometry, AttentionMetadata, paged_attention, qkv_attention
-from moebius.layers.linear import linear
+from moebius.layers.attention import AttentionMetadata
 from moebius.layers.moe import dense_mlp, experts, route
 from moebius.layers.norm import add_rms_norm
+from moebius.models.gqa import attend, attention, attention_geometry  # noqa: F401  (the family's)
 from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
-
-
-@dataclass
-class AttnWeights:
-    qkv_QD: torch.Tensor  # [(H + 2 * kvH) * d, D]: this rank's q heads, then k heads, then v heads
-    qkv_bias: torch.Tensor | None
-    o_DQ: torch.Tensor  # [D, H * d]
-    q_norm: torch.Tensor  # [d]
-    k_norm: torch.Tensor  # [d]
-
-
-def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
-              cfg: ModelConfig, rope: torch.Tensor, kc: KernelConfig) -> torch.Tensor:
-    """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
-    qkv = linear(x_TD, w.qkv_QD, w.qkv_bias, kc=kc)
-    o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc)
-    return linear(o.flatten(1), w.o_DQ, kc=kc)
 
 
 def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig,
@@ -90,16 +72,3 @@ def num_moe_layers(weights: ModelWeights) -> int:
     """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
     return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
 
-
-def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor]) -> AttentionGeometry:
-    """A rank's GQA attention: q and the output per head of head_dim; a decoding sequence's programs are its KV
-    heads; query blocks group the query heads of a KV head."""
-    kvh, d = kv[0].shape[3], kv[0].shape[4]
-    heads = weights.layers[0].attn.qkv_QD.shape[0] // d - 2 * kvh
-    return AttentionGeometry(heads=heads, q_dim=d, o_dim=d, split_units=kvh, group=heads // kvh)
-
-
-def attend(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kc: KernelConfig,
-           out: torch.Tensor) -> None:
-    """A layer's attention between two step pieces (q written by the piece before, `out` read by the one after)."""
-    paged_attention(q_THd, cache, meta, scale, kc=kc, out=out)

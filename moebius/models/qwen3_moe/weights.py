@@ -3,50 +3,23 @@ views as the forward takes them (`build_weights`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from moebius.config import ModelConfig
 from moebius.memory.umm import UnifiedMemory
-from moebius.models.qwen3_moe.forward import AttnWeights
-from moebius.models.specs import Fetch, ParamSpec, dense_mlp_specs, routed_expert_specs, spec_view
+from moebius.models.gqa import attention_specs, attention_weights
+from moebius.models.specs import ParamSpec, dense_mlp_specs, routed_expert_specs, spec_view
 from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
 from moebius.parallel.layout import Layout
 
 
-def _attn_tag(lay: Layout) -> str:
-    """Names an attention shard by the heads it holds, so layouts holding the same heads share the region."""
-    return f"q{lay.q_heads.start}-{lay.q_heads.stop}.kv{lay.kv_heads.start}-{lay.kv_heads.stop}"
-
-
 def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
-    D, d = cfg.hidden_size, cfg.head_dim
-    p = f"model.layers.{i}."
-    qh, kvh, tag = lay.q_heads, lay.kv_heads, _attn_tag(lay)
-    rows = (len(qh) + 2 * len(kvh)) * d
-
-    def qkv(kind: str) -> Callable[[Fetch], torch.Tensor]:
-        def load(fetch: Fetch) -> torch.Tensor:
-            shape = (lambda n: (n, D)) if kind == "weight" else (lambda n: (n,))
-            q = fetch(p + f"self_attn.q_proj.{kind}", shape(cfg.q_size))
-            k = fetch(p + f"self_attn.k_proj.{kind}", shape(cfg.kv_size))
-            v = fetch(p + f"self_attn.v_proj.{kind}", shape(cfg.kv_size))
-            return torch.cat([lay.shard_heads(q, qh, cfg.num_heads), lay.shard_heads(k, kvh, cfg.num_kv_heads),
-                              lay.shard_heads(v, kvh, cfg.num_kv_heads)])
-        return load
-
+    D, p = cfg.hidden_size, f"model.layers.{i}."
     specs = [
         ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,))),
         ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,))),
-        ParamSpec(p + f"qkv.{tag}", (rows, D), qkv("weight")),
-        ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * d),
-                  lambda f: f(p + "self_attn.o_proj.weight", (D, cfg.q_size))[:, qh.start * d: qh.stop * d]),
-        ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,))),
-        ParamSpec(p + "k_norm", (d,), lambda f: f(p + "self_attn.k_norm.weight", (d,))),
+        *attention_specs(cfg, lay, p, qk_norm=True, bias=cfg.attention_bias),
     ]
-    if cfg.attention_bias:
-        specs.append(ParamSpec(p + f"qkv_bias.{tag}", (rows,), qkv("bias")))
     return specs + (routed_expert_specs(cfg, lay, i, elt) if cfg.is_moe_layer(i) else dense_mlp_specs(cfg, lay, p))
 
 
@@ -68,9 +41,7 @@ def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torc
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        tag = _attn_tag(lay)
-        attn = AttnWeights(views[p + f"qkv.{tag}"], views.get(p + f"qkv_bias.{tag}"), views[p + f"o_proj.{tag}"],
-                           views[p + "q_norm"], views[p + "k_norm"])
+        attn = attention_weights(views, lay, p)
         if cfg.is_moe_layer(i):
             mlp: MoEWeights | DenseWeights = MoEWeights(views[p + "mlp.gate"], views[p + "mlp.experts.w13"],
                                                         views[p + "mlp.experts.w2"], lay.first_expert)
