@@ -214,7 +214,9 @@ class Family:
     element); `build_weights`: the layout's weight views over the buffer, in the form its `model` takes;
     `model`: the layout-free forward (`forward`, `logits`, `num_moe_layers`, `attention_geometry`, `attend`);
     `rope_table`: the float32 table the region named "rope" holds (None: plain RoPE over head_dim,
-    `layers/rotary.rope_table`); `checks_own_keys`: parse_config refuses missing or ill-typed
+    `layers/rotary.rope_table`); `cpu_only`: why the family is refused on a GPU ("" where it is not; a family whose
+    GPU path is written but not yet checked on one says so, and its GPU tests set MOEBIUS_UNCHECKED_GPU to its name);
+    `checks_own_keys`: parse_config refuses missing or ill-typed
     shape keys itself (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`:
     a layout's `FloorTerms` for the floor model (None: the floor model refuses the family, naming it)."""
 
@@ -225,6 +227,7 @@ class Family:
     build_weights: Callable[[UnifiedMemory, ModelConfig, Layout, torch.dtype], Any]
     model: Any
     rope_table: Callable[[ModelConfig, torch.device], torch.Tensor] | None = None
+    cpu_only: str = ""
     checks_own_keys: bool = False
     floor_terms: Callable[[ModelConfig, Layout], FloorTerms] | None = None
 

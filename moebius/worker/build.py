@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 from dataclasses import dataclass
 
@@ -135,6 +136,10 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     dtype = getattr(torch, spec.dtype)
     check_shapes(cfg, spec.world_size)
     family = family_of(cfg)
+    if family.cpu_only and device.type != "cpu" and os.environ.get("MOEBIUS_UNCHECKED_GPU") != family.name:
+        raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device} yet: "
+                          f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
+                          "its GPU tests run it)")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
