@@ -16,7 +16,6 @@ U = H * (N + V) (kv_b_proj's rows), O = H * V (o_proj's input); B sequences, S k
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,28 +23,15 @@ import torch
 
 from moebius.config import ConfigError
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
+from moebius.layers import rotary
 from moebius.layers.attention import AttentionMetadata, select_sequences
 from moebius.layers.linear import linear
 from moebius.layers.norm import rms_norm
-from moebius.layers.rotary import apply_rope
+from moebius.layers.rotary import YarnScaling, apply_rope, yarn_mscale
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps
 # (DeepSeek's reference code does the same)
 LATENT_NORM_EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """`rope_scaling.type = yarn` as transformers' _compute_yarn_parameters reads it (None: its default)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,15 +61,7 @@ class MLAConfig:
         max_pos = int(config.get("max_position_embeddings", 4096))
         yarn = None
         if rope_type == "yarn":
-            original = int(config.get("original_max_position_embeddings")
-                           or rope.get("original_max_position_embeddings", max_pos))
-            factor = rope.get("factor")
-            yarn = YarnScaling(
-                factor=float(factor) if factor is not None else max_pos / original,
-                original_max_position_embeddings=original, beta_fast=float(rope.get("beta_fast") or 32),
-                beta_slow=float(rope.get("beta_slow") or 1), mscale=rope.get("mscale"),
-                mscale_all_dim=rope.get("mscale_all_dim"), attention_factor=rope.get("attention_factor"),
-                truncate=bool(rope.get("truncate", True)))
+            yarn = YarnScaling.from_rope(rope, max_pos, config.get("original_max_position_embeddings"))
         elif rope_type != "default":
             raise ConfigError(f"rope scaling {rope_type!r} is not supported for MLA (only default and yarn)")
         q_lora = config.get("q_lora_rank")
@@ -113,46 +91,15 @@ class MLAConfig:
         return scale
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's Eq. 21: 0.1 * mscale * ln(factor) + 1 (1 when nothing is stretched)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_frequencies(cfg: MLAConfig) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [R / 2] float32, the factor cos and sin are multiplied by), as transformers' default and
-    yarn rope initialisers compute them over the R rope dims."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    y = cfg.yarn
-    if y is None:
-        return 1.0 / pos_freqs, 1.0
-    attention_factor = y.attention_factor
-    if attention_factor is None:
-        attention_factor = (yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
-                            if y.mscale and y.mscale_all_dim else yarn_mscale(y.factor))
-
-    def correction_dim(rotations: float) -> float:
-        """The dim whose wavelength fits `rotations` times into the original context."""
-        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolate = 1 - ramp  # 1: the dim keeps its frequency (short wavelengths), 0: interpolated by the factor
-    inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    return inv_freq, float(attention_factor)
+    """(inverse frequencies [R / 2] float32, the factor cos and sin are multiplied by) over the R rope dims."""
+    return rotary.rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn)
 
 
 def rope_table(cfg: MLAConfig, max_pos: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[max_pos, R] float32: cos in the first half, sin in the second, both times YaRN's attention factor (the
     table moebius.layers.rotary.apply_rope reads)."""
-    inv_freq, factor = rope_frequencies(cfg)
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor).to(device)
+    return rotary.scaled_rope_table(cfg.qk_rope_head_dim, max_pos, cfg.rope_theta, cfg.yarn, device)
 
 
 def apply_mla_rope(x_TXR: torch.Tensor, positions_T: torch.Tensor, table: torch.Tensor, interleave: bool
