@@ -149,16 +149,21 @@ def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
 
 def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                   rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, eps: float, scale: float, *,
-                  kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+                  kc: KernelConfig = DEFAULT_KERNELS, sinks: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
     Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
     one Triton launch (`fused_qk_path`). A forward captured in pieces (`meta.cut`) leaves attention itself to run
-    between them. q_norm / k_norm None: no q/k norm."""
+    between them. q_norm / k_norm None: no q/k norm. sinks / window: `paged_attention`'s (the torch reference
+    only)."""
+    plain = sinks is None and window is None
     if meta.cut is not None:
+        if not plain:
+            raise NotImplementedError("attention sinks and sliding windows have no step-piece (GPU) path yet")
         q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc,
                             out=meta.cut.q_buffer(qkv_TQ.shape[0]))
         return meta.cut.attend(q, cache, scale, kc)
-    if fused_qk_path(qkv_TQ, q_norm, rope, cache.shape[4]) and meta.max_query_len == 1:
+    if plain and fused_qk_path(qkv_TQ, q_norm, rope, cache.shape[4]) and meta.max_query_len == 1:
         from moebius.kernels.attention import QK_FUSED_MAX_TOKENS, qk_decode_attention
 
         if qkv_TQ.shape[0] <= QK_FUSED_MAX_TOKENS:
@@ -167,20 +172,22 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
                                        qkv_TQ.shape[1] // d - 2 * kvh, eps, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, scale, meta.num_splits, kc=kc)
     q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc)
-    return paged_attention(q, cache, meta, scale, kc=kc)
+    return paged_attention(q, cache, meta, scale, kc=kc, sinks=sinks, window=window)
 
 
 def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                    kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
+                    kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d]
-    (in `out` when given). The Triton kernel on the GPU, the torch reference elsewhere."""
-    if q_THd.is_cuda and triton_available():
+    (in `out` when given). The Triton kernel on the GPU, the torch reference elsewhere and wherever sinks or a
+    window are given (`paged_attention_ref`'s; the kernels have neither yet)."""
+    if q_THd.is_cuda and triton_available() and sinks is None and window is None:
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
                     meta.num_splits, meta.max_seq_len, kc=kc, out=out, q_blocks=meta.q_blocks, decodes=meta.decodes,
                     chunk_lens=meta.chunk_lens if kc.flash_prefill and meta.max_query_len > 1 else None)
-    o = paged_attention_ref(q_THd, cache, meta, scale)
+    o = paged_attention_ref(q_THd, cache, meta, scale, sinks=sinks, window=window)
     return o if out is None else out.copy_(o)
 
 
@@ -200,19 +207,24 @@ def select_sequences(meta: AttentionMetadata, sel: torch.Tensor) -> tuple[Attent
     return sub, rows
 
 
-def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
-                        ) -> torch.Tensor:
+def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                        sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """The torch reference: gathers each sequence's KV through its block table into a padded batch (decodes and
-    prompt chunks apart, so that no decode is padded to a chunk's length)."""
+    prompt chunks apart, so that no decode is padded to a chunk's length).
+    sinks: [H] learned logits, one more column of each head's softmax that takes probability and gives no value
+    (GPT-OSS). window: each query sees only its last `window` keys, itself included (transformers' sliding window:
+    key position > query position - window); the keys before stay in their pages."""
     T, H, d = q_THd.shape
     if T == 0:  # a rank with no requests this step (EP) still runs the layer for its collectives
         return q_THd.new_zeros(0, H, d)
     decode = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
     if meta.max_query_len > 1 and bool(decode.any()):
         out = torch.empty_like(q_THd)
+        # (neither given: the call as it was before them, which tests spy on)
+        opts = {} if sinks is None and window is None else dict(sinks=sinks, window=window)
         for sel in (decode, ~decode):
             sub, rows = select_sequences(meta, sel)
-            out[rows] = paged_attention_ref(q_THd[rows], cache, sub, scale)
+            out[rows] = paged_attention_ref(q_THd[rows], cache, sub, scale, **opts)
         return out
     B, L, Q = meta.seq_lens.shape[0], meta.max_seq_len, meta.max_query_len
     kvh = cache.shape[3]
@@ -228,9 +240,15 @@ def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: Attentio
     q_len = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     qpos_BQ = (meta.seq_lens - q_len)[:, None] + torch.arange(Q, device=q_THd.device)[None, :]
     mask_BQL = j[None, None, :] <= qpos_BQ[:, :, None]
+    if window is not None:
+        mask_BQL &= j[None, None, :] > qpos_BQ[:, :, None] - window
     q5 = q_BQHd.view(B, Q, kvh, g, d)
     scores = torch.einsum("bqhgd,blhd->bhgql", q5, k_BLhd).float() * scale
     scores.masked_fill_(~mask_BQL[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q_THd.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(q_THd.dtype)
+    else:  # the sink's column joins the softmax, then is dropped
+        sink = sinks.float().view(1, kvh, g, 1, 1).expand(B, kvh, g, Q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q_THd.dtype)
     out = torch.einsum("bhgql,blhd->bqhgd", probs, v_BLhd).reshape(B, Q, H, d)
     return out[meta.token_seq, meta.token_qpos]

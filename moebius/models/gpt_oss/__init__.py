@@ -1,0 +1,37 @@
+"""GPT-OSS (`GptOssForCausalLM`: gpt-oss-20b, gpt-oss-120b): GQA attention with q|k|v and o biases, a learned sink
+logit a head, sliding-window layers alternating with full ones, YaRN rope; a biased router softmaxed over its top k;
+experts with biases and a clamped SwiGLU, stored fused with gate and up interleaved.
+
+On the CPU only (the torch reference): the GPU's attention kernels have no sinks or windows, its expert kernels
+neither the biases nor the clamped activation. Sliding windows mask the keys before the window; their KV pages are
+not freed yet (a request holds its whole context in every layer) and a switch moves every page (freeing them and
+moving only the window is the next step). MXFP4 checkpoints (the releases' `*_blocks` / `*_scales` experts) are
+refused by name at start-up; a checkpoint dequantized to a float dtype loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moebius.config import ModelConfig
+from moebius.models.gpt_oss import forward
+from moebius.models.gpt_oss.config import parse_config
+from moebius.models.gpt_oss.floor_terms import floor_terms
+from moebius.models.gpt_oss.weights import build_weights, checkpoint_tensor_shapes, weight_specs
+from moebius.models.specs import Family
+
+
+@dataclass(frozen=True)
+class GptOssFamily(Family):
+    """transformers' fused expert tensors are this family's checkpoint names, with their own shapes ([E, D, 2I]
+    gate_up_proj), not the per-expert names other families' fused tensors stand for."""
+
+    def checkpoint_tensors(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return checkpoint_tensor_shapes(cfg)
+
+
+FAMILY = GptOssFamily("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, build_weights, forward,
+                      rope_table=forward.family_rope_table, checks_own_keys=True,
+                      cpu_only="its attention (sinks, sliding windows) and experts (biases, clamped SwiGLU) have "
+                               "no GPU kernels yet: not yet checked on a GPU",
+                      floor_terms=floor_terms)

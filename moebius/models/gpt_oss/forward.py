@@ -1,0 +1,127 @@
+"""GPT-OSS forward (transformers' GptOssForCausalLM semantics), reading weight views handed to it, over the
+`Communicator`: the same math in every layout (head counts from the weight shapes, the experts' shard from theirs).
+
+Attention: GQA with q|k|v and o biases, a learned sink logit a head, sliding-window layers (`GptOssConfig.window`),
+YaRN rope over the whole head (rotate-half, cos and sin times the attention factor). Routing: the router's logits
+with their bias, top-k of them, a softmax over those k. Experts: [gate | up] with their bias, gate clamped above at
+`limit`, up clamped to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate), down with its bias, all
+times the routing weight. The torch reference only (the kernels have no sinks, windows or this activation).
+Shapes: T tokens, D hidden, H heads, d head dim, E experts, K top-k, F = 2 * I rows of a [gate | up] stack.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moebius.config import ModelConfig
+from moebius.kernels import KernelConfig
+from moebius.layers.attention import AttentionMetadata, qkv_attention
+from moebius.layers.linear import linear
+from moebius.layers.norm import add_rms_norm
+from moebius.layers.rotary import scaled_rope_table
+from moebius.models.gpt_oss.config import GptOssConfig
+from moebius.models.gpt_oss.weights import GptOssAttnWeights, GptOssMoEWeights, ext_of
+from moebius.models.gqa import attention_geometry  # noqa: F401  (the family's)
+from moebius.models.weights import ModelWeights, logits  # noqa: F401  (the family's)
+from moebius.parallel.dispatch import Communicator
+
+
+def family_rope_table(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """The region "rope": [max_position_embeddings, head_dim] float32, YaRN's where the config says."""
+    return scaled_rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, ext_of(cfg).yarn, device)
+
+
+def attention(x_TD: torch.Tensor, w: GptOssAttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
+              cfg: ModelConfig, rope: torch.Tensor, window: int | None, kc: KernelConfig) -> torch.Tensor:
+    """This rank's heads' share of the output projection (in TP a partial sum over ranks, o_proj's bias on one)."""
+    qkv = linear(x_TD, w.qkv_QD, w.qkv_bias, kc=kc)
+    o = qkv_attention(qkv, None, None, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc,
+                      sinks=w.sinks_H, window=window)
+    return linear(o.flatten(1), w.o_DQ, w.o_bias, kc=kc)
+
+
+def attend(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kc: KernelConfig,
+           out: torch.Tensor) -> None:
+    """No step pieces: the layer's sinks and window are not known here (the family is served on the CPU)."""
+    raise NotImplementedError("GPT-OSS attention has no step-piece (GPU) path yet")
+
+
+def route(x_TD: torch.Tensor, w: GptOssMoEWeights, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, K] (x's dtype) and expert ids [T, K], as transformers' GptOssTopKRouter: the top k of the
+    biased logits, softmaxed among themselves."""
+    logits_TE = F.linear(x_TD, w.gate_ED, w.router_bias_E)
+    top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
+    return torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype), ids_TK
+
+
+def clamped_swiglu(h_TF: torch.Tensor, ext: GptOssConfig) -> torch.Tensor:
+    """(up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up both sides at the limit; the last dim
+    stacks [gate | up] (a TP shard of each: the activation is elementwise)."""
+    gate, up = h_TF.chunk(2, dim=-1)
+    gate = gate.clamp(max=ext.swiglu_limit)
+    up = up.clamp(min=-ext.swiglu_limit, max=ext.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * ext.swiglu_alpha))
+
+
+def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w: GptOssMoEWeights, ext: GptOssConfig
+            ) -> torch.Tensor:
+    """sum_k w_tk * expert_{id_tk}(x_t) over the (token, k) pairs whose expert is local (the others, padding's id
+    -1 among them, are another rank's), each expert's pairs in one matmul; the down bias where this rank holds it."""
+    El = w.w13_EFD.shape[0]
+    y_TD = torch.zeros_like(x_TD)
+    flat = (ids_TK - w.first_expert).flatten()
+    pair = torch.nonzero((flat >= 0) & (flat < El)).flatten()
+    if pair.numel() == 0:
+        return y_TD
+    order = pair[torch.argsort(flat[pair], stable=True)]
+    counts = torch.bincount(flat[order], minlength=El).tolist()
+    tok, weight = order // ids_TK.shape[1], w_TK.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = slice(start, start + n)
+        b13 = None if w.b13_EF is None else w.b13_EF[e]
+        b2 = None if w.b2_ED is None else w.b2_ED[e]
+        h = linear(clamped_swiglu(linear(x_TD[tok[sel]], w.w13_EFD[e], b13), ext), w.w2_EDF[e], b2)
+        y_TD.index_add_(0, tok[sel], h * weight[sel, None])
+        start += n
+    return y_TD
+
+
+def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig,
+        routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+    """This rank's expert outputs for the tokens dispatched to it, and the handle that combines them. routed_TK:
+    where the router's global expert ids are written (taken before the dispatch: the same in every layout)."""
+    w_TK, ids_TK = route(h_TD, w, cfg.top_k)
+    if routed_TK is not None:
+        routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
+    x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK, ids_TK, kc=kc)
+    return experts(x_TD, w_TK, ids_TK, w, ext_of(cfg)), handle
+
+
+def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
+            cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer;
+    a sliding layer's keys before its window stay in their pages, masked). Each sublayer's output is summed over
+    ranks (attention: `reduce_add_norm`; experts: `combine_add_norm`), added to the residual and normed for the
+    next sublayer. routed_TLK: a [>= T, layers, K] integer buffer the router's expert ids are written into."""
+    ext = ext_of(cfg)
+    eps = cfg.rms_norm_eps
+    residual = F.embedding(input_ids_T, weights.embed_VD)
+    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, eps, kc=kc)
+    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
+    for i, (layer, cache, next_norm) in enumerate(zip(weights.layers, kv, norms, strict=True)):
+        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, ext.window(i), kc)
+        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
+        assert isinstance(layer.mlp, GptOssMoEWeights)
+        y, handle = moe(h, layer.mlp, cfg, comm, kc, None if routed_TLK is None else routed_TLK[:, i])
+        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
+    return h
+
+
+def num_moe_layers(weights: ModelWeights) -> int:
+    """Layers with routed experts (every layer: the second dim of `forward`'s routed_TLK)."""
+    return len(weights.layers)

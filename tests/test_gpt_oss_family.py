@@ -1,0 +1,281 @@
+"""The GPT-OSS family served end to end on the CPU (float32): config.json parsed into the engine's ModelConfig
+(sliding layers, the clamped SwiGLU, YaRN in `extra`), the checkpoint names transformers writes (fused experts with
+gate and up interleaved, their biases, the sinks), and greedy tokens identical to transformers' own
+GptOssForCausalLM for P = 1, 2, 4 in TP and EP, across live switches with arrivals, aborts and n > 1, with no KV page
+leaked; a weight update by name from disk.
+
+Checkpoints (written here by transformers' class, `_reinit_`'s std 0.3 weights, so every bias and sink is random):
+  gpt_oss    3 layers (sliding, full, sliding) with a 6-token window, shorter than every prompt but the first plus
+             its outputs (so the window changes tokens); 4 heads, 2 KV heads (replicated in TP at P = 4), 8 experts
+             top-2, swiglu_limit 2 (the clamps bite), YaRN (factor 4 over 128 positions, truncate false)
+  gpt_oss_b  other weights of gpt_oss's shapes (a weight update from disk)
+Every engine runs prompts crossing 4-token pages with a 16-token step budget, so prompt chunks and decodes share
+steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import MIN_MARGIN, VOCAB, _reinit_
+
+from moebius import LLM, SamplingParams
+from moebius.config import ConfigError, EngineConfig, KVSpec
+from moebius.models.registry import FAMILIES, family_of, model_config
+
+BLOCK = 4
+N_OUT = 10
+WINDOW = 6
+_rng = random.Random(7)
+PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 23)]
+ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
+                                 max_num_batched_tokens=16, max_running_requests=8, seed=0)
+CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
+    max_position_embeddings=512, swiglu_limit=2.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+)
+
+
+def write_gpt_oss_checkpoint(path: str, overrides: dict[str, Any] | None = None, *, seed: int = 0) -> str:
+    """Save a random GptOssForCausalLM with save_pretrained (no EOS: runs are compared at full length)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(**{**CONFIG, **(overrides or {}), "eos_token_id": None})
+    cfg.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(cfg).float().eval()
+    _reinit_(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+MAKERS: dict[str, Callable[[str], str]] = {
+    "gpt_oss": write_gpt_oss_checkpoint,
+    "gpt_oss_b": functools.partial(write_gpt_oss_checkpoint, seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            paths[name] = MAKERS[name](str(root / name))
+        return paths[name]
+
+    return get
+
+
+@functools.cache
+def _hf(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@functools.cache
+def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
+    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def _config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_kv_free(llm: LLM) -> None:
+    for r, s in enumerate(llm.kv_stats()["per_rank"]):
+        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config, checkpoint names, rope
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_config_and_checkpoint_names(ckpt: Callable[[str], str]) -> None:
+    """The family, GQA's KV spec, the layer types and window, the activation's constants; every tensor
+    transformers saved is one the family reads (fused experts and biases under their own names), and no other."""
+    path = ckpt("gpt_oss")
+    hf = _config(path)
+    cfg = model_config(hf)
+    assert family_of(cfg) is FAMILIES["gpt_oss"] and cfg.family == "gpt_oss"
+    assert cfg.kv_spec == KVSpec(parts=2, heads=2, dim=16)
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (8, 2, 32)
+    assert all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    ext = cfg.extra
+    assert ext.sliding == (True, False, True) and [ext.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert (ext.swiglu_alpha, ext.swiglu_limit) == (1.702, 2.0)
+    assert ext.yarn.factor == 4.0 and not ext.yarn.truncate
+    assert hash(cfg) == hash(model_config(hf))  # a cache key
+    assert model_config(hf, 1).extra == ext  # a cut keeps the whole model's layer types
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118  (safe_open has no iter)
+    assert family_of(cfg).checkpoint_tensors(cfg) == saved
+
+
+def test_rope_table_is_transformers_yarn(ckpt: Callable[[str], str]) -> None:
+    """The region "rope" holds transformers' cos and sin (YaRN's frequencies, times its attention factor) over the
+    whole head, rotated in halves (GPT-OSS's _apply_rotary_emb is rotate-half)."""
+    path = ckpt("gpt_oss")
+    cfg = model_config(_config(path))
+    table = family_of(cfg).rope_table(cfg, torch.device("cpu"))
+    rotary = _hf(path).model.rotary_emb
+    assert rotary.attention_scaling > 1  # YaRN's factor scales cos and sin
+    pos = torch.arange(cfg.max_position_embeddings)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+    torch.testing.assert_close(table, torch.cat([cos[0], sin[0]], dim=-1), rtol=0, atol=1e-6)
+
+
+def test_unsupported_settings_are_refused_by_name(ckpt: Callable[[str], str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU at start-up, naming the family; an MXFP4 checkpoint's quantization_config; a missing shape key."""
+    hf = _config(ckpt("gpt_oss"))
+    with pytest.raises(ConfigError, match="config.json's num_local_experts must be an integer"):
+        model_config({k: v for k, v in hf.items() if k != "num_local_experts"})
+    with pytest.raises(ConfigError, match="GPT-OSS checkpoints quantized as 'mxfp4'"):
+        model_config({**hf, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ConfigError, match="layer_types must be 3 of"):
+        model_config({**hf, "layer_types": ["sliding_attention", "full_attention"]})
+    from moebius.worker.build import build_rank
+    from moebius.worker.rank import RankSpec
+
+    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
+    with pytest.raises(ConfigError, match=r"the gpt_oss family \(GptOssForCausalLM\) cannot run on cuda yet: its "
+                                          r"attention .* not yet checked on a GPU"):
+        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=ckpt("gpt_oss"), device="cuda"),
+                            model=model_config(hf), checkpoint=ckpt("gpt_oss"), device="cuda", dtype="float32",
+                            eos_token_ids=(), max_model_len=64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity with transformers in every layout, and across live switches
+# ---------------------------------------------------------------------------------------------------------------
+
+# (P, start mode); each engine serves in its start layout, then the other after a switch: P in {1, 2, 4} x {TP, EP}
+ENGINES = [(1, "tp"), (2, "ep"), (4, "tp")]
+STRESSED = {2, 4}  # the switch stress's engines
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=[f"P{p}-{m}" for p, m in ENGINES])
+def engine(request: pytest.FixtureRequest, ckpt: Callable[[str], str]) -> Iterator[tuple[str, int, LLM]]:
+    P, mode = request.param
+    llm = LLM(model=ckpt("gpt_oss"), num_ranks=P, mode=mode, **ENGINE_KW)
+    yield ckpt("gpt_oss"), P, llm
+    llm.close()
+
+
+def test_the_window_changes_tokens(ckpt: Callable[[str], str]) -> None:
+    """The oracle's window matters: without it (every layer full) transformers' greedy tokens differ."""
+    path = ckpt("gpt_oss")
+    full = _hf(path)
+    types = list(full.config.layer_types)
+    try:
+        full.config.layer_types = ["full_attention"] * len(types)
+        for layer in full.model.layers:
+            layer.self_attn.sliding_window = None
+        with torch.no_grad():
+            seq = list(PROMPTS[4])
+            for _ in range(N_OUT):
+                seq.append(int(full(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    finally:
+        full.config.layer_types = types
+        for layer, t in zip(full.model.layers, types, strict=True):
+            layer.self_attn.sliding_window = WINDOW if t == "sliding_attention" else None
+    assert seq[len(PROMPTS[4]):] != hf_greedy(path, tuple(PROMPTS[4]), N_OUT)
+
+
+def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
+    """A batch of prompts in the start layout, then in the other after a switch: transformers' greedy tokens."""
+    path, P, llm = engine
+    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
+    start = llm.mode
+    for mode in (start, "ep" if start == "tp" else "tp", start):
+        if llm.mode != mode:
+            assert llm.switch_mode(mode).done
+        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
+        assert_kv_free(llm)
+
+
+def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
+    """Arrivals, aborts, sampled n = 2 and greedy requests under a switch at many steps: the outputs of the run
+    without switches (greedy: transformers'), aborted ones a prefix, and every KV page free afterwards."""
+    path, P, llm = engine
+    if P not in STRESSED:
+        pytest.skip("the same switch as a stressed engine's (see STRESSED)")
+    jobs = [(0, PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8), None),
+            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
+            (0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=9), 4),
+            (2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6), None),
+            (5, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), None)]
+
+    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
+        ids: dict[int, str] = {}
+        last: dict[str, Any] = {}
+        for step in range(200):
+            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
+                if arrive == step:
+                    ids[j] = llm.add_request(list(prompt), params)
+                if abort_at == step:
+                    llm.abort(ids[j])
+            if step in switch_at:
+                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
+            if step > 6 and not llm.has_unfinished():
+                break
+            for out in llm.step():
+                last[out.request_id] = out
+        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
+
+    start = llm.mode
+    ref = run(set())
+    got = run({1, 2, 3, 5, 6, 8, 11})
+    if llm.mode != start:
+        assert llm.switch_mode(start).done
+    for j, (_, prompt, params, abort_at) in enumerate(jobs):
+        if abort_at is not None:
+            full = hf_greedy(path, tuple(prompt), params.max_tokens)
+            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
+            continue
+        assert got[j] == ref[j], f"job {j} differs from the run without switches"
+        if params.temperature == 0:
+            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
+    assert_kv_free(llm)
+
+
+def test_weight_update_by_name_in_both_layouts(ckpt: Callable[[str], str]) -> None:
+    """An update from disk at P = 2 in TP rewrites every view the specs cut, those of the other layout too (the
+    biases' regions, the experts' slot moved by the switch): the next tokens are the new checkpoint's in both."""
+    with LLM(model=ckpt("gpt_oss"), num_ranks=2, mode="tp", **ENGINE_KW) as llm:
+        prompts = PROMPTS[2:4]
+        assert llm.update_weights_from_disk(ckpt("gpt_oss_b")).done
+        want = [hf_greedy(ckpt("gpt_oss_b"), tuple(p), N_OUT) for p in prompts]
+        assert greedy_outputs(llm, prompts) == want
+        assert llm.switch_mode("ep").done
+        assert greedy_outputs(llm, prompts) == want
+        assert_kv_free(llm)
