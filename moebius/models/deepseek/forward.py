@@ -1,7 +1,8 @@
 """DeepSeek-V2 / V3 forward (transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM semantics), reading weight
 views handed to it, over the `Communicator`: the same math in every layout (head counts from the weight shapes, the
 shared experts' shard from theirs). MLA is `mla.py`'s over the paged latent cache (on the GPU absorbed through the
-Triton kernels; on the CPU the torch reference, decodes absorbed and prompt chunks expanded), routing `moe.py`'s.
+Triton kernels; on the CPU the torch reference, decodes absorbed and prompt chunks expanded), the MoE block
+models/grouped_moe.py's (shared with GLM-4.5).
 Shapes: T tokens, D hidden, K top-k, V vocab; P pages, S page size, A one latent cache entry.
 """
 
@@ -13,12 +14,11 @@ import torch.nn.functional as F
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig, triton_available
 from moebius.layers.attention import AttentionGeometry, AttentionMetadata
-from moebius.layers.moe import dense_mlp, experts, summed
+from moebius.layers.moe import dense_mlp
 from moebius.layers.norm import add_rms_norm
 from moebius.models.deepseek.config import DeepseekConfig
 from moebius.models.deepseek.mla import attend_absorbed, mla_attention, rope_table
-from moebius.models.deepseek.moe import route, router_logits
-from moebius.models.deepseek.weights import DeepseekMoEWeights
+from moebius.models.grouped_moe import GroupedMoEWeights, moe
 from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
 
@@ -28,23 +28,6 @@ def family_rope_table(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
     ext = cfg.extra
     assert isinstance(ext, DeepseekConfig)
     return rope_table(ext.mla, cfg.max_position_embeddings, device)
-
-
-def moe(h_TD: torch.Tensor, w: DeepseekMoEWeights, ext: DeepseekConfig, comm: Communicator, kc: KernelConfig,
-        routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
-    """This rank's part of the MoE block's output for the tokens dispatched to it (its local experts' pairs plus its
-    shard of the shared experts), and the handle that combines it. routed_TK: where the router's global expert ids
-    are written (taken before the dispatch: the same in every layout)."""
-    w_TK, ids_TK = route(router_logits(h_TD, w.gate_ED), ext.moe, w.bias_E)
-    if routed_TK is not None:
-        routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
-    # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
-    x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK.to(h_TD.dtype), ids_TK, kc=kc)
-    y_TD = summed(experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, ext.moe.num_experts, kc=kc),
-                  kc=kc)
-    if w.shared is not None:  # a 1/P shard on the dispatched tokens: the combine's sum over ranks completes it
-        y_TD = y_TD + dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
-    return y_TD, handle
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
@@ -65,11 +48,11 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
         cache_PSA = cache[:, 0, :, 0]  # the one part and the one latent "head" of the pool's view
         a = mla_attention(h, layer.attn, cache_PSA, meta, ext.mla, weights.rope, kc=kc)
         h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
-        if isinstance(layer.mlp, DeepseekMoEWeights):
+        if isinstance(layer.mlp, GroupedMoEWeights):
             record = None
             if routed_TLK is not None:
                 record, j = routed_TLK[:, j], j + 1
-            y, handle = moe(h, layer.mlp, ext, comm, kc, record)
+            y, handle = moe(h, layer.mlp, ext.moe, comm, kc, record)
         else:
             assert isinstance(layer.mlp, DenseWeights)
             y, handle = dense_mlp(h, layer.mlp.w13_FD, layer.mlp.w2_DF, kc=kc), None  # no dispatch: nothing to combine

@@ -6,22 +6,14 @@ columns of them; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their
 (the latent cache is replicated in TP too); o_proj's bias is given to the shard of head 0 only, since TP sums the
 shards' outputs (`Communicator.reduce_add_norm`). EP holds every head.
 
-Routed experts: the shared `ExpertCut` (transformers' per-expert names, or fused tensors), as Qwen3-MoE's.
+Routed and shared experts and the routing bias: the block DeepSeek shares with GLM-4.5 (models/grouped_moe.py
+`moe_specs`: the shared experts a 1/P shard on every rank in both layouts; it says why and what it costs).
 Dense layers (first_k_dense_replace): a dense MLP sharded by TP and whole in EP, as Qwen3-MoE's.
-
-Shared experts: one 1/P shard of their intermediate dim on every rank in both layouts (the same region, so a
-switch moves none of their bytes), run by the forward on the tokens its routed experts see and added to the routed
-output before the combine sums over the ranks. TP: every token on every rank, summed by the all-reduce, as a dense
-MLP sharded by TP. EP: the tokens of every rank (after the dispatch), summed by the combine's reduce-scatter: the
-FLOPs of running a whole replica on one's own tokens, with 1/P of its bytes a rank and no bytes added to the
-exchange (the combine carries a D-row a token anyway). Its cost: EP runs it on the dispatch's padding rows too (each
-rank's step padded to the largest rank's token count).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -29,18 +21,10 @@ from moebius.config import ModelConfig
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.deepseek.config import DeepseekConfig
 from moebius.models.deepseek.mla import MLAWeights
-from moebius.models.specs import Fetch, ParamSpec, dense_mlp_specs, routed_expert_specs, spec_view
+from moebius.models.grouped_moe import moe_specs, moe_weights
+from moebius.models.specs import Fetch, ParamSpec, dense_mlp_specs, spec_view
 from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
-from moebius.parallel.layout import Layout, w2_shard, w13_shard
-
-
-@dataclass
-class DeepseekMoEWeights(MoEWeights):
-    """The engine's MoE views (the switch moves w13 / w2) and the family's own: V3's routing bias and this rank's
-    shard of the shared experts."""
-
-    bias_E: torch.Tensor | None = None  # e_score_correction_bias, every expert (V3); None for V2
-    shared: DenseWeights | None = None  # this rank's 1/P of the shared experts' intermediate dim; None without them
+from moebius.parallel.layout import Layout
 
 
 def _ext(cfg: ModelConfig) -> DeepseekConfig:
@@ -53,10 +37,6 @@ def _ext(cfg: ModelConfig) -> DeepseekConfig:
 def _heads_tag(lay: Layout) -> str:
     """Names an attention shard by its heads, so layouts holding the same heads share the region."""
     return f"h{lay.q_heads.start}-{lay.q_heads.stop}"
-
-
-def _shared_tag(lay: Layout) -> str:
-    return f"{lay.rank}of{lay.world_size}"
 
 
 def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
@@ -97,24 +77,11 @@ def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
 
 
 def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
-    D, moe = cfg.hidden_size, _ext(cfg).moe
-    p = f"model.layers.{i}."
+    moe, p = _ext(cfg).moe, f"model.layers.{i}."
     specs = _attn_specs(cfg, lay, p)
     if not cfg.is_moe_layer(i):
         return specs + dense_mlp_specs(cfg, lay, p)
-    E = cfg.num_experts
-    specs += routed_expert_specs(cfg, lay, i, elt)
-    if moe.scoring_func == "sigmoid":  # V3's router carries the selection bias
-        specs.append(ParamSpec(p + "mlp.gate.bias", (E,), lambda f: f(p + "mlp.gate.e_score_correction_bias", (E,))))
-    if moe.n_shared_experts:
-        Is, P, r, s = moe.shared_intermediate_size, lay.world_size, lay.rank, p + "mlp.shared_experts."
-        specs += [
-            ParamSpec(p + f"mlp.shared.w13.{_shared_tag(lay)}", (2 * Is // P, D), lambda f: w13_shard(torch.cat(
-                [f(s + "gate_proj.weight", (Is, D)), f(s + "up_proj.weight", (Is, D))])[None], P, r).reshape(-1, D)),
-            ParamSpec(p + f"mlp.shared.w2.{_shared_tag(lay)}", (D, Is // P),
-                      lambda f: w2_shard(f(s + "down_proj.weight", (D, Is))[None], P, r).reshape(D, -1)),
-        ]
-    return specs
+    return specs + moe_specs(cfg, moe, lay, i, elt)
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
@@ -132,7 +99,7 @@ def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
 def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
     """The layout's weight views over the buffer (contents are whatever was loaded there)."""
     views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
-    tag, shared = _heads_tag(lay), _shared_tag(lay)
+    tag = _heads_tag(lay)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -143,11 +110,7 @@ def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torc
             # the shards' outputs are summed: the bias once, on the shard of head 0
             o_bias=views.get(p + "o_bias") if lay.q_heads.start == 0 else None)
         if cfg.is_moe_layer(i):
-            w13_s, w2_s = views.get(p + f"mlp.shared.w13.{shared}"), views.get(p + f"mlp.shared.w2.{shared}")
-            mlp: MoEWeights | DenseWeights = DeepseekMoEWeights(
-                views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert,
-                bias_E=views.get(p + "mlp.gate.bias"),
-                shared=None if w13_s is None or w2_s is None else DenseWeights(w13_s, w2_s))
+            mlp: MoEWeights | DenseWeights = moe_weights(views, lay, i)
         else:
             mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
                                views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
