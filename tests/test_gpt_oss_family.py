@@ -268,14 +268,40 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
     assert_kv_free(llm)
 
 
-def test_weight_update_by_name_in_both_layouts(ckpt: Callable[[str], str]) -> None:
-    """An update from disk at P = 2 in TP rewrites every view the specs cut, those of the other layout too (the
-    biases' regions, the experts' slot moved by the switch): the next tokens are the new checkpoint's in both."""
-    with LLM(model=ckpt("gpt_oss"), num_ranks=2, mode="tp", **ENGINE_KW) as llm:
+def test_weight_update_routed_experts_and_prefix_cache(ckpt: Callable[[str], str]) -> None:
+    """At P = 2 in TP: an update from disk rewrites every view the specs cut, those of the other layout too (the
+    biases' regions, the experts' slot the switch moves): the next tokens are the new checkpoint's in both layouts;
+    the routed experts of each output token are those of every layer; a prompt asked again takes its whole pages
+    from the prefix cache (keys before a window included: they stay in their pages) and gives the same tokens."""
+    with LLM(model=ckpt("gpt_oss"), num_ranks=2, mode="tp", enable_return_routed_experts=True, **ENGINE_KW) as llm:
         prompts = PROMPTS[2:4]
         assert llm.update_weights_from_disk(ckpt("gpt_oss_b")).done
         want = [hf_greedy(ckpt("gpt_oss_b"), tuple(p), N_OUT) for p in prompts]
         assert greedy_outputs(llm, prompts) == want
         assert llm.switch_mode("ep").done
         assert greedy_outputs(llm, prompts) == want
+        params = SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True)
+        first, again = (llm.generate([PROMPTS[4]], params)[0] for _ in range(2))
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(ckpt("gpt_oss_b"),
+                                                                                     tuple(PROMPTS[4]), 4)
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens == 20
+        routed = torch.tensor(first.outputs[0].routed_experts)
+        assert routed.shape == (4, 3, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, layers, top-k
         assert_kv_free(llm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantization_is_transformers(dtype: torch.dtype) -> None:
+    """Random MXFP4 blocks and scales (every code, exponents around the bias) dequantize to transformers' own
+    `convert_moe_packed_tensors`, bit for bit, in the float checkpoint's layout."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moebius.models.gpt_oss.mxfp4 import dequantize
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(127 - 20, 127 + 8, (3, 10, 2), generator=g, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    got = dequantize(blocks, scales, dtype)
+    assert got.shape == want.shape == (3, 64, 10) and got.dtype == dtype
+    assert torch.equal(got, want)

@@ -6,7 +6,8 @@ On the CPU only (the torch reference): the GPU's attention kernels have no sinks
 neither the biases nor the clamped activation. Sliding windows mask the keys before the window; their KV pages are
 not freed yet (a request holds its whole context in every layer) and a switch moves every page (freeing them and
 moving only the window is the next step). MXFP4 checkpoints (the releases' `*_blocks` / `*_scales` experts) are
-refused by name at start-up; a checkpoint dequantized to a float dtype loads.
+refused by name at start-up (the loader reads float tensors only; `mxfp4.dequantize` is transformers' dequantization,
+for when it takes them); a checkpoint dequantized to a float dtype loads.
 """
 
 from __future__ import annotations
