@@ -174,6 +174,41 @@ def test_unsupported_settings_are_refused_by_name(ckpt: Callable[[str], str],
                             eos_token_ids=(), max_model_len=64))
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_with_sinks_and_a_window_is_transformers(window: int | None) -> None:
+    """The torch reference's sinks and window (layers/attention.py) on a step mixing decodes and prompt chunks after
+    cached tokens, pages shuffled: every token's output is transformers' eager_attention_forward (GPT-OSS's) over
+    its own sequence with the sliding mask (key > query - window)."""
+    from types import SimpleNamespace
+
+    from attention_cases import paged_metadata
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from moebius.layers.attention import paged_attention_ref
+
+    torch.manual_seed(0)
+    bs, kvh, heads, d = 4, 2, 4, 16
+    q_lens, ctx = [1, 11, 1, 5, 3], [14, 20, 3, 9, 3]
+    meta = paged_metadata(q_lens, ctx, bs, 64, "cpu")
+    cache = torch.randn(64, 2, bs, kvh, d)
+    q = torch.randn(sum(q_lens), heads, d)
+    sinks = torch.randn(heads) * 2
+    out = paged_attention_ref(q, cache, meta, d ** -0.5, sinks=sinks, window=window)
+    module = SimpleNamespace(num_key_value_groups=heads // kvh, sinks=sinks, training=False)
+    for b, (n, L) in enumerate(zip(q_lens, ctx, strict=True)):
+        j = torch.arange(L)
+        kv = cache[meta.block_tables[b, j // bs].long(), :, j % bs]  # [L, 2, kvh, d]
+        rows = slice(int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1]))
+        qpos = torch.arange(L - n, L)
+        allowed = j[None, :] <= qpos[:, None]
+        if window is not None:
+            allowed &= j[None, :] > qpos[:, None] - window
+        mask = torch.zeros(n, L).masked_fill(~allowed, float("-inf"))[None, None]
+        want, _ = eager_attention_forward(module, q[rows].transpose(0, 1)[None], kv[:, 0].transpose(0, 1)[None],
+                                          kv[:, 1].transpose(0, 1)[None], mask, d ** -0.5)
+        torch.testing.assert_close(out[rows], want[0], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Parity with transformers in every layout, and across live switches
 # ---------------------------------------------------------------------------------------------------------------
