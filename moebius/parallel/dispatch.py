@@ -9,6 +9,9 @@
   all-gather of tokens and reduce-scatter of outputs (fused with the add and norm on GPUs). A handle of None (a
   dense MLP layer) is no combine. The fused GPU experts hand their outputs per (token, k) pair (`PairRows`); the
   symmetric-memory kernels sum each token's pairs as they read them, every other path sums them first.
+- `reduce_heads(x)`: a small float32 per-token tensor summed over the ranks that split attention's heads (TP's
+  all-reduce: OLMoE's q/k norms span every head, so each rank's sums of squares over its heads are summed); elsewhere
+  every head is local and x comes back as it is.
 - The methods that may launch kernels take the step's `KernelConfig` (`kc`) and hand it to them.
 - `vocab_argmax(scores)` / `gather_vocab(logits)` / `vocab_first`: TP holds a vocabulary slice of lm_head per rank
   (half the bytes each step reads at P = 2), so a greedy or temperature-sampled token is the best of the ranks' local
@@ -34,6 +37,8 @@ from moebius.parallel.groups import all_gather_single, reduce_scatter_single
 class Communicator(Protocol):
     def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
                         kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def reduce_heads(self, x_TN: torch.Tensor) -> torch.Tensor: ...
 
     def dispatch(self, x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, *,
                  kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
@@ -78,6 +83,9 @@ class WholeVocab:
 
 class WholeOutputs:
     """Sublayer outputs are whole on the rank that holds their tokens (one rank, or EP after its combine)."""
+
+    def reduce_heads(self, x_TN: torch.Tensor) -> torch.Tensor:
+        return x_TN  # every head of its tokens is on this rank
 
     def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
                         kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +187,11 @@ class TPComm:
             return self.symmetric(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def reduce_heads(self, x_TN: torch.Tensor) -> torch.Tensor:
+        """In place (NCCL or gloo: the symmetric buffer holds the model's dtype, these sums are float32)."""
+        dist.all_reduce(x_TN, group=self.group)
+        return x_TN
 
     def reduce_add_norm(self, x_TD: torch.Tensor, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
                         kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
