@@ -31,6 +31,49 @@ _FUSED = re.compile(r"(model\.layers\.\d+\.)(mlp\.experts\.(?:gate_up_proj|down_
 
 
 @dataclass(frozen=True)
+class ExpertNames:
+    """How a checkpoint names a MoE layer's router and its experts one by one (under "model.layers.{i}."): the MoE
+    block's module `block`, each expert's projections `gate`, `up`, `down`. The fused tensors (`FUSED_W13`,
+    `FUSED_W2`: transformers 5's modules, whatever names its checkpoints use) are the same for every naming. A family
+    whose checkpoints use another naming than `HF_EXPERTS` gives it as its `ModelConfig.extra` (or as that extra's
+    `expert_names` field): the cut, the names an update takes and the fused tensors' per-expert names follow it."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def router(self, p: str) -> str:
+        return f"{p}{self.block}.gate.weight"
+
+    def expert(self, p: str, e: int, proj: str) -> str:
+        return f"{p}{self.block}.experts.{e}.{proj}.weight"
+
+    def projections(self, which: str) -> tuple[str, ...]:
+        """An expert's tensors of `which` ("w13": gate then up; "w2": down)."""
+        return (self.gate, self.up) if which == "w13" else (self.down,)
+
+    @functools.cached_property
+    def pattern(self) -> re.Pattern[str]:
+        """A per-expert name of this naming: (layer prefix, projection)."""
+        projs = "|".join(map(re.escape, (self.gate, self.up, self.down)))
+        return re.compile(rf"(model\.layers\.\d+\.){re.escape(self.block)}\.experts\.\d+\.({projs})\.weight$")
+
+
+HF_EXPERTS = ExpertNames()  # mlp.experts.{e}.{gate,up,down}_proj (Qwen3-MoE, Qwen2-MoE, DeepSeek)
+# Mixtral's checkpoints (transformers saves them so, and so are they on the Hub): w1 the gate, w3 the up, w2 the down
+W1W3W2_EXPERTS = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+NAMINGS = (HF_EXPERTS, W1W3W2_EXPERTS)  # every naming a per-expert name of an update may have (`fused_name`)
+
+
+def expert_names(cfg: ModelConfig) -> ExpertNames:
+    """The naming of a model's expert tensors: its family's (`ModelConfig.extra`), `HF_EXPERTS` by default."""
+    extra = cfg.extra
+    names = extra if isinstance(extra, ExpertNames) else getattr(extra, "expert_names", None)
+    return names if isinstance(names, ExpertNames) else HF_EXPERTS
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     name: str  # region name (dense parts) or a descriptive name (slot parts)
     shape: tuple[int, ...]
@@ -50,18 +93,18 @@ def tp_cut(t: torch.Tensor, dim: int, lay: Layout) -> torch.Tensor:
 
 class ExpertCut:
     """A layer's local experts, [gate | up] (`w13`: the slot's [El, 2, Il, D]) or down (`w2`: [El, D, Il]), cut from
-    per-expert or fused (transformers 5) tensors as views of the source, each with where it lands in the slot: one
-    piece for a fused tensor, one per expert and projection otherwise. Both the load and an update write these."""
+    per-expert (named by `names`) or fused (transformers 5) tensors as views of the source, each with where it lands
+    in the slot: one piece for a fused tensor, one per expert and projection otherwise. Both the load and an update
+    write these."""
 
     def __init__(self, p: str, which: str, lay: Layout, fused: tuple[int, ...],
-                 per_expert_shapes: tuple[tuple[int, ...], ...]) -> None:
+                 per_expert_shapes: tuple[tuple[int, ...], ...], names: ExpertNames = HF_EXPERTS) -> None:
         self.p, self.which, self.lay, self.fused_shape = p, which, lay, fused
-        self.shapes = per_expert_shapes
+        self.shapes, self.names = per_expert_shapes, names
         self.local = range(lay.first_expert, lay.first_expert + lay.num_local_experts)
 
     def _names(self, e: int) -> tuple[str, ...]:
-        projs = ("gate_proj", "up_proj") if self.which == "w13" else ("down_proj",)
-        return tuple(f"{self.p}mlp.experts.{e}.{proj}.weight" for proj in projs)
+        return tuple(self.names.expert(self.p, e, proj) for proj in self.names.projections(self.which))
 
     def pieces(self, fetch: Fetch) -> list[tuple[tuple[int | slice, ...], torch.Tensor]]:
         """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there)."""
@@ -119,40 +162,39 @@ def spec_reads(s: ParamSpec) -> tuple[str, ...]:
     return tuple(names)
 
 
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)\d+\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
 @functools.cache  # asked once per expert and weight at every update: a bounded set of names
 def fused_name(name: str) -> str | None:
-    """The fused expert tensor a per-expert name is part of (None for any other name)."""
-    m = _PER_EXPERT.match(name)
-    if m is None:
-        return None
-    return m.group(1) + ("down_proj" if m.group(2) == "down_proj" else "gate_up_proj")
+    """The fused expert tensor a per-expert name (of any naming in `NAMINGS`) is part of (None for any other
+    name)."""
+    for names in NAMINGS:
+        m = names.pattern.match(name)
+        if m is not None:
+            return m.group(1) + (FUSED_W2 if m.group(2) == names.down else FUSED_W13)
+    return None
 
 
 def per_expert_names(cfg: ModelConfig, name: str, experts: int) -> list[str]:
-    """The per-expert names a fused expert tensor of `experts` experts stands for, in expert order (as `per_expert`
-    names its views); any other name as it is."""
+    """The per-expert names (the model's naming, `expert_names`) a fused expert tensor of `experts` experts stands
+    for, in expert order (as `per_expert` names its views); any other name as it is."""
     m = _FUSED.match(name)
     if m is None:
         return [name]
-    p = m.group(1) + "mlp.experts."
-    projs = ("down_proj",) if m.group(2) == FUSED_W2 else ("gate_proj", "up_proj")
-    return [f"{p}{e}.{proj}.weight" for e in range(experts) for proj in projs]
+    names = expert_names(cfg)
+    projs = names.projections("w2" if m.group(2) == FUSED_W2 else "w13")
+    return [names.expert(m.group(1), e, proj) for e in range(experts) for proj in projs]
 
 
 def per_expert(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A fused expert tensor as the per-expert tensors the weight specs read (views of it, in expert order); any
-    other tensor as it is."""
+    """A fused expert tensor as the per-expert tensors the weight specs read (views of it, in expert order, named
+    as the model's checkpoints name them); any other tensor as it is."""
     m = _FUSED.match(name)
     if m is None:
         return [(name, t)]
-    p, I = m.group(1) + "mlp.experts.", cfg.moe_intermediate_size
+    names, p, I = expert_names(cfg), m.group(1), cfg.moe_intermediate_size
     if m.group(2) == FUSED_W2:
-        return [(f"{p}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
-    return [(f"{p}{e}.{proj}.weight", rows) for e in range(t.shape[0])
-            for proj, rows in (("gate_proj", t[e, :I]), ("up_proj", t[e, I:]))]
+        return [(names.expert(p, e, names.down), t[e]) for e in range(t.shape[0])]
+    return [(names.expert(p, e, proj), rows) for e in range(t.shape[0])
+            for proj, rows in ((names.gate, t[e, :I]), (names.up, t[e, I:]))]
 
 
 def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -175,14 +217,14 @@ def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
 
 def routed_expert_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
     """An MoE layer's router and its local experts' views, [gate | up] then down at the head of the layer's slot
-    (Hugging Face's per-expert names or fused tensors, through `ExpertCut`)."""
-    p, D = f"model.layers.{i}.", cfg.hidden_size
+    (the checkpoint's per-expert names, `expert_names`, or fused tensors, through `ExpertCut`)."""
+    p, D, names = f"model.layers.{i}.", cfg.hidden_size, expert_names(cfg)
     E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
     slot = lay.slot_of(i)
-    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)))
-    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),))
+    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)), names)
+    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),), names)
     return [
-        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(p + "mlp.gate.weight", (E, D))),
+        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(names.router(p), (E, D))),
         ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
         ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
     ]
