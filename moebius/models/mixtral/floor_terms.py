@@ -1,0 +1,20 @@
+"""Mixtral's terms of the floor model (`FloorTerms`): GQA, a layout's query heads and KV heads (replicated in TP
+below P) of head_dim each, K and V cached per KV head; every layer MoE, no dense or shared weights."""
+
+from __future__ import annotations
+
+from moebius.config import ModelConfig
+from moebius.models.specs import FloorTerms
+from moebius.parallel.layout import Layout
+
+
+def floor_terms(cfg: ModelConfig, lay: Layout) -> FloorTerms:
+    D, d, L, spec = cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.kv_spec
+    qh, kvh = lay.num_heads, lay.num_kv_heads
+    return FloorTerms(
+        attn_weights=L * (D * qh * d * 2 + D * kvh * d * 2),  # q and o of its heads, k and v of its KV heads
+        dense_weights=0.0,
+        kv_per_token=L * kvh * spec.parts * spec.dim,
+        attn_flops_per_key=L * 4 * qh * d,  # q.k and p.v of each of its heads
+        moe_layers=L,
+    )

@@ -1,0 +1,343 @@
+"""The Mixtral family served end to end on the CPU (float32): config.json parsed into the engine's ModelConfig
+(every layer MoE, the experts' size its intermediate_size, the renormalised top-2), the checkpoint names transformers
+writes (`block_sparse_moe.experts.{e}.w1 / w3 / w2`), and greedy tokens identical to transformers' own
+MixtralForCausalLM for P = 1, 2, 4 in TP and EP, across live switches with arrivals, aborts and n > 1, with no KV
+page leaked; weight updates from disk, by Mixtral's per-expert names and by transformers 5's fused tensors; a sliding
+window shorter than the context refused, naming the family.
+
+Checkpoints (written here by transformers' MixtralForCausalLM, std 0.3 weights as tests/conftest.py's `_reinit_`):
+  mixtral      GQA (4 query heads, 2 KV heads), 8 experts, top-2, rope_theta 1e6
+  mixtral_mqa  one KV head (replicated on every TP rank), tied embeddings, 3 layers
+  mixtral_b    other weights of mixtral's shapes (a weight update's target)
+Every engine runs prompts crossing 4-token pages with a 16-token step budget, so prompt chunks and decodes share
+steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import MIN_MARGIN, VOCAB, _reinit_
+
+from moebius import LLM, SamplingParams
+from moebius.config import PRESETS, ConfigError, KVSpec
+from moebius.models.registry import FAMILIES, family_of, model_config
+from moebius.models.specs import W1W3W2_EXPERTS, fused_name, per_expert, per_expert_names
+from moebius.parallel.layout import MODES, Layout, check_shapes
+
+BLOCK = 4
+N_OUT = 8
+_rng = random.Random(11)
+PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 23)]
+ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
+                                 max_num_batched_tokens=16, max_running_requests=8, seed=0)
+CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+)
+VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
+    "mixtral": ({}, 0),
+    "mixtral_mqa": (dict(num_key_value_heads=1, tie_word_embeddings=True, num_hidden_layers=3), 1),
+    "mixtral_b": ({}, 3),
+}
+
+
+def write_mixtral(path: str, overrides: dict[str, Any], seed: int) -> str:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**{**CONFIG, **overrides, "eos_token_id": None})  # no EOS: full-length greedy runs
+    cfg.architectures = ["MixtralForCausalLM"]
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg).float().eval()
+    _reinit_(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mixtral")
+    return {name: write_mixtral(str(root / name), ov, seed) for name, (ov, seed) in VARIANTS.items()}
+
+
+@functools.cache
+def _hf(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                experts_implementation="eager").eval()
+
+
+@functools.cache
+def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
+    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def _config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_kv_free(llm: LLM) -> None:
+    for r, s in enumerate(llm.kv_stats()["per_rank"]):
+        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config, checkpoint names, refusals
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_config_and_checkpoint_names(ckpts: dict[str, str]) -> None:
+    """The family, its KV spec (K and V of head_dim a KV head), every layer MoE with the renormalised top-2; every
+    tensor transformers saved is one the family reads (Mixtral's per-expert names), and no other but the fused
+    expert tensors an update may give instead."""
+    from safetensors import safe_open
+
+    path = ckpts["mixtral"]
+    cfg = model_config(_config(path))
+    assert family_of(cfg) is FAMILIES["mixtral"] and cfg.family == "mixtral"
+    assert cfg.kv_spec == KVSpec(parts=2, heads=2, dim=16)
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 32, True)
+    assert all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) and cfg.rope_theta == 1e6
+    assert hash(cfg) == hash(model_config(_config(path)))  # a cache key
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in saved
+    known = family_of(cfg).checkpoint_tensors(cfg)
+    fused = {n for n in known if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
+    assert set(known) - fused == saved and len(fused) == 2 * cfg.num_layers
+
+
+def test_expert_names_map_both_ways() -> None:
+    """Mixtral's per-expert names belong to transformers 5's fused tensors (w1 and w3 to gate_up_proj, w2 to
+    down_proj), and a fused tensor splits into Mixtral's names for a Mixtral model (Qwen3's stay Qwen3's)."""
+    p = "model.layers.3."
+    assert fused_name(p + "block_sparse_moe.experts.5.w1.weight") == p + "mlp.experts.gate_up_proj"
+    assert fused_name(p + "block_sparse_moe.experts.5.w3.weight") == p + "mlp.experts.gate_up_proj"
+    assert fused_name(p + "block_sparse_moe.experts.5.w2.weight") == p + "mlp.experts.down_proj"
+    assert fused_name(p + "mlp.experts.5.up_proj.weight") == p + "mlp.experts.gate_up_proj"
+    assert fused_name(p + "block_sparse_moe.gate.weight") is None and fused_name(p + "mlp.experts.5.w1.weight") is None
+    cfg = model_config(PRESETS["mixtral-8x7b"], num_layers=4)
+    assert cfg.extra == W1W3W2_EXPERTS
+    assert per_expert_names(cfg, p + "mlp.experts.gate_up_proj", 2) == [
+        p + f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(2) for w in ("w1", "w3")]
+    assert per_expert_names(cfg, p + "mlp.experts.down_proj", 1) == [p + "block_sparse_moe.experts.0.w2.weight"]
+    I, D = 3, 2
+    t = torch.arange(2 * 2 * I * D, dtype=torch.float32).view(2, 2 * I, D)
+    parts = dict(per_expert(cfg, p + "mlp.experts.gate_up_proj", t))
+    assert torch.equal(parts[p + "block_sparse_moe.experts.1.w3.weight"], t[1, cfg.moe_intermediate_size:])
+    qwen = model_config(PRESETS["qwen3-30b-a3b"], num_layers=4)
+    assert per_expert_names(qwen, p + "mlp.experts.down_proj", 1) == [p + "mlp.experts.0.down_proj.weight"]
+
+
+@pytest.mark.parametrize("change, what", [
+    (dict(sliding_window=128), r"the mixtral family \(MixtralForCausalLM\): sliding_window 128 is shorter than "
+                               r"max_position_embeddings 512; sliding-window attention is not supported"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "unsupported rope scaling 'yarn' "
+                                                                                     "in the mixtral family"),
+    (dict(num_local_experts=None), r"num_local_experts must be an integer >= 1, got None \(the mixtral family"),
+    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu' in the mixtral family"),
+])
+def test_what_the_family_cannot_serve_is_refused_by_name(ckpts: dict[str, str], change: dict[str, Any],
+                                                         what: str) -> None:
+    hf = {**_config(ckpts["mixtral"]), **change}
+    with pytest.raises(ConfigError, match=what):
+        model_config(hf)
+    assert model_config({**hf, "sliding_window": 512} if "sliding_window" in change else _config(ckpts["mixtral"]))
+
+
+def test_a_sliding_window_is_refused_at_start_up(ckpts: dict[str, str], tmp_path: Any) -> None:
+    """An engine on a checkpoint whose config.json sets a window shorter than the context does not start."""
+    import shutil
+
+    path = str(tmp_path / "windowed")
+    shutil.copytree(ckpts["mixtral"], path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**_config(ckpts["mixtral"]), "sliding_window": 64}, f)
+    with pytest.raises(ConfigError, match="the mixtral family .* sliding_window 64 is shorter"):
+        LLM(model=path, **ENGINE_KW)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity with transformers in every layout, and across live switches
+# ---------------------------------------------------------------------------------------------------------------
+
+# (checkpoint, P, start mode); each engine serves in its start layout, then the other after a switch
+ENGINES = [("mixtral", 1, "tp"), ("mixtral", 2, "ep"), ("mixtral_mqa", 2, "tp"), ("mixtral", 4, "tp"),
+           ("mixtral_mqa", 4, "ep")]
+STRESSED = {("mixtral", 2), ("mixtral_mqa", 4)}  # the switch stress's engines (the others switch alike)
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])
+def engine(request: pytest.FixtureRequest, ckpts: dict[str, str]) -> Iterator[tuple[str, int, LLM]]:
+    name, P, mode = request.param
+    llm = LLM(model=ckpts[name], num_ranks=P, mode=mode, **ENGINE_KW)
+    yield name, P, llm
+    llm.close()
+
+
+def check_greedy_in_both_layouts(llm: LLM, path: str, P: int) -> None:
+    """A batch of prompts in the start layout, then in the other after a switch, then back: transformers' greedy
+    tokens, every KV page free after each."""
+    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
+    start = llm.mode
+    for mode in (start, "ep" if start == "tp" else "tp", start):
+        if llm.mode != mode:
+            assert llm.switch_mode(mode).done
+        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
+        assert_kv_free(llm)
+
+
+def check_live_switches(llm: LLM, path: str) -> None:
+    """Arrivals, an abort, sampled n = 2 and greedy requests under a switch at many steps: the outputs of the run
+    without switches (greedy: transformers'), the aborted one a prefix, and every KV page free afterwards."""
+    jobs = [(0, PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8), None),
+            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
+            (0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8), 4),
+            (2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6), None),
+            (5, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), None)]
+
+    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
+        ids: dict[int, str] = {}
+        last: dict[str, Any] = {}
+        for step in range(200):
+            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
+                if arrive == step:
+                    ids[j] = llm.add_request(list(prompt), params)
+                if abort_at == step:
+                    llm.abort(ids[j])
+            if step in switch_at:
+                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
+            if step > 6 and not llm.has_unfinished():
+                break
+            for out in llm.step():
+                last[out.request_id] = out
+        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
+
+    start = llm.mode
+    ref = run(set())
+    got = run({1, 2, 3, 5, 6, 8, 11})
+    if llm.mode != start:
+        assert llm.switch_mode(start).done
+    for j, (_, prompt, params, abort_at) in enumerate(jobs):
+        if abort_at is not None:
+            full = hf_greedy(path, tuple(prompt), params.max_tokens)
+            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
+            continue
+        assert got[j] == ref[j], f"job {j} differs from the run without switches"
+        if params.temperature == 0:
+            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
+    assert_kv_free(llm)
+
+
+def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM], ckpts: dict[str, str]) -> None:
+    name, P, llm = engine
+    check_greedy_in_both_layouts(llm, ckpts[name], P)
+
+
+def test_live_switches_change_no_token(engine: tuple[str, int, LLM], ckpts: dict[str, str]) -> None:
+    name, P, llm = engine
+    if (name, P) not in STRESSED:
+        pytest.skip("the same switch as a stressed engine's (see STRESSED)")
+    check_live_switches(llm, ckpts[name])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight updates
+# ---------------------------------------------------------------------------------------------------------------
+
+def _saved(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_weight_updates_by_mixtral_names_and_fused_tensors(ckpts: dict[str, str]) -> None:
+    """At P = 2 in EP then TP: an update from disk gives the new checkpoint's tokens; back to the old weights by
+    tensors under Mixtral's per-expert names; then the new experts as transformers 5's fused tensors (a trainer's
+    named_parameters()) with every other tensor by name: the new tokens again, in both layouts. A fused tensor and
+    one of its experts by name in one update is refused, naming Mixtral's name."""
+    a, b = ckpts["mixtral"], ckpts["mixtral_b"]
+    prompts = PROMPTS[2:4]
+    want_a = [hf_greedy(a, tuple(p), N_OUT) for p in prompts]
+    want_b = [hf_greedy(b, tuple(p), N_OUT) for p in prompts]
+    with LLM(model=a, num_ranks=2, mode="ep", **ENGINE_KW) as llm:
+        assert greedy_outputs(llm, prompts) == want_a
+        assert llm.update_weights_from_disk(b).done
+        assert greedy_outputs(llm, prompts) == want_b
+        old = _saved(a)
+        assert any(".block_sparse_moe.experts.3.w2." in n for n in old)
+        assert llm.update_weights(old.items()).done
+        assert llm.switch_mode("tp").done
+        assert greedy_outputs(llm, prompts) == want_a
+        fused = {n: t.detach() for n, t in _hf(b).named_parameters() if fused_name(n) is None
+                 and n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        assert sorted(fused) == sorted(f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                                       for w in ("gate_up_proj", "down_proj"))
+        rest = {n: t for n, t in _saved(b).items() if fused_name(n) is None}
+        w1 = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+        with pytest.raises(ValueError, match=f"tensor {w1.replace('.', '[.]')} is given twice"):
+            llm.update_weights([*fused.items(), (w1, _saved(b)[w1])])
+        assert llm.update_weights([*fused.items(), *rest.items()]).done
+        assert greedy_outputs(llm, prompts) == want_b
+        assert llm.switch_mode("ep").done
+        assert greedy_outputs(llm, prompts) == want_b
+        assert_kv_free(llm)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------------
+
+# (layers, hidden, heads, KV heads, experts, top-k, expert intermediate, vocab, max positions)
+SHAPES = {"mixtral-8x7b": (32, 4096, 32, 8, 8, 2, 14336, 32000, 32768),
+          "mixtral-8x22b": (56, 6144, 48, 8, 8, 2, 16384, 32000, 65536)}
+
+
+@pytest.mark.parametrize("preset", SHAPES)
+def test_presets_parse_with_their_published_shapes(preset: str) -> None:
+    cfg = model_config(PRESETS[preset])
+    assert family_of(cfg).name == "mixtral"
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.num_experts, cfg.top_k,
+            cfg.moe_intermediate_size, cfg.vocab_size, cfg.max_position_embeddings) == SHAPES[preset]
+    assert cfg.head_dim == 128 and cfg.rope_theta == 1e6 and cfg.norm_topk_prob
+    for P in (1, 2, 4, 8):
+        check_shapes(cfg, P)
+        for mode in MODES:
+            cut = model_config(PRESETS[preset], 2)
+            specs = family_of(cut).weight_specs(cut, Layout(cut, mode, P - 1, P), 2)
+            assert sum(1 for s in specs if s.slot is not None) == 2 * 2  # w13 and w2 in each layer's slot
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MOEBIUS_BIG_PRESETS") != "1", reason="a minute and GBs: MOEBIUS_BIG_PRESETS=1")
+@pytest.mark.parametrize("preset", SHAPES)
+def test_presets_start_with_dummy_weights_on_the_cpu(preset: str) -> None:
+    """--load-format dummy --num-layers 2 on the CPU: starts and generates. A layer's experts are 2.8 GB (8x7B) to
+    4.8 GB (8x22B) of bfloat16, drawn on the CPU: 8x7B took 90 s and 9.2 GB resident here, hence opt-in."""
+    with LLM(model=preset, load_format="dummy", num_layers=2, device="cpu", dtype="bfloat16", max_model_len=64,
+             max_total_tokens=64, max_num_batched_tokens=16, max_running_requests=2) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 2
