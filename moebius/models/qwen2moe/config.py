@@ -1,0 +1,81 @@
+"""Qwen2-MoE's config.json (transformers' `Qwen2MoeConfig`) as the engine's ModelConfig, the shared expert's size
+in its `extra` (`Qwen2MoeFields`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moebius.config import ConfigError, ModelConfig
+
+FAMILY = "the qwen2moe family (Qwen2MoeForCausalLM)"
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+@dataclass(frozen=True)
+class Qwen2MoeFields:
+    """What only this family's weight specs and forward read (frozen: part of a ModelConfig, a cache key)."""
+
+    shared_intermediate_size: int  # the shared expert's (shared_expert_intermediate_size)
+
+
+def _positive_int(hf: dict[str, Any], key: str) -> int:
+    v = hf.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"config.json's {key} must be an integer >= 1, got {v!r} ({FAMILY} needs it)")
+    return v
+
+
+def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
+    """A Qwen2-MoE config.json (its architecture checked by the registry) as the engine's ModelConfig; ConfigError
+    naming the family and what it cannot serve."""
+    shape = {k: _positive_int(hf, k) for k in SHAPE_KEYS}
+    heads = shape["num_attention_heads"]
+    kv_heads = _positive_int(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else heads
+    head_dim = _positive_int(hf, "head_dim") if hf.get("head_dim") is not None else shape["hidden_size"] // heads
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"unsupported hidden_act {act!r} in {FAMILY}: its experts are SwiGLU ('silu')")
+    # (use_sliding_window false: transformers ignores sliding_window, whatever it says)
+    sliding = [i for i, t in enumerate(hf.get("layer_types") or ()) if t != "full_attention"]
+    if hf.get("use_sliding_window") or sliding:
+        raise ConfigError(f"{FAMILY}: sliding-window attention (use_sliding_window, or layer_types other than "
+                          "full_attention) is not supported yet")
+    rope, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}  # transformers 5.x, 4.x
+    kind = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind != "default":
+        raise ConfigError(f"unsupported rope scaling {kind!r} in {FAMILY}: only plain RoPE is supported")
+    layers = shape["num_hidden_layers"]
+    if num_layers is not None:
+        if not 1 <= num_layers <= layers:
+            raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
+        layers = num_layers
+    sparse_step = _positive_int(hf, "decoder_sparse_step") if "decoder_sparse_step" in hf else 1
+    dense = tuple(hf.get("mlp_only_layers") or ())
+    has_dense = bool(dense) or sparse_step > 1
+    cfg = ModelConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=_positive_int(hf, "intermediate_size") if has_dense else 0,  # (dense layers only)
+        moe_intermediate_size=shape["moe_intermediate_size"],
+        num_experts=shape["num_experts"],
+        top_k=shape["num_experts_per_tok"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # (false in the published configs)
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_position_embeddings=_positive_int(hf, "max_position_embeddings") if "max_position_embeddings" in hf
+        else 32768,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("qkv_bias", True)),  # q|k|v biases (o_proj has none)
+        mlp_only_layers=dense,
+        decoder_sparse_step=sparse_step,
+        family="qwen2moe",
+        extra=Qwen2MoeFields(shape["shared_expert_intermediate_size"]),
+    )
+    cfg.validate()
+    return cfg

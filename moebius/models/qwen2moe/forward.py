@@ -1,0 +1,71 @@
+"""Qwen2-MoE forward (transformers' Qwen2MoeForCausalLM semantics), reading weight views handed to it, over the
+`Communicator`: the same math in every layout (head counts from the weight shapes, the shared expert's shard from
+its). Attention: models/gqa.py's (q|k|v bias, no q/k norm). An MoE layer: `layers/moe.route` (Qwen2MoeTopKRouter:
+softmax in float32, top-k, renormalised only with norm_topk_prob, rounded to the activations' dtype), the routed
+experts, and the shared expert scaled by sigmoid(shared_expert_gate . x), each rank its 1/P shard of it on the
+tokens its routed experts see (models/qwen2moe/weights.py). Shapes: T tokens, D hidden, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moebius.config import ModelConfig
+from moebius.kernels import KernelConfig
+from moebius.layers.attention import AttentionMetadata
+from moebius.layers.moe import dense_mlp, experts, route, summed
+from moebius.layers.norm import add_rms_norm
+from moebius.models.gqa import attend, attention, attention_geometry  # noqa: F401  (the family's)
+from moebius.models.qwen2moe.weights import Qwen2MoEWeights
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
+from moebius.parallel.dispatch import Communicator
+
+
+def moe(h_TD: torch.Tensor, w: Qwen2MoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig,
+        routed_TK: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+    """This rank's part of the MoE block's output for the tokens dispatched to it (its local experts' pairs plus
+    its gated shard of the shared expert), and the handle that combines it. routed_TK: where the router's global
+    expert ids are written (taken before the dispatch: the same in every layout)."""
+    w_TK, ids_TK = route(h_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob, kc=kc)
+    if routed_TK is not None:
+        routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
+    x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK, ids_TK, kc=kc)
+    y_TD = summed(experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, kc=kc), kc=kc)
+    # the gate scales each token: the ranks' scaled shards sum (in the combine) to the scaled whole shared expert
+    gate_T1 = torch.sigmoid(F.linear(x_TD, w.shared_gate_1D))
+    return y_TD + gate_T1 * dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc), handle
+
+
+def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
+            cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer).
+    Each sublayer's output is summed over ranks (attention: `reduce_add_norm`; the MLP: `combine_add_norm`), added
+    to the residual and normed for the next sublayer. routed_TLK: a [>= T, MoE layers, K] integer buffer the
+    router's expert ids of every MoE layer are written into."""
+    eps = cfg.rms_norm_eps
+    residual = F.embedding(input_ids_T, weights.embed_VD)
+    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, eps, kc=kc)
+    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
+    j = 0  # the MoE layer's index among the MoE layers (dense layers route nothing)
+    for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
+        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, kc)
+        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
+        if isinstance(layer.mlp, Qwen2MoEWeights):
+            record = None
+            if routed_TLK is not None:
+                record, j = routed_TLK[:, j], j + 1
+            y, handle = moe(h, layer.mlp, cfg, comm, kc, record)
+        else:
+            assert isinstance(layer.mlp, DenseWeights)
+            y, handle = dense_mlp(h, layer.mlp.w13_FD, layer.mlp.w2_DF, kc=kc), None  # no dispatch: nothing to combine
+        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
+    return h
+
+
+def num_moe_layers(weights: ModelWeights) -> int:
+    """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
+    return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)

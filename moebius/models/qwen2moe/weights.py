@@ -1,0 +1,108 @@
+"""Qwen2-MoE's weights: every view of a layout with the checkpoint names it is cut from (`weight_specs`), and the
+views as the forward takes them (`build_weights`).
+
+Attention: models/gqa.py's with the q|k|v bias (qkv_bias) and no q/k norm. Routed experts: the shared `ExpertCut`
+(per-expert `mlp.experts.{e}.{gate,up,down}_proj`, or fused tensors). Dense layers: a dense MLP sharded by TP and
+whole in EP.
+
+The shared expert (`mlp.shared_expert.{gate,up,down}_proj`, intermediate shared_expert_intermediate_size), as
+DeepSeek's shared experts: one 1/P shard of its intermediate dim on every rank in both layouts (the same region, so
+a switch moves none of its bytes), run by the forward on the tokens the routed experts see and added to the routed
+output before the combine sums over the ranks (TP: every token, the all-reduce; EP: the dispatched tokens of every
+rank, the reduce-scatter). Its gate `mlp.shared_expert_gate` ([1, D]) is every rank's whole: sigmoid(gate . x) scales
+a token's shard output on each rank, and since the scale is per token, the ranks' scaled shards sum to the scaled
+whole. A layout whose P does not divide shared_expert_intermediate_size is refused (ConfigError naming the family).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moebius.config import ConfigError, ModelConfig
+from moebius.memory.umm import UnifiedMemory
+from moebius.models.gqa import attention_specs, attention_weights
+from moebius.models.qwen2moe.config import Qwen2MoeFields
+from moebius.models.specs import ParamSpec, dense_mlp_specs, routed_expert_specs, spec_view
+from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moebius.parallel.layout import Layout, w2_shard, w13_shard
+
+
+@dataclass
+class Qwen2MoEWeights(MoEWeights):
+    """The engine's MoE views (the switch moves w13 / w2) and this rank's shard of the shared expert, with its
+    gate."""
+
+    shared: DenseWeights  # this rank's 1/P of the shared expert's intermediate dim
+    shared_gate_1D: torch.Tensor  # shared_expert_gate, [1, D]
+
+
+def _fields(cfg: ModelConfig) -> Qwen2MoeFields:
+    ext = cfg.extra
+    if not isinstance(ext, Qwen2MoeFields):
+        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not Qwen2MoeFields")
+    return ext
+
+
+def _shared_tag(lay: Layout) -> str:
+    return f"{lay.rank}of{lay.world_size}"
+
+
+def _shared_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
+    D, Is, P, r = cfg.hidden_size, _fields(cfg).shared_intermediate_size, lay.world_size, lay.rank
+    if Is % P:
+        raise ConfigError(f"the qwen2moe family cannot cut shared_expert_intermediate_size {Is} over {P} ranks "
+                          f"(the {lay.mode} layout holds 1/P of the shared expert on every rank)")
+    s, tag = p + "mlp.shared_expert.", _shared_tag(lay)
+    return [
+        ParamSpec(p + f"mlp.shared.w13.{tag}", (2 * Is // P, D), lambda f: w13_shard(torch.cat(
+            [f(s + "gate_proj.weight", (Is, D)), f(s + "up_proj.weight", (Is, D))])[None], P, r).reshape(-1, D)),
+        ParamSpec(p + f"mlp.shared.w2.{tag}", (D, Is // P),
+                  lambda f: w2_shard(f(s + "down_proj.weight", (D, Is))[None], P, r).reshape(D, -1)),
+        ParamSpec(p + "mlp.shared_gate", (1, D), lambda f: f(p + "mlp.shared_expert_gate.weight", (1, D))),
+    ]
+
+
+def _norm(name: str, D: int) -> ParamSpec:
+    return ParamSpec(name, (D,), lambda f: f(name + ".weight", (D,)))
+
+
+def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
+    V, D = cfg.vocab_size, cfg.hidden_size
+    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
+    specs += [_norm("model.norm", D), ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None)]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        specs += [_norm(p + "input_layernorm", D), _norm(p + "post_attention_layernorm", D),
+                  *attention_specs(cfg, lay, p, qk_norm=False, bias=cfg.attention_bias)]
+        if cfg.is_moe_layer(i):
+            specs += routed_expert_specs(cfg, lay, i, elt) + _shared_specs(cfg, lay, p)
+        else:
+            specs += dense_mlp_specs(cfg, lay, p)
+    return specs
+
+
+def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
+    """The layout's weight views over the buffer (contents are whatever was loaded there)."""
+    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        if cfg.is_moe_layer(i):
+            shared = DenseWeights(views[p + f"mlp.shared.w13.{_shared_tag(lay)}"],
+                                  views[p + f"mlp.shared.w2.{_shared_tag(lay)}"])
+            mlp: MoEWeights | DenseWeights = Qwen2MoEWeights(
+                views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert,
+                shared, views[p + "mlp.shared_gate"])
+        else:
+            mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
+                               views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
+        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"],
+                                   attention_weights(views, lay, p), mlp))
+    embed = views["model.embed_tokens"]
+    head = embed if cfg.tie_word_embeddings else views["lm_head"]
+    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
+    return ModelWeights(embed, head[rows.start: rows.stop], views["model.norm"], views["rope"], layers)
