@@ -3,8 +3,8 @@ squares in TP: forward.py says why), softmax top-k routing, SwiGLU experts in ev
 
 from moebius.models.olmoe import forward
 from moebius.models.olmoe.config import parse_config
+from moebius.models.olmoe.floor_terms import floor_terms
 from moebius.models.olmoe.weights import build_weights, weight_specs
-from moebius.models.qwen3_moe.floor_terms import floor_terms  # GQA's terms (the q/k norms' rows are negligible)
 from moebius.models.specs import Family
 
 FAMILY = Family("olmoe", ("OlmoeForCausalLM",), parse_config, weight_specs, build_weights, forward,

@@ -1,8 +1,9 @@
 """OLMoE forward (transformers' OlmoeForCausalLM semantics), reading weight views handed to it, over the
-`Communicator`: the same math in every layout (head counts from the weight shapes). The MoE block is Qwen3-MoE's
-(softmax top-k, SwiGLU experts: `models/qwen3_moe/forward.moe`); the attention is GQA's (`qkv_attention`, rope and
-the paged cache) after q and k are RMS-normed over their WHOLE projections (`whole_qk_norm`). Shapes: T tokens, D
-hidden, H heads, d head dim, Q / K this rank's q / k widths (its heads times d).
+`Communicator`: the same math in every layout (head counts from the weight shapes). The MoE block routes as
+transformers' OlmoeTopKRouter (`layers/moe.route`: softmax, top-k, optionally renormalised) to SwiGLU experts; the
+attention is GQA's (`qkv_attention`, rope and the paged cache) after q and k are RMS-normed over their WHOLE
+projections (`whole_qk_norm`). Shapes: T tokens, D hidden, H heads, d head dim, Q / K this rank's q / k widths (its
+heads times d), K top-k in `moe`.
 
 Under TP a rank holds some heads, so a norm's sum of squares spans ranks: each rank sums its heads' squares (q's
 and k's, a [T, 2] float32 tensor) and `Communicator.reduce_heads` all-reduces them before the norm: 8 bytes a
@@ -14,18 +15,21 @@ token. EP holds every head: `reduce_heads` returns the sums as they are.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
+from moebius.kernels.pairs import PairRows
 from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
+from moebius.layers.moe import experts, route
 from moebius.layers.norm import add_rms_norm
 from moebius.models.gqa import attend, attention_geometry  # noqa: F401  (the family's)
 from moebius.models.olmoe.config import OlmoeFields
 from moebius.models.olmoe.weights import AttnWeights
-from moebius.models.qwen3_moe.forward import moe
 from moebius.models.weights import ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
 
@@ -56,6 +60,19 @@ def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: Att
         qkv.clamp_(-ext.clip_qkv, ext.clip_qkv)
     o = qkv_attention(qkv, None, None, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc)
     return linear(o.flatten(1), w.o_DQ, kc=kc)
+
+
+def moe(x_TD: torch.Tensor, w: MoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig,
+        routed_TK: torch.Tensor | None) -> tuple[torch.Tensor | PairRows, Any]:
+    """This rank's expert outputs for the tokens dispatched to it (per (token, k) pair where the combine sums them),
+    and the handle that combines them. routed_TK: where the router's global expert ids are written (taken before the
+    dispatch: the same in every layout)."""
+    w_TK, ids_TK = route(x_TD, w.gate_ED, cfg.top_k, cfg.norm_topk_prob, kc=kc)
+    if routed_TK is not None:
+        routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
+    x, w_TK, ids_TK, handle = comm.dispatch(x_TD, w_TK, ids_TK, kc=kc)
+    return experts(x, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True,
+                   kc=kc), handle
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
