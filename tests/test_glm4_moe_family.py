@@ -1,9 +1,9 @@
 """The GLM-4.5 / 4.6 family (`Glm4MoeForCausalLM`) served end to end on the CPU (float32): config.json parsed into
 the engine's ModelConfig (partial rotary, q/k norm, DeepSeek-V3's MoE block in `extra`), the checkpoint names
 transformers writes, and greedy tokens identical to transformers' own Glm4MoeForCausalLM for P = 1, 2, 4 in TP and EP,
-across live switches with arrivals, aborts and n > 1, with no KV page leaked; a weight update from disk; the GPU
-refused at start-up; the presets (glm-4.5-air, glm-4.5) with their published shapes, started on the CPU with dummy
-weights.
+across live switches with arrivals, aborts and n > 1, with no KV page leaked; a weight update from disk, the MTP
+layer's tensors never read; the GPU refused at start-up (its GPU test, marked gpu, written but not yet run); the
+presets (glm-4.5-air, glm-4.5) with their published shapes, GLM-4.5-Air started on the CPU with dummy weights.
 
 Checkpoints (written here by transformers' Glm4MoeForCausalLM, weights as tests/conftest.py's `_reinit_`, the
 routers' e_score_correction_bias random):
@@ -257,6 +257,34 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
         if params.temperature == 0:
             assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
     assert_kv_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["glm_qk", "glm_plain"])
+def test_greedy_equals_transformers_on_the_gpu(glm: Callable[[str], str], name: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces
+    (partial rotary through torch ops, the paged attention kernel between the pieces) give transformers' greedy
+    tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
+    from moebius.link.messages import DecodeProbe, PrefillProbe
+
+    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "glm4_moe")  # (the GPU path these tests check first)
+    path = glm(name)
+    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
+    kw = dict(ENGINE_KW, device="cuda", cuda_graph_max_bs=8, warmup="none")
+    with LLM(model=path, **kw) as llm:
+        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0,
+                                                                         graphs=True)))
+        assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=16, context=8, steps=1, warmup=0)))
+        for mode in ("tp", "ep", "tp"):
+            if llm.mode != mode:
+                assert llm.switch_mode(mode).done
+            assert greedy_outputs(llm, PROMPTS) == want, mode
+            assert_kv_free(llm)
+    for flag in ("disable_cuda_graph", "disable_overlap_schedule"):
+        with LLM(model=path, **{flag: True}, **kw) as llm:
+            assert greedy_outputs(llm, PROMPTS) == want, flag
 
 
 def test_weight_update_from_disk_and_routed_experts(glm: Callable[[str], str]) -> None:
