@@ -88,6 +88,95 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_nextn_predict_layers=0, attention_bias=False, tie_word_embeddings=False, hidden_act="silu",
         bos_token_id=163584, eos_token_id=163585,
     ),
+    # allenai/OLMoE-1B-7B-0924's config.json as published (written from memory; the shapes match those cited for
+    # the release: 16 layers, hidden 2048, 16 heads, 64 experts of 1024, top-8, vocabulary 50304)
+    "olmoe-1b-7b": dict(
+        architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=50304, hidden_size=2048,
+        intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096, attention_bias=False,
+        tie_word_embeddings=False, hidden_act="silu", pad_token_id=1, bos_token_id=None, eos_token_id=50279,
+    ),
+    # Mixtral's releases, their config.json fields as published on Hugging Face (mistralai/Mixtral-8x7B-v0.1,
+    # mistralai/Mixtral-8x22B-v0.1; written from memory, not copied from the files)
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, hidden_act="silu",
+        router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2,
+    ),
+    "mixtral-8x22b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, hidden_size=6144,
+        intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=65536, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, hidden_act="silu",
+        router_aux_loss_coef=0.001, bos_token_id=1, eos_token_id=2,
+    ),
+    # Qwen2-MoE's releases (Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen2-57B-A14B), as published (written from memory and
+    # checked against copies of the files in other projects; the value marked "uncertain" differs between them)
+    "qwen1.5-moe-a2.7b": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+        norm_topk_prob=False, decoder_sparse_step=1, max_position_embeddings=32768,  # uncertain (8192?)
+        rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False, sliding_window=32768, max_window_layers=21,
+        tie_word_embeddings=False, hidden_act="silu", bos_token_id=151643, eos_token_id=151643,
+    ),
+    "qwen2-57b-a14b": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936, hidden_size=3584,
+        intermediate_size=18944, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False, decoder_sparse_step=1, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+        tie_word_embeddings=False, hidden_act="silu", bos_token_id=151643, eos_token_id=151643,
+    ),
+    # OpenAI's gpt-oss releases (openai/gpt-oss-20b, openai/gpt-oss-120b), their config.json fields as published
+    # (written from memory, not copied from the files). Left out: quantization_config (the releases' experts are
+    # MXFP4; a preset is random weights in --dtype) and the aux-loss, dropout and init fields nothing reads.
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=32, num_experts_per_tok=4, experts_per_token=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+        initial_context_length=4096, rms_norm_eps=1e-5, rope_theta=150000,
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                          original_max_position_embeddings=4096),
+        swiglu_limit=7.0, attention_bias=True, tie_word_embeddings=False, hidden_act="silu", pad_token_id=199999,
+        eos_token_id=200002,
+    ),
+    "gpt-oss-120b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=128, num_experts_per_tok=4, experts_per_token=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072,
+        initial_context_length=4096, rms_norm_eps=1e-5, rope_theta=150000,
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                          original_max_position_embeddings=4096),
+        swiglu_limit=7.0, attention_bias=True, tie_word_embeddings=False, hidden_act="silu", pad_token_id=199999,
+        eos_token_id=200002,
+    ),
+    # GLM-4.5 (Glm4MoeForCausalLM; GLM-4.6 is the same architecture), config.json as published on Hugging Face
+    # (zai-org/GLM-4.5-Air, zai-org/GLM-4.5: written from memory, checked against copies quoted in public code, not
+    # against the files). The multi-token-prediction layer (num_nextn_predict_layers) is never read.
+    "glm-4.5-air": dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+        partial_rotary_factor=0.5, rope_theta=1000000, rope_scaling=None, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
+        tie_word_embeddings=False, hidden_act="silu", pad_token_id=151329, eos_token_id=[151329, 151336, 151338],
+    ),
+    "glm-4.5": dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552, hidden_size=5120,
+        intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=3, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        partial_rotary_factor=0.5, rope_theta=1000000, rope_scaling=None, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=1,
+        tie_word_embeddings=False, hidden_act="silu", pad_token_id=151329, eos_token_id=[151329, 151336, 151338],
+    ),
 }
 
 

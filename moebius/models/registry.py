@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.models import deepseek, qwen3_moe
+from moebius.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2moe, qwen3_moe
 from moebius.models.specs import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, deepseek.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, deepseek.FAMILY, olmoe.FAMILY,
+                                                    mixtral.FAMILY, qwen2moe.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY)}
 
 
 def family_for(hf: dict[str, Any]) -> Family:
