@@ -226,23 +226,27 @@ def engine(request: pytest.FixtureRequest, ckpt: Callable[[str], str]) -> Iterat
     llm.close()
 
 
-def test_the_window_changes_tokens(ckpt: Callable[[str], str]) -> None:
-    """The oracle's window matters: without it (every layer full) transformers' greedy tokens differ."""
+@pytest.mark.parametrize("feature", ["window", "sinks", "clamps"])
+def test_each_feature_changes_the_oracles_tokens(ckpt: Callable[[str], str], feature: str) -> None:
+    """The checkpoint exercises what the parity tests check: transformers' greedy tokens differ without the sliding
+    window (every layer full), without the sinks (-inf logits) or without the SwiGLU clamps (no limit)."""
+    from transformers import AutoModelForCausalLM
+
     path = ckpt("gpt_oss")
-    full = _hf(path)
-    types = list(full.config.layer_types)
-    try:
-        full.config.layer_types = ["full_attention"] * len(types)
-        for layer in full.model.layers:
-            layer.self_attn.sliding_window = None
-        with torch.no_grad():
-            seq = list(PROMPTS[4])
-            for _ in range(N_OUT):
-                seq.append(int(full(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-    finally:
-        full.config.layer_types = types
-        for layer, t in zip(full.model.layers, types, strict=True):
-            layer.self_attn.sliding_window = WINDOW if t == "sliding_attention" else None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if feature == "window":
+                layer.self_attn.sliding_window = None
+            elif feature == "sinks":
+                layer.self_attn.sinks.fill_(float("-inf"))
+            else:
+                layer.mlp.experts.limit = float("inf")
+        if feature == "window":
+            model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+        seq = list(PROMPTS[4])
+        for _ in range(N_OUT):
+            seq.append(int(model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
     assert seq[len(PROMPTS[4]):] != hf_greedy(path, tuple(PROMPTS[4]), N_OUT)
 
 
