@@ -2,7 +2,7 @@
 (sliding layers, the clamped SwiGLU, YaRN in `extra`), the checkpoint names transformers writes (fused experts with
 gate and up interleaved, their biases, the sinks), and greedy tokens identical to transformers' own
 GptOssForCausalLM for P = 1, 2, 4 in TP and EP, across live switches with arrivals, aborts and n > 1, with no KV page
-leaked; a weight update by name from disk.
+leaked; weight updates (a few tensors by name, a whole checkpoint from disk); MXFP4's dequantization.
 
 Checkpoints (written here by transformers' class, `_reinit_`'s std 0.3 weights, so every bias and sink is random):
   gpt_oss    3 layers (sliding, full, sliding) with a 6-token window, shorter than every prompt but the first plus
@@ -307,22 +307,42 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
     assert_kv_free(llm)
 
 
-def test_weight_update_routed_experts_and_prefix_cache(ckpt: Callable[[str], str]) -> None:
-    """At P = 2 in TP: an update from disk rewrites every view the specs cut, those of the other layout too (the
-    biases' regions, the experts' slot the switch moves): the next tokens are the new checkpoint's in both layouts;
-    the routed experts of each output token are those of every layer; a prompt asked again takes its whole pages
-    from the prefix cache (keys before a window included: they stay in their pages) and gives the same tokens."""
-    with LLM(model=ckpt("gpt_oss"), num_ranks=2, mode="tp", enable_return_routed_experts=True, **ENGINE_KW) as llm:
-        prompts = PROMPTS[2:4]
-        assert llm.update_weights_from_disk(ckpt("gpt_oss_b")).done
-        want = [hf_greedy(ckpt("gpt_oss_b"), tuple(p), N_OUT) for p in prompts]
+def test_weight_updates_routed_experts_and_prefix_cache(ckpt: Callable[[str], str], tmp_path: Any) -> None:
+    """At P = 2: an update of a few tensors by name (layer 1's fused gate_up_proj; layer 0's expert biases, sinks
+    and o_proj bias; layer 2's router bias, from the other checkpoint) changes those only: the tokens of
+    transformers' model with the same tensors replaced, in EP and after a switch to TP. Then an update from disk
+    rewrites every view the specs cut, those of the other layout too (the biases' regions, the experts' slot the
+    switch moves): the other checkpoint's tokens in TP and EP. The routed experts of each output token are those
+    of every layer; a prompt asked again takes its whole pages from the prefix cache (keys before a window
+    included: they stay in their pages) and gives the same tokens."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    a, b = ckpt("gpt_oss"), ckpt("gpt_oss_b")
+    names = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj_bias",
+             "model.layers.0.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks",
+             "model.layers.0.self_attn.o_proj.bias", "model.layers.2.mlp.router.bias"]
+    some = {n: t for n, t in load_file(os.path.join(b, "model.safetensors")).items() if n in names}
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    model.load_state_dict(some, strict=False)
+    mixed = str(tmp_path / "mixed")
+    model.save_pretrained(mixed)
+    prompts = PROMPTS[2:4]
+    want = [hf_greedy(mixed, tuple(p), N_OUT) for p in prompts]
+    assert want != [hf_greedy(a, tuple(p), N_OUT) for p in prompts]  # the update changes tokens
+    with LLM(model=a, num_ranks=2, mode="ep", enable_return_routed_experts=True, **ENGINE_KW) as llm:
+        assert llm.update_weights(list(some.items())).done
+        assert greedy_outputs(llm, prompts) == want
+        assert llm.switch_mode("tp").done
+        assert greedy_outputs(llm, prompts) == want
+        assert llm.update_weights_from_disk(b).done
+        want = [hf_greedy(b, tuple(p), N_OUT) for p in prompts]
         assert greedy_outputs(llm, prompts) == want
         assert llm.switch_mode("ep").done
         assert greedy_outputs(llm, prompts) == want
         params = SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True)
         first, again = (llm.generate([PROMPTS[4]], params)[0] for _ in range(2))
-        assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(ckpt("gpt_oss_b"),
-                                                                                     tuple(PROMPTS[4]), 4)
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(b, tuple(PROMPTS[4]), 4)
         assert first.num_cached_tokens == 0 and again.num_cached_tokens == 20
         routed = torch.tensor(first.outputs[0].routed_experts)
         assert routed.shape == (4, 3, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, layers, top-k
