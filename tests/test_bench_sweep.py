@@ -169,8 +169,14 @@ def test_tp_rank_model_holds_what_one_tp_rank_holds() -> None:
     from moebius.models.registry import model_config
     from moebius.parallel.layout import Layout
 
-    tp_rank_model_dir = import_tool("steps/tp_rank_model.py").tp_rank_model_dir
-    for preset in sorted(PRESETS):
+    tool = import_tool("steps/tp_rank_model.py")
+    tp_rank_model_dir = tool.tp_rank_model_dir
+    cut_presets = [p for p in sorted(PRESETS) if set(PRESETS[p]["architectures"]) & set(tool.CUT_FAMILIES)]
+    assert "qwen3-30b-a3b" in cut_presets and "deepseek-v2-lite" in cut_presets
+    for preset in sorted(set(PRESETS) - set(cut_presets)):  # another family's preset: refused, naming it
+        with pytest.raises(ValueError, match=f"{preset}: its architecture"):
+            tp_rank_model_dir(preset, 2)
+    for preset in cut_presets:
         full = model_config(PRESETS[preset])
         cut = model_config(read_hf_config(tp_rank_model_dir(preset, 2)))
         rank, alone = Layout(full, "tp", 1, 2), Layout(cut, "tp", 0, 1)

@@ -14,9 +14,16 @@ import tempfile
 
 from moebius.config import PRESETS
 
+# the families whose config cuts this way (GQA heads of a fixed head_dim, routed experts' intermediate): Qwen3-MoE's
+# and DeepSeek's presets; others (a head_dim derived from hidden_size, fused expert layouts) would change shape
+CUT_FAMILIES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+
 
 def tp_rank_model_dir(preset: str, P: int) -> str:
     cfg = dict(PRESETS[preset])
+    if not set(cfg.get("architectures", ())) & set(CUT_FAMILIES):
+        raise ValueError(f"{preset}: its architecture {cfg.get('architectures')} is not one this cut holds "
+                         f"({', '.join(CUT_FAMILIES)})")
     for key in ("num_attention_heads", "num_key_value_heads", "moe_intermediate_size", "intermediate_size",
                 "vocab_size"):
         if cfg[key] % P:
