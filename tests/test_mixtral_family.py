@@ -180,6 +180,20 @@ def test_a_sliding_window_is_refused_at_start_up(ckpts: dict[str, str], tmp_path
         LLM(model=path, **ENGINE_KW)
 
 
+def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At start-up, naming the family and why (its GPU path is written but has not run on a GPU)."""
+    from moebius.config import EngineConfig
+    from moebius.worker.build import build_rank
+    from moebius.worker.rank import RankSpec
+
+    path = ckpts["mixtral"]
+    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
+    with pytest.raises(ConfigError, match=r"the mixtral family \(MixtralForCausalLM\) cannot run on cuda yet: its "
+                                          "attention without q/k norm .* not yet checked on a GPU"):
+        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"), model=model_config(
+            _config(path)), checkpoint=path, device="cuda", dtype="float32", eos_token_ids=(), max_model_len=64))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Parity with transformers in every layout, and across live switches
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ windows and a shared expert the ranks cannot cut refused, naming the family; the
 Checkpoints (written here by transformers' Qwen2MoeForCausalLM, std 0.3 weights as tests/conftest.py's `_reinit_`):
   qwen2_moe       GQA (4 query heads, 2 KV heads) with q|k|v biases, 8 experts top-2 without renormalisation
                   (norm_topk_prob false, as published), a shared expert of 48, layer 1 dense (mlp_only_layers)
-  qwen2_moe_norm  norm_topk_prob true, decoder_sparse_step 2 (layers 1 and 3 MoE), one KV head, tied embeddings
+  qwen2_moe_norm  norm_topk_prob true, decoder_sparse_step 2 (layers 1 and 3 MoE), one KV head, tied embeddings,
+                  no q|k|v bias (qkv_bias false)
   qwen2_moe_b     other weights of qwen2_moe's shapes (a weight update's target)
 """
 
@@ -50,7 +51,7 @@ CONFIG: dict[str, Any] = dict(
 VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
     "qwen2_moe": ({}, 0),
     "qwen2_moe_norm": (dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[], num_hidden_layers=4,
-                            num_key_value_heads=1, tie_word_embeddings=True), 1),
+                            num_key_value_heads=1, tie_word_embeddings=True, qkv_bias=False), 1),
     "qwen2_moe_b": ({}, 3),
 }
 
@@ -89,15 +90,15 @@ def test_config_and_checkpoint_names(ckpts: dict[str, str], name: str) -> None:
     cfg = model_config(hf)
     assert family_of(cfg) is FAMILIES["qwen2moe"] and cfg.family == "qwen2moe"
     assert cfg.kv_spec == KVSpec(parts=2, heads=hf["num_key_value_heads"], dim=16)
-    assert cfg.attention_bias and cfg.extra.shared_intermediate_size == 48
+    assert cfg.attention_bias == (name == "qwen2_moe") and cfg.extra.shared_intermediate_size == 48
     assert cfg.norm_topk_prob == hf["norm_topk_prob"]
     moe = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
     assert moe == ([True, False, True] if name == "qwen2_moe" else [False, True, False, True])
     assert hash(cfg) == hash(model_config(hf))  # a cache key
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         saved = set(f.keys())
-    i = moe.index(True)
-    assert {f"model.layers.{i}.mlp.shared_expert_gate.weight", "model.layers.0.self_attn.v_proj.bias"} <= saved
+    assert f"model.layers.{moe.index(True)}.mlp.shared_expert_gate.weight" in saved
+    assert ("model.layers.0.self_attn.v_proj.bias" in saved) == cfg.attention_bias
     known = family_of(cfg).checkpoint_tensors(cfg)
     fused = {n for n in known if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
     assert set(known) - fused == saved and len(fused) == 2 * sum(moe)
@@ -127,6 +128,20 @@ def test_a_shared_expert_the_ranks_cannot_cut_is_refused(ckpts: dict[str, str]) 
                                               f"over 4 ranks \\(the {mode} layout"):
             family_of(cfg).weight_specs(cfg, Layout(cfg, mode, 0, 4), 4)
     assert family_of(cfg).weight_specs(cfg, Layout(cfg, "ep", 1, 2), 4)
+
+
+def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At start-up, naming the family and why (its GPU path is written but has not run on a GPU)."""
+    from moebius.config import EngineConfig
+    from moebius.worker.build import build_rank
+    from moebius.worker.rank import RankSpec
+
+    path = ckpts["qwen2_moe"]
+    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
+    with pytest.raises(ConfigError, match=r"the qwen2moe family \(Qwen2MoeForCausalLM\) cannot run on cuda yet: its "
+                                          "attention without q/k norm .* not yet checked on a GPU"):
+        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"), model=model_config(
+            _config(path)), checkpoint=path, device="cuda", dtype="float32", eos_token_ids=(), max_model_len=64))
 
 
 # ---------------------------------------------------------------------------------------------------------------
