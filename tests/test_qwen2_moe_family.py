@@ -130,6 +130,13 @@ def test_a_shared_expert_the_ranks_cannot_cut_is_refused(ckpts: dict[str, str]) 
     assert family_of(cfg).weight_specs(cfg, Layout(cfg, "ep", 1, 2), 4)
 
 
+def test_an_engine_whose_ranks_cannot_cut_the_shared_expert_does_not_start(tmp_path: Any) -> None:
+    path = write_qwen2_moe(str(tmp_path / "odd_shared"), {"shared_expert_intermediate_size": 49}, 0)
+    with pytest.raises(ConfigError, match="the qwen2moe family cannot cut shared_expert_intermediate_size 49 over 2 "
+                                          "ranks"):
+        LLM(model=path, num_ranks=2, **ENGINE_KW)
+
+
 def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """At start-up, naming the family and why (its GPU path is written but has not run on a GPU)."""
     from moebius.config import EngineConfig
