@@ -4,6 +4,10 @@ and rewrite some of them in a running engine (`check_update` at the front end, `
 A checkpoint's files are checked when it is opened (each header read and its byte ranges matched against the file's
 size), and `check_checkpoint` checks, before any rank is built, that every tensor the weight specs read is there, of
 its shape and stored as floating point; the tensors no spec reads are listed in one warning.
+
+A quantized checkpoint (config.json's quantization_config) of a method its family reads (the family's `packings`:
+one `Packing` a quant_method, e.g. GPT-OSS's MXFP4) serves each float tensor it packs by name, dequantized from its
+stored pieces to the engine's dtype; the checks take the pieces for the name they stand for, and so does an update.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ import logging
 import os
 import re
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,8 +29,8 @@ from safetensors import SafetensorError, safe_open
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
-from moebius.models.registry import family_of
-from moebius.models.specs import ParamSpec, fused_name, per_expert_names, spec_view
+from moebius.models.registry import FAMILIES, family_for, family_of
+from moebius.models.specs import Family, ParamSpec, fused_name, per_expert_names, spec_view
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -36,6 +40,9 @@ INDEX = "model.safetensors.index.json"
 # packed integers, 4/6-bit floats) holds quantized or packed data a plain cast would misread.
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _MAX_HEADER = 100_000_000  # bytes: the safetensors format's own limit on a header
+# safetensors' codes of the dtypes a packing stores its pieces in
+_CODES = {torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3",
+          torch.float8_e5m2: "F8_E5M2", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _SHOWN = 5  # names a message lists before "and N more"
 
 
@@ -54,6 +61,58 @@ def _some(names: list[str]) -> str:
     """The first few names, then how many more."""
     more = len(names) - _SHOWN
     return ", ".join(names[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+class Packing(Protocol):
+    """How a quantized checkpoint of one quant_method stores the float tensors it packs: each as a few stored
+    pieces (MXFP4: `<name>_blocks` and `<name>_scales`), dequantized together; a tensor it does not pack is stored
+    as it is. A family lists those it reads in `packings` (`packings(family)`)."""
+
+    method: str  # config.json's quantization_config quant_method
+
+    def pieces(self, name: str) -> tuple[str, ...] | None:
+        """The stored names of float tensor `name` (None: the method does not pack it)."""
+        ...
+
+    def base_of(self, name: str) -> str | None:
+        """The float tensor a stored piece `name` is part of (None: no piece of this method)."""
+        ...
+
+    def stored(self, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """Each piece's shape and dtype for a float tensor of `shape`; ValueError where the method cannot hold it."""
+        ...
+
+    def unpack(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The float tensor of its pieces (in `pieces` order), in `dtype`."""
+        ...
+
+
+def packings(family: Family) -> Mapping[str, Packing]:
+    """The quantized formats a family reads, by quant_method (none for most)."""
+    # (models/specs.py's Family has no such field yet: a family's subclass declares it, GPT-OSS's)
+    return getattr(family, "packings", None) or {}
+
+
+def _packing_in(path: str) -> Packing | None:
+    """The packing of a checkpoint directory: its config.json's quantization_config method where the family of its
+    architectures reads it, else None (a method no family reads is refused at the front end, models/source.py; its
+    tensors are then read as stored, and refused as not float)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {file}: {e}") from None
+    q = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if not isinstance(q, dict):
+        return None
+    try:
+        family = family_for(hf)
+    except ConfigError:
+        return None
+    return packings(family).get(q.get("quant_method"))
 
 
 @dataclass(frozen=True)
@@ -170,9 +229,40 @@ class Checkpoint:
                                           f"one copy (or add {INDEX} naming the file to read)")
                     self._where[name] = entry
         self._open: dict[str, Any] = {}
+        self.packing = _packing_in(path)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or self.packed(name) is not None
+
+    def packed(self, name: str) -> tuple[str, ...] | None:
+        """The stored pieces float tensor `name` is read from, where the checkpoint's packing packs it and any of
+        them is stored (else None: a module the quantizer left out, modules_to_not_convert, is stored as it is)."""
+        pieces = None if self.packing is None else self.packing.pieces(name)
+        return pieces if pieces is not None and any(p in self._where for p in pieces) else None
+
+    def packed_entries(self, name: str, shape: tuple[int, ...]) -> list[TensorEntry]:
+        """The header entries of the pieces `name` (a float tensor of `shape`) is packed in, each checked against
+        the shape and dtype its packing stores: KeyError naming a missing piece (and what it is part of),
+        ConfigError naming a piece of the wrong shape or dtype."""
+        pieces, packing = self.packed(name), self.packing
+        assert pieces is not None and packing is not None
+        what = f"the {packing.method} pieces ({', '.join(pieces)}) of {name}, {tuple(shape)}"
+        try:
+            want = packing.stored(tuple(shape))
+        except ValueError as e:
+            raise ConfigError(f"checkpoint {self.path!r} stores {what}: {e}") from None
+        entries = []
+        for piece, (pshape, dtype) in zip(pieces, want, strict=True):
+            e = self._where.get(piece)
+            if e is None:
+                raise KeyError(f"{piece} (one of {what})")
+            if e.dtype != _CODES[dtype]:
+                raise ConfigError(f"tensor {piece} in {e.file!r} is stored as {e.dtype}, expected {_CODES[dtype]} "
+                                  f"({what})")
+            if e.shape != pshape:
+                raise ConfigError(f"tensor {piece} in {e.file!r} has shape {e.shape}, expected {pshape} ({what})")
+            entries.append(e)
+        return entries
 
     @property
     def names(self) -> list[str]:
@@ -189,12 +279,21 @@ class Checkpoint:
             raise ConfigError(f"tensor {name} in {e.file!r} has shape {e.shape}, expected {tuple(shape)}")
         return e
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor `name`; KeyError if absent, ConfigError naming it if its shape is wrong or it is not stored as
-        floating point (float8 or packed integers would be misread by a cast)."""
+        floating point (float8 or packed integers would be misread by a cast). A tensor the checkpoint packs comes
+        dequantized from its pieces to `dtype` (`packed_entries` names a wrong or missing piece); a stored one as
+        it is stored."""
+        pieces = self.packed(name)
+        if pieces is not None:
+            assert self.packing is not None
+            entries = self.packed_entries(name, shape)
+            return self.packing.unpack([self._read(p, e.file) for p, e in zip(pieces, entries, strict=True)], dtype)
         if self._where[name].dtype not in FLOAT_DTYPES:  # first: a packed tensor's shape is not the weight's either
             raise ConfigError(_dtype_error([name], self._where[name]))
-        file = self.entry(name, shape).file
+        return self._read(name, self.entry(name, shape).file)
+
+    def _read(self, name: str, file: str) -> torch.Tensor:
         try:
             if file not in self._open:
                 self._open[file] = safe_open(file, framework="pt")
@@ -207,7 +306,8 @@ def _dtype_error(names: list[str], first: TensorEntry) -> str:
     return (f"tensor {names[0]} in {first.file!r} is stored as {first.dtype} ({_kind(first.dtype)})"
             + (f", and so are {len(names) - 1} more the model reads ({_some(names[1:])})" if len(names) > 1 else "")
             + f": Moebius reads weights stored as {', '.join(FLOAT_DTYPES)} and would have to reinterpret or cast "
-            "it; quantized checkpoints are not supported yet")
+            "it; a quantized checkpoint is read only in a format its family reads, named by its config.json's "
+            "quantization_config")
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -222,13 +322,18 @@ def check_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, checkpoint_layers: int)
     not_float: list[str] = []
 
     def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in ckpt:
+        pieces = ckpt.packed(name)
+        if pieces is not None:  # its pieces stand for it: each there, of the shape and dtype its packing stores
+            read.update(pieces)
+            ckpt.packed_entries(name, shape)
+        elif name not in ckpt:
             raise KeyError(name)
-        read.add(name)
-        if ckpt.header(name).dtype not in FLOAT_DTYPES:  # named below (a packed tensor's shape is not the weight's)
-            not_float.append(name)
         else:
-            ckpt.entry(name, shape)
+            read.add(name)
+            if ckpt.header(name).dtype not in FLOAT_DTYPES:  # named below (a packed tensor's shape is not the weight's)
+                not_float.append(name)
+            else:
+                ckpt.entry(name, shape)
         # no bytes past the first dim: the spec's cut (P = 1: cat, stack, rows) runs on shapes only (meta tensors
         # would too, but their first torch.cat imports sympy: a second of start-up)
         return torch.empty(shape[:1] + (0,) * (len(shape) - 1))
@@ -286,7 +391,8 @@ def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | 
     def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in ckpt:
             raise KeyError(name)
-        return ckpt.get(name, shape)
+        # a packed tensor dequantized straight to the engine's dtype (no float32 copy of a layer's experts)
+        return ckpt.get(name, shape, dtype) if isinstance(ckpt, Checkpoint) else ckpt.get(name, shape)
 
     for s in specs:
         view = spec_view(umm, s, torch.float32 if s.load is None else dtype)
@@ -323,14 +429,59 @@ def _unknown(name: str, cfg: ModelConfig, known: dict[str, tuple[int, ...]]) -> 
     return f"unknown tensor name {name!r}: the model has no weight of that name{hint}"
 
 
+def _piece_of(name: str, accepted: Iterable[Packing], known: Container[str] | None = None
+              ) -> tuple[str, Packing] | None:
+    """(the float tensor, its packing) where `name` is a piece of one (of `known`, where given), else None."""
+    for packing in accepted:
+        base = packing.base_of(name)
+        if base is not None and (known is None or base in known):
+            return base, packing
+    return None
+
+
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided or t.is_meta:
+        raise ValueError(f"tensor {name} is a {'meta' if t.is_meta else str(t.layout)} tensor: an update needs "
+                         "its values in a dense tensor")
+
+
+def _check_piece(name: str, t: torch.Tensor, base: str, packing: Packing, shape: tuple[int, ...]) -> None:
+    """ValueError naming a packed piece of the wrong shape or dtype for the model's float tensor `base`."""
+    pieces = packing.pieces(base)
+    assert pieces is not None
+    what = f"{packing.method} piece of the model's {base} {shape}"
+    try:
+        pshape, pdtype = packing.stored(shape)[pieces.index(name)]
+    except ValueError as e:
+        raise ValueError(f"tensor {name}: {base} {shape} cannot be given as {packing.method} pieces: {e}") from None
+    if tuple(t.shape) != pshape:
+        raise ValueError(f"tensor {name} has shape {tuple(t.shape)}; as the {what} it is {pshape}")
+    if t.dtype != pdtype:
+        raise ValueError(f"tensor {name} is {t.dtype}; as the {what} it is {pdtype}")
+    _check_dense(name, t)
+
+
 def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """An update's tensors by name (a fused expert tensor kept whole: the expert cut takes it as it is), every one
     checked before a byte is written: TypeError for what is not a (name, tensor) pair, ValueError naming the
     first tensor whose name the model does not read, whose shape is not the model's (both shapes named), whose
-    dtype is not floating point, or that comes twice."""
-    known = family_of(cfg).checkpoint_tensors(cfg)
+    dtype is not floating point, or that comes twice. A float tensor may come as the pieces of a format its family
+    reads (`packings`: MXFP4's `<name>_blocks` + `<name>_scales`), each of its shape and dtype, all of them
+    together; they are kept as given (`write_update` dequantizes them on the rank)."""
+    family = family_of(cfg)
+    known = family.checkpoint_tensors(cfg)
+    accepted = packings(family).values()
     out: dict[str, torch.Tensor] = {}
     given_as: dict[str, str] = {}  # per-expert name -> the name it came under (a fused tensor's)
+    packed: dict[str, Packing] = {}  # float tensor given as pieces -> its packing
+
+    def claim(name: str, experts: int, under: str) -> None:
+        for n in per_expert_names(cfg, name, experts):  # names only: no view a fused tensor's expert
+            if n in given_as:
+                twice = given_as[n] if given_as[n] == under else f"{given_as[n]} and {under}"
+                raise ValueError(f"tensor {n} is given twice (in {twice}): which one counts would be a guess")
+            given_as[n] = under
+
     if isinstance(named, Mapping):
         named = named.items()
     for item in named:
@@ -341,6 +492,15 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
             raise TypeError(f"a tensor name must be a string, got {type(name).__name__} {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor {name} must be a torch.Tensor, got {type(t).__name__}")
+        piece = None if name in known else _piece_of(name, accepted, known)
+        if piece is not None:
+            base, packing = piece
+            _check_piece(name, t, base, packing, known[base])
+            packed[base] = packing
+            if name in out:
+                raise ValueError(f"tensor {name} is given twice: which one counts would be a guess")
+            out[name] = t.detach()
+            continue
         if name not in known:
             raise ValueError(_unknown(name, cfg, known))
         if tuple(t.shape) != known[name]:
@@ -350,16 +510,50 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
                     else "not floating point")
             raise ValueError(f"tensor {name} is {t.dtype}, {kind}: an update takes "
                              f"{', '.join(str(d).removeprefix('torch.') for d in UPDATE_DTYPES)} tensors")
-        if t.layout != torch.strided or t.is_meta:
-            raise ValueError(f"tensor {name} is a {'meta' if t.is_meta else str(t.layout)} tensor: an update needs "
-                             "its values in a dense tensor")
-        for n in per_expert_names(cfg, name, t.shape[0]):  # names only: no view a fused tensor's expert
-            if n in given_as:
-                twice = given_as[n] if given_as[n] == name else f"{given_as[n]} and {name}"
-                raise ValueError(f"tensor {n} is given twice (in {twice}): which one counts would be a guess")
-            given_as[n] = name
+        _check_dense(name, t)
+        claim(name, t.shape[0], name)
         out[name] = t.detach()
+    for base, packing in packed.items():
+        pieces = packing.pieces(base)
+        assert pieces is not None
+        missing = [p for p in pieces if p not in out]
+        if missing:
+            raise ValueError(f"tensor {missing[0]} is missing: {base} given as {packing.method} pieces needs all of "
+                             f"{', '.join(pieces)}")
+        claim(base, known[base][0], f"the {packing.method} pieces of {base}")
     return out
+
+
+class _Unpacked(Mapping[str, torch.Tensor]):
+    """An update's tensors (`check_update`'s) with every float tensor given as packed pieces served under its own
+    name, dequantized to `dtype` on `device` when asked (one at a time: never every layer's experts at once)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self._tensors, self._dtype, self._device = tensors, dtype, device
+        # (every family's packings: those check_update let through are among them)
+        every = {p.method: p for f in FAMILIES.values() for p in packings(f).values()}.values()
+        self._packed: dict[str, Packing] = {}
+        for name in tensors:
+            piece = _piece_of(name, every)
+            if piece is not None:
+                self._packed[piece[0]] = piece[1]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._packed or name in self._tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        packing = self._packed.get(name)
+        if packing is None:
+            return self._tensors[name]
+        pieces = packing.pieces(name)
+        assert pieces is not None
+        return packing.unpack([self._tensors[p].to(self._device) for p in pieces], self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._tensors, *self._packed])
+
+    def __len__(self) -> int:
+        return len(self._tensors) + len(self._packed)
 
 
 def write_update(umm: UnifiedMemory, specs: list[tuple[ParamSpec, tuple[str, ...]]],
@@ -369,8 +563,10 @@ def write_update(umm: UnifiedMemory, specs: list[tuple[ParamSpec, tuple[str, ...
     stands for its layer's). A spec with a copy-into form (the experts) is written by it, each given piece once
     straight from its source; one that is not given stands in as a meta tensor the cut skips. Any other spec is cut
     again by its own load; where it reads tensors not given (q_proj alone of the qkv stack), they stand in as zeros
-    and an indicator cut the same way keeps the view's old values in their place."""
+    and an indicator cut the same way keeps the view's old values in their place. A float tensor given as packed
+    pieces is dequantized to `dtype` on the device when its spec reads it."""
     device = umm.device
+    tensors = _Unpacked(tensors, dtype, device)
 
     def covered(name: str) -> bool:
         return name in tensors or fused_name(name) in tensors

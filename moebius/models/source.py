@@ -19,8 +19,8 @@ import torch
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
 from moebius.memory.kv_pool import kv_budget
 from moebius.models.builtin import builtin_hf_config
-from moebius.models.loader import Checkpoint, check_checkpoint
-from moebius.models.registry import checks_own_keys, model_config
+from moebius.models.loader import Checkpoint, check_checkpoint, packings
+from moebius.models.registry import FAMILIES, checks_own_keys, model_config
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
 
@@ -60,19 +60,32 @@ def _quant_method(q: Any) -> str:
     return f"quant_method {method!r}{detail}" if method is not None else f"no quant_method ({q!r})"
 
 
+def _readable() -> str:
+    """The quantized formats Moebius reads, each with the architectures it reads it for."""
+    where: dict[str, list[str]] = {}
+    for family in FAMILIES.values():
+        for method in packings(family):
+            where.setdefault(method, []).extend(family.architectures)
+    return "; ".join(f"{m} for {', '.join(archs)}" for m, archs in where.items()) or "none"
+
+
 def check_quantization(hf: dict[str, Any], where: str, model_dir: str | None) -> None:
-    """ConfigError naming the method of a quantized checkpoint: its tensors would be read as plain weights."""
-    for key in ("quantization_config", "compression_config"):  # compressed-tensors' older key is the second
-        q = hf.get(key)
-        if q is not None and q != {}:
-            raise ConfigError(f"{where} has a {key} ({_quant_method(q)}): a quantized checkpoint, and Moebius "
-                              "supports no quantization method yet (FP8 is planned); serve the model's unquantized "
-                              "(BF16) release")
+    """ConfigError naming the method of a quantized checkpoint its family does not read (`packings`: GPT-OSS's
+    MXFP4), and the architecture: its tensors would be read as plain weights."""
+    archs = hf.get("architectures") or []
+    accepted = {m for f in FAMILIES.values() if any(a in f.architectures for a in archs) for m in packings(f)}
+    refused = (f": a quantized checkpoint, and Moebius reads no such one for {archs or hf.get('model_type')!r} "
+               f"(it reads {_readable()}; FP8 is planned); serve the model's unquantized (BF16) release")
+    q = hf.get("quantization_config")
+    if q is not None and q != {} and not (isinstance(q, dict) and q.get("quant_method") in accepted):
+        raise ConfigError(f"{where} has a quantization_config ({_quant_method(q)}){refused}")
+    q = hf.get("compression_config")  # compressed-tensors' older key: no family reads its formats
+    if q is not None and q != {}:
+        raise ConfigError(f"{where} has a compression_config ({_quant_method(q)}){refused}")
     files = [os.path.join(model_dir, name) for name in QUANT_FILES] if model_dir is not None else []
     for file in files:
         if os.path.isfile(file):
-            raise ConfigError(f"{file} marks a quantized (GPTQ / AWQ) checkpoint, and Moebius supports no "
-                              "quantization method yet (FP8 is planned); serve the model's unquantized (BF16) release")
+            raise ConfigError(f"{file} marks a quantized (GPTQ / AWQ) checkpoint{refused}")
 
 
 def _bad_value(key: str, v: Any) -> str | None:

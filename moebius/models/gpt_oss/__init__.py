@@ -5,19 +5,23 @@ experts with biases and a clamped SwiGLU, stored fused with gate and up interlea
 On the CPU only (the torch reference): the GPU's attention kernels have no sinks or windows, its expert kernels
 neither the biases nor the clamped activation. Sliding windows mask the keys before the window; their KV pages are
 not freed yet (a request holds its whole context in every layer) and a switch moves every page (freeing them and
-moving only the window is the next step). MXFP4 checkpoints (the releases' `*_blocks` / `*_scales` experts) are
-refused by name at start-up (the loader reads float tensors only; `mxfp4.dequantize` is transformers' dequantization,
-for when it takes them); a checkpoint dequantized to a float dtype loads.
+moving only the window is the next step). MXFP4 checkpoints (the releases: quantization_config's quant_method
+"mxfp4", the experts stored as `*_blocks` / `*_scales`) load dequantized to the engine's dtype (`mxfp4.MXFP4`, the
+family's `packings`), and a weight update takes the same pieces; a checkpoint dequantized to a float dtype loads too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
 
 from moebius.config import ModelConfig
 from moebius.models.gpt_oss import forward
 from moebius.models.gpt_oss.config import parse_config
 from moebius.models.gpt_oss.floor_terms import floor_terms
+from moebius.models.gpt_oss.mxfp4 import MXFP4, Mxfp4Packing
 from moebius.models.gpt_oss.weights import build_weights, checkpoint_tensor_shapes, weight_specs
 from moebius.models.specs import Family
 
@@ -25,7 +29,11 @@ from moebius.models.specs import Family
 @dataclass(frozen=True)
 class GptOssFamily(Family):
     """transformers' fused expert tensors are this family's checkpoint names, with their own shapes ([E, D, 2I]
-    gate_up_proj), not the per-expert names other families' fused tensors stand for."""
+    gate_up_proj), not the per-expert names other families' fused tensors stand for. `packings`: the quantized
+    formats (by quant_method) whose checkpoints the family reads (models/loader.py's `packings`; Family has no such
+    field yet)."""
+
+    packings: ClassVar[Mapping[str, Mxfp4Packing]] = MappingProxyType({MXFP4.method: MXFP4})
 
     def checkpoint_tensors(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         return checkpoint_tensor_shapes(cfg)

@@ -41,15 +41,11 @@ def _int(hf: dict[str, Any], key: str) -> int:
 
 def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
     """A GPT-OSS config.json (its architecture checked by the registry) as the engine's ModelConfig; ConfigError
-    naming what is missing or unsupported."""
+    naming what is missing or unsupported. (Its quantization_config is models/source.py's to check, against the
+    family's `packings`: an MXFP4 checkpoint is the same model.)"""
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "num_local_experts", "num_experts_per_tok"):
         _int(hf, key)
-    quant = hf.get("quantization_config")
-    if quant:
-        raise ConfigError(f"GPT-OSS checkpoints quantized as {quant.get('quant_method', quant)!r} (MXFP4 experts) "
-                          "are not loaded yet: dequantize it to bfloat16 first (transformers' "
-                          "Mxfp4Config(dequantize=True)), or drop quantization_config for --load-format dummy")
     layers = hf["num_hidden_layers"]
     if num_layers is not None and not 1 <= num_layers <= layers:
         raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
