@@ -283,3 +283,15 @@ def test_updates_take_packed_pieces(engine: tuple[int, LLM], ckpt: Callable[[str
             assert llm.switch_mode(mode).done
         assert greedy_outputs(llm, prompts) == want, mode
     assert_kv_free(llm)
+
+
+def test_pieces_without_a_quantization_config_are_named(ckpt: Callable[[str], str], tmp_path: Any) -> None:
+    """Packed pieces whose config.json names no method are not read as anything: the float tensor is missing, and
+    the message says which pieces are there and what config.json lacks."""
+    path = broken_copy(ckpt, tmp_path, lambda t: None)
+    edit_config(path, quantization_config=None)
+    with pytest.raises(ConfigError, match=rf"is missing tensors {re.escape(GATE_UP_0)}, .* \(it stores "
+                                          rf"{re.escape(GATE_UP_0)}_blocks, {re.escape(GATE_UP_0)}_scales, the mxfp4 "
+                                          r"pieces of it, but no quantization_config in its config\.json names "
+                                          r"quant_method 'mxfp4'\)"):
+        LLM(model=path, **ENGINE_KW)

@@ -238,7 +238,8 @@ class Checkpoint:
         """The stored pieces float tensor `name` is read from, where the checkpoint's packing packs it and any of
         them is stored (else None: a module the quantizer left out, modules_to_not_convert, is stored as it is)."""
         pieces = None if self.packing is None else self.packing.pieces(name)
-        return pieces if pieces is not None and any(p in self._where for p in pieces) else None
+        # (a piece may be the name itself, FP8's weight beside its scales: the others say whether it is packed)
+        return pieces if pieces is not None and any(p in self._where for p in pieces if p != name) else None
 
     def packed_entries(self, name: str, shape: tuple[int, ...]) -> list[TensorEntry]:
         """The header entries of the pieces `name` (a float tensor of `shape`) is packed in, each checked against
@@ -313,6 +314,17 @@ def _dtype_error(names: list[str], first: TensorEntry) -> str:
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def _unsaid(ckpt: Checkpoint, cfg: ModelConfig, name: str) -> str:
+    """Why a missing float tensor's pieces, stored in a format the family reads, were not read: no
+    quantization_config names the format ("" where none of its pieces is stored)."""
+    for packing in packings(family_of(cfg)).values():
+        pieces = packing.pieces(name)
+        if ckpt.packing is None and pieces is not None and any(p in ckpt for p in pieces if p != name):
+            return (f" (it stores {', '.join(pieces)}, the {packing.method} pieces of it, but no quantization_config "
+                    f"in its config.json names quant_method {packing.method!r})")
+    return ""
+
+
 def check_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, checkpoint_layers: int) -> None:
     """Before any rank is built: every tensor the weight specs read is in `ckpt`, of its shape and stored as
     floating point (ConfigError naming them), and the tensors no spec reads are listed in one warning (those of the
@@ -349,7 +361,7 @@ def check_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, checkpoint_layers: int)
         raise ConfigError(_dtype_error(not_float, ckpt.header(not_float[0])))
     if missing:
         raise ConfigError(f"checkpoint {ckpt.path!r} is missing tensor{'s' if len(missing) > 1 else ''} "
-                          f"{_some(missing)}")
+                          f"{_some(missing)}{_unsaid(ckpt, cfg, missing[0])}")
     cut = range(cfg.num_layers, checkpoint_layers)
 
     def left_out(name: str) -> bool:

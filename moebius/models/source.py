@@ -74,14 +74,14 @@ def check_quantization(hf: dict[str, Any], where: str, model_dir: str | None) ->
     MXFP4), and the architecture: its tensors would be read as plain weights."""
     archs = hf.get("architectures") or []
     accepted = {m for f in FAMILIES.values() if any(a in f.architectures for a in archs) for m in packings(f)}
-    refused = (f": a quantized checkpoint, and Moebius reads no such one for {archs or hf.get('model_type')!r} "
-               f"(it reads {_readable()}; FP8 is planned); serve the model's unquantized (BF16) release")
+    refused = (f", and Moebius reads no such one for {archs or hf.get('model_type')!r} (it reads "
+               f"{_readable()}; FP8 is planned); serve the model's unquantized (BF16) release")
     q = hf.get("quantization_config")
     if q is not None and q != {} and not (isinstance(q, dict) and q.get("quant_method") in accepted):
-        raise ConfigError(f"{where} has a quantization_config ({_quant_method(q)}){refused}")
+        raise ConfigError(f"{where} has a quantization_config ({_quant_method(q)}): a quantized checkpoint{refused}")
     q = hf.get("compression_config")  # compressed-tensors' older key: no family reads its formats
     if q is not None and q != {}:
-        raise ConfigError(f"{where} has a compression_config ({_quant_method(q)}){refused}")
+        raise ConfigError(f"{where} has a compression_config ({_quant_method(q)}): a quantized checkpoint{refused}")
     files = [os.path.join(model_dir, name) for name in QUANT_FILES] if model_dir is not None else []
     for file in files:
         if os.path.isfile(file):
@@ -108,7 +108,8 @@ def _bad_value(key: str, v: Any) -> str | None:
 
 def check_hf_config(hf: dict[str, Any], where: str, model_dir: str | None = None) -> None:
     """ConfigError unless config.json (`where`) describes a Qwen3-MoE model Moebius reads as it is meant: not
-    quantized, every shape key present (all missing ones named at once) and of the right type."""
+    quantized (or in a format its family reads, `check_quantization`), every shape key present (all missing ones
+    named at once) and of the right type."""
     check_quantization(hf, where, model_dir)
     if checks_own_keys(hf):  # (another family's keys: its parse_config names what is missing)
         return
