@@ -9,16 +9,14 @@ Shapes: T tokens, D hidden, K top-k, V vocab; P pages, S page size, A one latent
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig, triton_available
 from moebius.layers.attention import AttentionGeometry, AttentionMetadata
-from moebius.layers.moe import dense_mlp
-from moebius.layers.norm import add_rms_norm
+from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
 from moebius.models.deepseek.config import DeepseekConfig
 from moebius.models.deepseek.mla import attend_absorbed, mla_attention, rope_table
-from moebius.models.grouped_moe import GroupedMoEWeights, moe
+from moebius.models.grouped_moe import moe
 from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
 
@@ -33,36 +31,15 @@ def family_rope_table(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
             cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
             ) -> torch.Tensor:
-    """Final-normed hidden states [T, D] of the new tokens; their latent cache entries are written into `kv` (one
-    [pages, 1, page size, 1, A] cache a layer). Each sublayer's output is summed over ranks (attention:
-    `reduce_add_norm`; experts: `combine_add_norm`), added to the residual and normed for the next sublayer.
-    routed_TLK: a [>= T, MoE layers, K] integer buffer the router's expert ids of every MoE layer are written into."""
+    """Final-normed hidden states [T, D] of the new tokens (`decoder`); DeepSeek's layers: MLA over the latent cache,
+    the grouped MoE block with shared experts (or a dense MLP)."""
     ext = cfg.extra
     assert isinstance(ext, DeepseekConfig)
-    eps = cfg.rms_norm_eps
-    residual = F.embedding(input_ids_T, weights.embed_VD)
-    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, eps, kc=kc)
-    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
-    j = 0  # the MoE layer's index among the MoE layers (dense layers route nothing)
-    for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
-        cache_PSA = cache[:, 0, :, 0]  # the one part and the one latent "head" of the pool's view
-        a = mla_attention(h, layer.attn, cache_PSA, meta, ext.mla, weights.rope, kc=kc)
-        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
-        if isinstance(layer.mlp, GroupedMoEWeights):
-            record = None
-            if routed_TLK is not None:
-                record, j = routed_TLK[:, j], j + 1
-            y, handle = moe(h, layer.mlp, ext.moe, comm, kc, record)
-        else:
-            assert isinstance(layer.mlp, DenseWeights)
-            y, handle = dense_mlp(h, layer.mlp.w13_FD, layer.mlp.w2_DF, kc=kc), None  # no dispatch: nothing to combine
-        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
-    return h
+    return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
+                   # the one part and the one latent "head" of the pool's view: [pages, page size, A]
+                   lambda i, h, w, cache: mla_attention(h, w, cache[:, 0, :, 0], meta, ext.mla, weights.rope, kc=kc),
+                   lambda h, w, record: moe(h, w, ext.moe, comm, kc, record))
 
-
-def num_moe_layers(weights: ModelWeights) -> int:
-    """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
-    return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
 
 
 def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor]) -> AttentionGeometry:

@@ -18,8 +18,8 @@ from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
-from moebius.layers.norm import add_rms_norm
 from moebius.layers.rotary import scaled_rope_table
+from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
 from moebius.models.gpt_oss.config import GptOssConfig
 from moebius.models.gpt_oss.weights import GptOssAttnWeights, GptOssMoEWeights, ext_of
 from moebius.models.gqa import attention_geometry  # noqa: F401  (the family's)
@@ -104,24 +104,11 @@ def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communi
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
             cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
             ) -> torch.Tensor:
-    """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer;
-    a sliding layer's keys before its window stay in their pages, masked). Each sublayer's output is summed over
-    ranks (attention: `reduce_add_norm`; experts: `combine_add_norm`), added to the residual and normed for the
-    next sublayer. routed_TLK: a [>= T, layers, K] integer buffer the router's expert ids are written into."""
+    """Final-normed hidden states [T, D] of the new tokens (`decoder`); GPT-OSS's layers: GQA with sinks (windowed in
+    the sliding layers), its biased experts, every layer (a sliding layer's keys before its window stay in their
+    pages, masked)."""
     ext = ext_of(cfg)
-    eps = cfg.rms_norm_eps
-    residual = F.embedding(input_ids_T, weights.embed_VD)
-    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, eps, kc=kc)
-    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
-    for i, (layer, cache, next_norm) in enumerate(zip(weights.layers, kv, norms, strict=True)):
-        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, ext.window(i), kc)
-        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
-        assert isinstance(layer.mlp, GptOssMoEWeights)
-        y, handle = moe(h, layer.mlp, cfg, comm, kc, None if routed_TLK is None else routed_TLK[:, i])
-        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
-    return h
+    return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
+                   lambda i, h, w, cache: attention(h, w, cache, meta, cfg, weights.rope, ext.window(i), kc),
+                   lambda h, w, record: moe(h, w, cfg, comm, kc, record))
 
-
-def num_moe_layers(weights: ModelWeights) -> int:
-    """Layers with routed experts (every layer: the second dim of `forward`'s routed_TLK)."""
-    return len(weights.layers)

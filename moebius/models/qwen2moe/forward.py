@@ -17,7 +17,7 @@ from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.attention import AttentionMetadata
 from moebius.layers.moe import dense_mlp, experts, route, summed
-from moebius.layers.norm import add_rms_norm
+from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
 from moebius.models.gqa import attend, attention, attention_geometry  # noqa: F401  (the family's)
 from moebius.models.qwen2moe.weights import Qwen2MoEWeights
 from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, logits  # noqa: F401  (the family's)
@@ -42,30 +42,9 @@ def moe(h_TD: torch.Tensor, w: Qwen2MoEWeights, cfg: ModelConfig, comm: Communic
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
             cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
             ) -> torch.Tensor:
-    """Final-normed hidden states [T, D] of the new tokens; their K/V are written into `kv` (one cache per layer).
-    Each sublayer's output is summed over ranks (attention: `reduce_add_norm`; the MLP: `combine_add_norm`), added
-    to the residual and normed for the next sublayer. routed_TLK: a [>= T, MoE layers, K] integer buffer the
-    router's expert ids of every MoE layer are written into."""
-    eps = cfg.rms_norm_eps
-    residual = F.embedding(input_ids_T, weights.embed_VD)
-    h, residual = add_rms_norm(residual, None, weights.layers[0].input_norm, eps, kc=kc)
-    norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.norm]
-    j = 0  # the MoE layer's index among the MoE layers (dense layers route nothing)
-    for layer, cache, next_norm in zip(weights.layers, kv, norms, strict=True):
-        a = attention(h, layer.attn, cache, meta, cfg, weights.rope, kc)
-        h, residual = comm.reduce_add_norm(a, residual, layer.post_norm, eps, kc=kc)
-        if isinstance(layer.mlp, Qwen2MoEWeights):
-            record = None
-            if routed_TLK is not None:
-                record, j = routed_TLK[:, j], j + 1
-            y, handle = moe(h, layer.mlp, cfg, comm, kc, record)
-        else:
-            assert isinstance(layer.mlp, DenseWeights)
-            y, handle = dense_mlp(h, layer.mlp.w13_FD, layer.mlp.w2_DF, kc=kc), None  # no dispatch: nothing to combine
-        h, residual = comm.combine_add_norm(y, handle, residual, next_norm, eps, kc=kc)
-    return h
+    """Final-normed hidden states [T, D] of the new tokens (`decoder`); Qwen2-MoE's layers: GQA with q|k|v bias, softmax
+    top-k experts beside a gated shared expert (or a dense MLP)."""
+    return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
+                   lambda i, h, w, cache: attention(h, w, cache, meta, cfg, weights.rope, kc),
+                   lambda h, w, record: moe(h, w, cfg, comm, kc, record))
 
-
-def num_moe_layers(weights: ModelWeights) -> int:
-    """Layers with routed experts (the second dim of `forward`'s routed_TLK)."""
-    return sum(isinstance(layer.mlp, MoEWeights) for layer in weights.layers)
