@@ -295,3 +295,23 @@ def test_pieces_without_a_quantization_config_are_named(ckpt: Callable[[str], st
                                           r"pieces of it, but no quantization_config in its config\.json names "
                                           r"quant_method 'mxfp4'\)"):
         LLM(model=path, **ENGINE_KW)
+
+
+def test_a_bfloat16_engine_dequantizes_straight_to_bfloat16(ckpt: Callable[[str], str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load dequantizes each packed projection once, to the engine's dtype (no float32 copy of a layer's
+    experts), and the engine serves."""
+    from moebius.models.gpt_oss.mxfp4 import Mxfp4Packing
+
+    seen: list[torch.dtype] = []
+    unpack = Mxfp4Packing.unpack
+
+    def spy(self: Mxfp4Packing, pieces: Any, dtype: torch.dtype) -> torch.Tensor:
+        out = unpack(self, pieces, dtype)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(Mxfp4Packing, "unpack", spy)
+    with LLM(model=ckpt("mx"), **{**ENGINE_KW, "dtype": "bfloat16"}) as llm:  # P = 1: the rank in this process
+        assert len(greedy_outputs(llm, PROMPTS[:1], 3)[0]) == 3
+    assert seen == [torch.bfloat16] * 6  # 3 layers, 2 projections
