@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -75,11 +77,13 @@ def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EF
 
 
 def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-                w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
+                w2_EDF: torch.Tensor, first_expert: int, *, act: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+                b13_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k w_tk * expert_{id_tk}(x_t) over the (token, k) pairs whose expert is local.
 
     Local experts are ids first_expert .. first_expert + E_local - 1; other pairs contribute nothing (they are
-    computed on the rank that owns the expert). Pairs are sorted by expert so each expert runs one matmul.
+    computed on the rank that owns the expert). Pairs are sorted by expert so each expert runs one matmul. An expert
+    is down(act(gate_up(x) + b13)) + b2: act of its [gate | up] rows (SwiGLU unless given), biases where given.
     """
     E = w13_EFD.shape[0]
     y_TD = torch.zeros_like(x_TD)
@@ -98,7 +102,9 @@ def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w1
         if n == 0:
             continue
         sel = slice(start, start + n)
-        h = dense_mlp(x_TD[tok[sel]], w13_EFD[e], w2_EDF[e])
+        b13 = None if b13_EF is None else b13_EF[e]
+        b2 = None if b2_ED is None else b2_ED[e]
+        h = linear(act(linear(x_TD[tok[sel]], w13_EFD[e], b13)), w2_EDF[e], b2)
         y_TD.index_add_(0, tok[sel], h * weight[sel, None])
         start += n
     return y_TD

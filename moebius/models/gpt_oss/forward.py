@@ -18,6 +18,7 @@ from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
+from moebius.layers.moe import experts_ref
 from moebius.layers.rotary import scaled_rope_table
 from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
 from moebius.models.gpt_oss.config import GptOssConfig
@@ -64,32 +65,6 @@ def clamped_swiglu(h_TF: torch.Tensor, ext: GptOssConfig) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * ext.swiglu_alpha))
 
 
-def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w: GptOssMoEWeights, ext: GptOssConfig
-            ) -> torch.Tensor:
-    """sum_k w_tk * expert_{id_tk}(x_t) over the (token, k) pairs whose expert is local (the others, padding's id
-    -1 among them, are another rank's), each expert's pairs in one matmul; the down bias where this rank holds it."""
-    El = w.w13_EFD.shape[0]
-    y_TD = torch.zeros_like(x_TD)
-    flat = (ids_TK - w.first_expert).flatten()
-    pair = torch.nonzero((flat >= 0) & (flat < El)).flatten()
-    if pair.numel() == 0:
-        return y_TD
-    order = pair[torch.argsort(flat[pair], stable=True)]
-    counts = torch.bincount(flat[order], minlength=El).tolist()
-    tok, weight = order // ids_TK.shape[1], w_TK.flatten()[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel = slice(start, start + n)
-        b13 = None if w.b13_EF is None else w.b13_EF[e]
-        b2 = None if w.b2_ED is None else w.b2_ED[e]
-        h = linear(clamped_swiglu(linear(x_TD[tok[sel]], w.w13_EFD[e], b13), ext), w.w2_EDF[e], b2)
-        y_TD.index_add_(0, tok[sel], h * weight[sel, None])
-        start += n
-    return y_TD
-
-
 def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig,
         routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """This rank's expert outputs for the tokens dispatched to it, and the handle that combines them. routed_TK:
@@ -98,7 +73,9 @@ def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communi
     if routed_TK is not None:
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK, ids_TK, kc=kc)
-    return experts(x_TD, w_TK, ids_TK, w, ext_of(cfg)), handle
+    ext = ext_of(cfg)
+    return experts_ref(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert,
+                       act=lambda h_TF: clamped_swiglu(h_TF, ext), b13_EF=w.b13_EF, b2_ED=w.b2_ED), handle
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
