@@ -19,9 +19,9 @@ import logging
 import os
 import re
 import zlib
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -30,7 +30,7 @@ from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.registry import FAMILIES, family_for, family_of
-from moebius.models.specs import Family, ParamSpec, fused_name, per_expert_names, spec_view
+from moebius.models.specs import Family, Packing, ParamSpec, fused_name, per_expert_names, spec_view
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -63,34 +63,9 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
-class Packing(Protocol):
-    """How a quantized checkpoint of one quant_method stores the float tensors it packs: each as a few stored
-    pieces (MXFP4: `<name>_blocks` and `<name>_scales`), dequantized together; a tensor it does not pack is stored
-    as it is. A family lists those it reads in `packings` (`packings(family)`)."""
-
-    method: str  # config.json's quantization_config quant_method
-
-    def pieces(self, name: str) -> tuple[str, ...] | None:
-        """The stored names of float tensor `name` (None: the method does not pack it)."""
-        ...
-
-    def base_of(self, name: str) -> str | None:
-        """The float tensor a stored piece `name` is part of (None: no piece of this method)."""
-        ...
-
-    def stored(self, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-        """Each piece's shape and dtype for a float tensor of `shape`; ValueError where the method cannot hold it."""
-        ...
-
-    def unpack(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The float tensor of its pieces (in `pieces` order), in `dtype`."""
-        ...
-
-
 def packings(family: Family) -> Mapping[str, Packing]:
     """The quantized formats a family reads, by quant_method (none for most)."""
-    # (models/specs.py's Family has no such field yet: a family's subclass declares it, GPT-OSS's)
-    return getattr(family, "packings", None) or {}
+    return family.packings
 
 
 def _packing_in(path: str) -> Packing | None:

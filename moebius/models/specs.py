@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -203,6 +203,33 @@ def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Ten
     return umm.view(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
 
 
+def norm_spec(name: str, D: int) -> ParamSpec:
+    """An RMSNorm's weight, region and checkpoint named alike (`name` + ".weight")."""
+    return ParamSpec(name, (D,), lambda f: f(name + ".weight", (D,)))
+
+
+def decoder_specs(cfg: ModelConfig, rope_width: int, layer_specs: Callable[[str, int], list[ParamSpec]]
+                  ) -> list[ParamSpec]:
+    """A decoder model's views: the embedding, the lm_head (unless tied to it), the final norm and the computed
+    rope table (`rope_width` values a position), then each layer's two norms and what `layer_specs(p, i)` adds
+    (its attention and MLP; p: its name prefix "model.layers.{i}.")."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
+    specs += [norm_spec("model.norm", D), ParamSpec("rope", (cfg.max_position_embeddings, rope_width), None)]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        specs += [norm_spec(p + "input_layernorm", D), norm_spec(p + "post_attention_layernorm", D),
+                  *layer_specs(p, i)]
+    return specs
+
+
+def spec_views(umm: UnifiedMemory, specs: list[ParamSpec], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every spec's view over the buffer, by region name."""
+    return {s.name: spec_view(umm, s, dtype) for s in specs}
+
+
 def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
     """A dense SwiGLU layer's views (`p`: the layer's name prefix): [gate | up] rows and down columns, TP-sharded
     (`Layout.shard_w13` / `shard_w2`), whole in EP."""
@@ -249,18 +276,43 @@ class FloorTerms:
     shared_weights: float = 0.0
 
 
+class Packing(Protocol):
+    """How a quantized checkpoint of one quant_method stores the float tensors it packs: each as a few stored
+    pieces (MXFP4: `<name>_blocks` and `<name>_scales`), dequantized together; a tensor it does not pack is stored
+    as it is. A family lists those it reads in `Family.packings`; models/loader.py serves them."""
+
+    method: str  # config.json's quantization_config quant_method
+
+    def pieces(self, name: str) -> tuple[str, ...] | None:
+        """The stored names of float tensor `name` (None: the method does not pack it)."""
+        ...
+
+    def base_of(self, name: str) -> str | None:
+        """The float tensor a stored piece `name` is part of (None: no piece of this method)."""
+        ...
+
+    def stored(self, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """Each piece's shape and dtype for a float tensor of `shape`; ValueError where the method cannot hold it."""
+        ...
+
+    def unpack(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The float tensor of its pieces (in `pieces` order), in `dtype`."""
+        ...
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: what the engine asks of it. `parse_config`: config.json (and --num-layers) -> ModelConfig
-    (ConfigError naming what it cannot serve); `weight_specs`: every view of a layout (cfg, layout, bytes an
-    element); `build_weights`: the layout's weight views over the buffer, in the form its `model` takes;
-    `model`: the layout-free forward (`forward`, `logits`, `num_moe_layers`, `attention_geometry`, `attend`);
-    `rope_table`: the float32 table the region named "rope" holds (None: plain RoPE over head_dim,
-    `layers/rotary.rope_table`); `cpu_only`: why the family is refused on a GPU ("" where it is not; a family whose
-    GPU path is written but not yet checked on one says so, and its GPU tests set MOEBIUS_UNCHECKED_GPU to its name);
-    `checks_own_keys`: parse_config refuses missing or ill-typed
-    shape keys itself (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`:
-    a layout's `FloorTerms` for the floor model (None: the floor model refuses the family, naming it)."""
+    (ConfigError naming what it cannot serve); `weight_specs`: every view of a layout (cfg, layout, bytes an element);
+    `build_weights`: the layout's weight views over the buffer, in the form its `model` takes; `model`: the layout-
+    free forward (`forward`, `logits`, `num_moe_layers`, `attention_geometry`, `attend`); `rope_table`: the float32
+    table the region named "rope" holds (None: plain RoPE over head_dim, `layers/rotary.rope_table`); `packings`: the
+    quantized checkpoint formats it reads, by quant_method (`Packing`); `checkpoint_shapes`: its checkpoint tensors
+    and shapes where `checkpoint_tensors`' rule does not hold; `cpu_only`: why the family is refused on a GPU (""
+    where it is not; a family whose GPU path is written but not yet checked on one says so, and its GPU tests set
+    MOEBIUS_UNCHECKED_GPU to its name); `checks_own_keys`: parse_config refuses missing or ill-typed shape keys itself
+    (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`: a layout's
+    `FloorTerms` for the floor model (None: the floor model refuses the family, naming it)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -272,6 +324,8 @@ class Family:
     cpu_only: str = ""
     checks_own_keys: bool = False
     floor_terms: Callable[[ModelConfig, Layout], FloorTerms] | None = None
+    packings: Mapping[str, Packing] = field(default_factory=dict)
+    checkpoint_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
 
     def resident_specs(self, cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
         """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the
@@ -294,7 +348,10 @@ class Family:
 
     def checkpoint_tensors(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor the model reads, with its full shape: the names of a Hugging Face checkpoint
-        (experts one by one) and the fused expert tensors (`FUSED_W13`, `FUSED_W2`) that stand for a layer's."""
+        (experts one by one) and the fused expert tensors (`FUSED_W13`, `FUSED_W2`) that stand for a layer's; a
+        family whose fused tensors are its own names and shapes says them (`checkpoint_shapes`)."""
+        if self.checkpoint_shapes is not None:
+            return self.checkpoint_shapes(cfg)
         return _checkpoint_tensors(self.weight_specs, cfg)
 
 

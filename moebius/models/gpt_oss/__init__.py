@@ -12,35 +12,20 @@ family's `packings`), and a weight update takes the same pieces; a checkpoint de
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar
 
-from moebius.config import ModelConfig
 from moebius.models.gpt_oss import forward
 from moebius.models.gpt_oss.config import parse_config
 from moebius.models.gpt_oss.floor_terms import floor_terms
-from moebius.models.gpt_oss.mxfp4 import MXFP4, Mxfp4Packing
+from moebius.models.gpt_oss.mxfp4 import MXFP4
 from moebius.models.gpt_oss.weights import build_weights, checkpoint_tensor_shapes, weight_specs
 from moebius.models.specs import Family
 
-
-@dataclass(frozen=True)
-class GptOssFamily(Family):
-    """transformers' fused expert tensors are this family's checkpoint names, with their own shapes ([E, D, 2I]
-    gate_up_proj), not the per-expert names other families' fused tensors stand for. `packings`: the quantized
-    formats (by quant_method) whose checkpoints the family reads (models/loader.py's `packings`; Family has no such
-    field yet)."""
-
-    packings: ClassVar[Mapping[str, Mxfp4Packing]] = MappingProxyType({MXFP4.method: MXFP4})
-
-    def checkpoint_tensors(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return checkpoint_tensor_shapes(cfg)
-
-
-FAMILY = GptOssFamily("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, build_weights, forward,
-                      rope_table=forward.family_rope_table, checks_own_keys=True,
-                      cpu_only="its attention (sinks, sliding windows) and experts (biases, clamped SwiGLU) have "
-                               "no GPU kernels yet: not yet checked on a GPU",
-                      floor_terms=floor_terms)
+# transformers' fused expert tensors are this family's checkpoint names, with their own shapes ([E, D, 2I]
+# gate_up_proj), not per-expert names standing for them: `checkpoint_shapes` says them
+FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, build_weights, forward,
+                rope_table=forward.family_rope_table, checks_own_keys=True,
+                cpu_only="its attention (sinks, sliding windows) and experts (biases, clamped SwiGLU) have "
+                         "no GPU kernels yet: not yet checked on a GPU",
+                floor_terms=floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
+                checkpoint_shapes=checkpoint_tensor_shapes)
