@@ -4,11 +4,14 @@ family's own (`LayerWeights.attn`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from moebius.config import ModelConfig
 
 
 @dataclass
@@ -40,6 +43,25 @@ class ModelWeights:
     norm: torch.Tensor
     rope: torch.Tensor  # [max_pos, d] cos|sin table
     layers: list[LayerWeights]
+
+
+def decoder_weights(views: dict[str, torch.Tensor], cfg: ModelConfig, vocab_rows: range,
+                    layer: Callable[[str, int], tuple[Any, MoEWeights | DenseWeights]]) -> ModelWeights:
+    """The views of `specs.decoder_specs` as the forward takes them: each layer's norms and what `layer(p, i)`
+    makes of its attention and MLP views; the lm_head (the embedding where tied) cut to `vocab_rows` (TP: this
+    rank's vocabulary slice, a view; see TPComm)."""
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], *layer(p, i)))
+    embed = views["model.embed_tokens"]
+    head = embed if cfg.tie_word_embeddings else views["lm_head"]
+    return ModelWeights(embed, head[vocab_rows.start: vocab_rows.stop], views["model.norm"], views["rope"], layers)
+
+
+def dense_weights(views: dict[str, torch.Tensor], tp_rank: int, tp: int, p: str) -> DenseWeights:
+    """Layer `p`'s dense MLP views (`specs.dense_mlp_specs`: this TP rank's shard)."""
+    return DenseWeights(views[p + f"mlp.w13.tp{tp_rank}of{tp}"], views[p + f"mlp.w2.tp{tp_rank}of{tp}"])
 
 
 def logits(hidden_TD: torch.Tensor, weights: ModelWeights, fp32: bool = False) -> torch.Tensor:

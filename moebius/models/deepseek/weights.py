@@ -22,8 +22,8 @@ from moebius.memory.umm import UnifiedMemory
 from moebius.models.deepseek.config import DeepseekConfig
 from moebius.models.deepseek.mla import MLAWeights
 from moebius.models.grouped_moe import moe_specs, moe_weights
-from moebius.models.specs import Fetch, ParamSpec, dense_mlp_specs, spec_view
-from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moebius.models.specs import Fetch, ParamSpec, decoder_specs, dense_mlp_specs, spec_views
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, decoder_weights, dense_weights
 from moebius.parallel.layout import Layout
 
 
@@ -52,8 +52,6 @@ def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
         return lambda f: f(a + name, shape)
 
     specs = [
-        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,))),
-        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,))),
         ParamSpec(p + "kv_a", (C + R, D), whole("kv_a_proj_with_mqa.weight", (C + R, D))),
         ParamSpec(p + "kv_a_norm", (C,), whole("kv_a_layernorm.weight", (C,))),
         ParamSpec(p + f"kv_b.{tag}", (len(qh) * (N + V), C), rows("kv_b_proj.weight", (H * (N + V), C))),
@@ -76,46 +74,29 @@ def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
     return specs
 
 
-def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
-    moe, p = _ext(cfg).moe, f"model.layers.{i}."
-    specs = _attn_specs(cfg, lay, p)
-    if not cfg.is_moe_layer(i):
-        return specs + dense_mlp_specs(cfg, lay, p)
-    return specs + moe_specs(cfg, moe, lay, i, elt)
+def _layer_specs(cfg: ModelConfig, lay: Layout, p: str, i: int, elt: int) -> list[ParamSpec]:
+    """Layer i's MLA and its grouped MoE block or dense MLP."""
+    mlp = moe_specs(cfg, _ext(cfg).moe, lay, i, elt) if cfg.is_moe_layer(i) else dense_mlp_specs(cfg, lay, p)
+    return _attn_specs(cfg, lay, p) + mlp
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
-    V, D = cfg.vocab_size, cfg.hidden_size
-    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
-    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,))))
-    specs.append(ParamSpec("rope", (cfg.max_position_embeddings, _ext(cfg).mla.qk_rope_head_dim), None))
-    for i in range(cfg.num_layers):
-        specs += _layer_specs(cfg, lay, i, elt)
-    return specs
+    return decoder_specs(cfg, _ext(cfg).mla.qk_rope_head_dim, lambda p, i: _layer_specs(cfg, lay, p, i, elt))
 
 
 def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
     """The layout's weight views over the buffer (contents are whatever was loaded there)."""
-    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    views = spec_views(umm, weight_specs(cfg, lay, dtype.itemsize), dtype)
     tag = _heads_tag(lay)
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+
+    def layer(p: str, i: int) -> tuple[MLAWeights, MoEWeights | DenseWeights]:
         attn = MLAWeights(
             q_a_LD=views.get(p + "q_a"), q_a_bias=views.get(p + "q_a_bias"), q_a_norm=views.get(p + "q_a_norm"),
             q_QL=views[p + f"q.{tag}"], kv_a_AD=views[p + "kv_a"], kv_a_bias=views.get(p + "kv_a_bias"),
             kv_a_norm=views[p + "kv_a_norm"], kv_b_UC=views[p + f"kv_b.{tag}"], o_DO=views[p + f"o_proj.{tag}"],
             # the shards' outputs are summed: the bias once, on the shard of head 0
             o_bias=views.get(p + "o_bias") if lay.q_heads.start == 0 else None)
-        if cfg.is_moe_layer(i):
-            mlp: MoEWeights | DenseWeights = moe_weights(views, lay, i)
-        else:
-            mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
-                               views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
-        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
-    embed = views["model.embed_tokens"]
-    head = embed if cfg.tie_word_embeddings else views["lm_head"]
-    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
-    return ModelWeights(embed, head[rows.start: rows.stop], views["model.norm"], views["rope"], layers)
+        mlp = moe_weights(views, lay, i) if cfg.is_moe_layer(i) else dense_weights(views, lay.tp_rank, lay.tp, p)
+        return attn, mlp
+
+    return decoder_weights(views, cfg, lay.vocab_rows, layer)

@@ -26,8 +26,8 @@ from moebius.config import ModelConfig
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.gpt_oss.config import GptOssConfig
 from moebius.models.gqa import AttnWeights, attention_specs, attention_weights, attn_tag
-from moebius.models.specs import Fetch, ParamSpec, spec_view, tp_cut
-from moebius.models.weights import LayerWeights, ModelWeights, MoEWeights
+from moebius.models.specs import Fetch, ParamSpec, decoder_specs, spec_views, tp_cut
+from moebius.models.weights import ModelWeights, MoEWeights, decoder_weights
 from moebius.parallel.layout import Layout
 
 GATE_UP, GATE_UP_BIAS = "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"
@@ -115,12 +115,10 @@ def _moe_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpe
     return specs
 
 
-def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
-    D, H, p = cfg.hidden_size, cfg.num_heads, f"model.layers.{i}."
-    qh = lay.q_heads
+def _layer_specs(cfg: ModelConfig, lay: Layout, p: str, i: int, elt: int) -> list[ParamSpec]:
+    """Layer i's attention (q|k|v bias, the sinks of its heads, o_proj's bias on one TP rank) and its experts."""
+    D, H, qh = cfg.hidden_size, cfg.num_heads, lay.q_heads
     specs = [
-        ParamSpec(p + "input_layernorm", (D,), lambda f: f(p + "input_layernorm.weight", (D,))),
-        ParamSpec(p + "post_attention_layernorm", (D,), lambda f: f(p + "post_attention_layernorm.weight", (D,))),
         *attention_specs(cfg, lay, p, qk_norm=False, bias=cfg.attention_bias),
         ParamSpec(p + f"sinks.{attn_tag(lay)}", (len(qh),),
                   lambda f: f(p + "self_attn.sinks", (H,))[qh.start: qh.stop]),
@@ -132,24 +130,15 @@ def _layer_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamS
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
     ext_of(cfg)
-    V, D = cfg.vocab_size, cfg.hidden_size
-    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
-    specs.append(ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,))))
-    specs.append(ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None))
-    for i in range(cfg.num_layers):
-        specs += _layer_specs(cfg, lay, i, elt)
-    return specs
+    return decoder_specs(cfg, cfg.head_dim, lambda p, i: _layer_specs(cfg, lay, p, i, elt))
 
 
 def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
     """The layout's weight views over the buffer (contents are whatever was loaded there)."""
-    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    views = spec_views(umm, weight_specs(cfg, lay, dtype.itemsize), dtype)
     tag, experts = attn_tag(lay), _experts_tag(lay)
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+
+    def layer(p: str, i: int) -> tuple[GptOssAttnWeights, GptOssMoEWeights]:
         a = attention_weights(views, lay, p)
         attn = GptOssAttnWeights(a.qkv_QD, a.qkv_bias, a.o_DQ, None, None, sinks_H=views[p + f"sinks.{tag}"],
                                  o_bias=views.get(p + "o_bias"))
@@ -157,11 +146,9 @@ def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torc
                                lay.first_expert, router_bias_E=views[p + "mlp.router.bias"],
                                b13_EF=views[p + f"mlp.experts.b13.{experts}.tp{lay.tp_rank}of{lay.tp}"],
                                b2_ED=views.get(p + f"mlp.experts.b2.{experts}"))
-        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
-    embed = views["model.embed_tokens"]
-    head = embed if cfg.tie_word_embeddings else views["lm_head"]
-    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
-    return ModelWeights(embed, head[rows.start: rows.stop], views["model.norm"], views["rope"], layers)
+        return attn, mlp
+
+    return decoder_weights(views, cfg, lay.vocab_rows, layer)
 
 
 @functools.cache  # asked at every update's check: a ModelConfig is a cache key

@@ -13,8 +13,8 @@ from moebius.config import ModelConfig
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.gqa import attention_specs as gqa_specs
 from moebius.models.gqa import attn_tag
-from moebius.models.specs import ParamSpec, routed_expert_specs, spec_view
-from moebius.models.weights import LayerWeights, ModelWeights, MoEWeights
+from moebius.models.specs import ParamSpec, decoder_specs, routed_expert_specs, spec_views
+from moebius.models.weights import ModelWeights, MoEWeights, decoder_weights
 from moebius.parallel.layout import Layout
 
 
@@ -51,37 +51,16 @@ def attention_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
-    V, D = cfg.vocab_size, cfg.hidden_size
-    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
-    specs += [ParamSpec("model.norm", (D,), lambda f: f("model.norm.weight", (D,))),
-              ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None)]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        specs += [
-            ParamSpec(p + "input_layernorm", (D,), lambda f, p=p: f(p + "input_layernorm.weight", (D,))),
-            ParamSpec(p + "post_attention_layernorm", (D,),
-                      lambda f, p=p: f(p + "post_attention_layernorm.weight", (D,))),
-            *attention_specs(cfg, lay, p),
-            *routed_expert_specs(cfg, lay, i, elt),  # every OLMoE layer is MoE
-        ]
-    return specs
+    """Its attention (whole-projection q/k norms) and routed experts, every layer."""
+    return decoder_specs(cfg, cfg.head_dim, lambda p, i: [*attention_specs(cfg, lay, p),
+                                                          *routed_expert_specs(cfg, lay, i, elt)])
 
 
 def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
     """The layout's weight views over the buffer (contents are whatever was loaded there)."""
-    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
+    views = spec_views(umm, weight_specs(cfg, lay, dtype.itemsize), dtype)
     tag, share = attn_tag(lay), k_share(cfg, lay)
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        attn = AttnWeights(views[p + f"qkv.{tag}"], views[p + f"o_proj.{tag}"], views[p + f"q_norm.{tag}"],
-                           views[p + f"k_norm.{tag}"], share)
-        mlp = MoEWeights(views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"],
-                         lay.first_expert)
-        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"], attn, mlp))
-    embed = views["model.embed_tokens"]
-    head = embed if cfg.tie_word_embeddings else views["lm_head"]
-    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
-    return ModelWeights(embed, head[rows.start: rows.stop], views["model.norm"], views["rope"], layers)
+    return decoder_weights(views, cfg, lay.vocab_rows, lambda p, i: (
+        AttnWeights(views[p + f"qkv.{tag}"], views[p + f"o_proj.{tag}"], views[p + f"q_norm.{tag}"],
+                    views[p + f"k_norm.{tag}"], share),
+        MoEWeights(views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert)))

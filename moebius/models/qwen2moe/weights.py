@@ -22,10 +22,10 @@ import torch
 
 from moebius.config import ConfigError, ModelConfig
 from moebius.memory.umm import UnifiedMemory
-from moebius.models.gqa import attention_specs, attention_weights
+from moebius.models.gqa import AttnWeights, attention_specs, attention_weights
 from moebius.models.qwen2moe.config import Qwen2MoeFields
-from moebius.models.specs import ParamSpec, dense_mlp_specs, routed_expert_specs, spec_view
-from moebius.models.weights import DenseWeights, LayerWeights, ModelWeights, MoEWeights
+from moebius.models.specs import ParamSpec, decoder_specs, dense_mlp_specs, routed_expert_specs, spec_views
+from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, decoder_weights, dense_weights
 from moebius.parallel.layout import Layout, w2_shard, w13_shard
 
 
@@ -64,45 +64,27 @@ def _shared_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
     ]
 
 
-def _norm(name: str, D: int) -> ParamSpec:
-    return ParamSpec(name, (D,), lambda f: f(name + ".weight", (D,)))
-
-
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
-    V, D = cfg.vocab_size, cfg.hidden_size
-    specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
-    specs += [_norm("model.norm", D), ParamSpec("rope", (cfg.max_position_embeddings, cfg.head_dim), None)]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        specs += [_norm(p + "input_layernorm", D), _norm(p + "post_attention_layernorm", D),
-                  *attention_specs(cfg, lay, p, qk_norm=False, bias=cfg.attention_bias)]
-        if cfg.is_moe_layer(i):
-            specs += routed_expert_specs(cfg, lay, i, elt) + _shared_specs(cfg, lay, p)
-        else:
-            specs += dense_mlp_specs(cfg, lay, p)
-    return specs
+    """GQA attention with q|k|v bias; routed experts beside the gated shared expert, or a dense MLP."""
+    def layer(p: str, i: int) -> list[ParamSpec]:
+        mlp = (routed_expert_specs(cfg, lay, i, elt) + _shared_specs(cfg, lay, p) if cfg.is_moe_layer(i)
+               else dense_mlp_specs(cfg, lay, p))
+        return attention_specs(cfg, lay, p, qk_norm=False, bias=cfg.attention_bias) + mlp
+
+    return decoder_specs(cfg, cfg.head_dim, layer)
 
 
 def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torch.dtype) -> ModelWeights:
     """The layout's weight views over the buffer (contents are whatever was loaded there)."""
-    views = {s.name: spec_view(umm, s, dtype) for s in weight_specs(cfg, lay, dtype.itemsize)}
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        if cfg.is_moe_layer(i):
-            shared = DenseWeights(views[p + f"mlp.shared.w13.{_shared_tag(lay)}"],
-                                  views[p + f"mlp.shared.w2.{_shared_tag(lay)}"])
-            mlp: MoEWeights | DenseWeights = Qwen2MoEWeights(
-                views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert,
-                shared, views[p + "mlp.shared_gate"])
-        else:
-            mlp = DenseWeights(views[p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}"],
-                               views[p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}"])
-        layers.append(LayerWeights(views[p + "input_layernorm"], views[p + "post_attention_layernorm"],
-                                   attention_weights(views, lay, p), mlp))
-    embed = views["model.embed_tokens"]
-    head = embed if cfg.tie_word_embeddings else views["lm_head"]
-    rows = lay.vocab_rows  # TP: this rank's vocabulary slice (a view; see TPComm)
-    return ModelWeights(embed, head[rows.start: rows.stop], views["model.norm"], views["rope"], layers)
+    views = spec_views(umm, weight_specs(cfg, lay, dtype.itemsize), dtype)
+
+    def layer(p: str, i: int) -> tuple[AttnWeights, MoEWeights | DenseWeights]:
+        if not cfg.is_moe_layer(i):
+            return attention_weights(views, lay, p), dense_weights(views, lay.tp_rank, lay.tp, p)
+        shared = DenseWeights(views[p + f"mlp.shared.w13.{_shared_tag(lay)}"],
+                              views[p + f"mlp.shared.w2.{_shared_tag(lay)}"])
+        return attention_weights(views, lay, p), Qwen2MoEWeights(
+            views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert,
+            shared, views[p + "mlp.shared_gate"])
+
+    return decoder_weights(views, cfg, lay.vocab_rows, layer)
