@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moebius.config import ConfigError, ModelConfig
+from moebius.config import ModelConfig
 from moebius.models.deepseek.mla import MLAConfig
 from moebius.models.deepseek.moe import MoEConfig
+from moebius.models.hf_fields import cut_layers, positive_int
 
 
 @dataclass(frozen=True)
@@ -25,21 +26,17 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     ConfigError naming what is missing or unsupported."""
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        v = hf.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"config.json's {key} must be an integer >= 1, got {v!r} (DeepSeek-V2 / V3 need it)")
+        positive_int(hf, key, "DeepSeek-V2 / V3")
     mla, moe = MLAConfig.from_hf(hf), MoEConfig.from_hf(hf)
     # (num_nextn_predict_layers: the multi-token-prediction layers sit past num_hidden_layers, never read)
     layers = hf["num_hidden_layers"]
-    if num_layers is not None:
-        if not 1 <= num_layers <= layers:
-            raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
+    served = cut_layers(layers, num_layers)
     # the dense layers over the whole model (not the cut), so that a cut and its full checkpoint compare equal
     dense = tuple(i for i in range(layers) if not moe.is_moe_layer(i))
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
-        num_layers=layers if num_layers is None else num_layers,
+        num_layers=served,
         num_heads=hf["num_attention_heads"],
         num_kv_heads=1,  # one latent a token, replicated on every TP rank like GQA heads below P
         head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,  # a head's q.k width

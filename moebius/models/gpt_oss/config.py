@@ -9,6 +9,7 @@ from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import YarnScaling
+from moebius.models.hf_fields import cut_layers, positive_int
 
 # transformers' GptOssConfig when config.json has no rope_parameters / rope_scaling (the released models' values)
 DEFAULT_ROPE: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -32,23 +33,15 @@ class GptOssConfig:
         return self.sliding_window if self.sliding[layer] else None
 
 
-def _int(hf: dict[str, Any], key: str) -> int:
-    v = hf.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"config.json's {key} must be an integer >= 1, got {v!r} (GPT-OSS needs it)")
-    return v
-
-
 def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
     """A GPT-OSS config.json (its architecture checked by the registry) as the engine's ModelConfig; ConfigError
     naming what is missing or unsupported. (Its quantization_config is models/source.py's to check, against the
     family's `packings`: an MXFP4 checkpoint is the same model.)"""
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "num_local_experts", "num_experts_per_tok"):
-        _int(hf, key)
+        positive_int(hf, key, "GPT-OSS")
     layers = hf["num_hidden_layers"]
-    if num_layers is not None and not 1 <= num_layers <= layers:
-        raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
+    served = cut_layers(layers, num_layers)
     types = hf.get("layer_types") or [LAYER_TYPES[(i + 1) % 2] for i in range(layers)]  # transformers' default
     if len(types) != layers or any(t not in LAYER_TYPES for t in types):
         raise ConfigError(f"config.json's layer_types must be {layers} of {', '.join(LAYER_TYPES)}, got {types!r}")
@@ -56,7 +49,7 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ConfigError(f"config.json's sliding_window must be an integer >= 1 for its sliding layers, got "
                           f"{window!r}")
-    max_pos = _int(hf, "max_position_embeddings") if "max_position_embeddings" in hf else 131072
+    max_pos = positive_int(hf, "max_position_embeddings", "GPT-OSS") if "max_position_embeddings" in hf else 131072
     # transformers 5 writes rope_parameters (with rope_theta), 4.x and the releases rope_scaling and rope_theta
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or DEFAULT_ROPE)
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -70,7 +63,7 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
-        num_layers=layers if num_layers is None else num_layers,
+        num_layers=served,
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf["num_key_value_heads"],
         head_dim=hf["head_dim"],

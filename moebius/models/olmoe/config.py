@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
+from moebius.models.hf_fields import cut_layers, plain_rope_theta, positive_int
 
 # Shapes transformers would fill with OLMoE-1B-7B's defaults when absent: Moebius guesses none of them
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -20,13 +21,6 @@ class OlmoeFields:
     """What only this family's forward reads (frozen: part of a ModelConfig, a cache key)."""
 
     clip_qkv: float | None  # |q|, |k| (after their norms) and |v| clamped to it; None: no clamp
-
-
-def _positive_int(hf: dict[str, Any], key: str) -> int:
-    v = hf.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"config.json's {key} must be an integer >= 1, got {v!r} (OLMoE needs it)")
-    return v
 
 
 def _positive_number(hf: dict[str, Any], key: str, default: float) -> float:
@@ -43,10 +37,10 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}: an OLMoE model's config.json needs "
                           f"{'them' if len(missing) > 1 else 'it'} (Moebius guesses no shape)")
-    shapes = {k: _positive_int(hf, k) for k in REQUIRED}
+    shapes = {k: positive_int(hf, k, "OLMoE") for k in REQUIRED}
     heads, hidden = shapes["num_attention_heads"], shapes["hidden_size"]
     kv_heads = hf.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else _positive_int(hf, "num_key_value_heads")  # transformers' default
+    kv_heads = heads if kv_heads is None else positive_int(hf, "num_key_value_heads", "OLMoE")  # transformers' default
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r}; OLMoE uses 'silu'")
@@ -65,18 +59,10 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     clip = hf.get("clip_qkv")
     if clip is not None:
         clip = _positive_number(hf, "clip_qkv", 0.0)
-    # transformers 4.x writes rope_theta/rope_scaling, 5.x writes rope_parameters
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-    if kind != "default":
-        raise ConfigError(f"OLMoE with rope scaling {kind!r} is not supported; only plain RoPE (rope_scaling = null)")
-    theta = _positive_number(rope if "rope_theta" in rope else hf, "rope_theta", 10000.0)
-    layers = shapes["num_hidden_layers"]
-    if num_layers is not None:
-        if not 1 <= num_layers <= layers:
-            raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
-        layers = num_layers
+    theta = plain_rope_theta(hf, "OLMoE")
+    if not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"config.json's rope_theta must be a positive number, got {theta!r}")
+    layers = cut_layers(shapes["num_hidden_layers"], num_layers)
     cfg = ModelConfig(
         vocab_size=shapes["vocab_size"],
         hidden_size=hidden,
@@ -91,7 +77,7 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-5),
         rope_theta=theta,
-        max_position_embeddings=_positive_int(hf, "max_position_embeddings") if "max_position_embeddings" in hf
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", "OLMoE") if "max_position_embeddings" in hf
         else 4096,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         family="olmoe",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
+from moebius.models.hf_fields import cut_layers, plain_rope_theta, positive_int
 
 FAMILY = "the qwen2moe family (Qwen2MoeForCausalLM)"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts",
@@ -20,20 +21,13 @@ class Qwen2MoeFields:
     shared_intermediate_size: int  # the shared expert's (shared_expert_intermediate_size)
 
 
-def _positive_int(hf: dict[str, Any], key: str) -> int:
-    v = hf.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"config.json's {key} must be an integer >= 1, got {v!r} ({FAMILY} needs it)")
-    return v
-
-
 def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
     """A Qwen2-MoE config.json (its architecture checked by the registry) as the engine's ModelConfig; ConfigError
     naming the family and what it cannot serve."""
-    shape = {k: _positive_int(hf, k) for k in SHAPE_KEYS}
+    shape = {k: positive_int(hf, k, FAMILY) for k in SHAPE_KEYS}
     heads = shape["num_attention_heads"]
-    kv_heads = _positive_int(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else heads
-    head_dim = _positive_int(hf, "head_dim") if hf.get("head_dim") is not None else shape["hidden_size"] // heads
+    kv_heads = positive_int(hf, "num_key_value_heads", FAMILY) if hf.get("num_key_value_heads") is not None else heads
+    head_dim = positive_int(hf, "head_dim", FAMILY) if hf.get("head_dim") is not None else shape["hidden_size"] // heads
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r} in {FAMILY}: its experts are SwiGLU ('silu')")
@@ -42,16 +36,9 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     if hf.get("use_sliding_window") or sliding:
         raise ConfigError(f"{FAMILY}: sliding-window attention (use_sliding_window, or layer_types other than "
                           "full_attention) is not supported yet")
-    rope, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}  # transformers 5.x, 4.x
-    kind = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-    if kind != "default":
-        raise ConfigError(f"unsupported rope scaling {kind!r} in {FAMILY}: only plain RoPE is supported")
-    layers = shape["num_hidden_layers"]
-    if num_layers is not None:
-        if not 1 <= num_layers <= layers:
-            raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
-        layers = num_layers
-    sparse_step = _positive_int(hf, "decoder_sparse_step") if "decoder_sparse_step" in hf else 1
+    theta = plain_rope_theta(hf, FAMILY)
+    layers = cut_layers(shape["num_hidden_layers"], num_layers)
+    sparse_step = positive_int(hf, "decoder_sparse_step", FAMILY) if "decoder_sparse_step" in hf else 1
     dense = tuple(hf.get("mlp_only_layers") or ())
     has_dense = bool(dense) or sparse_step > 1
     cfg = ModelConfig(
@@ -61,14 +48,14 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=_positive_int(hf, "intermediate_size") if has_dense else 0,  # (dense layers only)
+        intermediate_size=positive_int(hf, "intermediate_size", FAMILY) if has_dense else 0,  # (dense layers only)
         moe_intermediate_size=shape["moe_intermediate_size"],
         num_experts=shape["num_experts"],
         top_k=shape["num_experts_per_tok"],
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # (false in the published configs)
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        max_position_embeddings=_positive_int(hf, "max_position_embeddings") if "max_position_embeddings" in hf
+        rope_theta=theta,
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", FAMILY) if "max_position_embeddings" in hf
         else 32768,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("qkv_bias", True)),  # q|k|v biases (o_proj has none)

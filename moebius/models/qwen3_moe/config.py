@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
+from moebius.models.hf_fields import cut_layers, plain_rope_theta
 
 
 def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
@@ -13,20 +14,10 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r}; Qwen3-MoE uses 'silu'")
-    # transformers 4.x writes rope_theta/rope_scaling, 5.x writes rope_parameters.
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
-    if kind != "default":
-        raise ConfigError(f"unsupported rope scaling {kind!r}; only plain RoPE (rope_scaling = null) is supported")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = plain_rope_theta(hf, "Qwen3-MoE")
     if hf.get("use_sliding_window"):
         raise ConfigError("sliding-window attention (use_sliding_window = true) is not supported")
-    layers = hf["num_hidden_layers"]
-    if num_layers is not None:
-        if not 1 <= num_layers <= layers:
-            raise ConfigError(f"--num-layers {num_layers} must be between 1 and the model's {layers} layers")
-        layers = num_layers
+    layers = cut_layers(hf["num_hidden_layers"], num_layers)
     heads = hf["num_attention_heads"]
     num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
     cfg = ModelConfig(
