@@ -18,62 +18,35 @@ decodes (absorbed) share steps.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from conftest import MIN_MARGIN, VOCAB, Checkpoints
+from conftest import Checkpoints
+from family_cases import (
+    BLOCK,
+    ENGINE_KW,
+    assert_kv_free,
+    assert_routed,
+    gpu_parity,
+    greedy_outputs,
+    hf_greedy,
+    parity_across_switch,
+    random_prompts,
+    serve,
+    stress_jobs,
+    switch_stress,
+)
+from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
 from moebius.config import ConfigError, EngineConfig, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 
-BLOCK = 4
 N_OUT = 10
-_rng = random.Random(7)
-PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 23)]
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
-                                 max_num_batched_tokens=16, max_running_requests=8, seed=0)
-
-
-@functools.cache
-def _hf(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
-            seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
-
-
-def _config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def assert_kv_free(llm: LLM) -> None:
-    for r, s in enumerate(llm.kv_stats()["per_rank"]):
-        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
+PROMPTS: list[list[int]] = random_prompts(7, (1, 5, 9, 17, 23))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,9 +108,7 @@ STRESSED = {("deepseek_v3", 1), ("deepseek_v3", 2), ("deepseek_v2", 2), ("deepse
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])
 def engine(request: pytest.FixtureRequest, ckpt: Checkpoints) -> Iterator[tuple[str, int, LLM]]:
     name, P, mode = request.param
-    llm = LLM(model=ckpt(name), num_ranks=P, mode=mode, **ENGINE_KW)
-    yield ckpt(name), P, llm
-    llm.close()
+    yield from serve(ckpt(name), P, mode, ENGINE_KW)
 
 
 def _name(path: str) -> str:
@@ -146,14 +117,8 @@ def _name(path: str) -> str:
 
 def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
     """A batch of prompts in the start layout, then in the other after a switch: transformers' greedy tokens."""
-    path, P, llm = engine
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    start = llm.mode
-    for mode in (start, "ep" if start == "tp" else "tp", start):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
-        assert_kv_free(llm)
+    path, _, llm = engine
+    parity_across_switch(llm, path, PROMPTS, N_OUT)
 
 
 def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
@@ -162,43 +127,7 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
     path, P, llm = engine
     if (_name(path), P) not in STRESSED:
         pytest.skip("the same switch as a stressed engine's (see STRESSED)")
-    jobs = [(0, PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8), None),
-            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
-            (0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=9), 4),
-            (2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6), None),
-            (5, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), None)]
-
-    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
-        ids: dict[int, str] = {}
-        last: dict[str, Any] = {}
-        for step in range(200):
-            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
-                if arrive == step:
-                    ids[j] = llm.add_request(list(prompt), params)
-                if abort_at == step:
-                    llm.abort(ids[j])
-            if step in switch_at:
-                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
-            if step > 6 and not llm.has_unfinished():
-                break
-            for out in llm.step():
-                last[out.request_id] = out
-        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
-
-    start = llm.mode
-    ref = run(set())
-    got = run({1, 2, 3, 5, 6, 8, 11})
-    if llm.mode != start:
-        assert llm.switch_mode(start).done
-    for j, (_, prompt, params, abort_at) in enumerate(jobs):
-        if abort_at is not None:
-            full = hf_greedy(path, tuple(prompt), params.max_tokens)
-            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
-            continue
-        assert got[j] == ref[j], f"job {j} differs from the run without switches"
-        if params.temperature == 0:
-            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
-    assert_kv_free(llm)
+    switch_stress(llm, path, stress_jobs(PROMPTS, aborted_tokens=9))
 
 
 @pytest.mark.gpu
@@ -207,24 +136,8 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
 def test_greedy_equals_transformers_on_the_gpu(ckpt: Checkpoints, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU in float32: decode graphs and step pieces (the latent kernels between them) give transformers'
     greedy tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
-    from moebius.link.messages import DecodeProbe, PrefillProbe
-
     monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "deepseek")  # (the GPU path these tests check first)
-    path = ckpt(name)
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    kw = dict(ENGINE_KW, device="cuda", cuda_graph_max_bs=8, warmup="none")
-    with LLM(model=path, **kw) as llm:
-        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0,
-                                                                         graphs=True)))
-        assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=16, context=8, steps=1, warmup=0)))
-        for mode in ("tp", "ep", "tp"):
-            if llm.mode != mode:
-                assert llm.switch_mode(mode).done
-            assert greedy_outputs(llm, PROMPTS) == want, mode
-            assert_kv_free(llm)
-    for flag in ("disable_cuda_graph", "disable_overlap_schedule"):
-        with LLM(model=path, **{flag: True}, **kw) as llm:
-            assert greedy_outputs(llm, PROMPTS) == want, flag
+    gpu_parity(ckpt(name), PROMPTS, N_OUT, ENGINE_KW)
 
 
 def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:
@@ -236,10 +149,9 @@ def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True))
         sample = out[0].outputs[0]
         assert list(sample.token_ids) == hf_greedy(ckpt("deepseek_v3"), tuple(prompt), 4)
-        routed = torch.tensor(sample.routed_experts)
-        assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, MoE layers, top-k
+        assert_routed(sample.routed_experts, (4, 2, 2), 8)  # tokens, MoE layers, top-k
         assert llm.update_weights_from_disk(ckpt("deepseek_v3_b")).done
-        assert greedy_outputs(llm, [prompt]) == [hf_greedy(ckpt("deepseek_v3_b"), tuple(prompt), N_OUT)]
+        assert greedy_outputs(llm, [prompt], N_OUT) == [hf_greedy(ckpt("deepseek_v3_b"), tuple(prompt), N_OUT)]
         assert_kv_free(llm)
     finally:
         llm.close()
