@@ -17,29 +17,37 @@ steps.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import random
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import family_cases
 import pytest
 import torch
-from conftest import MIN_MARGIN, VOCAB, _reinit_
+from conftest import VOCAB
+from family_cases import (
+    assert_kv_free,
+    assert_routed,
+    greedy_outputs,
+    hf_greedy,
+    parity_across_switch,
+    random_prompts,
+    serve,
+    stress_jobs,
+    switch_stress,
+    write_hf_checkpoint,
+)
+from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
 from moebius.config import PRESETS, ConfigError, EngineConfig, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 from moebius.parallel.layout import Layout, check_shapes
 
-BLOCK = 4
 N_OUT = 8
-_rng = random.Random(11)
-PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 23)]
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
-                                 max_num_batched_tokens=16, max_running_requests=8, seed=0,
-                                 enable_return_routed_experts=True)
+PROMPTS: list[list[int]] = random_prompts(11, (1, 5, 9, 17, 23))
+ENGINE_KW: dict[str, Any] = dict(family_cases.ENGINE_KW, enable_return_routed_experts=True)
 
 # Keyword arguments of transformers' OlmoeConfig (tiny: 8 heads, 8 experts, P up to 4)
 OLMOE_CONFIG: dict[str, Any] = dict(
@@ -56,15 +64,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {  # overrides, seed
 
 def write_olmoe_checkpoint(path: str, overrides: dict[str, Any], seed: int) -> str:
     """Save a random OlmoeForCausalLM with save_pretrained (no EOS: greedy runs go their full length)."""
-    from transformers import OlmoeConfig, OlmoeForCausalLM
-
-    cfg = OlmoeConfig(**{**OLMOE_CONFIG, **overrides, "eos_token_id": None, "pad_token_id": None})
-    cfg.architectures = ["OlmoeForCausalLM"]
-    torch.manual_seed(seed)
-    model = OlmoeForCausalLM(cfg).float().eval()
-    _reinit_(model, seed)
-    model.save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, "OlmoeForCausalLM", {**OLMOE_CONFIG, **overrides, "pad_token_id": None}, seed)
 
 
 @pytest.fixture(scope="module")
@@ -78,42 +78,6 @@ def olmoe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
         return write_olmoe_checkpoint(str(root / name), overrides, seed)
 
     return path
-
-
-@functools.cache
-def _hf(path: str) -> torch.nn.Module:
-    from transformers import OlmoeForCausalLM
-
-    return OlmoeForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                            experts_implementation="eager").eval()
-
-
-@functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
-            seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
-
-
-def _config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def assert_kv_free(llm: LLM) -> None:
-    for r, s in enumerate(llm.kv_stats()["per_rank"]):
-        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,22 +217,14 @@ STRESSED = {("olmoe", 2), ("olmoe_gqa", 4)}
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])
 def engine(request: pytest.FixtureRequest, olmoe: Callable[[str], str]) -> Iterator[tuple[str, int, LLM]]:
     name, P, mode = request.param
-    llm = LLM(model=olmoe(name), num_ranks=P, mode=mode, **ENGINE_KW)
-    yield olmoe(name), P, llm
-    llm.close()
+    yield from serve(olmoe(name), P, mode, ENGINE_KW)
 
 
 def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
     """A batch of prompts in the start layout, then in the other after a switch, then back: transformers' greedy
     tokens."""
-    path, P, llm = engine
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    start = llm.mode
-    for mode in (start, "ep" if start == "tp" else "tp", start):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
-        assert_kv_free(llm)
+    path, _, llm = engine
+    parity_across_switch(llm, path, PROMPTS, N_OUT)
 
 
 def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
@@ -277,43 +233,7 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
     path, P, llm = engine
     if (os.path.basename(path), P) not in STRESSED:
         pytest.skip("the same switch as a stressed engine's (see STRESSED)")
-    jobs = [(0, PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8), None),
-            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
-            (0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=9), 4),
-            (2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6), None),
-            (5, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), None)]
-
-    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
-        ids: dict[int, str] = {}
-        last: dict[str, Any] = {}
-        for step in range(200):
-            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
-                if arrive == step:
-                    ids[j] = llm.add_request(list(prompt), params)
-                if abort_at == step:
-                    llm.abort(ids[j])
-            if step in switch_at:
-                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
-            if step > 6 and not llm.has_unfinished():
-                break
-            for out in llm.step():
-                last[out.request_id] = out
-        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
-
-    start = llm.mode
-    ref = run(set())
-    got = run({1, 2, 3, 5, 6, 8, 11})
-    if llm.mode != start:
-        assert llm.switch_mode(start).done
-    for j, (_, prompt, params, abort_at) in enumerate(jobs):
-        if abort_at is not None:
-            full = hf_greedy(path, tuple(prompt), params.max_tokens)
-            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
-            continue
-        assert got[j] == ref[j], f"job {j} differs from the run without switches"
-        if params.temperature == 0:
-            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
-    assert_kv_free(llm)
+    switch_stress(llm, path, stress_jobs(PROMPTS, aborted_tokens=9))
 
 
 def test_weight_update_from_disk_in_both_layouts(engine: tuple[str, int, LLM], olmoe: Callable[[str], str]) -> None:
@@ -325,20 +245,19 @@ def test_weight_update_from_disk_in_both_layouts(engine: tuple[str, int, LLM], o
         pytest.skip("one engine updates (P = 2: both layouts cut the q/k norms differently)")
     prompts = PROMPTS[2:4]
     out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True))
-    routed = torch.tensor(out[0].outputs[0].routed_experts)
-    assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, layers, top-k
+    assert_routed(out[0].outputs[0].routed_experts, (4, 2, 2), 8)  # tokens, layers, top-k
     start = llm.mode
     try:
         assert llm.update_weights_from_disk(olmoe("olmoe_b")).done
         for mode in ("ep", "tp"):
             if llm.mode != mode:
                 assert llm.switch_mode(mode).done
-            assert greedy_outputs(llm, prompts) == [hf_greedy(olmoe("olmoe_b"), tuple(p), N_OUT) for p in prompts]
+            assert greedy_outputs(llm, prompts, N_OUT) == [hf_greedy(olmoe("olmoe_b"), p, N_OUT) for p in prompts]
     finally:
         assert llm.update_weights_from_disk(path).done
         if llm.mode != start:
             assert llm.switch_mode(start).done
-    assert greedy_outputs(llm, prompts) == [hf_greedy(path, tuple(p), N_OUT) for p in prompts]
+    assert greedy_outputs(llm, prompts, N_OUT) == [hf_greedy(path, tuple(p), N_OUT) for p in prompts]
     assert_kv_free(llm)
 
 
