@@ -18,28 +18,37 @@ Every engine runs prompts crossing 4-token pages with a 16-token step budget (pr
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from conftest import MIN_MARGIN, VOCAB, _reinit_
+from conftest import VOCAB
+from family_cases import (
+    ENGINE_KW,
+    Job,
+    assert_kv_free,
+    assert_routed,
+    generate_help,
+    gpu_parity,
+    greedy_outputs,
+    hf_greedy,
+    parity_across_switch,
+    random_prompts,
+    serve,
+    switch_stress,
+    write_hf_checkpoint,
+)
+from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
 from moebius.config import PRESETS, ConfigError, EngineConfig, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 from moebius.parallel.layout import MODES, Layout, check_shapes
 
-BLOCK = 4
 N_OUT = 8
-_rng = random.Random(11)
-PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 6, 9, 17)]
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
-                                 max_num_batched_tokens=16, max_running_requests=8, seed=0)
+PROMPTS: list[list[int]] = random_prompts(11, (1, 6, 9, 17))
 
 # Keyword arguments of transformers' Glm4MoeConfig (tiny: 4 heads on 2 KV heads, 8 experts, P up to 4)
 GLM_CONFIG: dict[str, Any] = dict(
@@ -60,20 +69,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
 def write_glm_checkpoint(path: str, overrides: dict[str, Any], seed: int) -> str:
     """Save a random Glm4MoeForCausalLM with save_pretrained, its weights re-initialised as `_reinit_` does and the
     routers' e_score_correction_bias random (std 0.1: it changes some choices)."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-
-    cfg = Glm4MoeConfig(**{**GLM_CONFIG, **overrides})
-    cfg.architectures = ["Glm4MoeForCausalLM"]
-    torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(cfg).float().eval()
-    _reinit_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    model.save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, "Glm4MoeForCausalLM", {**GLM_CONFIG, **overrides}, seed, router_bias=True)
 
 
 @pytest.fixture(scope="module")
@@ -89,41 +85,6 @@ def glm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
         return paths[name]
 
     return get
-
-
-@functools.cache
-def _hf(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
-            seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
-
-
-def _config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def assert_kv_free(llm: LLM) -> None:
-    for r, s in enumerate(llm.kv_stats()["per_rank"]):
-        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,21 +159,13 @@ STRESSED = {("glm_qk", 2), ("glm_plain", 4)}
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])
 def engine(request: pytest.FixtureRequest, glm: Callable[[str], str]) -> Iterator[tuple[str, int, LLM]]:
     name, P, mode = request.param
-    llm = LLM(model=glm(name), num_ranks=P, mode=mode, **ENGINE_KW)
-    yield glm(name), P, llm
-    llm.close()
+    yield from serve(glm(name), P, mode, ENGINE_KW)
 
 
 def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
     """A batch of prompts in the start layout, then in the other after a switch: transformers' greedy tokens."""
-    path, P, llm = engine
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    start = llm.mode
-    for mode in (start, "ep" if start == "tp" else "tp"):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
-        assert_kv_free(llm)
+    path, _, llm = engine
+    parity_across_switch(llm, path, PROMPTS, N_OUT, back=False)
 
 
 def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
@@ -221,42 +174,11 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
     path, P, llm = engine
     if (os.path.basename(path), P) not in STRESSED:
         pytest.skip("the same switch as a stressed engine's (see STRESSED)")
-    jobs = [(0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8), None),
-            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
-            (0, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8), 4),
-            (2, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6), None)]
-
-    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
-        ids: dict[int, str] = {}
-        last: dict[str, Any] = {}
-        for step in range(200):
-            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
-                if arrive == step:
-                    ids[j] = llm.add_request(list(prompt), params)
-                if abort_at == step:
-                    llm.abort(ids[j])
-            if step in switch_at:
-                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
-            if step > 3 and not llm.has_unfinished():
-                break
-            for out in llm.step():
-                last[out.request_id] = out
-        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
-
-    start = llm.mode
-    ref = run(set())
-    got = run({1, 2, 3, 5, 8})
-    if llm.mode != start:
-        assert llm.switch_mode(start).done
-    for j, (_, prompt, params, abort_at) in enumerate(jobs):
-        if abort_at is not None:
-            full = hf_greedy(path, tuple(prompt), params.max_tokens)
-            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
-            continue
-        assert got[j] == ref[j], f"job {j} differs from the run without switches"
-        if params.temperature == 0:
-            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
-    assert_kv_free(llm)
+    jobs = [Job(0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8)),
+            Job(0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2)),
+            Job(0, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8), 4),
+            Job(2, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6))]
+    switch_stress(llm, path, jobs, switch_at={1, 2, 3, 5, 8})
 
 
 @pytest.mark.gpu
@@ -267,24 +189,8 @@ def test_greedy_equals_transformers_on_the_gpu(glm: Callable[[str], str], name: 
     """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces
     (partial rotary through torch ops, the paged attention kernel between the pieces) give transformers' greedy
     tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
-    from moebius.link.messages import DecodeProbe, PrefillProbe
-
     monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "glm4_moe")  # (the GPU path these tests check first)
-    path = glm(name)
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    kw = dict(ENGINE_KW, device="cuda", cuda_graph_max_bs=8, warmup="none")
-    with LLM(model=path, **kw) as llm:
-        assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0,
-                                                                         graphs=True)))
-        assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=16, context=8, steps=1, warmup=0)))
-        for mode in ("tp", "ep", "tp"):
-            if llm.mode != mode:
-                assert llm.switch_mode(mode).done
-            assert greedy_outputs(llm, PROMPTS) == want, mode
-            assert_kv_free(llm)
-    for flag in ("disable_cuda_graph", "disable_overlap_schedule"):
-        with LLM(model=path, **{flag: True}, **kw) as llm:
-            assert greedy_outputs(llm, PROMPTS) == want, flag
+    gpu_parity(glm(name), PROMPTS, N_OUT, ENGINE_KW)
 
 
 def test_weight_update_from_disk_and_routed_experts(glm: Callable[[str], str]) -> None:
@@ -295,13 +201,12 @@ def test_weight_update_from_disk_and_routed_experts(glm: Callable[[str], str]) -
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True))
         sample = out[0].outputs[0]
         assert list(sample.token_ids) == hf_greedy(glm("glm_qk"), tuple(prompt), 4)
-        routed = torch.tensor(sample.routed_experts)
-        assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, MoE layers, top-k
+        assert_routed(sample.routed_experts, (4, 2, 2), 8)  # tokens, MoE layers, top-k
         assert llm.update_weights_from_disk(glm("glm_qk_b")).done
         want = hf_greedy(glm("glm_qk_b"), tuple(prompt), N_OUT)
-        assert greedy_outputs(llm, [prompt]) == [want]
+        assert greedy_outputs(llm, [prompt], N_OUT) == [want]
         assert llm.switch_mode("tp").done
-        assert greedy_outputs(llm, [prompt]) == [want]
+        assert greedy_outputs(llm, [prompt], N_OUT) == [want]
         assert_kv_free(llm)
 
 
@@ -321,10 +226,10 @@ def test_the_multi_token_prediction_layer_is_not_read(glm: Callable[[str], str],
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     prompt = PROMPTS[1]
     with LLM(model=path, **ENGINE_KW) as llm:
-        assert greedy_outputs(llm, [prompt]) == [hf_greedy(glm("glm_qk_b"), tuple(prompt), N_OUT)]
+        assert greedy_outputs(llm, [prompt], N_OUT) == [hf_greedy(glm("glm_qk_b"), tuple(prompt), N_OUT)]
         assert llm.update_weights_from_disk(glm("glm_qk")).done
         assert llm.update_weights_from_disk(path).done
-        assert greedy_outputs(llm, [prompt]) == [hf_greedy(glm("glm_qk_b"), tuple(prompt), N_OUT)]
+        assert greedy_outputs(llm, [prompt], N_OUT) == [hf_greedy(glm("glm_qk_b"), tuple(prompt), N_OUT)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -360,19 +265,7 @@ def test_preset_parses_with_its_published_shapes(preset: str) -> None:
         floor = family_of(cfg).floor_terms(cfg, Layout(cfg, "ep", 0, P))  # the shared experts: 1/P a rank
         assert floor.moe_layers == layers - len(dense)
         assert floor.shared_weights == floor.moe_layers * 3 * hidden * cfg.moe_intermediate_size * shared / P
-    assert preset in _generate_help()
-
-
-def _generate_help() -> str:
-    import contextlib
-    import io
-
-    from moebius.entrypoints.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["generate", "--help"]) == 0
-    return " ".join(out.getvalue().split())  # argparse wraps the names over lines
+    assert preset in generate_help()
 
 
 @pytest.mark.slow
