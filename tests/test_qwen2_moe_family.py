@@ -21,26 +21,31 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, _reinit_
-from test_mixtral_family import (
+from conftest import VOCAB
+from family_cases import (
     ENGINE_KW,
-    N_OUT,
-    PROMPTS,
-    _config,
-    _hf,
-    _saved,
     assert_kv_free,
-    check_greedy_in_both_layouts,
-    check_live_switches,
+    assert_routed,
     greedy_outputs,
     hf_greedy,
+    hf_model,
+    parity_across_switch,
+    random_prompts,
+    saved_tensors,
+    serve,
+    stress_jobs,
+    switch_stress,
+    write_hf_checkpoint,
 )
+from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
 from moebius.config import PRESETS, ConfigError, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 from moebius.parallel.layout import MODES, Layout, check_shapes
 
+N_OUT = 8
+PROMPTS: list[list[int]] = random_prompts(11, (1, 5, 9, 17, 23))  # test_mixtral_family.py's
 CONFIG: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
     shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -57,15 +62,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
 
 
 def write_qwen2_moe(path: str, overrides: dict[str, Any], seed: int) -> str:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    cfg = Qwen2MoeConfig(**{**CONFIG, **overrides, "eos_token_id": None})  # no EOS: full-length greedy runs
-    cfg.architectures = ["Qwen2MoeForCausalLM"]
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(cfg).float().eval()
-    _reinit_(model, seed)
-    model.save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, "Qwen2MoeForCausalLM", {**CONFIG, **overrides}, seed)
 
 
 @pytest.fixture(scope="module")
@@ -164,21 +161,19 @@ STRESSED = {("qwen2_moe", 2), ("qwen2_moe", 4)}  # the switch stress's engines (
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])
 def engine(request: pytest.FixtureRequest, ckpts: dict[str, str]) -> Iterator[tuple[str, int, LLM]]:
     name, P, mode = request.param
-    llm = LLM(model=ckpts[name], num_ranks=P, mode=mode, **ENGINE_KW)
-    yield name, P, llm
-    llm.close()
+    yield from serve(ckpts[name], P, mode, ENGINE_KW)
 
 
-def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM], ckpts: dict[str, str]) -> None:
-    name, P, llm = engine
-    check_greedy_in_both_layouts(llm, ckpts[name], P)
+def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
+    path, _, llm = engine
+    parity_across_switch(llm, path, PROMPTS, N_OUT)
 
 
-def test_live_switches_change_no_token(engine: tuple[str, int, LLM], ckpts: dict[str, str]) -> None:
-    name, P, llm = engine
-    if (name, P) not in STRESSED:
+def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
+    path, P, llm = engine
+    if (os.path.basename(path), P) not in STRESSED:
         pytest.skip("the same switch as a stressed engine's (see STRESSED)")
-    check_live_switches(llm, ckpts[name])
+    switch_stress(llm, path, stress_jobs(PROMPTS, aborted_tokens=8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,21 +192,20 @@ def test_weight_updates_and_routed_experts(ckpts: dict[str, str]) -> None:
     want_b = [hf_greedy(b, tuple(p), N_OUT) for p in prompts]
     with LLM(model=a, num_ranks=2, mode="tp", enable_return_routed_experts=True, **ENGINE_KW) as llm:
         out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4, return_routed_experts=True))
-        routed = torch.tensor(out[0].outputs[0].routed_experts)
-        assert routed.shape == (4, 2, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, MoE layers, top-k
+        assert_routed(out[0].outputs[0].routed_experts, (4, 2, 2), 8)  # tokens, MoE layers, top-k
         assert llm.update_weights_from_disk(b).done
-        assert greedy_outputs(llm, prompts) == want_b
-        assert llm.update_weights(_saved(a).items()).done
+        assert greedy_outputs(llm, prompts, N_OUT) == want_b
+        assert llm.update_weights(saved_tensors(a).items()).done
         assert llm.switch_mode("ep").done
-        assert greedy_outputs(llm, prompts) == want_a
-        shared = {n: t for n, t in _saved(b).items() if ".shared_expert" in n}
+        assert greedy_outputs(llm, prompts, N_OUT) == want_a
+        shared = {n: t for n, t in saved_tensors(b).items() if ".shared_expert" in n}
         assert len(shared) == 2 * 4
         assert llm.update_weights(shared.items()).done
-        got = greedy_outputs(llm, prompts)
+        got = greedy_outputs(llm, prompts, N_OUT)
         assert llm.switch_mode("tp").done
-        assert greedy_outputs(llm, prompts) == got
+        assert greedy_outputs(llm, prompts, N_OUT) == got
         assert_kv_free(llm)
-    hf = _hf(a)
+    hf = hf_model(a)
     try:
         with torch.no_grad():
             params = dict(hf.named_parameters())
