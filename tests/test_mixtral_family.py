@@ -15,16 +15,29 @@ steps.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from conftest import MIN_MARGIN, VOCAB, _reinit_
+from conftest import VOCAB
+from family_cases import (
+    ENGINE_KW,
+    assert_kv_free,
+    greedy_outputs,
+    hf_greedy,
+    hf_model,
+    parity_across_switch,
+    random_prompts,
+    saved_tensors,
+    serve,
+    stress_jobs,
+    switch_stress,
+    write_hf_checkpoint,
+)
+from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
 from moebius.config import PRESETS, ConfigError, KVSpec
@@ -32,12 +45,8 @@ from moebius.models.registry import FAMILIES, family_of, model_config
 from moebius.models.specs import W1W3W2_EXPERTS, fused_name, per_expert, per_expert_names
 from moebius.parallel.layout import MODES, Layout, check_shapes
 
-BLOCK = 4
 N_OUT = 8
-_rng = random.Random(11)
-PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 23)]
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
-                                 max_num_batched_tokens=16, max_running_requests=8, seed=0)
+PROMPTS: list[list[int]] = random_prompts(11, (1, 5, 9, 17, 23))
 CONFIG: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
@@ -52,57 +61,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
 
 
 def write_mixtral(path: str, overrides: dict[str, Any], seed: int) -> str:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(**{**CONFIG, **overrides, "eos_token_id": None})  # no EOS: full-length greedy runs
-    cfg.architectures = ["MixtralForCausalLM"]
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(cfg).float().eval()
-    _reinit_(model, seed)
-    model.save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, "MixtralForCausalLM", {**CONFIG, **overrides}, seed)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mixtral")
     return {name: write_mixtral(str(root / name), ov, seed) for name, (ov, seed) in VARIANTS.items()}
-
-
-@functools.cache
-def _hf(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                experts_implementation="eager").eval()
-
-
-@functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
-            seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
-
-
-def _config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def assert_kv_free(llm: LLM) -> None:
-    for r, s in enumerate(llm.kv_stats()["per_rank"]):
-        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,86 +172,24 @@ STRESSED = {("mixtral", 2), ("mixtral_mqa", 4)}  # the switch stress's engines (
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])
 def engine(request: pytest.FixtureRequest, ckpts: dict[str, str]) -> Iterator[tuple[str, int, LLM]]:
     name, P, mode = request.param
-    llm = LLM(model=ckpts[name], num_ranks=P, mode=mode, **ENGINE_KW)
-    yield name, P, llm
-    llm.close()
+    yield from serve(ckpts[name], P, mode, ENGINE_KW)
 
 
-def check_greedy_in_both_layouts(llm: LLM, path: str, P: int) -> None:
-    """A batch of prompts in the start layout, then in the other after a switch, then back: transformers' greedy
-    tokens, every KV page free after each."""
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    start = llm.mode
-    for mode in (start, "ep" if start == "tp" else "tp", start):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
-        assert_kv_free(llm)
+def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
+    path, _, llm = engine
+    parity_across_switch(llm, path, PROMPTS, N_OUT)
 
 
-def check_live_switches(llm: LLM, path: str) -> None:
-    """Arrivals, an abort, sampled n = 2 and greedy requests under a switch at many steps: the outputs of the run
-    without switches (greedy: transformers'), the aborted one a prefix, and every KV page free afterwards."""
-    jobs = [(0, PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8), None),
-            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
-            (0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8), 4),
-            (2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6), None),
-            (5, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), None)]
-
-    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
-        ids: dict[int, str] = {}
-        last: dict[str, Any] = {}
-        for step in range(200):
-            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
-                if arrive == step:
-                    ids[j] = llm.add_request(list(prompt), params)
-                if abort_at == step:
-                    llm.abort(ids[j])
-            if step in switch_at:
-                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
-            if step > 6 and not llm.has_unfinished():
-                break
-            for out in llm.step():
-                last[out.request_id] = out
-        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
-
-    start = llm.mode
-    ref = run(set())
-    got = run({1, 2, 3, 5, 6, 8, 11})
-    if llm.mode != start:
-        assert llm.switch_mode(start).done
-    for j, (_, prompt, params, abort_at) in enumerate(jobs):
-        if abort_at is not None:
-            full = hf_greedy(path, tuple(prompt), params.max_tokens)
-            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
-            continue
-        assert got[j] == ref[j], f"job {j} differs from the run without switches"
-        if params.temperature == 0:
-            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
-    assert_kv_free(llm)
-
-
-def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM], ckpts: dict[str, str]) -> None:
-    name, P, llm = engine
-    check_greedy_in_both_layouts(llm, ckpts[name], P)
-
-
-def test_live_switches_change_no_token(engine: tuple[str, int, LLM], ckpts: dict[str, str]) -> None:
-    name, P, llm = engine
-    if (name, P) not in STRESSED:
+def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
+    path, P, llm = engine
+    if (os.path.basename(path), P) not in STRESSED:
         pytest.skip("the same switch as a stressed engine's (see STRESSED)")
-    check_live_switches(llm, ckpts[name])
+    switch_stress(llm, path, stress_jobs(PROMPTS, aborted_tokens=8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Weight updates
 # ---------------------------------------------------------------------------------------------------------------
-
-def _saved(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
-
 
 def test_weight_updates_by_mixtral_names_and_fused_tensors(ckpts: dict[str, str]) -> None:
     """At P = 2 in EP then TP: an update from disk gives the new checkpoint's tokens; back to the old weights by
@@ -298,26 +201,26 @@ def test_weight_updates_by_mixtral_names_and_fused_tensors(ckpts: dict[str, str]
     want_a = [hf_greedy(a, tuple(p), N_OUT) for p in prompts]
     want_b = [hf_greedy(b, tuple(p), N_OUT) for p in prompts]
     with LLM(model=a, num_ranks=2, mode="ep", **ENGINE_KW) as llm:
-        assert greedy_outputs(llm, prompts) == want_a
+        assert greedy_outputs(llm, prompts, N_OUT) == want_a
         assert llm.update_weights_from_disk(b).done
-        assert greedy_outputs(llm, prompts) == want_b
-        old = _saved(a)
+        assert greedy_outputs(llm, prompts, N_OUT) == want_b
+        old = saved_tensors(a)
         assert any(".block_sparse_moe.experts.3.w2." in n for n in old)
         assert llm.update_weights(old.items()).done
         assert llm.switch_mode("tp").done
-        assert greedy_outputs(llm, prompts) == want_a
-        fused = {n: t.detach() for n, t in _hf(b).named_parameters() if fused_name(n) is None
+        assert greedy_outputs(llm, prompts, N_OUT) == want_a
+        fused = {n: t.detach() for n, t in hf_model(b).named_parameters() if fused_name(n) is None
                  and n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
         assert sorted(fused) == sorted(f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
                                        for w in ("gate_up_proj", "down_proj"))
-        rest = {n: t for n, t in _saved(b).items() if fused_name(n) is None}
+        rest = {n: t for n, t in saved_tensors(b).items() if fused_name(n) is None}
         w1 = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
         with pytest.raises(ValueError, match=f"tensor {w1.replace('.', '[.]')} is given twice"):
-            llm.update_weights([*fused.items(), (w1, _saved(b)[w1])])
+            llm.update_weights([*fused.items(), (w1, saved_tensors(b)[w1])])
         assert llm.update_weights([*fused.items(), *rest.items()]).done
-        assert greedy_outputs(llm, prompts) == want_b
+        assert greedy_outputs(llm, prompts, N_OUT) == want_b
         assert llm.switch_mode("ep").done
-        assert greedy_outputs(llm, prompts) == want_b
+        assert greedy_outputs(llm, prompts, N_OUT) == want_b
         assert_kv_free(llm)
 
 
