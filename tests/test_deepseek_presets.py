@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import Checkpoints
+from family_cases import assert_presets_named, assert_rank_count_refused
 
-from moebius.config import PRESETS, ConfigError, EngineConfig
+from moebius.config import PRESETS, EngineConfig
 from moebius.models.registry import family_of, model_config
 from moebius.parallel.layout import MODES, Layout, check_shapes
 
@@ -64,32 +65,13 @@ def test_preset_layouts_at_1_2_4_8_ranks(preset: str, P: int) -> None:
 ])
 def test_engine_refuses_rank_counts_the_shapes_do_not_allow(preset: str, P: int, what: str) -> None:
     """Refused before any rank starts (the front end checks the shapes), naming the number that does not divide."""
-    from moebius import LLM
-
-    with pytest.raises(ConfigError, match=what):
-        check_shapes(model_config(PRESETS[preset]), P)
-    with pytest.raises(ConfigError, match=what):
-        LLM(model=preset, load_format="dummy", num_layers=1, device="cpu", num_ranks=P)
+    assert_rank_count_refused(preset, P, what)
 
 
 def test_command_line_names_the_presets() -> None:
     """`moebius generate --model` takes a preset, and its help (EngineConfig's) names each."""
-    text = _generate_help()
-    for preset in DEEPSEEK:
-        assert preset in text
+    assert_presets_named(DEEPSEEK)
     assert EngineConfig.from_kwargs(model="kimi-k2").model == "kimi-k2"
-
-
-def _generate_help() -> str:
-    import contextlib
-    import io
-
-    from moebius.entrypoints.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["generate", "--help"]) == 0
-    return " ".join(out.getvalue().split())  # argparse wraps the names over lines
 
 
 def test_deepseek_v2_lite_starts_on_the_cpu() -> None:
