@@ -14,7 +14,7 @@ from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.attention import AttentionGeometry, AttentionMetadata, paged_attention, qkv_attention
 from moebius.layers.linear import linear
-from moebius.models.specs import Fetch, ParamSpec
+from moebius.models.specs import Fetch, FloorTerms, ParamSpec
 from moebius.models.weights import ModelWeights
 from moebius.parallel.layout import Layout
 
@@ -91,3 +91,22 @@ def attention_weights(views: dict[str, torch.Tensor], lay: Layout, p: str) -> At
     tag = attn_tag(lay)
     return AttnWeights(views[p + f"qkv.{tag}"], views.get(p + f"qkv_bias.{tag}"), views[p + f"o_proj.{tag}"],
                        views.get(p + "q_norm"), views.get(p + "k_norm"))
+
+
+def floor_terms(cfg: ModelConfig, lay: Layout, *, attn_extra: float = 0.0, shared_weights: float = 0.0) -> FloorTerms:
+    """GQA's terms of the floor model (`FloorTerms`): a layout's q and o rows of its query heads, k and v of its KV
+    heads (replicated in TP below P), head_dim each, K and V cached per KV head; dense MLP layers by the layout's
+    shard (none in all-MoE families). A family adds attn_extra (attention elements a layer beyond these: OLMoE's
+    whole-projection norms) and shared_weights (elements every rank runs on every token: shared experts' shards);
+    biases and per-head norms are left out, as norms are."""
+    D, d, L, spec = cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.kv_spec
+    qh, kvh = lay.num_heads, lay.num_kv_heads
+    moe = sum(1 for i in range(L) if cfg.is_moe_layer(i))
+    return FloorTerms(
+        attn_weights=L * (D * qh * d * 2 + D * kvh * d * 2 + attn_extra),
+        dense_weights=(L - moe) * 3 * D * lay.dense_inter,
+        kv_per_token=L * kvh * spec.parts * spec.dim,
+        attn_flops_per_key=L * 4 * qh * d,  # q.k and p.v of each of its heads
+        moe_layers=moe,
+        shared_weights=shared_weights,
+    )

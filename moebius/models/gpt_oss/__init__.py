@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from moebius.models import gqa
 from moebius.models.gpt_oss import forward
 from moebius.models.gpt_oss.config import parse_config
-from moebius.models.gpt_oss.floor_terms import floor_terms
 from moebius.models.gpt_oss.mxfp4 import MXFP4
 from moebius.models.gpt_oss.weights import build_weights, checkpoint_tensor_shapes, weight_specs
 from moebius.models.specs import Family
@@ -27,5 +27,5 @@ FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, b
                 rope_table=forward.family_rope_table, checks_own_keys=True,
                 cpu_only="its attention (sinks, sliding windows) and experts (biases, clamped SwiGLU) have "
                          "no GPU kernels yet: not yet checked on a GPU",
-                floor_terms=floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
+                floor_terms=gqa.floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
                 checkpoint_shapes=checkpoint_tensor_shapes)
