@@ -16,27 +16,38 @@ steps.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import family_cases
 import pytest
 import torch
-from conftest import MIN_MARGIN, VOCAB, _reinit_
+from conftest import VOCAB
+from family_cases import (
+    ENGINE_KW,
+    assert_kv_free,
+    assert_routed,
+    hf_greedy,
+    hf_model,
+    parity_across_switch,
+    random_prompts,
+    serve,
+    stress_jobs,
+    switch_stress,
+    write_hf_checkpoint,
+)
+from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
 from moebius.config import ConfigError, EngineConfig, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 
-BLOCK = 4
+# (test_gpt_oss_mxfp4.py imports ENGINE_KW, N_OUT, PROMPTS, _config, assert_kv_free, greedy_outputs, hf_greedy and
+# write_gpt_oss_checkpoint from here)
 N_OUT = 10
 WINDOW = 6
-_rng = random.Random(7)
-PROMPTS: list[list[int]] = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 23)]
-ENGINE_KW: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=BLOCK, max_total_tokens=512,
-                                 max_num_batched_tokens=16, max_running_requests=8, seed=0)
+PROMPTS: list[list[int]] = random_prompts(7, (1, 5, 9, 17, 23))
 CONFIG: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
@@ -48,15 +59,7 @@ CONFIG: dict[str, Any] = dict(
 
 def write_gpt_oss_checkpoint(path: str, overrides: dict[str, Any] | None = None, *, seed: int = 0) -> str:
     """Save a random GptOssForCausalLM with save_pretrained (no EOS: runs are compared at full length)."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(**{**CONFIG, **(overrides or {}), "eos_token_id": None})
-    cfg.architectures = ["GptOssForCausalLM"]
-    torch.manual_seed(seed)
-    model = GptOssForCausalLM(cfg).float().eval()
-    _reinit_(model, seed)
-    model.save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, "GptOssForCausalLM", {**CONFIG, **(overrides or {})}, seed)
 
 
 MAKERS: dict[str, Callable[[str], str]] = {
@@ -78,39 +81,9 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
     return get
 
 
-@functools.cache
-def _hf(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    """transformers' greedy tokens (a full forward a step), its top-1 / top-2 margins checked comfortable."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = _hf(path)(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) > MIN_MARGIN, f"test-suite bug: ill-conditioned greedy path {prompt}"
-            seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
-
-
-def _config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
 def greedy_outputs(llm: LLM, prompts: list[list[int]], n: int = N_OUT) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n))
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def assert_kv_free(llm: LLM) -> None:
-    for r, s in enumerate(llm.kv_stats()["per_rank"]):
-        assert s["free_tokens"] == s["total_tokens"] > 0, f"rank {r} leaks KV in {llm.mode}: {s}"
+    """family_cases.greedy_outputs, N_OUT tokens unless told."""
+    return family_cases.greedy_outputs(llm, prompts, n)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -146,7 +119,7 @@ def test_rope_table_is_transformers_yarn(ckpt: Callable[[str], str]) -> None:
     path = ckpt("gpt_oss")
     cfg = model_config(_config(path))
     table = family_of(cfg).rope_table(cfg, torch.device("cpu"))
-    rotary = _hf(path).model.rotary_emb
+    rotary = hf_model(path).model.rotary_emb
     assert rotary.attention_scaling > 1  # YaRN's factor scales cos and sin
     pos = torch.arange(cfg.max_position_embeddings)[None]
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
@@ -221,9 +194,7 @@ STRESSED = {2, 4}  # the switch stress's engines
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"P{p}-{m}" for p, m in ENGINES])
 def engine(request: pytest.FixtureRequest, ckpt: Callable[[str], str]) -> Iterator[tuple[str, int, LLM]]:
     P, mode = request.param
-    llm = LLM(model=ckpt("gpt_oss"), num_ranks=P, mode=mode, **ENGINE_KW)
-    yield ckpt("gpt_oss"), P, llm
-    llm.close()
+    yield from serve(ckpt("gpt_oss"), P, mode, ENGINE_KW)
 
 
 @pytest.mark.parametrize("feature", ["window", "sinks", "clamps"])
@@ -252,14 +223,8 @@ def test_each_feature_changes_the_oracles_tokens(ckpt: Callable[[str], str], fea
 
 def test_greedy_equals_transformers_in_both_layouts(engine: tuple[str, int, LLM]) -> None:
     """A batch of prompts in the start layout, then in the other after a switch: transformers' greedy tokens."""
-    path, P, llm = engine
-    want = [hf_greedy(path, tuple(p), N_OUT) for p in PROMPTS]
-    start = llm.mode
-    for mode in (start, "ep" if start == "tp" else "tp", start):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, PROMPTS) == want, f"P = {P} {mode}"
-        assert_kv_free(llm)
+    path, _, llm = engine
+    parity_across_switch(llm, path, PROMPTS, N_OUT)
 
 
 def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
@@ -268,43 +233,7 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
     path, P, llm = engine
     if P not in STRESSED:
         pytest.skip("the same switch as a stressed engine's (see STRESSED)")
-    jobs = [(0, PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=8), None),
-            (0, PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, n=2), None),
-            (0, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=9), 4),
-            (2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6), None),
-            (5, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), None)]
-
-    def run(switch_at: set[int]) -> dict[int, list[list[int]]]:
-        ids: dict[int, str] = {}
-        last: dict[str, Any] = {}
-        for step in range(200):
-            for j, (arrive, prompt, params, abort_at) in enumerate(jobs):
-                if arrive == step:
-                    ids[j] = llm.add_request(list(prompt), params)
-                if abort_at == step:
-                    llm.abort(ids[j])
-            if step in switch_at:
-                assert llm.switch_mode("tp" if llm.mode == "ep" else "ep").done
-            if step > 6 and not llm.has_unfinished():
-                break
-            for out in llm.step():
-                last[out.request_id] = out
-        return {j: [list(c.token_ids) for c in last[r].outputs] if r in last else [[]] for j, r in ids.items()}
-
-    start = llm.mode
-    ref = run(set())
-    got = run({1, 2, 3, 5, 6, 8, 11})
-    if llm.mode != start:
-        assert llm.switch_mode(start).done
-    for j, (_, prompt, params, abort_at) in enumerate(jobs):
-        if abort_at is not None:
-            full = hf_greedy(path, tuple(prompt), params.max_tokens)
-            assert all(t == full[: len(t)] for t in got[j]), f"job {j}: aborted output is not a greedy prefix"
-            continue
-        assert got[j] == ref[j], f"job {j} differs from the run without switches"
-        if params.temperature == 0:
-            assert got[j][0] == hf_greedy(path, tuple(prompt), params.max_tokens), f"job {j} differs from transformers"
-    assert_kv_free(llm)
+    switch_stress(llm, path, stress_jobs(PROMPTS, aborted_tokens=9))
 
 
 def test_weight_updates_routed_experts_and_prefix_cache(ckpt: Callable[[str], str], tmp_path: Any) -> None:
@@ -344,8 +273,7 @@ def test_weight_updates_routed_experts_and_prefix_cache(ckpt: Callable[[str], st
         first, again = (llm.generate([PROMPTS[4]], params)[0] for _ in range(2))
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(b, tuple(PROMPTS[4]), 4)
         assert first.num_cached_tokens == 0 and again.num_cached_tokens == 20
-        routed = torch.tensor(first.outputs[0].routed_experts)
-        assert routed.shape == (4, 3, 2) and 0 <= routed.min() and routed.max() < 8  # tokens, layers, top-k
+        assert_routed(first.outputs[0].routed_experts, (4, 3, 2), 8)  # tokens, layers, top-k
         assert_kv_free(llm)
 
 
