@@ -88,3 +88,30 @@ def test_a_latent_cache_is_replicated_in_tp_and_held_once_in_ep(P: int) -> None:
     # EP -> TP: the owner's latent goes to every rank
     move = kv_ep_to_tp(reqs, 1, tp, 4)
     assert all(len(s) == 6 for s in move.send_slots) and list(move.recv_heads[1]) == [0]
+
+
+def test_routers_stay_in_float32_where_transformers_keeps_them(ckpt: Checkpoints) -> None:
+    """A bf16 DeepSeek-V3 rank holds each MoE layer's router and e_score_correction_bias in float32, bit for bit the
+    checkpoint's (transformers' _keep_in_fp32_modules_strict: a bf16 copy of the bias could flip a near-tie between
+    experts), the rest in bf16."""
+    from moebius.config import EngineConfig
+    from moebius.worker.build import build_rank
+    from moebius.worker.rank import RankSpec
+
+    path = ckpt("deepseek_v3")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = model_config(json.load(f))
+    rank = build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cpu", max_total_tokens=256),
+                               model=cfg, checkpoint=path, device="cpu", dtype="bfloat16", eos_token_ids=(),
+                               max_model_len=64))
+    layers = next(iter(rank.modes.values())).runner.weights.layers
+    moe = [(i, lw.mlp) for i, lw in enumerate(layers) if cfg.is_moe_layer(i)]
+    assert moe
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        for i, mlp in moe:
+            p = f"model.layers.{i}.mlp.gate."
+            assert mlp.gate_ED.dtype == mlp.bias_E.dtype == torch.float32
+            assert torch.equal(mlp.gate_ED, f.get_tensor(p + "weight").float())
+            assert torch.equal(mlp.bias_E, f.get_tensor(p + "e_score_correction_bias").float())
+            assert mlp.w13_EFD.dtype == torch.bfloat16
+    assert layers[0].attn.kv_a_AD.dtype == torch.bfloat16

@@ -162,7 +162,7 @@ def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2) -> int:
         lay = Layout(cfg, mode, 0, P)
         for s in family.weight_specs(cfg, lay, dtype_bytes):
             if s.slot is None:
-                regions[s.name] = math.prod(s.shape) * (4 if s.name == "rope" else dtype_bytes)
+                regions[s.name] = math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else dtype_bytes)
     return sum(regions.values()) + (cfg.num_layers + 1) * Layout(cfg, "tp", 0, P).expert_bytes(dtype_bytes)
 
 

@@ -197,9 +197,10 @@ def moe_specs(cfg: ModelConfig, moe: MoEConfig, lay: Layout, i: int, elt: int) -
     correction bias (mlp.gate.e_score_correction_bias), and this rank's 1/P shard of the shared experts
     (mlp.shared_experts.{gate,up,down}_proj: gate rows then up rows, down columns)."""
     D, E, p = cfg.hidden_size, cfg.num_experts, f"model.layers.{i}."
-    specs = routed_expert_specs(cfg, lay, i, elt)
+    specs = routed_expert_specs(cfg, lay, i, elt, router_dtype=torch.float32)  # as transformers keeps it
     if moe.scoring_func == "sigmoid":
-        specs.append(ParamSpec(p + "mlp.gate.bias", (E,), lambda f: f(p + "mlp.gate.e_score_correction_bias", (E,))))
+        specs.append(ParamSpec(p + "mlp.gate.bias", (E,), lambda f: f(p + "mlp.gate.e_score_correction_bias", (E,)),
+                               dtype=torch.float32))
     if moe.n_shared_experts:
         Is, P, r, s = moe.shared_intermediate_size, lay.world_size, lay.rank, p + "mlp.shared_experts."
         specs += [

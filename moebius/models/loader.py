@@ -382,7 +382,7 @@ def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | 
         return ckpt.get(name, shape, dtype) if isinstance(ckpt, Checkpoint) else ckpt.get(name, shape)
 
     for s in specs:
-        view = spec_view(umm, s, torch.float32 if s.load is None else dtype)
+        view = spec_view(umm, s, dtype)
         if s.load is None:  # the RoPE table: the family's, or plain RoPE over head_dim
             table = family_of(cfg).rope_table
             view.copy_(rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, umm.device)
@@ -585,6 +585,6 @@ def write_update(umm: UnifiedMemory, specs: list[tuple[ParamSpec, tuple[str, ...
         elif some == len(reads):
             view.copy_(s.load(fetch))
         else:
-            view.copy_(torch.where(s.load(given), s.load(fetch).to(dtype), view))
+            view.copy_(torch.where(s.load(given), s.load(fetch).to(view.dtype), view))
         written += 1
     return written

@@ -83,6 +83,9 @@ class ParamSpec:
     # the cut written straight into the view, each byte once from the source (`load` is this into a fresh tensor);
     # a source piece fetched as a meta tensor is skipped (an update of some experts leaves the others' rows)
     fill: Callable[[Fetch, torch.Tensor], None] | None = None
+    # a dense region's dtype where it is not the model's: float32 for computed tables and for the routers
+    # transformers keeps in float32 (a bf16 copy could flip a near-tie between experts)
+    dtype: torch.dtype | None = None
 
 
 def tp_cut(t: torch.Tensor, dim: int, lay: Layout) -> torch.Tensor:
@@ -200,7 +203,7 @@ def per_expert(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, 
 def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
     if s.slot is not None:
         return umm.slot_view(s.slot, s.offset, s.shape, dtype)
-    return umm.view(s.name, s.shape, torch.float32 if s.name == "rope" else dtype)
+    return umm.view(s.name, s.shape, s.dtype or dtype)
 
 
 def norm_spec(name: str, D: int) -> ParamSpec:
@@ -217,7 +220,8 @@ def decoder_specs(cfg: ModelConfig, rope_width: int, layer_specs: Callable[[str,
     specs = [ParamSpec("model.embed_tokens", (V, D), lambda f: f("model.embed_tokens.weight", (V, D)))]
     if not cfg.tie_word_embeddings:
         specs.append(ParamSpec("lm_head", (V, D), lambda f: f("lm_head.weight", (V, D))))
-    specs += [norm_spec("model.norm", D), ParamSpec("rope", (cfg.max_position_embeddings, rope_width), None)]
+    specs += [norm_spec("model.norm", D), ParamSpec("rope", (cfg.max_position_embeddings, rope_width), None,
+                                                   dtype=torch.float32)]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         specs += [norm_spec(p + "input_layernorm", D), norm_spec(p + "post_attention_layernorm", D),
@@ -242,16 +246,18 @@ def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
     ]
 
 
-def routed_expert_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
-    """An MoE layer's router and its local experts' views, [gate | up] then down at the head of the layer's slot
-    (the checkpoint's per-expert names, `expert_names`, or fused tensors, through `ExpertCut`)."""
+def routed_expert_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int, router_dtype: torch.dtype | None = None
+                        ) -> list[ParamSpec]:
+    """An MoE layer's router (in `router_dtype` where not the model's) and its local experts' views, [gate | up]
+    then down at the head of the layer's slot (the checkpoint's per-expert names, `expert_names`, or fused tensors,
+    through `ExpertCut`)."""
     p, D, names = f"model.layers.{i}.", cfg.hidden_size, expert_names(cfg)
     E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
     slot = lay.slot_of(i)
     w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)), names)
     w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),), names)
     return [
-        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(names.router(p), (E, D))),
+        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(names.router(p), (E, D)), dtype=router_dtype),
         ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
         ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
     ]
@@ -343,7 +349,7 @@ class Family:
         for lay in layouts:
             for s in self.weight_specs(cfg, lay, dtype.itemsize):
                 if s.slot is None and s.name not in plan.regions:  # (rope is computed, not loaded: kept on release)
-                    plan.add(s.name, s.shape, torch.float32 if s.name == "rope" else dtype,
+                    plan.add(s.name, s.shape, s.dtype or dtype,
                              tag=None if s.load is None else "weights")
 
     def checkpoint_tensors(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
