@@ -115,14 +115,28 @@ def index_lies(path: str) -> None:
 
 
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+# transformers' per-channel FP8 (float8 weights, a weight_scale a row): a method no family reads
+FBGEMM_FP8 = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
+
+
+def fp8_without_scales(path: str) -> None:
+    """Block FP8's quantization_config, q_proj stored as float8 but no weight_scale_inv beside it."""
+    edit_config(quantization_config=FP8)(path)
+    retype(Q_PROJ, torch.float8_e4m3fn)(path)
+
 
 # (id, how the checkpoint is broken, exception type, what the message must say)
 BROKEN: list[tuple[str, Callable[[str], None], type[Exception], str]] = [
-    # quantized checkpoints: refused naming the method
-    ("fp8-block", edit_config(quantization_config=FP8), ConfigError,
-     r"config\.json has a quantization_config \(quant_method 'fp8', weight_block_size \[128, 128\]\): a quantized "
-     r"checkpoint, and Moebius reads no such one for \['Qwen3MoeForCausalLM'\] \(it reads mxfp4 for "
-     r"GptOssForCausalLM; FP8 is planned\)"),
+    # quantized checkpoints: refused naming the method (block FP8, which Qwen3-MoE reads: naming what is amiss)
+    ("fbgemm-fp8", edit_config(quantization_config=FBGEMM_FP8), ConfigError,
+     r"config\.json has a quantization_config \(quant_method 'fbgemm_fp8'\): a quantized checkpoint, and Moebius "
+     r"reads no such one for \['Qwen3MoeForCausalLM'\] \(it reads fp8 for Qwen3MoeForCausalLM, .*; mxfp4 for "
+     r"GptOssForCausalLM\)"),
+    ("fp8-block-64", edit_config(quantization_config={**FP8, "weight_block_size": [64, 64]}), ConfigError,
+     r"config\.json has a quantization_config \(quant_method 'fp8'\) with weight_block_size \[64, 64\]: Moebius "
+     r"reads block FP8 with weight_block_size \[128, 128\] only"),
+    ("fp8-without-scales", fp8_without_scales, ConfigError,
+     rf"is missing tensor {re.escape(Q_PROJ)}_scale_inv \(one of the fp8 pieces"),
     # MXFP4 is GPT-OSS's format: on another architecture it is refused the same way
     ("mxfp4", edit_config(quantization_config={"quant_method": "mxfp4"}), ConfigError,
      r"quant_method 'mxfp4'\): a quantized checkpoint, and Moebius reads no such one for \['Qwen3MoeForCausalLM'\]"),
@@ -218,12 +232,13 @@ def test_the_front_end_refuses_them_before_any_rank_is_spawned(ckpt: Checkpoints
 
 
 def test_a_checkpoint_misread_fails_without_the_checks(ckpt: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the checks stop: an FP8 quantization_config with float8 tensors would otherwise load as garbage weights.
-    The tensor check holds on its own too: with the config check off, the float8 tensor is still refused."""
+    """What the checks stop: an FP8 quantization_config no family reads, with float8 tensors, would otherwise load as
+    garbage weights. The tensor check holds on its own too: with the config check off, the float8 tensor is still
+    refused."""
     path = ckpt.copy("base", "fp8-both")
-    edit_config(quantization_config=FP8)(path)
+    edit_config(quantization_config=FBGEMM_FP8)(path)
     retype(Q_PROJ, torch.float8_e4m3fn)(path)
-    with pytest.raises(ConfigError, match="quant_method 'fp8'"):
+    with pytest.raises(ConfigError, match="quant_method 'fbgemm_fp8'"):
         make_llm(path)
     monkeypatch.setattr("moebius.models.source.check_quantization", lambda *a: None)
     with pytest.raises(ConfigError, match=rf"{re.escape(Q_PROJ)} .* F8_E4M3"):

@@ -211,10 +211,16 @@ class Checkpoint:
 
     def packed(self, name: str) -> tuple[str, ...] | None:
         """The stored pieces float tensor `name` is read from, where the checkpoint's packing packs it and any of
-        them is stored (else None: a module the quantizer left out, modules_to_not_convert, is stored as it is)."""
+        them is stored, or the name itself in no float dtype (else None: a module the quantizer left out,
+        modules_to_not_convert, is stored as it is)."""
         pieces = None if self.packing is None else self.packing.pieces(name)
-        # (a piece may be the name itself, FP8's weight beside its scales: the others say whether it is packed)
-        return pieces if pieces is not None and any(p in self._where for p in pieces if p != name) else None
+        if pieces is None:
+            return None
+        # (a piece may be the name itself, FP8's weight beside its scales: the others say whether it is packed, or
+        # its own dtype, no float one, where they are missing, so that the missing piece is named)
+        own = self._where.get(name) if name in pieces else None
+        others = any(p in self._where for p in pieces if p != name)
+        return pieces if others or (own is not None and own.dtype not in FLOAT_DTYPES) else None
 
     def packed_entries(self, name: str, shape: tuple[int, ...]) -> list[TensorEntry]:
         """The header entries of the pieces `name` (a float tensor of `shape`) is packed in, each checked against
@@ -426,6 +432,30 @@ def _piece_of(name: str, accepted: Iterable[Packing], known: Container[str] | No
     return None
 
 
+def _not_float(name: str, t: torch.Tensor) -> str:
+    """Why an update's tensor of no float dtype is not taken as the float tensor `name`."""
+    kind = "float8 (quantized values, without their scales)" if "float8" in str(t.dtype) else "not floating point"
+    return (f"tensor {name} is {t.dtype}, {kind}: an update takes "
+            f"{', '.join(str(d).removeprefix('torch.') for d in UPDATE_DTYPES)} tensors")
+
+
+def _own_piece(name: str, t: torch.Tensor, shape: tuple[int, ...], accepted: Iterable[Packing]
+               ) -> tuple[str, Packing] | None:
+    """(`name`, its packing) where the model's float tensor `name` of `shape` comes as a packed piece of its own name
+    (FP8's float8 weight beside its scales: the piece's dtype, no float one, says it is one), else None."""
+    if t.dtype in UPDATE_DTYPES:
+        return None
+    for packing in accepted:
+        pieces = packing.pieces(name)
+        if pieces is not None and name in pieces:
+            try:
+                if packing.stored(shape)[pieces.index(name)][1] == t.dtype:
+                    return name, packing
+            except ValueError:  # (the format cannot hold the tensor: not a piece of it)
+                continue
+    return None
+
+
 def _check_dense(name: str, t: torch.Tensor) -> None:
     if t.layout != torch.strided or t.is_meta:
         raise ValueError(f"tensor {name} is a {'meta' if t.is_meta else str(t.layout)} tensor: an update needs "
@@ -453,8 +483,9 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
     checked before a byte is written: TypeError for what is not a (name, tensor) pair, ValueError naming the
     first tensor whose name the model does not read, whose shape is not the model's (both shapes named), whose
     dtype is not floating point, or that comes twice. A float tensor may come as the pieces of a format its family
-    reads (`packings`: MXFP4's `<name>_blocks` + `<name>_scales`), each of its shape and dtype, all of them
-    together; they are kept as given (`write_update` dequantizes them on the rank)."""
+    reads (`packings`: MXFP4's `<name>_blocks` + `<name>_scales`, block FP8's float8 `<name>` +
+    `<name>_scale_inv`), each of its shape and dtype, all of them together; they are kept as given (`write_update`
+    dequantizes them on the rank)."""
     family = family_of(cfg)
     known = family.checkpoint_tensors(cfg)
     accepted = packings(family).values()
@@ -479,7 +510,7 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
             raise TypeError(f"a tensor name must be a string, got {type(name).__name__} {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor {name} must be a torch.Tensor, got {type(t).__name__}")
-        piece = None if name in known else _piece_of(name, accepted, known)
+        piece = _own_piece(name, t, known[name], accepted) if name in known else _piece_of(name, accepted, known)
         if piece is not None:
             base, packing = piece
             _check_piece(name, t, base, packing, known[base])
@@ -493,10 +524,7 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
         if tuple(t.shape) != known[name]:
             raise ValueError(f"tensor {name} has shape {tuple(t.shape)}; the model's is {known[name]}")
         if t.dtype not in UPDATE_DTYPES:
-            kind = ("float8 (quantized values, without their scales)" if "float8" in str(t.dtype)
-                    else "not floating point")
-            raise ValueError(f"tensor {name} is {t.dtype}, {kind}: an update takes "
-                             f"{', '.join(str(d).removeprefix('torch.') for d in UPDATE_DTYPES)} tensors")
+            raise ValueError(_not_float(name, t))
         _check_dense(name, t)
         claim(name, t.shape[0], name)
         out[name] = t.detach()
@@ -504,9 +532,14 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
         pieces = packing.pieces(base)
         assert pieces is not None
         missing = [p for p in pieces if p not in out]
+        if missing and base in out:  # (a float8 weight alone: no float tensor, and its scales not given)
+            raise ValueError(f"{_not_float(base, out[base])}, or as {packing.method} pieces, all of "
+                             f"{', '.join(pieces)}: {missing[0]} is missing")
         if missing:
             raise ValueError(f"tensor {missing[0]} is missing: {base} given as {packing.method} pieces needs all of "
                              f"{', '.join(pieces)}")
+        for p in pieces:  # (a piece of the float name itself came as a float tensor: it is not one)
+            _check_piece(p, out[p], base, packing, known[base])
         claim(base, known[base][0], f"the {packing.method} pieces of {base}")
     return out
 
@@ -537,10 +570,10 @@ class _Unpacked(Mapping[str, torch.Tensor]):
         return packing.unpack([self._tensors[p].to(self._device) for p in pieces], self._dtype)
 
     def __iter__(self) -> Iterator[str]:
-        return iter([*self._tensors, *self._packed])
+        return iter(dict.fromkeys([*self._tensors, *self._packed]))  # (FP8's weight is both a piece and the name)
 
     def __len__(self) -> int:
-        return len(self._tensors) + len(self._packed)
+        return len(self._tensors.keys() | self._packed.keys())
 
 
 def write_update(umm: UnifiedMemory, specs: list[tuple[ParamSpec, tuple[str, ...]]],

@@ -19,6 +19,8 @@ import torch
 from moebius.config import PRESETS, ConfigError, EngineConfig, ModelConfig, read_hf_config
 from moebius.memory.kv_pool import kv_budget
 from moebius.models.builtin import builtin_hf_config
+from moebius.models.fp8_blocks import FP8
+from moebius.models.fp8_blocks import check_config as check_fp8_config
 from moebius.models.loader import Checkpoint, check_checkpoint, packings
 from moebius.models.registry import FAMILIES, checks_own_keys, model_config
 from moebius.tokenizer import Tokenizer, load_generation_eos
@@ -71,14 +73,17 @@ def _readable() -> str:
 
 def check_quantization(hf: dict[str, Any], where: str, model_dir: str | None) -> None:
     """ConfigError naming the method of a quantized checkpoint its family does not read (`packings`: GPT-OSS's
-    MXFP4), and the architecture: its tensors would be read as plain weights."""
+    MXFP4, Qwen3-MoE's and DeepSeek's block FP8), and the architecture: its tensors would be read as plain weights;
+    and naming a block FP8 setting (weight_block_size, fmt) other than the releases'."""
     archs = hf.get("architectures") or []
     accepted = {m for f in FAMILIES.values() if any(a in f.architectures for a in archs) for m in packings(f)}
     refused = (f", and Moebius reads no such one for {archs or hf.get('model_type')!r} (it reads "
-               f"{_readable()}; FP8 is planned); serve the model's unquantized (BF16) release")
+               f"{_readable()}); serve the model's unquantized (BF16) release")
     q = hf.get("quantization_config")
     if q is not None and q != {} and not (isinstance(q, dict) and q.get("quant_method") in accepted):
         raise ConfigError(f"{where} has a quantization_config ({_quant_method(q)}): a quantized checkpoint{refused}")
+    if isinstance(q, dict) and q.get("quant_method") == FP8.method:  # (the block size its scales' shapes assume)
+        check_fp8_config(q, where)
     q = hf.get("compression_config")  # compressed-tensors' older key: no family reads its formats
     if q is not None and q != {}:
         raise ConfigError(f"{where} has a compression_config ({_quant_method(q)}): a quantized checkpoint{refused}")

@@ -2,14 +2,17 @@
 attention, shared experts, grouped routing. Its GPU path (decode graphs, step pieces around the latent kernels of
 kernels/mla.py) is written but not yet run end to end on a GPU: refused there until its GPU tests pass."""
 
+from types import MappingProxyType
+
 from moebius.models.deepseek import forward
 from moebius.models.deepseek.config import parse_config
 from moebius.models.deepseek.floor_terms import floor_terms
 from moebius.models.deepseek.weights import build_weights, weight_specs
+from moebius.models.fp8_blocks import FP8
 from moebius.models.specs import Family
 
 FAMILY = Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), parse_config, weight_specs,
                 build_weights, forward, rope_table=forward.family_rope_table, checks_own_keys=True,
                 cpu_only="its GPU path (decode graphs, step pieces around the latent-attention kernels) is not yet "
                          "checked on a GPU",
-                floor_terms=floor_terms)
+                floor_terms=floor_terms, packings=MappingProxyType({FP8.method: FP8}))
