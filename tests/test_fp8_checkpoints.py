@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import PROMPTS as QWEN_PROMPTS
 from conftest import write_checkpoint, write_deepseek_checkpoint
-from family_cases import ENGINE_KW, assert_kv_free, greedy_outputs, hf_greedy, other, random_prompts, saved_tensors
+from family_cases import ENGINE_KW, greedy_outputs, hf_greedy, parity_across_switch, random_prompts, saved_tensors
 from family_cases import hf_config as _config
 from safetensors.torch import save_file
 
@@ -304,20 +304,15 @@ def test_greedy_equals_transformers_on_the_dequantized_model(engine: tuple[str, 
                                                              ckpt: Callable[[str], str]) -> None:
     """The FP8 checkpoint served in its start layout, then the other after a switch: the greedy tokens of
     transformers' model on the weights transformers dequantizes."""
-    name, P, llm = engine
-    want = [hf_greedy(ckpt(name + "_deq"), p, N_OUT) for p in PROMPTS[name]]
-    for mode in (llm.mode, other(llm.mode)):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, PROMPTS[name], N_OUT) == want, f"{name} P = {P} {mode}"
-        assert_kv_free(llm)
+    name, _, llm = engine
+    parity_across_switch(llm, ckpt(name + "_deq"), PROMPTS[name], N_OUT, back=False)
 
 
 def test_an_update_takes_a_float8_weight_and_its_scales(engine: tuple[str, int, LLM],
                                                        ckpt: Callable[[str], str], tmp_path: Any) -> None:
     """On Qwen3 at P = 2: an update by name of float8 weights with their scales (an expert's down_proj, an attention
     projection, from the other checkpoint) gives the tokens of transformers' dequantized model with those two
-    replaced, in both layouts."""
+    replaced, in both layouts; an update from the other FP8 checkpoint on disk, its dequantized model's tokens."""
     name, P, llm = engine
     if (name, P) != ("qwen", 2):
         pytest.skip("the update runs on Qwen3's P = 2 engine (TP and EP)")
@@ -329,14 +324,13 @@ def test_an_update_takes_a_float8_weight_and_its_scales(engine: tuple[str, int, 
     deq.update({n: hf_dequantize(raw_b[n], raw_b[n + "_scale_inv"], torch.float32) for n in replaced})
     save_file(deq, os.path.join(mixed, WEIGHTS), metadata={"format": "pt"})
     prompts = PROMPTS["qwen"][1:3]
-    want = [hf_greedy(mixed, p, N_OUT) for p in prompts]
-    assert want != [hf_greedy(ckpt("qwen_deq"), p, N_OUT) for p in prompts]  # the update changes tokens
+    tokens = {path: [hf_greedy(path, p, N_OUT) for p in prompts] for path in (ckpt("qwen_deq"), mixed,
+                                                                               ckpt("qwen_b_deq"))}
+    assert len({tuple(map(tuple, t)) for t in tokens.values()}) == 3  # each update changes tokens
     assert llm.update_weights([(n + s, raw_b[n + s]) for n in replaced for s in ("", "_scale_inv")]).done
-    for mode in (llm.mode, other(llm.mode)):
-        if llm.mode != mode:
-            assert llm.switch_mode(mode).done
-        assert greedy_outputs(llm, prompts, N_OUT) == want, mode
-    assert_kv_free(llm)
+    parity_across_switch(llm, mixed, prompts, N_OUT, back=False)
+    assert llm.update_weights_from_disk(ckpt("qwen_b")).done
+    parity_across_switch(llm, ckpt("qwen_b_deq"), prompts, N_OUT, back=False)
 
 
 def test_a_bfloat16_engine_dequantizes_straight_to_bfloat16(ckpt: Callable[[str], str],
