@@ -247,6 +247,7 @@ def test_a_broken_fp8_checkpoint_is_refused_naming_the_tensor(ckpt: Callable[[st
     ({**QWEN_QUANT, "weight_block_size": [64, 64]}, "Qwen3MoeForCausalLM",
      r"weight_block_size \[64, 64\]: Moebius reads block FP8 with weight_block_size \[128, 128\] only"),
     ({**DEEPSEEK_QUANT, "fmt": "e5m2"}, "DeepseekV3ForCausalLM", r"fmt 'e5m2': Moebius reads block FP8 of fmt 'e4m3'"),
+    ({**DEEPSEEK_QUANT, "weight_block_size": None}, "DeepseekV3ForCausalLM", r"weight_block_size None: Moebius reads"),
 ])
 def test_fp8_elsewhere_another_method_or_block_is_refused(quant: dict[str, Any], arch: str, named: str) -> None:
     """FP8 is read for Qwen3-MoE and DeepSeek only, in the releases' 128 x 128 e4m3 blocks; the message names the

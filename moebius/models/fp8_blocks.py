@@ -35,8 +35,8 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
 
 def check_config(q: dict[str, Any], where: str) -> None:
     """ConfigError naming what a block-FP8 quantization_config sets that this packing does not read as it means."""
-    block = q.get("weight_block_size")
-    if block is not None and list(block) != list(BLOCK):
+    block = q.get("weight_block_size", list(BLOCK))  # (transformers' default when absent; null: one scale a tensor)
+    if not isinstance(block, list | tuple) or list(block) != list(BLOCK):
         raise ConfigError(f"{where} has a quantization_config (quant_method 'fp8') with weight_block_size {block}: "
                           f"Moebius reads block FP8 with weight_block_size {list(BLOCK)} only (every release's)")
     if q.get("fmt", FMT) != FMT:
