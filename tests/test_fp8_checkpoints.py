@@ -205,7 +205,8 @@ def test_the_checks_read_the_pieces_for_their_names(ckpt: Callable[[str], str], 
     assert not [r for r in caplog.records if "no Moebius weight reads" in r.getMessage()]
 
 
-def _swap(name: str, piece: str, make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+def _swap(piece: str, make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], None]:
+    """An edit of a checkpoint's tensors: `piece` replaced by make(piece)."""
     return lambda t: t.update({piece: make(t[piece])})
 
 
@@ -214,12 +215,12 @@ BROKEN: list[tuple[str, str, Callable[[dict[str, torch.Tensor]], None], str, tup
     ("missing-scales", "qwen", lambda t: t.pop(QWEN_EXPERT + "_scale_inv"), QWEN_EXPERT, (160, 64),
      rf"missing tensor {re.escape(QWEN_EXPERT)}_scale_inv \(one of the fp8 pieces \({re.escape(QWEN_EXPERT)}, "
      rf"{re.escape(QWEN_EXPERT)}_scale_inv\) of {re.escape(QWEN_EXPERT)}, \(160, 64\)\)"),
-    ("scales-of-a-wrong-shape", "qwen", _swap(QWEN_DOWN, QWEN_DOWN + "_scale_inv", lambda s: s[:, :1].clone()),
+    ("scales-of-a-wrong-shape", "qwen", _swap(QWEN_DOWN + "_scale_inv", lambda s: s[:, :1].clone()),
      QWEN_DOWN, (64, 160),
      rf"tensor {re.escape(QWEN_DOWN)}_scale_inv in '.*' has shape \(1, 1\), expected \(1, 2\) \(the fp8 pieces"),
-    ("scales-not-float32", "deepseek", _swap(DS_KV_A, DS_KV_A + "_scale_inv", lambda s: s.bfloat16()), DS_KV_A,
+    ("scales-not-float32", "deepseek", _swap(DS_KV_A + "_scale_inv", lambda s: s.bfloat16()), DS_KV_A,
      (40, 64), rf"tensor {re.escape(DS_KV_A)}_scale_inv in '.*' is stored as BF16, expected F32"),
-    ("weight-not-float8", "deepseek", _swap(DS_DENSE, DS_DENSE, lambda w: w.bfloat16()), DS_DENSE, (64, 160),
+    ("weight-not-float8", "deepseek", _swap(DS_DENSE, lambda w: w.bfloat16()), DS_DENSE, (64, 160),
      rf"tensor {re.escape(DS_DENSE)} in '.*' is stored as BF16, expected F8_E4M3"),
 ]
 
