@@ -191,7 +191,8 @@ def test_another_method_or_mxfp4_elsewhere_is_refused(quant: dict[str, Any], arc
     method = re.escape(repr(quant["quant_method"]))
     with pytest.raises(ConfigError, match=rf"config\.json has a quantization_config \(quant_method {method}.*\): a "
                                           rf"quantized checkpoint, and Moebius reads no such one for \['{arch}'\] "
-                                          r"\(it reads mxfp4 for GptOssForCausalLM; FP8 is planned\)"):
+                                          r"\(it reads fp8 for Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, "
+                                          r"DeepseekV2ForCausalLM; mxfp4 for GptOssForCausalLM\)"):
         check_quantization({"architectures": [arch], "quantization_config": quant}, "config.json", None)
     check_quantization({"architectures": ["GptOssForCausalLM"], "quantization_config": QUANTIZATION}, "config.json",
                        None)
