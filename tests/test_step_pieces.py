@@ -109,11 +109,12 @@ def test_leading_decodes_of_a_step_with_chunks_attend_apart() -> None:
                 req = Request(RequestSpec(f"r{i}", list(range(1, prompt + 1)), SamplingParams(max_tokens=4), 0, 64))
                 req.pages = alloc.allocate(-(-(start + n) // bs))
                 chunks.append(ScheduledChunk(req, start, n))
-            runner.q_block = 8  # the GPU kernel's block (CPU runners build no table)
+            # as on a GPU: its Triton attention runs, with the kernel's query block (CPU runners build no table)
+            runner.attn_kernels, runner.q_block = True, 8
             try:
                 _, meta, *_ = runner._metadata(chunks)
             finally:
-                runner.q_block = None
+                runner.attn_kernels, runner.q_block = False, None
                 for c in chunks:
                     alloc.free(c.req.pages)
             first = 2 if how == "apart" else 0
