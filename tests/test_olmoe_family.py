@@ -29,6 +29,7 @@ from conftest import VOCAB
 from family_cases import (
     assert_kv_free,
     assert_routed,
+    gpu_parity,
     greedy_outputs,
     hf_greedy,
     parity_across_switch,
@@ -291,3 +292,15 @@ def test_preset_starts_on_the_cpu() -> None:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) == 2
         assert llm.engine.model_config.family == "olmoe"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["olmoe", "olmoe_gqa"])
+def test_greedy_equals_transformers_on_the_gpu(olmoe: Callable[[str], str], name: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (the
+    whole-projection q/k norms through torch ops, the paged attention kernel between the pieces) give transformers'
+    greedy tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
+    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "olmoe")  # (the GPU path these tests check first)
+    gpu_parity(olmoe(name), PROMPTS, N_OUT, ENGINE_KW)

@@ -26,6 +26,7 @@ from family_cases import (
     ENGINE_KW,
     assert_kv_free,
     assert_routed,
+    gpu_parity,
     greedy_outputs,
     hf_greedy,
     hf_model,
@@ -263,3 +264,16 @@ def test_smallest_preset_starts_with_dummy_weights_on_the_cpu() -> None:
              max_model_len=64, max_total_tokens=64, max_num_batched_tokens=16, max_running_requests=2) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe_norm"])
+def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (q|k|v
+    bias, q and k roped through torch ops; the gated shared expert, the paged attention kernel between the pieces)
+    give transformers' greedy tokens, in both layouts across a switch; so do eager steps, and graphs with every step
+    resolved first."""
+    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "qwen2moe")  # (the GPU path these tests check first)
+    gpu_parity(ckpts[name], PROMPTS, N_OUT, ENGINE_KW)

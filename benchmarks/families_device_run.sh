@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The DeepSeek family's first runs on one H200 (issue 44), DeepSeek-V2-Lite shapes with dummy bf16 weights. The
+# The model families' first runs on one H200 (issues 44, 45): DeepSeek-V2-Lite shapes with dummy bf16 weights. The
 # family is refused on a GPU until its GPU path has passed `tests`; MOEBIUS_UNCHECKED_GPU=deepseek lets these runs
 # start it (lift `cpu_only` in moebius/models/deepseek/__init__.py once they pass). Each argument is one step, run in
 # the order given; group them into device calls of under 10 minutes:
 #   tests     the family's GPU tests: float32 tokens against transformers through decode graphs, step pieces and eager
 #             steps across a switch; the latent kernels against their references; pieces against eager steps in bf16
+#   families  the same float32 GPU parity for the GQA families not yet run on a GPU (GLM-4.5, Qwen2-MoE, Mixtral,
+#             OLMoE: their attention's q/k through torch ops, the paged kernel between pieces); lift each one's
+#             `cpu_only` once it passes
 #   sweep     decode steps at batches 1 .. 1024 (context 1024) against the floor model extended to MLA
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
-# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/deepseek_device_run.sh tests sweep work agree
+# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests sweep work agree families
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -20,6 +23,8 @@ M="--model deepseek-v2-lite --load-format dummy --num-ranks 1"
 t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $W/$n.log | tail -12; }
 date +%T
 for step in "$@"; do case $step in
+families)
+  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,olmoe t families 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py ;;
 tests)
   t gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)
