@@ -46,9 +46,9 @@ def test_mixed_step_equals_each_sequence_alone(monkeypatch) -> None:
     calls = []
     inner = A.paged_attention_ref
 
-    def spy(q, cache, meta, scale):
+    def spy(q, cache, meta, scale, **opts):
         calls.append((meta.seq_lens.numel(), meta.max_query_len))
-        return inner(q, cache, meta, scale)
+        return inner(q, cache, meta, scale, **opts)
 
     monkeypatch.setattr(A, "paged_attention_ref", spy)
     out = A.paged_attention_ref(q, cache, meta, d ** -0.5)

@@ -220,11 +220,9 @@ def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: Attentio
     decode = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]) == 1
     if meta.max_query_len > 1 and bool(decode.any()):
         out = torch.empty_like(q_THd)
-        # (neither given: the call as it was before them, which tests spy on)
-        opts = {} if sinks is None and window is None else dict(sinks=sinks, window=window)
         for sel in (decode, ~decode):
             sub, rows = select_sequences(meta, sel)
-            out[rows] = paged_attention_ref(q_THd[rows], cache, sub, scale, **opts)
+            out[rows] = paged_attention_ref(q_THd[rows], cache, sub, scale, sinks=sinks, window=window)
         return out
     B, L, Q = meta.seq_lens.shape[0], meta.max_seq_len, meta.max_query_len
     kvh = cache.shape[3]
