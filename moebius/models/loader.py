@@ -30,7 +30,7 @@ from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.registry import FAMILIES, family_for, family_of
-from moebius.models.specs import Family, Packing, ParamSpec, fused_name, per_expert_names, spec_view
+from moebius.models.specs import Packing, ParamSpec, fused_name, per_expert_names, spec_view
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -63,10 +63,6 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
-def packings(family: Family) -> Mapping[str, Packing]:
-    """The quantized formats a family reads, by quant_method (none for most)."""
-    return family.packings
-
 
 def _packing_in(path: str) -> Packing | None:
     """The packing of a checkpoint directory: its config.json's quantization_config method where the family of its
@@ -87,7 +83,7 @@ def _packing_in(path: str) -> Packing | None:
         family = family_for(hf)
     except ConfigError:
         return None
-    return packings(family).get(q.get("quant_method"))
+    return family.packings.get(q.get("quant_method"))
 
 
 @dataclass(frozen=True)
@@ -298,7 +294,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 def _unsaid(ckpt: Checkpoint, cfg: ModelConfig, name: str) -> str:
     """Why a missing float tensor's pieces, stored in a format the family reads, were not read: no
     quantization_config names the format ("" where none of its pieces is stored)."""
-    for packing in packings(family_of(cfg)).values():
+    for packing in family_of(cfg).packings.values():
         pieces = packing.pieces(name)
         if ckpt.packing is None and pieces is not None and any(p in ckpt for p in pieces if p != name):
             return (f" (it stores {', '.join(pieces)}, the {packing.method} pieces of it, but no quantization_config "
@@ -488,7 +484,7 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
     dequantizes them on the rank)."""
     family = family_of(cfg)
     known = family.checkpoint_tensors(cfg)
-    accepted = packings(family).values()
+    accepted = family.packings.values()
     out: dict[str, torch.Tensor] = {}
     given_as: dict[str, str] = {}  # per-expert name -> the name it came under (a fused tensor's)
     packed: dict[str, Packing] = {}  # float tensor given as pieces -> its packing
@@ -551,7 +547,7 @@ class _Unpacked(Mapping[str, torch.Tensor]):
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         self._tensors, self._dtype, self._device = tensors, dtype, device
         # (every family's packings: those check_update let through are among them)
-        every = {p.method: p for f in FAMILIES.values() for p in packings(f).values()}.values()
+        every = {p.method: p for f in FAMILIES.values() for p in f.packings.values()}.values()
         self._packed: dict[str, Packing] = {}
         for name in tensors:
             piece = _piece_of(name, every)

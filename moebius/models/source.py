@@ -21,7 +21,7 @@ from moebius.memory.kv_pool import kv_budget
 from moebius.models.builtin import builtin_hf_config
 from moebius.models.fp8_blocks import FP8
 from moebius.models.fp8_blocks import check_config as check_fp8_config
-from moebius.models.loader import Checkpoint, check_checkpoint, packings
+from moebius.models.loader import Checkpoint, check_checkpoint
 from moebius.models.registry import FAMILIES, checks_own_keys, model_config
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
@@ -66,7 +66,7 @@ def _readable() -> str:
     """The quantized formats Moebius reads, each with the architectures it reads it for."""
     where: dict[str, list[str]] = {}
     for family in FAMILIES.values():
-        for method in packings(family):
+        for method in family.packings:
             where.setdefault(method, []).extend(family.architectures)
     return "; ".join(f"{m} for {', '.join(archs)}" for m, archs in where.items()) or "none"
 
@@ -76,7 +76,7 @@ def check_quantization(hf: dict[str, Any], where: str, model_dir: str | None) ->
     MXFP4, Qwen3-MoE's and DeepSeek's block FP8), and the architecture: its tensors would be read as plain weights;
     and naming a block FP8 setting (weight_block_size, fmt) other than the releases'."""
     archs = hf.get("architectures") or []
-    accepted = {m for f in FAMILIES.values() if any(a in f.architectures for a in archs) for m in packings(f)}
+    accepted = {m for f in FAMILIES.values() if any(a in f.architectures for a in archs) for m in f.packings}
     refused = (f", and Moebius reads no such one for {archs or hf.get('model_type')!r} (it reads "
                f"{_readable()}); serve the model's unquantized (BF16) release")
     q = hf.get("quantization_config")
