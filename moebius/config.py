@@ -13,9 +13,11 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 # Published Qwen3-MoE configs (Hugging Face config.json of the releases); weights come from --load-format dummy.
+E = TypeVar("E")  # a family's own config fields (ModelConfig.extra)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -223,6 +225,14 @@ class ModelConfig:
     kv_dim: int = 0  # 0: head_dim
     # the family's own fields (frozen dataclasses: a ModelConfig is a cache key), read only by its folder
     extra: Any = None
+
+    def extra_as(self, cls: type[E]) -> E:
+        """`extra` as the family's own fields class; TypeError naming both where it is another (a config of another
+        family handed to this one's code)."""
+        if not isinstance(self.extra, cls):
+            raise TypeError(f"ModelConfig.extra of a {self.family!r} model is {type(self.extra).__name__}, not "
+                            f"{cls.__name__}")
+        return self.extra
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from moebius.config import ConfigError, ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.moe import dense_mlp, experts, summed
-from moebius.models.specs import ParamSpec, routed_expert_specs
-from moebius.models.weights import DenseWeights, MoEWeights
+from moebius.models.specs import ParamSpec, routed_expert_specs, shared_expert_specs
+from moebius.models.weights import DenseWeights, MoEWeights, shared_expert_weights
 from moebius.parallel.dispatch import Communicator
-from moebius.parallel.layout import Layout, w2_shard, w13_shard
+from moebius.parallel.layout import Layout
 
 # (scoring_func, topk_method) pairs transformers computes: V2 softmax greedy / group-limited greedy, V3 and GLM-4.5
 # sigmoid with the correction bias and group-limited top-k ("noaux_tc", the only method DeepSeek-V3's code accepts).
@@ -187,38 +187,26 @@ class GroupedMoEWeights(MoEWeights):
     shared: DenseWeights | None = None  # this rank's 1/P of the shared experts' intermediate dim; None without them
 
 
-def _shared_tag(lay: Layout) -> str:
-    """The shared experts' shard is a rank's in both layouts: one region, named by the rank."""
-    return f"{lay.rank}of{lay.world_size}"
-
-
 def moe_specs(cfg: ModelConfig, moe: MoEConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
     """MoE layer `i`'s views: the router and its local experts (`routed_expert_specs`), the sigmoid router's
     correction bias (mlp.gate.e_score_correction_bias), and this rank's 1/P shard of the shared experts
     (mlp.shared_experts.{gate,up,down}_proj: gate rows then up rows, down columns)."""
-    D, E, p = cfg.hidden_size, cfg.num_experts, f"model.layers.{i}."
+    E, p = cfg.num_experts, f"model.layers.{i}."
     specs = routed_expert_specs(cfg, lay, i, elt, router_dtype=torch.float32)  # as transformers keeps it
     if moe.scoring_func == "sigmoid":
         specs.append(ParamSpec(p + "mlp.gate.bias", (E,), lambda f: f(p + "mlp.gate.e_score_correction_bias", (E,)),
                                dtype=torch.float32))
     if moe.n_shared_experts:
-        Is, P, r, s = moe.shared_intermediate_size, lay.world_size, lay.rank, p + "mlp.shared_experts."
-        specs += [
-            ParamSpec(p + f"mlp.shared.w13.{_shared_tag(lay)}", (2 * Is // P, D), lambda f: w13_shard(torch.cat(
-                [f(s + "gate_proj.weight", (Is, D)), f(s + "up_proj.weight", (Is, D))])[None], P, r).reshape(-1, D)),
-            ParamSpec(p + f"mlp.shared.w2.{_shared_tag(lay)}", (D, Is // P),
-                      lambda f: w2_shard(f(s + "down_proj.weight", (D, Is))[None], P, r).reshape(D, -1)),
-        ]
+        specs += shared_expert_specs(cfg, lay, p, "mlp.shared_experts.", moe.shared_intermediate_size)
     return specs
 
 
 def moe_weights(views: dict[str, torch.Tensor], lay: Layout, i: int) -> GroupedMoEWeights:
     """MoE layer `i`'s `GroupedMoEWeights` from the views of `moe_specs`."""
-    p, tag = f"model.layers.{i}.", _shared_tag(lay)
-    w13_s, w2_s = views.get(p + f"mlp.shared.w13.{tag}"), views.get(p + f"mlp.shared.w2.{tag}")
+    p = f"model.layers.{i}."
     return GroupedMoEWeights(views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"],
                              lay.first_expert, bias_E=views.get(p + "mlp.gate.bias"),
-                             shared=None if w13_s is None or w2_s is None else DenseWeights(w13_s, w2_s))
+                             shared=shared_expert_weights(views, lay.rank, lay.world_size, p))
 
 
 def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communicator, kc: KernelConfig,

@@ -19,7 +19,8 @@ import torch
 
 from moebius.config import ModelConfig
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
-from moebius.parallel.layout import Layout, tp_block
+from moebius.models.weights import shared_tag
+from moebius.parallel.layout import Layout, tp_block, w2_shard, w13_shard
 
 # fetch(hf_name, full_shape) -> the checkpoint tensor, checked against the shape
 Fetch = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -243,6 +244,19 @@ def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
             [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
         ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
                   lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
+    ]
+
+
+def shared_expert_specs(cfg: ModelConfig, lay: Layout, p: str, module: str, width: int) -> list[ParamSpec]:
+    """Layer `p`'s shared expert(s) as this rank's 1/P shard of their intermediate dim `width` (the same region in
+    both layouts, so a switch moves none of its bytes): [gate | up] rows and down columns of `p + module`'s
+    {gate,up,down}_proj (DeepSeek's and GLM's mlp.shared_experts., Qwen2-MoE's mlp.shared_expert.)."""
+    D, P, r, s, tag = cfg.hidden_size, lay.world_size, lay.rank, p + module, shared_tag(lay.rank, lay.world_size)
+    return [
+        ParamSpec(p + f"mlp.shared.w13.{tag}", (2 * width // P, D), lambda f: w13_shard(torch.cat(
+            [f(s + "gate_proj.weight", (width, D)), f(s + "up_proj.weight", (width, D))])[None], P, r).reshape(-1, D)),
+        ParamSpec(p + f"mlp.shared.w2.{tag}", (D, width // P),
+                  lambda f: w2_shard(f(s + "down_proj.weight", (D, width))[None], P, r).reshape(D, -1)),
     ]
 
 

@@ -59,6 +59,18 @@ def decoder_weights(views: dict[str, torch.Tensor], cfg: ModelConfig, vocab_rows
     return ModelWeights(embed, head[vocab_rows.start: vocab_rows.stop], views["model.norm"], views["rope"], layers)
 
 
+def shared_tag(rank: int, world_size: int) -> str:
+    """A shared expert's shard is a rank's in both layouts: one region, named by the rank."""
+    return f"{rank}of{world_size}"
+
+
+def shared_expert_weights(views: dict[str, torch.Tensor], rank: int, world_size: int, p: str) -> DenseWeights | None:
+    """Layer `p`'s shared-expert shard (`specs.shared_expert_specs`; None where the layer has none)."""
+    tag = shared_tag(rank, world_size)
+    w13, w2 = views.get(p + f"mlp.shared.w13.{tag}"), views.get(p + f"mlp.shared.w2.{tag}")
+    return None if w13 is None or w2 is None else DenseWeights(w13, w2)
+
+
 def dense_weights(views: dict[str, torch.Tensor], tp_rank: int, tp: int, p: str) -> DenseWeights:
     """Layer `p`'s dense MLP views (`specs.dense_mlp_specs`: this TP rank's shard)."""
     return DenseWeights(views[p + f"mlp.w13.tp{tp_rank}of{tp}"], views[p + f"mlp.w2.tp{tp_rank}of{tp}"])

@@ -18,9 +18,7 @@ from moebius.parallel.layout import Layout
 
 
 def floor_terms(cfg: ModelConfig, lay: Layout) -> FloorTerms:
-    ext = cfg.extra
-    if not isinstance(ext, DeepseekConfig):
-        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not a DeepseekConfig")
+    ext = cfg.extra_as(DeepseekConfig)
     mla, D, L, H = ext.mla, cfg.hidden_size, cfg.num_layers, lay.num_heads
     C, R, N, V, Lq = mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim, mla.q_lora_rank
     q = H * (N + R) * D if Lq is None else Lq * D + H * (N + R) * Lq

@@ -23,8 +23,7 @@ from moebius.parallel.dispatch import Communicator
 
 def family_rope_table(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
     """The region "rope": [max_position_embeddings, qk_rope_head_dim] float32, YaRN's where the config says."""
-    ext = cfg.extra
-    assert isinstance(ext, DeepseekConfig)
+    ext = cfg.extra_as(DeepseekConfig)
     return rope_table(ext.mla, cfg.max_position_embeddings, device)
 
 
@@ -33,8 +32,7 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
             ) -> torch.Tensor:
     """Final-normed hidden states [T, D] of the new tokens (`decoder`); DeepSeek's layers: MLA over the latent cache,
     the grouped MoE block with shared experts (or a dense MLP)."""
-    ext = cfg.extra
-    assert isinstance(ext, DeepseekConfig)
+    ext = cfg.extra_as(DeepseekConfig)
     return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
                    # the one part and the one latent "head" of the pool's view: [pages, page size, A]
                    lambda i, h, w, cache: mla_attention(h, w, cache[:, 0, :, 0], meta, ext.mla, weights.rope, kc=kc),
@@ -46,8 +44,7 @@ def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.T
     """A rank's latent attention: between step pieces the absorbed query (C + R a head) and the weighted latent
     sums (C a head); a decoding sequence's programs are its head blocks (kernels/mla.py's HEAD_BLOCK heads each);
     no query-block table."""
-    ext = cfg.extra
-    assert isinstance(ext, DeepseekConfig)
+    ext = cfg.extra_as(DeepseekConfig)
     mla = ext.mla
     heads = weights.layers[0].attn.q_QL.shape[0] // (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
     block = heads  # (off the GPU's kernels no step splits its keys: any value)

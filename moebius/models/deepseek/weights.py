@@ -28,10 +28,7 @@ from moebius.parallel.layout import Layout
 
 
 def _ext(cfg: ModelConfig) -> DeepseekConfig:
-    ext = cfg.extra
-    if not isinstance(ext, DeepseekConfig):
-        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not a DeepseekConfig")
-    return ext
+    return cfg.extra_as(DeepseekConfig)
 
 
 def _heads_tag(lay: Layout) -> str:

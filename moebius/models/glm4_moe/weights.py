@@ -23,10 +23,7 @@ from moebius.parallel.layout import Layout
 
 
 def glm_extra(cfg: ModelConfig) -> GlmConfig:
-    ext = cfg.extra
-    if not isinstance(ext, GlmConfig):
-        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not a GlmConfig")
-    return ext
+    return cfg.extra_as(GlmConfig)
 
 
 def _layer_specs(cfg: ModelConfig, lay: Layout, p: str, i: int, elt: int) -> list[ParamSpec]:

@@ -50,10 +50,7 @@ class GptOssMoEWeights(MoEWeights):
 
 
 def ext_of(cfg: ModelConfig) -> GptOssConfig:
-    ext = cfg.extra
-    if not isinstance(ext, GptOssConfig):
-        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not a GptOssConfig")
-    return ext
+    return cfg.extra_as(GptOssConfig)
 
 
 def deinterleave(t: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,7 @@ def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: Att
     """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
     qkv = linear(x_TD, w.qkv_QD, kc=kc)
     whole_qk_norm(qkv, w, cfg, comm)
-    ext = cfg.extra
-    assert isinstance(ext, OlmoeFields)
+    ext = cfg.extra_as(OlmoeFields)
     if ext.clip_qkv is not None:  # transformers clamps normed q, k and v alike, before the rope
         qkv.clamp_(-ext.clip_qkv, ext.clip_qkv)
     o = qkv_attention(qkv, None, None, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc)

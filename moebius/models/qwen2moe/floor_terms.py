@@ -13,9 +13,7 @@ from moebius.parallel.layout import Layout
 
 
 def floor_terms(cfg: ModelConfig, lay: Layout) -> FloorTerms:
-    ext = cfg.extra
-    if not isinstance(ext, Qwen2MoeFields):
-        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not Qwen2MoeFields")
+    ext = cfg.extra_as(Qwen2MoeFields)
     moe = sum(1 for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
     D = cfg.hidden_size
     return gqa.floor_terms(cfg, lay, shared_weights=moe * (3 * D * ext.shared_intermediate_size / lay.world_size + D))

@@ -24,9 +24,23 @@ from moebius.config import ConfigError, ModelConfig
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.gqa import AttnWeights, attention_specs, attention_weights
 from moebius.models.qwen2moe.config import Qwen2MoeFields
-from moebius.models.specs import ParamSpec, decoder_specs, dense_mlp_specs, routed_expert_specs, spec_views
-from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, decoder_weights, dense_weights
-from moebius.parallel.layout import Layout, w2_shard, w13_shard
+from moebius.models.specs import (
+    ParamSpec,
+    decoder_specs,
+    dense_mlp_specs,
+    routed_expert_specs,
+    shared_expert_specs,
+    spec_views,
+)
+from moebius.models.weights import (
+    DenseWeights,
+    ModelWeights,
+    MoEWeights,
+    decoder_weights,
+    dense_weights,
+    shared_expert_weights,
+)
+from moebius.parallel.layout import Layout
 
 
 @dataclass
@@ -39,29 +53,16 @@ class Qwen2MoEWeights(MoEWeights):
 
 
 def _fields(cfg: ModelConfig) -> Qwen2MoeFields:
-    ext = cfg.extra
-    if not isinstance(ext, Qwen2MoeFields):
-        raise TypeError(f"ModelConfig.extra of a {cfg.family!r} model is {type(ext).__name__}, not Qwen2MoeFields")
-    return ext
-
-
-def _shared_tag(lay: Layout) -> str:
-    return f"{lay.rank}of{lay.world_size}"
+    return cfg.extra_as(Qwen2MoeFields)
 
 
 def _shared_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
-    D, Is, P, r = cfg.hidden_size, _fields(cfg).shared_intermediate_size, lay.world_size, lay.rank
+    D, Is, P = cfg.hidden_size, _fields(cfg).shared_intermediate_size, lay.world_size
     if Is % P:
         raise ConfigError(f"the qwen2moe family cannot cut shared_expert_intermediate_size {Is} over {P} ranks "
                           f"(the {lay.mode} layout holds 1/P of the shared expert on every rank)")
-    s, tag = p + "mlp.shared_expert.", _shared_tag(lay)
-    return [
-        ParamSpec(p + f"mlp.shared.w13.{tag}", (2 * Is // P, D), lambda f: w13_shard(torch.cat(
-            [f(s + "gate_proj.weight", (Is, D)), f(s + "up_proj.weight", (Is, D))])[None], P, r).reshape(-1, D)),
-        ParamSpec(p + f"mlp.shared.w2.{tag}", (D, Is // P),
-                  lambda f: w2_shard(f(s + "down_proj.weight", (D, Is))[None], P, r).reshape(D, -1)),
-        ParamSpec(p + "mlp.shared_gate", (1, D), lambda f: f(p + "mlp.shared_expert_gate.weight", (1, D))),
-    ]
+    return [*shared_expert_specs(cfg, lay, p, "mlp.shared_expert.", Is),
+            ParamSpec(p + "mlp.shared_gate", (1, D), lambda f: f(p + "mlp.shared_expert_gate.weight", (1, D)))]
 
 
 def weight_specs(cfg: ModelConfig, lay: Layout, elt: int) -> list[ParamSpec]:
@@ -81,8 +82,8 @@ def build_weights(umm: UnifiedMemory, cfg: ModelConfig, lay: Layout, dtype: torc
     def layer(p: str, i: int) -> tuple[AttnWeights, MoEWeights | DenseWeights]:
         if not cfg.is_moe_layer(i):
             return attention_weights(views, lay, p), dense_weights(views, lay.tp_rank, lay.tp, p)
-        shared = DenseWeights(views[p + f"mlp.shared.w13.{_shared_tag(lay)}"],
-                              views[p + f"mlp.shared.w2.{_shared_tag(lay)}"])
+        shared = shared_expert_weights(views, lay.rank, lay.world_size, p)
+        assert shared is not None
         return attention_weights(views, lay, p), Qwen2MoEWeights(
             views[p + "mlp.gate"], views[p + "mlp.experts.w13"], views[p + "mlp.experts.w2"], lay.first_expert,
             shared, views[p + "mlp.shared_gate"])
