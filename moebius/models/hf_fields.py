@@ -17,6 +17,12 @@ def positive_int(hf: dict[str, Any], key: str, family: str) -> int:
     return v
 
 
+def optional_int(hf: dict[str, Any], key: str, default: int, family: str) -> int:
+    """config.json's `key` where it gives one (an integer >= 1, as `positive_int` checks), else `default` (the
+    family's config class's: num_key_value_heads = heads, head_dim = hidden / heads)."""
+    return default if hf.get(key) is None else positive_int(hf, key, family)
+
+
 def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The rope fields, wherever the file keeps them (rope_parameters first, as transformers 5 reads them)."""
     return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.models.hf_fields import cut_layers, plain_rope_theta, positive_int
+from moebius.models.hf_fields import cut_layers, optional_int, plain_rope_theta, positive_int
 
 # Shapes transformers would fill with OLMoE-1B-7B's defaults when absent: Moebius guesses none of them
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -39,8 +39,7 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
                           f"{'them' if len(missing) > 1 else 'it'} (Moebius guesses no shape)")
     shapes = {k: positive_int(hf, k, "OLMoE") for k in REQUIRED}
     heads, hidden = shapes["num_attention_heads"], shapes["hidden_size"]
-    kv_heads = hf.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else positive_int(hf, "num_key_value_heads", "OLMoE")  # transformers' default
+    kv_heads = optional_int(hf, "num_key_value_heads", heads, "OLMoE")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r}; OLMoE uses 'silu'")

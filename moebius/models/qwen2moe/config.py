@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.models.hf_fields import cut_layers, plain_rope_theta, positive_int
+from moebius.models.hf_fields import cut_layers, optional_int, plain_rope_theta, positive_int
 
 FAMILY = "the qwen2moe family (Qwen2MoeForCausalLM)"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts",
@@ -26,8 +26,8 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     naming the family and what it cannot serve."""
     shape = {k: positive_int(hf, k, FAMILY) for k in SHAPE_KEYS}
     heads = shape["num_attention_heads"]
-    kv_heads = positive_int(hf, "num_key_value_heads", FAMILY) if hf.get("num_key_value_heads") is not None else heads
-    head_dim = positive_int(hf, "head_dim", FAMILY) if hf.get("head_dim") is not None else shape["hidden_size"] // heads
+    kv_heads = optional_int(hf, "num_key_value_heads", heads, FAMILY)
+    head_dim = optional_int(hf, "head_dim", shape["hidden_size"] // heads, FAMILY)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r} in {FAMILY}: its experts are SwiGLU ('silu')")
