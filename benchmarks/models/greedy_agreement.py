@@ -116,26 +116,8 @@ def hf_config(preset: str, num_layers: int, overrides: dict[str, Any], attn: str
 
 
 def build_model(preset: str, cfg: Any, device: str, std: float, seed: int) -> torch.nn.Module:
-    """The model in bf16 on the device: every matrix N(0, std), every norm weight 1 (logprob_mismatch's scale), the
-    routing bias buffers (DeepSeek-V3's e_score_correction_bias) 0."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of a multi-billion-parameter model
-    try:
-        with torch.device(device):
-            model = model_class(preset)(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
-    return model.eval()
+    """logprob_mismatch's model (every matrix N(0, std), norms 1, routing bias buffers 0) of the preset's class."""
+    return lm.build_model(cfg, device, std, seed, model_class(preset))
 
 
 def engine_greedy(path: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:

@@ -84,15 +84,17 @@ def hf_config(num_layers: int, overrides: dict[str, Any], attn: str | None, expe
     return cfg
 
 
-def build_model(cfg: Any, device: str, std: float, seed: int) -> torch.nn.Module:
-    """The model in bf16 on the device: every matrix N(0, std), every norm weight 1."""
-    from transformers import Qwen3MoeForCausalLM
+def build_model(cfg: Any, device: str, std: float, seed: int, cls: Any = None) -> torch.nn.Module:
+    """The model (transformers' `cls`, Qwen3MoeForCausalLM by default) in bf16 on the device: every matrix
+    N(0, std), every norm weight 1, routing bias buffers (DeepSeek-V3's e_score_correction_bias) 0."""
+    if cls is None:
+        from transformers import Qwen3MoeForCausalLM as cls
 
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16: the fp32 copy of a 5B-parameter model is not needed
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of a multi-billion-parameter model
     try:
         with torch.device(device):
-            model = Qwen3MoeForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(old)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -102,6 +104,9 @@ def build_model(cfg: Any, device: str, std: float, seed: int) -> torch.nn.Module
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=g)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
     return model.eval()
 
 
