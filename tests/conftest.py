@@ -155,23 +155,11 @@ def write_deepseek_checkpoint(path: str, version: int = 3, overrides: dict[str, 
     """Save a random DeepseekV3ForCausalLM (version 3) or DeepseekV2ForCausalLM (2) with save_pretrained, its
     weights re-initialised as `_reinit_` does and V3's e_score_correction_bias random (std 0.1: it changes some
     choices); return the directory."""
-    import transformers
+    from family_cases import write_hf_checkpoint  # (it imports this module: imported when called)
 
-    arch = f"DeepseekV{version}ForCausalLM"
     base = DEEPSEEK_V3_CONFIG if version == 3 else DEEPSEEK_V2_CONFIG
-    # no EOS (as write_checkpoint's default): greedy runs are compared to transformers' full length
-    cfg = getattr(transformers, f"DeepseekV{version}Config")(**{**base, **(overrides or {}), "eos_token_id": None})
-    cfg.architectures = [arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(cfg).float().eval()
-    _reinit_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    model.save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, f"DeepseekV{version}ForCausalLM", {**base, **(overrides or {})}, seed,
+                               router_bias=True)
 
 
 def set_eos(path: str, eos_token_id: int | list[int] | None) -> None:
