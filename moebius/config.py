@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -187,6 +188,23 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """Layers whose caches share one page table per request: a query of theirs sees its last `window` keys, itself
+    included (None: every earlier key). A sliding-window group's pages before a request's window are freed.
+    Groups are the engine's rendering of a model's `layer_windows` (`ModelConfig.kv_groups`), as vLLM's KV cache
+    groups: every group has its own page ids, so a group's freed pages serve its own layers' later requests."""
+
+    layers: tuple[int, ...]
+    window: int | None
+
+
+def first_live_page(start: int, window: int | None, block_size: int) -> int:
+    """The first page a query at position `start` (a chunk's first, or later ones) reads under `window`: the pages
+    before hold only keys outside every such query's window."""
+    return 0 if window is None else max(0, start - window + 1) // block_size
+
+
+@dataclass(frozen=True)
 class KVSpec:
     """One token's cache entry in one layer: `parts` tensors (K and V: 2; MLA's latent with its rope key: 1) of
     `heads` heads of `dim` values. A layout splits the heads over its TP ranks, at least one a rank (fewer heads than
@@ -223,6 +241,8 @@ class ModelConfig:
     family: str = "qwen3_moe"
     kv_parts: int = 2  # the KV spec's (`kv_spec`): 2 for K and V heads of head_dim
     kv_dim: int = 0  # 0: head_dim
+    # each layer's attention window (keys a query sees, itself included; None: all): () when no layer has one
+    layer_windows: tuple[int | None, ...] = ()
     # the family's own fields (frozen dataclasses: a ModelConfig is a cache key), read only by its folder
     extra: Any = None
 
@@ -240,6 +260,10 @@ class ModelConfig:
                               f"{self.num_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers
+                                   or any(w is not None and w < 1 for w in self.layer_windows)):
+            raise ConfigError(f"layer_windows must give each of the {self.num_layers} layers a window >= 1 or None, "
+                              f"got {self.layer_windows!r}")
         if any(self.is_moe_layer(i) for i in range(self.num_layers)):
             if not 1 <= self.top_k <= self.num_experts:
                 raise ConfigError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}")
@@ -251,6 +275,28 @@ class ModelConfig:
         its dense layers as mlp_only_layers)."""
         return (layer not in self.mlp_only_layers and self.num_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @functools.cached_property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The layers by window: full-attention layers first (every layer, in most models), then each window's."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        order = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        return tuple(KVGroup(tuple(i for i, w in enumerate(windows) if w == win), win) for win in order)
+
+    @functools.cached_property
+    def _group_of_layer(self) -> tuple[int, ...]:
+        of = [0] * self.num_layers
+        for g, grp in enumerate(self.kv_groups):
+            for i in grp.layers:
+                of[i] = g
+        return tuple(of)
+
+    def kv_group_of(self, layer: int) -> int:
+        """The index in `kv_groups` of the group holding `layer`."""
+        return self._group_of_layer[layer]
 
     @property
     def kv_spec(self) -> KVSpec:

@@ -101,11 +101,12 @@ def test_config_and_checkpoint_names(ckpt: Callable[[str], str]) -> None:
     assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (8, 2, 32)
     assert all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     ext = cfg.extra
-    assert ext.sliding == (True, False, True) and [ext.window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert cfg.layer_windows == (WINDOW, None, WINDOW)
+    assert [(g.layers, g.window) for g in cfg.kv_groups] == [((1,), None), ((0, 2), WINDOW)]
     assert (ext.swiglu_alpha, ext.swiglu_limit) == (1.702, 2.0)
     assert ext.yarn.factor == 4.0 and not ext.yarn.truncate
     assert hash(cfg) == hash(model_config(hf))  # a cache key
-    assert model_config(hf, 1).extra == ext  # a cut keeps the whole model's layer types
+    assert model_config(hf, 1).extra == ext and model_config(hf, 1).layer_windows == (WINDOW,)  # a cut's layers
     from safetensors import safe_open
 
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:

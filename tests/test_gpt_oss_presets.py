@@ -28,7 +28,7 @@ def test_preset_parses_with_its_published_shapes(preset: str) -> None:
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.num_experts, cfg.top_k,
             cfg.moe_intermediate_size, cfg.vocab_size) == SHAPES[preset]
     ext = cfg.extra
-    assert ext.sliding == (True, False) * (cfg.num_layers // 2) and ext.sliding_window == 128
+    assert cfg.layer_windows == (128, None) * (cfg.num_layers // 2)
     assert (ext.swiglu_alpha, ext.swiglu_limit) == (1.702, 7.0)
     assert (cfg.kv_spec.parts, cfg.kv_spec.heads, cfg.kv_spec.dim) == (2, 8, 64)
     assert model_config(PRESETS[preset], num_layers=2).num_layers == 2  # --num-layers cuts it

@@ -15,7 +15,6 @@ steps.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -58,6 +57,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
     "mixtral": ({}, 0),
     "mixtral_mqa": (dict(num_key_value_heads=1, tie_word_embeddings=True, num_hidden_layers=3), 1),
     "mixtral_b": ({}, 3),
+    "mixtral_window": (dict(sliding_window=7), 0),  # every layer windowed: the one KV group frees its pages
 }
 
 
@@ -119,8 +119,8 @@ def test_expert_names_map_both_ways() -> None:
 
 
 @pytest.mark.parametrize("change, what", [
-    (dict(sliding_window=128), r"the mixtral family \(MixtralForCausalLM\): sliding_window 128 is shorter than "
-                               r"max_position_embeddings 512; sliding-window attention is not supported"),
+    (dict(sliding_window=0), r"the mixtral family \(MixtralForCausalLM\): sliding_window must be an integer >= 1 "
+                             "or null, got 0"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "unsupported rope scaling 'yarn' "
                                                                                      "in the mixtral family"),
     (dict(num_local_experts=None), r"num_local_experts must be an integer >= 1, got None \(the mixtral family"),
@@ -134,16 +134,14 @@ def test_what_the_family_cannot_serve_is_refused_by_name(ckpts: dict[str, str], 
     assert model_config({**hf, "sliding_window": 512} if "sliding_window" in change else _config(ckpts["mixtral"]))
 
 
-def test_a_sliding_window_is_refused_at_start_up(ckpts: dict[str, str], tmp_path: Any) -> None:
-    """An engine on a checkpoint whose config.json sets a window shorter than the context does not start."""
-    import shutil
-
-    path = str(tmp_path / "windowed")
-    shutil.copytree(ckpts["mixtral"], path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**_config(ckpts["mixtral"]), "sliding_window": 64}, f)
-    with pytest.raises(ConfigError, match="the mixtral family .* sliding_window 64 is shorter"):
-        LLM(model=path, **ENGINE_KW)
+def test_a_sliding_window_windows_every_layer(ckpts: dict[str, str]) -> None:
+    """sliding_window shorter than the context windows every layer (one KV group, windowed), as transformers' mask;
+    one as long as the context is none; the window changes the oracle's tokens on a prompt longer than it."""
+    cfg = model_config(_config(ckpts["mixtral_window"]))
+    assert cfg.layer_windows == (7, 7) and [(g.layers, g.window) for g in cfg.kv_groups] == [((0, 1), 7)]
+    assert model_config({**_config(ckpts["mixtral"]), "sliding_window": 512}).layer_windows == ()
+    long = tuple(PROMPTS[4])
+    assert hf_greedy(ckpts["mixtral_window"], long, N_OUT) != hf_greedy(ckpts["mixtral"], long, N_OUT)
 
 
 def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,8 +164,9 @@ def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypa
 
 # (checkpoint, P, start mode); each engine serves in its start layout, then the other after a switch
 ENGINES = [("mixtral", 1, "tp"), ("mixtral", 2, "ep"), ("mixtral_mqa", 2, "tp"), ("mixtral", 4, "tp"),
-           ("mixtral_mqa", 4, "ep")]
-STRESSED = {("mixtral", 2), ("mixtral_mqa", 4)}  # the switch stress's engines (the others switch alike)
+           ("mixtral_mqa", 4, "ep"), ("mixtral_window", 2, "tp")]
+# the switch stress's engines (the others switch alike)
+STRESSED = {("mixtral", 2), ("mixtral_mqa", 4), ("mixtral_window", 2)}
 
 
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])

@@ -12,7 +12,7 @@ from conftest import VOCAB, assert_kv_all_free, hf_greedy, make_llm, run_to_comp
 
 from moebius import LLM, SamplingParams
 from moebius.link.request import PLACEHOLDER, Request, RequestSpec
-from moebius.memory.kv_pool import BlockAllocator, OutOfPages
+from moebius.memory.kv_pool import BlockAllocator, KVPages, OutOfPages
 from moebius.worker.scheduler import Scheduler
 
 BS = 4
@@ -105,7 +105,7 @@ def _step(s: Scheduler) -> dict[str, tuple[int, int]]:
 
 
 def test_a_later_request_starts_after_the_full_pages_it_shares() -> None:
-    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=64)
+    s = Scheduler(KVPages(64, BS), max_running=8, max_batched_tokens=64)
     a = _req("a", list(range(14)))  # 3 full pages + 2 tokens
     s.add(a)
     assert _step(s) == {"a": (0, 14)}
@@ -124,7 +124,7 @@ def test_a_later_request_starts_after_the_full_pages_it_shares() -> None:
 
 
 def test_requests_admitted_in_one_step_share_the_pages_it_computes() -> None:
-    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=64)
+    s = Scheduler(KVPages(64, BS), max_running=8, max_batched_tokens=64)
     prompt = list(range(10))
     reqs = [_req(str(i), prompt) for i in range(3)]
     for r in reqs:
@@ -138,7 +138,7 @@ def test_requests_admitted_in_one_step_share_the_pages_it_computes() -> None:
 
 
 def test_a_page_a_one_token_chunk_completes_is_indexed_at_the_next_schedule() -> None:
-    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=7)
+    s = Scheduler(KVPages(64, BS), max_running=8, max_batched_tokens=7)
     a = _req("a", list(range(8)))
     s.add(a)
     assert _step(s) == {"a": (0, 7)}  # the budget cuts the prompt one token short of its second page
@@ -157,7 +157,7 @@ def test_a_page_a_one_token_chunk_completes_is_indexed_at_the_next_schedule() ->
 
 
 def test_output_pages_are_indexed_once_their_tokens_are_known() -> None:
-    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=64)
+    s = Scheduler(KVPages(64, BS), max_running=8, max_batched_tokens=64)
     a = _req("a", list(range(6)), n_out=20)
     s.add(a)
     _step(s)
@@ -176,7 +176,7 @@ def test_output_pages_are_indexed_once_their_tokens_are_known() -> None:
 def test_a_page_holding_a_token_still_on_the_device_waits_for_it() -> None:
     """A preempted request recomputes its prompt and outputs in one chunk, the last output still a placeholder (its
     step was in flight): the page holding it is indexed only once the token is read back."""
-    s = Scheduler(BlockAllocator(64, BS), max_running=8, max_batched_tokens=64)
+    s = Scheduler(KVPages(64, BS), max_running=8, max_batched_tokens=64)
     r = _req("r", list(range(6)), n_out=20)
     r.output_token_ids += [100, PLACEHOLDER]  # 8 tokens: page 1 is 4, 5, 100 and the placeholder
     s.add(r)
@@ -190,7 +190,7 @@ def test_a_page_holding_a_token_still_on_the_device_waits_for_it() -> None:
 
 
 def test_a_preempted_request_comes_back_through_the_cache() -> None:
-    s = Scheduler(BlockAllocator(9, BS), max_running=8, max_batched_tokens=64)  # 8 usable pages
+    s = Scheduler(KVPages(9, BS), max_running=8, max_batched_tokens=64)  # 8 usable pages
     a = _req("a", list(range(16)), n_out=40)
     b = _req("b", [200 + i for i in range(12)], n_out=40)
     s.add(a)

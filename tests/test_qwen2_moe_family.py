@@ -59,6 +59,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
     "qwen2_moe_norm": (dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[], num_hidden_layers=4,
                             num_key_value_heads=1, tie_word_embeddings=True, qkv_bias=False), 1),
     "qwen2_moe_b": ({}, 3),
+    # layer 0 slides (transformers' rule: even layers below max_window_layers), 1 and 2 attend to every key
+    "qwen2_moe_window": (dict(use_sliding_window=True, sliding_window=6, max_window_layers=2), 0),
 }
 
 
@@ -103,8 +105,11 @@ def test_config_and_checkpoint_names(ckpts: dict[str, str], name: str) -> None:
 
 
 @pytest.mark.parametrize("change, what", [
-    (dict(use_sliding_window=True), r"the qwen2moe family \(Qwen2MoeForCausalLM\): sliding-window attention"),
-    (dict(layer_types=["sliding_attention", "full_attention", "full_attention"]), "sliding-window attention"),
+    (dict(use_sliding_window=True, sliding_window=None), r"the qwen2moe family \(Qwen2MoeForCausalLM\): "
+                                                         "use_sliding_window needs sliding_window an integer >= 1"),
+    (dict(layer_types=["sliding_attention", "full_attention", "full_attention"]), "layer_types name "
+                                                                                  "sliding_attention layers but "
+                                                                                  "use_sliding_window is false"),
     (dict(shared_expert_intermediate_size=None), "shared_expert_intermediate_size must be an integer >= 1, got "
                                                  r"None \(the qwen2moe family"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
@@ -114,6 +119,18 @@ def test_what_the_family_cannot_serve_is_refused_by_name(ckpts: dict[str, str], 
                                                          what: str) -> None:
     with pytest.raises(ConfigError, match=what):
         model_config({**_config(ckpts["qwen2_moe"]), **change})
+
+
+def test_sliding_layers_are_transformers(ckpts: dict[str, str]) -> None:
+    """use_sliding_window: config.json's layer_types (transformers' rule) slide by sliding_window, in a KV group of
+    their own after the full layers'; the window changes the oracle's tokens on a prompt longer than it."""
+    cfg = model_config(_config(ckpts["qwen2_moe_window"]))
+    assert cfg.layer_windows == (6, None, None)
+    assert [(g.layers, g.window) for g in cfg.kv_groups] == [((1, 2), None), ((0,), 6)]
+    hf = {**_config(ckpts["qwen2_moe_window"]), "layer_types": None}  # (4.x's config.json: the rule)
+    assert model_config(hf).layer_windows == (6, None, None)
+    long = tuple(PROMPTS[4])
+    assert hf_greedy(ckpts["qwen2_moe_window"], long, N_OUT) != hf_greedy(ckpts["qwen2_moe"], long, N_OUT)
 
 
 def test_a_shared_expert_the_ranks_cannot_cut_is_refused(ckpts: dict[str, str]) -> None:
@@ -155,8 +172,10 @@ def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypa
 
 # (checkpoint, P, start mode); each engine serves in its start layout, then the other after a switch
 # (qwen2_moe_norm's one KV head is replicated at P = 4 in TP: P = 2 adds nothing to it)
-ENGINES = [("qwen2_moe", 1, "ep"), ("qwen2_moe", 2, "tp"), ("qwen2_moe", 4, "ep"), ("qwen2_moe_norm", 4, "tp")]
-STRESSED = {("qwen2_moe", 2), ("qwen2_moe", 4)}  # the switch stress's engines (the others switch alike)
+ENGINES = [("qwen2_moe", 1, "ep"), ("qwen2_moe", 2, "tp"), ("qwen2_moe", 4, "ep"), ("qwen2_moe_norm", 4, "tp"),
+           ("qwen2_moe_window", 2, "ep")]
+# the switch stress's engines (the others switch alike)
+STRESSED = {("qwen2_moe", 2), ("qwen2_moe", 4), ("qwen2_moe_window", 2)}
 
 
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{n}-P{p}-{m}" for n, p, m in ENGINES])

@@ -70,7 +70,7 @@ def test_a_pieces_step_pads_its_token_fields_and_tables_its_query_blocks() -> No
     step's (`query_blocks`)."""
     with EngineCore(EngineConfig.from_kwargs(device="cpu")) as e:
         rank = e.ranks.rank
-        runner, alloc, bs = rank.runner, rank.allocator, rank.spec.engine.block_size
+        runner, alloc, bs = rank.runner, rank.kv_pages.first, rank.spec.engine.block_size
         chunks = []
         for i, (prompt, start, n) in enumerate([(30, 0, 30), (9, 8, 1), (50, 16, 20)]):
             req = Request(RequestSpec(f"r{i}", list(range(1, prompt + 1)), SamplingParams(max_tokens=4), 0, 64))
@@ -103,7 +103,7 @@ def test_leading_decodes_of_a_step_with_chunks_attend_apart() -> None:
     for how in ("apart", "shared"):
         with EngineCore(EngineConfig.from_kwargs(device="cpu", mixed_attention=how)) as e:
             rank = e.ranks.rank
-            runner, alloc, bs = rank.runner, rank.allocator, rank.spec.engine.block_size
+            runner, alloc, bs = rank.runner, rank.kv_pages.first, rank.spec.engine.block_size
             chunks = []
             for i, (prompt, start, n) in enumerate([(9, 8, 1), (12, 11, 1), (30, 0, 30), (20, 19, 1)]):
                 req = Request(RequestSpec(f"r{i}", list(range(1, prompt + 1)), SamplingParams(max_tokens=4), 0, 64))

@@ -65,6 +65,13 @@ class AttentionMetadata:
     q_blocks: torch.Tensor | None = None  # GPU, prompt chunks: [N, 2] int64 (sequence, query block), `query_blocks`
     decodes: int = 0  # GPU, prompt chunks: leading one-token sequences that attend in their own decode launch
     # (num_splits is theirs); q_blocks then holds only the sequences after them
+    # the other KV groups' metadata (ModelConfig.kv_groups[1:]: sliding-window layers with page tables of their own),
+    # the same step with their block_tables and slot_mapping
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata layers of KV group g read (`ModelConfig.kv_group_of`)."""
+        return self.groups[g - 1] if g else self
 
     @functools.cached_property
     def chunk_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +220,8 @@ def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: Attentio
     prompt chunks apart, so that no decode is padded to a chunk's length).
     sinks: [H] learned logits, one more column of each head's softmax that takes probability and gives no value
     (GPT-OSS). window: each query sees only its last `window` keys, itself included (transformers' sliding window:
-    key position > query position - window); the keys before stay in their pages."""
+    key position > query position - window); the pages before a sequence's window may be freed (a sliding-window
+    KV group's table names page 0 there)."""
     T, H, d = q_THd.shape
     if T == 0:  # a rank with no requests this step (EP) still runs the layer for its collectives
         return q_THd.new_zeros(0, H, d)
@@ -230,12 +238,16 @@ def paged_attention_ref(q_THd: torch.Tensor, cache: torch.Tensor, meta: Attentio
     j = torch.arange(L, device=q_THd.device)
     pages = meta.block_tables[:, j // meta.block_size].long()  # [B, L]
     kv = cache[pages, :, j % meta.block_size]  # [B, L, 2, kvh, d]
-    # positions past a sequence's end hold whatever the page had: select them away (a 0 weight times NaN is NaN)
-    kv = torch.where((j[None, :] < meta.seq_lens[:, None])[:, :, None, None, None], kv, 0)
+    # positions past a sequence's end hold whatever the page had, and so do a window's freed pages (read as page 0):
+    # select them away (a 0 weight times NaN is NaN)
+    held = j[None, :] < meta.seq_lens[:, None]
+    q_len = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    if window is not None:
+        held &= j[None, :] > (meta.seq_lens - q_len - window)[:, None]  # the first query's window on
+    kv = torch.where(held[:, :, None, None, None], kv, 0)
     k_BLhd, v_BLhd = kv[:, :, 0], kv[:, :, 1]
     q_BQHd = q_THd.new_zeros(B, Q, H, d)
     q_BQHd[meta.token_seq, meta.token_qpos] = q_THd
-    q_len = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     qpos_BQ = (meta.seq_lens - q_len)[:, None] + torch.arange(Q, device=q_THd.device)[None, :]
     mask_BQL = j[None, None, :] <= qpos_BQ[:, :, None]
     if window is not None:

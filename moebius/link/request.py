@@ -40,7 +40,9 @@ class Request:
     spec: RequestSpec
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # the first KV group's page table (every layer's in most models)
+    # the other KV groups' tables (ModelConfig.kv_groups[1:], sliding-window layers): page 0 before the window
+    group_pages: list[list[int]] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it
@@ -52,6 +54,14 @@ class Request:
     @property
     def request_id(self) -> str:
         return self.spec.request_id
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Its page table in each KV group (`memory/kv_pool.KVPages`)."""
+        return [self.pages, *self.group_pages]
+
+    def set_tables(self, tables: list[list[int]]) -> None:
+        self.pages, self.group_pages = tables[0], tables[1:]
 
     @property
     def params(self) -> SamplingParams:

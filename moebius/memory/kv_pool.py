@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from moebius.config import ConfigError, KVSpec
+from moebius.config import ConfigError, KVSpec, first_live_page
 from moebius.memory.umm import UnifiedMemory
 
 # KV tokens a CPU rank holds when --max-total-tokens is unset (no device memory to size the cache by)
@@ -156,6 +156,11 @@ class BlockAllocator:
             keys.append(parent := hit[1])
         return pages, keys
 
+    def lookup(self, parent: int, tokens: tuple[int, ...]) -> int | None:
+        """The indexed page of these tokens after the page keyed `parent` (None: not indexed)."""
+        hit = self._index.get((parent, tokens))
+        return None if hit is None else hit[0]
+
     def clear_cache(self) -> int:
         """Empty the index (vLLM's reset_prefix_cache): its free pages become plain free pages, and the pages
         requests hold are freed as plain pages. Returns how many pages it held."""
@@ -180,6 +185,117 @@ class BlockAllocator:
         self._index[entry] = (page, key)
         self._page_entry[page] = entry
         return key
+
+
+class KVPages:
+    """A rank's page allocators, one a KV group (`ModelConfig.kv_groups`; one in most models), and a request's page
+    tables in them (`Request.tables`, one a group). A table covers its request's tokens from the first; a
+    sliding-window group's table names page 0 before its window, those pages freed as the window moves on (`trim`),
+    so that the group holds a window's pages a request however long it grows. The first group's allocator holds the
+    prefix cache's chain of keys; another group indexes its pages under the first group's keys (vLLM's hybrid
+    prefix caching: a prefix is cached where the first group holds its pages and each window group the pages of
+    the window its next query reads, those freed as the window moved on included, until evicted). Every group has
+    the same number of pages (a layer's KV region is the same in every slot):
+    a window group never runs out before the first group (its tables cover fewer pages), but its freed pages serve
+    only its own layers."""
+
+    def __init__(self, num_pages: int, block_size: int, windows: Sequence[int | None] = (None,)) -> None:
+        self.groups = [BlockAllocator(num_pages, block_size) for _ in windows]
+        self.windows = tuple(windows)
+        self.block_size = block_size
+
+    @property
+    def first(self) -> BlockAllocator:
+        """The first group's allocator: the prefix cache's, and the one the rank's KV statistics report."""
+        return self.groups[0]
+
+    @property
+    def num_free(self) -> int:
+        """Pages free in every group (what whole tables, `take`, may use)."""
+        return min(a.num_free for a in self.groups)
+
+    def need(self, tables: Sequence[Sequence[int]], start: int, stop: int) -> list[int]:
+        """The pages each group gives a request whose tables are `tables` so that its tokens up to `stop` have pages,
+        its next chunk starting at `start` (a window group's pages before that chunk's window are not given)."""
+        n = self.first.pages_for(stop)
+        return [max(0, n - max(len(t), first_live_page(start, w, self.block_size)))
+                for t, w in zip(tables, self.windows, strict=True)]
+
+    def fits(self, need: Sequence[int], cached: Sequence[Sequence[int]] = ()) -> bool:
+        """Whether every group has `need` pages free besides the free ones sharing the `cached` tables takes."""
+        taken = [a.evictable([p for p in t if p]) for t, a in zip(cached, self.groups, strict=False)]
+        return all(k + (taken[g] if g < len(taken) else 0) <= a.num_free
+                   for g, (k, a) in enumerate(zip(need, self.groups, strict=True)))
+
+    def match(self, tokens_of: Callable[[int], tuple[int, ...]], num_blocks: int
+              ) -> tuple[list[list[int]], list[int]]:
+        """The cached tables (a group each) and the first group's keys of the longest chain of full pages, among the
+        first `num_blocks` of a request (page b's tokens: `tokens_of(b)`), such that every group holds what a query
+        after it reads."""
+        pages, keys = self.first.match(tokens_of(b) for b in range(num_blocks))
+        bs = self.block_size
+        for n in range(len(pages), -1, -1):
+            tables: list[list[int]] = [pages[:n]]
+            for a, w in zip(self.groups[1:], self.windows[1:], strict=True):
+                lead = first_live_page(n * bs, w, bs)
+                got: list[int] = []
+                for b in range(lead, n):
+                    page = a.lookup(keys[b - 1] if b else 0, tokens_of(b))
+                    if page is None:
+                        break
+                    got.append(page)
+                if len(got) < n - lead:
+                    break
+                tables.append([0] * lead + got)
+            else:
+                return tables, keys[:n]
+        return [[] for _ in self.groups], []
+
+    def share(self, tables: Sequence[Sequence[int]]) -> None:
+        """One more reference to each page of these cached tables (page 0: none)."""
+        for t, a in zip(tables, self.groups, strict=True):
+            a.share([p for p in t if p])
+
+    def register(self, tables: Sequence[Sequence[int]], b: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Index page b of a request's tables, its tokens computed and `parent` the first group's key of page b - 1
+        (0 for the first); returns the first group's key of page b. A window group's page freed already is not
+        indexed."""
+        key = self.first.register(tables[0][b], parent, tokens)
+        for t, a in zip(tables[1:], self.groups[1:], strict=True):
+            if t[b]:
+                a.register(t[b], parent, tokens)
+        return key
+
+    def clear_cache(self) -> int:
+        """Empty every group's index (`BlockAllocator.clear_cache`); returns how many pages the first group's held."""
+        return [a.clear_cache() for a in self.groups][0]
+
+    def extend(self, tables: Sequence[list[int]], start: int, need: Sequence[int]) -> None:
+        """Give the tables the pages `need` counted (page 0 before a window group's window)."""
+        for t, w, k, a in zip(tables, self.windows, need, self.groups, strict=True):
+            t += [0] * (first_live_page(start, w, self.block_size) - len(t))
+            t += a.allocate(k)
+
+    def trim(self, tables: Sequence[list[int]], start: int) -> None:
+        """Free the window groups' pages no query from `start` on reads (page 0 in their place)."""
+        for t, w, a in zip(tables, self.windows, self.groups, strict=True):
+            if w is None:
+                continue
+            end = k = min(first_live_page(start, w, self.block_size), len(t))
+            while k and t[k - 1]:  # the pages freed before are page 0, a run from the first
+                k -= 1
+            if k < end:
+                a.free(t[k:end])
+                t[k:end] = [0] * (end - k)
+
+    def take(self, num_pages: int) -> list[list[int]]:
+        """Whole tables of `num_pages` pages, a group each (the probes' requests, whose steps read every page)."""
+        return [a.allocate(num_pages) for a in self.groups]
+
+    def free(self, tables: Sequence[Sequence[int]]) -> None:
+        """Drop a request's tables (page 0: freed already, or never its own; a request never admitted has none)."""
+        for t, a in zip(tables, self.groups, strict=False):
+            a.free([p for p in t if p])
 
 
 class KVPool:

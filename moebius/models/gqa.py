@@ -29,10 +29,12 @@ class AttnWeights:
 
 
 def attention(x_TD: torch.Tensor, w: AttnWeights, cache: torch.Tensor, meta: AttentionMetadata,
-              cfg: ModelConfig, rope: torch.Tensor, kc: KernelConfig) -> torch.Tensor:
-    """This rank's heads' share of the output projection (in TP a partial sum over ranks)."""
+              cfg: ModelConfig, rope: torch.Tensor, kc: KernelConfig, window: int | None = None) -> torch.Tensor:
+    """This rank's heads' share of the output projection (in TP a partial sum over ranks). window: a sliding-window
+    layer's (`meta` then its KV group's)."""
     qkv = linear(x_TD, w.qkv_QD, w.qkv_bias, kc=kc)
-    o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc)
+    o = qkv_attention(qkv, w.q_norm, w.k_norm, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc,
+                      window=window)
     return linear(o.flatten(1), w.o_DQ, kc=kc)
 
 

@@ -44,6 +44,16 @@ class Staging:
 
 
 @dataclass(frozen=True)
+class _KVLayerMove:
+    """A KV group's plan, with the (page, offset-in-page) device vectors of the slots it sends to and receives from
+    each peer: the same for every layer of the group."""
+
+    plan: KVMove
+    send: list[tuple[torch.Tensor, torch.Tensor]]
+    recv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class PassLaunch:
     """The host's side of a pass launched (ms): `requests_ms` the caller's request side plus the KV index plan and
     the staging, `kv_plan_ms`, `staging_ms` (buffers and the ranks' agreement), `prep_ms` (index vectors),
@@ -122,21 +132,23 @@ class Switcher:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def move(self, src: str, dst: str, live: list[LiveKV], running: int, waiting: int, host_ms: float
+    def move(self, src: str, dst: str, live: list[list[LiveKV]], running: int, waiting: int, host_ms: float
              ) -> PassLaunch | str:
         """Move every layer's experts, and the KV of the live requests (their target pages allocated already), from
-        layout `src` to `dst`. A collective. Returns why not when a rank cannot give the staging (nothing has changed
+        layout `src` to `dst`. A collective. live: the requests' KV in each KV group (`ModelConfig.kv_groups`; a
+        group's layers move by its plan). Returns why not when a rank cannot give the staging (nothing has changed
         then), else where the host's time went. The pass is launched, not waited for (`pass_times`). running /
         waiting: counts for the log line; host_ms: the caller's time on the switch before this (requests, capacity,
         page tables)."""
         t0 = time.perf_counter()
-        plan = (kv_ep_to_tp if dst == "tp" else kv_tp_to_ep)(live, self.rank, self.tp_layouts, self.block_size)
+        plans = [(kv_ep_to_tp if dst == "tp" else kv_tp_to_ep)(g, self.rank, self.tp_layouts, self.block_size)
+                 for g in live]
         # every rank knows every live request's KV length, so all agree whether there is KV to move
-        move_kv = any(x.num_tokens for x in live)
+        move_kv = any(x.num_tokens for g in live for x in g)
         # One layer's staging (experts, KV rows), before anything changes: a device that cannot give it refuses the
         # switch here instead of failing half-way through the layers. Every rank agrees, so none starts alone.
         t_plan = time.perf_counter()
-        staging, why = self._staging(plan if move_kv else None, self.caches[src][0])
+        staging, why = self._staging(plans if move_kv else None, self.caches[src][0])
         agreed = all_gather_json([not why, why], self.groups, self.device)
         if not all(ok for ok, _ in agreed):
             return ("no device memory for one layer of switch staging ("
@@ -144,17 +156,18 @@ class Switcher:
         self._sync()
         t1 = time.perf_counter()
         peer0 = self.transport.peer_exchanges
-        prep_ms, enqueue_ms, pipelined = self._move_layers(src, dst, plan, move_kv, staging)
+        prep_ms, enqueue_ms, pipelined = self._move_layers(src, dst, plans, move_kv, staging)
         launch = PassLaunch(host_ms + (t1 - t0) * 1e3, (t_plan - t0) * 1e3, (t1 - t_plan) * 1e3, prep_ms, enqueue_ms,
                             pipelined, self.transport.name, self.transport.peer_exchanges - peer0)
         self._unresolved = _Unresolved(src, dst, running, waiting, launch.requests_ms, prep_ms)
         return launch
 
-    def _staging(self, plan: KVMove | None, cache: torch.Tensor) -> tuple[Staging, str]:
+    def _staging(self, plans: list[KVMove] | None, cache: torch.Tensor) -> tuple[Staging, str]:
         """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:
         what TP -> EP receives and EP -> TP packs, either way, as P * El = E; two with --switch-overlap, if the device
-        has the memory; the peer transport's own, kept from the start, where it has them), and (plan: KV to move)
-        the KV rows sent and received. (Staging, why): why is "" unless the device cannot give them."""
+        has the memory; the peer transport's own, kept from the start, where it has them), and (plans: KV to move)
+        the KV rows sent and received (the most of any KV group's plan). (Staging, why): why is "" unless the device
+        cannot give them."""
         moe = self._tp_moe()
         try:
             experts = self.transport.staging()  # the peer transport's, kept from the start
@@ -167,16 +180,17 @@ class Switcher:
                     log.warning("rank %d: no memory for a second layer of switch staging; switching unpipelined",
                                 self.rank)
             rows = None
-            if plan is not None:  # cache [pages, parts, block, heads, d]: rows [n, parts, heads moved, d]
-                n_send, n_recv = sum(len(x) for x in plan.send_slots), sum(len(x) for x in plan.recv_slots)
+            if plans is not None:  # cache [pages, parts, block, heads, d]: rows [n, parts, heads moved, d]
+                n_send = max(sum(len(x) for x in p.send_slots) for p in plans)
+                n_recv = max(sum(len(x) for x in p.recv_slots) for p in plans)
                 parts = cache.shape[1]  # the KV spec's: K and V, or MLA's one latent
-                rows = (cache.new_empty((n_send, parts, max(map(len, plan.send_heads)), cache.shape[-1])),
-                        cache.new_empty((n_recv, parts, len(plan.recv_heads[0]), cache.shape[-1])))
+                rows = (cache.new_empty((n_send, parts, max(map(len, plans[0].send_heads)), cache.shape[-1])),
+                        cache.new_empty((n_recv, parts, len(plans[0].recv_heads[0]), cache.shape[-1])))
             return Staging(experts, rows), ""
         except torch.OutOfMemoryError as e:
             return Staging(None, None), str(e).splitlines()[0]
 
-    def _move_layers(self, src: str, dst: str, plan: KVMove, move_kv: bool, staging: Staging
+    def _move_layers(self, src: str, dst: str, plans: list[KVMove], move_kv: bool, staging: Staging
                      ) -> tuple[float, float, bool]:
         """The ordered pass, launched without waiting for it. Returns where the host's time went (ms): the index
         vectors, its loop over the layers, and whether the pipelined pass ran; keeps each layer's marks
@@ -187,13 +201,13 @@ class Switcher:
         hp = time.perf_counter()
         order = range(self.cfg.num_layers) if dst == "tp" else reversed(range(self.cfg.num_layers))
         bs = self.block_size
-        # (page, offset-in-page) of every slot moved, per peer: the same for every layer
-        send = [self._page_offset(s, bs) for s in plan.send_slots]
-        recv = [self._page_offset(r, bs) for r in plan.recv_slots]
+        # (page, offset-in-page) of every slot moved, per peer: the same for every layer of a KV group
+        moves = [_KVLayerMove(p, [self._page_offset(s, bs) for s in p.send_slots],
+                              [self._page_offset(r, bs) for r in p.recv_slots]) for p in plans]
         cuda = self.device.type == "cuda"
         h0 = time.perf_counter()
         if staging.experts is not None and len(staging.experts) == 2:
-            self._marks = self._pipelined(src, dst, list(order), plan, move_kv, send, recv, staging)
+            self._marks = self._pipelined(src, dst, list(order), moves, move_kv, staging)
             return (h0 - hp) * 1e3, (time.perf_counter() - h0) * 1e3, True
         marks: list[tuple[Any, Any, Any]] = []  # (start, weights done, KV done) of each layer
         for i in order:
@@ -205,15 +219,15 @@ class Switcher:
             m1 = self._mark(cuda)
             if move_kv:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
-                self._move_kv(self.caches[src][i], self.caches[dst][i], plan, send, recv, staging.kv_rows)
+                self._move_kv(self.caches[src][i], self.caches[dst][i], moves[self.cfg.kv_group_of(i)],
+                              staging.kv_rows)
             marks.append((m0, m1, self._mark(cuda)))
         # no wait for the device here: the first step in the new layout is launched right behind the pass on the
         # same stream (its host work overlaps the transfers); pass_times waits for the pass's end
         self._marks = marks
         return (h0 - hp) * 1e3, (time.perf_counter() - h0) * 1e3, False
 
-    def _pipelined(self, src: str, dst: str, layers: list[int], plan: KVMove, move_kv: bool,
-                   send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
+    def _pipelined(self, src: str, dst: str, layers: list[int], moves: list[_KVLayerMove], move_kv: bool,
                    staging: Staging) -> list[tuple[Any, Any, Any]]:
         """The pass with two expert buffers (the j-th layer in pass order uses buffer j % 2): the exchanges go out from
         a side stream, so the compute stream permutes one layer while the exchange of the layer before it is on the
@@ -258,7 +272,8 @@ class Switcher:
                 assert staging.kv_rows is not None  # KV to move: _staging made them
                 if cuda and nccl_both:  # TP -> EP queues exchange j + 1 before finishing j: the KV's all-to-all
                     compute.wait_event(done[-1])  # waits for it, so that one communicator never runs on two streams
-                self._move_kv(self.caches[src][i], self.caches[dst][i], plan, send, recv, staging.kv_rows)
+                self._move_kv(self.caches[src][i], self.caches[dst][i], moves[self.cfg.kv_group_of(i)],
+                              staging.kv_rows)
 
         last_expert: Any = start
         for j, i in enumerate(layers):
@@ -349,15 +364,15 @@ class Switcher:
         pairs = zip(views, staging, strict=True) if target == "tp" else zip(staging, views, strict=True)
         self.transport.all_to_all_many([(out, inp, splits, splits) for out, inp in pairs])
 
-    def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, plan: KVMove,
-                 send: list[tuple[torch.Tensor, torch.Tensor]], recv: list[tuple[torch.Tensor, torch.Tensor]],
+    def _move_kv(self, src: torch.Tensor, dst: torch.Tensor, move: _KVLayerMove,
                  rows: tuple[torch.Tensor, torch.Tensor]) -> None:
         """src/dst caches [pages, parts, bs, heads, d]: gather by source (page, offset) into the staging rows,
         exchange, scatter by target (page, offset). rows: (sent [n_send, parts, w, d], received [n_recv, parts, w,
-        d]), reused."""
-        out, got = rows
+        d]), reused (the leading rows: a KV group's plan may move fewer than the staging holds)."""
+        plan, send, recv = move.plan, move.send, move.recv
         send_counts = [len(s) for s in plan.send_slots]
         recv_counts = [len(r) for r in plan.recv_slots]
+        out, got = rows[0][: sum(send_counts)], rows[1][: sum(recv_counts)]
         start = 0
         for (pg, off), h, n in zip(send, plan.send_heads, send_counts, strict=True):
             if n:  # [n, parts, heads, d] of src written straight into the rows (no temporary)

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moebius.config import first_live_page
 from moebius.link.codec import TokenIds, decode, encode
 from moebius.link.messages import SwitchOutcome
 from moebius.link.request import Request, RequestSpec, Status
-from moebius.memory.kv_pool import BlockAllocator
+from moebius.memory.kv_pool import KVPages
 from moebius.parallel.groups import Groups, all_gather_json
 from moebius.parallel.layout import Layout
 from moebius.switch.executor import Switcher
@@ -82,7 +83,7 @@ class SwitchResult:
     mode: str | None = None
     running: list[Request] = field(default_factory=list)  # with their target page tables
     waiting: list[Request] = field(default_factory=list)
-    allocator: BlockAllocator | None = None  # the target layout's, holding those pages
+    kv_pages: KVPages | None = None  # the target layout's allocators, holding those pages
     others: dict[str, RequestSpec] = field(default_factory=dict)  # specs of the requests other ranks now run
 
 
@@ -156,42 +157,55 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
     # Which leading pages requests of one target rank have in common: the first request's move fills such a page,
     # the others share it (a TP target: one group, every rank holds every request).
     group = [a if dst.data_parallel else 0 for a in after[: len(running)]]
+    # (not where the first KV group has a window: its leading pages may be freed already)
+    share_prefixes = share_prefixes and src.cfg.kv_groups[0].window is None
     shared = (shared_prefixes(running, group, before[: len(running)], block_size) if share_prefixes
               else [0] * len(running))
-    # Capacity: the target must hold the live KV of every running request (plus its next token) ...
-    need = [sum(-(-r.num_tokens // block_size) - s for r, o, s in zip(running, after, shared, strict=False)
-                if lay.holds(o)) for lay in targets]
-    alloc = BlockAllocator(dst_num_pages, block_size)
-    if max(need, default=0) > alloc.usable_pages:
-        return _refused(src, dst, f"{dst.mode} layout cannot hold the live KV: needs {max(need)} pages on a rank, "
-                        f"has {alloc.usable_pages}")
+    # Capacity: the target must hold the live KV of every running request (plus its next token) in every KV group
+    # (a window group: its window's pages) ...
+    kv_pages = KVPages(dst_num_pages, block_size, [g.window for g in src.cfg.kv_groups])
+    first = [[first_live_page(r.num_computed, w, block_size) for r in running] for w in kv_pages.windows]
+    need = [[sum(-(-r.num_tokens // block_size) - max(s if g == 0 else 0, f)
+                 for r, o, s, f in zip(running, after, shared, first[g], strict=False) if lay.holds(o))
+             for g in range(len(first))] for lay in targets]
+    most = max((n for per_group in need for n in per_group), default=0)
+    if most > kv_pages.first.usable_pages:
+        return _refused(src, dst, f"{dst.mode} layout cannot hold the live KV: needs {most} pages on a rank, "
+                        f"has {kv_pages.first.usable_pages}")
     # ... and its batch slots (TP runs every request on every rank)
     per_rank = [sum(1 for o in after[: len(running)] if lay.holds(o)) for lay in targets]
     if max(per_rank, default=0) > max_running:
         return _refused(src, dst, f"{dst.mode} layout cannot run {max(per_rank)} requests on a rank "
                         f"(max_running_requests {max_running})")
-    # Target page tables, in the global order, in a fresh allocator that only adopting the result makes the
-    # target's: nothing has changed yet.
-    kv: list[LiveKV] = []
-    my_pages = {r.request_id: r.pages for r in mine.running}
+    # Target page tables, in the global order, in fresh allocators that only adopting the result makes the target's:
+    # nothing has changed yet. A window group's tables start at the window of the request's next token: the pages
+    # before are neither moved nor given.
+    kv: list[list[LiveKV]] = [[] for _ in kv_pages.groups]
+    my_tables = {r.request_id: r.tables for r in mine.running}
     page_of: dict[tuple[int, int], dict[int, int]] = {}  # (group, source rank) -> {prefix-cache key: target page}
-    for r, b, a, g, s in zip(running, before, after, group, shared, strict=False):
-        pages = []
-        if dst.holds(a):
-            keys = r.prefix_keys[: r.num_computed // block_size]
-            mine_of = page_of.setdefault((g, b), {})
-            pages = [mine_of[key] for key in keys[:s]]
-            alloc.share(pages)
-            pages += alloc.allocate(-(-r.num_computed // block_size) - s)
-            mine_of.update(zip(keys[s:], pages[s:], strict=False))
-        kv.append(LiveKV(b if src.data_parallel else a, r.num_computed, my_pages.get(r.request_id, []), pages,
-                         s * block_size))
+    for i, (r, b, a, g, s) in enumerate(zip(running, before, after, group, shared, strict=False)):
+        mine_now = my_tables.get(r.request_id)
+        for k, alloc in enumerate(kv_pages.groups):
+            pages: list[int] = []
+            lead = first[k][i]
+            if dst.holds(a):
+                if k == 0:  # (prefix sharing only where no group has a window: `share`)
+                    keys = r.prefix_keys[: r.num_computed // block_size]
+                    mine_of = page_of.setdefault((g, b), {})
+                    pages = [mine_of[key] for key in keys[:s]]
+                    alloc.share(pages)
+                pages += [0] * (lead - len(pages))
+                pages += alloc.allocate(-(-r.num_computed // block_size) - len(pages))
+                if k == 0:
+                    mine_of.update(zip(keys[s:], pages[s:], strict=False))
+            kv[k].append(LiveKV(b if src.data_parallel else a, r.num_computed, mine_now[k] if mine_now else [], pages,
+                                max(s if k == 0 else 0, lead) * block_size))
     t_plan = time.perf_counter()
     launch = switcher.move(src.mode, dst.mode, kv, len(running), len(waiting), (t_plan - t0) * 1e3)
     if isinstance(launch, str):
         return _refused(src, dst, launch)
-    for r, x in zip(running, kv, strict=False):
-        r.pages = x.dst_pages
+    for i, r in enumerate(running):
+        r.set_tables([kv[k][i].dst_pages for k in range(len(kv))])
     keep = [i for i, o in enumerate(after) if dst.holds(o)]
     n_run = len(running)
     kept = set(keep)
@@ -204,7 +218,7 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
                             waiting=len(waiting))
     return SwitchResult(
         outcome, dst.mode, [running[i] for i in keep if i < n_run], [waiting[i - n_run] for i in keep if i >= n_run],
-        alloc, {r.request_id: r.spec for i, r in enumerate(live) if i not in kept} if dst.data_parallel else {})
+        kv_pages, {r.request_id: r.spec for i, r in enumerate(live) if i not in kept} if dst.data_parallel else {})
 
 
 def _refused(src: Layout, dst: Layout, reason: str) -> SwitchResult:

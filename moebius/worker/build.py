@@ -136,11 +136,15 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     dtype = getattr(torch, spec.dtype)
     check_shapes(cfg, spec.world_size)
     family = family_of(cfg)
-    unchecked = os.environ.get("MOEBIUS_UNCHECKED_GPU", "").split(",")  # families whose GPU tests run them
+    # families (or a --quantization) whose GPU paths are written but not yet run on a GPU: their GPU tests name them
+    unchecked = os.environ.get("MOEBIUS_UNCHECKED_GPU", "").split(",")
     if family.cpu_only and device.type != "cpu" and family.name not in unchecked:
         raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device} yet: "
                           f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
                           "its GPU tests run it)")
+    if len(cfg.kv_groups) > 1 and device.type == "cuda":  # the graphs' static buffers hold one group's tables
+        raise ConfigError(f"the {family.name} family's sliding-window layers keep page tables of their own, which the "
+                          "CUDA graphs and attention kernels do not read yet: serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}

@@ -28,7 +28,7 @@ def answer(rank: Rank, q: Query) -> Any:
         return {"running": [r.request_id for r in sched.running],
                 "waiting": [r.request_id for r in sched.waiting], "others": sorted(rank.others)}
     if q is Query.RESET_PREFIX_CACHE:  # the prefix cache's pages (a benchmark between its runs)
-        return {"pages": rank.allocator.clear_cache()}
+        return {"pages": rank.kv_pages.clear_cache()}
     if q is Query.HEAP:  # the rank process's objects kept out of garbage collections (freeze_heap)
         return {"frozen": gc.get_freeze_count()}
     if q is Query.KERNELS:  # how the rank's kernels run (its KernelConfig)

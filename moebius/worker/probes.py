@@ -38,7 +38,8 @@ def _decoding(rank: Rank, n: int, context: int) -> list[ScheduledChunk]:
     for i in range(n):
         ids = [(r * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
         req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
-        req.pages, req.num_computed = rank.allocator.allocate(-(-(context + 1) // rank.spec.engine.block_size)), context
+        req.set_tables(rank.kv_pages.take(-(-(context + 1) // rank.spec.engine.block_size)))
+        req.num_computed = context
         chunks.append(ScheduledChunk(req, context, 1))
     return chunks
 
@@ -48,7 +49,7 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
     the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
     if steps < 1 or warmup < 0:  # an answer, not an exception: a rank that raised would take the engine down
         return {"error": f"bench_decode needs steps >= 1 and warmup >= 0, got {steps} and {warmup}"}
-    lay, alloc, groups = rank.layout, rank.allocator, rank.groups
+    lay, alloc, groups = rank.layout, rank.kv_pages, rank.groups
     local = lay.local_batch(batch)
     ecfg = rank.spec.engine
     pages_each = -(-(context + 1) // ecfg.block_size)
@@ -77,7 +78,7 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
         replay_ms = runner.time_replay(sync.max_tokens, steps) if used_graph else None
     finally:
         for c in chunks:
-            alloc.free(c.req.pages)
+            alloc.free(c.req.tables)
     sync_ms = statistics.median(times[warmup:]) * 1e3
     return {"step_ms": overlapped if rank.overlap else sync_ms, "step_ms_overlap": overlapped,
             "step_ms_no_overlap": sync_ms, "local_batch": local, "cuda_graph": used_graph,
@@ -100,7 +101,7 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
         return {"error": f"bench_prefill needs tokens >= 1, context >= 0, steps >= 1, warmup >= 0, 1 <= sequences "
                          f"<= tokens, decodes >= 0, decode_context >= 0 and idle_s >= 0, got {tokens}, {context}, "
                          f"{steps}, {warmup}, {sequences}, {decodes}, {decode_context} and {idle_s}"}
-    alloc, groups, ecfg = rank.allocator, rank.groups, rank.spec.engine
+    alloc, groups, ecfg = rank.kv_pages, rank.groups, rank.spec.engine
     sizes = split_evenly(tokens, sequences)
     pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
     need = sum(pages) + decodes * -(-(decode_context + 1) // ecfg.block_size)
@@ -118,7 +119,8 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
         ids = [(groups.rank * 7919 + s * 7 + j * 104729) % V for j in range(context + n)]
         req = Request(RequestSpec(f"bench-prefill-{s}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
                                   context + n + 1))
-        req.pages, req.num_computed = alloc.allocate(p), context
+        req.set_tables(alloc.take(p))
+        req.num_computed = context
         chunks.append(ScheduledChunk(req, context, n))
     sync, times = StepSync(tokens + decodes, False), []
     try:
@@ -131,7 +133,7 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
             times.append(time.perf_counter() - t)
     finally:
         for c in chunks:
-            alloc.free(c.req.pages)
+            alloc.free(c.req.tables)
     return {"step_ms": statistics.median(times[warmup:]) * 1e3, "tokens": tokens, "context": context,
             "chunk_tokens": [c.num_tokens for c in chunks[decodes:]], "decodes": decodes,
             "pieces": graphs and rank.runner.pieces_bucket(sync.max_tokens) is not None}

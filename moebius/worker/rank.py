@@ -37,7 +37,7 @@ from moebius.link.messages import (
     attended_pairs,
 )
 from moebius.link.request import PLACEHOLDER, Request, RequestSpec
-from moebius.memory.kv_pool import BlockAllocator, KVPool
+from moebius.memory.kv_pool import KVPages, KVPool
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.weights import ModelWeights
 from moebius.parallel.groups import Groups, all_gather_ints, all_gather_json
@@ -106,8 +106,9 @@ class Rank:
         self.switcher, self.rules = switcher, rules
         self.mode = spec.mode
         ecfg = spec.engine
-        self.allocator = BlockAllocator(modes[self.mode].kv.num_pages, ecfg.block_size)
-        self.scheduler = Scheduler(self.allocator, ecfg.max_running_requests, ecfg.max_num_batched_tokens,
+        self.kv_pages = KVPages(modes[self.mode].kv.num_pages, ecfg.block_size,
+                                [g.window for g in self.cfg.kv_groups])
+        self.scheduler = Scheduler(self.kv_pages, ecfg.max_running_requests, ecfg.max_num_batched_tokens,
                                    prefix_caching=not ecfg.disable_prefix_caching)
         # EP: the specs of the live requests the other ranks hold (every plan reaches every rank), so that an
         # EP -> TP switch moves only their outputs and state, not their prompts
@@ -141,7 +142,8 @@ class Rank:
         return min(rt.kv.num_pages - 1 for rt in self.modes.values()) * self.spec.engine.block_size
 
     def kv_stats(self) -> KVStats:
-        return KVStats(self.allocator.free_tokens, self.allocator.total_tokens)
+        """Free KV tokens: in the KV group with the fewest (every group has as many pages)."""
+        return KVStats(self.kv_pages.num_free * self.kv_pages.block_size, self.kv_pages.first.total_tokens)
 
     def destroy_graphs(self) -> None:
         for rt in self.modes.values():
@@ -222,7 +224,7 @@ class Rank:
         if update.group is not None:  # joined or left a trainer's process group: no weight changed
             return UpdateOutcome(True, None, 0, 0)
         # the cached pages were computed by the old weights: no later prompt may start from them
-        return UpdateOutcome(True, None, views, self.allocator.clear_cache())
+        return UpdateOutcome(True, None, views, self.kv_pages.clear_cache())
 
     def _memory(self, order: MemoryOrder) -> MemoryOutcome:
         """Release or map again the buffer's memory under the order's tags on every rank, or on none: where some
@@ -241,7 +243,7 @@ class Rank:
                 umm.release(order.tags, keep_weights=True)
             return MemoryOutcome(False, "; ".join(failed))
         if order.release and "kv_cache" in order.tags:
-            self.allocator.clear_cache()
+            self.kv_pages.clear_cache()
         return MemoryOutcome(True, None, stats.nbytes, stats.host_bytes, stats.seconds)
 
     def _switch(self, order: SwitchOrder, drain_ms: float) -> SwitchOutcome:
@@ -264,9 +266,9 @@ class Rank:
         """The target's requests, allocator and runtime become active (nothing changes on a refusal)."""
         if result.mode is None:
             return
-        assert result.allocator is not None
-        self.scheduler.adopt(result.running, result.waiting, result.allocator)
-        self.allocator, self.mode, self.others = result.allocator, result.mode, result.others
+        assert result.kv_pages is not None
+        self.scheduler.adopt(result.running, result.waiting, result.kv_pages)
+        self.kv_pages, self.mode, self.others = result.kv_pages, result.mode, result.others
 
     def _forward_step(self) -> list[TokenDelta]:
         """Schedule and launch a step, then resolve the step before it (overlap) or this one. Returns the deltas

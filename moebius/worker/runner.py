@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -123,6 +123,19 @@ class StepSync:
 
     max_tokens: int
     all_decode: bool
+
+
+def _page_table(tables: list[list[int]], rows: int) -> np.ndarray:
+    """[rows, width] int32: these page tables, a row each, page 0 past them. Only the used columns are written:
+    attention reads a row no further than its sequence length, so a graph's full-width view never reaches the stale
+    columns beyond."""
+    n = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    width = max(int(n.max(initial=0)), 1)
+    table = np.zeros((rows, width), dtype=np.int32)
+    # one vectorised fill (a row-by-row assignment would cost host time per request)
+    table[: len(tables)][np.arange(width) < n[:, None]] = np.fromiter(chain.from_iterable(tables), dtype=np.int32,
+                                                                       count=int(n.sum()))
+    return table
 
 
 # A step's log-probabilities, per sampling row: (the sampled token's, then its top k's values; their ids)
@@ -356,10 +369,6 @@ class ModelRunner:
         # chained in C: a Python generator over every token would cost host time in proportion to the prompt
         ids = np.fromiter(chain.from_iterable(c.req.tokens(c.start, c.start + c.num_tokens) for c in batch),
                           dtype=np.int64, count=int(lens.sum()))
-        n_pages = np.fromiter((len(c.req.pages) for c in batch), dtype=np.int64, count=B)
-        # only the used columns are written: attention reads a row no further than its sequence length, so a
-        # graph's full-width view never reaches the stale columns beyond
-        width = max(int(n_pages.max(initial=0)), 1)
         if pad_to:
             extra = pad_to - B
             lens = np.concatenate([lens, np.ones(extra, np.int64)])
@@ -372,10 +381,7 @@ class ModelRunner:
         token_seq = np.repeat(np.arange(B, dtype=np.int64), lens)
         token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
         positions = starts[token_seq] + token_qpos
-        table = np.zeros((B, width), dtype=np.int32)
-        # one vectorised fill (a row-by-row assignment would cost host time per request)
-        table[: len(batch)][np.arange(width) < n_pages[:, None]] = np.fromiter(
-            chain.from_iterable(c.req.pages for c in batch), dtype=np.int32, count=int(n_pages.sum()))
+        table = _page_table([c.req.pages for c in batch], B)
         slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + lens
         fill_src = np.zeros(0, np.int64) if prev_rows is None else prev_rows[prev_rows >= 0].astype(np.int64)
@@ -408,8 +414,20 @@ class ModelRunner:
             token_qpos=v["token_qpos"], max_query_len=max_q, max_seq_len=int(seq_lens.max(initial=0)),
             block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None, decodes=decodes,
             num_splits=self._kv_splits(len(batch) if max_q == 1 else decodes))
+        if len(self.cfg.kv_groups) > 1:  # sliding-window layers' own tables: eager steps only (build.py)
+            meta.groups = tuple(self._group_metadata(meta, [c.req.group_pages[g] for c in batch], B, token_seq,
+                                                     positions) for g in range(len(self.cfg.kv_groups) - 1))
         self.last_metadata_s = time.perf_counter() - t0
         return v["input_ids"], meta, qsl, v["sample_rows"]
+
+    def _group_metadata(self, meta: AttentionMetadata, tables: list[list[int]], B: int, token_seq: np.ndarray,
+                        positions: np.ndarray) -> AttentionMetadata:
+        """The step's metadata for another KV group: its page tables and the slots its layers write."""
+        bs = self.block_size
+        table = _page_table(tables, B)
+        slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        return replace(meta, block_tables=torch.from_numpy(table).to(self.device),
+                       slot_mapping=torch.from_numpy(slots).to(self.device))
 
     def _kv_splits(self, decodes: int) -> int:
         """KV splits of the Triton attention launch over `decodes` one-token sequences (1 without them, or where

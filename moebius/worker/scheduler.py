@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moebius.link.lifecycle import ends_by_length
 from moebius.link.request import PLACEHOLDER, Request, Status
-from moebius.memory.kv_pool import BlockAllocator
+from moebius.memory.kv_pool import BlockAllocator, KVPages
 
 
 @dataclass
@@ -37,9 +37,8 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_running: int, max_batched_tokens: int,
-                 prefix_caching: bool = True) -> None:
-        self.alloc = allocator
+    def __init__(self, kv: KVPages, max_running: int, max_batched_tokens: int, prefix_caching: bool = True) -> None:
+        self.kv = kv
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.prefix_caching = prefix_caching
@@ -47,13 +46,19 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def adopt(self, running: list[Request], waiting: list[Request], allocator: BlockAllocator) -> None:
-        """Take over a switch's requests and the target layout's allocator (their pages are allocated in it)."""
+    @property
+    def alloc(self) -> BlockAllocator:
+        """The first KV group's allocator: the prefix cache's index."""
+        return self.kv.first
+
+    def adopt(self, running: list[Request], waiting: list[Request], kv: KVPages) -> None:
+        """Take over a switch's requests and the target layout's allocators (their pages are allocated in them)."""
         for r in running:  # their pages are new (copies): indexed again in the new allocator as they are scheduled
             r.status, r.prefix_keys = Status.RUNNING, []
         for r in waiting:
-            r.status, r.pages, r.prefix_keys = Status.WAITING, [], []
-        self.running, self.waiting, self.alloc = list(running), deque(waiting), allocator
+            r.status, r.prefix_keys = Status.WAITING, []
+            r.set_tables([[] for _ in kv.groups])
+        self.running, self.waiting, self.kv = list(running), deque(waiting), kv
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -74,15 +79,14 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        self.alloc.free(req.pages)
-        req.pages = []
+        self._release(req)
         req.status = Status.FINISHED
 
     def _preempt(self, victim: Request) -> None:
         """Free the victim's KV and requeue it in front: it will recompute prompt + output so far."""
         self.running.remove(victim)
-        self.alloc.free(victim.pages)
-        victim.pages, victim.num_computed, victim.status, victim.prefix_keys = [], 0, Status.WAITING, []
+        self._release(victim)
+        victim.num_computed, victim.status, victim.prefix_keys = 0, Status.WAITING, []
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
@@ -92,27 +96,35 @@ class Scheduler:
         went back. Not counted as preemptions: nothing was short of pages."""
         n = len(self.running)
         for req in reversed(self.running):
-            self.alloc.free(req.pages)
-            req.pages, req.num_computed, req.status, req.prefix_keys = [], 0, Status.WAITING, []
+            self._release(req)
+            req.num_computed, req.status, req.prefix_keys = 0, Status.WAITING, []
             self.waiting.appendleft(req)
         self.running = []
         return n
 
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.tables)
+        req.set_tables([[] for _ in self.kv.groups])
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = self.alloc.pages_for(num_tokens) - len(req.pages)
-        if need > self.alloc.num_free:
+        """Pages for its tokens up to `num_tokens`, the next chunk from its computed ones (a window's pages before
+        that chunk's window freed first)."""
+        tables = req.tables
+        self.kv.trim(tables, req.num_computed)
+        need = self.kv.need(tables, req.num_computed, num_tokens)
+        if not self.kv.fits(need):
             return False
-        if need > 0:
-            req.pages += self.alloc.allocate(need)
+        self.kv.extend(tables, req.num_computed, need)
         return True
 
-    def _cached_prefix(self, req: Request) -> tuple[list[int], list[int]]:
-        """The indexed pages (and keys) a request admitted now would start with: full pages short of its last
-        token. Nothing for a request that wants every prompt position's logits or routing, nor with the cache off."""
+    def _cached_prefix(self, req: Request) -> tuple[list[list[int]], list[int]]:
+        """The indexed pages (a table a KV group) and keys a request admitted now would start with: full pages short
+        of its last token. Nothing for a request that wants every prompt position's logits or routing, nor with the
+        cache off."""
         if not self.prefix_caching or req.params.prompt_logits or req.params.return_prompt_routed_experts:
-            return [], []
+            return [[] for _ in self.kv.groups], []
         bs = self.alloc.block_size
-        return self.alloc.match(req.page_tokens(b, bs) for b in range((req.num_tokens - 1) // bs))
+        return self.kv.match(lambda b: req.page_tokens(b, bs), (req.num_tokens - 1) // bs)
 
     def _index(self, req: Request, computed: int) -> None:
         """Index the request's full pages within its first `computed` tokens (computed by now or by the step being
@@ -121,9 +133,9 @@ class Scheduler:
         keys = req.prefix_keys
         for b in range(len(keys), computed // bs):
             tokens = req.page_tokens(b, bs)
-            if PLACEHOLDER in tokens:
+            if PLACEHOLDER in tokens or not req.pages[b]:  # (a window's page freed before its tokens were known)
                 break
-            keys.append(self.alloc.register(req.pages[b], keys[-1] if keys else 0, tokens))
+            keys.append(self.kv.register(req.tables, b, keys[-1] if keys else 0, tokens))
 
     def _scheduled(self, batch: list[ScheduledChunk], chunk: ScheduledChunk) -> None:
         batch.append(chunk)
@@ -157,13 +169,16 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
             req = self.waiting[0]  # nothing computed, no pages
             cached, keys = self._cached_prefix(req)
-            start = len(cached) * self.alloc.block_size
+            start = len(cached[0]) * self.alloc.block_size
             n = min(req.num_tokens - start, budget)
-            new = self.alloc.pages_for(start + n) - len(cached)
-            if new + self.alloc.evictable(cached) > self.alloc.num_free:
+            need = self.kv.need(cached, start, start + n)
+            if not self.kv.fits(need, cached):
                 break
-            self.alloc.share(cached)
-            req.pages = cached + self.alloc.allocate(new)
+            tables = [list(t) for t in cached]
+            self.kv.share(tables)
+            self.kv.extend(tables, start, need)
+            self.kv.trim(tables, start)  # cached pages before a window (the chain's keys are what it needed)
+            req.set_tables(tables)
             req.num_computed, req.prefix_keys = start, keys
             if not req.output_token_ids:  # its first admission (not a preempted one's return)
                 req.num_cached_tokens = start

@@ -117,13 +117,15 @@ def warmup_steps(budget: int, max_running: int, max_len: int, page: int, graphed
     return steps
 
 
-def _chunks(step: WarmupStep, page: int, vocab: int) -> list[ScheduledChunk]:
-    """Requests whose every page is the reserved page 0 (token ids spread so routing looks like real traffic)."""
+def _chunks(step: WarmupStep, page: int, vocab: int, groups: int = 1) -> list[ScheduledChunk]:
+    """Requests whose every page (in each of `groups` KV groups) is the reserved page 0 (token ids spread so routing
+    looks like real traffic)."""
     out = []
     for i, (start, n) in enumerate(step.chunks):
         ids = [(i * 7919 + j * 104729) % vocab for j in range(start + n)]
         req = Request(RequestSpec(f"warmup{i}", ids, SAMPLING[step.sampling], i, start + n + 1))
-        req.pages, req.num_computed = [0] * -(-(start + n) // page), start
+        req.set_tables([[0] * -(-(start + n) // page) for _ in range(groups)])
+        req.num_computed = start
         out.append(ScheduledChunk(req, start, n))
     return out
 
@@ -149,7 +151,7 @@ def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
                 if step.follows and prev is not None:  # each decode's input: a row of the step before's tokens
                     fill = np.array([b % prev.tokens.shape[0] if start and n == 1 else -1
                                      for b, (start, n) in enumerate(step.chunks)], dtype=np.int64)
-                prev = runner.launch(_chunks(step, page, rank.cfg.vocab_size), [], sync,
+                prev = runner.launch(_chunks(step, page, rank.cfg.vocab_size, len(rank.cfg.kv_groups)), [], sync,
                                      prev if fill is not None else None, fill)
                 prev.result()  # as served
                 bar.update()

@@ -1,6 +1,6 @@
 """GPT-OSS's config.json as the engine's ModelConfig: GQA heads of head_dim as the KV spec, the routed experts'
-fields the engine reads, and the family's own (`GptOssConfig`: sliding layers, the clamped SwiGLU, YaRN) in
-`ModelConfig.extra`."""
+fields the engine reads, the sliding layers' windows (`ModelConfig.layer_windows`), and the family's own
+(`GptOssConfig`: the clamped SwiGLU, YaRN) in `ModelConfig.extra`."""
 
 from __future__ import annotations
 
@@ -22,15 +22,9 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 class GptOssConfig:
     """What only this family's forward and weight specs read (frozen: part of a ModelConfig, a cache key)."""
 
-    sliding: tuple[bool, ...]  # per layer of the whole model: a sliding-window layer (else full attention)
-    sliding_window: int  # keys a sliding layer's query sees, itself included
     swiglu_alpha: float  # the experts' sigmoid gain
     swiglu_limit: float  # gate clamped above, up clamped both sides
     yarn: YarnScaling | None  # None: plain rope
-
-    def window(self, layer: int) -> int | None:
-        """The layer's attention window (None: every earlier key)."""
-        return self.sliding_window if self.sliding[layer] else None
 
 
 def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:
@@ -57,7 +51,6 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
         raise ConfigError(f"rope scaling {kind!r} is not supported for GPT-OSS (only default and yarn)")
     theta = float(rope.get("rope_theta", hf.get("rope_theta", DEFAULT_THETA)))
     ext = GptOssConfig(
-        sliding=tuple(t == "sliding_attention" for t in types), sliding_window=int(window or 0),
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
         yarn=YarnScaling.from_rope(rope, max_pos) if kind == "yarn" else None)
     cfg = ModelConfig(
@@ -77,6 +70,7 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", True)),
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types[:served]),
         family="gpt_oss",
         extra=ext,
     )

@@ -1,8 +1,9 @@
 """GPT-OSS forward (transformers' GptOssForCausalLM semantics), reading weight views handed to it, over the
 `Communicator`: the same math in every layout (head counts from the weight shapes, the experts' shard from theirs).
 
-Attention: GQA with q|k|v and o biases, a learned sink logit a head, sliding-window layers (`GptOssConfig.window`),
-YaRN rope over the whole head (rotate-half, cos and sin times the attention factor). Routing: the router's logits
+Attention: GQA with q|k|v and o biases, a learned sink logit a head, sliding-window layers
+(`ModelConfig.layer_windows`, reading their KV group's page tables: `meta.group`), YaRN rope over the whole head
+(rotate-half, cos and sin times the attention factor). Routing: the router's logits
 with their bias, top-k of them, a softmax over those k. Experts: [gate | up] with their bias, gate clamped above at
 `limit`, up clamped to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate), down with its bias, all
 times the routing weight. The torch reference only (the kernels have no sinks, windows or this activation).
@@ -82,10 +83,9 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
             cfg: ModelConfig, comm: Communicator, kc: KernelConfig, routed_TLK: torch.Tensor | None = None
             ) -> torch.Tensor:
     """Final-normed hidden states [T, D] of the new tokens (`decoder`); GPT-OSS's layers: GQA with sinks (windowed in
-    the sliding layers), its biased experts, every layer (a sliding layer's keys before its window stay in their
-    pages, masked)."""
-    ext = ext_of(cfg)
+    the sliding layers, which read their KV group's pages: the window's only), its biased experts, every layer."""
     return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
-                   lambda i, h, w, cache: attention(h, w, cache, meta, cfg, weights.rope, ext.window(i), kc),
+                   lambda i, h, w, cache: attention(h, w, cache, meta.group(cfg.kv_group_of(i)), cfg, weights.rope,
+                                                     cfg.layer_window(i), kc),
                    lambda h, w, record: moe(h, w, cfg, comm, kc, record))
 

@@ -27,10 +27,8 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r} in {FAMILY}: its experts are SwiGLU ('silu')")
     window = hf.get("sliding_window")
-    if window is not None and (not isinstance(window, int) or window < max_pos):  # (as long as the context: none)
-        raise ConfigError(f"{FAMILY}: sliding_window {window} is shorter than max_position_embeddings {max_pos}; "
-                          "sliding-window attention is not supported yet (Mixtral's releases have sliding_window "
-                          "null)")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ConfigError(f"{FAMILY}: sliding_window must be an integer >= 1 or null, got {window!r}")
     theta = plain_rope_theta(hf, FAMILY, default=1e6)  # MixtralConfig's
     layers = cut_layers(shape["num_hidden_layers"], num_layers)
     cfg = ModelConfig(
@@ -49,6 +47,8 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
         rope_theta=theta,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # every layer windowed, as transformers' mask (a window as long as the context: none)
+        layer_windows=(window,) * layers if window is not None and window < max_pos else (),
         family="mixtral",
         extra=W1W3W2_EXPERTS,
     )

@@ -1,6 +1,6 @@
 """Mixtral forward (transformers' MixtralForCausalLM semantics), reading weight views handed to it, over the
 `Communicator`: the same math in every layout (head counts from the weight shapes). Every layer: GQA attention
-(models/gqa.py, no q/k norm), then the sparse MoE block.
+(models/gqa.py, no q/k norm; windowed where the config has a sliding window), then the sparse MoE block.
 
 Routing (MixtralTopKRouter): the router's logits in the activations' dtype, softmax over all experts in float32, the
 top-k of those, divided by their sum (`layers/moe.route` with the renormalisation). transformers keeps these weights
@@ -28,6 +28,7 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
     """Final-normed hidden states [T, D] of the new tokens (`decoder`); Mixtral's layers: GQA without q/k norm, softmax
     top-2 experts renormalised, every layer."""
     return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
-                   lambda i, h, w, cache: attention(h, w, cache, meta, cfg, weights.rope, kc),
+                   lambda i, h, w, cache: attention(h, w, cache, meta.group(cfg.kv_group_of(i)), cfg, weights.rope,
+                                                    kc, cfg.layer_window(i)),
                    lambda h, w, record: softmax_moe(h, w, cfg, comm, kc, record))
 

@@ -9,6 +9,7 @@ from typing import Any
 from moebius.config import ConfigError, ModelConfig
 from moebius.models.hf_fields import cut_layers, optional_int, plain_rope_theta, positive_int
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
 FAMILY = "the qwen2moe family (Qwen2MoeForCausalLM)"
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts",
               "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
@@ -31,11 +32,7 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r} in {FAMILY}: its experts are SwiGLU ('silu')")
-    # (use_sliding_window false: transformers ignores sliding_window, whatever it says)
-    sliding = [i for i, t in enumerate(hf.get("layer_types") or ()) if t != "full_attention"]
-    if hf.get("use_sliding_window") or sliding:
-        raise ConfigError(f"{FAMILY}: sliding-window attention (use_sliding_window, or layer_types other than "
-                          "full_attention) is not supported yet")
+    windows = _layer_windows(hf, shape["num_hidden_layers"])
     theta = plain_rope_theta(hf, FAMILY)
     layers = cut_layers(shape["num_hidden_layers"], num_layers)
     sparse_step = positive_int(hf, "decoder_sparse_step", FAMILY) if "decoder_sparse_step" in hf else 1
@@ -61,8 +58,29 @@ def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConf
         attention_bias=bool(hf.get("qkv_bias", True)),  # q|k|v biases (o_proj has none)
         mlp_only_layers=dense,
         decoder_sparse_step=sparse_step,
+        layer_windows=windows[:layers] if any(windows) else (),
         family="qwen2moe",
         extra=Qwen2MoeFields(shape["shared_expert_intermediate_size"]),
     )
     cfg.validate()
     return cfg
+
+
+def _layer_windows(hf: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Each layer's window as transformers' Qwen2MoeConfig sets them: with use_sliding_window, config.json's
+    layer_types (transformers 5 writes them) or else its rule (even layers below max_window_layers) slide by
+    sliding_window; without it none does, whatever sliding_window says."""
+    types = hf.get("layer_types")
+    if types is not None and (len(types) != layers or any(t not in LAYER_TYPES for t in types)):
+        raise ConfigError(f"{FAMILY}: layer_types must be {layers} of {', '.join(LAYER_TYPES)}, got {types!r}")
+    if not hf.get("use_sliding_window"):
+        if types is not None and "sliding_attention" in types:
+            raise ConfigError(f"{FAMILY}: layer_types name sliding_attention layers but use_sliding_window is false")
+        return (None,) * layers
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"{FAMILY}: use_sliding_window needs sliding_window an integer >= 1, got {window!r}")
+    if types is None:
+        limit = positive_int(hf, "max_window_layers", FAMILY) if "max_window_layers" in hf else 28
+        types = [LAYER_TYPES[0] if i % 2 == 0 and i < limit else LAYER_TYPES[1] for i in range(layers)]
+    return tuple(window if t == LAYER_TYPES[0] else None for t in types)

@@ -45,6 +45,7 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
     """Final-normed hidden states [T, D] of the new tokens (`decoder`); Qwen2-MoE's layers: GQA with q|k|v bias, softmax
     top-k experts beside a gated shared expert (or a dense MLP)."""
     return decoder(input_ids_T, weights, kv, cfg, comm, kc, routed_TLK,
-                   lambda i, h, w, cache: attention(h, w, cache, meta, cfg, weights.rope, kc),
+                   lambda i, h, w, cache: attention(h, w, cache, meta.group(cfg.kv_group_of(i)), cfg, weights.rope,
+                                                    kc, cfg.layer_window(i)),
                    lambda h, w, record: moe(h, w, cfg, comm, kc, record))
 
