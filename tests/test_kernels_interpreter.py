@@ -46,6 +46,29 @@ def moe_cases() -> None:
         assert err < 1e-5, (T, E, first, err)
 
 
+def moe_fp8_cases() -> None:
+    """The fused MoE on FP8 rows (kernels/fp8_rows.py) against the torch reference, which dequantizes them: widths
+    of whole and ragged 128-column chunks, direct and sorted blocks, all local experts and EP's slice."""
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels.fp8_rows import pack_rows
+    from moebius.layers.moe import experts_ref
+
+    g = torch.Generator().manual_seed(1)
+    K = 4
+    for (T, E_all, E, first), (D, I) in zip([(6, 16, 8, 8), (40, 16, 8, 8), (300, 16, 16, 0)],
+                                            [(192, 160), (128, 256), (200, 128)], strict=True):
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g).softmax(-1)
+        w13 = pack_rows(torch.randn(E, 2, I, D, generator=g) * 0.1).flatten(1, 2)
+        w2 = pack_rows(torch.randn(E, D, I, generator=g) * 0.1)
+        assert w13.dtype == w2.dtype == torch.uint8
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
+        ref = experts_ref(x, w, ids, w13, w2, first)
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (T, E, first, D, I, err)
+
+
 def attention_cases() -> None:
     import numpy as np
     from attention_cases import paged_metadata
@@ -206,6 +229,12 @@ def test_fused_experts_under_the_interpreter() -> None:
     assert min(pairs) <= fm.DIRECT_MAX_PAIRS < max(pairs)  # both block kinds
     assert max(pairs) > 1024  # the chunked align passes (one program takes up to 1024 pairs)
     _run("moe")
+
+
+def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
+    """--quantization fp8's GPU path (written, not yet run on a GPU): each weight tile's float8 values times its
+    rows' block scales, rounded to the activations' dtype, then the same GEMMs."""
+    _run("moe_fp8")
 
 
 def test_paged_attention_under_the_interpreter() -> None:
@@ -422,8 +451,8 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "attention": attention_cases, "argmax": argmax_cases, "qk": qk_cases,
-             "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "attention": attention_cases, "argmax": argmax_cases,
+             "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
              "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases,
              "mla_chunk": mla_chunk_cases}
     cases[sys.argv[1]]()

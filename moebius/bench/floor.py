@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from moebius.config import ConfigError, ModelConfig
+from moebius.kernels.fp8_rows import BLOCK, CHUNK
 from moebius.link.messages import StepWork, attended_pairs, split_evenly
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
@@ -44,6 +45,12 @@ def floor_terms(cfg: ModelConfig, P: int, mode: str) -> FloorTerms:
     if family.floor_terms is None:
         raise ValueError(f"the {family.name} family gives the floor model no terms (Family.floor_terms)")
     return family.floor_terms(cfg, Layout(cfg, mode, 0, P))
+
+
+def expert_bytes_per_element(cfg: ModelConfig, dtype_bytes: int) -> float:
+    """HBM bytes of a routed expert's weight element: the dtype's, or FP8 rows' (--quantization fp8: a byte a value
+    and a float32 scale a 128-value chunk, kernels/fp8_rows.py; their FLOPs are counted at bf16's rate)."""
+    return CHUNK / BLOCK[1] if cfg.quantization == "fp8" else dtype_bytes
 
 
 def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: int, dtype_bytes: int = 2,
@@ -74,7 +81,8 @@ def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: 
         link = Lm * 2 * toks * remote * D * b  # dispatch and combine of each MoE layer
     flops = (toks * 2 * weights + routed_flops + toks * context * f.attn_flops_per_key
              + batch * 2 * f.shared_weights + 2 * lm * toks)
-    terms = {"weights_bytes": weights * b, "experts_bytes": Lm * moe_w * b, "shared_bytes": f.shared_weights * b,
+    terms = {"weights_bytes": weights * b, "experts_bytes": Lm * moe_w * expert_bytes_per_element(cfg, b),
+             "shared_bytes": f.shared_weights * b,
              "kv_bytes": toks * context * f.kv_per_token * b, "act_bytes": Lm * pairs * (3 * D + 2 * inter) * b,
              "lm_bytes": lm * b}
     hbm = sum(terms.values())
@@ -94,7 +102,8 @@ def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int =
     experts read and written in HBM."""
     b, L = dtype_bytes, cfg.num_layers
     Lm = sum(1 for i in range(L) if cfg.is_moe_layer(i))  # (DeepSeek's dense first layers hold no experts)
-    experts = Lm * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * b / P  # a rank's, either way
+    experts = (Lm * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+               * expert_bytes_per_element(cfg, b) / P)  # a rank's, either way
     remote, local = experts * (P - 1) / P, experts / P
     spec = cfg.kv_spec
     replicas = max(1, P // spec.heads)  # TP holds each KV head on this many ranks
@@ -131,7 +140,8 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
         link = Lm * 2 * math.ceil(T / P) * remote * D * b
     else:
         link = L * 2 * (2 * (P - 1) / P) * T * D * b if P > 1 else 0.0
-    hbm = (weights + Lm * moe_w + kv + f.shared_weights) * b + Lm * pairs * (3 * D + 2 * inter) * b + lm * b
+    hbm = ((weights + kv + f.shared_weights) * b + Lm * moe_w * expert_bytes_per_element(cfg, b)
+           + Lm * pairs * (3 * D + 2 * inter) * b + lm * b)
     return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s) * 1e3
 
 

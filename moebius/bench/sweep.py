@@ -18,6 +18,7 @@ Recorded: benchmarks/results/h200x2-*-sweep.json (+ .png), h200x2-qwen3-30b-a3b-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
         mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph, moe_kernel=args.moe_kernel, mixed_attention=args.mixed_attention,
         prefill_attention=args.prefill_attention, switch_overlap=args.switch_overlap,
-        switch_transport=args.switch_transport))
+        switch_transport=args.switch_transport, quantization=args.quantization))
     points: list[dict[str, Any]] = []
     out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": [], "prefill": [],
                            "flash_prefill": bool(engine.query("kernels")[0]["flash_prefill"])}
@@ -254,6 +255,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also time each prefill step after the device idled this many seconds (step_ms_isolated: a "
                    "lone prompt's step; 0: not timed). step_ms runs the steps back to back, which on an H200 holds "
                    "long steps at the card's power cap with its clocks lowered")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="the engine's --quantization (the floor counts FP8 rows' bytes for the experts)")
     p.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
                    help="how the decodes of a step with prompt chunks attend (the engine's --mixed-attention)")
     p.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "triton"],
@@ -291,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         with open(os.path.join(args.model, "config.json")) as f:
             cfg_dict = json.load(f)
-    cfg = model_config(cfg_dict, args.num_layers)
+    cfg = dataclasses.replace(model_config(cfg_dict, args.num_layers), quantization=args.quantization or "")
     t0 = time.perf_counter()
     points, other = run_engine_sweep(args, cfg)
     memory = other["memory"]

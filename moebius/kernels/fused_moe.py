@@ -12,13 +12,14 @@ come in through TMA. The torch reference is `moebius.layers.moe.experts_ref`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from moebius import kernels
+from moebius.kernels.fp8_rows import BLOCK
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
 
@@ -217,9 +218,28 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 
 
 @triton.jit
-def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
-    """W13: the [E * 2I, D] weights, as a pointer or (TMA) a descriptor of [BN, BK] tiles."""
+def _weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
+    """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT: plain values of row stride WS, or
+    (FP8) FP8 rows of WS bytes (kernels/fp8_rows.py: BK == 128, one chunk, its float8 values times the row's block
+    scale after them, rounded once to DT as `unpack_rows` rounds)."""
+    kk = tl.arange(0, BK)
+    m = rm[:, None] & (k0 + kk < K)[None, :]
+    if FP8:
+        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * 132
+        q = tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((W + rows.to(tl.int64) * WS + (k0 // 128) * 132 + 128).to(tl.pointer_type(tl.float32)),
+                        mask=rm, other=0.0)
+        return (q * scale[:, None]).to(DT)
+    else:
+        return tl.load(W + rows.to(tl.int64)[:, None] * WS + (k0 + kk)[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, K_TOP: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
+                  PDL: tl.constexpr):
+    """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FP8:
+    FP8 rows of WS bytes."""
     enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
@@ -239,10 +259,9 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.c
                 g = W13.load([e * 2 * I + nb * BN, k0])
                 u = W13.load([e * 2 * I + I + nb * BN, k0])
             else:
-                wbase = W13 + e.to(tl.int64) * 2 * I * D
-                g = tl.load(wbase + n[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                u = tl.load(wbase + (I + n)[:, None] * D + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :],
-                            other=0.0)
+                wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                g = _weight_tile(wbase, n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
+                u = _weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
             acc_g = tl.dot(a, tl.trans(g), acc_g)
             acc_u = tl.dot(a, tl.trans(u), acc_u)
         gb = acc_g.to(Out.dtype.element_ty).to(tl.float32)  # round like the unfused bf16 GEMM output
@@ -253,10 +272,10 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, K_TOP: tl.c
 
 
 @triton.jit
-def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
-    """H [rows, I] and W2 [E * D, I]: pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and [BN, BK]
-    tiles."""
+def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
+    [BN, BK] tiles; FP8: W2 FP8 rows of WS bytes."""
     enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
@@ -275,8 +294,7 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, BM: tl.const
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
-                b = tl.load(W2 + e.to(tl.int64) * D * I + n[:, None] * I + (k0 + kk)[None, :],
-                            mask=nm[:, None] & km[None, :], other=0.0)
+                b = _weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
             acc = tl.dot(a, tl.trans(b), acc)
         w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
         y = acc.to(Out.dtype.element_ty).to(tl.float32) * w[:, None]
@@ -348,31 +366,40 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
+def _fp8_tiles(c: TileConfig, w: torch.Tensor) -> tuple[TileConfig, bool]:
+    """The tile config for weights `w` and whether they are FP8 rows (uint8: one 128-column chunk a K step, no
+    TMA)."""
+    fp8 = w.dtype == torch.uint8
+    return (replace(c, BK=BLOCK[1], tma=False) if fp8 else c), fp8
+
+
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
             kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
-    E, F, D = w13_EFD.shape
-    I = F // 2
+    E, F, WS = w13_EFD.shape
+    D, I = x_TD.shape[1], F // 2
+    c, fp8 = _fp8_tiles(c, w13_EFD)
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
-        blocks.first_expert, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
+        blocks.first_expert, WS, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
 def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: TileConfig, *,
          kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
-    E, D, I = w2_EDF.shape
-    N = w_TK.numel()
+    E, D, WS = w2_EDF.shape
+    I, N = h.shape[1], w_TK.numel()
+    c, fp8 = _fp8_tiles(c, w2_EDF)
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
     if tma:
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
-        blocks.first_expert, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct,
+        blocks.first_expert, WS, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y, kc))
     return y
 

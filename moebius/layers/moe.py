@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
+from moebius.kernels.fp8_rows import unpack_rows
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
 from moebius.kernels.pairs import PairRows
@@ -60,12 +61,15 @@ def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor, *, 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
             w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None, keep_pairs: bool = False, *,
             kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | PairRows:
-    """Grouped GEMMs on the GPU (bf16: kc.moe_backend picks the fused Triton kernel or torch._grouped_mm); a
-    sync-free dense loop on the GPU in other dtypes; the torch reference on the CPU. num_experts (the model's, when
-    only some are local) picks the fused kernel's block shapes.
+    """Grouped GEMMs on the GPU (bf16: kc.moe_backend picks the fused Triton kernel or torch._grouped_mm; FP8 rows:
+    the fused kernel); a sync-free dense loop on the GPU in other dtypes; the torch reference on the CPU.
+    num_experts (the model's, when only some are local) picks the fused kernel's block shapes.
     keep_pairs: the fused kernel's outputs may come back per pair (`PairRows`), unsummed."""
     if x_TD.is_cuda:
-        if x_TD.dtype == torch.bfloat16 and kc.moe_backend == "triton" and triton_available():
+        fp8 = w13_EFD.dtype == torch.uint8  # FP8 rows: the fused kernel's FP8 tiles only
+        if fp8 and not (x_TD.dtype == torch.bfloat16 and triton_available()):
+            raise NotImplementedError("FP8 experts on a GPU run in the fused Triton kernel, on bfloat16 activations")
+        if x_TD.dtype == torch.bfloat16 and (kc.moe_backend == "triton" or fp8) and triton_available():
             from moebius.kernels.fused_moe import fused_experts
 
             return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, num_experts,
@@ -84,6 +88,7 @@ def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w1
     Local experts are ids first_expert .. first_expert + E_local - 1; other pairs contribute nothing (they are
     computed on the rank that owns the expert). Pairs are sorted by expert so each expert runs one matmul. An expert
     is down(act(gate_up(x) + b13)) + b2: act of its [gate | up] rows (SwiGLU unless given), biases where given.
+    FP8 rows (uint8 weights, kernels/fp8_rows.py) are dequantized an expert at a time, then the same math.
     """
     E = w13_EFD.shape[0]
     y_TD = torch.zeros_like(x_TD)
@@ -104,7 +109,10 @@ def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w1
         sel = slice(start, start + n)
         b13 = None if b13_EF is None else b13_EF[e]
         b2 = None if b2_ED is None else b2_ED[e]
-        h = linear(act(linear(x_TD[tok[sel]], w13_EFD[e], b13)), w2_EDF[e], b2)
+        w13, w2 = w13_EFD[e], w2_EDF[e]
+        if w13.dtype == torch.uint8:  # FP8 rows: gate|up rows of D columns, down rows of I_local columns
+            w13, w2 = unpack_rows(w13, x_TD.shape[1], x_TD.dtype), unpack_rows(w2, w13.shape[0] // 2, x_TD.dtype)
+        h = linear(act(linear(x_TD[tok[sel]], w13, b13)), w2, b2)
         y_TD.index_add_(0, tok[sel], h * weight[sel, None])
         start += n
     return y_TD

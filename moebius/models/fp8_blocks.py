@@ -7,21 +7,22 @@ weight), dequantized = weight * the scale of its block, in float32 and rounded o
 transformers' Fp8Dequantize does; what the checkpoint leaves unquantized (embeddings, lm_head, norms, routers,
 modules_to_not_convert) has no scale beside it and is read as stored.
 
-This is the first step of FP8 (issue 46): the weights are dequantized to the engine's dtype at load, and the math is
-the float model's (the CPU's reference path: dequantize, then the bf16 math). FP8 storage in the unified buffer and
-FP8 kernels come in later steps.
+Without --quantization fp8 the weights are dequantized to the engine's dtype at load, and the math is the float
+model's. With it the routed experts stay in block FP8 in their layer slots, as FP8 rows (kernels/fp8_rows.py: each
+row with its blocks' scales), a checkpoint's float8 values exactly (`fp8_rows_fetch`); the CPU computes on them as
+transformers on the dequantized model (dequantize, then the float math); the GPU has no block-scaled kernels yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from moebius.config import ConfigError
+from moebius.kernels.fp8_rows import BLOCK, pack_rows, packed_width
 
-BLOCK = (128, 128)  # [rows, columns] a scale covers: every release's weight_block_size
 SCALE = "_scale_inv"  # appended to a quantized weight's name: its scales' name
 FMT = "e4m3"
 
@@ -75,3 +76,29 @@ class BlockFp8Packing:
 
 
 FP8 = BlockFp8Packing()
+
+
+def fp8_rows_fetch(fetch: Callable[[str, tuple[int, ...]], torch.Tensor], gate_up: bool
+                   ) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """A weight-spec fetch whose tensors come as FP8 rows (kernels/fp8_rows.py, uint8 [..., packed_width(C)]) of what
+    `fetch` gives (a float tensor: an FP8 checkpoint's dequantized values): quantized with the scales stored beside
+    it (`<name>_scale_inv`, read through `fetch`: its float8 values come back exactly), else with its own blocks'.
+    A fused experts' tensor [E, R, C] is quantized expert by expert, gate_up: its gate rows and up rows apart (as
+    the checkpoints quantize gate_proj and up_proj). A meta tensor (an update that leaves the tensor) stays one."""
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = fetch(name, shape)
+        if w.is_meta:
+            return torch.empty(*w.shape[:-1], packed_width(w.shape[-1]), dtype=torch.uint8, device="meta")
+        scale = None
+        if w.dim() == 2:  # a checkpoint's own weight: its scales, where it stores them
+            try:
+                scale = fetch(name + SCALE, tuple(-(-n // b) for n, b in zip(shape, BLOCK, strict=True)))
+            except KeyError:
+                pass
+            scale = None if scale is None or scale.is_meta else scale.to(w.device)
+        if w.dim() == 3 and gate_up:
+            return pack_rows(w.unflatten(1, (2, w.shape[1] // 2))).flatten(1, 2)
+        return pack_rows(w, scale)
+
+    return get

@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from moebius.config import ConfigError, ModelConfig
 from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
+from moebius.models.fp8_blocks import SCALE
 from moebius.models.registry import FAMILIES, family_for, family_of
 from moebius.models.specs import Packing, ParamSpec, fused_name, per_expert_names, spec_view
 from moebius.parallel.layout import Layout
@@ -364,7 +365,7 @@ class DummyCheckpoint:
         self._gen = torch.Generator(device=device)
 
     def __contains__(self, name: str) -> bool:
-        return True
+        return not name.endswith(SCALE)  # float weights: a packed format's pieces are not among them
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name.endswith("norm.weight"):

@@ -22,7 +22,7 @@ from moebius.models.builtin import builtin_hf_config
 from moebius.models.fp8_blocks import FP8
 from moebius.models.fp8_blocks import check_config as check_fp8_config
 from moebius.models.loader import Checkpoint, check_checkpoint
-from moebius.models.registry import FAMILIES, checks_own_keys, model_config
+from moebius.models.registry import FAMILIES, checks_own_keys, family_of, model_config
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
 
@@ -178,6 +178,12 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     name = ecfg.model
     hf = hf_config_of(name)
     cfg = model_config(hf, ecfg.num_layers)
+    if ecfg.quantization is not None:
+        family = family_of(cfg)
+        if ecfg.quantization not in family.quantizations:
+            raise ConfigError(f"--quantization {ecfg.quantization} is not served for the {family.name} family "
+                              f"({', '.join(family.architectures)}): its experts have their own format")
+        cfg = dataclasses.replace(cfg, quantization=ecfg.quantization)
     check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()
@@ -211,7 +217,7 @@ def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
         if layers < cfg.num_layers:
             raise ConfigError(f"{path}/config.json has {layers} layers; the engine serves {cfg.num_layers}")
         differ = [f"{f.name} {getattr(theirs, f.name)!r} (the engine's: {getattr(cfg, f.name)!r})"
-                  for f in dataclasses.fields(cfg) if f.name != "num_layers"
+                  for f in dataclasses.fields(cfg) if f.name not in ("num_layers", "quantization")
                   and getattr(theirs, f.name) != getattr(cfg, f.name)]
         if differ:
             raise ConfigError(f"{path}/config.json describes another model than the one served: {'; '.join(differ)}")

@@ -18,7 +18,9 @@ from typing import Any, Protocol
 import torch
 
 from moebius.config import ModelConfig
+from moebius.kernels.fp8_rows import packed_width
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
+from moebius.models.fp8_blocks import fp8_rows_fetch
 from moebius.models.weights import shared_tag
 from moebius.parallel.layout import Layout, tp_block, w2_shard, w13_shard
 
@@ -84,8 +86,8 @@ class ParamSpec:
     # the cut written straight into the view, each byte once from the source (`load` is this into a fresh tensor);
     # a source piece fetched as a meta tensor is skipped (an update of some experts leaves the others' rows)
     fill: Callable[[Fetch, torch.Tensor], None] | None = None
-    # a dense region's dtype where it is not the model's: float32 for computed tables and for the routers
-    # transformers keeps in float32 (a bf16 copy could flip a near-tie between experts)
+    # the view's dtype where it is not the model's: float32 for computed tables and for the routers transformers
+    # keeps in float32 (a bf16 copy could flip a near-tie between experts), uint8 for FP8 rows
     dtype: torch.dtype | None = None
 
 
@@ -203,7 +205,7 @@ def per_expert(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, 
 
 def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
     if s.slot is not None:
-        return umm.slot_view(s.slot, s.offset, s.shape, dtype)
+        return umm.slot_view(s.slot, s.offset, s.shape, s.dtype or dtype)
     return umm.view(s.name, s.shape, s.dtype or dtype)
 
 
@@ -270,8 +272,18 @@ def routed_expert_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int, router_
     slot = lay.slot_of(i)
     w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)), names)
     w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),), names)
+    router = ParamSpec(p + "mlp.gate", (E, D), lambda f: f(names.router(p), (E, D)), dtype=router_dtype)
+    if cfg.quantization == "fp8":  # FP8 rows, each row's scales in it (kernels/fp8_rows.py): bytes, cut alike
+        rows13, rows2 = functools.partial(fp8_rows_fetch, gate_up=True), functools.partial(fp8_rows_fetch,
+                                                                                            gate_up=False)
+        return [router,
+                ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, packed_width(D)), lambda f: w13.load(rows13(f)),
+                          slot=slot, fill=lambda f, v: w13.fill(rows13(f), v), dtype=torch.uint8),
+                ParamSpec(p + "mlp.experts.w2", (El, D, packed_width(Il)), lambda f: w2.load(rows2(f)), slot=slot,
+                          offset=El * 2 * Il * packed_width(D), fill=lambda f, v: w2.fill(rows2(f), v),
+                          dtype=torch.uint8)]
     return [
-        ParamSpec(p + "mlp.gate", (E, D), lambda f: f(names.router(p), (E, D)), dtype=router_dtype),
+        router,
         ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
         ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
     ]
@@ -328,7 +340,8 @@ class Family:
     free forward (`forward`, `logits`, `num_moe_layers`, `attention_geometry`, `attend`); `rope_table`: the float32
     table the region named "rope" holds (None: plain RoPE over head_dim, `layers/rotary.rope_table`); `packings`: the
     quantized checkpoint formats it reads, by quant_method (`Packing`); `checkpoint_shapes`: its checkpoint tensors
-    and shapes where `checkpoint_tensors`' rule does not hold; `cpu_only`: why the family is refused on a GPU (""
+    and shapes where `checkpoint_tensors`' rule does not hold; `quantizations`: the --quantization values it serves;
+    `cpu_only`: why the family is refused on a GPU (""
     where it is not; a family whose GPU path is written but not yet checked on one says so, and its GPU tests set
     MOEBIUS_UNCHECKED_GPU to its name); `checks_own_keys`: parse_config refuses missing or ill-typed shape keys itself
     (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`: a layout's
@@ -346,6 +359,8 @@ class Family:
     floor_terms: Callable[[ModelConfig, Layout], FloorTerms] | None = None
     packings: Mapping[str, Packing] = field(default_factory=dict)
     checkpoint_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
+    # the --quantization values it serves (its routed experts through `routed_expert_specs` and `layers/moe`)
+    quantizations: tuple[str, ...] = ("fp8",)
 
     def resident_specs(self, cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
         """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moebius.config import ConfigError, ModelConfig
+from moebius.kernels.fp8_rows import BLOCK, packed_width
 
 if TYPE_CHECKING:
     from moebius.parallel.dispatch import Communicator
@@ -109,8 +110,12 @@ class Layout:
         return self.cfg.intermediate_size // self.tp
 
     def expert_bytes(self, elt: int) -> int:
-        """Bytes of one layer's local expert weights (W13 + W2): the same in both modes."""
-        return 3 * self.num_local_experts * self.moe_inter * self.cfg.hidden_size * elt
+        """Bytes of one layer's local expert weights (W13 + W2): the same in both modes (FP8 rows: where TP cuts
+        whole scale blocks, `check_quantized_layouts`)."""
+        El, Il, D = self.num_local_experts, self.moe_inter, self.cfg.hidden_size
+        if self.cfg.quantization == "fp8":
+            return El * (2 * Il * packed_width(D) + D * packed_width(Il))
+        return 3 * El * Il * D * elt
 
     def slot_of(self, layer: int) -> int:
         """Physical layer slot of `layer`: TP layer i in slot i, EP layer i in slot i + 1 (slot N is the spare)."""
@@ -183,6 +188,19 @@ class Layout:
 
 
 # ---- the expert shard geometry (load and both switch directions) ----
+def check_quantized_layouts(cfg: ModelConfig, world_size: int, modes: tuple[str, ...]) -> None:
+    """FP8 experts (--quantization fp8) in TP over P ranks: each rank's I/P rows of an expert must be whole 128-row
+    scale blocks (a cut inside one would leave two ranks one scale; padding every shard to whole blocks would make
+    the two layouts' experts different sizes in one slot). EP keeps whole experts: always served. ConfigError
+    naming the sizes where TP is held and cannot be cut."""
+    I, P = cfg.moe_intermediate_size, world_size
+    if cfg.quantization != "fp8" or "tp" not in modes or P == 1 or (I // P) % BLOCK[0] == 0:
+        return
+    raise ConfigError(f"--quantization fp8 with TP over {P} ranks would cut each expert's moe_intermediate_size {I} "
+                      f"into {I // P} rows a rank, splitting its {BLOCK[0]}-row FP8 scale blocks; EP keeps whole "
+                      "experts: serve it in EP alone (--mode ep --static-layout)")
+
+
 def tp_block(t: torch.Tensor, dim: int, parts: int, q: int) -> torch.Tensor:
     """Block q of `parts` equal blocks of `t` along `dim`, as a view whatever the strides: the one TP cut of an MLP
     that loading, a weight update and a switch all make (`w13_shard`, `w2_shard`, the loader's expert cut)."""
@@ -213,4 +231,4 @@ def expert_block(t13_EFD: torch.Tensor, t2_EDF: torch.Tensor, parts: int, r: int
     expert) in the 2-D form of `expert_shard`: what EP rank r's experts give to (or take from) this TP shard."""
     E, Fp, D = t13_EFD.shape
     El = E // parts
-    return t13_EFD.view(parts, El * 2, Fp // 2 * D)[r], t2_EDF.view(parts, El * D, Fp // 2)[r]
+    return t13_EFD.view(parts, El * 2, Fp // 2 * D)[r], t2_EDF.view(parts, El * t2_EDF.shape[1], t2_EDF.shape[2])[r]

@@ -23,7 +23,7 @@ from moebius.models.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.models.registry import family_of
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
-from moebius.parallel.layout import MODES, Layout, check_shapes
+from moebius.parallel.layout import MODES, Layout, check_quantized_layouts, check_shapes
 from moebius.switch.executor import Switcher, SwitchOptions
 from moebius.worker.rank import ModeRuntime, Rank, RankSpec
 from moebius.worker.runner import ModelRunner, StaticBuffers
@@ -147,6 +147,12 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
                           "CUDA graphs and attention kernels do not read yet: serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
+    check_quantized_layouts(cfg, spec.world_size, held)
+    if cfg.quantization and device.type == "cuda" and cfg.quantization not in unchecked:
+        raise ConfigError(f"--quantization {cfg.quantization} holds the routed experts in block FP8, whose GPU "
+                          "kernel (the fused MoE on FP8 rows) has not yet run on a GPU: serve it with --device cpu, "
+                          "or without --quantization (an FP8 checkpoint is then dequantized at load; "
+                          f"MOEBIUS_UNCHECKED_GPU={cfg.quantization} lets its GPU tests run it)")
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
     start, bs, elt = layouts[spec.mode], ecfg.block_size, dtype.itemsize
 

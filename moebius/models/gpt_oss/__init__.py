@@ -28,4 +28,4 @@ FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, b
                 cpu_only="its attention (sinks, sliding windows) and experts (biases, clamped SwiGLU) have "
                          "no GPU kernels yet: not yet checked on a GPU",
                 floor_terms=gqa.floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
-                checkpoint_shapes=checkpoint_tensor_shapes)
+                checkpoint_shapes=checkpoint_tensor_shapes, quantizations=())

@@ -1,0 +1,57 @@
+"""FP8 rows: block-FP8 weights (128 x 128 blocks, float8_e4m3fn, a float32 scale a block: the FP8 releases' format,
+models/fp8_blocks.py) laid out so that a row carries its own scales. Each weight row is cut in 128-column chunks,
+each chunk its 128 float8 bytes followed by the float32 scale of its block (the block's scale repeated on each of its
+128 rows: 4 bytes a chunk, 3 % beside the weights). Every cut the layouts make (rows of gate and up, whole
+128-column chunks of down) then carries the scales with the weights, so the load, a switch and an update move FP8
+rows as bytes (uint8 tensors), nothing else. `unpack_rows` is transformers' dequantization of the same blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = (128, 128)  # [rows, columns] a scale covers: every release's weight_block_size
+
+CHUNK = BLOCK[1] + 4  # bytes of an FP8 row's chunk: 128 float8 values and their block's float32 scale
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def packed_width(cols: int) -> int:
+    """Bytes of an FP8 row of `cols` columns (the last chunk zero-padded to 128)."""
+    return -(-cols // BLOCK[1]) * CHUNK
+
+
+def block_scales(w: torch.Tensor) -> torch.Tensor:
+    """[..., ceil(R / 128), ceil(C / 128)] float32 scales of w [..., R, C] quantized by blocks (`pack_rows`): each
+    block's largest magnitude over float8's largest (1 for an all-zero block), as transformers' FP8 quantizer."""
+    *lead, R, C = w.shape
+    rb, cb = -(-R // BLOCK[0]), -(-C // BLOCK[1])
+    padded = w.new_zeros(*lead, rb * BLOCK[0], cb * BLOCK[1], dtype=torch.float32)
+    padded[..., :R, :C] = w.abs()
+    amax = padded.unflatten(-1, (cb, BLOCK[1])).unflatten(-3, (rb, BLOCK[0])).amax(dim=(-3, -1))
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def pack_rows(w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 rows (uint8 [..., R, packed_width(C)]) of w [..., R, C] (float, or the dequantized values of an FP8
+    checkpoint) quantized by 128 x 128 blocks with `scale_inv` [..., ceil(R / 128), ceil(C / 128)] (the
+    checkpoint's: its float8 values come back exactly) or, where None, `block_scales(w)`."""
+    *lead, R, C = w.shape
+    scale = block_scales(w) if scale_inv is None else scale_inv.float()
+    cb = scale.shape[-1]
+    row_scale = scale.repeat_interleave(BLOCK[0], -2)[..., :R, :]  # [..., R, cb]: each row its blocks' scales
+    padded = w.new_zeros(*lead, R, cb * BLOCK[1], dtype=torch.float32)
+    padded[..., :C] = w
+    q = (padded.unflatten(-1, (cb, BLOCK[1])) / row_scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    chunks = torch.cat([q.to(torch.float8_e4m3fn).view(torch.uint8),
+                        row_scale.contiguous().view(torch.uint8).unflatten(-1, (cb, 4))], dim=-1)
+    return chunks.flatten(-2)
+
+
+def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., R, cols] in `dtype` of FP8 rows (`pack_rows`): each value times its block's scale in float32, rounded
+    once to `dtype` (transformers' dequantization of the same blocks)."""
+    chunks = rows.unflatten(-1, (rows.shape[-1] // CHUNK, CHUNK))
+    q = chunks[..., : BLOCK[1]].view(torch.float8_e4m3fn).float()
+    scale = chunks[..., BLOCK[1]:].contiguous().view(torch.float32)  # [..., R, cb, 1]
+    return (q * scale).flatten(-2)[..., :cols].to(dtype)

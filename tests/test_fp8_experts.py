@@ -1,0 +1,286 @@
+"""--quantization fp8: the routed experts held in block FP8 in their layer slots, as FP8 rows (kernels/fp8_rows.py:
+each row its 128-column chunks, each chunk's float32 block scale beside its 128 float8 bytes), on the CPU.
+
+The oracle is transformers' own forward on the dequantized model: the FP8 path dequantizes an expert's rows, then
+runs the float math, so in float32 its greedy tokens are transformers' on the weights dequantized by blocks (no
+tolerance: the same products rounded the same way). A released block-FP8 checkpoint keeps its float8 values and
+scales exactly; a float checkpoint is quantized at load (each 128 x 128 block's largest magnitude at 448), and its
+oracle is the model with the experts quantized and dequantized here. Checked in TP and EP over P in {1, 2, 4}, across
+switches (the switch moves FP8 rows as bytes), through weight updates (float8 with scales, or float quantized on the
+way in), and the refusals: a TP cut inside a scale block, the GPU, a family whose experts have their own format.
+
+Checkpoints: a tiny Qwen3MoeForCausalLM with moe_intermediate_size 512 (four 128-row blocks: TP 4 cuts whole
+blocks; hidden 64, one ragged 128-column block) in the released FP8 format (test_fp8_checkpoints.py's writer), its
+dequantized twin, and its float original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import PROMPTS, write_checkpoint
+from family_cases import (
+    ENGINE_KW,
+    greedy_outputs,
+    hf_greedy,
+    parity_across_switch,
+    saved_tensors,
+    serve,
+    stress_jobs,
+    switch_stress,
+)
+from family_cases import hf_config as _config
+from safetensors.torch import save_file
+from test_fp8_checkpoints import QWEN_QUANT, WEIGHTS, hf_dequantize, to_fp8, write_dequantized
+
+from moebius import LLM
+from moebius.config import ConfigError
+from moebius.kernels.fp8_rows import pack_rows, packed_width, unpack_rows
+from moebius.models.registry import model_config
+
+N_OUT = 8
+INTER = 512
+FP8 = dict(ENGINE_KW, quantization="fp8")
+EXPERT = "model.layers.1.mlp.experts.6.down_proj.weight"  # [64, 512]: scales [1, 4]
+EXPERT_UP = "model.layers.0.mlp.experts.2.up_proj.weight"  # [512, 64]: scales [4, 1]
+
+
+def _expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def write_requantized(path: str, float_ckpt: str) -> str:
+    """The float checkpoint with every routed expert's weight quantized by 128 x 128 blocks (`pack_rows`) and
+    dequantized again (`unpack_rows`), in float32: the model --quantization fp8 serves."""
+    shutil.copytree(float_ckpt, path)
+    tensors = saved_tensors(path)
+    out = {n: unpack_rows(pack_rows(t.float()), t.shape[1], torch.float32).contiguous() if _expert(n) else t
+           for n, t in tensors.items()}
+    save_file(out, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
+    return path
+
+
+MAKERS: dict[str, Callable[[str, Callable[[str], str]], str]] = {
+    "float": lambda p, get: write_checkpoint(p, dict(moe_intermediate_size=INTER)),
+    "float_b": lambda p, get: write_checkpoint(p, dict(moe_intermediate_size=INTER), seed=3),
+    "fp8": lambda p, get: to_fp8(shutil.copytree(get("float"), p), QWEN_QUANT),
+    "fp8_b": lambda p, get: to_fp8(shutil.copytree(get("float_b"), p), QWEN_QUANT),
+    "fp8_deq": lambda p, get: write_dequantized(p, get("fp8")),
+    "fp8_b_deq": lambda p, get: write_dequantized(p, get("fp8_b")),
+    "float_q": lambda p, get: write_requantized(p, get("float")),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    root = tmp_path_factory.mktemp("fp8_experts")
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            paths[name] = MAKERS[name](str(root / name), get)
+        return paths[name]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 rows
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_fp8_rows_keep_a_checkpoints_blocks_and_carry_their_scales_through_a_cut() -> None:
+    """A released weight's dequantized values with its scales come back as the same float8 values and scales, and
+    unpack to transformers' dequantization bit for bit (float32 and bf16, ragged edge blocks); a row cut at whole
+    chunks (TP's cut of down's columns) unpacks to the same cut of the weight."""
+    from test_fp8_checkpoints import quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 300, generator=g) * 0.05
+    q, scale = quantize(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        deq = hf_dequantize(q, scale, dtype)
+        rows = pack_rows(deq, scale)
+        assert rows.dtype == torch.uint8 and rows.shape == (200, packed_width(300)) == (200, 3 * 132)
+        assert torch.equal(unpack_rows(rows, 300, dtype), deq)
+        assert torch.equal(rows.unflatten(-1, (3, 132))[..., :128].reshape(200, 384)[:, :300].view(
+            torch.float8_e4m3fn).float(), q.float())
+    rows = pack_rows(torch.randn(64, 512, generator=g))
+    half = rows.unflatten(1, (2, -1))[:, 1]  # TP 2's second shard: 2 of the 4 chunks
+    assert torch.equal(unpack_rows(half, 256, torch.float32), unpack_rows(rows, 512, torch.float32)[:, 256:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Served in FP8: transformers' tokens on the dequantized model in every layout, across switches
+# ---------------------------------------------------------------------------------------------------------------
+
+ENGINES = [(1, "tp"), (2, "ep"), (2, "tp"), (4, "tp"), (4, "ep")]
+STRESSED = (2, "tp")  # the switch stress's engine (the others switch alike)
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=[f"P{p}-{m}" for p, m in ENGINES])
+def engine(request: pytest.FixtureRequest, ckpt: Callable[[str], str]) -> Iterator[tuple[tuple[int, str], LLM]]:
+    for _, _, llm in serve(ckpt("fp8"), *request.param, FP8):
+        yield request.param, llm
+
+
+def test_greedy_equals_transformers_on_the_dequantized_model(engine: tuple[tuple[int, str], LLM],
+                                                             ckpt: Callable[[str], str]) -> None:
+    """Each engine in its start layout, then the other after a switch, and back."""
+    _, llm = engine
+    parity_across_switch(llm, ckpt("fp8_deq"), PROMPTS[:4], N_OUT)
+
+
+def test_live_switches_change_no_token(engine: tuple[tuple[int, str], LLM], ckpt: Callable[[str], str]) -> None:
+    which, llm = engine
+    if which != STRESSED:
+        pytest.skip("the switch stress runs on the P = 2 TP engine (the others switch alike)")
+    switch_stress(llm, ckpt("fp8_deq"), stress_jobs(PROMPTS, aborted_tokens=8))
+
+
+def test_the_slots_hold_fp8_rows_at_about_half_the_bytes(ckpt: Callable[[str], str]) -> None:
+    """On one rank: each MoE layer's experts are uint8 FP8 rows in the slot (their scales inside): 132 bytes a chunk
+    of 128 values (0.52 of bf16's bytes; this model's 64 columns pad to one chunk); the dense weights stay in the
+    dtype."""
+    with LLM(model=ckpt("fp8"), **FP8) as llm:
+        rank = llm.engine.ranks.rank
+        for m, rt in rank.modes.items():
+            lay = rt.layout
+            for lw in rt.weights.layers:
+                assert lw.mlp.w13_EFD.dtype == lw.mlp.w2_EDF.dtype == torch.uint8, m
+                assert lw.mlp.w13_EFD.shape[1:] == (2 * lay.moe_inter, packed_width(64))
+                assert lw.attn.qkv_QD.dtype == torch.float32
+            assert lay.expert_bytes(1) == lay.num_local_experts * (2 * INTER * 132 + 64 * 4 * 132)
+
+
+def test_a_memory_release_keeps_the_fp8_rows_and_a_dropped_one_takes_an_update(ckpt: Callable[[str], str]) -> None:
+    """Weights released and resumed (kept in host memory): the same tokens (the slots' FP8 rows, scales inside,
+    come back byte for byte); released without keeping them, an update from the FP8 checkpoint on disk restores
+    them."""
+    want = [hf_greedy(ckpt("fp8_deq"), tuple(p), N_OUT) for p in PROMPTS[:2]]
+    with LLM(model=ckpt("fp8"), **FP8) as llm:
+        assert greedy_outputs(llm, PROMPTS[:2], N_OUT) == want
+        for keep in (True, False):
+            assert llm.release_memory_occupation(["weights"], keep_weights=keep).done
+            assert llm.resume_memory_occupation(["weights"]).done
+            if not keep:
+                assert llm.update_weights_from_disk(ckpt("fp8")).done
+            assert greedy_outputs(llm, PROMPTS[:2], N_OUT) == want
+
+
+def test_a_float_checkpoint_is_quantized_at_load(ckpt: Callable[[str], str]) -> None:
+    """--quantization fp8 on a float checkpoint: the tokens of transformers' model whose experts were quantized by
+    blocks and dequantized (float32, every layout over P = 2, across a switch); without the flag, the float
+    model's, which differ (the quantization changes tokens)."""
+    want = [hf_greedy(ckpt("float_q"), tuple(p), N_OUT) for p in PROMPTS[:4]]
+    assert want != [hf_greedy(ckpt("float"), tuple(p), N_OUT) for p in PROMPTS[:4]]
+    for _, _, llm in serve(ckpt("float"), 2, "ep", FP8):
+        parity_across_switch(llm, ckpt("float_q"), PROMPTS[:4], N_OUT)
+
+
+def test_updates_take_float8_with_scales_or_float_quantized_on_the_way_in(ckpt: Callable[[str], str],
+                                                                         tmp_path: Any) -> None:
+    """At P = 2 in TP, then EP: an update by name of a float8 expert weight with its scales (the other checkpoint's)
+    keeps its float8 values exactly; a float expert weight is quantized by blocks as it lands; the tokens are
+    transformers' on the dequantized model with those replaced. An update from the other FP8 checkpoint on disk
+    gives its dequantized model's tokens."""
+    raw_b = saved_tensors(ckpt("fp8_b"))
+    float_b = saved_tensors(ckpt("float_b"))
+    mixed = str(tmp_path / "mixed")
+    shutil.copytree(ckpt("fp8_deq"), mixed)
+    deq = saved_tensors(mixed)
+    deq[EXPERT] = hf_dequantize(raw_b[EXPERT], raw_b[EXPERT + "_scale_inv"], torch.float32)
+    up = float_b[EXPERT_UP].float()
+    deq[EXPERT_UP] = unpack_rows(pack_rows(up), up.shape[1], torch.float32).contiguous()
+    save_file(deq, os.path.join(mixed, WEIGHTS), metadata={"format": "pt"})
+    prompts = PROMPTS[1:4]
+    before = [hf_greedy(ckpt("fp8_deq"), tuple(p), N_OUT) for p in prompts]
+    assert before != [hf_greedy(mixed, tuple(p), N_OUT) for p in prompts]  # the update changes tokens
+    with LLM(model=ckpt("fp8"), num_ranks=2, mode="tp", **FP8) as llm:
+        assert llm.update_weights([(EXPERT, raw_b[EXPERT]), (EXPERT + "_scale_inv", raw_b[EXPERT + "_scale_inv"]),
+                                   (EXPERT_UP, float_b[EXPERT_UP])]).done
+        parity_across_switch(llm, mixed, prompts, N_OUT, back=False)
+        assert llm.update_weights_from_disk(ckpt("fp8_b")).done
+        parity_across_switch(llm, ckpt("fp8_b_deq"), prompts, N_OUT, back=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_a_tp_cut_inside_a_scale_block_is_refused_naming_the_sizes(tmp_path: Any) -> None:
+    """moe_intermediate_size 384 (Qwen3-30B's 768 at TP 4 alike): TP over 2 ranks cuts 192 rows a rank, inside a
+    128-row scale block: refused at start, naming the sizes and the layouts that serve it; EP alone serves."""
+    path = to_fp8(write_checkpoint(str(tmp_path / "q384"), dict(moe_intermediate_size=384)), QWEN_QUANT)
+    with pytest.raises(ConfigError, match=r"--quantization fp8 with TP over 2 ranks would cut each expert's "
+                                          r"moe_intermediate_size 384 into 192 rows a rank, splitting its 128-row FP8 "
+                                          r"scale blocks; EP keeps whole experts: serve it in EP alone "
+                                          r"\(--mode ep --static-layout\)"):
+        LLM(model=path, num_ranks=2, mode="ep", **FP8)
+    with LLM(model=path, num_ranks=2, mode="ep", static_layout=True, **FP8) as llm:
+        assert len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
+
+
+def test_the_gpu_and_other_expert_formats_are_refused(ckpt: Callable[[str], str], tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU until the FP8 kernel has run on one, naming the way out; GPT-OSS (its experts have their own
+    format)."""
+    from test_gpt_oss_family import write_gpt_oss_checkpoint
+
+    from moebius.config import EngineConfig
+    from moebius.worker.build import build_rank
+    from moebius.worker.rank import RankSpec
+
+    path = ckpt("fp8")
+    cfg = dataclasses.replace(model_config(_config(path)), quantization="fp8")
+    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
+    with pytest.raises(ConfigError, match=r"--quantization fp8 holds the routed experts in block FP8, whose GPU "
+                                          r"kernel \(the fused MoE on FP8 rows\) has not yet run on a GPU: serve it "
+                                          r"with --device cpu"):
+        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"), model=cfg, checkpoint=path,
+                            device="cuda", dtype="float32", eos_token_ids=(), max_model_len=64))
+    gpt = write_gpt_oss_checkpoint(str(tmp_path / "gpt_oss"))
+    with pytest.raises(ConfigError, match=r"--quantization fp8 is not served for the gpt_oss family "
+                                          r"\(GptOssForCausalLM\)"):
+        LLM(model=gpt, **FP8)
+
+
+def test_the_floor_model_counts_fp8_rows_bytes() -> None:
+    """Qwen3-30B-A3B's shapes with --quantization fp8: a decode step's routed-expert bytes and a switch's weight
+    bytes are 132 / 256 of bf16's (a byte a value and 4 bytes of scale a 128-value chunk), the rest unchanged."""
+    from moebius.bench.floor import decode_step_terms, switch_floor_ms
+    from moebius.config import PRESETS
+
+    bf16 = model_config(PRESETS["qwen3-30b-a3b"])
+    fp8 = dataclasses.replace(bf16, quantization="fp8")
+    for mode in ("tp", "ep"):
+        a, b = decode_step_terms(bf16, 4, mode, 64, 1024), decode_step_terms(fp8, 4, mode, 64, 1024)
+        assert b["experts_bytes"] == pytest.approx(a["experts_bytes"] * 132 / 256)
+        assert {k: v for k, v in a.items() if k.endswith("_bytes") and k not in ("experts_bytes", "hbm_bytes")} == {
+            k: v for k, v in b.items() if k.endswith("_bytes") and k not in ("experts_bytes", "hbm_bytes")}
+    assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * 132 / 256)
+
+
+@pytest.mark.gpu
+def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
+    """On a GPU in bf16 (MOEBIUS_UNCHECKED_GPU=fp8, benchmarks/families_device_run.sh's `fp8` step): the fused MoE on
+    FP8 rows, through decode graphs and eager steps in both layouts, against the engine on the dequantized
+    checkpoint (the same bf16 weight values; the kernels' K steps differ, so nearly every token, not all)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    kw = dict(ENGINE_KW, device="cuda", dtype="bfloat16")
+    prompts = PROMPTS[:4]
+    with LLM(model=ckpt("fp8_deq"), **kw) as llm:
+        want = greedy_outputs(llm, prompts, N_OUT)
+    with LLM(model=ckpt("fp8"), quantization="fp8", **kw) as llm:
+        got = [greedy_outputs(llm, prompts, N_OUT)]
+        assert llm.switch_mode("ep").done
+        got.append(greedy_outputs(llm, prompts, N_OUT))
+    for tokens in got:
+        same = sum(a == b for w, g in zip(want, tokens, strict=True) for a, b in zip(w, g, strict=True))
+        assert same >= 0.9 * len(prompts) * N_OUT, (same, want, tokens)
