@@ -39,7 +39,7 @@ from family_cases import hf_config as _config
 from safetensors.torch import save_file
 from test_fp8_checkpoints import QWEN_QUANT, WEIGHTS, hf_dequantize, to_fp8, write_dequantized
 
-from moebius import LLM
+from moebius import LLM, SamplingParams
 from moebius.config import ConfigError
 from moebius.kernels.fp8_rows import pack_rows, packed_width, unpack_rows
 from moebius.models.registry import model_config
@@ -284,3 +284,27 @@ def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[st
     for tokens in got:
         same = sum(a == b for w, g in zip(want, tokens, strict=True) for a, b in zip(w, g, strict=True))
         assert same >= 0.9 * len(prompts) * N_OUT, (same, want, tokens)
+
+
+def test_a_switch_sends_about_half_the_weight_bytes(tmp_path: Any) -> None:
+    """P = 2, a model whose rows are whole 128-value chunks (hidden 128, moe_intermediate_size 256): a TP -> EP switch
+    with requests live sends, by its plan (`SwitchOutcome.weight_bytes`), 132 / 256 of the bfloat16 engine's expert
+    bytes (each rank's half of its experts' shards); the KV rows it sends are the bfloat16 engine's."""
+    path = write_checkpoint(str(tmp_path / "wide"), dict(hidden_size=128, moe_intermediate_size=256))
+    sent = {}
+    for quant in (None, "fp8"):
+        kw = {**ENGINE_KW, "dtype": "bfloat16", "quantization": quant}
+        with LLM(model=path, num_ranks=2, mode="tp", **kw) as llm:
+            for p in PROMPTS[:3]:
+                llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=6))
+            llm.step()
+            out = llm.switch_mode("ep")
+            assert out.done
+            sent[quant] = (out.weight_bytes, out.kv_bytes)
+            while llm.has_unfinished():
+                llm.step()
+    cfg = model_config(_config(path))
+    layers, E, D, I = cfg.num_layers, cfg.num_experts, 128, 256
+    assert sent[None][0] == layers * E * 3 * I * D * 2 // 2 // 2  # bf16: a rank sends half of its TP shards
+    assert sent["fp8"][0] * 256 == sent[None][0] * 132
+    assert sent["fp8"][1] == sent[None][1] > 0

@@ -279,6 +279,9 @@ class SwitchOutcome:
     peer_exchanges: int = 0  # exchanges that went as direct peer copies
     running: int = 0  # requests moved, running and waiting
     waiting: int = 0
+    # bytes rank 0 sent to the other ranks, by the plan: its experts' shards for them, and KV rows
+    weight_bytes: int = 0
+    kv_bytes: int = 0
     device: SwitchTimes | None = None
 
     @property

@@ -58,7 +58,7 @@ class PassLaunch:
     """The host's side of a pass launched (ms): `requests_ms` the caller's request side plus the KV index plan and
     the staging, `kv_plan_ms`, `staging_ms` (buffers and the ranks' agreement), `prep_ms` (index vectors),
     `enqueue_ms` (the loop over the layers); which pass and transport ran, and how many exchanges went as peer
-    copies."""
+    copies; the bytes this rank sends to the others, by the plan (`sent_bytes`)."""
 
     requests_ms: float
     kv_plan_ms: float
@@ -68,6 +68,8 @@ class PassLaunch:
     pipelined: bool
     transport: str
     peer_exchanges: int
+    weight_bytes: int = 0
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,24 @@ class Switcher:
         peer0 = self.transport.peer_exchanges
         prep_ms, enqueue_ms, pipelined = self._move_layers(src, dst, plans, move_kv, staging)
         launch = PassLaunch(host_ms + (t1 - t0) * 1e3, (t_plan - t0) * 1e3, (t1 - t_plan) * 1e3, prep_ms, enqueue_ms,
-                            pipelined, self.transport.name, self.transport.peer_exchanges - peer0)
+                            pipelined, self.transport.name, self.transport.peer_exchanges - peer0,
+                            *self.sent_bytes(src, plans if move_kv else []))
         self._unresolved = _Unresolved(src, dst, running, waiting, launch.requests_ms, prep_ms)
         return launch
+
+    def sent_bytes(self, src: str, plans: list[KVMove]) -> tuple[int, int]:
+        """(weight, KV) bytes this rank sends to the other ranks in a pass from layout `src` by these KV plans (one a
+        KV group): each MoE layer's experts but the share that stays on this rank, and every KV row for a peer at
+        the heads it takes, in every layer of its group."""
+        weights = sum(t.numel() * t.element_size() for i in range(self.cfg.num_layers)
+                      if (pair := self._experts(src, "tp" if src == "ep" else "ep", i)) is not None
+                      for t in (pair[0].w13_EFD, pair[0].w2_EDF)) * (self.P - 1) // self.P
+        cache = self.caches[src][0]
+        row = cache.shape[1] * cache.shape[-1] * cache.element_size()  # a token's parts of one head
+        layers = [len(g.layers) for g in self.cfg.kv_groups]
+        kv = sum(n * row * len(p.send_heads[q]) * len(p.send_slots[q])
+                 for p, n in zip(plans, layers, strict=False) for q in range(self.P) if q != self.rank)
+        return weights, kv
 
     def _staging(self, plans: list[KVMove] | None, cache: torch.Tensor) -> tuple[Staging, str]:
         """Buffers for one layer, reused by every layer: experts shaped like the TP views ([E, 2I/P, D], [E, D, I/P]:

@@ -215,7 +215,7 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
                             requests_ms=launch.requests_ms, prep_ms=launch.prep_ms, enqueue_ms=launch.enqueue_ms,
                             host_ms=(time.perf_counter() - t0) * 1e3, pipelined=launch.pipelined,
                             transport=launch.transport, peer_exchanges=launch.peer_exchanges, running=len(running),
-                            waiting=len(waiting))
+                            waiting=len(waiting), weight_bytes=launch.weight_bytes, kv_bytes=launch.kv_bytes)
     return SwitchResult(
         outcome, dst.mode, [running[i] for i in keep if i < n_run], [waiting[i - n_run] for i in keep if i >= n_run],
         kv_pages, {r.request_id: r.spec for i, r in enumerate(live) if i not in kept} if dst.data_parallel else {})
