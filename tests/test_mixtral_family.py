@@ -194,8 +194,9 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
 def test_weight_updates_by_mixtral_names_and_fused_tensors(ckpts: dict[str, str]) -> None:
     """At P = 2 in EP then TP: an update from disk gives the new checkpoint's tokens; back to the old weights by
     tensors under Mixtral's per-expert names; then the new experts as transformers 5's fused tensors (a trainer's
-    named_parameters()) with every other tensor by name: the new tokens again, in both layouts. A fused tensor and
-    one of its experts by name in one update is refused, naming Mixtral's name."""
+    named_parameters()) with every other tensor by name: the new tokens again, in both layouts; then a transformers
+    model's whole named_parameters() (its router under its in-memory name, mlp.gate): the old tokens. A fused tensor
+    and one of its experts by name in one update is refused, naming Mixtral's name."""
     a, b = ckpts["mixtral"], ckpts["mixtral_b"]
     prompts = PROMPTS[2:4]
     want_a = [hf_greedy(a, tuple(p), N_OUT) for p in prompts]
@@ -221,6 +222,9 @@ def test_weight_updates_by_mixtral_names_and_fused_tensors(ckpts: dict[str, str]
         assert greedy_outputs(llm, prompts, N_OUT) == want_b
         assert llm.switch_mode("ep").done
         assert greedy_outputs(llm, prompts, N_OUT) == want_b
+        # a trainer's transformers model as it is: named_parameters() (the router as mlp.gate, fused experts)
+        assert llm.update_weights(hf_model(a).named_parameters()).done
+        assert greedy_outputs(llm, prompts, N_OUT) == want_a
         assert_kv_free(llm)
 
 

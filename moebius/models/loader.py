@@ -31,7 +31,7 @@ from moebius.layers.rotary import rope_table
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.fp8_blocks import SCALE
 from moebius.models.registry import FAMILIES, family_for, family_of
-from moebius.models.specs import Packing, ParamSpec, fused_name, per_expert_names, spec_view
+from moebius.models.specs import Packing, ParamSpec, expert_names, fused_name, per_expert_names, spec_view
 from moebius.parallel.layout import Layout
 
 log = logging.getLogger("moebius")
@@ -486,6 +486,7 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
     family = family_of(cfg)
     known = family.checkpoint_tensors(cfg)
     accepted = family.packings.values()
+    names = expert_names(cfg)
     out: dict[str, torch.Tensor] = {}
     given_as: dict[str, str] = {}  # per-expert name -> the name it came under (a fused tensor's)
     packed: dict[str, Packing] = {}  # float tensor given as pieces -> its packing
@@ -505,6 +506,7 @@ def check_update(cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]]) ->
         name, t = item
         if not isinstance(name, str):
             raise TypeError(f"a tensor name must be a string, got {type(name).__name__} {name!r}")
+        name = names.checkpoint_name(name)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor {name} must be a torch.Tensor, got {type(t).__name__}")
         piece = _own_piece(name, t, known[name], accepted) if name in known else _piece_of(name, accepted, known)

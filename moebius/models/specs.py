@@ -30,6 +30,7 @@ Fetch = Callable[[str, tuple[int, ...]], torch.Tensor]
 # transformers 5's Qwen3-MoE holds a layer's experts in two tensors (a trainer's named_parameters() gives them):
 # gate_up_proj [E, 2I, D] (each expert's gate rows, then its up rows) and down_proj [E, D, I]
 FUSED_W13, FUSED_W2 = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+_MEMORY_ROUTER = re.compile(r"(model\.layers\.\d+\.)mlp\.gate\.weight$")
 _FUSED = re.compile(r"(model\.layers\.\d+\.)(mlp\.experts\.(?:gate_up_proj|down_proj))$")
 
 
@@ -48,6 +49,13 @@ class ExpertNames:
 
     def router(self, p: str) -> str:
         return f"{p}{self.block}.gate.weight"
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of a tensor as transformers 5's modules name it in memory (a trainer's
+        named_parameters()): the router of a block named otherwise in checkpoints (Mixtral's `mlp.gate.weight` is
+        `block_sparse_moe.gate.weight`); any other name as it is."""
+        m = _MEMORY_ROUTER.match(name)
+        return self.router(m.group(1)) if m is not None and self.block != "mlp" else name
 
     def expert(self, p: str, e: int, proj: str) -> str:
         return f"{p}{self.block}.experts.{e}.{proj}.weight"

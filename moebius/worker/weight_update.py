@@ -56,7 +56,7 @@ def _source(update: WeightUpdate, targets: WeightTargets, device: torch.device
     if update.path is not None:
         return Checkpoint(update.path)
     if update.handles is not None:  # (their copies read the exporter's memory: apply_update waits for them)
-        return open_tensors(update.handles)[0]
+        return check_update(targets.cfg, open_tensors(update.handles)[0])  # (by the checkpoint's names)
     return update.local
 
 
