@@ -142,9 +142,9 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device} yet: "
                           f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
                           "its GPU tests run it)")
-    if len(cfg.kv_groups) > 1 and device.type == "cuda":  # the graphs' static buffers hold one group's tables
-        raise ConfigError(f"the {family.name} family's sliding-window layers keep page tables of their own, which the "
-                          "CUDA graphs and attention kernels do not read yet: serve it with --device cpu")
+    if any(cfg.layer_windows) and device.type == "cuda":  # (a window group's tables: eager steps only, too)
+        raise ConfigError(f"this {family.name} model's sliding-window layers have no GPU attention kernels yet (the "
+                          "paged kernels, the decode graphs' tables): serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     check_quantized_layouts(cfg, spec.world_size, held)
