@@ -46,6 +46,44 @@ def moe_cases() -> None:
         assert err < 1e-5, (T, E, first, err)
 
 
+def attention_window_cases() -> None:
+    """The paged kernel with a sliding window and sink logits (GPT-OSS's layers) against the torch reference, in the
+    launches the engine makes (decodes with and without KV splits, prompt chunks on the grid and from the host's
+    query-block table, decodes apart); each sequence's pages before its first query's window are a page of NaN (a
+    window group's freed pages read as page 0): the kernel never reads them."""
+    import numpy as np
+    from attention_cases import paged_metadata
+
+    from moebius.config import first_live_page
+    from moebius.kernels.attention import paged_attention, query_block_tokens
+    from moebius.layers.attention import leading_decodes, paged_attention_ref, query_blocks
+
+    g = torch.Generator().manual_seed(2)
+    bs, pages, heads, kvh, d = 16, 96, 8, 2, 64
+    for window, with_sinks in [(5, True), (40, False), (33, True)]:
+        sinks = torch.randn(heads, generator=g) if with_sinks else None
+        for ctx, q_lens in [([1, 17, 100, 64], [1] * 4), ([150, 70], [130, 1]), ([30, 47, 100, 64, 12],
+                                                                               [1, 1, 1, 40, 1])]:
+            meta = paged_metadata(q_lens, ctx, bs, pages, "cpu", seed=len(ctx) + window)
+            cache = torch.randn(pages, 2, bs, kvh, d, generator=g)
+            cache[0] = float("nan")
+            for b, (c, n) in enumerate(zip(ctx, q_lens, strict=True)):
+                meta.block_tables[b, : first_live_page(c - n, window, bs)] = 0
+            q = torch.randn(sum(q_lens), heads, d, generator=g)
+            ref = paged_attention_ref(q, cache, meta, d ** -0.5, sinks=sinks, window=window)
+            launches = [dict(num_splits=s) for s in ([1, 4] if max(q_lens) == 1 else [1])]
+            if max(q_lens) > 1:
+                lens = np.array(q_lens)
+                dec = leading_decodes(lens)
+                blocks = query_blocks(lens, np.array(ctx), query_block_tokens(d, heads // kvh), dec)
+                launches.append(dict(q_blocks=torch.from_numpy(blocks.reshape(-1, 2)), decodes=dec, num_splits=2))
+            for kw in launches:
+                out = paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      meta.max_query_len, d ** -0.5, window=window, sinks=sinks, **kw)
+                err = ((out - ref).norm() / ref.norm()).item()
+                assert err < 1e-5, (window, with_sinks, q_lens, kw.keys(), err)
+
+
 def moe_fp8_cases() -> None:
     """The fused MoE on FP8 rows (kernels/fp8_rows.py) against the torch reference, which dequantizes them: widths
     of whole and ragged 128-column chunks, direct and sorted blocks, all local experts and EP's slice."""
@@ -235,6 +273,10 @@ def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
     """--quantization fp8's GPU path (written, not yet run on a GPU): each weight tile's float8 values times its
     rows' block scales, rounded to the activations' dtype, then the same GEMMs."""
     _run("moe_fp8")
+
+
+def test_paged_attention_with_windows_and_sinks_under_the_interpreter() -> None:
+    _run("attention_window")
 
 
 def test_paged_attention_under_the_interpreter() -> None:
@@ -451,7 +493,8 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "attention": attention_cases, "argmax": argmax_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "attention": attention_cases,
+             "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
              "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases,
              "mla_chunk": mla_chunk_cases}

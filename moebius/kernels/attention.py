@@ -28,8 +28,10 @@ from moebius.kernels.pdl import enter, pdl
 
 @triton.jit
 def _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh, stride_hd, start, hi, qpos, d,
-          m_i, l_i, acc, scale2, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr, MASK: tl.constexpr):
-    """One KV tile of the online softmax (base 2); MASK: the tile may hold keys past `hi` or past a row's position."""
+          m_i, l_i, acc, scale2, window, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr,
+          MASK: tl.constexpr, WINDOW: tl.constexpr):
+    """One KV tile of the online softmax (base 2); MASK: the tile may hold keys past `hi` or past a row's position
+    (WINDOW: or before a row's last `window` keys)."""
     j = start + tl.arange(0, BN)
     jv = j < hi
     page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
@@ -42,7 +44,10 @@ def _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok,
         v = tl.load(Cache + stride_kv + base[:, None] + d[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASK:
-        s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
+        seen = jv[None, :] & (j[None, :] <= qpos[:, None])
+        if WINDOW:
+            seen = seen & (j[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
     # scaled after the row max (scale2 > 0), so each score takes one fused multiply-add before exp2
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -56,15 +61,17 @@ def _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok,
 @triton.jit
 def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlocks, scale,
               stride_qt, stride_qh, stride_ot, stride_oh, stride_pg, stride_kv, stride_tok, stride_hd, stride_bt,
-              QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t,
+              QKV, QN, KN, Rope, Pos, Slots, eps, H, stride_t, window, Sinks,
               NUM_SPLITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
               PAGE: tl.constexpr, PREC: tl.constexpr, QK: tl.constexpr, TABLE: tl.constexpr, DECODE: tl.constexpr,
-              PDL: tl.constexpr):
+              WINDOW: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
     """QK (decode only): Q receives q here, from the fused qkv projection (q/k RMSNorm, RoPE; the new k and v go to
     the cache), so the step has no separate launch for it; QKV .. stride_t are its inputs, unused otherwise.
     TABLE: program p takes query block QBlocks[p] = (sequence, block) (`query_blocks`); else a grid of every
     sequence x its longest chunk's blocks, whose programs past a shorter chunk's end exit at once.
-    DECODE: one query token a sequence (max_query_len == 1)."""
+    DECODE: one query token a sequence (max_query_len == 1). WINDOW: each query sees its last `window` keys (itself
+    included): the walk starts at the block's first query's window, every tile masked. SINKS: each head's learned
+    logit Sinks[h] joins its softmax's denominator (applied where the split results are merged)."""
     enter(PDL)
     # KV heads (and splits) vary fastest: the heads of one sequence run side by side, so the rows of a page (every
     # head of a token is one run of bytes) are read together
@@ -84,8 +91,11 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlo
     m0 = mblk * BM
     if m0 < qlen:
         kv_end = seq_len - qlen + tl.minimum(m0 + BM, qlen)  # causal: no row looks past this
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BN) * BN
-        lo = split * per_split
+        kv_start = 0
+        if WINDOW:  # no row looks before its window: the block's first query's is the earliest
+            kv_start = tl.maximum(seq_len - qlen + m0 - window + 1, 0)
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BN) * BN
+        lo = kv_start + split * per_split
         hi = tl.minimum(kv_end, lo + per_split)
         if QK:  # one new token: this KV head's q heads, and (the split holding its position) its k and v
             writer = (lo < seq_len) & (seq_len <= hi)
@@ -114,17 +124,28 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlo
             # it saves (benchmarks/results/h200-decode-attention-loop.json)
             for start in range(lo, hi, BN):
                 m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
-                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, True)
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, window, BN, PAGE, PREC,
+                                      True, WINDOW)
+        elif WINDOW:  # every tile masked (a window's lower edge crosses the tiles of the block's rows)
+            for start in range(lo, hi, BN):
+                m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, window, BN, PAGE, PREC,
+                                      True, True)
         else:
             # keys up to the block's first query position are visible to every row: whole tiles there skip the mask
             full = lo + tl.maximum(tl.minimum(hi, seq_len - qlen + m0 + 1) - lo, 0) // BN * BN
             for start in range(lo, full, BN):
                 m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
-                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, False)
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, window, BN, PAGE, PREC,
+                                      False, False)
             for start in range(full, hi, BN):
                 m_i, l_i, acc = _tile(q, Cache, BlockTables, b, stride_bt, stride_pg, stride_kv, stride_tok, kvh,
-                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, BN, PAGE, PREC, True)
+                                      stride_hd, start, hi, qpos, d, m_i, l_i, acc, scale2, window, BN, PAGE, PREC,
+                                      True, False)
         if NUM_SPLITS == 1:
+            if SINKS:  # the sink's exp beside the keys' (log2 units, relative to the row's max)
+                sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+                l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(Out + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=valid[:, None])
@@ -137,8 +158,8 @@ def _attn_fwd(Q, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QStart, QBlo
 
 
 @triton.jit
-def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.constexpr, D: tl.constexpr,
-                  PDL: tl.constexpr):
+def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, Sinks, NUM_SPLITS: tl.constexpr, D: tl.constexpr,
+                  SINKS: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -149,6 +170,9 @@ def _merge_splits(PartAcc, PartML, Out, stride_ot, stride_oh, H, NUM_SPLITS: tl.
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))  # log2 units
     L = tl.sum(l * w, 0)
+    if SINKS:
+        L = L + tl.exp2(tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+                        - tl.where(m_max == float("-inf"), 0.0, m_max))
     d = tl.arange(0, D)
     acc = tl.load(PartAcc + idx[:, None] * D + d[None, :])
     out = tl.sum(acc * w[:, None], 0) / tl.where(L > 0, L, 1.0)
@@ -230,7 +254,8 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int = 1,
                     max_seq_len: int = 0, *, kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None,
                     q_blocks: torch.Tensor | None = None, decodes: int = 0,
-                    chunk_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    chunk_lens: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, d]; cache [pages, 2, page, kvh, d]. num_splits > 1 only for decode (max_query_len == 1).
     max_seq_len: the longest sequence (a host value), for `fresh_chunk`. out: where to write the result ([T, H, d],
     the last dim contiguous; a new tensor when None). q_blocks: [N, 2] (sequence, query block) of
@@ -238,10 +263,13 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
     shorter chunk's end). decodes (with q_blocks or kc.flash_prefill): the first `decodes` sequences have one token
     each and attend in a decode launch of their own, with num_splits; the chunks' launch covers the rest.
     chunk_lens (kc.flash_prefill): int32 query starts (from 0) and KV lengths of the sequences after the decodes,
-    made once a step (AttentionMetadata.chunk_lens); derived here when None."""
-    fresh = (fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
+    made once a step (AttentionMetadata.chunk_lens); derived here when None. window / sinks: a sliding window (each
+    query's last `window` keys) and learned sink logits [H] (GPT-OSS's): this kernel only (cuDNN's and
+    FlashAttention's paths take neither)."""
+    plain = window is None and sinks is None
+    fresh = (plain and fresh_chunk(block_tables, max_query_len, max_seq_len, kc.fresh_chunk_lengths)
              and q_THd.dtype in (torch.bfloat16, torch.float16))
-    if kc.flash_prefill and max_query_len > 1:  # (only ever set for half precision: flash.use_flash)
+    if kc.flash_prefill and max_query_len > 1 and plain:  # (only ever set for half precision: flash.use_flash)
         from moebius.kernels import flash
 
         out = torch.empty_like(q_THd) if out is None else out
@@ -259,10 +287,10 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torc
     if decodes and q_blocks is not None and max_query_len > 1:
         out = torch.empty_like(q_THd) if out is None else out
         _launch(q_THd[:decodes], cache, block_tables[:decodes], seq_lens[:decodes], query_start_loc[:decodes + 1], 1,
-                scale, num_splits, None, kc, out[:decodes])
+                scale, num_splits, None, kc, out[:decodes], window=window, sinks=sinks)
         num_splits = 1
     return _launch(q_THd, cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, num_splits, None, kc,
-                   out, q_blocks)
+                   out, q_blocks, window, sinks)
 
 
 def flash_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, decodes: int
@@ -293,7 +321,8 @@ def qk_decode_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor, k_norm: torc
 def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             query_start_loc: torch.Tensor, max_query_len: int, scale: float, num_splits: int,
             qk: tuple | None, kc: KernelConfig, out: torch.Tensor | None = None,
-            q_blocks: torch.Tensor | None = None) -> torch.Tensor:
+            q_blocks: torch.Tensor | None = None, window: int | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     T, H, D = q_THd.shape
     B = seq_lens.shape[0]
     kvh, page = cache.shape[3], cache.shape[2]
@@ -322,11 +351,14 @@ def _launch(q_THd: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor
                     q_blocks if table else seq_lens, scale,
                     q_THd.stride(0), q_THd.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
                     cache.stride(2), cache.stride(3), block_tables.stride(0),
-                    qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0),
+                    qkv, q_norm, k_norm, rope, positions, slots, eps, H, qkv.stride(0), window or 0,
+                    q_THd if sinks is None else sinks,
                     NUM_SPLITS=num_splits, G=G, BM=BM, BN=BN, D=D, PAGE=page,
                     PREC="ieee" if q_THd.dtype == torch.float32 else "tf32", QK=qk is not None, TABLE=table,
-                    DECODE=max_query_len == 1, num_warps=warps, num_stages=stages, **pdl(q_THd, kc))
+                    DECODE=max_query_len == 1, WINDOW=window is not None, SINKS=sinks is not None, num_warps=warps,
+                    num_stages=stages, **pdl(q_THd, kc))
     if num_splits > 1:
-        _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits, D=D,
+        _merge_splits[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H,
+                              q_THd if sinks is None else sinks, NUM_SPLITS=num_splits, D=D, SINKS=sinks is not None,
                               **pdl(q_THd, kc))
     return out

@@ -161,8 +161,7 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
     Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
     one Triton launch (`fused_qk_path`). A forward captured in pieces (`meta.cut`) leaves attention itself to run
-    between them. q_norm / k_norm None: no q/k norm. sinks / window: `paged_attention`'s (the torch reference
-    only)."""
+    between them. q_norm / k_norm None: no q/k norm. sinks / window: `paged_attention`'s (no step pieces yet)."""
     plain = sinks is None and window is None
     if meta.cut is not None:
         if not plain:
@@ -186,14 +185,15 @@ def paged_attention(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
                     kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None,
                     sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v for every new token over its sequence's cached keys (causal). Returns [T, H, d]
-    (in `out` when given). The Triton kernel on the GPU, the torch reference elsewhere and wherever sinks or a
-    window are given (`paged_attention_ref`'s; the kernels have neither yet)."""
-    if q_THd.is_cuda and triton_available() and sinks is None and window is None:
+    (in `out` when given). The Triton kernel on the GPU, the torch reference elsewhere; sinks and window as
+    `paged_attention_ref` takes them."""
+    if q_THd.is_cuda and triton_available():
         from moebius.kernels.attention import paged_attention as fast
 
         return fast(q_THd, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
                     meta.num_splits, meta.max_seq_len, kc=kc, out=out, q_blocks=meta.q_blocks, decodes=meta.decodes,
-                    chunk_lens=meta.chunk_lens if kc.flash_prefill and meta.max_query_len > 1 else None)
+                    chunk_lens=meta.chunk_lens if kc.flash_prefill and meta.max_query_len > 1 else None,
+                    window=window, sinks=sinks)
     o = paged_attention_ref(q_THd, cache, meta, scale, sinks=sinks, window=window)
     return o if out is None else out.copy_(o)
 

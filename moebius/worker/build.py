@@ -143,8 +143,9 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
                           f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
                           "its GPU tests run it)")
     if any(cfg.layer_windows) and device.type == "cuda":  # (a window group's tables: eager steps only, too)
-        raise ConfigError(f"this {family.name} model's sliding-window layers have no GPU attention kernels yet (the "
-                          "paged kernels, the decode graphs' tables): serve it with --device cpu")
+        raise ConfigError(f"this {family.name} model's sliding-window layers have no GPU path yet (the paged kernel "
+                          "reads windows; the decode graphs and step pieces hold one page table and no window): "
+                          "serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     check_quantized_layouts(cfg, spec.world_size, held)
