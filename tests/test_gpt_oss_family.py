@@ -293,3 +293,23 @@ def test_mxfp4_dequantization_is_transformers(dtype: torch.dtype) -> None:
     got = dequantize(blocks, scales, dtype)
     assert got.shape == want.shape == (3, 64, 10) and got.dtype == dtype
     assert torch.equal(got, want)
+
+
+def test_the_graph_safe_expert_loop_takes_the_biases_and_the_clamped_activation() -> None:
+    """kernels/moe.experts_dense (the float32 GPU path: every expert on every token, no host sync, so decode graphs
+    capture it) gives GPT-OSS's experts as the torch reference does, with and without the down bias (TP ranks but
+    one leave it out)."""
+    from moebius.kernels.moe import experts_dense
+    from moebius.layers.moe import ClampedSwiGLU, experts_ref
+
+    g = torch.Generator().manual_seed(0)
+    T, K, D, I, E = 9, 2, 16, 8, 4
+    act = ClampedSwiGLU(alpha=1.702, limit=1.0)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).softmax(-1)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
+    b13 = torch.randn(E, 2 * I, generator=g)
+    for b2 in (torch.randn(E, D, generator=g), None):
+        want = experts_ref(x, w, ids, w13, w2, 4, act=act, b13_EF=b13, b2_ED=b2)
+        torch.testing.assert_close(experts_dense(x, w, ids, w13, w2, 4, act=act, b13_EF=b13, b2_ED=b2), want)

@@ -46,6 +46,33 @@ def moe_cases() -> None:
         assert err < 1e-5, (T, E, first, err)
 
 
+def moe_biased_cases() -> None:
+    """The fused MoE with GPT-OSS's experts (biases on [gate | up] and down, the clamped activation) against the
+    torch reference: direct and sorted blocks, all local experts and EP's slice, and TP's rank without the down
+    bias."""
+    from moebius.kernels import fused_moe as fm
+    from moebius.layers.moe import ClampedSwiGLU, experts_ref
+
+    g = torch.Generator().manual_seed(3)
+    K, D, I = 4, 64, 32
+    act = ClampedSwiGLU(alpha=1.702, limit=2.0)
+    for (T, E_all, E, first), down_bias in zip([(6, 16, 8, 8), (40, 16, 16, 0), (300, 16, 8, 0)],
+                                               [True, True, False], strict=True):
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g).softmax(-1)
+        w13 = torch.randn(E, 2 * I, D, generator=g) * 0.3  # (large enough that the clamps bite)
+        w2 = torch.randn(E, D, I, generator=g) * 0.1
+        b13 = torch.randn(E, 2 * I, generator=g)
+        b2 = torch.randn(E, D, generator=g) if down_bias else None
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, b13_EF=b13, b2_ED=b2, clamp=(act.alpha, act.limit))
+        ref = experts_ref(x, w, ids, w13, w2, first, act=act, b13_EF=b13, b2_ED=b2)
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (T, E, first, down_bias, err)
+        h = torch.cat([x @ w13[0, :I].T + b13[0, :I], x @ w13[0, I:].T + b13[0, I:]], -1)
+        assert (h[:, :I] > act.limit).any() and (h[:, I:].abs() > act.limit).any()  # both clamps take part
+
+
 def attention_window_cases() -> None:
     """The paged kernel with a sliding window and sink logits (GPT-OSS's layers) against the torch reference, in the
     launches the engine makes (decodes with and without KV splits, prompt chunks on the grid and from the host's
@@ -275,6 +302,10 @@ def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
     _run("moe_fp8")
 
 
+def test_fused_experts_with_biases_and_the_clamped_activation_under_the_interpreter() -> None:
+    _run("moe_biased")
+
+
 def test_paged_attention_with_windows_and_sinks_under_the_interpreter() -> None:
     _run("attention_window")
 
@@ -493,7 +524,7 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "attention": attention_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_biased": moe_biased_cases, "attention": attention_cases,
              "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
              "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases,

@@ -235,11 +235,13 @@ def _weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FP8: tl.constexpr, DT
 
 
 @triton.jit
-def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, K_TOP: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
-                  PDL: tl.constexpr):
+def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, alpha, limit, K_TOP: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr,
+                  FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FP8:
-    FP8 rows of WS bytes."""
+    FP8 rows of WS bytes. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`:
+    gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of
+    silu(gate) * up."""
     enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
@@ -264,18 +266,28 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, K_TOP: 
                 u = _weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
             acc_g = tl.dot(a, tl.trans(g), acc_g)
             acc_u = tl.dot(a, tl.trans(u), acc_u)
+        if BIAS:
+            bb = B13 + e.to(tl.int64) * 2 * I
+            acc_g += tl.load(bb + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bb + I + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         gb = acc_g.to(Out.dtype.element_ty).to(tl.float32)  # round like the unfused bf16 GEMM output
         ub = acc_u.to(Out.dtype.element_ty).to(tl.float32)
-        h = (gb / (1.0 + tl.exp(-gb))).to(Out.dtype.element_ty).to(tl.float32) * ub
+        if CLAMPED:
+            gc = tl.minimum(gb, limit)
+            uc = tl.minimum(tl.maximum(ub, -limit), limit)
+            h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
+        else:
+            h = (gb / (1.0 + tl.exp(-gb))).to(Out.dtype.element_ty).to(tl.float32) * ub
         tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(Out.dtype.element_ty),
                  mask=ok[:, None] & nm[None, :])
 
 
 @triton.jit
-def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr,
+          PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
-    [BN, BK] tiles; FP8: W2 FP8 rows of WS bytes."""
+    [BN, BK] tiles; FP8: W2 FP8 rows of WS bytes. BIAS: B2 [E, D] added before the routing weight."""
     enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
@@ -296,6 +308,8 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, BM: tl.c
                             other=0.0)
                 b = _weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
             acc = tl.dot(a, tl.trans(b), acc)
+        if BIAS:
+            acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
         y = acc.to(Out.dtype.element_ty).to(tl.float32) * w[:, None]
         tl.store(Out + tl.where(ok, pair, 0).to(tl.int64)[:, None] * D + n[None, :], y.to(Out.dtype.element_ty),
@@ -374,7 +388,9 @@ def _fp8_tiles(c: TileConfig, w: torch.Tensor) -> tuple[TileConfig, bool]:
 
 
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
-            kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
+            kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b13_EF: torch.Tensor | None = None,
+            clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED); None: silu(gate) * up."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
     c, fp8 = _fp8_tiles(c, w13_EFD)
@@ -383,13 +399,14 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
-        blocks.first_expert, WS, K_TOP=K, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8,
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
+        blocks.first_expert, WS, x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K,
+        BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8, BIAS=b13_EF is not None,
+        CLAMPED=clamp is not None, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
 def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: TileConfig, *,
-         kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor:
+         kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b2_ED: torch.Tensor | None = None) -> torch.Tensor:
     E, D, WS = w2_EDF.shape
     I, N = h.shape[1], w_TK.numel()
     c, fp8 = _fp8_tiles(c, w2_EDF)
@@ -399,17 +416,21 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
-        blocks.first_expert, WS, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8,
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y, kc))
+        blocks.first_expert, WS, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
+        DIRECT=blocks.direct, FP8=fp8, BIAS=b2_ED is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+        **pdl(y, kc))
     return y
 
 
 def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
                   w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None,
                   config: MoEConfig | None = None, keep_pairs: bool = False, *,
-                  kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS) -> torch.Tensor | PairRows:
+                  kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b13_EF: torch.Tensor | None = None,
+                  b2_ED: torch.Tensor | None = None, clamp: tuple[float, float] | None = None
+                  ) -> torch.Tensor | PairRows:
     """num_experts: the model's expert count (local pairs ~ pairs * E_local / num_experts, for block shapes).
-    keep_pairs: return the outputs per pair, for a consumer that sums them itself (no `sum_k` launch)."""
+    keep_pairs: return the outputs per pair, for a consumer that sums them itself (no `sum_k` launch).
+    b13_EF / b2_ED: the experts' biases; clamp: GPT-OSS's activation's (alpha, limit) (`gate_up`)."""
     T, K = ids_TK.shape
     E = w13_EFD.shape[0]
     if T == 0:
@@ -423,6 +444,6 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
         blocks = direct(ids_TK, first_expert, c.BM)
     else:
         blocks = align(ids_TK, first_expert, E, c.BM, kc=kc)
-    h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up, kc=kc)
-    pairs = PairRows(down(h, w2_EDF, blocks, w_TK, c.down, kc=kc), ids_TK, first_expert, E)
+    h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up, kc=kc, b13_EF=b13_EF, clamp=clamp)
+    pairs = PairRows(down(h, w2_EDF, blocks, w_TK, c.down, kc=kc, b2_ED=b2_ED), ids_TK, first_expert, E)
     return pairs if keep_pairs else pairs.sum(kc=kc)

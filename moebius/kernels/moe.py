@@ -5,6 +5,8 @@ The torch reference is `moebius.layers.moe.experts`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -35,14 +37,21 @@ def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EF
 
 
 def experts_dense(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-                  w2_EDF: torch.Tensor, first_expert: int) -> torch.Tensor:
+                  w2_EDF: torch.Tensor, first_expert: int, *,
+                  act: Callable[[torch.Tensor], torch.Tensor] | None = None, b13_EF: torch.Tensor | None = None,
+                  b2_ED: torch.Tensor | None = None) -> torch.Tensor:
     """Any dtype, no host sync (so CUDA graphs can capture it): every local expert runs on every token and the
     routing weight (0 for tokens not routed to it) scales the result. E times the work of the grouped path: for
-    small float32 models (tests), where torch._grouped_mm (bf16 only) does not apply."""
+    small float32 models (tests), where torch._grouped_mm (bf16 only) does not apply. act (silu(gate) * up unless
+    given) and the biases as `layers.moe.experts_ref` takes them."""
     y = torch.zeros_like(x_TD)
     for e in range(w13_EFD.shape[0]):
         gate = (w_TK * (ids_TK == first_expert + e)).sum(-1, keepdim=True)
-        h = F.linear(x_TD, w13_EFD[e])
-        g, u = h.chunk(2, dim=-1)
-        y += F.linear(F.silu(g) * u, w2_EDF[e]) * gate
+        h = F.linear(x_TD, w13_EFD[e], None if b13_EF is None else b13_EF[e])
+        if act is None:
+            g, u = h.chunk(2, dim=-1)
+            h = F.silu(g) * u
+        else:
+            h = act(h)
+        y += F.linear(h, w2_EDF[e], None if b2_ED is None else b2_ED[e]) * gate
     return y

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,25 @@ def swiglu(h_TF2: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's experts' activation: gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate); the last dim stacks [gate | up] (a TP shard of each: elementwise).
+    The fused MoE kernel computes it too (its `CLAMPED` form)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, h_TF: torch.Tensor) -> torch.Tensor:
+        gate, up = h_TF.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+Activation = Callable[[torch.Tensor], torch.Tensor]  # [gate | up] rows -> the down projection's input
+
+
 def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS
               ) -> torch.Tensor:
     return linear(swiglu(linear(x_TD, w13_FD, kc=kc)), w2_DF, kc=kc)
@@ -60,28 +80,35 @@ def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor, *, 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
             w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None, keep_pairs: bool = False, *,
-            kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor | PairRows:
+            kc: KernelConfig = DEFAULT_KERNELS, act: Activation = swiglu, b13_EF: torch.Tensor | None = None,
+            b2_ED: torch.Tensor | None = None) -> torch.Tensor | PairRows:
     """Grouped GEMMs on the GPU (bf16: kc.moe_backend picks the fused Triton kernel or torch._grouped_mm; FP8 rows:
     the fused kernel); a sync-free dense loop on the GPU in other dtypes; the torch reference on the CPU.
     num_experts (the model's, when only some are local) picks the fused kernel's block shapes.
-    keep_pairs: the fused kernel's outputs may come back per pair (`PairRows`), unsummed."""
+    keep_pairs: the fused kernel's outputs may come back per pair (`PairRows`), unsummed. act / b13_EF / b2_ED:
+    `experts_ref`'s (the fused kernel takes `swiglu` and `ClampedSwiGLU`, and the biases)."""
     if x_TD.is_cuda:
         fp8 = w13_EFD.dtype == torch.uint8  # FP8 rows: the fused kernel's FP8 tiles only
+        plain = act is swiglu and b13_EF is None and b2_ED is None  # (torch._grouped_mm's path takes neither)
         if fp8 and not (x_TD.dtype == torch.bfloat16 and triton_available()):
             raise NotImplementedError("FP8 experts on a GPU run in the fused Triton kernel, on bfloat16 activations")
-        if x_TD.dtype == torch.bfloat16 and (kc.moe_backend == "triton" or fp8) and triton_available():
+        if x_TD.dtype == torch.bfloat16 and (kc.moe_backend == "triton" or fp8 or not plain) and triton_available():
             from moebius.kernels.fused_moe import fused_experts
 
+            if not (act is swiglu or isinstance(act, ClampedSwiGLU)):
+                raise NotImplementedError(f"the fused MoE kernel has no activation {act!r}")
+            clamp = (act.alpha, act.limit) if isinstance(act, ClampedSwiGLU) else None
             return fused_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, num_experts,
-                                 keep_pairs=keep_pairs, kc=kc)
-        if x_TD.dtype == torch.bfloat16 and grouped_mm_available():
+                                 keep_pairs=keep_pairs, kc=kc, b13_EF=b13_EF, b2_ED=b2_ED, clamp=clamp)
+        if x_TD.dtype == torch.bfloat16 and grouped_mm_available() and plain:
             return fast_experts(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
-        return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
-    return experts_ref(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert)
+        return experts_dense(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, act=act, b13_EF=b13_EF,
+                             b2_ED=b2_ED)
+    return experts_ref(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, act=act, b13_EF=b13_EF, b2_ED=b2_ED)
 
 
 def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
-                w2_EDF: torch.Tensor, first_expert: int, *, act: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+                w2_EDF: torch.Tensor, first_expert: int, *, act: Activation = swiglu,
                 b13_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k w_tk * expert_{id_tk}(x_t) over the (token, k) pairs whose expert is local.
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebius.config import ConfigError, ModelConfig
+from moebius.layers.moe import ClampedSwiGLU
 from moebius.layers.rotary import YarnScaling
 from moebius.models.hf_fields import cut_layers, positive_int
 
@@ -25,6 +26,10 @@ class GptOssConfig:
     swiglu_alpha: float  # the experts' sigmoid gain
     swiglu_limit: float  # gate clamped above, up clamped both sides
     yarn: YarnScaling | None  # None: plain rope
+
+    @property
+    def activation(self) -> ClampedSwiGLU:
+        return ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit)
 
 
 def parse_config(hf: dict[str, Any], num_layers: int | None = None) -> ModelConfig:

@@ -5,8 +5,10 @@ Attention: GQA with q|k|v and o biases, a learned sink logit a head, sliding-win
 (`ModelConfig.layer_windows`, reading their KV group's page tables: `meta.group`), YaRN rope over the whole head
 (rotate-half, cos and sin times the attention factor). Routing: the router's logits
 with their bias, top-k of them, a softmax over those k. Experts: [gate | up] with their bias, gate clamped above at
-`limit`, up clamped to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate), down with its bias, all
-times the routing weight. The torch reference only (the kernels have no sinks, windows or this activation).
+`limit`, up clamped to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate) (`layers.moe.ClampedSwiGLU`),
+down with its bias, all times the routing weight. The paged attention kernel takes the sinks and windows and the
+fused MoE kernel the biases and this activation; the decode graphs and step pieces do not hold the sliding layers'
+tables yet (the family is served on the CPU).
 Shapes: T tokens, D hidden, H heads, d head dim, E experts, K top-k, F = 2 * I rows of a [gate | up] stack.
 """
 
@@ -19,10 +21,9 @@ from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
-from moebius.layers.moe import experts_ref
+from moebius.layers.moe import experts
 from moebius.layers.rotary import scaled_rope_table
 from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
-from moebius.models.gpt_oss.config import GptOssConfig
 from moebius.models.gpt_oss.weights import GptOssAttnWeights, GptOssMoEWeights, ext_of
 from moebius.models.gqa import attention_geometry  # noqa: F401  (the family's)
 from moebius.models.weights import ModelWeights, logits  # noqa: F401  (the family's)
@@ -57,15 +58,6 @@ def route(x_TD: torch.Tensor, w: GptOssMoEWeights, top_k: int) -> tuple[torch.Te
     return torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype), ids_TK
 
 
-def clamped_swiglu(h_TF: torch.Tensor, ext: GptOssConfig) -> torch.Tensor:
-    """(up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up both sides at the limit; the last dim
-    stacks [gate | up] (a TP shard of each: the activation is elementwise)."""
-    gate, up = h_TF.chunk(2, dim=-1)
-    gate = gate.clamp(max=ext.swiglu_limit)
-    up = up.clamp(min=-ext.swiglu_limit, max=ext.swiglu_limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * ext.swiglu_alpha))
-
-
 def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communicator, kc: KernelConfig,
         routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """This rank's expert outputs for the tokens dispatched to it, and the handle that combines them. routed_TK:
@@ -74,9 +66,8 @@ def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communi
     if routed_TK is not None:
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK, ids_TK, kc=kc)
-    ext = ext_of(cfg)
-    return experts_ref(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert,
-                       act=lambda h_TF: clamped_swiglu(h_TF, ext), b13_EF=w.b13_EF, b2_ED=w.b2_ED), handle
+    return experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, kc=kc,
+                   act=ext_of(cfg).activation, b13_EF=w.b13_EF, b2_ED=w.b2_ED), handle
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
