@@ -6,8 +6,8 @@
 #   tests     the family's GPU tests: float32 tokens against transformers through decode graphs, step pieces and eager
 #             steps across a switch; the latent kernels against their references; pieces against eager steps in bf16
 #   families  the same float32 GPU parity for the GQA families not yet run on a GPU (GLM-4.5, Qwen2-MoE, Mixtral,
-#             OLMoE: their attention's q/k through torch ops, the paged kernel between pieces); lift each one's
-#             `cpu_only` once it passes
+#             OLMoE, GPT-OSS; windowed variants: the sliding layers' tables in the graphs, the kernel's window and
+#             sinks); lift each one's `cpu_only` once it passes
 #   sweep     decode steps at batches 1 .. 1024 (context 1024) against the floor model extended to MLA
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
@@ -26,7 +26,7 @@ t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(
 date +%T
 for step in "$@"; do case $step in
 families)
-  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,olmoe t families 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py ;;
+  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,olmoe,gpt_oss t families 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 tests)
   t gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)

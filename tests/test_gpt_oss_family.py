@@ -142,7 +142,7 @@ def test_unsupported_settings_are_refused_by_name(ckpt: Callable[[str], str],
 
     monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
     with pytest.raises(ConfigError, match=r"the gpt_oss family \(GptOssForCausalLM\) cannot run on cuda yet: its "
-                                          r"attention .* not yet checked on a GPU"):
+                                          r"GPU path .* is not yet checked on a GPU"):
         build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=ckpt("gpt_oss"), device="cuda"),
                             model=model_config(hf), checkpoint=ckpt("gpt_oss"), device="cuda", dtype="float32",
                             eos_token_ids=(), max_model_len=64))
@@ -313,3 +313,14 @@ def test_the_graph_safe_expert_loop_takes_the_biases_and_the_clamped_activation(
     for b2 in (torch.randn(E, D, generator=g), None):
         want = experts_ref(x, w, ids, w13, w2, 4, act=act, b13_EF=b13, b2_ED=b2)
         torch.testing.assert_close(experts_dense(x, w, ids, w13, w2, 4, act=act, b13_EF=b13, b2_ED=b2), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_equals_transformers_on_the_gpu(ckpt: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (the
+    sliding layers' own page tables in the static buffers, the paged kernel with the window and the sinks between
+    the pieces, the graph-safe expert loop with the biases and the clamped activation) give transformers' greedy
+    tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
+    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "gpt_oss")  # (the GPU path these tests check first)
+    family_cases.gpu_parity(ckpt("gpt_oss"), PROMPTS, N_OUT, ENGINE_KW)

@@ -266,7 +266,7 @@ def test_presets_start_with_dummy_weights_on_the_cpu(preset: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["mixtral", "mixtral_mqa"])
+@pytest.mark.parametrize("name", ["mixtral", "mixtral_mqa", "mixtral_window"])
 def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (q and k

@@ -287,7 +287,7 @@ def test_smallest_preset_starts_with_dummy_weights_on_the_cpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe_norm"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe_norm", "qwen2_moe_window"])
 def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (q|k|v

@@ -152,22 +152,3 @@ def test_gpt_oss_frees_the_sliding_layers_pages_and_a_switch_moves_only_the_wind
         stats = llm.kv_stats()
         assert stats["free_tokens"] == stats["total_tokens"]
 
-
-def test_windows_are_refused_on_a_gpu_until_their_kernels_exist(tmp_path: Any,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A windowed Mixtral (every layer windowed: one KV group) on a GPU, its family let through: refused at start,
-    naming why (the decode graphs and step pieces hold one page table and no window), not served unwindowed."""
-    from family_cases import hf_config
-    from test_mixtral_family import write_mixtral
-
-    from moebius.config import ConfigError, EngineConfig
-    from moebius.models.registry import model_config
-    from moebius.worker.build import build_rank
-    from moebius.worker.rank import RankSpec
-
-    path = write_mixtral(str(tmp_path / "mixtral_window"), dict(sliding_window=7), 0)
-    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "mixtral")
-    with pytest.raises(ConfigError, match="this mixtral model's sliding-window layers have no GPU path yet"):
-        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"),
-                            model=model_config(hf_config(path)), checkpoint=path, device="cuda", dtype="float32",
-                            eos_token_ids=(), max_model_len=64))

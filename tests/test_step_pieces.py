@@ -6,6 +6,7 @@ the attention's query-block table). Capture and replay need a GPU: tests/test_gp
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from moebius.config import EngineConfig
@@ -17,10 +18,11 @@ from moebius.worker.cuda_graphs import piece_buckets
 from moebius.worker.scheduler import ScheduledChunk
 
 
-def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> None:
+@pytest.mark.parametrize("window,sinks", [(None, False), (6, True)], ids=["plain", "window-sinks"])
+def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run(window: int | None, sinks: bool) -> None:
     """With an AttentionCut in the metadata, q goes into the cut's buffer (k and v into the cache as always) and the
-    layer's output is whatever the cut hands back; attention run there over the step's metadata gives the uncut
-    layer's output and cache."""
+    layer's output is whatever the cut hands back; attention run there over the step's metadata (its KV group's, a
+    sliding window and sinks as the layer hands them to the cut) gives the uncut layer's output and cache."""
     from dataclasses import replace
 
     from attention_cases import paged_metadata
@@ -31,10 +33,12 @@ def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> N
     torch.manual_seed(0)
     bs, kvh, heads, d = 4, 2, 4, 16
     meta = paged_metadata([1, 30, 5], [40, 50, 20], bs, 64, "cpu")
+    meta = replace(meta, kv_group=1)  # a layer of the second KV group: the cut is told
     T = 36
     qkv = torch.randn(T, (heads + 2 * kvh) * d)
     qn, kn, rope = torch.rand(d) + 0.5, torch.rand(d) + 0.5, rope_table(d, 256, 1e6, "cpu")
     cache = torch.randn(64, 2, bs, kvh, d)
+    sink_logits = torch.randn(heads) if sinks else None
 
     class Cut:
         def __init__(self) -> None:
@@ -43,18 +47,23 @@ def test_a_forward_cut_at_attention_gives_the_attention_it_would_have_run() -> N
         def q_buffer(self, n: int) -> torch.Tensor:
             return self.q[:n]
 
-        def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, kc: object) -> torch.Tensor:
+        def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, kc: object, *, group: int = 0,
+                   window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
             assert q.data_ptr() == self.q.data_ptr()  # the layer wrote q into the static buffer
+            assert group == 1
             self.calls += 1
-            return paged_attention(q, cache, meta, scale, out=self.o[: q.shape[0]])
+            return paged_attention(q, cache, meta, scale, out=self.o[: q.shape[0]], window=window, sinks=sinks)
 
     want_cache, got_cache = cache.clone(), cache.clone()
-    want = qkv_attention(qkv, qn, kn, rope, want_cache, meta, 1e-6, d ** -0.5)
+    want = qkv_attention(qkv, qn, kn, rope, want_cache, meta, 1e-6, d ** -0.5, window=window, sinks=sink_logits)
     cut = Cut()
-    got = qkv_attention(qkv, qn, kn, rope, got_cache, replace(meta, cut=cut), 1e-6, d ** -0.5)
+    got = qkv_attention(qkv, qn, kn, rope, got_cache, replace(meta, cut=cut), 1e-6, d ** -0.5, window=window,
+                        sinks=sink_logits)
     assert cut.calls == 1 and got.data_ptr() == cut.o.data_ptr()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_cache, want_cache)
+    if window is not None:  # (the window and sinks change the layer's output)
+        assert not torch.allclose(want, qkv_attention(qkv, qn, kn, rope, cache.clone(), meta, 1e-6, d ** -0.5))
 
 
 def test_step_piece_buckets() -> None:

@@ -26,8 +26,10 @@ class AttentionCut(Protocol):
         """The static [T, H, q_dim] buffer the layer's q is written into (`AttentionGeometry`)."""
         ...
 
-    def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig) -> torch.Tensor:
-        """The layer's attention output [T, H, o_dim] (a static buffer, written between the graphs)."""
+    def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig, *, group: int = 0,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's attention output [T, H, o_dim] (a static buffer, written between the graphs); group: the
+        layer's KV group (its metadata's `kv_group`), window / sinks: a sliding window's, learned sink logits."""
         ...
 
 
@@ -68,6 +70,7 @@ class AttentionMetadata:
     # the other KV groups' metadata (ModelConfig.kv_groups[1:]: sliding-window layers with page tables of their own),
     # the same step with their block_tables and slot_mapping
     groups: tuple[AttentionMetadata, ...] = ()
+    kv_group: int = 0  # the KV group this metadata is (a cut's attention finds its group's metadata by it)
 
     def group(self, g: int) -> AttentionMetadata:
         """The metadata layers of KV group g read (`ModelConfig.kv_group_of`)."""
@@ -161,14 +164,12 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
     Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
     one Triton launch (`fused_qk_path`). A forward captured in pieces (`meta.cut`) leaves attention itself to run
-    between them. q_norm / k_norm None: no q/k norm. sinks / window: `paged_attention`'s (no step pieces yet)."""
+    between them. q_norm / k_norm None: no q/k norm. sinks / window: `paged_attention`'s."""
     plain = sinks is None and window is None
     if meta.cut is not None:
-        if not plain:
-            raise NotImplementedError("attention sinks and sliding windows have no step-piece (GPU) path yet")
         q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc,
                             out=meta.cut.q_buffer(qkv_TQ.shape[0]))
-        return meta.cut.attend(q, cache, scale, kc)
+        return meta.cut.attend(q, cache, scale, kc, group=meta.kv_group, window=window, sinks=sinks)
     if plain and fused_qk_path(qkv_TQ, q_norm, rope, cache.shape[4]) and meta.max_query_len == 1:
         from moebius.kernels.attention import QK_FUSED_MAX_TOKENS, qk_decode_attention
 

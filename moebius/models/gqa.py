@@ -47,9 +47,10 @@ def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.T
 
 
 def attend(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kc: KernelConfig,
-           out: torch.Tensor) -> None:
-    """A layer's attention between two step pieces (q written by the piece before, `out` read by the one after)."""
-    paged_attention(q_THd, cache, meta, scale, kc=kc, out=out)
+           out: torch.Tensor, *, window: int | None = None, sinks: torch.Tensor | None = None) -> None:
+    """A layer's attention between two step pieces (q written by the piece before, `out` read by the one after);
+    window / sinks: a sliding-window layer's, learned sink logits (`paged_attention`'s)."""
+    paged_attention(q_THd, cache, meta, scale, kc=kc, out=out, window=window, sinks=sinks)
 
 
 def attn_tag(lay: Layout) -> str:

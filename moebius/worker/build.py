@@ -142,10 +142,6 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device} yet: "
                           f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
                           "its GPU tests run it)")
-    if any(cfg.layer_windows) and device.type == "cuda":  # (a window group's tables: eager steps only, too)
-        raise ConfigError(f"this {family.name} model's sliding-window layers have no GPU path yet (the paged kernel "
-                          "reads windows; the decode graphs and step pieces hold one page table and no window): "
-                          "serve it with --device cpu")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     check_quantized_layouts(cfg, spec.world_size, held)
@@ -162,7 +158,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     family.plan_weights(plan, cfg, list(layouts.values()), dtype)
     dense_bytes = plan.total_bytes
     max_pages_per_seq = -(-spec.max_model_len // bs)
-    buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq)
+    buf_shape = (ecfg.max_num_batched_tokens, ecfg.max_running_requests, max_pages_per_seq, len(cfg.kv_groups))
     for m in held:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes

@@ -120,6 +120,9 @@ class AttentionCall:
     cache: torch.Tensor
     scale: float
     kc: KernelConfig
+    group: int = 0  # its KV group (`AttentionMetadata.group`)
+    window: int | None = None  # a sliding-window layer's
+    sinks: torch.Tensor | None = None  # learned sink logits [H] (GPT-OSS)
 
 
 @dataclass
@@ -156,8 +159,9 @@ class _Cut:
     def q_buffer(self, T: int) -> torch.Tensor:
         return self.q[:T]
 
-    def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig) -> torch.Tensor:
-        self.calls.append(AttentionCall(cache, scale, kc))
+    def attend(self, q_THd: torch.Tensor, cache: torch.Tensor, scale: float, kc: KernelConfig, *, group: int = 0,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls.append(AttentionCall(cache, scale, kc, group, window, sinks))
         if self.pool is not None:
             self.end()
             self._begin()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 
@@ -41,9 +42,11 @@ _FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qpos", 
            "query_start_loc", "seq_lens", "q_blocks", "sample_rows")
 
 
-def _field_sizes(max_tokens: int, max_seqs: int) -> list[int]:
-    # q_blocks: two ints a query block, and a step has at most a block a token (plus slack of one a sequence)
-    return [max_tokens] * 7 + [max_seqs + 1, max_seqs, 2 * (max_tokens + max_seqs), max_seqs]
+def _field_sizes(max_tokens: int, max_seqs: int, groups: int) -> list[int]:
+    # q_blocks: two ints a query block, and a step has at most a block a token (plus slack of one a sequence);
+    # then the slots of each KV group after the first
+    return [max_tokens] * 7 + [max_seqs + 1, max_seqs, 2 * (max_tokens + max_seqs), max_seqs] + [max_tokens] * (
+        groups - 1)
 
 
 @dataclass
@@ -52,7 +55,9 @@ class StaticBuffers:
 
     The int64 fields are slices of one region, mirrored in pinned host memory: a step writes a host mirror and
     moves it with one copy (plus one for the block-table rows). The mirrors are double-buffered: with one step in
-    flight, the mirror a step writes is never the one an unfinished copy still reads."""
+    flight, the mirror a step writes is never the one an unfinished copy still reads. A model with several KV groups
+    (`ModelConfig.kv_groups`: sliding-window layers' own page tables) has a block table and a slot mapping a group,
+    the first group's in `block_tables` and `slot_mapping`."""
 
     input_ids: torch.Tensor  # [max_tokens] int64
     positions: torch.Tensor  # [max_tokens] int64
@@ -65,54 +70,68 @@ class StaticBuffers:
     seq_lens: torch.Tensor  # [max_seqs] int64
     q_blocks: torch.Tensor  # [2 * (max_tokens + max_seqs)] int64: a step's attention query blocks (GPU, prompts)
     sample_rows: torch.Tensor  # [max_seqs] int64: the token rows a step samples from (outside the decode graphs)
-    block_tables: torch.Tensor  # [max_seqs, max_pages] int32
-    table_stage: torch.Tensor  # [max_seqs * max_pages] int32: the step's [B, W] table, packed
+    group_slots: list[torch.Tensor]  # [max_tokens] int64 each: the slots of each KV group after the first
+    tables: torch.Tensor  # [groups, max_seqs, max_pages] int32: each KV group's block tables
+    table_stage: torch.Tensor  # [groups * max_seqs * max_pages] int32: the step's [groups, B, W] tables, packed
     meta: torch.Tensor  # the int64 region holding the fields above, in order
     host_meta: list[torch.Tensor]  # its two pinned host mirrors
     host_tables: list[torch.Tensor]  # two pinned host mirrors of table_stage
     flip: int = 0  # the mirror the next upload writes
 
-    @staticmethod
-    def plan(plan: MemoryPlan, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> None:
-        plan.add(f"{prefix}.meta", (sum(_field_sizes(max_tokens, max_seqs)),), torch.int64)
-        plan.add(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
-        plan.add(f"{prefix}.table_stage", (max_seqs * max_pages,), torch.int32)
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """The first KV group's [max_seqs, max_pages] block tables."""
+        return self.tables[0]
 
     @staticmethod
-    def build(umm: UnifiedMemory, prefix: str, max_tokens: int, max_seqs: int, max_pages: int) -> StaticBuffers:
-        sizes = _field_sizes(max_tokens, max_seqs)
+    def plan(plan: MemoryPlan, prefix: str, max_tokens: int, max_seqs: int, max_pages: int, groups: int = 1) -> None:
+        plan.add(f"{prefix}.meta", (sum(_field_sizes(max_tokens, max_seqs, groups)),), torch.int64)
+        plan.add(f"{prefix}.block_tables", (groups, max_seqs, max_pages), torch.int32)
+        plan.add(f"{prefix}.table_stage", (groups * max_seqs * max_pages,), torch.int32)
+
+    @staticmethod
+    def build(umm: UnifiedMemory, prefix: str, max_tokens: int, max_seqs: int, max_pages: int, groups: int = 1
+              ) -> StaticBuffers:
+        sizes = _field_sizes(max_tokens, max_seqs, groups)
         meta = umm.view(f"{prefix}.meta", (sum(sizes),), torch.int64)
-        views = dict(zip(_FIELDS, meta.split(sizes), strict=True))
-        tables = umm.view(f"{prefix}.block_tables", (max_seqs, max_pages), torch.int32)
-        stage = umm.view(f"{prefix}.table_stage", (max_seqs * max_pages,), torch.int32)
+        parts = meta.split(sizes)
+        views = dict(zip(_FIELDS, parts, strict=False))
+        tables = umm.view(f"{prefix}.block_tables", (groups, max_seqs, max_pages), torch.int32)
+        stage = umm.view(f"{prefix}.table_stage", (groups * max_seqs * max_pages,), torch.int32)
         pin = umm.device.type == "cuda"
-        return StaticBuffers(**views, block_tables=tables, table_stage=stage, meta=meta,
+        return StaticBuffers(**views, group_slots=list(parts[len(_FIELDS):]), tables=tables, table_stage=stage,
+                             meta=meta,
                              host_meta=[torch.zeros(meta.shape, dtype=torch.int64, pin_memory=pin) for _ in "ab"],
                              host_tables=[torch.zeros(stage.shape, dtype=torch.int32, pin_memory=pin) for _ in "ab"])
 
-    def upload(self, fields: dict[str, np.ndarray], table: np.ndarray) -> dict[str, torch.Tensor]:
-        """Write the step's fields into a host mirror, copy it over in one go; device views of the used parts."""
+    def upload(self, fields: dict[str, np.ndarray], table: np.ndarray, group_slots: list[np.ndarray]
+               ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Write the step's fields (and each further KV group's slots) into a host mirror, copy it over in one go;
+        device views of the used parts. table: [groups, B, W], every group's block tables."""
         host_meta, host_tables = self.host_meta[self.flip], self.host_tables[self.flip]
         self.flip ^= 1
         host = host_meta.numpy()
-        out, start, end = {}, 0, 0
-        for name in _FIELDS:
-            n = getattr(self, name).shape[0]
-            src = fields[name]
+        named = [(fields[n], getattr(self, n)) for n in _FIELDS]
+        views = []  # of each field, in the region's order
+        start, end = 0, 0
+        for src, view in named + list(zip(group_slots, self.group_slots, strict=False)):
             host[start: start + src.shape[0]] = src
             end = start + src.shape[0]
-            out[name] = getattr(self, name)[: src.shape[0]]
-            start += n
+            views.append(view[: src.shape[0]])
+            start += view.shape[0]
+        out: dict[str, torch.Tensor | list[torch.Tensor]] = dict(zip(_FIELDS, views, strict=False))
+        out["group_slots"] = views[len(_FIELDS):]
         self.meta[:end].copy_(host_meta[:end], non_blocking=True)
-        # The [B, W] table travels packed (one contiguous copy from pinned memory), then a device copy spreads it
-        # into the rows: a strided host-to-device copy would be staged through pageable memory, a copy that holds
-        # the host and grows with the batch.
-        B, W = table.shape
-        n = B * W
+        # The [groups, B, W] tables travel packed (one contiguous copy from pinned memory), then a device copy spreads
+        # them into the rows: a strided host-to-device copy would be staged through pageable memory, a copy that
+        # holds the host and grows with the batch.
+        G, B, W = table.shape
+        n = G * B * W
         host_tables.numpy()[:n] = table.reshape(-1)
         self.table_stage[:n].copy_(host_tables[:n], non_blocking=True)
-        self.block_tables[:B, :W].copy_(self.table_stage[:n].view(B, W))
-        out["block_tables"] = self.block_tables[:B, :W]
+        self.tables[:G, :B, :W].copy_(self.table_stage[:n].view(G, B, W))
+        out["block_tables"] = self.tables[0, :B, :W]
+        out["group_tables"] = [self.tables[g, :B, :W] for g in range(1, G)]
         return out
 
 
@@ -123,6 +142,14 @@ class StepSync:
 
     max_tokens: int
     all_decode: bool
+
+
+def _group_metadata(meta: AttentionMetadata, tables: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]
+                    ) -> tuple[AttentionMetadata, ...]:
+    """The metadata of each KV group after the first (`AttentionMetadata.group`): the step's, with the group's block
+    tables and slot mapping."""
+    return tuple(replace(meta, block_tables=t, slot_mapping=s, kv_group=g)
+                 for g, (t, s) in enumerate(zip(tables, slots, strict=True), start=1))
 
 
 def _page_table(tables: list[list[int]], rows: int) -> np.ndarray:
@@ -231,6 +258,7 @@ class ModelRunner:
                  bufs: StaticBuffers, block_size: int, device: torch.device,
                  kernels: KernelConfig = DEFAULT_KERNELS) -> None:
         self.cfg, self.weights, self.kv, self.comm = cfg, weights, kv, comm
+        self.groups = len(cfg.kv_groups)  # KV groups: a block table and a slot mapping each (StaticBuffers)
         self.model = family_of(cfg).model  # the family's layout-free forward
         self.qkv_elems = weights.layers[0].attn.qkv_QD.numel()  # picks the launch release order (forward)
         # how this runtime's kernels run: a forward in its step's release order (`forward`), the kernels after it
@@ -296,7 +324,7 @@ class ModelRunner:
 
     def _piece_inputs(self, b: int) -> None:
         """Static inputs a capture of bucket b records: tokens that read and write only the reserved page 0."""
-        for t in (self.bufs.input_ids, self.bufs.positions, self.bufs.slot_mapping):
+        for t in (self.bufs.input_ids, self.bufs.positions, self.bufs.slot_mapping, *self.bufs.group_slots):
             t[:b].zero_()
         self.comm.begin_step(b)
 
@@ -308,6 +336,7 @@ class ModelRunner:
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b], query_start_loc=buf.query_start_loc[:2],
             seq_lens=buf.seq_lens[:1], block_tables=buf.block_tables[:1], token_seq=buf.token_seq[:b],
             token_qpos=buf.token_qpos[:b], max_query_len=b, max_seq_len=b, block_size=self.block_size, cut=cut)
+        meta.groups = _group_metadata(meta, [t[:1] for t in buf.tables[1:]], [x[:b] for x in buf.group_slots])
         return self.forward(buf.input_ids[:b], meta)
 
     def has_graph(self, n: int) -> bool:
@@ -339,9 +368,10 @@ class ModelRunner:
         ids, meta = self.decode_metadata(b)
         ids.zero_()
         meta.positions.zero_()
-        meta.slot_mapping.zero_()
         meta.seq_lens.fill_(1)
-        meta.block_tables.zero_()
+        for m in (meta, *meta.groups):
+            m.slot_mapping.zero_()
+            m.block_tables.zero_()
         meta.query_start_loc.copy_(torch.arange(b + 1, device=ids.device))
         self.comm.begin_step(b)
 
@@ -381,8 +411,12 @@ class ModelRunner:
         token_seq = np.repeat(np.arange(B, dtype=np.int64), lens)
         token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
         positions = starts[token_seq] + token_qpos
-        table = _page_table([c.req.pages for c in batch], B)
-        slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        # every KV group's tables (the first's, then the sliding-window layers' of each further group)
+        tables = [_page_table([c.req.tables[g] for c in batch], B) for g in range(self.groups)]
+        table = np.zeros((self.groups, B, max(t.shape[1] for t in tables)), dtype=np.int32)
+        for g, t in enumerate(tables):
+            table[g, :, : t.shape[1]] = t
+        slots, *group_slots = (t[token_seq, positions // bs].astype(np.int64) * bs + positions % bs for t in tables)
         seq_lens = starts + lens
         fill_src = np.zeros(0, np.int64) if prev_rows is None else prev_rows[prev_rows >= 0].astype(np.int64)
         fill_dst = np.zeros(0, np.int64) if prev_rows is None else qsl[1:][: len(batch)][prev_rows >= 0] - 1
@@ -394,6 +428,7 @@ class ModelRunner:
         if pad_tokens_to:
             pad = np.zeros(pad_tokens_to - T, np.int64)
             token_fields = {k: np.concatenate([a, pad]) for k, a in token_fields.items()}
+            group_slots = [np.concatenate([a, pad]) for a in group_slots]
         max_q = int(lens.max(initial=0))
         rows = (np.zeros(0, np.int64) if pad_to else
                 qsl[1:len(batch) + 1][np.fromiter((c.samples for c in batch), dtype=bool, count=len(batch))] - 1)
@@ -403,9 +438,10 @@ class ModelRunner:
         blocks = (query_blocks(lens, seq_lens, self.q_block, decodes).reshape(-1)
                   if self.q_block and max_q > 1 and not self.kernels.flash_prefill else np.zeros(0, np.int64))
         v = buf.upload(dict(**token_fields, fill_dst=fill_dst, fill_src=fill_src, query_start_loc=qsl,
-                            seq_lens=seq_lens, q_blocks=blocks, sample_rows=rows), table)
+                            seq_lens=seq_lens, q_blocks=blocks, sample_rows=rows), table, group_slots)
         if pad_tokens_to:
             v.update({k: v[k][:T] for k in token_fields})
+            v["group_slots"] = [x[:T] for x in v["group_slots"]]
         if fill_dst.size:  # tokens the host does not have yet: from the previous step's output, on the device
             v["input_ids"].index_copy_(0, v["fill_dst"], prev.tokens.index_select(0, v["fill_src"]))
         meta = AttentionMetadata(
@@ -414,20 +450,9 @@ class ModelRunner:
             token_qpos=v["token_qpos"], max_query_len=max_q, max_seq_len=int(seq_lens.max(initial=0)),
             block_size=bs, q_blocks=v["q_blocks"].view(-1, 2) if blocks.size else None, decodes=decodes,
             num_splits=self._kv_splits(len(batch) if max_q == 1 else decodes))
-        if len(self.cfg.kv_groups) > 1:  # sliding-window layers' own tables: eager steps only (build.py)
-            meta.groups = tuple(self._group_metadata(meta, [c.req.group_pages[g] for c in batch], B, token_seq,
-                                                     positions) for g in range(len(self.cfg.kv_groups) - 1))
+        meta.groups = _group_metadata(meta, v["group_tables"], v["group_slots"])
         self.last_metadata_s = time.perf_counter() - t0
         return v["input_ids"], meta, qsl, v["sample_rows"]
-
-    def _group_metadata(self, meta: AttentionMetadata, tables: list[list[int]], B: int, token_seq: np.ndarray,
-                        positions: np.ndarray) -> AttentionMetadata:
-        """The step's metadata for another KV group: its page tables and the slots its layers write."""
-        bs = self.block_size
-        table = _page_table(tables, B)
-        slots = table[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
-        return replace(meta, block_tables=torch.from_numpy(table).to(self.device),
-                       slot_mapping=torch.from_numpy(slots).to(self.device))
 
     def _kv_splits(self, decodes: int) -> int:
         """KV splits of the Triton attention launch over `decodes` one-token sequences (1 without them, or where
@@ -437,11 +462,13 @@ class ModelRunner:
     def decode_metadata(self, b: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """The static-buffer views a decode graph of bucket b reads (contents written before each replay)."""
         buf = self.bufs
-        return buf.input_ids[:b], AttentionMetadata(
+        meta = AttentionMetadata(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b], query_start_loc=buf.query_start_loc[:b + 1],
             seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b], token_seq=buf.token_seq[:b],
             token_qpos=buf.token_qpos[:b], max_query_len=1, max_seq_len=0, block_size=self.block_size,
             num_splits=self._kv_splits(b))
+        meta.groups = _group_metadata(meta, [t[:b] for t in buf.tables[1:]], [x[:b] for x in buf.group_slots])
+        return buf.input_ids[:b], meta
 
     def release_order(self, tokens: int) -> int:
         """The release order (EARLY | LATE) the kernels of a forward of `tokens` tokens on this rank launch in."""
@@ -456,7 +483,8 @@ class ModelRunner:
 
     def _attend(self, call: AttentionCall, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
         """A layer's attention between two step pieces, over the step's own tokens and sequences (the family's)."""
-        self.model.attend(q, call.cache, meta, call.scale, call.kc, out)
+        extra = {} if call.window is None and call.sinks is None else dict(window=call.window, sinks=call.sinks)
+        self.model.attend(q, call.cache, meta.group(call.group), call.scale, call.kc, out, **extra)
 
     def _kc_sampling(self) -> KernelConfig:
         return self.kernels.with_release(EARLY)

@@ -25,7 +25,8 @@ from moebius.models.specs import Family
 # gate_up_proj), not per-expert names standing for them: `checkpoint_shapes` says them
 FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, build_weights, forward,
                 rope_table=forward.family_rope_table, checks_own_keys=True,
-                cpu_only="its attention (sinks, sliding windows) and experts (biases, clamped SwiGLU) have "
-                         "no GPU kernels yet: not yet checked on a GPU",
+                cpu_only="its GPU path (the paged kernel with sinks and windows, the fused MoE with biases and "
+                         "the clamped activation, the sliding layers' tables in the graphs) is not yet checked on a "
+                         "GPU",
                 floor_terms=gqa.floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
                 checkpoint_shapes=checkpoint_tensor_shapes, quantizations=())

@@ -6,9 +6,9 @@ Attention: GQA with q|k|v and o biases, a learned sink logit a head, sliding-win
 (rotate-half, cos and sin times the attention factor). Routing: the router's logits
 with their bias, top-k of them, a softmax over those k. Experts: [gate | up] with their bias, gate clamped above at
 `limit`, up clamped to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate) (`layers.moe.ClampedSwiGLU`),
-down with its bias, all times the routing weight. The paged attention kernel takes the sinks and windows and the
-fused MoE kernel the biases and this activation; the decode graphs and step pieces do not hold the sliding layers'
-tables yet (the family is served on the CPU).
+down with its bias, all times the routing weight. On the GPU (written, not yet run there) the paged attention
+kernel takes the sinks and windows, the fused MoE kernel the biases and this activation, and the decode graphs and
+step pieces hold the sliding layers' own tables.
 Shapes: T tokens, D hidden, H heads, d head dim, E experts, K top-k, F = 2 * I rows of a [gate | up] stack.
 """
 
@@ -25,7 +25,7 @@ from moebius.layers.moe import experts
 from moebius.layers.rotary import scaled_rope_table
 from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
 from moebius.models.gpt_oss.weights import GptOssAttnWeights, GptOssMoEWeights, ext_of
-from moebius.models.gqa import attention_geometry  # noqa: F401  (the family's)
+from moebius.models.gqa import attend, attention_geometry  # noqa: F401  (the family's)
 from moebius.models.weights import ModelWeights, logits  # noqa: F401  (the family's)
 from moebius.parallel.dispatch import Communicator
 
@@ -42,12 +42,6 @@ def attention(x_TD: torch.Tensor, w: GptOssAttnWeights, cache: torch.Tensor, met
     o = qkv_attention(qkv, None, None, rope, cache, meta, cfg.rms_norm_eps, cfg.head_dim ** -0.5, kc=kc,
                       sinks=w.sinks_H, window=window)
     return linear(o.flatten(1), w.o_DQ, w.o_bias, kc=kc)
-
-
-def attend(q_THd: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, kc: KernelConfig,
-           out: torch.Tensor) -> None:
-    """No step pieces: the layer's sinks and window are not known here (the family is served on the CPU)."""
-    raise NotImplementedError("GPT-OSS attention has no step-piece (GPU) path yet")
 
 
 def route(x_TD: torch.Tensor, w: GptOssMoEWeights, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
