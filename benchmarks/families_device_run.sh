@@ -13,9 +13,13 @@
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
 #   fp8       --quantization fp8's GPU path (the fused MoE on FP8 rows): its GPU test, then Qwen3-30B-A3B shapes'
 #             decode sweep in FP8 (bf16's is h200-p1-sweep.json), MOEBIUS_UNCHECKED_GPU=fp8
+#   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
+#             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
+#             the window come from the full layers only), 256 whole requests against transformers
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests sweep work agree families
+#   (then, in further calls: fp8, gptoss)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -36,9 +40,14 @@ work)
 fp8)
   MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_experts.py tests/test_kernels_interpreter.py -k "gpu or fp8"
   MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 300 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json ;;
+gptoss)
+  G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 300 $B sweep $G --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 240 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/h200-p1-gpt-oss-20b-long-context.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 300 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-gpt-oss-20b-throughput.json ;;
 agree)
   t agree 300 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/h200-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
 mkdir -p ${OUT:-/tmp/out}; tar czf ${OUT:-/tmp/out}/logs.tgz -C $W --exclude triton --exclude flash . 2>/dev/null
-cp $R/h200-p1-deepseek-v2-lite-* $R/h200-p1-qwen3-30b-fp8-* ${OUT:-/tmp/out}/ 2>/dev/null; true
+cp $R/h200-p1-deepseek-v2-lite-* $R/h200-p1-qwen3-30b-fp8-* $R/h200-p1-gpt-oss-20b-* ${OUT:-/tmp/out}/ 2>/dev/null; true

@@ -101,3 +101,15 @@ def test_gpt_oss_20b_starts_on_the_cpu() -> None:
         assert llm.switch_mode("ep").done
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_the_floor_reads_a_window_of_the_sliding_layers_cache() -> None:
+    """gpt-oss-20b's decode floor: past the 128-token window only the full-attention layers' cache reads grow with
+    the context (12 of its 24 layers), the sliding layers' stay at a window's."""
+    from moebius.bench.floor import decode_step_terms
+
+    cfg = model_config(PRESETS["gpt-oss-20b"])
+    per_token = 12 * 8 * 2 * 64 * 2  # a layer's K and V heads of a token, bf16, in the 12 full layers
+    short, long = (decode_step_terms(cfg, 1, "tp", 8, c)["kv_bytes"] for c in (1024, 4096))
+    assert long - short == 8 * (4096 - 1024) * per_token
+    assert short == 8 * (1024 + 128) * per_token  # as many sliding layers, a window each

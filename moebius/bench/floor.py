@@ -79,11 +79,14 @@ def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: 
         routed_flops = Lm * 2 * cfg.top_k * batch / P * expert
         remote = (P - 1) * (1.0 - (1.0 - 1.0 / P) ** cfg.top_k) if P > 1 else 0.0
         link = Lm * 2 * toks * remote * D * b  # dispatch and combine of each MoE layer
-    flops = (toks * 2 * weights + routed_flops + toks * context * f.attn_flops_per_key
+    seen = min(context, f.window)  # keys a sliding-window layer's query reads
+    flops = (toks * 2 * weights + routed_flops + toks * (context * f.attn_flops_per_key
+                                                         + seen * f.window_attn_flops_per_key)
              + batch * 2 * f.shared_weights + 2 * lm * toks)
     terms = {"weights_bytes": weights * b, "experts_bytes": Lm * moe_w * expert_bytes_per_element(cfg, b),
              "shared_bytes": f.shared_weights * b,
-             "kv_bytes": toks * context * f.kv_per_token * b, "act_bytes": Lm * pairs * (3 * D + 2 * inter) * b,
+             "kv_bytes": toks * (context * f.kv_per_token + seen * f.window_kv_per_token) * b,
+             "act_bytes": Lm * pairs * (3 * D + 2 * inter) * b,
              "lm_bytes": lm * b}
     hbm = sum(terms.values())
     t = max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s
@@ -128,12 +131,15 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     tp = 1 if ep else P  # the tensor-parallel degree of attention, experts and lm_head
     weights = f.attn_weights + f.dense_weights
     moe_w = _experts_hit(cfg, T, cfg.num_experts / (P if ep else 1)) * expert / tp
-    # read every sequence's KV, write the new tokens'
-    kv = (work.kv_tokens + T) * share * f.kv_per_token
+    # read every sequence's KV, write the new tokens' (sliding-window layers: at most a window a sequence, and the
+    # new tokens; an upper bound of their reads, the sequences' lengths not being in the work)
+    kv = (work.kv_tokens + T) * share * f.kv_per_token + (
+        min(work.kv_tokens, work.sequences * f.window) + T) * share * f.window_kv_per_token
     lm = cfg.vocab_size * D / tp if work.sampled else 0.0
     pairs, inter = T * cfg.top_k * share, cfg.moe_intermediate_size / tp
     # (MLA: the absorbed form's FLOPs a (query, key) pair, though a long prompt chunk may be cheaper expanded)
     flops = (T * share * 2 * weights + Lm * 2 * pairs * expert / tp + work.attended * share * f.attn_flops_per_key
+             + min(work.attended, T * f.window) * share * f.window_attn_flops_per_key
              + T * 2 * f.shared_weights + 2 * lm * work.sampled * share)
     if ep:
         remote = (P - 1) * (1.0 - (1.0 - 1.0 / P) ** cfg.top_k) if P > 1 else 0.0

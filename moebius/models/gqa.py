@@ -101,15 +101,21 @@ def floor_terms(cfg: ModelConfig, lay: Layout, *, attn_extra: float = 0.0, share
     heads (replicated in TP below P), head_dim each, K and V cached per KV head; dense MLP layers by the layout's
     shard (none in all-MoE families). A family adds attn_extra (attention elements a layer beyond these: OLMoE's
     whole-projection norms) and shared_weights (elements every rank runs on every token: shared experts' shards);
-    biases and per-head norms are left out, as norms are."""
+    biases and per-head norms are left out, as norms are. Sliding-window layers' cache and attention terms are apart
+    (`FloorTerms.window`: the largest window)."""
     D, d, L, spec = cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.kv_spec
     qh, kvh = lay.num_heads, lay.num_kv_heads
     moe = sum(1 for i in range(L) if cfg.is_moe_layer(i))
+    windows = [w for w in map(cfg.layer_window, range(L)) if w is not None]
+    full = L - len(windows)
     return FloorTerms(
         attn_weights=L * (D * qh * d * 2 + D * kvh * d * 2 + attn_extra),
         dense_weights=(L - moe) * 3 * D * lay.dense_inter,
-        kv_per_token=L * kvh * spec.parts * spec.dim,
-        attn_flops_per_key=L * 4 * qh * d,  # q.k and p.v of each of its heads
+        kv_per_token=full * kvh * spec.parts * spec.dim,
+        attn_flops_per_key=full * 4 * qh * d,  # q.k and p.v of each of its heads
         moe_layers=moe,
         shared_weights=shared_weights,
+        window_kv_per_token=len(windows) * kvh * spec.parts * spec.dim,
+        window_attn_flops_per_key=len(windows) * 4 * qh * d,
+        window=max(windows, default=0),
     )

@@ -314,6 +314,11 @@ class FloorTerms:
     # weight elements a rank runs on every token of the batch in either layout (DeepSeek's shared experts: a 1/P
     # shard on every rank); attention and dense MLPs run on the rank's own tokens (EP) or all (TP)
     shared_weights: float = 0.0
+    # sliding-window layers (kv_per_token and attn_flops_per_key count the others): their cache elements and FLOPs
+    # per key, each query reading at most `window` keys
+    window_kv_per_token: float = 0.0
+    window_attn_flops_per_key: float = 0.0
+    window: int = 0
 
 
 class Packing(Protocol):
