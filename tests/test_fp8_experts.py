@@ -11,7 +11,7 @@ way in), and the refusals: a TP cut inside a scale block, the GPU, a family whos
 
 Checkpoints: a tiny Qwen3MoeForCausalLM with moe_intermediate_size 512 (four 128-row blocks: TP 4 cuts whole
 blocks; hidden 64, one ragged 128-column block) in the released FP8 format (test_fp8_checkpoints.py's writer), its
-dequantized twin, and its float original.
+dequantized twin, and its float original; a tiny DeepseekV3ForCausalLM in its release's FP8 format.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PROMPTS, write_checkpoint
+from conftest import PROMPTS, write_checkpoint, write_deepseek_checkpoint
 from family_cases import (
     ENGINE_KW,
     greedy_outputs,
     hf_greedy,
     parity_across_switch,
+    random_prompts,
     saved_tensors,
     serve,
     stress_jobs,
@@ -37,7 +38,7 @@ from family_cases import (
 )
 from family_cases import hf_config as _config
 from safetensors.torch import save_file
-from test_fp8_checkpoints import QWEN_QUANT, WEIGHTS, hf_dequantize, to_fp8, write_dequantized
+from test_fp8_checkpoints import DEEPSEEK_QUANT, QWEN_QUANT, WEIGHTS, hf_dequantize, to_fp8, write_dequantized
 
 from moebius import LLM, SamplingParams
 from moebius.config import ConfigError
@@ -74,6 +75,9 @@ MAKERS: dict[str, Callable[[str, Callable[[str], str]], str]] = {
     "fp8_deq": lambda p, get: write_dequantized(p, get("fp8")),
     "fp8_b_deq": lambda p, get: write_dequantized(p, get("fp8_b")),
     "float_q": lambda p, get: write_requantized(p, get("float")),
+    "deepseek": lambda p, get: to_fp8(write_deepseek_checkpoint(p, 3, dict(intermediate_size=160,
+                                                                          moe_intermediate_size=144)), DEEPSEEK_QUANT),
+    "deepseek_deq": lambda p, get: write_dequantized(p, get("deepseek")),
 }
 
 
@@ -171,6 +175,18 @@ def test_a_memory_release_keeps_the_fp8_rows_and_a_dropped_one_takes_an_update(c
             if not keep:
                 assert llm.update_weights_from_disk(ckpt("fp8")).done
             assert greedy_outputs(llm, PROMPTS[:2], N_OUT) == want
+
+
+def test_deepseek_experts_in_fp8(ckpt: Callable[[str], str]) -> None:
+    """DeepSeek-V3's FP8 release format on one rank (experts of 144 rows: one ragged block, whole on a rank): its
+    routed experts held as FP8 rows (the dense first layer, the shared experts and MLA dequantized), transformers'
+    tokens on the dequantized model in TP, then in EP after a switch."""
+    prompts = random_prompts(7, (1, 5, 9, 17))
+    with LLM(model=ckpt("deepseek"), **FP8) as llm:
+        rank = llm.engine.ranks.rank
+        mlps = [lw.mlp for lw in rank.modes[rank.mode].weights.layers]
+        assert [getattr(m, "w13_EFD", torch.empty(0)).dtype for m in mlps] == [torch.float32] + [torch.uint8] * 2
+        parity_across_switch(llm, ckpt("deepseek_deq"), prompts, N_OUT, back=False)
 
 
 def test_a_float_checkpoint_is_quantized_at_load(ckpt: Callable[[str], str]) -> None:
