@@ -129,8 +129,10 @@ def test_gpt_oss_frees_the_sliding_layers_pages_and_a_switch_moves_only_the_wind
             for o in llm.step():
                 out = o
             steps += 1
-            if steps == 12:
+            if steps == 12:  # the live KV (the sliding layers' windows, the full layers' every token) moves intact
+                before = llm.engine.query("fingerprint")[0]["kv"]
                 assert llm.switch_mode("ep").done
+                assert llm.engine.query("fingerprint")[0]["kv"] == before and before
             kv = rank.kv_pages
             for r in rank.scheduler.running:
                 full, win = r.tables

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moebius.config import first_live_page
 from moebius.link.messages import Query
 from moebius.models.weights import MoEWeights
 
@@ -59,7 +60,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def fingerprint(rank: Rank) -> dict[str, Any]:
     """Buffer address, every resident view's data_ptr, and digests of the active layout's expert weights and of
-    each live request's KV (by request, in token order, all local heads): what a switch must preserve."""
+    each live request's KV (by request, in token order, all local heads; a sliding-window layer's window): what a
+    switch must preserve."""
     ptrs = [rank.umm.buffer.data_ptr()]
     for rt in rank.modes.values():
         for lw in rt.weights.layers:
@@ -71,10 +73,13 @@ def fingerprint(rank: Rank) -> dict[str, Any]:
     rt = rank.modes[rank.mode]
     experts = [_digest(torch.cat([lw.mlp.w13_EFD.flatten(), lw.mlp.w2_EDF.flatten()]))
                for lw in rt.weights.layers if isinstance(lw.mlp, MoEWeights)]
-    bs = rank.spec.engine.block_size
+    bs, cfg = rank.spec.engine.block_size, rank.cfg
     kv = {}
-    for r in rank.scheduler.running:
-        slots = torch.arange(r.num_computed)
-        pages = torch.tensor(r.pages, dtype=torch.int64)[slots // bs]
-        kv[r.request_id] = _digest(torch.stack([c[pages, :, slots % bs] for c in rt.kv.layers]))
+    for r in rank.scheduler.running:  # each layer through its KV group's table, a window layer's live tokens only
+        rows = []
+        for i, c in enumerate(rt.kv.layers):
+            g = cfg.kv_group_of(i)
+            slots = torch.arange(first_live_page(r.num_computed, cfg.kv_groups[g].window, bs) * bs, r.num_computed)
+            rows.append(c[torch.tensor(r.tables[g], dtype=torch.int64)[slots // bs], :, slots % bs].flatten())
+        kv[r.request_id] = _digest(torch.cat(rows))
     return {"mode": rank.mode, "ptrs": ptrs, "experts": experts, "kv": kv}
