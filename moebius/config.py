@@ -243,8 +243,12 @@ class ModelConfig:
     kv_dim: int = 0  # 0: head_dim
     # each layer's attention window (keys a query sees, itself included; None: all): () when no layer has one
     layer_windows: tuple[int | None, ...] = ()
-    # "fp8": the routed experts held as block-FP8 rows (models/fp8_blocks.py, --quantization); "": in the dtype
+    # "fp8": the routed experts and the dense Linear weights held as block-FP8 rows (models/fp8_blocks.py,
+    # --quantization; `specs.linear_spec` says which dense ones); "": in the dtype
     quantization: str = ""
+    # the modules an FP8 checkpoint leaves unquantized (its quantization_config's modules_to_not_convert): kept in
+    # the dtype
+    quant_skip: tuple[str, ...] = ()
     # the family's own fields (frozen dataclasses: a ModelConfig is a cache key), read only by its folder
     extra: Any = None
 
@@ -366,10 +370,10 @@ class EngineConfig:
                                    "default: all of them")
     dtype: str = _flag("auto", "weight/activation/KV dtype; auto = bfloat16 on GPU, float32 on CPU",
                        ("auto", "bfloat16", "float16", "float32"))
-    quantization: str | None = _flag(None, "fp8: hold the routed experts in block FP8 (128 x 128 blocks, e4m3, a "
-                                     "float32 scale a block): a block-FP8 checkpoint as stored, a float one "
-                                     "quantized at load; the CPU only for now (the GPU kernel is written, not yet "
-                                     "run on a GPU). "
+    quantization: str | None = _flag(None, "fp8: hold the routed experts and the dense Linear weights in block FP8 "
+                                     "(128 x 128 blocks, e4m3, a float32 scale a block): a block-FP8 checkpoint as "
+                                     "stored, a float one quantized at load; the CPU only for now (the GPU kernel is "
+                                     "written, not yet run on a GPU). "
                                      "Default: every weight in --dtype (an FP8 checkpoint dequantized at load)",
                                      ("fp8",))
     device: str = _flag("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))

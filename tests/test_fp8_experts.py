@@ -1,5 +1,7 @@
 """--quantization fp8: the routed experts held in block FP8 in their layer slots, as FP8 rows (kernels/fp8_rows.py:
-each row its 128-column chunks, each chunk's float32 block scale beside its 128 float8 bytes), on the CPU.
+each row its 128-column chunks, each chunk's float32 block scale beside its 128 float8 bytes), on the CPU; so are
+the dense Linear weights (q|k|v, o_proj, dense and shared MLPs) where every rank's columns are whole chunks and the
+checkpoint quantizes them (`specs.linear_spec`).
 
 The oracle is transformers' own forward on the dequantized model: the FP8 path dequantizes an expert's rows, then
 runs the float math, so in float32 its greedy tokens are transformers' on the weights dequantized by blocks (no
@@ -42,7 +44,7 @@ from test_fp8_checkpoints import DEEPSEEK_QUANT, QWEN_QUANT, WEIGHTS, hf_dequant
 
 from moebius import LLM, SamplingParams
 from moebius.config import ConfigError
-from moebius.kernels.fp8_rows import pack_rows, packed_width, unpack_rows
+from moebius.kernels.fp8_rows import column_block, pack_rows, packed_width, unpack_rows
 from moebius.models.registry import model_config
 
 N_OUT = 8
@@ -52,17 +54,19 @@ EXPERT = "model.layers.1.mlp.experts.6.down_proj.weight"  # [64, 512]: scales [1
 EXPERT_UP = "model.layers.0.mlp.experts.2.up_proj.weight"  # [512, 64]: scales [4, 1]
 
 
-def _expert(name: str) -> bool:
-    return ".mlp.experts." in name
+def _quantized_at_p2(name: str) -> bool:
+    """What --quantization fp8 quantizes of this tiny Qwen3 on two ranks: the routed experts and q, k, v (cut by
+    rows); not o_proj, whose 64 columns TP cuts into 32 a rank (inside a 128-column chunk), nor the router."""
+    return ".mlp.experts." in name or name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
 
 
 def write_requantized(path: str, float_ckpt: str) -> str:
-    """The float checkpoint with every routed expert's weight quantized by 128 x 128 blocks (`pack_rows`) and
-    dequantized again (`unpack_rows`), in float32: the model --quantization fp8 serves."""
+    """The float checkpoint with every weight --quantization fp8 quantizes on two ranks quantized by 128 x 128
+    blocks (`pack_rows`) and dequantized again (`unpack_rows`), in float32: the model that engine serves."""
     shutil.copytree(float_ckpt, path)
     tensors = saved_tensors(path)
-    out = {n: unpack_rows(pack_rows(t.float()), t.shape[1], torch.float32).contiguous() if _expert(n) else t
-           for n, t in tensors.items()}
+    out = {n: unpack_rows(pack_rows(t.float()), t.shape[1], torch.float32).contiguous() if _quantized_at_p2(n)
+           else t for n, t in tensors.items()}
     save_file(out, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
     return path
 
@@ -117,6 +121,9 @@ def test_fp8_rows_keep_a_checkpoints_blocks_and_carry_their_scales_through_a_cut
     rows = pack_rows(torch.randn(64, 512, generator=g))
     half = rows.unflatten(1, (2, -1))[:, 1]  # TP 2's second shard: 2 of the 4 chunks
     assert torch.equal(unpack_rows(half, 256, torch.float32), unpack_rows(rows, 512, torch.float32)[:, 256:])
+    assert torch.equal(column_block(rows, 256, 512), half)  # o_proj's cut by heads
+    with pytest.raises(ValueError, match="whole 128-column chunks, not at column 64"):
+        column_block(rows, 64, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,16 +156,19 @@ def test_live_switches_change_no_token(engine: tuple[tuple[int, str], LLM], ckpt
 
 def test_the_slots_hold_fp8_rows_at_about_half_the_bytes(ckpt: Callable[[str], str]) -> None:
     """On one rank: each MoE layer's experts are uint8 FP8 rows in the slot (their scales inside): 132 bytes a chunk
-    of 128 values (0.52 of bf16's bytes; this model's 64 columns pad to one chunk); the dense weights stay in the
-    dtype."""
+    of 128 values (0.52 of bf16's bytes; this model's 64 columns pad to one chunk); so are the attention's
+    projections, but what the checkpoint leaves unquantized."""
     with LLM(model=ckpt("fp8"), **FP8) as llm:
         rank = llm.engine.ranks.rank
         for m, rt in rank.modes.items():
             lay = rt.layout
-            for lw in rt.weights.layers:
+            for i, lw in enumerate(rt.weights.layers):
                 assert lw.mlp.w13_EFD.dtype == lw.mlp.w2_EDF.dtype == torch.uint8, m
                 assert lw.mlp.w13_EFD.shape[1:] == (2 * lay.moe_inter, packed_width(64))
-                assert lw.attn.qkv_QD.dtype == torch.float32
+                # the attention's projections too, but layer 2's q|k|v: its q_proj is left in bf16 by the
+                # checkpoint (modules_to_not_convert)
+                assert lw.attn.qkv_QD.dtype == (torch.float32 if i == 2 else torch.uint8)
+                assert lw.attn.o_DQ.dtype == torch.uint8
             assert lay.expert_bytes(1) == lay.num_local_experts * (2 * INTER * 132 + 64 * 4 * 132)
 
 
@@ -179,20 +189,21 @@ def test_a_memory_release_keeps_the_fp8_rows_and_a_dropped_one_takes_an_update(c
 
 def test_deepseek_experts_in_fp8(ckpt: Callable[[str], str]) -> None:
     """DeepSeek-V3's FP8 release format on one rank (experts of 144 rows: one ragged block, whole on a rank): its
-    routed experts held as FP8 rows (the dense first layer, the shared experts and MLA dequantized), transformers'
-    tokens on the dequantized model in TP, then in EP after a switch."""
+    routed experts, its dense first layer and its shared experts held as FP8 rows (MLA's projections dequantized),
+    transformers' tokens on the dequantized model in TP, then in EP after a switch."""
     prompts = random_prompts(7, (1, 5, 9, 17))
     with LLM(model=ckpt("deepseek"), **FP8) as llm:
         rank = llm.engine.ranks.rank
-        mlps = [lw.mlp for lw in rank.modes[rank.mode].weights.layers]
-        assert [getattr(m, "w13_EFD", torch.empty(0)).dtype for m in mlps] == [torch.float32] + [torch.uint8] * 2
+        dense, *moe = [lw.mlp for lw in rank.modes[rank.mode].weights.layers]
+        assert dense.w13_FD.dtype == dense.w2_DF.dtype == torch.uint8
+        assert all(m.w13_EFD.dtype == m.shared.w13_FD.dtype == torch.uint8 for m in moe)
         parity_across_switch(llm, ckpt("deepseek_deq"), prompts, N_OUT, back=False)
 
 
 def test_a_float_checkpoint_is_quantized_at_load(ckpt: Callable[[str], str]) -> None:
-    """--quantization fp8 on a float checkpoint: the tokens of transformers' model whose experts were quantized by
-    blocks and dequantized (float32, every layout over P = 2, across a switch); without the flag, the float
-    model's, which differ (the quantization changes tokens)."""
+    """--quantization fp8 on a float checkpoint: the tokens of transformers' model whose experts and q|k|v were
+    quantized by blocks and dequantized (float32, every layout over P = 2, across a switch); without the flag, the
+    float model's, which differ (the quantization changes tokens)."""
     want = [hf_greedy(ckpt("float_q"), tuple(p), N_OUT) for p in PROMPTS[:4]]
     assert want != [hf_greedy(ckpt("float"), tuple(p), N_OUT) for p in PROMPTS[:4]]
     for _, _, llm in serve(ckpt("float"), 2, "ep", FP8):
@@ -228,6 +239,17 @@ def test_updates_take_float8_with_scales_or_float_quantized_on_the_way_in(ckpt: 
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals
 # ---------------------------------------------------------------------------------------------------------------
+
+def test_o_proj_cut_by_heads_at_whole_chunks(tmp_path: Any) -> None:
+    """head_dim 128, 4 heads, 2 ranks: TP cuts o_proj's 512 columns at whole 128-column chunks, so it is held in FP8
+    (`kernels.fp8_rows.column_block` takes each rank's chunks with their scales): transformers' tokens on the
+    dequantized model in TP and after a switch to EP (where o_proj is whole)."""
+    shape = dict(head_dim=128, moe_intermediate_size=256)
+    path = to_fp8(write_checkpoint(str(tmp_path / "wide_heads"), shape, seed=1), QWEN_QUANT)
+    deq = write_dequantized(str(tmp_path / "wide_heads_deq"), path)
+    with LLM(model=path, num_ranks=2, mode="tp", **FP8) as llm:
+        parity_across_switch(llm, deq, PROMPTS[:3], N_OUT, back=False)
+
 
 def test_a_tp_cut_inside_a_scale_block_is_refused_naming_the_sizes(tmp_path: Any) -> None:
     """moe_intermediate_size 384 (Qwen3-30B's 768 at TP 4 alike): TP over 2 ranks cuts 192 rows a rank, inside a

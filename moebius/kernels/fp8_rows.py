@@ -55,3 +55,13 @@ def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tens
     q = chunks[..., : BLOCK[1]].view(torch.float8_e4m3fn).float()
     scale = chunks[..., BLOCK[1]:].contiguous().view(torch.float32)  # [..., R, cb, 1]
     return (q * scale).flatten(-2)[..., :cols].to(dtype)
+
+
+def column_block(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns start .. stop of a weight [..., R, C]: of FP8 rows (uint8), whole 128-value chunks (`start` a multiple
+    of 128, and `stop` too or the last column), their scales with them; of a float tensor, those columns."""
+    if t.dtype != torch.uint8:
+        return t[..., start:stop]
+    if start % BLOCK[1]:
+        raise ValueError(f"FP8 rows are cut at whole {BLOCK[1]}-column chunks, not at column {start}")
+    return t[..., start // BLOCK[1] * CHUNK: -(-stop // BLOCK[1]) * CHUNK]

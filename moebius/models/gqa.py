@@ -12,9 +12,10 @@ import torch
 
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
+from moebius.kernels.fp8_rows import column_block
 from moebius.layers.attention import AttentionGeometry, AttentionMetadata, paged_attention, qkv_attention
 from moebius.layers.linear import linear
-from moebius.models.specs import Fetch, FloorTerms, ParamSpec
+from moebius.models.specs import Fetch, FloorTerms, ParamSpec, linear_spec
 from moebius.models.weights import ModelWeights
 from moebius.parallel.layout import Layout
 
@@ -77,9 +78,10 @@ def attention_specs(cfg: ModelConfig, lay: Layout, p: str, *, qk_norm: bool, bia
         return load
 
     specs = [
-        ParamSpec(p + f"qkv.{tag}", (rows, D), qkv("weight")),
-        ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * d),
-                  lambda f: f(p + "self_attn.o_proj.weight", (D, cfg.q_size))[:, qh.start * d: qh.stop * d]),
+        linear_spec(cfg, p + f"qkv.{tag}", (rows, D), qkv("weight")),
+        linear_spec(cfg, p + f"o_proj.{tag}", (D, len(qh) * d), lambda f: column_block(
+            f(p + "self_attn.o_proj.weight", (D, cfg.q_size)), qh.start * d, qh.stop * d),
+            columns=(cfg.q_size, lay.world_size)),
     ]
     if qk_norm:
         specs += [ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,))),

@@ -183,7 +183,9 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
         if ecfg.quantization not in family.quantizations:
             raise ConfigError(f"--quantization {ecfg.quantization} is not served for the {family.name} family "
                               f"({', '.join(family.architectures)}): its experts have their own format")
-        cfg = dataclasses.replace(cfg, quantization=ecfg.quantization)
+        # what an FP8 checkpoint leaves unquantized stays in the dtype (its modules_to_not_convert)
+        skip = (hf.get("quantization_config") or {}).get("modules_to_not_convert") or ()
+        cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip))
     check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()
@@ -217,7 +219,7 @@ def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
         if layers < cfg.num_layers:
             raise ConfigError(f"{path}/config.json has {layers} layers; the engine serves {cfg.num_layers}")
         differ = [f"{f.name} {getattr(theirs, f.name)!r} (the engine's: {getattr(cfg, f.name)!r})"
-                  for f in dataclasses.fields(cfg) if f.name not in ("num_layers", "quantization")
+                  for f in dataclasses.fields(cfg) if f.name not in ("num_layers", "quantization", "quant_skip")
                   and getattr(theirs, f.name) != getattr(cfg, f.name)]
         if differ:
             raise ConfigError(f"{path}/config.json describes another model than the one served: {'; '.join(differ)}")

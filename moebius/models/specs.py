@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from moebius.config import ModelConfig
-from moebius.kernels.fp8_rows import packed_width
+from moebius.kernels.fp8_rows import BLOCK, packed_width
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.models.fp8_blocks import fp8_rows_fetch
 from moebius.models.weights import shared_tag
@@ -217,6 +217,24 @@ def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Ten
     return umm.view(s.name, s.shape, s.dtype or dtype)
 
 
+def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Callable[[Fetch], torch.Tensor], *,
+                columns: tuple[int, int] = (0, 1)) -> ParamSpec:
+    """A dense region of Linear weights [rows, columns] (`load`: its cut of the checkpoint's `.weight` tensors, rows
+    by any cut, columns by `kernels.fp8_rows.column_block`). With --quantization fp8 it holds FP8 rows (a checkpoint's
+    float8 values and scales as stored) where every rank's columns are whole 128-value chunks (`columns`: the full
+    column count and the equal parts some layout's ranks cut it in: o_proj's by heads in TP, down's by TP, a shared
+    expert's on every rank) and no tensor it reads is one the checkpoint leaves unquantized (`quant_skip`); else in
+    the dtype, in every layout alike."""
+    spec = ParamSpec(name, shape, load)
+    full, parts = columns
+    if cfg.quantization != "fp8" or (parts > 1 and full % (parts * BLOCK[1])):
+        return spec
+    if any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
+        return spec
+    rows = functools.partial(fp8_rows_fetch, gate_up=False)
+    return ParamSpec(name, (shape[0], packed_width(shape[1])), lambda f: load(rows(f)), dtype=torch.uint8)
+
+
 def norm_spec(name: str, D: int) -> ParamSpec:
     """An RMSNorm's weight, region and checkpoint named alike (`name` + ".weight")."""
     return ParamSpec(name, (D,), lambda f: f(name + ".weight", (D,)))
@@ -250,10 +268,10 @@ def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
     (`Layout.shard_w13` / `shard_w2`), whole in EP."""
     D, I, It = cfg.hidden_size, cfg.intermediate_size, lay.dense_inter
     return [
-        ParamSpec(p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
+        linear_spec(cfg, p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
             [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
-        ParamSpec(p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
-                  lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I)))),
+        linear_spec(cfg, p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
+                    lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I))), columns=(I, lay.world_size)),
     ]
 
 
@@ -263,10 +281,12 @@ def shared_expert_specs(cfg: ModelConfig, lay: Layout, p: str, module: str, widt
     {gate,up,down}_proj (DeepSeek's and GLM's mlp.shared_experts., Qwen2-MoE's mlp.shared_expert.)."""
     D, P, r, s, tag = cfg.hidden_size, lay.world_size, lay.rank, p + module, shared_tag(lay.rank, lay.world_size)
     return [
-        ParamSpec(p + f"mlp.shared.w13.{tag}", (2 * width // P, D), lambda f: w13_shard(torch.cat(
-            [f(s + "gate_proj.weight", (width, D)), f(s + "up_proj.weight", (width, D))])[None], P, r).reshape(-1, D)),
-        ParamSpec(p + f"mlp.shared.w2.{tag}", (D, width // P),
-                  lambda f: w2_shard(f(s + "down_proj.weight", (D, width))[None], P, r).reshape(D, -1)),
+        linear_spec(cfg, p + f"mlp.shared.w13.{tag}", (2 * width // P, D), lambda f: w13_shard(torch.cat(
+            [f(s + "gate_proj.weight", (width, D)), f(s + "up_proj.weight", (width, D))])[None], P, r).reshape(
+                2 * width // P, -1)),
+        linear_spec(cfg, p + f"mlp.shared.w2.{tag}", (D, width // P),
+                    lambda f: w2_shard(f(s + "down_proj.weight", (D, width))[None], P, r).reshape(D, -1),
+                    columns=(width, P)),
     ]
 
 
