@@ -289,8 +289,9 @@ def test_the_gpu_and_other_expert_formats_are_refused(ckpt: Callable[[str], str]
 
 
 def test_the_floor_model_counts_fp8_rows_bytes() -> None:
-    """Qwen3-30B-A3B's shapes with --quantization fp8: a decode step's routed-expert bytes and a switch's weight
-    bytes are 132 / 256 of bf16's (a byte a value and 4 bytes of scale a 128-value chunk), the rest unchanged."""
+    """Qwen3-30B-A3B's shapes with --quantization fp8: a decode step's routed-expert and attention weight bytes and a
+    switch's weight bytes are 132 / 256 of bf16's (a byte a value and 4 bytes of scale a 128-value chunk), the
+    rest (the cache, activations, lm_head) unchanged."""
     from moebius.bench.floor import decode_step_terms, switch_floor_ms
     from moebius.config import PRESETS
 
@@ -298,9 +299,10 @@ def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     fp8 = dataclasses.replace(bf16, quantization="fp8")
     for mode in ("tp", "ep"):
         a, b = decode_step_terms(bf16, 4, mode, 64, 1024), decode_step_terms(fp8, 4, mode, 64, 1024)
-        assert b["experts_bytes"] == pytest.approx(a["experts_bytes"] * 132 / 256)
-        assert {k: v for k, v in a.items() if k.endswith("_bytes") and k not in ("experts_bytes", "hbm_bytes")} == {
-            k: v for k, v in b.items() if k.endswith("_bytes") and k not in ("experts_bytes", "hbm_bytes")}
+        scaled = ("experts_bytes", "weights_bytes", "shared_bytes")
+        assert all(b[k] == pytest.approx(a[k] * 132 / 256) for k in scaled)
+        assert {k: v for k, v in a.items() if k.endswith("_bytes") and k not in (*scaled, "hbm_bytes")} == {
+            k: v for k, v in b.items() if k.endswith("_bytes") and k not in (*scaled, "hbm_bytes")}
     assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * 132 / 256)
 
 

@@ -48,8 +48,10 @@ def floor_terms(cfg: ModelConfig, P: int, mode: str) -> FloorTerms:
 
 
 def expert_bytes_per_element(cfg: ModelConfig, dtype_bytes: int) -> float:
-    """HBM bytes of a routed expert's weight element: the dtype's, or FP8 rows' (--quantization fp8: a byte a value
-    and a float32 scale a 128-value chunk, kernels/fp8_rows.py; their FLOPs are counted at bf16's rate)."""
+    """HBM bytes of a weight element the engine may hold as FP8 rows (routed experts, dense Linear weights): the
+    dtype's, or FP8 rows' (--quantization fp8: a byte a value and a float32 scale a 128-value chunk,
+    kernels/fp8_rows.py; their FLOPs are counted at bf16's rate). For the dense weights a lower bound: some stay in
+    the dtype (`specs.linear_spec`: a TP cut inside a chunk, DeepSeek's MLA, what a checkpoint leaves unquantized)."""
     return CHUNK / BLOCK[1] if cfg.quantization == "fp8" else dtype_bytes
 
 
@@ -83,8 +85,8 @@ def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: 
     flops = (toks * 2 * weights + routed_flops + toks * (context * f.attn_flops_per_key
                                                          + seen * f.window_attn_flops_per_key)
              + batch * 2 * f.shared_weights + 2 * lm * toks)
-    terms = {"weights_bytes": weights * b, "experts_bytes": Lm * moe_w * expert_bytes_per_element(cfg, b),
-             "shared_bytes": f.shared_weights * b,
+    wb = expert_bytes_per_element(cfg, b)
+    terms = {"weights_bytes": weights * wb, "experts_bytes": Lm * moe_w * wb, "shared_bytes": f.shared_weights * wb,
              "kv_bytes": toks * (context * f.kv_per_token + seen * f.window_kv_per_token) * b,
              "act_bytes": Lm * pairs * (3 * D + 2 * inter) * b,
              "lm_bytes": lm * b}
@@ -146,7 +148,7 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
         link = Lm * 2 * math.ceil(T / P) * remote * D * b
     else:
         link = L * 2 * (2 * (P - 1) / P) * T * D * b if P > 1 else 0.0
-    hbm = ((weights + kv + f.shared_weights) * b + Lm * moe_w * expert_bytes_per_element(cfg, b)
+    hbm = (kv * b + (weights + f.shared_weights + Lm * moe_w) * expert_bytes_per_element(cfg, b)
            + Lm * pairs * (3 * D + 2 * inter) * b + lm * b)
     return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s) * 1e3
 
