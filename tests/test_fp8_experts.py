@@ -264,6 +264,22 @@ def test_a_tp_cut_inside_a_scale_block_is_refused_naming_the_sizes(tmp_path: Any
         assert len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
 
 
+def test_experts_a_checkpoint_leaves_unquantized_are_refused(ckpt: Callable[[str], str], tmp_path: Any) -> None:
+    """An FP8 checkpoint whose modules_to_not_convert names routed experts: --quantization fp8 would quantize what
+    the checkpoint keeps in bf16, so it is refused, naming the module and the way out."""
+    import json
+
+    path = str(tmp_path / "experts_kept")
+    shutil.copytree(ckpt("fp8"), path)
+    hf = _config(path)
+    hf["quantization_config"]["modules_to_not_convert"].append("model.layers.1.mlp.experts")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(ConfigError, match=r"leaves model\.layers\.1\.mlp\.experts unquantized \(its "
+                                          r"modules_to_not_convert\): serve it without --quantization"):
+        LLM(model=path, **FP8)
+
+
 def test_the_gpu_and_other_expert_formats_are_refused(ckpt: Callable[[str], str], tmp_path: Any,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU until the FP8 kernel has run on one, naming the way out; GPT-OSS (its experts have their own

@@ -185,6 +185,11 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
                               f"({', '.join(family.architectures)}): its experts have their own format")
         # what an FP8 checkpoint leaves unquantized stays in the dtype (its modules_to_not_convert)
         skip = (hf.get("quantization_config") or {}).get("modules_to_not_convert") or ()
+        experts = [m for m in skip if ".experts" in m]
+        if experts:  # (FP8 rows are the experts' slots' only form: quantizing them would change the model)
+            raise ConfigError(f"--quantization fp8 holds the routed experts in FP8, but the checkpoint leaves "
+                              f"{experts[0]} unquantized (its modules_to_not_convert): serve it without "
+                              "--quantization (it is then dequantized at load)")
         cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip))
     check_kv_budget(ecfg)
     if name is None:
