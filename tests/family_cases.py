@@ -216,6 +216,24 @@ def switch_stress(llm: LLM, path: str, jobs: Sequence[Job], switch_at: Collectio
     assert_kv_free(llm)
 
 
+def unpacked_dtypes(packing: type, path: str, prompt: Sequence[int], monkeypatch: pytest.MonkeyPatch
+                    ) -> list[torch.dtype]:
+    """The dtype of every tensor `packing` (a quantized format's class) unpacks while a bfloat16 engine on one rank
+    (in this process) loads the checkpoint at `path` and serves a prompt 3 tokens."""
+    seen: list[torch.dtype] = []
+    unpack = packing.unpack
+
+    def spy(self: Any, pieces: Any, dtype: torch.dtype) -> torch.Tensor:
+        out = unpack(self, pieces, dtype)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(packing, "unpack", spy)
+    with LLM(model=path, **{**ENGINE_KW, "dtype": "bfloat16"}) as llm:
+        assert len(greedy_outputs(llm, [prompt], 3)[0]) == 3
+    return seen
+
+
 def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: dict[str, Any]) -> None:
     """On the GPU in float32: an engine's decode graphs and step pieces exist (a probe of each), and it gives
     transformers' n greedy tokens in TP, in EP after a switch and in TP again, every KV page free after each; so do

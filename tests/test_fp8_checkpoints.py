@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import PROMPTS as QWEN_PROMPTS
 from conftest import write_checkpoint, write_deepseek_checkpoint
-from family_cases import ENGINE_KW, greedy_outputs, hf_greedy, parity_across_switch, random_prompts, saved_tensors
+from family_cases import ENGINE_KW, hf_greedy, parity_across_switch, random_prompts, saved_tensors, unpacked_dtypes
 from family_cases import hf_config as _config
 from safetensors.torch import save_file
 
@@ -336,16 +336,6 @@ def test_a_bfloat16_engine_dequantizes_straight_to_bfloat16(ckpt: Callable[[str]
     """The load dequantizes each quantized weight once, to the engine's dtype (no float32 copy kept), and serves."""
     from moebius.models.fp8_blocks import BlockFp8Packing
 
-    seen: list[torch.dtype] = []
-    unpack = BlockFp8Packing.unpack
-
-    def spy(self: BlockFp8Packing, pieces: Any, dtype: torch.dtype) -> torch.Tensor:
-        out = unpack(self, pieces, dtype)
-        seen.append(out.dtype)
-        return out
-
-    monkeypatch.setattr(BlockFp8Packing, "unpack", spy)
-    with LLM(model=ckpt("qwen"), **{**ENGINE_KW, "dtype": "bfloat16"}) as llm:  # P = 1: the rank in this process
-        assert len(greedy_outputs(llm, PROMPTS["qwen"][:1], 3)[0]) == 3
+    seen = unpacked_dtypes(BlockFp8Packing, ckpt("qwen"), PROMPTS["qwen"][0], monkeypatch)
     # 3 layers: 8 experts' 3 projections and 4 attention projections, but layer 2's q_proj (left in bf16)
     assert seen == [torch.bfloat16] * (3 * (8 * 3 + 4) - 1)

@@ -240,13 +240,22 @@ def test_updates_take_float8_with_scales_or_float_quantized_on_the_way_in(ckpt: 
 # Refusals
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_o_proj_cut_by_heads_at_whole_chunks(tmp_path: Any) -> None:
+def test_o_proj_cut_by_heads_at_whole_chunks(ckpt: Callable[[str], str], tmp_path: Any) -> None:
     """head_dim 128, 4 heads, 2 ranks: TP cuts o_proj's 512 columns at whole 128-column chunks, so it is held in FP8
-    (`kernels.fp8_rows.column_block` takes each rank's chunks with their scales): transformers' tokens on the
-    dequantized model in TP and after a switch to EP (where o_proj is whole)."""
+    in both layouts (`kernels.fp8_rows.column_block` takes each rank's chunks with their scales), where the tiny
+    model's 64 columns stay in the dtype; transformers' tokens on the dequantized model in TP and after a switch to
+    EP (where o_proj is whole)."""
+    from moebius.models.registry import family_of
+    from moebius.parallel.layout import Layout
+
     shape = dict(head_dim=128, moe_intermediate_size=256)
     path = to_fp8(write_checkpoint(str(tmp_path / "wide_heads"), shape, seed=1), QWEN_QUANT)
     deq = write_dequantized(str(tmp_path / "wide_heads_deq"), path)
+    for ckpt_path, held in ((path, torch.uint8), (ckpt("fp8"), None)):  # (64 columns at P = 2: in the dtype)
+        cfg = dataclasses.replace(model_config(_config(ckpt_path)), quantization="fp8")
+        for mode in ("tp", "ep"):
+            specs = family_of(cfg).weight_specs(cfg, Layout(cfg, mode, 1, 2), 4)
+            assert {s.dtype for s in specs if ".o_proj." in s.name} == {held}, (ckpt_path, mode)
     with LLM(model=path, num_ranks=2, mode="tp", **FP8) as llm:
         parity_across_switch(llm, deq, PROMPTS[:3], N_OUT, back=False)
 

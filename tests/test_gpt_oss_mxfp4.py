@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_cases import unpacked_dtypes
 from safetensors.torch import load_file, save_file
 from test_gpt_oss_family import (
     ENGINE_KW,
@@ -304,15 +305,5 @@ def test_a_bfloat16_engine_dequantizes_straight_to_bfloat16(ckpt: Callable[[str]
     experts), and the engine serves."""
     from moebius.models.gpt_oss.mxfp4 import Mxfp4Packing
 
-    seen: list[torch.dtype] = []
-    unpack = Mxfp4Packing.unpack
-
-    def spy(self: Mxfp4Packing, pieces: Any, dtype: torch.dtype) -> torch.Tensor:
-        out = unpack(self, pieces, dtype)
-        seen.append(out.dtype)
-        return out
-
-    monkeypatch.setattr(Mxfp4Packing, "unpack", spy)
-    with LLM(model=ckpt("mx"), **{**ENGINE_KW, "dtype": "bfloat16"}) as llm:  # P = 1: the rank in this process
-        assert len(greedy_outputs(llm, PROMPTS[:1], 3)[0]) == 3
+    seen = unpacked_dtypes(Mxfp4Packing, ckpt("mx"), PROMPTS[0], monkeypatch)
     assert seen == [torch.bfloat16] * 6  # 3 layers, 2 projections

@@ -203,6 +203,7 @@ class KVPages:
         self.groups = [BlockAllocator(num_pages, block_size) for _ in windows]
         self.windows = tuple(windows)
         self.block_size = block_size
+        self.windowed = any(w is not None for w in windows)
 
     @property
     def first(self) -> BlockAllocator:
@@ -220,6 +221,23 @@ class KVPages:
         n = self.first.pages_for(stop)
         return [max(0, n - max(len(t), first_live_page(start, w, self.block_size)))
                 for t, w in zip(tables, self.windows, strict=True)]
+
+    def grow(self, tables: Sequence[list[int]], start: int, stop: int) -> bool:
+        """Pages for a running request's tokens up to `stop`, its next chunk from `start` (a window group's pages
+        before that chunk's window freed first); False, nothing given, where some group has too few free. Once a
+        step for each running request: without windows, integer arithmetic unless a page is due."""
+        if not self.windowed:  # (then one group: groups are the layers by window)
+            (table,) = tables
+            if len(table) * self.block_size >= stop:  # (most decode steps: the last page has room)
+                return True
+            need = [-(-stop // self.block_size) - len(table)]
+        else:
+            self.trim(tables, start)
+            need = self.need(tables, start, stop)
+        if not self.fits(need):
+            return False
+        self.extend(tables, start, need)
+        return True
 
     def fits(self, need: Sequence[int], cached: Sequence[Sequence[int]] = ()) -> bool:
         """Whether every group has `need` pages free besides the free ones sharing the `cached` tables takes."""

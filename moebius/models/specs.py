@@ -229,7 +229,7 @@ def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Calla
     full, parts = columns
     if cfg.quantization != "fp8" or (parts > 1 and full % (parts * BLOCK[1])):
         return spec
-    if any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
+    if cfg.quant_skip and any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
         return spec
     rows = functools.partial(fp8_rows_fetch, gate_up=False)
     return ParamSpec(name, (shape[0], packed_width(shape[1])), lambda f: load(rows(f)), dtype=torch.uint8)

@@ -161,16 +161,16 @@ class Switcher:
         prep_ms, enqueue_ms, pipelined = self._move_layers(src, dst, plans, move_kv, staging)
         launch = PassLaunch(host_ms + (t1 - t0) * 1e3, (t_plan - t0) * 1e3, (t1 - t_plan) * 1e3, prep_ms, enqueue_ms,
                             pipelined, self.transport.name, self.transport.peer_exchanges - peer0,
-                            *self.sent_bytes(src, plans if move_kv else []))
+                            *self.sent_bytes(src, dst, plans if move_kv else []))
         self._unresolved = _Unresolved(src, dst, running, waiting, launch.requests_ms, prep_ms)
         return launch
 
-    def sent_bytes(self, src: str, plans: list[KVMove]) -> tuple[int, int]:
-        """(weight, KV) bytes this rank sends to the other ranks in a pass from layout `src` by these KV plans (one a
-        KV group): each MoE layer's experts but the share that stays on this rank, and every KV row for a peer at
-        the heads it takes, in every layer of its group."""
+    def sent_bytes(self, src: str, dst: str, plans: list[KVMove]) -> tuple[int, int]:
+        """(weight, KV) bytes this rank sends to the other ranks in a pass from layout `src` to `dst` by these KV plans
+        (one a KV group): each MoE layer's experts but the share that stays on this rank, and every KV row for a peer
+        at the heads it takes, in every layer of its group."""
         weights = sum(t.numel() * t.element_size() for i in range(self.cfg.num_layers)
-                      if (pair := self._experts(src, "tp" if src == "ep" else "ep", i)) is not None
+                      if (pair := self._experts(src, dst, i)) is not None
                       for t in (pair[0].w13_EFD, pair[0].w2_EDF)) * (self.P - 1) // self.P
         cache = self.caches[src][0]
         row = cache.shape[1] * cache.shape[-1] * cache.element_size()  # a token's parts of one head

@@ -189,7 +189,7 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
             pages: list[int] = []
             lead = first[k][i]
             if dst.holds(a):
-                if k == 0:  # (prefix sharing only where no group has a window: `share`)
+                if k == 0:  # the first group's leading pages shared by prefix (`share_prefixes`; window groups: none)
                     keys = r.prefix_keys[: r.num_computed // block_size]
                     mine_of = page_of.setdefault((g, b), {})
                     pages = [mine_of[key] for key in keys[:s]]

@@ -412,10 +412,14 @@ class ModelRunner:
         token_qpos = np.arange(T, dtype=np.int64) - qsl[:-1][token_seq]
         positions = starts[token_seq] + token_qpos
         # every KV group's tables (the first's, then the sliding-window layers' of each further group)
-        tables = [_page_table([c.req.tables[g] for c in batch], B) for g in range(self.groups)]
-        table = np.zeros((self.groups, B, max(t.shape[1] for t in tables)), dtype=np.int32)
-        for g, t in enumerate(tables):
-            table[g, :, : t.shape[1]] = t
+        tables = [_page_table([c.req.pages for c in batch], B),
+                  *(_page_table([c.req.group_pages[g] for c in batch], B) for g in range(self.groups - 1))]
+        if self.groups == 1:
+            table = tables[0][None]
+        else:
+            table = np.zeros((self.groups, B, max(t.shape[1] for t in tables)), dtype=np.int32)
+            for g, t in enumerate(tables):
+                table[g, :, : t.shape[1]] = t
         slots, *group_slots = (t[token_seq, positions // bs].astype(np.int64) * bs + positions % bs for t in tables)
         seq_lens = starts + lens
         fill_src = np.zeros(0, np.int64) if prev_rows is None else prev_rows[prev_rows >= 0].astype(np.int64)

@@ -107,15 +107,8 @@ class Scheduler:
         req.set_tables([[] for _ in self.kv.groups])
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Pages for its tokens up to `num_tokens`, the next chunk from its computed ones (a window's pages before
-        that chunk's window freed first)."""
-        tables = req.tables
-        self.kv.trim(tables, req.num_computed)
-        need = self.kv.need(tables, req.num_computed, num_tokens)
-        if not self.kv.fits(need):
-            return False
-        self.kv.extend(tables, req.num_computed, need)
-        return True
+        """Pages for its tokens up to `num_tokens`, the next chunk from its computed ones (`KVPages.grow`)."""
+        return self.kv.grow(req.tables, req.num_computed, num_tokens)
 
     def _cached_prefix(self, req: Request) -> tuple[list[list[int]], list[int]]:
         """The indexed pages (a table a KV group) and keys a request admitted now would start with: full pages short
