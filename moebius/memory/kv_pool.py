@@ -233,6 +233,8 @@ class KVPages:
             need = [-(-stop // self.block_size) - len(table)]
         else:
             self.trim(tables, start)
+            if all(len(t) * self.block_size >= stop for t in tables):
+                return True
             need = self.need(tables, start, stop)
         if not self.fits(need):
             return False
@@ -299,12 +301,13 @@ class KVPages:
         for t, w, a in zip(tables, self.windows, self.groups, strict=True):
             if w is None:
                 continue
-            end = k = min(first_live_page(start, w, self.block_size), len(t))
+            end = k = min(max(0, start - w + 1) // self.block_size, len(t))  # (first_live_page, inlined: per step)
+            if not (k and t[k - 1]):  # nothing newly out of the window (most steps)
+                continue
             while k and t[k - 1]:  # the pages freed before are page 0, a run from the first
                 k -= 1
-            if k < end:
-                a.free(t[k:end])
-                t[k:end] = [0] * (end - k)
+            a.free(t[k:end])
+            t[k:end] = [0] * (end - k)
 
     def take(self, num_pages: int) -> list[list[int]]:
         """Whole tables of `num_pages` pages, a group each (the probes' requests, whose steps read every page)."""
