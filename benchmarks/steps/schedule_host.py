@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from typing import Any
 
+from moebius.bench.results import params_of, save_result
 from moebius.link.request import Request, RequestSpec
 from moebius.sampling_params import SamplingParams
 from moebius.worker.scheduler import Scheduler
@@ -47,6 +47,20 @@ def schedule_ms(requests: int, window: int | None, steps: int) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
+def plot(result: dict[str, Any], png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar([str(r["window"] or "no window") for r in rows], [r["schedule_ms"] for r in rows])
+    ax.set_ylabel(f"ms a schedule, {rows[0]['requests']} decoding requests")
+    fig.tight_layout()
+    fig.savefig(png)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python benchmarks/steps/schedule_host.py")
     ap.add_argument("--requests", type=int, default=256)
@@ -57,23 +71,9 @@ def main() -> None:
     a = ap.parse_args()
     rows = [{"window": w, "requests": a.requests, "schedule_ms": schedule_ms(a.requests, w, a.steps)}
             for w in a.windows]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"command": "python benchmarks/steps/schedule_host.py " + " ".join(
-        f"--{k} {v}" for k, v in (("requests", a.requests), ("steps", a.steps))), "commit": commit, "rows": rows}
-    print(json.dumps(out, indent=1))
-    if a.output:
-        with open(a.output, "w") as f:
-            json.dump(out, f, indent=1)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.bar([str(r["window"] or "no window") for r in rows], [r["schedule_ms"] for r in rows])
-        ax.set_ylabel(f"ms a schedule, {a.requests} decoding requests")
-        fig.tight_layout()
-        fig.savefig(a.output.removesuffix(".json") + ".png")
+    result = save_result(a.output, plot, rows=rows, params=params_of(a), num_gpus=0,
+                         note="the scheduler alone: pages and tables of running decodes, no model")
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
