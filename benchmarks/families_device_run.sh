@@ -26,28 +26,32 @@ export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-chara
 W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypoints.cli bench"
 export TRITON_CACHE_DIR=$W/triton
 M="--model deepseek-v2-lite --load-format dummy --num-ranks 1"
-t() { local n=$1; shift; timeout $1 "${@:2}" > $W/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $W/$n.log | tail -12; }
+O=${OUT:-/tmp/out}; mkdir -p $O
+# Each step's log goes straight to $OUT and its results are copied after it: a call cut at its limit keeps both.
+keep() { cp $R/h200-p1-deepseek-v2-lite-* $R/h200-p1-qwen3-30b-fp8-* $R/h200-p1-gpt-oss-20b-* $O/ 2>/dev/null; true; }
+t() { local n=$1; shift; timeout $1 "${@:2}" > $O/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $O/$n.log | tail -12; keep; }
+P="python3 -m pytest -v --tb=short --timeout 200 -m gpu -p no:cacheprovider"
 date +%T
 for step in "$@"; do case $step in
 families)
-  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,olmoe,gpt_oss t families 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
+  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,olmoe,gpt_oss t families 320 $P tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 tests)
-  t gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
+  t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)
-  t sweep 300 $B sweep $M --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-deepseek-v2-lite-sweep.json ;;
+  t sweep 200 $B sweep $M --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-deepseek-v2-lite-sweep.json ;;
 work)
-  t work 300 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-deepseek-v2-lite-throughput.json ;;
+  t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-deepseek-v2-lite-throughput.json ;;
 fp8)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_experts.py tests/test_kernels_interpreter.py -k "gpu or fp8"
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 300 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json ;;
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_kernels_interpreter.py -k "gpu or fp8"
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json ;;
 gptoss)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 300 $B sweep $G --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 240 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/h200-p1-gpt-oss-20b-long-context.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 300 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-gpt-oss-20b-throughput.json ;;
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/h200-p1-gpt-oss-20b-long-context.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-gpt-oss-20b-throughput.json ;;
 agree)
-  t agree 300 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/h200-p1-deepseek-v2-lite-agreement.json ;;
+  t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/h200-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
-mkdir -p ${OUT:-/tmp/out}; tar czf ${OUT:-/tmp/out}/logs.tgz -C $W --exclude triton --exclude flash . 2>/dev/null
-cp $R/h200-p1-deepseek-v2-lite-* $R/h200-p1-qwen3-30b-fp8-* $R/h200-p1-gpt-oss-20b-* ${OUT:-/tmp/out}/ 2>/dev/null; true
+# $OUT brings back at most 8 files: the logs travel as one archive.
+(cd $O && tar czf logs.tgz *.log && rm -f *.log) 2>/dev/null; true
