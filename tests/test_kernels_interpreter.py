@@ -283,6 +283,30 @@ def test_few_row_linear_under_the_interpreter() -> None:
     _run("linear")
 
 
+def linear_fp8_cases() -> None:
+    """kernels/linear.py's projection on FP8 rows against F.linear on their dequantized weights (`unpack_rows`): one
+    row to a prompt's many (several token tiles), whole and ragged 128-column chunks, partial weight-row tiles."""
+    import torch.nn.functional as F
+
+    from moebius.kernels.fp8_rows import pack_rows, unpack_rows
+    from moebius.kernels.linear import linear_fp8
+
+    g = torch.Generator().manual_seed(3)
+    for T, N, K in [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200)]:
+        x = torch.randn(T, K, generator=g)
+        w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
+        b = torch.randn(N, generator=g)
+        for bias in (None, b):
+            want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
+            got = linear_fp8(x, w, bias)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (T, N, K, (got - want).abs().max())
+
+
+def test_fp8_linear_under_the_interpreter() -> None:
+    """--quantization fp8's dense projections on the GPU (the attention's and dense layers' FP8 rows)."""
+    _run("linear_fp8")
+
+
 def test_argmax_keys_under_the_interpreter() -> None:
     _run("argmax")
 
@@ -527,6 +551,7 @@ if __name__ == "__main__":
     cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_biased": moe_biased_cases, "attention": attention_cases,
              "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
+             "linear_fp8": linear_fp8_cases,
              "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases,
              "mla_chunk": mla_chunk_cases}
     cases[sys.argv[1]]()

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK
+from moebius.kernels.linear import weight_tile
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
 
@@ -218,23 +219,6 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 
 
 @triton.jit
-def _weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
-    """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT: plain values of row stride WS, or
-    (FP8) FP8 rows of WS bytes (kernels/fp8_rows.py: BK == 128, one chunk, its float8 values times the row's block
-    scale after them, rounded once to DT as `unpack_rows` rounds)."""
-    kk = tl.arange(0, BK)
-    m = rm[:, None] & (k0 + kk < K)[None, :]
-    if FP8:
-        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * 132
-        q = tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale = tl.load((W + rows.to(tl.int64) * WS + (k0 // 128) * 132 + 128).to(tl.pointer_type(tl.float32)),
-                        mask=rm, other=0.0)
-        return (q * scale[:, None]).to(DT)
-    else:
-        return tl.load(W + rows.to(tl.int64)[:, None] * WS + (k0 + kk)[None, :], mask=m, other=0.0)
-
-
-@triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, alpha, limit, K_TOP: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr,
                   FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
@@ -262,8 +246,8 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
                 u = W13.load([e * 2 * I + I + nb * BN, k0])
             else:
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                g = _weight_tile(wbase, n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
-                u = _weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
+                g = weight_tile(wbase, n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
+                u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
             acc_g = tl.dot(a, tl.trans(g), acc_g)
             acc_u = tl.dot(a, tl.trans(u), acc_u)
         if BIAS:
@@ -306,7 +290,7 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: 
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
-                b = _weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
+                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
             acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
             acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]

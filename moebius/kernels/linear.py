@@ -9,6 +9,9 @@
 - 3 to 32 rows (`fits_mma`, `linear_mma`): tensor-core tiles of MMA_BM weight rows against the rows (padded to 16
   or 32), K streamed through shared memory; launched with PDL like every kernel of the step, which cuBLAS is not.
   Their steps run in the LATE order too.
+And FP8 rows (--quantization fp8, kernels/fp8_rows.py) at any row count (`linear_fp8`): the same tensor-core tiles,
+each weight tile dequantized in registers as it is loaded (`weight_tile`, which the fused MoE reads its experts with),
+so a projection reads its FP8 bytes once instead of a bf16 copy made for each call.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.kernels.fp8_rows import packed_width
 from moebius.kernels.pdl import enter, pdl, release, wait
 
 # Each row costs every program a cross-thread sum of BN x K products: from 4 rows cuBLAS was faster; 2 rows pay
@@ -29,6 +33,23 @@ MAX_ROWS = kernels.PREFETCH_ROWS
 # benchmarks/results/h200x2-linear-pdl.json).
 TILE_ELEMS = 8 * 2048
 MAX_K = 8192
+
+
+@triton.jit
+def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
+    """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT: plain values of row stride WS, or
+    (FP8) FP8 rows of WS bytes (kernels/fp8_rows.py: BK == 128, one chunk, its float8 values times the row's block
+    scale after them, rounded once to DT as `unpack_rows` rounds)."""
+    kk = tl.arange(0, BK)
+    m = rm[:, None] & (k0 + kk < K)[None, :]
+    if FP8:
+        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * 132
+        q = tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((W + rows.to(tl.int64) * WS + (k0 // 128) * 132 + 128).to(tl.pointer_type(tl.float32)),
+                        mask=rm, other=0.0)
+        return (q * scale[:, None]).to(DT)
+    else:
+        return tl.load(W + rows.to(tl.int64)[:, None] * WS + (k0 + kk)[None, :], mask=m, other=0.0)
 
 
 def fits(x_TD: torch.Tensor, w_ND: torch.Tensor, kc: KernelConfig) -> bool:
@@ -121,4 +142,47 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
                                            x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
                                            BT=max(16, triton.next_power_of_2(T)), BM=MMA_BM, BK=MMA_BK, num_warps=4,
                                            num_stages=MMA_STAGES, **pdl(x_TD, kc))
+    return out
+
+
+# FP8 rows: one 128-column chunk a K step (its scale covers exactly those columns); token tiles of up to 64 rows.
+FP8_BM, FP8_MAX_BT = 64, 64
+
+
+@triton.jit
+def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
+                BM: tl.constexpr, PDL: tl.constexpr):
+    """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, each
+    tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`), float32 sums rounded
+    once."""
+    enter(PDL)
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rt = tl.program_id(1) * BT + tl.arange(0, BT)
+    rk = tl.arange(0, 128)
+    mm, mt = rm < N, rt < T
+    acc = tl.zeros([BM, BT], tl.float32)
+    for k0 in range(0, K, 128):
+        w = weight_tile(W, rm, mm, k0, K, WS, 128, True, X.dtype.element_ty)
+        x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
+                    mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
+        acc = tl.dot(w, x, acc)
+    if HAS_BIAS:
+        acc += tl.load(B + rm, mask=mm, other=0.0).to(tl.float32)[:, None]
+    tl.store(Out + rt[None, :].to(tl.int64) * stride_o + rm[:, None], acc.to(Out.dtype.element_ty),
+             mask=mm[:, None] & mt[None, :])
+
+
+def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None = None, *,
+               kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """F.linear(x, unpack_rows(w_NC, K, x.dtype), bias) for any x [T, K] and FP8 rows w_NC [N, packed_width(K)]."""
+    T, K = x_TD.shape
+    N = w_NC.shape[0]
+    if w_NC.shape[1] != packed_width(K) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
+        raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
+                         f"({packed_width(K)} bytes), or a tensor is not row-major")
+    out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
+    BT = min(FP8_MAX_BT, max(16, triton.next_power_of_2(T)))
+    _linear_fp8[(triton.cdiv(N, FP8_BM), triton.cdiv(T, BT))](
+        x_TD, w_NC, w_NC if bias_N is None else bias_N, out, T, N, K, w_NC.shape[1], x_TD.stride(0), out.stride(0),
+        HAS_BIAS=bias_N is not None, BT=BT, BM=FP8_BM, num_warps=4, num_stages=3, **pdl(x_TD, kc))
     return out

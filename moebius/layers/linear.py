@@ -12,9 +12,13 @@ from moebius.kernels.fp8_rows import unpack_rows
 
 def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, *,
            kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    if w_ND.dtype == torch.uint8:  # FP8 rows (--quantization fp8): dequantized, then the float math (on the GPU
-        # too for now: no FP8 linear kernel yet, so these read more bytes than bf16 weights would)
-        return F.linear(x_TD, unpack_rows(w_ND, x_TD.shape[-1], x_TD.dtype), bias_N)
+    if w_ND.dtype == torch.uint8:  # FP8 rows (--quantization fp8): the kernel dequantizes each tile as it loads it
+        if x_TD.is_cuda and triton_available() and x_TD.dtype in (torch.bfloat16, torch.float16):
+            from moebius.kernels.linear import linear_fp8
+
+            return linear_fp8(x_TD.reshape(-1, x_TD.shape[-1]).contiguous(), w_ND, bias_N,
+                              kc=kc).unflatten(0, x_TD.shape[:-1])
+        return F.linear(x_TD, unpack_rows(w_ND, x_TD.shape[-1], x_TD.dtype), bias_N)  # the CPU's reference
     if x_TD.is_cuda and triton_available():
         from moebius.kernels import linear as kl
 
