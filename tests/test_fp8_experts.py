@@ -189,14 +189,18 @@ def test_a_memory_release_keeps_the_fp8_rows_and_a_dropped_one_takes_an_update(c
 
 def test_deepseek_experts_in_fp8(ckpt: Callable[[str], str]) -> None:
     """DeepSeek-V3's FP8 release format on one rank (experts of 144 rows: one ragged block, whole on a rank): its
-    routed experts, its dense first layer and its shared experts held as FP8 rows (MLA's projections dequantized),
-    transformers' tokens on the dequantized model in TP, then in EP after a switch."""
+    routed experts, its dense first layer, its shared experts and MLA's projections held as FP8 rows (kv_b_proj
+    dequantized: the absorbed form folds it per head), transformers' tokens on the dequantized model in TP, then in EP
+    after a switch."""
     prompts = random_prompts(7, (1, 5, 9, 17))
     with LLM(model=ckpt("deepseek"), **FP8) as llm:
         rank = llm.engine.ranks.rank
         dense, *moe = [lw.mlp for lw in rank.modes[rank.mode].weights.layers]
         assert dense.w13_FD.dtype == dense.w2_DF.dtype == torch.uint8
         assert all(m.w13_EFD.dtype == m.shared.w13_FD.dtype == torch.uint8 for m in moe)
+        attn = [lw.attn for lw in rank.modes[rank.mode].weights.layers]
+        assert all(w.dtype == torch.uint8 for a in attn for w in (a.qkv_QD, a.q_QL, a.kv_a_AD, a.o_DO))
+        assert all(a.kv_b_UC.dtype == torch.float32 for a in attn)
         parity_across_switch(llm, ckpt("deepseek_deq"), prompts, N_OUT, back=False)
 
 

@@ -51,7 +51,7 @@ def expert_bytes_per_element(cfg: ModelConfig, dtype_bytes: int) -> float:
     """HBM bytes of a weight element the engine may hold as FP8 rows (routed experts, dense Linear weights): the
     dtype's, or FP8 rows' (--quantization fp8: a byte a value and a float32 scale a 128-value chunk,
     kernels/fp8_rows.py; their FLOPs are counted at bf16's rate). For the dense weights a lower bound: some stay in
-    the dtype (`specs.linear_spec`: a TP cut inside a chunk, DeepSeek's MLA, what a checkpoint leaves unquantized)."""
+    the dtype (`specs.linear_spec`: a TP cut inside a chunk, MLA's kv_b_proj, what a checkpoint leaves unquantized)."""
     return CHUNK / BLOCK[1] if cfg.quantization == "fp8" else dtype_bytes
 
 

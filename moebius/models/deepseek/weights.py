@@ -1,10 +1,11 @@
 """DeepSeek-V2 / V3's weights: every view of a layout with the checkpoint names transformers writes
 (`weight_specs`), and the views as the forward takes them (`build_weights`).
 
-Attention (MLA): TP cuts by heads, q_b_proj's (or q_proj's) and kv_b_proj's rows of a rank's heads and o_proj's
-columns of them; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are every head's, replicated
-(the latent cache is replicated in TP too); o_proj's bias is given to the shard of head 0 only, since TP sums the
-shards' outputs (`Communicator.reduce_add_norm`). EP holds every head.
+Attention (MLA): with --quantization fp8 its projections are FP8 rows (`linear_spec`) but kv_b_proj, which the
+absorbed form reads per head beside the latent. TP cuts by heads, q_b_proj's (or q_proj's) and kv_b_proj's rows of a
+rank's heads and o_proj's columns of them; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are
+every head's, replicated (the latent cache is replicated in TP too); o_proj's bias is given to the shard of head 0
+only, since TP sums the shards' outputs (`Communicator.reduce_add_norm`). EP holds every head.
 
 Routed and shared experts and the routing bias: the block DeepSeek shares with GLM-4.5 (models/grouped_moe.py
 `moe_specs`: the shared experts a 1/P shard on every rank in both layouts; it says why and what it costs).
@@ -18,11 +19,12 @@ from collections.abc import Callable
 import torch
 
 from moebius.config import ModelConfig
+from moebius.kernels.fp8_rows import column_block
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.deepseek.config import DeepseekConfig
 from moebius.models.deepseek.mla import MLAWeights
 from moebius.models.grouped_moe import moe_specs, moe_weights
-from moebius.models.specs import Fetch, ParamSpec, decoder_specs, dense_mlp_specs, spec_views
+from moebius.models.specs import Fetch, ParamSpec, decoder_specs, dense_mlp_specs, linear_spec, spec_views
 from moebius.models.weights import DenseWeights, ModelWeights, MoEWeights, decoder_weights, dense_weights
 from moebius.parallel.layout import Layout
 
@@ -49,19 +51,21 @@ def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
         return lambda f: f(a + name, shape)
 
     specs = [
-        ParamSpec(p + "kv_a", (C + R, D), whole("kv_a_proj_with_mqa.weight", (C + R, D))),
+        linear_spec(cfg, p + "kv_a", (C + R, D), whole("kv_a_proj_with_mqa.weight", (C + R, D))),
         ParamSpec(p + "kv_a_norm", (C,), whole("kv_a_layernorm.weight", (C,))),
+        # in the dtype under FP8 too: the absorbed decode folds it into the query and the output (vLLM keeps it so)
         ParamSpec(p + f"kv_b.{tag}", (len(qh) * (N + V), C), rows("kv_b_proj.weight", (H * (N + V), C))),
-        ParamSpec(p + f"o_proj.{tag}", (D, len(qh) * V),
-                  lambda f: f(a + "o_proj.weight", (D, H * V))[:, qh.start * V: qh.stop * V]),
+        linear_spec(cfg, p + f"o_proj.{tag}", (D, len(qh) * V), lambda f: column_block(
+            f(a + "o_proj.weight", (D, H * V)), qh.start * V, qh.stop * V), columns=(H * V, lay.world_size)),
     ]
     if L is None:
-        specs.append(ParamSpec(p + f"q.{tag}", (len(qh) * (N + R), D), rows("q_proj.weight", (H * (N + R), D))))
+        specs.append(linear_spec(cfg, p + f"q.{tag}", (len(qh) * (N + R), D),
+                                 rows("q_proj.weight", (H * (N + R), D))))
     else:
         specs += [
-            ParamSpec(p + "q_a", (L, D), whole("q_a_proj.weight", (L, D))),
+            linear_spec(cfg, p + "q_a", (L, D), whole("q_a_proj.weight", (L, D))),
             ParamSpec(p + "q_a_norm", (L,), whole("q_a_layernorm.weight", (L,))),
-            ParamSpec(p + f"q.{tag}", (len(qh) * (N + R), L), rows("q_b_proj.weight", (H * (N + R), L))),
+            linear_spec(cfg, p + f"q.{tag}", (len(qh) * (N + R), L), rows("q_b_proj.weight", (H * (N + R), L))),
         ]
     if mla.attention_bias:
         specs += [ParamSpec(p + "kv_a_bias", (C + R,), whole("kv_a_proj_with_mqa.bias", (C + R,))),
