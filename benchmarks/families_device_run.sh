@@ -11,15 +11,18 @@
 #   sweep     decode steps at batches 1 .. 1024 (context 1024) against the floor model extended to MLA
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
-#   fp8       --quantization fp8's GPU path (the fused MoE on FP8 rows): its GPU test, then Qwen3-30B-A3B shapes'
-#             decode sweep in FP8 (bf16's is h200-p1-sweep.json), MOEBIUS_UNCHECKED_GPU=fp8
+#   fp8       --quantization fp8's GPU path (the fused MoE and the projections on FP8 rows): its GPU test, then
+#             Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), MOEBIUS_UNCHECKED_GPU=fp8, and
+#             the switch's expert permutes on FP8 rows beside bf16's (reshard_copy.py)
+#   fp8work   256 whole requests in FP8 and in bf16 (one call), greedy agreement of the FP8 engine with the bf16
+#             model's fp32 argmax beside transformers' bf16 (8 of 48 layers)
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests sweep work agree families
-#   (then, in further calls: fp8, gptoss)
+#   (then, in further calls: gptoss, fp8, fp8work)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -42,11 +45,18 @@ sweep)
 work)
   t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-deepseek-v2-lite-throughput.json ;;
 fp8)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_kernels_interpreter.py -k "gpu or fp8"
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json ;;
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json
+  t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy.json
+  t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
+fp8work)
+  Q="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/h200-p1-qwen3-30b-fp8-throughput.json
+  t fp8_work_bf16 150 $B throughput $Q --output $R/h200-p1-qwen3-30b-fp8-throughput-bf16.json
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/h200-p1-qwen3-30b-fp8-agreement.json ;;
 gptoss)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
   MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/h200-p1-gpt-oss-20b-long-context.json
   MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-gpt-oss-20b-throughput.json ;;
 agree)

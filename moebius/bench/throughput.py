@@ -148,6 +148,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--warmup", default="auto", choices=["auto", "full", "none"],
                    help="the engine's start-up kernel warm-up (start-up time is reported: run with a fresh "
                    "TRITON_CACHE_DIR for a cold cache)")
+    e.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="the engine's --quantization (each step's floor counts FP8 rows' bytes)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256)
     for what, length in (("prompt", 256), ("output", 128)):
@@ -181,7 +183,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup)
+    cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup,
+                                quantization=a.quantization)
     hf_cfg = hf_config_of(a.model)
     model_cfg = model_config(hf_cfg, a.num_layers)
     vocab = model_cfg.vocab_size
