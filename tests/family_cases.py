@@ -234,13 +234,28 @@ def unpacked_dtypes(packing: type, path: str, prompt: Sequence[int], monkeypatch
     return seen
 
 
+def well_conditioned(path: str, prompts: Sequence[Sequence[int]], n: int
+                     ) -> tuple[list[Sequence[int]], list[list[int]]]:
+    """The prompts whose n-token greedy path in transformers is well conditioned (`hf_greedy`'s margin), with those
+    paths: the GPU's machine has its own transformers, whose random checkpoints differ from CI's, so a prompt may meet
+    a near tie there (which the engine's float32 could rightly flip). All but one must be kept."""
+    kept: list[tuple[Sequence[int], list[int]]] = []
+    for p in prompts:
+        try:
+            kept.append((p, hf_greedy(path, p, n)))
+        except AssertionError:
+            continue
+    assert len(kept) >= max(1, len(prompts) - 1), f"{len(prompts) - len(kept)} ill-conditioned greedy paths"
+    return [p for p, _ in kept], [w for _, w in kept]
+
+
 def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: dict[str, Any]) -> None:
     """On the GPU in float32: an engine's decode graphs and step pieces exist (a probe of each), and it gives
     transformers' n greedy tokens in TP, in EP after a switch and in TP again, every KV page free after each; so do
     eager steps (no graphs) and graphs with every step resolved first (no overlap)."""
     from moebius.link.messages import DecodeProbe, PrefillProbe
 
-    want = [hf_greedy(path, p, n) for p in prompts]
+    prompts, want = well_conditioned(path, prompts, n)
     kw = dict(engine_kw, device="cuda", cuda_graph_max_bs=8, warmup="none")
     with LLM(model=path, **kw) as llm:
         assert all(r["cuda_graph"] for r in llm.engine.probe(DecodeProbe(batch=2, context=8, steps=1, warmup=0,
