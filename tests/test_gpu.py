@@ -153,6 +153,39 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
     assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("act8", [True, False])
+@pytest.mark.parametrize("T", [1, 77, 600])
+def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) -> None:
+    """--quantization fp8's kernels on FP8 rows (the fused MoE and `linear_fp8`, direct and sorted blocks) against
+    float32 math on the dequantized weights: W8A8 (kc.fp8_activations) on the activations as `quantize_groups`
+    rounds them, W8A16 on the activations as they are; each nearer its own reference than the other one."""
+    import torch.nn.functional as F
+
+    from moebius.kernels.fp8_rows import pack_rows, quantize_groups, unpack_rows
+    from moebius.layers.linear import linear
+    from moebius.layers.moe import swiglu
+
+    torch.manual_seed(0)
+    K, D, I, E, N = 4, 512, 256, 16, 384
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
+    w13 = pack_rows(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
+    w2 = pack_rows(torch.randn(E, D, I, device="cuda") * 0.05)
+    wp = pack_rows(torch.randn(N, D, device="cuda") * 0.05)
+    kc = KernelConfig(fp8_activations=act8)
+    out = experts(x, w, ids, w13, w2, 0, kc=kc)
+    proj = linear(x, wp, kc=kc)
+    refs = {}
+    for a8, q in ((True, quantize_groups), (False, lambda t: t)):
+        refs[a8] = (experts_ref(q(x.float()), w.float(), ids, w13, w2, 0, act=lambda gu, q=q: q(swiglu(gu))),
+                    F.linear(q(x.float()), unpack_rows(wp, D, torch.float32)))
+    for got, want, other in zip((out, proj), refs[act8], refs[not act8], strict=True):
+        print(T, act8, _rel(got, want), _rel(got, other))
+        assert torch.isfinite(got).all()
+        assert _rel(got, want) < 1e-2 < _rel(got, other)
+
+
 def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, list[int]]:
     """Greedy and seeded requests (top-p: whole logits; temperature only: TP's per-slice scores) arriving over time,
     with layout switches at the given steps: on their own (switch_mode) or riding on the step (request_switch)."""

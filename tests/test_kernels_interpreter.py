@@ -111,27 +111,102 @@ def attention_window_cases() -> None:
                 assert err < 1e-5, (window, with_sinks, q_lens, kw.keys(), err)
 
 
-def moe_fp8_cases() -> None:
-    """The fused MoE on FP8 rows (kernels/fp8_rows.py) against the torch reference, which dequantizes them: widths
-    of whole and ragged 128-column chunks, direct and sorted blocks, all local experts and EP's slice."""
-    from moebius.kernels import fused_moe as fm
+# (tokens, experts of the model, local experts, first local expert), (hidden, intermediate) of the FP8 cases: widths
+# of whole and ragged 128-column chunks, direct and sorted blocks, all local experts and EP's slice
+FP8_CASES = [((6, 16, 8, 8), (192, 160)), ((40, 16, 8, 8), (128, 256)), ((300, 16, 16, 0), (200, 128))]
+
+
+def _fp8_moe_inputs(g: torch.Generator, T: int, E_all: int, E: int, D: int, I: int, K: int = 4) -> tuple:
+    """x, routing ids and weights, and FP8 rows w13 [E, 2I, .] and w2 [E, D, .] of one FP8 case."""
     from moebius.kernels.fp8_rows import pack_rows
+
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).softmax(-1)
+    w13 = pack_rows(torch.randn(E, 2, I, D, generator=g) * 0.1).flatten(1, 2)
+    w2 = pack_rows(torch.randn(E, D, I, generator=g) * 0.1)
+    assert w13.dtype == w2.dtype == torch.uint8
+    return x, ids, w, w13, w2
+
+
+def _nearest_even_fp8_casts() -> None:
+    """Triton's interpreter rounds float32 -> float8 wrongly (triton-lang/triton#8322: up whenever the guard bit is
+    set, a mantissa carry OR'd into the exponent, subnormals truncated); the GPU rounds to nearest even, as torch does,
+    so the W8A8 cases cast through torch."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    cast = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self: interpreter.InterpreterBuilder, src: interpreter.TensorHandle, dst_type: tl.dtype,
+                        rounding_mode: object) -> interpreter.TensorHandle:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            q = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn).view(torch.uint8)
+            return interpreter.TensorHandle(q.numpy(), tl.float8e4nv)
+        return cast(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def moe_fp8_cases() -> None:
+    """The fused MoE on FP8 rows (kernels/fp8_rows.py) in W8A16 (kc.fp8_activations off: each weight tile
+    dequantized as loaded) against the torch reference, which dequantizes them."""
+    from moebius.kernels import KernelConfig
+    from moebius.kernels import fused_moe as fm
     from moebius.layers.moe import experts_ref
 
     g = torch.Generator().manual_seed(1)
-    K = 4
-    for (T, E_all, E, first), (D, I) in zip([(6, 16, 8, 8), (40, 16, 8, 8), (300, 16, 16, 0)],
-                                            [(192, 160), (128, 256), (200, 128)], strict=True):
-        x = torch.randn(T, D, generator=g)
-        ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
-        w = torch.rand(T, K, generator=g).softmax(-1)
-        w13 = pack_rows(torch.randn(E, 2, I, D, generator=g) * 0.1).flatten(1, 2)
-        w2 = pack_rows(torch.randn(E, D, I, generator=g) * 0.1)
-        assert w13.dtype == w2.dtype == torch.uint8
-        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
+    for (T, E_all, E, first), (D, I) in FP8_CASES:
+        x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I)
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, kc=KernelConfig(fp8_activations=False))
         ref = experts_ref(x, w, ids, w13, w2, first)
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (T, E, first, D, I, err)
+
+
+def moe_w8a8_cases() -> None:
+    """The fused MoE on FP8 rows in W8A8 (the default kc.fp8_activations: float8 dots of activations quantized per
+    token and 128-column group) against torch's statement of it: `quantize_groups` on the activations, float32 math
+    on the dequantized weights. Each GEMM launch is checked on its own input to 1e-5: the down launch on the h the
+    gate_up launch wrote, since two float32 sums of h a last bit apart round to float8 a step apart where they
+    straddle a midpoint (a few elements in 10^5, each ~1e-5 of the output). The whole `fused_experts` is checked
+    against `experts_ref` so quantized, within such steps. The W8A16 results differ by percents (a fallback fails)."""
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels.fp8_rows import quantize_groups, unpack_rows
+    from moebius.layers.moe import experts_ref, swiglu
+
+    _nearest_even_fp8_casts()
+    g = torch.Generator().manual_seed(1)
+    K = 4
+    for (T, E_all, E, first), (D, I) in FP8_CASES:
+        x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I, K)
+        c = fm.config_for(T * K, E, E_all // E)
+        blocks = fm.direct(ids, first, c.BM) if T * K <= fm.DIRECT_MAX_PAIRS else fm.align(ids, first, E, c.BM)
+        h = fm.gate_up(x, w13, blocks, K, c.gate_up)
+        y = fm.down(h, w2, blocks, w.reshape(-1), c.down)
+        row = torch.arange(T * K)  # each pair's row of h (direct: its own; sorted: where the align put it)
+        if not blocks.direct:
+            used = blocks.rows < T * K
+            row[blocks.rows[used].long()] = torch.nonzero(used).flatten()
+        local = ids.flatten() - first
+        stages = {"h": ([], [], []), "y": ([], [], [])}  # the kernel's, the W8A8 reference's, the W8A16 one's
+        for e in range(E):
+            p = torch.nonzero(local == e).flatten()
+            w13_e, w2_e = unpack_rows(w13[e], D, torch.float32), unpack_rows(w2[e], I, torch.float32)
+            x_p, h_p, w_p = x[p // K], h[row[p]], w.flatten()[p, None]
+            for name, *results in (("h", h_p, swiglu(quantize_groups(x_p) @ w13_e.T), swiglu(x_p @ w13_e.T)),
+                                   ("y", y[p], w_p * (quantize_groups(h_p) @ w2_e.T), w_p * (h_p @ w2_e.T))):
+                for kept, r in zip(stages[name], results, strict=True):
+                    kept.append(r)
+        for name, results in stages.items():
+            got, want, a16 = (torch.cat(r) for r in results)
+            err, apart = ((got - want).norm() / want.norm()).item(), ((a16 - want).norm() / want.norm()).item()
+            assert err < 1e-5 and apart > 1e-2, (name, T, E, first, D, I, err, apart)
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
+        ref = experts_ref(quantize_groups(x), w, ids, w13, w2, first, act=lambda gu: quantize_groups(swiglu(gu)))
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < 2e-4, (T, E, first, D, I, err)
 
 
 def attention_cases() -> None:
@@ -285,12 +360,16 @@ def test_few_row_linear_under_the_interpreter() -> None:
 
 def linear_fp8_cases() -> None:
     """kernels/linear.py's projection on FP8 rows against F.linear on their dequantized weights (`unpack_rows`): one
-    row to a prompt's many (several token tiles), whole and ragged 128-column chunks, partial weight-row tiles."""
+    row to a prompt's many (several token tiles), whole and ragged 128-column chunks, partial weight-row tiles. W8A16
+    (kc.fp8_activations off) on x, W8A8 (the default) on `quantize_groups(x)`, to 1e-5; the two differ by percents (a
+    fallback fails)."""
     import torch.nn.functional as F
 
-    from moebius.kernels.fp8_rows import pack_rows, unpack_rows
+    from moebius.kernels import KernelConfig
+    from moebius.kernels.fp8_rows import pack_rows, quantize_groups, unpack_rows
     from moebius.kernels.linear import linear_fp8
 
+    _nearest_even_fp8_casts()
     g = torch.Generator().manual_seed(3)
     for T, N, K in [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200)]:
         x = torch.randn(T, K, generator=g)
@@ -298,8 +377,12 @@ def linear_fp8_cases() -> None:
         b = torch.randn(N, generator=g)
         for bias in (None, b):
             want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
-            got = linear_fp8(x, w, bias)
+            got = linear_fp8(x, w, bias, kc=KernelConfig(fp8_activations=False))
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (T, N, K, (got - want).abs().max())
+            want8 = F.linear(quantize_groups(x), unpack_rows(w, K, x.dtype), bias)
+            err = ((linear_fp8(x, w, bias) - want8).norm() / want8.norm()).item()
+            assert err < 1e-5, (T, N, K, bias is None, err)
+            assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
 
 
 def test_fp8_linear_under_the_interpreter() -> None:
@@ -321,9 +404,15 @@ def test_fused_experts_under_the_interpreter() -> None:
 
 
 def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
-    """--quantization fp8's GPU path (written, not yet run on a GPU): each weight tile's float8 values times its
-    rows' block scales, rounded to the activations' dtype, then the same GEMMs."""
+    """--quantization fp8's GPU path with --disable-fp8-activations (written, not yet run on a GPU): each weight
+    tile's float8 values times its rows' block scales, rounded to the activations' dtype, then the same GEMMs."""
     _run("moe_fp8")
+
+
+def test_fused_experts_w8a8_on_fp8_rows_under_the_interpreter() -> None:
+    """--quantization fp8's default GPU path: the activations quantized per token and 128-column group, float8 dots
+    scaled by both sides' scales (written, not yet run on a GPU)."""
+    _run("moe_w8a8")
 
 
 def test_fused_experts_with_biases_and_the_clamped_activation_under_the_interpreter() -> None:
@@ -548,7 +637,8 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_biased": moe_biased_cases, "attention": attention_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_w8a8": moe_w8a8_cases, "moe_biased": moe_biased_cases,
+             "attention": attention_cases,
              "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
              "linear_fp8": linear_fp8_cases,

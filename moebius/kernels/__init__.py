@@ -51,7 +51,10 @@ class KernelConfig:
     tiles, KV splits) and the chunks in the query-block launch, instead of the decodes riding that launch as
     one-token query blocks (`AttentionMetadata.decodes`).
     flash_prefill: steps with prompt chunks attend through FlashAttention-4 (kernels/flash.py) instead of the
-    Triton kernel and cuDNN (decodes apart keep their Triton launch); the engine's: --prefill-attention."""
+    Triton kernel and cuDNN (decodes apart keep their Triton launch); the engine's: --prefill-attention.
+    fp8_activations: GEMMs on FP8 rows (--quantization fp8) quantize each 128-column group of a row's activations to
+    float8 with a scale of its own and multiply float8 by float8 (W8A8, vLLM's and SGLang's default for block FP8);
+    off: each weight tile dequantized to the activations' dtype (W8A16); the engine's: not --disable-fp8-activations."""
 
     moe_backend: str = "triton"
     pdl: bool = True
@@ -60,6 +63,7 @@ class KernelConfig:
     fresh_chunk_lengths: frozenset[int] = frozenset()
     decodes_apart: bool = False
     flash_prefill: bool = False
+    fp8_activations: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_backend not in ("triton", "grouped_mm"):

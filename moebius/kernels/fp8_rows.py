@@ -3,7 +3,8 @@ models/fp8_blocks.py) laid out so that a row carries its own scales. Each weight
 each chunk its 128 float8 bytes followed by the float32 scale of its block (the block's scale repeated on each of its
 128 rows: 4 bytes a chunk, 3 % beside the weights). Every cut the layouts make (rows of gate and up, whole
 128-column chunks of down) then carries the scales with the weights, so the load, a switch and an update move FP8
-rows as bytes (uint8 tensors), nothing else. `unpack_rows` is transformers' dequantization of the same blocks.
+rows as bytes (uint8 tensors), nothing else. `unpack_rows` is transformers' dequantization of the same blocks;
+`quantize_groups` the activations' rounding of the W8A8 GEMMs (`KernelConfig.fp8_activations`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tens
     q = chunks[..., : BLOCK[1]].view(torch.float8_e4m3fn).float()
     scale = chunks[..., BLOCK[1]:].contiguous().view(torch.float32)  # [..., R, cb, 1]
     return (q * scale).flatten(-2)[..., :cols].to(dtype)
+
+
+def quantize_groups(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] as the W8A8 GEMMs on FP8 rows read it (kernels/linear.py `quantize_act`, `fp8_dot`;
+    `KernelConfig.fp8_activations`): each row's 128-column groups rounded to float8_e4m3fn (to nearest, ties to even)
+    with a float32 scale of their own, the group's largest magnitude over float8's largest (1 for an all-zero group),
+    then multiplied back and rounded once to x's dtype. Per-token-group (1 x 128) dynamic quantization, as vLLM's
+    and SGLang's block-FP8 GEMMs; the CPU's statement of what the GPU computes (the GPU sums the float8 products in
+    float32 and scales the sums)."""
+    C = x.shape[-1]
+    cb = -(-C // BLOCK[1])
+    groups = x.new_zeros(*x.shape[:-1], cb * BLOCK[1], dtype=torch.float32)
+    groups[..., :C] = x
+    groups = groups.unflatten(-1, (cb, BLOCK[1]))
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :C].to(x.dtype)
 
 
 def column_block(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK
-from moebius.kernels.linear import weight_tile
+from moebius.kernels.linear import fp8_dot, quantize_act, weight_tile
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
 
@@ -221,11 +221,11 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 @triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, alpha, limit, K_TOP: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr,
-                  FP8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
+                  FP8: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FP8:
-    FP8 rows of WS bytes. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`:
-    gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of
-    silu(gate) * up."""
+    FP8 rows of WS bytes; ACT8 (with FP8): float8 dots of the activations quantized a tile at a time (W8A8). BIAS:
+    B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate clamped above at `limit`,
+    up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of silu(gate) * up."""
     enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
@@ -241,15 +241,21 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
         for k0 in range(0, D, BK):
             km = k0 + kk < D
             a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
-            if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
-                g = W13.load([e * 2 * I + nb * BN, k0])
-                u = W13.load([e * 2 * I + I + nb * BN, k0])
-            else:
+            if ACT8:  # one quantized tile for both halves
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                g = weight_tile(wbase, n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
-                u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
-            acc_g = tl.dot(a, tl.trans(g), acc_g)
-            acc_u = tl.dot(a, tl.trans(u), acc_u)
+                aq, sa = quantize_act(a)
+                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, acc_g)
+                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, acc_u)
+            else:
+                if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
+                    g = W13.load([e * 2 * I + nb * BN, k0])
+                    u = W13.load([e * 2 * I + I + nb * BN, k0])
+                else:
+                    wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                    g = weight_tile(wbase, n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
+                    u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
+                acc_g = tl.dot(a, tl.trans(g), acc_g)
+                acc_u = tl.dot(a, tl.trans(u), acc_u)
         if BIAS:
             bb = B13 + e.to(tl.int64) * 2 * I
             acc_g += tl.load(bb + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -268,10 +274,11 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
 
 @triton.jit
 def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr,
-          PDL: tl.constexpr):
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, ACT8: tl.constexpr,
+          BIAS: tl.constexpr, PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
-    [BN, BK] tiles; FP8: W2 FP8 rows of WS bytes. BIAS: B2 [E, D] added before the routing weight."""
+    [BN, BK] tiles; FP8: W2 FP8 rows of WS bytes; ACT8 (with FP8): float8 dots of H quantized a tile at a time (W8A8).
+    BIAS: B2 [E, D] added before the routing weight."""
     enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
@@ -290,8 +297,13 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: 
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
-                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
-            acc = tl.dot(a, tl.trans(b), acc)
+                if not ACT8:
+                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
+            if ACT8:
+                aq, sa = quantize_act(a)
+                acc = fp8_dot(aq, sa, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
             acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
@@ -364,11 +376,11 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
-def _fp8_tiles(c: TileConfig, w: torch.Tensor) -> tuple[TileConfig, bool]:
-    """The tile config for weights `w` and whether they are FP8 rows (uint8: one 128-column chunk a K step, no
-    TMA)."""
+def _fp8_tiles(c: TileConfig, w: torch.Tensor, kc: kernels.KernelConfig) -> tuple[TileConfig, bool, bool]:
+    """The tile config for weights `w`, whether they are FP8 rows (uint8: one 128-column chunk a K step, no TMA) and
+    whether the activations are quantized to float8 too (kc.fp8_activations)."""
     fp8 = w.dtype == torch.uint8
-    return (replace(c, BK=BLOCK[1], tma=False) if fp8 else c), fp8
+    return (replace(c, BK=BLOCK[1], tma=False) if fp8 else c), fp8, fp8 and kc.fp8_activations
 
 
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
@@ -377,14 +389,14 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     """clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED); None: silu(gate) * up."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
-    c, fp8 = _fp8_tiles(c, w13_EFD)
+    c, fp8, act8 = _fp8_tiles(c, w13_EFD, kc)
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
         blocks.first_expert, WS, x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K,
-        BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8, BIAS=b13_EF is not None,
+        BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8, ACT8=act8, BIAS=b13_EF is not None,
         CLAMPED=clamp is not None, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
@@ -393,7 +405,7 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
          kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b2_ED: torch.Tensor | None = None) -> torch.Tensor:
     E, D, WS = w2_EDF.shape
     I, N = h.shape[1], w_TK.numel()
-    c, fp8 = _fp8_tiles(c, w2_EDF)
+    c, fp8, act8 = _fp8_tiles(c, w2_EDF, kc)
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
     if tma:
@@ -401,8 +413,8 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, WS, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
-        DIRECT=blocks.direct, FP8=fp8, BIAS=b2_ED is not None, num_warps=c.num_warps, num_stages=c.num_stages,
-        **pdl(y, kc))
+        DIRECT=blocks.direct, FP8=fp8, ACT8=act8, BIAS=b2_ED is not None, num_warps=c.num_warps,
+        num_stages=c.num_stages, **pdl(y, kc))
     return y
 
 

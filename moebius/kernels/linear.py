@@ -10,8 +10,10 @@
   or 32), K streamed through shared memory; launched with PDL like every kernel of the step, which cuBLAS is not.
   Their steps run in the LATE order too.
 And FP8 rows (--quantization fp8, kernels/fp8_rows.py) at any row count (`linear_fp8`): the same tensor-core tiles,
-each weight tile dequantized in registers as it is loaded (`weight_tile`, which the fused MoE reads its experts with),
-so a projection reads its FP8 bytes once instead of a bf16 copy made for each call.
+so a projection reads its FP8 bytes once instead of a bf16 copy made for each call. By default (kc.fp8_activations)
+each 128-column group of a row's activations is quantized to float8 with a scale of its own and the tensor cores take
+float8 on both sides (W8A8: `quantize_act`, `fp8_dot`); else each weight tile is dequantized in registers as it is
+loaded (W8A16: `weight_tile`). The fused MoE reads its experts through the same helpers.
 """
 
 from __future__ import annotations
@@ -36,20 +38,53 @@ MAX_K = 8192
 
 
 @triton.jit
+def chunk_values(W, rows, rm, k0, K, WS):
+    """The float8 values [rows, 128] of the chunk of columns k0 .. k0 + 128 (< K) of FP8 rows `rows` (mask rm) of WS
+    bytes (kernels/fp8_rows.py), as stored."""
+    kk = tl.arange(0, 128)
+    m = rm[:, None] & (k0 + kk < K)[None, :]
+    at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * 132
+    return tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def chunk_scales(W, rows, rm, k0, WS):
+    """The float32 block scale [rows] after that chunk of each row."""
+    return tl.load((W + rows.to(tl.int64) * WS + (k0 // 128) * 132 + 128).to(tl.pointer_type(tl.float32)), mask=rm,
+                   other=0.0)
+
+
+@triton.jit
 def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
     """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT: plain values of row stride WS, or
-    (FP8) FP8 rows of WS bytes (kernels/fp8_rows.py: BK == 128, one chunk, its float8 values times the row's block
-    scale after them, rounded once to DT as `unpack_rows` rounds)."""
-    kk = tl.arange(0, BK)
-    m = rm[:, None] & (k0 + kk < K)[None, :]
+    (FP8) FP8 rows of WS bytes (BK == 128, one chunk: its float8 values times the row's block scale, rounded once to
+    DT as `unpack_rows` rounds)."""
     if FP8:
-        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * 132
-        q = tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale = tl.load((W + rows.to(tl.int64) * WS + (k0 // 128) * 132 + 128).to(tl.pointer_type(tl.float32)),
-                        mask=rm, other=0.0)
-        return (q * scale[:, None]).to(DT)
+        q = chunk_values(W, rows, rm, k0, K, WS).to(tl.float32)
+        return (q * chunk_scales(W, rows, rm, k0, WS)[:, None]).to(DT)
     else:
+        kk = tl.arange(0, BK)
+        m = rm[:, None] & (k0 + kk < K)[None, :]
         return tl.load(W + rows.to(tl.int64)[:, None] * WS + (k0 + kk)[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def quantize_act(a):
+    """An activation tile [BM, 128] (one 128-column group of BM rows) as float8 values and a float32 scale a row: the
+    row's largest magnitude over 448, float8_e4m3fn's largest (1 for an all-zero row): `fp8_rows.quantize_groups`."""
+    af = a.to(tl.float32)
+    amax = tl.max(tl.abs(af), axis=1)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    return (af / scale[:, None]).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, acc):
+    """acc [BM, rows] plus the W8A8 product of an activation tile quantized by `quantize_act` (aq, sa) and the chunk at
+    column k0 of FP8 rows `rows` as stored (`chunk_values`, `chunk_scales`): float8 operands into the tensor cores,
+    float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs)."""
+    wq = chunk_values(W, rows, rm, k0, K, WS)
+    return acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * chunk_scales(W, rows, rm, k0, WS)[None, :]
 
 
 def fits(x_TD: torch.Tensor, w_ND: torch.Tensor, kc: KernelConfig) -> bool:
@@ -151,21 +186,30 @@ FP8_BM, FP8_MAX_BT = 64, 64
 
 @triton.jit
 def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
-                BM: tl.constexpr, PDL: tl.constexpr):
-    """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, each
-    tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`), float32 sums rounded
-    once."""
+                BM: tl.constexpr, ACT8: tl.constexpr, PDL: tl.constexpr):
+    """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, float32
+    sums rounded once. ACT8: each [BT, 128] tile of X quantized per row (`quantize_act`), FP8 dots (`fp8_dot`); else
+    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`)."""
     enter(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rt = tl.program_id(1) * BT + tl.arange(0, BT)
     rk = tl.arange(0, 128)
     mm, mt = rm < N, rt < T
-    acc = tl.zeros([BM, BT], tl.float32)
-    for k0 in range(0, K, 128):
-        w = weight_tile(W, rm, mm, k0, K, WS, 128, True, X.dtype.element_ty)
-        x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
-                    mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
-        acc = tl.dot(w, x, acc)
+    if ACT8:  # tokens are the dot's rows here: the activations' scales are per token
+        acc_TM = tl.zeros([BT, BM], tl.float32)
+        for k0 in range(0, K, 128):
+            x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
+                        mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
+            xq, sx = quantize_act(x)
+            acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, acc_TM)
+        acc = tl.trans(acc_TM)
+    else:
+        acc = tl.zeros([BM, BT], tl.float32)
+        for k0 in range(0, K, 128):
+            w = weight_tile(W, rm, mm, k0, K, WS, 128, True, X.dtype.element_ty)
+            x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
+                        mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
+            acc = tl.dot(w, x, acc)
     if HAS_BIAS:
         acc += tl.load(B + rm, mask=mm, other=0.0).to(tl.float32)[:, None]
     tl.store(Out + rt[None, :].to(tl.int64) * stride_o + rm[:, None], acc.to(Out.dtype.element_ty),
@@ -174,7 +218,8 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
 
 def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None = None, *,
                kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """F.linear(x, unpack_rows(w_NC, K, x.dtype), bias) for any x [T, K] and FP8 rows w_NC [N, packed_width(K)]."""
+    """F.linear(x, unpack_rows(w_NC, K, x.dtype), bias) for any x [T, K] and FP8 rows w_NC [N, packed_width(K)]; with
+    kc.fp8_activations x as `quantize_groups(x)` (W8A8)."""
     T, K = x_TD.shape
     N = w_NC.shape[0]
     if w_NC.shape[1] != packed_width(K) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
@@ -184,5 +229,6 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
     BT = min(FP8_MAX_BT, max(16, triton.next_power_of_2(T)))
     _linear_fp8[(triton.cdiv(N, FP8_BM), triton.cdiv(T, BT))](
         x_TD, w_NC, w_NC if bias_N is None else bias_N, out, T, N, K, w_NC.shape[1], x_TD.stride(0), out.stride(0),
-        HAS_BIAS=bias_N is not None, BT=BT, BM=FP8_BM, num_warps=4, num_stages=3, **pdl(x_TD, kc))
+        HAS_BIAS=bias_N is not None, BT=BT, BM=FP8_BM, ACT8=kc.fp8_activations, num_warps=4, num_stages=3,
+        **pdl(x_TD, kc))
     return out
