@@ -47,7 +47,7 @@ sweep)
 work)
   t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-deepseek-v2-lite-throughput.json ;;
 fp8)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8"
   MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json
   t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy.json
   t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
