@@ -2,7 +2,7 @@
 the engine's ModelConfig (partial rotary, q/k norm, DeepSeek-V3's MoE block in `extra`), the checkpoint names
 transformers writes, and greedy tokens identical to transformers' own Glm4MoeForCausalLM for P = 1, 2, 4 in TP and EP,
 across live switches with arrivals, aborts and n > 1, with no KV page leaked; a weight update from disk, the MTP
-layer's tensors never read; the GPU refused at start-up (its GPU test, marked gpu, written but not yet run); the
+layer's tensors never read; the GPU parity test (marked gpu, run on an H200); the
 presets (glm-4.5-air, glm-4.5) with their published shapes, GLM-4.5-Air started on the CPU with dummy weights.
 
 Checkpoints (written here by transformers' Glm4MoeForCausalLM, weights as tests/conftest.py's `_reinit_`, the
@@ -43,7 +43,7 @@ from family_cases import (
 from family_cases import hf_config as _config
 
 from moebius import LLM, SamplingParams
-from moebius.config import PRESETS, ConfigError, EngineConfig, KVSpec
+from moebius.config import PRESETS, ConfigError, KVSpec
 from moebius.models.registry import FAMILIES, family_of, model_config
 from moebius.parallel.layout import MODES, Layout, check_shapes
 
@@ -131,20 +131,6 @@ def test_config_errors_name_the_field(glm: Callable[[str], str]) -> None:
     assert model_config({k: v for k, v in hf.items() if k != "rope_parameters"}).extra.rotary_dim == 8
 
 
-def test_the_gpu_is_refused_by_name(glm: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its GPU path not yet checked on one: refused at start-up, naming the family, the device and why."""
-    from moebius.worker.build import build_rank
-    from moebius.worker.rank import RankSpec
-
-    path = glm("glm_qk")
-    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
-    with pytest.raises(ConfigError, match=r"the glm4_moe family \(Glm4MoeForCausalLM\) cannot run on cuda yet: not "
-                                          r"yet checked on a GPU"):
-        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"),
-                            model=model_config(_config(path)), checkpoint=path, device="cuda", dtype="float32",
-                            eos_token_ids=(), max_model_len=64))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Parity with transformers in every layout, and across live switches
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,12 +170,10 @@ def test_live_switches_change_no_token(engine: tuple[str, int, LLM]) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["glm_qk", "glm_plain"])
-def test_greedy_equals_transformers_on_the_gpu(glm: Callable[[str], str], name: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces
+def test_greedy_equals_transformers_on_the_gpu(glm: Callable[[str], str], name: str) -> None:
+    """On the GPU in float32: decode graphs and step pieces
     (partial rotary through torch ops, the paged attention kernel between the pieces) give transformers' greedy
     tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
-    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "glm4_moe")  # (the GPU path these tests check first)
     gpu_parity(glm(name), PROMPTS, N_OUT, ENGINE_KW)
 
 

@@ -986,12 +986,11 @@ def test_latent_attention_takes_the_kernels_for_chunks_and_decodes_on_cuda(monke
     assert torch.isfinite(out).all() and _rel(out.cpu(), ref) < 2e-2
 
 
-def test_latent_step_pieces_match_eager_steps_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_latent_step_pieces_match_eager_steps_in_bf16() -> None:
     """DeepSeek-V2-Lite's shapes (two layers, dummy bf16 weights; the first dense, the second with routed and shared
     experts): decode graphs replay, steps with prompt chunks run in pieces around the latent kernels (the leading
     decodes in their own launch), and give the prompt logits and tokens of the same steps run eagerly with the
     decodes in the chunks' launch."""
-    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "deepseek")  # (the family's GPU path, which this test checks first)
     kw = dict(_MIXED_KW, model="deepseek-v2-lite", load_format="dummy", num_layers=2, cuda_graph_max_bs=8)
     with LLM(**kw) as llm:
         assert all(r["pieces"] for r in llm.engine.probe(PrefillProbe(tokens=2048, context=0, steps=1, warmup=0)))

@@ -144,20 +144,6 @@ def test_a_sliding_window_windows_every_layer(ckpts: dict[str, str]) -> None:
     assert hf_greedy(ckpts["mixtral_window"], long, N_OUT) != hf_greedy(ckpts["mixtral"], long, N_OUT)
 
 
-def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """At start-up, naming the family and why (its GPU path is written but has not run on a GPU)."""
-    from moebius.config import EngineConfig
-    from moebius.worker.build import build_rank
-    from moebius.worker.rank import RankSpec
-
-    path = ckpts["mixtral"]
-    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
-    with pytest.raises(ConfigError, match=r"the mixtral family \(MixtralForCausalLM\) cannot run on cuda yet: its "
-                                          "attention without q/k norm .* not yet checked on a GPU"):
-        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"), model=model_config(
-            _config(path)), checkpoint=path, device="cuda", dtype="float32", eos_token_ids=(), max_model_len=64))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Parity with transformers in every layout, and across live switches
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,10 +253,8 @@ def test_presets_start_with_dummy_weights_on_the_cpu(preset: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["mixtral", "mixtral_mqa", "mixtral_window"])
-def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (q and k
+def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str) -> None:
+    """On the GPU in float32: decode graphs and step pieces (q and k
     roped through torch ops, the paged attention kernel between the pieces) give transformers' greedy tokens, in
     both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
-    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "mixtral")  # (the GPU path these tests check first)
     gpu_parity(ckpts[name], PROMPTS, N_OUT, ENGINE_KW)

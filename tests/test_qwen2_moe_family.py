@@ -152,20 +152,6 @@ def test_an_engine_whose_ranks_cannot_cut_the_shared_expert_does_not_start(tmp_p
         LLM(model=path, num_ranks=2, **ENGINE_KW)
 
 
-def test_the_gpu_is_refused_until_checked_on_one(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """At start-up, naming the family and why (its GPU path is written but has not run on a GPU)."""
-    from moebius.config import EngineConfig
-    from moebius.worker.build import build_rank
-    from moebius.worker.rank import RankSpec
-
-    path = ckpts["qwen2_moe"]
-    monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
-    with pytest.raises(ConfigError, match=r"the qwen2moe family \(Qwen2MoeForCausalLM\) cannot run on cuda yet: its "
-                                          "attention without q/k norm .* not yet checked on a GPU"):
-        build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"), model=model_config(
-            _config(path)), checkpoint=path, device="cuda", dtype="float32", eos_token_ids=(), max_model_len=64))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Parity with transformers in every layout, and across live switches
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,11 +274,9 @@ def test_smallest_preset_starts_with_dummy_weights_on_the_cpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen2_moe_norm", "qwen2_moe_window"])
-def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU in float32 (not yet run: no GPU in the session that wrote it): decode graphs and step pieces (q|k|v
+def test_greedy_equals_transformers_on_the_gpu(ckpts: dict[str, str], name: str) -> None:
+    """On the GPU in float32: decode graphs and step pieces (q|k|v
     bias, q and k roped through torch ops; the gated shared expert, the paged attention kernel between the pieces)
     give transformers' greedy tokens, in both layouts across a switch; so do eager steps, and graphs with every step
     resolved first."""
-    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "qwen2moe")  # (the GPU path these tests check first)
     gpu_parity(ckpts[name], PROMPTS, N_OUT, ENGINE_KW)

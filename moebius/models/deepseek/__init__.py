@@ -1,6 +1,6 @@
 """The DeepSeek-V2 / V3 family (DeepSeek-V2-Lite, Moonlight, DeepSeek-V3 / R1, Kimi K2): multi-head latent
-attention, shared experts, grouped routing. Its GPU path (decode graphs, step pieces around the latent kernels of
-kernels/mla.py) is written but not yet run end to end on a GPU: refused there until its GPU tests pass."""
+attention, shared experts, grouped routing. On the GPU: decode graphs and step pieces around the latent kernels of
+kernels/mla.py."""
 
 from types import MappingProxyType
 
@@ -13,6 +13,4 @@ from moebius.models.specs import Family
 
 FAMILY = Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), parse_config, weight_specs,
                 build_weights, forward, rope_table=forward.family_rope_table, checks_own_keys=True,
-                cpu_only="its GPU path (decode graphs, step pieces around the latent-attention kernels) is not yet "
-                         "checked on a GPU",
                 floor_terms=floor_terms, packings=MappingProxyType({FP8.method: FP8}))

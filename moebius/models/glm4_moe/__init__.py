@@ -1,7 +1,7 @@
 """GLM-4.5 / 4.6 (`Glm4MoeForCausalLM`): GQA attention with q|k|v bias, optional per-head q/k norm and partial
 rotary, DeepSeek-V3's MoE block (sigmoid grouped routing with the correction bias, shared experts), dense first
-layers (first_k_dense_replace). Its GPU path (partial rotary and no q/k norm through torch ops, the grouped router
-and shared experts) is written but not yet run on a GPU: refused there until its GPU tests pass."""
+layers (first_k_dense_replace). On the GPU partial rotary and no q/k norm go through torch ops beside the fused
+kernels."""
 
 from moebius.models.glm4_moe import forward
 from moebius.models.glm4_moe.config import parse_config
@@ -11,6 +11,4 @@ from moebius.models.specs import Family
 
 FAMILY = Family("glm4_moe", ("Glm4MoeForCausalLM",), parse_config, weight_specs, build_weights, forward,
                 rope_table=forward.family_rope_table, checks_own_keys=True,
-                cpu_only="not yet checked on a GPU (partial rotary without the fused q/k kernels, the grouped "
-                         "sigmoid router and shared experts)",
                 floor_terms=floor_terms)
