@@ -371,7 +371,8 @@ class DummyCheckpoint:
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=self.device)
         self._gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        return torch.randn(shape, generator=self._gen, device=self.device) * self.std
+        # drawn scaled in place: a second tensor of the whole (a vocabulary matrix: GBs) would be allocated again
+        return torch.empty(shape, device=self.device).normal_(0.0, self.std, generator=self._gen)
 
 
 def load_weights(umm: UnifiedMemory, specs: list[ParamSpec], ckpt: Checkpoint | DummyCheckpoint,
