@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The model families' first runs on one H200 (issues 44, 45): DeepSeek-V2-Lite shapes with dummy bf16 weights. The
-# family is refused on a GPU until its GPU path has passed `tests`; MOEBIUS_UNCHECKED_GPU=deepseek lets these runs
-# start it (lift `cpu_only` in moebius/models/deepseek/__init__.py once they pass). Each argument is one step, run in
-# the order given; group them into device calls of under 10 minutes:
+# The model families' first runs on one H200 (issues 44, 45, 46): DeepSeek-V2-Lite shapes with dummy bf16 weights,
+# gpt-oss-20b's, Qwen3-30B-A3B's in FP8. `tests` and `families` passed at 01422685 but for OLMoE and GPT-OSS (mended
+# since: `retest`), which stay refused on a GPU until it passes (MOEBIUS_UNCHECKED_GPU lets these runs start them;
+# then lift their `cpu_only`). Each argument is one step, run in the order given; group them into device calls of
+# under 10 minutes:
 #   tests     the family's GPU tests: float32 tokens against transformers through decode graphs, step pieces and eager
 #             steps across a switch; the latent kernels against their references; pieces against eager steps in bf16
+#   retest    OLMoE's and GPT-OSS's GPU parity tests (`families` failed them: a test checkpoint's head_dim 8, and the
+#             oracle's near tie on the device's transformers)
 #   families  the same float32 GPU parity for the GQA families not yet run on a GPU (GLM-4.5, Qwen2-MoE, Mixtral,
 #             OLMoE, GPT-OSS; windowed variants: the sliding layers' tables in the graphs, the kernel's window and
 #             sinks); lift each one's `cpu_only` once it passes
@@ -21,7 +24,7 @@
 #             the window come from the full layers only), 256 whole requests against transformers
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
-# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests sweep work agree families
+# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh retest sweep work agree
 #   (then, in further calls: gptoss, fp8, fp8work)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
