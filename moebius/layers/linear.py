@@ -12,7 +12,7 @@ from moebius.kernels.fp8_rows import unpack_rows
 
 def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None = None, *,
            kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    if w_ND.dtype == torch.uint8:  # FP8 rows (--quantization fp8): the kernel dequantizes each tile as it loads it
+    if w_ND.dtype == torch.uint8:  # FP8 rows (--quantization fp8): read as stored by the kernel (W8A8 or W8A16)
         if x_TD.is_cuda and triton_available() and x_TD.dtype in (torch.bfloat16, torch.float16):
             from moebius.kernels.linear import linear_fp8
 

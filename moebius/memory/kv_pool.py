@@ -301,7 +301,7 @@ class KVPages:
         for t, w, a in zip(tables, self.windows, self.groups, strict=True):
             if w is None:
                 continue
-            end = k = min(max(0, start - w + 1) // self.block_size, len(t))  # (first_live_page, inlined: per step)
+            end = k = min(first_live_page(start, w, self.block_size), len(t))
             if not (k and t[k - 1]):  # nothing newly out of the window (most steps)
                 continue
             while k and t[k - 1]:  # the pages freed before are page 0, a run from the first
