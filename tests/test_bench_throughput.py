@@ -120,3 +120,19 @@ def test_throughput_of_prompt_groups(tmp_path, caching: bool) -> None:
     # 40 tokens are 2 full pages of 16 and 8 more: three samples of each group start after the 32 cached
     assert s["cached_tokens"] == (3 * 3 * 32 if caching else 0)
     assert prefilled == s["input_tokens"] - s["cached_tokens"]
+
+
+def test_throughput_takes_the_engines_quantization(tmp_path) -> None:
+    """--quantization fp8 reaches the engine: the same requests run, and each step's floor counts FP8 rows' bytes
+    (the engine's model config), so the whole floor is below the float run's."""
+    floors = {}
+    for quant in ([], ["--quantization", "fp8"]):
+        out = tmp_path / f"q{len(quant)}.json"
+        cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "throughput", "--device", "cpu",
+               "--num-prompts", "4", "--prompt-len", "16", "--output-len", "4", "--output", str(out), *quant]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        result = load_result(out)
+        assert summary_of(result)["output_tokens"] == 16
+        floors[bool(quant)] = summary_of(result)["floor_s"]
+    assert 0 < floors[True] < floors[False]
