@@ -243,8 +243,9 @@ class ModelConfig:
     kv_dim: int = 0  # 0: head_dim
     # each layer's attention window (keys a query sees, itself included; None: all): () when no layer has one
     layer_windows: tuple[int | None, ...] = ()
-    # "fp8": the routed experts and the dense Linear weights held as block-FP8 rows (models/fp8_blocks.py,
-    # --quantization; `specs.linear_spec` says which dense ones); "": in the dtype
+    # --quantization: "fp8": the routed experts and the dense Linear weights held as block-FP8 rows
+    # (`specs.linear_spec` says which dense ones); "mxfp4": the routed experts as MXFP4 rows (kernels/rows.py);
+    # "": in the dtype
     quantization: str = ""
     # the modules an FP8 checkpoint leaves unquantized (its quantization_config's modules_to_not_convert): kept in
     # the dtype
@@ -372,10 +373,12 @@ class EngineConfig:
                        ("auto", "bfloat16", "float16", "float32"))
     quantization: str | None = _flag(None, "fp8: hold the routed experts and the dense Linear weights in block FP8 "
                                      "(128 x 128 blocks, e4m3, a float32 scale a block): a block-FP8 checkpoint as "
-                                     "stored, a float one quantized at load; the CPU only for now (the GPU kernel is "
-                                     "written, not yet run on a GPU). "
-                                     "Default: every weight in --dtype (an FP8 checkpoint dequantized at load)",
-                                     ("fp8",))
+                                     "stored, a float one quantized at load. mxfp4: hold the routed experts in MXFP4 "
+                                     "(32-value blocks of e2m1 sharing a power-of-two scale, as GPT-OSS's releases): "
+                                     "an MXFP4 checkpoint's values as stored, a float one quantized at load. The CPU "
+                                     "only for now (the GPU kernels are written, not yet run on a GPU). "
+                                     "Default: every weight in --dtype (a quantized checkpoint dequantized at load)",
+                                     ("fp8", "mxfp4"))
     device: str = _flag("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     seed: int = _flag(0, "engine seed (0 to 2^63 - 1): dummy weights and the seeds of requests that give none")
     block_size: int = _flag(16, "tokens per KV-cache page")

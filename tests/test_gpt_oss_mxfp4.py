@@ -61,10 +61,10 @@ def edit_tensors(path: str, fn: Callable[[dict[str, torch.Tensor]], None]) -> No
     save_file(tensors, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
 
 
-def write_mxfp4_checkpoint(path: str, seed: int) -> str:
-    """The float checkpoint of `seed`, its expert projections ([E, K, R]) stored as random MXFP4 pieces instead:
-    `_blocks` [E, R, K / 32, 16] and `_scales` [E, R, K / 32], uint8."""
-    write_gpt_oss_checkpoint(path, seed=seed)
+def write_mxfp4_checkpoint(path: str, seed: int, overrides: dict[str, Any] | None = None) -> str:
+    """The float checkpoint of `seed` (its config with `overrides`), its expert projections ([E, K, R]) stored as
+    random MXFP4 pieces instead: `_blocks` [E, R, K / 32, 16] and `_scales` [E, R, K / 32], uint8."""
+    write_gpt_oss_checkpoint(path, overrides, seed=seed)
     g = torch.Generator().manual_seed(seed)
 
     def pack(t: dict[str, torch.Tensor]) -> None:

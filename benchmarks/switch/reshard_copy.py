@@ -4,8 +4,9 @@ at a few program sizes. Checks the copies agree, reports each one's time and its
 
     python benchmarks/switch/reshard_copy.py --model qwen3-30b-a3b --ranks 2 --output reshard_copy.json
 
---quantization fp8: the experts as FP8 rows (kernels/fp8_rows.py, uint8: each 128 values and their scale in 132
-bytes), the bytes a switch of an FP8 engine permutes. Recorded: benchmarks/results/h200-reshard-copy.json.
+--quantization fp8 / mxfp4: the experts as quantized rows (kernels/rows.py, uint8; FP8: each 128 values and their
+scale in 132 bytes; MXFP4: each 32 values and their scale in 17), the bytes a switch of such an engine permutes.
+Recorded: benchmarks/results/h200-reshard-copy.json.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from moebius.bench.graph_timing import event_time_ms
 from moebius.bench.results import params_of, write_result
 from moebius.config import PRESETS
 from moebius.kernels import copy as copy_kernel
-from moebius.kernels.fp8_rows import packed_width
+from moebius.kernels.rows import FORMATS, row_format
 from moebius.switch import plan
 
 
@@ -30,15 +31,16 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--elems", default="4096,8192,16384,32768")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--quantization", default=None, choices=["fp8"], help="the experts as FP8 rows")
+    ap.add_argument("--quantization", default=None, choices=sorted(FORMATS), help="the experts as quantized rows")
     ap.add_argument("--output", default="reshard_copy.json")
     a = ap.parse_args()
     cfg = PRESETS[a.model]
     P, D, I = a.ranks, cfg["hidden_size"], cfg["moe_intermediate_size"]
     El = cfg["num_experts"] // P
     dev = "cuda"
-    if a.quantization == "fp8":  # the same permutes over bytes: a TP cut of w2 is whole 132-byte chunks
-        dt, cols = torch.uint8, packed_width
+    fmt = row_format(a.quantization)
+    if fmt is not None:  # the same permutes over bytes: a TP cut of w2 is whole chunks (`check_quantized_layouts`)
+        dt, cols = torch.uint8, fmt.width
         w13 = torch.randint(0, 256, (El, 2 * I, cols(D)), device=dev, dtype=dt)
         w2 = torch.randint(0, 256, (El, D, cols(I)), device=dev, dtype=dt)
     else:

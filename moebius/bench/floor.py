@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.kernels.fp8_rows import BLOCK, CHUNK
+from moebius.kernels.rows import row_format
 from moebius.link.messages import StepWork, attended_pairs, split_evenly
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
@@ -47,12 +47,17 @@ def floor_terms(cfg: ModelConfig, P: int, mode: str) -> FloorTerms:
     return family.floor_terms(cfg, Layout(cfg, mode, 0, P))
 
 
-def expert_bytes_per_element(cfg: ModelConfig, dtype_bytes: int) -> float:
-    """HBM bytes of a weight element the engine may hold as FP8 rows (routed experts, dense Linear weights): the
-    dtype's, or FP8 rows' (--quantization fp8: a byte a value and a float32 scale a 128-value chunk,
-    kernels/fp8_rows.py; their FLOPs are counted at bf16's rate). For the dense weights a lower bound: some stay in
-    the dtype (`specs.linear_spec`: a TP cut inside a chunk, MLA's kv_b_proj, what a checkpoint leaves unquantized)."""
-    return CHUNK / BLOCK[1] if cfg.quantization == "fp8" else dtype_bytes
+def quantized_bytes_per_element(cfg: ModelConfig, dtype_bytes: int, experts: bool = True) -> float:
+    """HBM bytes of a weight element the engine may hold as quantized rows (--quantization, kernels/rows.py): the
+    routed experts' (`experts`) or the dense Linear weights' (FP8 only; MXFP4 holds the experts alone): the dtype's,
+    or the rows' (FP8: a byte a value and a float32 scale a 128-value chunk; MXFP4: half a byte a value and a scale
+    byte a 32-value block; their FLOPs are counted at bf16's rate). For the dense weights a lower bound: some stay in
+    the dtype (`specs.linear_spec`: a TP cut inside a chunk, MLA's kv_b_proj, what a checkpoint leaves
+    unquantized)."""
+    fmt = row_format(cfg.quantization)
+    if fmt is None or (fmt.experts_only and not experts):
+        return dtype_bytes
+    return fmt.bytes_per_value
 
 
 def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: int, dtype_bytes: int = 2,
@@ -85,8 +90,8 @@ def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: 
     flops = (toks * 2 * weights + routed_flops + toks * (context * f.attn_flops_per_key
                                                          + seen * f.window_attn_flops_per_key)
              + batch * 2 * f.shared_weights + 2 * lm * toks)
-    wb = expert_bytes_per_element(cfg, b)
-    terms = {"weights_bytes": weights * wb, "experts_bytes": Lm * moe_w * wb, "shared_bytes": f.shared_weights * wb,
+    wb, eb = quantized_bytes_per_element(cfg, b, experts=False), quantized_bytes_per_element(cfg, b)
+    terms = {"weights_bytes": weights * wb, "experts_bytes": Lm * moe_w * eb, "shared_bytes": f.shared_weights * wb,
              "kv_bytes": toks * (context * f.kv_per_token + seen * f.window_kv_per_token) * b,
              "act_bytes": Lm * pairs * (3 * D + 2 * inter) * b,
              "lm_bytes": lm * b}
@@ -108,7 +113,7 @@ def switch_floor_ms(cfg: ModelConfig, P: int, kv_tokens: int, dtype_bytes: int =
     b, L = dtype_bytes, cfg.num_layers
     Lm = sum(1 for i in range(L) if cfg.is_moe_layer(i))  # (DeepSeek's dense first layers hold no experts)
     experts = (Lm * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-               * expert_bytes_per_element(cfg, b) / P)  # a rank's, either way
+               * quantized_bytes_per_element(cfg, b) / P)  # a rank's, either way
     remote, local = experts * (P - 1) / P, experts / P
     spec = cfg.kv_spec
     replicas = max(1, P // spec.heads)  # TP holds each KV head on this many ranks
@@ -148,7 +153,8 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
         link = Lm * 2 * math.ceil(T / P) * remote * D * b
     else:
         link = L * 2 * (2 * (P - 1) / P) * T * D * b if P > 1 else 0.0
-    hbm = (kv * b + (weights + f.shared_weights + Lm * moe_w) * expert_bytes_per_element(cfg, b)
+    hbm = (kv * b + (weights + f.shared_weights) * quantized_bytes_per_element(cfg, b, experts=False)
+           + Lm * moe_w * quantized_bytes_per_element(cfg, b)
            + Lm * pairs * (3 * D + 2 * inter) * b + lm * b)
     return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s) * 1e3
 

@@ -33,6 +33,7 @@ from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tens
 from moebius.bench.results import command_line, flatten, gpus_used, params_of, save_result, summary_of, table
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.frontend.core import EngineCore
+from moebius.kernels.rows import FORMATS
 from moebius.link.messages import DecodeProbe, PrefillProbe, StepWork
 from moebius.models.registry import model_config
 from moebius.sampling_params import SamplingParams
@@ -255,8 +256,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also time each prefill step after the device idled this many seconds (step_ms_isolated: a "
                    "lone prompt's step; 0: not timed). step_ms runs the steps back to back, which on an H200 holds "
                    "long steps at the card's power cap with its clocks lowered")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="the engine's --quantization (the floor counts FP8 rows' bytes for the experts)")
+    p.add_argument("--quantization", default=None, choices=sorted(FORMATS),
+                   help="the engine's --quantization (the floor counts the quantized rows' bytes)")
     p.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],
                    help="how the decodes of a step with prompt chunks attend (the engine's --mixed-attention)")
     p.add_argument("--prefill-attention", default="auto", choices=["auto", "flash", "triton"],

@@ -26,6 +26,7 @@ from moebius.bench.results import gpus_used, params_of, save_result
 from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
+from moebius.kernels.rows import FORMATS
 from moebius.link.messages import StepWork
 from moebius.models.registry import model_config
 from moebius.models.source import hf_config_of
@@ -148,8 +149,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--warmup", default="auto", choices=["auto", "full", "none"],
                    help="the engine's start-up kernel warm-up (start-up time is reported: run with a fresh "
                    "TRITON_CACHE_DIR for a cold cache)")
-    e.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="the engine's --quantization (each step's floor counts FP8 rows' bytes)")
+    e.add_argument("--quantization", default=None, choices=sorted(FORMATS),
+                   help="the engine's --quantization (each step's floor counts the quantized rows' bytes)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256)
     for what, length in (("prompt", 256), ("output", 128)):

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
-from moebius.kernels.fp8_rows import unpack_rows
 from moebius.kernels.moe import experts as fast_experts
 from moebius.kernels.moe import experts_dense, grouped_mm_available
 from moebius.kernels.pairs import PairRows
+from moebius.kernels.rows import format_of
 from moebius.layers.linear import linear
 from moebius.layers.norm import add_rms_norm
 
@@ -82,17 +82,20 @@ def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EF
             w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None, keep_pairs: bool = False, *,
             kc: KernelConfig = DEFAULT_KERNELS, act: Activation = swiglu, b13_EF: torch.Tensor | None = None,
             b2_ED: torch.Tensor | None = None) -> torch.Tensor | PairRows:
-    """Grouped GEMMs on the GPU (bf16: kc.moe_backend picks the fused Triton kernel or torch._grouped_mm; FP8 rows:
-    the fused kernel); a sync-free dense loop on the GPU in other dtypes; the torch reference on the CPU.
+    """Grouped GEMMs on the GPU (bf16: kc.moe_backend picks the fused Triton kernel or torch._grouped_mm; quantized
+    rows, FP8 or MXFP4 (kernels/rows.py): the fused kernel, which reads them as held); a sync-free dense loop on the GPU
+    in other dtypes; the torch reference on the CPU.
     num_experts (the model's, when only some are local) picks the fused kernel's block shapes.
     keep_pairs: the fused kernel's outputs may come back per pair (`PairRows`), unsummed. act / b13_EF / b2_ED:
     `experts_ref`'s (the fused kernel takes `swiglu` and `ClampedSwiGLU`, and the biases)."""
     if x_TD.is_cuda:
-        fp8 = w13_EFD.dtype == torch.uint8  # FP8 rows: the fused kernel's FP8 tiles only
+        quantized = w13_EFD.dtype == torch.uint8  # FP8 or MXFP4 rows: only the fused kernel's tiles read them
         plain = act is swiglu and b13_EF is None and b2_ED is None  # (torch._grouped_mm's path takes neither)
-        if fp8 and not (x_TD.dtype == torch.bfloat16 and triton_available()):
-            raise NotImplementedError("FP8 experts on a GPU run in the fused Triton kernel, on bfloat16 activations")
-        if x_TD.dtype == torch.bfloat16 and (kc.moe_backend == "triton" or fp8 or not plain) and triton_available():
+        if quantized and not (x_TD.dtype == torch.bfloat16 and triton_available()):
+            raise NotImplementedError("quantized experts (FP8 or MXFP4 rows) on a GPU run in the fused Triton kernel, "
+                                      "on bfloat16 activations")
+        if (x_TD.dtype == torch.bfloat16 and (kc.moe_backend == "triton" or quantized or not plain)
+                and triton_available()):
             from moebius.kernels.fused_moe import fused_experts
 
             if not (act is swiglu or isinstance(act, ClampedSwiGLU)):
@@ -115,7 +118,8 @@ def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w1
     Local experts are ids first_expert .. first_expert + E_local - 1; other pairs contribute nothing (they are
     computed on the rank that owns the expert). Pairs are sorted by expert so each expert runs one matmul. An expert
     is down(act(gate_up(x) + b13)) + b2: act of its [gate | up] rows (SwiGLU unless given), biases where given.
-    FP8 rows (uint8 weights, kernels/fp8_rows.py) are dequantized an expert at a time, then the same math.
+    Quantized rows (uint8 weights, kernels/rows.py: FP8 or MXFP4) are dequantized an expert at a time, then the same
+    math.
     """
     E = w13_EFD.shape[0]
     y_TD = torch.zeros_like(x_TD)
@@ -137,8 +141,9 @@ def experts_ref(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w1
         b13 = None if b13_EF is None else b13_EF[e]
         b2 = None if b2_ED is None else b2_ED[e]
         w13, w2 = w13_EFD[e], w2_EDF[e]
-        if w13.dtype == torch.uint8:  # FP8 rows: gate|up rows of D columns, down rows of I_local columns
-            w13, w2 = unpack_rows(w13, x_TD.shape[1], x_TD.dtype), unpack_rows(w2, w13.shape[0] // 2, x_TD.dtype)
+        if w13.dtype == torch.uint8:  # quantized rows: gate|up rows of D columns, down rows of I_local columns
+            D, Il = x_TD.shape[1], w13.shape[0] // 2
+            w13, w2 = format_of(w13, D).unpack(w13, D, x_TD.dtype), format_of(w2, Il).unpack(w2, Il, x_TD.dtype)
         h = linear(act(linear(x_TD[tok[sel]], w13, b13)), w2, b2)
         y_TD.index_add_(0, tok[sel], h * weight[sel, None])
         start += n

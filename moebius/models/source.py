@@ -23,6 +23,7 @@ from moebius.models.fp8_blocks import FP8
 from moebius.models.fp8_blocks import check_config as check_fp8_config
 from moebius.models.loader import Checkpoint, check_checkpoint
 from moebius.models.registry import FAMILIES, checks_own_keys, family_of, model_config
+from moebius.parallel.layout import check_quantized_rows
 from moebius.tokenizer import Tokenizer, load_generation_eos
 
 
@@ -183,14 +184,21 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
         if ecfg.quantization not in family.quantizations:
             raise ConfigError(f"--quantization {ecfg.quantization} is not served for the {family.name} family "
                               f"({', '.join(family.architectures)}): its experts have their own format")
-        # what an FP8 checkpoint leaves unquantized stays in the dtype (its modules_to_not_convert)
-        skip = (hf.get("quantization_config") or {}).get("modules_to_not_convert") or ()
+        q = hf.get("quantization_config") or {}
+        stored = q.get("quant_method")
+        if stored is not None and stored != ecfg.quantization:  # (its values would be rounded a second time)
+            raise ConfigError(f"--quantization {ecfg.quantization} would quantize again a checkpoint stored in "
+                              f"{stored}: serve it with --quantization {stored} (where its family serves that) or "
+                              "without --quantization (it is then dequantized at load)")
+        # what a quantized checkpoint leaves unquantized stays in the dtype (its modules_to_not_convert)
+        skip = q.get("modules_to_not_convert") or ()
         experts = [m for m in skip if ".experts" in m]
-        if experts:  # (FP8 rows are the experts' slots' only form: quantizing them would change the model)
-            raise ConfigError(f"--quantization fp8 holds the routed experts in FP8, but the checkpoint leaves "
-                              f"{experts[0]} unquantized (its modules_to_not_convert): serve it without "
-                              "--quantization (it is then dequantized at load)")
+        if experts:  # (quantized rows are the experts' slots' only form: quantizing them would change the model)
+            raise ConfigError(f"--quantization {ecfg.quantization} holds the routed experts quantized, but the "
+                              f"checkpoint leaves {experts[0]} unquantized (its modules_to_not_convert): serve it "
+                              "without --quantization (it is then dequantized at load)")
         cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip))
+        check_quantized_rows(cfg)
     check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()

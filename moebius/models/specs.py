@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from moebius.config import ModelConfig
-from moebius.kernels.fp8_rows import BLOCK, packed_width
+from moebius.kernels.rows import FP8, RowFormat, row_format
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.models.fp8_blocks import fp8_rows_fetch
 from moebius.models.weights import shared_tag
@@ -95,7 +95,7 @@ class ParamSpec:
     # a source piece fetched as a meta tensor is skipped (an update of some experts leaves the others' rows)
     fill: Callable[[Fetch, torch.Tensor], None] | None = None
     # the view's dtype where it is not the model's: float32 for computed tables and for the routers transformers
-    # keeps in float32 (a bf16 copy could flip a near-tie between experts), uint8 for FP8 rows
+    # keeps in float32 (a bf16 copy could flip a near-tie between experts), uint8 for quantized rows
     dtype: torch.dtype | None = None
 
 
@@ -112,10 +112,13 @@ class ExpertCut:
     write these."""
 
     def __init__(self, p: str, which: str, lay: Layout, fused: tuple[int, ...],
-                 per_expert_shapes: tuple[tuple[int, ...], ...], names: ExpertNames = HF_EXPERTS) -> None:
+                 per_expert_shapes: tuple[tuple[int, ...], ...], names: ExpertNames = HF_EXPERTS,
+                 fmt: RowFormat | None = None) -> None:
         self.p, self.which, self.lay, self.fused_shape = p, which, lay, fused
         self.shapes, self.names = per_expert_shapes, names
         self.local = range(lay.first_expert, lay.first_expert + lay.num_local_experts)
+        # quantized rows (kernels/rows.py): each source tensor is packed as fetched, then cut as bytes
+        self.rows = None if fmt is None else rows_fetch(fmt, gate_up=which == "w13")
 
     def _names(self, e: int) -> tuple[str, ...]:
         return tuple(self.names.expert(self.p, e, proj) for proj in self.names.projections(self.which))
@@ -123,6 +126,8 @@ class ExpertCut:
     def pieces(self, fetch: Fetch) -> list[tuple[tuple[int | slice, ...], torch.Tensor]]:
         """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there)."""
         w13 = self.which == "w13"
+        if self.rows is not None:
+            fetch = self.rows(fetch)
         try:
             first = fetch(self._names(self.local.start)[0], self.shapes[0])
         except KeyError as missing:
@@ -220,19 +225,62 @@ def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Ten
 def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Callable[[Fetch], torch.Tensor], *,
                 columns: tuple[int, int] = (0, 1)) -> ParamSpec:
     """A dense region of Linear weights [rows, columns] (`load`: its cut of the checkpoint's `.weight` tensors, rows
-    by any cut, columns by `kernels.fp8_rows.column_block`). With --quantization fp8 it holds FP8 rows (a checkpoint's
+    by any cut, columns by `kernels.rows.RowFormat.cut`). With --quantization fp8 it holds FP8 rows (a checkpoint's
     float8 values and scales as stored) where every rank's columns are whole 128-value chunks (`columns`: the full
     column count and the equal parts some layout's ranks cut it in: o_proj's by heads in TP, down's by TP, a shared
     expert's on every rank) and no tensor it reads is one the checkpoint leaves unquantized (`quant_skip`); else in
-    the dtype, in every layout alike."""
+    the dtype, in every layout alike (--quantization mxfp4 holds the routed experts alone)."""
     spec = ParamSpec(name, shape, load)
     full, parts = columns
-    if cfg.quantization != "fp8" or (parts > 1 and full % (parts * BLOCK[1])):
+    fmt = row_format(cfg.quantization)
+    if fmt is None or fmt.experts_only or (parts > 1 and full % (parts * fmt.chunk_cols)):
         return spec
     if cfg.quant_skip and any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
         return spec
-    rows = functools.partial(fp8_rows_fetch, gate_up=False)
-    return ParamSpec(name, (shape[0], packed_width(shape[1])), lambda f: load(rows(f)), dtype=torch.uint8)
+    rows = rows_fetch(fmt, gate_up=False)
+    return ParamSpec(name, (shape[0], fmt.width(shape[1])), lambda f: load(rows(f)), dtype=torch.uint8)
+
+
+def rows_fetch(fmt: RowFormat, gate_up: bool) -> Callable[[Fetch], Fetch]:
+    """What turns a spec's fetch into one whose tensors come as `fmt`'s rows: FP8 rows with a checkpoint's own scales
+    where it stores them (`fp8_rows_fetch`: its float8 values come back exactly); MXFP4 rows quantized from the
+    values (an MXFP4 checkpoint's come back exactly, kernels/mxfp4_rows.py). A meta tensor stays one."""
+    if fmt is FP8:
+        return functools.partial(fp8_rows_fetch, gate_up=gate_up)
+
+    def wrap(fetch: Fetch) -> Fetch:
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            w = fetch(name, shape)
+            if w.is_meta:
+                return torch.empty(*w.shape[:-1], fmt.width(w.shape[-1]), dtype=torch.uint8, device="meta")
+            return fmt.pack(w)
+
+        return get
+
+    return wrap
+
+
+class SlotCut(Protocol):
+    """A layer's local experts [gate | up] or down as its slot holds them (`ExpertCut`; GPT-OSS's own cut)."""
+
+    def load(self, fetch: Fetch) -> torch.Tensor:
+        ...
+
+    def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
+        ...
+
+
+def expert_slot_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int, w13: SlotCut, w2: SlotCut
+                      ) -> list[ParamSpec]:
+    """Layer i's local experts at the head of its slot, [gate | up] rows [El, 2Il, D] then down [El, D, Il] (`w13`,
+    `w2`: their cuts, giving the slot's form): in the dtype, or as --quantization's rows (uint8 [..., width], each
+    row's scales in it, kernels/rows.py)."""
+    p, D, El, Il, slot = f"model.layers.{i}.", cfg.hidden_size, lay.num_local_experts, lay.moe_inter, lay.slot_of(i)
+    fmt = row_format(cfg.quantization)
+    dtype, cols13, cols2 = (None, D, Il) if fmt is None else (torch.uint8, fmt.width(D), fmt.width(Il))
+    return [ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, cols13), w13.load, slot=slot, fill=w13.fill, dtype=dtype),
+            ParamSpec(p + "mlp.experts.w2", (El, D, cols2), w2.load, slot=slot,
+                      offset=El * 2 * Il * cols13 * (1 if fmt else elt), fill=w2.fill, dtype=dtype)]
 
 
 def norm_spec(name: str, D: int) -> ParamSpec:
@@ -294,27 +342,13 @@ def routed_expert_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int, router_
                         ) -> list[ParamSpec]:
     """An MoE layer's router (in `router_dtype` where not the model's) and its local experts' views, [gate | up]
     then down at the head of the layer's slot (the checkpoint's per-expert names, `expert_names`, or fused tensors,
-    through `ExpertCut`)."""
+    through `ExpertCut`; `expert_slot_specs`)."""
     p, D, names = f"model.layers.{i}.", cfg.hidden_size, expert_names(cfg)
-    E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
-    slot = lay.slot_of(i)
-    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)), names)
-    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),), names)
+    E, I, fmt = cfg.num_experts, cfg.moe_intermediate_size, row_format(cfg.quantization)
+    w13 = ExpertCut(p, "w13", lay, (E, 2 * I, D), ((I, D), (I, D)), names, fmt)
+    w2 = ExpertCut(p, "w2", lay, (E, D, I), ((D, I),), names, fmt)
     router = ParamSpec(p + "mlp.gate", (E, D), lambda f: f(names.router(p), (E, D)), dtype=router_dtype)
-    if cfg.quantization == "fp8":  # FP8 rows, each row's scales in it (kernels/fp8_rows.py): bytes, cut alike
-        rows13, rows2 = functools.partial(fp8_rows_fetch, gate_up=True), functools.partial(fp8_rows_fetch,
-                                                                                            gate_up=False)
-        return [router,
-                ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, packed_width(D)), lambda f: w13.load(rows13(f)),
-                          slot=slot, fill=lambda f, v: w13.fill(rows13(f), v), dtype=torch.uint8),
-                ParamSpec(p + "mlp.experts.w2", (El, D, packed_width(Il)), lambda f: w2.load(rows2(f)), slot=slot,
-                          offset=El * 2 * Il * packed_width(D), fill=lambda f, v: w2.fill(rows2(f), v),
-                          dtype=torch.uint8)]
-    return [
-        router,
-        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
-        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
-    ]
+    return [router, *expert_slot_specs(cfg, lay, i, elt, w13, w2)]
 
 
 WeightSpecs = Callable[[ModelConfig, Layout, int], list[ParamSpec]]
@@ -392,8 +426,8 @@ class Family:
     floor_terms: Callable[[ModelConfig, Layout], FloorTerms] | None = None
     packings: Mapping[str, Packing] = field(default_factory=dict)
     checkpoint_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
-    # the --quantization values it serves (its routed experts through `routed_expert_specs` and `layers/moe`)
-    quantizations: tuple[str, ...] = ("fp8",)
+    # the --quantization values it serves (its routed experts through `expert_slot_specs` and `layers/moe`)
+    quantizations: tuple[str, ...] = ("fp8", "mxfp4")
 
     def resident_specs(self, cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
         """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.kernels.fp8_rows import BLOCK, packed_width
+from moebius.kernels.rows import holds, row_format
 
 if TYPE_CHECKING:
     from moebius.parallel.dispatch import Communicator
@@ -110,11 +110,12 @@ class Layout:
         return self.cfg.intermediate_size // self.tp
 
     def expert_bytes(self, elt: int) -> int:
-        """Bytes of one layer's local expert weights (W13 + W2): the same in both modes (FP8 rows: where TP cuts
-        whole scale blocks, `check_quantized_layouts`)."""
+        """Bytes of one layer's local expert weights (W13 + W2): the same in both modes (quantized rows: where TP
+        cuts whole scale blocks, `check_quantized_layouts`)."""
         El, Il, D = self.num_local_experts, self.moe_inter, self.cfg.hidden_size
-        if self.cfg.quantization == "fp8":
-            return El * (2 * Il * packed_width(D) + D * packed_width(Il))
+        fmt = row_format(self.cfg.quantization)
+        if fmt is not None:
+            return El * (2 * Il * fmt.width(D) + D * fmt.width(Il))
         return 3 * El * Il * D * elt
 
     def slot_of(self, layer: int) -> int:
@@ -188,17 +189,34 @@ class Layout:
 
 
 # ---- the expert shard geometry (load and both switch directions) ----
-def check_quantized_layouts(cfg: ModelConfig, world_size: int, modes: tuple[str, ...]) -> None:
-    """FP8 experts (--quantization fp8) in TP over P ranks: each rank's I/P rows of an expert must be whole 128-row
-    scale blocks (a cut inside one would leave two ranks one scale; padding every shard to whole blocks would make
-    the two layouts' experts different sizes in one slot). EP keeps whole experts: always served. ConfigError
-    naming the sizes where TP is held and cannot be cut."""
-    I, P = cfg.moe_intermediate_size, world_size
-    if cfg.quantization != "fp8" or "tp" not in modes or P == 1 or (I // P) % BLOCK[0] == 0:
+def check_quantized_rows(cfg: ModelConfig) -> None:
+    """Quantized experts (--quantization, kernels/rows.py) in a format whose rows are whole blocks (MXFP4): the
+    experts' hidden and intermediate sizes must be multiples of its block. ConfigError naming the sizes."""
+    fmt, I, D = row_format(cfg.quantization), cfg.moe_intermediate_size, cfg.hidden_size
+    if fmt is None:
         return
-    raise ConfigError(f"--quantization fp8 with TP over {P} ranks would cut each expert's moe_intermediate_size {I} "
-                      f"into {I // P} rows a rank, splitting its {BLOCK[0]}-row FP8 scale blocks; EP keeps whole "
-                      "experts: serve it in EP alone (--mode ep --static-layout)")
+    bad = [f"{k} {n}" for k, n in (("hidden_size", D), ("moe_intermediate_size", I)) if not holds(fmt, n)]
+    if bad:
+        raise ConfigError(f"--quantization {fmt.name} holds the experts' rows in whole {fmt.chunk_cols}-value "
+                          f"{fmt.name.upper()} blocks, and this model's {' and '.join(bad)} "
+                          f"{'is' if len(bad) == 1 else 'are'} not a multiple of {fmt.chunk_cols}: serve it without "
+                          "--quantization")
+
+
+def check_quantized_layouts(cfg: ModelConfig, world_size: int, modes: tuple[str, ...]) -> None:
+    """Quantized experts (--quantization, kernels/rows.py) in TP over P ranks: each rank's I/P rows of an expert must
+    be whole scale blocks (FP8: 128 rows; MXFP4: down's I/P columns whole 32-value blocks): a cut inside one would
+    leave two ranks one scale; padding every shard to whole blocks would make the two layouts' experts different
+    sizes in one slot. EP keeps whole experts: always served (where the format holds the rows, `check_quantized_rows`).
+    ConfigError naming the sizes where TP is held and cannot be cut."""
+    check_quantized_rows(cfg)
+    fmt, I, P = row_format(cfg.quantization), cfg.moe_intermediate_size, world_size
+    if fmt is None or "tp" not in modes or P == 1 or (I // P) % fmt.tp_unit == 0:
+        return
+    raise ConfigError(f"--quantization {fmt.name} with TP over {P} ranks would cut each expert's "
+                      f"moe_intermediate_size {I} into {I // P} rows a rank, splitting its "
+                      f"{fmt.tp_unit}-{fmt.tp_what} {fmt.name.upper()} scale blocks; EP keeps whole experts: serve "
+                      "it in EP alone (--mode ep --static-layout)")
 
 
 def tp_block(t: torch.Tensor, dim: int, parts: int, q: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from moebius.config import ConfigError, EngineConfig
 from moebius.kernels import KernelConfig
 from moebius.kernels.flash import use_flash
+from moebius.kernels.rows import row_format
 from moebius.link.lifecycle import StopRules
 from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
@@ -145,11 +146,12 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
     held = (spec.mode,) if ecfg.static_layout else MODES
     check_quantized_layouts(cfg, spec.world_size, held)
-    if cfg.quantization and device.type == "cuda" and cfg.quantization not in unchecked:
-        raise ConfigError(f"--quantization {cfg.quantization} holds the routed experts in block FP8, whose GPU "
-                          "kernel (the fused MoE on FP8 rows) has not yet run on a GPU: serve it with --device cpu, "
-                          "or without --quantization (an FP8 checkpoint is then dequantized at load; "
-                          f"MOEBIUS_UNCHECKED_GPU={cfg.quantization} lets its GPU tests run it)")
+    fmt = row_format(cfg.quantization)
+    if fmt is not None and device.type == "cuda" and fmt.name not in unchecked:
+        raise ConfigError(f"--quantization {fmt.name} holds the routed experts in {fmt.title}, whose GPU kernel (the "
+                          f"fused MoE on {fmt.name.upper()} rows) has not yet run on a GPU: serve it with --device "
+                          "cpu, or without --quantization (a quantized checkpoint is then dequantized at load; "
+                          f"MOEBIUS_UNCHECKED_GPU={fmt.name} lets its GPU tests run it)")
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
     start, bs, elt = layouts[spec.mode], ecfg.block_size, dtype.itemsize
 

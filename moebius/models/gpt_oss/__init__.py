@@ -2,13 +2,12 @@
 logit a head, sliding-window layers alternating with full ones, YaRN rope; a biased router softmaxed over its top k;
 experts with biases and a clamped SwiGLU, stored fused with gate and up interleaved.
 
-On the CPU only (the torch reference): the GPU's attention kernels have no sinks or windows, its expert kernels
-neither the biases nor the clamped activation. Sliding windows mask the keys before the window; their KV pages are
-not freed yet (a request holds its whole context in every layer) and a switch moves every page (freeing them and
-moving only the window is the next step). MXFP4 checkpoints (the releases: quantization_config's quant_method
-"mxfp4", the experts stored as `*_blocks` / `*_scales`) load dequantized to the engine's dtype (`mxfp4.MXFP4`, the
-family's `packings`), and a weight update takes the same pieces; a checkpoint dequantized to a float dtype loads too.
-"""
+Its GPU path (the paged kernel with sinks and windows, the fused MoE with biases and the clamped activation) is
+written and refused on a GPU until its GPU tests pass there (`cpu_only`). MXFP4 checkpoints (the releases:
+quantization_config's quant_method "mxfp4", the experts stored as `*_blocks` / `*_scales`) load dequantized to the
+engine's dtype (`mxfp4.MXFP4`, the family's `packings`), or with --quantization mxfp4 kept in MXFP4 as MXFP4 rows
+(kernels/mxfp4_rows.py: their values exactly); a weight update takes the same pieces; a checkpoint dequantized to a
+float dtype loads too."""
 
 from __future__ import annotations
 
@@ -29,4 +28,4 @@ FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, b
                          "the clamped activation, the sliding layers' tables in the graphs) is not yet checked on a "
                          "GPU",
                 floor_terms=gqa.floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
-                checkpoint_shapes=checkpoint_tensor_shapes, quantizations=())
+                checkpoint_shapes=checkpoint_tensor_shapes, quantizations=("mxfp4",))

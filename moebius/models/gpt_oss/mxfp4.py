@@ -15,28 +15,21 @@ from collections.abc import Sequence
 
 import torch
 
-# e2m1's sixteen values by code: sign bit 3, then exponent and mantissa
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-SCALE_BIAS = 127
-BLOCK = 32  # values a block, one scale each
+from moebius.kernels.mxfp4_rows import BLOCK, values
+
 PACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # the float names (suffixes) stored as pieces
 PIECES = ("_blocks", "_scales")  # appended to a packed float name, in the order `unpack` takes them
 
 
 def dequantize(blocks_ERGB: torch.Tensor, scales_ERG: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[E, G * 32, R] in `dtype` from MXFP4 blocks and scales (one expert at a time: no float32 copy of a whole
-    layer's experts)."""
+    layer's experts; the values as `kernels.mxfp4_rows.values` gives them, transformers' rounding)."""
     E, R, G, B = blocks_ERGB.shape
     if scales_ERG.shape != (E, R, G):
         raise ValueError(f"MXFP4 scales of shape {tuple(scales_ERG.shape)} do not match blocks {(E, R, G, B)}")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks_ERGB.device)
     out = torch.empty(E, G * B * 2, R, dtype=dtype, device=blocks_ERGB.device)
     for e in range(E):
-        blk = blocks_ERGB[e].to(torch.uint8)
-        vals = torch.stack([lut[(blk & 0x0F).long()], lut[(blk >> 4).long()]], dim=-1).flatten(-2)  # [R, G, 32]
-        # (float32 until the end, as transformers' ldexp: exact powers of two, one rounding to dtype)
-        vals = vals * torch.pow(2.0, scales_ERG[e].to(torch.int32) - SCALE_BIAS)[..., None]
-        out[e] = vals.flatten(-2).t()
+        out[e] = values(blocks_ERGB[e], scales_ERG[e], dtype).flatten(-2).t()
     return out
 
 

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from moebius.config import ModelConfig
+from moebius.kernels.rows import row_format
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.gpt_oss.config import GptOssConfig
 from moebius.models.gqa import AttnWeights, attention_specs, attention_weights, attn_tag
-from moebius.models.specs import Fetch, ParamSpec, decoder_specs, spec_views, tp_cut
+from moebius.models.specs import Fetch, ParamSpec, decoder_specs, expert_slot_specs, spec_views, tp_cut
 from moebius.models.weights import ModelWeights, MoEWeights, decoder_weights
 from moebius.parallel.layout import Layout
 
@@ -61,10 +62,12 @@ def deinterleave(t: torch.Tensor) -> torch.Tensor:
 class FusedExperts:
     """A layer's local experts cut from transformers' fused tensors, as views of the source: `w13` [El, 2, Il, D]
     (gate_up_proj's columns of each projection transposed to rows, then TP blocks of each) or `w2` [El, D, Il]
-    (down_proj transposed, TP blocks of its columns). The load and an update both write these."""
+    (down_proj transposed, TP blocks of its columns); with --quantization mxfp4 the cut packed as MXFP4 rows (the
+    rows are the transposed tensors', so the packing follows the cut; an MXFP4 checkpoint's values come back
+    exactly). The load and an update both write these."""
 
     def __init__(self, cfg: ModelConfig, lay: Layout, p: str, which: str) -> None:
-        self.lay, self.which = lay, which
+        self.lay, self.which, self.fmt = lay, which, row_format(cfg.quantization)
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.name, self.shape = (p + GATE_UP, (E, D, 2 * I)) if which == "w13" else (p + DOWN, (E, I, D))
         self.local = slice(lay.first_expert, lay.first_expert + lay.num_local_experts)
@@ -72,8 +75,14 @@ class FusedExperts:
     def piece(self, fetch: Fetch) -> torch.Tensor:
         t = fetch(self.name, self.shape)[self.local]
         if self.which == "w13":  # [El, D, 2I] -> [El, 2, I, D]
-            return tp_cut(deinterleave(t).permute(0, 2, 3, 1), 2, self.lay)
-        return tp_cut(t.transpose(1, 2), 2, self.lay)  # [El, I, D] -> [El, D, I]
+            cut = tp_cut(deinterleave(t).permute(0, 2, 3, 1), 2, self.lay)
+        else:
+            cut = tp_cut(t.transpose(1, 2), 2, self.lay)  # [El, I, D] -> [El, D, I]
+        if self.fmt is None:
+            return cut
+        if cut.is_meta:
+            return torch.empty(*cut.shape[:-1], self.fmt.width(cut.shape[-1]), dtype=torch.uint8, device="meta")
+        return self.fmt.pack(cut)
 
     def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
         """The cut copied into `dst` (the slot's view, [El, 2Il, D] or [El, D, Il]); a tensor an update does not
@@ -94,7 +103,7 @@ def _experts_tag(lay: Layout) -> str:
 def _moe_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpec]:
     p, D = f"model.layers.{i}.", cfg.hidden_size
     E, I, El, Il = cfg.num_experts, cfg.moe_intermediate_size, lay.num_local_experts, lay.moe_inter
-    slot, local, tag = lay.slot_of(i), slice(lay.first_expert, lay.first_expert + El), _experts_tag(lay)
+    local, tag = slice(lay.first_expert, lay.first_expert + El), _experts_tag(lay)
     w13, w2 = FusedExperts(cfg, lay, p, "w13"), FusedExperts(cfg, lay, p, "w2")
 
     def b13(f: Fetch) -> torch.Tensor:  # [El, 2I] interleaved -> [El, 2, Il] -> [El, 2Il]
@@ -103,8 +112,7 @@ def _moe_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int) -> list[ParamSpe
     specs = [
         ParamSpec(p + "mlp.router", (E, D), lambda f: f(p + "mlp.router.weight", (E, D))),
         ParamSpec(p + "mlp.router.bias", (E,), lambda f: f(p + "mlp.router.bias", (E,))),
-        ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, D), w13.load, slot=slot, fill=w13.fill),
-        ParamSpec(p + "mlp.experts.w2", (El, D, Il), w2.load, slot=slot, offset=El * 2 * Il * D * elt, fill=w2.fill),
+        *expert_slot_specs(cfg, lay, i, elt, w13, w2),
         ParamSpec(p + f"mlp.experts.b13.{tag}.tp{lay.tp_rank}of{lay.tp}", (El, 2 * Il), b13),
     ]
     if lay.tp_rank == 0:  # the down projection's shards are summed over TP ranks: its bias on one of them
