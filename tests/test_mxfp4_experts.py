@@ -64,10 +64,11 @@ def requantized(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_requantized(path: str, float_ckpt: str) -> str:
-    """The float checkpoint with every routed expert weight requantized: the model the MXFP4 engine serves."""
+    """The float checkpoint with every routed expert weight requantized (per-expert or fused, [.., rows, columns]):
+    the model the MXFP4 engine serves."""
     shutil.copytree(float_ckpt, path)
     tensors = saved_tensors(path)
-    out = {n: requantized(t) if ".mlp.experts." in n else t for n, t in tensors.items()}
+    out = {n: requantized(t) if ".experts." in n else t for n, t in tensors.items()}
     save_file(out, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
     return path
 
@@ -234,6 +235,32 @@ def test_float_updates_are_quantized_on_the_way_in(ckpt: Callable[[str], str], t
     with LLM(model=ckpt("float"), num_ranks=2, mode="tp", **MX) as llm:
         assert llm.update_weights([(EXPERT, float_b[EXPERT]), (EXPERT_UP, float_b[EXPERT_UP])]).done
         parity_across_switch(llm, mixed, prompts, N_OUT, back=False)
+
+
+def _family_writers() -> dict[str, Callable[[str], str]]:
+    from conftest import write_deepseek_checkpoint
+    from test_glm4_moe_family import write_glm_checkpoint
+    from test_mixtral_family import write_mixtral
+    from test_olmoe_family import write_olmoe_checkpoint
+    from test_qwen2_moe_family import write_qwen2_moe
+
+    return {"deepseek_v3": lambda p: write_deepseek_checkpoint(p, 3),
+            "glm4_moe": lambda p: write_glm_checkpoint(p, {}, 0),
+            "mixtral": lambda p: write_mixtral(p, {}, 0),
+            "olmoe": lambda p: write_olmoe_checkpoint(p, {}, 0),
+            "qwen2_moe": lambda p: write_qwen2_moe(p, {}, 0)}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_every_family_serves_its_experts_in_mxfp4(family: str, tmp_path: Any) -> None:
+    """Each family's tiny checkpoint (experts 32 wide) quantized at load on one rank: transformers' tokens on its
+    requantized twin in TP, then EP after a switch (shared experts and dense layers in the dtype)."""
+    path = _family_writers()[family](str(tmp_path / family))
+    twin = write_requantized(str(tmp_path / (family + "_q")), path)
+    with LLM(model=path, **MX) as llm:
+        w = [lw.mlp for lw in llm.engine.ranks.rank.modes["tp"].weights.layers]
+        assert any(getattr(m, "w13_EFD", None) is not None and m.w13_EFD.dtype == torch.uint8 for m in w)
+        parity_across_switch(llm, twin, PROMPTS[:3], N_OUT, back=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
