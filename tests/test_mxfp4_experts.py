@@ -366,6 +366,20 @@ def test_the_floor_model_counts_mxfp4_rows_bytes() -> None:
         assert switch_floor_ms(mx, 2, 0) == pytest.approx(switch_floor_ms(bf16, 2, 0) * 17 / 64)
 
 
+def test_gpt_oss_120b_fits_one_gpu_in_mxfp4() -> None:
+    """A rank's weights (the floor model's sizing, as worker/build.py plans them): gpt-oss-120b's do not fit one
+    H200 in bf16 and do in MXFP4; at P = 4, where TP would cut its 2880-wide experts into 720 columns (inside a
+    block), a rank holds EP's regions alone."""
+    from moebius.bench.floor import Hardware, rank_weight_bytes
+    from moebius.config import PRESETS
+
+    bf16 = model_config(PRESETS["gpt-oss-120b"])
+    mx = dataclasses.replace(bf16, quantization="mxfp4")
+    gpu = Hardware().memory_bytes
+    assert rank_weight_bytes(mx, 1) < 0.5 * gpu < gpu < rank_weight_bytes(bf16, 1)
+    assert rank_weight_bytes(mx, 4) < rank_weight_bytes(mx, 2) < rank_weight_bytes(mx, 1)
+
+
 def test_a_switch_sends_about_a_quarter_of_the_weight_bytes(ckpt: Callable[[str], str]) -> None:
     """P = 2: a TP -> EP switch with requests live sends, by its plan (`SwitchOutcome.weight_bytes`), 17 / 64 of the
     bfloat16 engine's expert bytes (each rank's half of its experts' shards); the KV rows it sends are the bfloat16

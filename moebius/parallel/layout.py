@@ -203,6 +203,12 @@ def check_quantized_rows(cfg: ModelConfig) -> None:
                           "--quantization")
 
 
+def tp_cuts_whole_blocks(cfg: ModelConfig, P: int) -> bool:
+    """Whether TP over P ranks cuts each expert at whole scale blocks of its quantized rows (always, unquantized)."""
+    fmt = row_format(cfg.quantization)
+    return fmt is None or P == 1 or (cfg.moe_intermediate_size // P) % fmt.tp_unit == 0
+
+
 def check_quantized_layouts(cfg: ModelConfig, world_size: int, modes: tuple[str, ...]) -> None:
     """Quantized experts (--quantization, kernels/rows.py) in TP over P ranks: each rank's I/P rows of an expert must
     be whole scale blocks (FP8: 128 rows; MXFP4: down's I/P columns whole 32-value blocks): a cut inside one would
@@ -211,7 +217,7 @@ def check_quantized_layouts(cfg: ModelConfig, world_size: int, modes: tuple[str,
     ConfigError naming the sizes where TP is held and cannot be cut."""
     check_quantized_rows(cfg)
     fmt, I, P = row_format(cfg.quantization), cfg.moe_intermediate_size, world_size
-    if fmt is None or "tp" not in modes or P == 1 or (I // P) % fmt.tp_unit == 0:
+    if fmt is None or "tp" not in modes or tp_cuts_whole_blocks(cfg, P):
         return
     raise ConfigError(f"--quantization {fmt.name} with TP over {P} ranks would cut each expert's "
                       f"moe_intermediate_size {I} into {I // P} rows a rank, splitting its "
