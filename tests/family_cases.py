@@ -9,7 +9,7 @@ import functools
 import json
 import os
 import random
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import pytest
@@ -104,6 +104,20 @@ def hf_greedy(path: str, prompt: Sequence[int], n: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 # The engine's outputs
 # ---------------------------------------------------------------------------------------------------------------
+
+def lazy_checkpoints(root: Any, makers: dict[str, Callable[[str, Callable[[str], str]], str]]
+                     ) -> Callable[[str], str]:
+    """A module's checkpoints by name, each written under `root` when first asked (`makers[name](path, get)`: a
+    maker may ask for the checkpoints it derives from)."""
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            paths[name] = makers[name](str(root / name), get)
+        return paths[name]
+
+    return get
+
 
 def serve(path: str, P: int, mode: str, engine_kw: dict[str, Any]) -> Iterator[tuple[str, int, LLM]]:
     """(path, P, the engine) of P ranks on the checkpoint, starting in mode; closed when resumed (an engine
@@ -269,6 +283,25 @@ def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: d
     for flag in ("disable_cuda_graph", "disable_overlap_schedule"):
         with LLM(model=path, **{flag: True}, **kw) as llm:
             assert greedy_outputs(llm, prompts, n) == want, flag
+
+
+def gpu_quantized_agreement(path: str, dequantized: str, quantization: str, prompts: Sequence[Sequence[int]],
+                            n: int) -> None:
+    """On a GPU in bf16: the engine on a checkpoint with `quantization` (the fused MoE on its rows, through decode
+    graphs and eager steps), in TP and in EP after a switch, against the engine on the dequantized checkpoint (the
+    same bf16 weight values; the kernels' K steps differ, so nearly every token, not all: 90 %)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    kw = dict(ENGINE_KW, device="cuda", dtype="bfloat16")
+    with LLM(model=dequantized, **kw) as llm:
+        want = greedy_outputs(llm, prompts, n)
+    with LLM(model=path, quantization=quantization, **kw) as llm:
+        got = [greedy_outputs(llm, prompts, n)]
+        assert llm.switch_mode("ep").done
+        got.append(greedy_outputs(llm, prompts, n))
+    for tokens in got:
+        same = sum(a == b for w, g in zip(want, tokens, strict=True) for a, b in zip(w, g, strict=True))
+        assert same >= 0.9 * len(prompts) * n, (same, want, tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,8 +29,10 @@ import torch
 from conftest import PROMPTS, write_checkpoint, write_deepseek_checkpoint
 from family_cases import (
     ENGINE_KW,
+    gpu_quantized_agreement,
     greedy_outputs,
     hf_greedy,
+    lazy_checkpoints,
     parity_across_switch,
     random_prompts,
     saved_tensors,
@@ -87,15 +89,7 @@ MAKERS: dict[str, Callable[[str, Callable[[str], str]], str]] = {
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    root = tmp_path_factory.mktemp("fp8_experts")
-    paths: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in paths:
-            paths[name] = MAKERS[name](str(root / name), get)
-        return paths[name]
-
-    return get
+    return lazy_checkpoints(tmp_path_factory.mktemp("fp8_experts"), MAKERS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,40 +334,30 @@ def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[st
     """On a GPU in bf16 (MOEBIUS_UNCHECKED_GPU=fp8, benchmarks/families_device_run.sh's `fp8` step): the fused MoE on
     FP8 rows, through decode graphs and eager steps in both layouts, against the engine on the dequantized
     checkpoint (the same bf16 weight values; the kernels' K steps differ, so nearly every token, not all)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    kw = dict(ENGINE_KW, device="cuda", dtype="bfloat16")
-    prompts = PROMPTS[:4]
-    with LLM(model=ckpt("fp8_deq"), **kw) as llm:
-        want = greedy_outputs(llm, prompts, N_OUT)
-    with LLM(model=ckpt("fp8"), quantization="fp8", **kw) as llm:
-        got = [greedy_outputs(llm, prompts, N_OUT)]
-        assert llm.switch_mode("ep").done
-        got.append(greedy_outputs(llm, prompts, N_OUT))
-    for tokens in got:
-        same = sum(a == b for w, g in zip(want, tokens, strict=True) for a, b in zip(w, g, strict=True))
-        assert same >= 0.9 * len(prompts) * N_OUT, (same, want, tokens)
+    gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT)
 
 
-def test_a_switch_sends_about_half_the_weight_bytes(tmp_path: Any) -> None:
-    """P = 2, a model whose rows are whole 128-value chunks (hidden 128, moe_intermediate_size 256): a TP -> EP switch
-    with requests live sends, by its plan (`SwitchOutcome.weight_bytes`), 132 / 256 of the bfloat16 engine's expert
-    bytes (each rank's half of its experts' shards); the KV rows it sends are the bfloat16 engine's."""
+@pytest.mark.parametrize("quant,ratio", [("fp8", (132, 256)), ("mxfp4", (17, 64))])
+def test_a_switch_sends_the_quantized_rows_bytes(tmp_path: Any, quant: str, ratio: tuple[int, int]) -> None:
+    """P = 2, a model whose rows are whole chunks of both formats (hidden 128, moe_intermediate_size 256): a TP -> EP
+    switch with requests live sends, by its plan (`SwitchOutcome.weight_bytes`), the rows' share of the bfloat16
+    engine's expert bytes (each rank's half of its experts' shards: FP8 132 / 256, MXFP4 17 / 64); the KV rows it
+    sends are the bfloat16 engine's."""
     path = write_checkpoint(str(tmp_path / "wide"), dict(hidden_size=128, moe_intermediate_size=256))
     sent = {}
-    for quant in (None, "fp8"):
-        kw = {**ENGINE_KW, "dtype": "bfloat16", "quantization": quant}
+    for q in (None, quant):
+        kw = {**ENGINE_KW, "dtype": "bfloat16", "quantization": q}
         with LLM(model=path, num_ranks=2, mode="tp", **kw) as llm:
             for p in PROMPTS[:3]:
                 llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=6))
             llm.step()
             out = llm.switch_mode("ep")
             assert out.done
-            sent[quant] = (out.weight_bytes, out.kv_bytes)
+            sent[q] = (out.weight_bytes, out.kv_bytes)
             while llm.has_unfinished():
                 llm.step()
     cfg = model_config(_config(path))
     layers, E, D, I = cfg.num_layers, cfg.num_experts, 128, 256
     assert sent[None][0] == layers * E * 3 * I * D * 2 // 2 // 2  # bf16: a rank sends half of its TP shards
-    assert sent["fp8"][0] * 256 == sent[None][0] * 132
-    assert sent["fp8"][1] == sent[None][1] > 0
+    assert sent[quant][0] * ratio[1] == sent[None][0] * ratio[0]
+    assert sent[quant][1] == sent[None][1] > 0

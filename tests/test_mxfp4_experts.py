@@ -29,8 +29,10 @@ import torch
 from conftest import PROMPTS, write_checkpoint
 from family_cases import (
     ENGINE_KW,
+    gpu_quantized_agreement,
     greedy_outputs,
     hf_greedy,
+    lazy_checkpoints,
     parity_across_switch,
     saved_tensors,
     serve,
@@ -42,7 +44,7 @@ from safetensors.torch import save_file
 from test_fp8_checkpoints import QWEN_QUANT, to_fp8
 from test_gpt_oss_mxfp4 import write_dequantized, write_mxfp4_checkpoint
 
-from moebius import LLM, SamplingParams
+from moebius import LLM
 from moebius.config import ConfigError
 from moebius.kernels import fp8_rows
 from moebius.kernels.mxfp4_rows import FP4_VALUES, column_block, pack_rows, packed_width, unpack_rows
@@ -86,15 +88,7 @@ MAKERS: dict[str, Callable[[str, Callable[[str], str]], str]] = {
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    root = tmp_path_factory.mktemp("mxfp4_experts")
-    paths: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in paths:
-            paths[name] = MAKERS[name](str(root / name), get)
-        return paths[name]
-
-    return get
+    return lazy_checkpoints(tmp_path_factory.mktemp("mxfp4_experts"), MAKERS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,45 +374,10 @@ def test_gpt_oss_120b_fits_one_gpu_in_mxfp4() -> None:
     assert rank_weight_bytes(mx, 4) < rank_weight_bytes(mx, 2) < rank_weight_bytes(mx, 1)
 
 
-def test_a_switch_sends_about_a_quarter_of_the_weight_bytes(ckpt: Callable[[str], str]) -> None:
-    """P = 2: a TP -> EP switch with requests live sends, by its plan (`SwitchOutcome.weight_bytes`), 17 / 64 of the
-    bfloat16 engine's expert bytes (each rank's half of its experts' shards); the KV rows it sends are the bfloat16
-    engine's."""
-    path = ckpt("float")
-    sent = {}
-    for quant in (None, "mxfp4"):
-        kw = {**ENGINE_KW, "dtype": "bfloat16", "quantization": quant}
-        with LLM(model=path, num_ranks=2, mode="tp", **kw) as llm:
-            for p in PROMPTS[:3]:
-                llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=6))
-            llm.step()
-            out = llm.switch_mode("ep")
-            assert out.done
-            sent[quant] = (out.weight_bytes, out.kv_bytes)
-            while llm.has_unfinished():
-                llm.step()
-    cfg = model_config(_config(path))
-    assert sent[None][0] == cfg.num_layers * cfg.num_experts * 3 * INTER * 64 * 2 // 2 // 2
-    assert sent["mxfp4"][0] * 64 == sent[None][0] * 17
-    assert sent["mxfp4"][1] == sent[None][1] > 0
-
-
 @pytest.mark.gpu
 def test_mxfp4_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
     """On a GPU in bf16 (MOEBIUS_UNCHECKED_GPU=mxfp4, benchmarks/families_device_run.sh's `mxfp4` step): the fused
     MoE on MXFP4 rows, through decode graphs and eager steps in both layouts, against the engine on transformers'
     dequantization of the same release (the same bf16 weight values, W4A16; the kernels' K steps differ, so nearly
     every token, not all)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    kw = dict(ENGINE_KW, device="cuda", dtype="bfloat16")
-    prompts = PROMPTS[:4]
-    with LLM(model=ckpt("deq"), **kw) as llm:
-        want = greedy_outputs(llm, prompts, N_OUT)
-    with LLM(model=ckpt("mx"), quantization="mxfp4", **kw) as llm:
-        got = [greedy_outputs(llm, prompts, N_OUT)]
-        assert llm.switch_mode("ep").done
-        got.append(greedy_outputs(llm, prompts, N_OUT))
-    for tokens in got:
-        same = sum(a == b for w, g in zip(want, tokens, strict=True) for a, b in zip(w, g, strict=True))
-        assert same >= 0.9 * len(prompts) * N_OUT, (same, want, tokens)
+    gpu_quantized_agreement(ckpt("mx"), ckpt("deq"), "mxfp4", PROMPTS[:4], N_OUT)
