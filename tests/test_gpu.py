@@ -186,6 +186,56 @@ def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) ->
         assert _rel(got, want) < 1e-2 < _rel(got, other)
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("first_expert,local", [(0, 16), (8, 8)])
+@pytest.mark.parametrize("T", [1, 2, 8, 77, 600, 4096])
+def test_mxfp4_rows_experts_match_reference(T: int, first_expert: int, local: int, gpt_oss: bool) -> None:
+    """--quantization mxfp4's fused MoE on MXFP4 rows (W4A16: each weight tile decoded to bf16 in registers) against
+    float32 math on the rows `unpack_rows` dequantizes: each launch on its own input (gate_up's rows of h; down's
+    outputs per pair, on the kernel's h) and the whole `experts` against `experts_ref`. Decode sizes (direct blocks)
+    to sizes whose bf16 configs take TMA (T = 600, 4096: MXFP4 rows go without); GPT-OSS's hidden size 2880 (whole
+    K steps) and a TP-2 shard of its intermediate, 1440 (22.5 K steps); GPT-OSS's biases and clamped activation."""
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels.mxfp4_rows import pack_rows, unpack_rows
+    from moebius.layers.moe import ClampedSwiGLU, swiglu
+
+    torch.manual_seed(0)
+    K, D, I, E = 4, 2880, 1440, 16
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
+    w13 = pack_rows(torch.randn(local, 2 * I, D, device="cuda") * 0.02)
+    w2 = pack_rows(torch.randn(local, D, I, device="cuda") * 0.02)
+    act = ClampedSwiGLU(alpha=1.702, limit=7.0) if gpt_oss else swiglu
+    b13 = torch.randn(local, 2 * I, device="cuda", dtype=torch.bfloat16) * 0.5 if gpt_oss else None
+    b2 = torch.randn(local, D, device="cuda", dtype=torch.bfloat16) * 0.1 if gpt_oss else None
+    clamp = (act.alpha, act.limit) if gpt_oss else None
+    b13_f = torch.zeros(local, 2 * I, device="cuda") if b13 is None else b13.float()  # (the reference's: 0 for none)
+    b2_f = torch.zeros(local, D, device="cuda") if b2 is None else b2.float()
+    c = fm.config_for(T * K, E, E // local)
+    blocks = (fm.direct(ids, first_expert, c.BM) if T * K <= fm.DIRECT_MAX_PAIRS
+              else fm.align(ids, first_expert, local, c.BM))
+    h = fm.gate_up(x, w13, blocks, K, c.gate_up, b13_EF=b13, clamp=clamp)
+    y = fm.down(h, w2, blocks, w.reshape(-1), c.down, b2_ED=b2)
+    row = torch.arange(T * K, device="cuda")  # each pair's row of h (direct: its own; sorted: where the align put it)
+    if not blocks.direct:
+        used = blocks.rows < T * K
+        row[blocks.rows[used].long()] = torch.nonzero(used).flatten()
+    got_h, want_h, got_y, want_y = [], [], [], []
+    for e in range(local):
+        p = torch.nonzero(ids.flatten() - first_expert == e).flatten()
+        w13_e, w2_e = unpack_rows(w13[e], D, torch.float32), unpack_rows(w2[e], I, torch.float32)
+        got_h.append(h[row[p]])
+        want_h.append(act(x[p // K].float() @ w13_e.T + b13_f[e]))
+        got_y.append(y[p])
+        want_y.append(w.flatten()[p, None].float() * (h[row[p]].float() @ w2_e.T + b2_f[e]))
+    out = experts(x, w, ids, w13, w2, first_expert, E, act=act, b13_EF=b13, b2_ED=b2)
+    ref = experts_ref(x.float(), w.float(), ids, w13, w2, first_expert, act=act, b13_EF=b13_f, b2_ED=b2_f)
+    for got, want in ((torch.cat(got_h), torch.cat(want_h)), (torch.cat(got_y), torch.cat(want_y)), (out, ref)):
+        assert torch.isfinite(got).all()
+        assert _rel(got, want) < 1e-2, (T, first_expert, gpt_oss, _rel(got, want))
+
+
 def _run(llm: LLM, prompts: list[list[int]], switch_at: set[int]) -> dict[int, list[int]]:
     """Greedy and seeded requests (top-p: whole logits; temperature only: TP's per-slice scores) arriving over time,
     with layout switches at the given steps: on their own (switch_mode) or riding on the step (request_switch)."""

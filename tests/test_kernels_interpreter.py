@@ -7,7 +7,8 @@ the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (mo
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
 with and without the expert pairs summed inside it (moebius/kernels/fused.py). MLA's paged latent attention
 (moebius/kernels/mla.py: decodes, and causal prompt chunks beside them) against DeepSeek's torch absorbed and
-expanded forms. The interpreter is chosen when Triton
+expanded forms. The fused MoE on MXFP4 rows (and its tile decode, bit for bit) in bf16, over the interpreter's bf16
+dots and casts made the GPU's (`_bf16_as_the_gpu`). The interpreter is chosen when Triton
 defines the kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra);
 skipped without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
 tests/test_symmetric_protocol.py.)"""
@@ -207,6 +208,134 @@ def moe_w8a8_cases() -> None:
         ref = experts_ref(quantize_groups(x), w, ids, w13, w2, first, act=lambda gu: quantize_groups(swiglu(gu)))
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 2e-4, (T, E, first, D, I, err)
+
+
+def _bf16_as_the_gpu() -> None:
+    """Triton's interpreter holds bfloat16 as its bits (uint16): its dots multiply those bits as integers, and its
+    float32 -> bfloat16 casts truncate (subnormals lost). The GPU's tensor cores multiply bf16 values exactly and sum
+    in float32, and its casts round to nearest even as torch does: so the bf16 cases dot and cast through torch."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def widened(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        v = torch.from_numpy(np.array(h.data).view(np.int16)).view(torch.bfloat16).float()
+        return interpreter.TensorHandle(v.numpy(), tl.float32)
+
+    def create_dot(self: interpreter.InterpreterBuilder, a: interpreter.TensorHandle, b: interpreter.TensorHandle,
+                   d: interpreter.TensorHandle, *args: object) -> interpreter.TensorHandle:
+        return dot(self, widened(a), widened(b), d, *args)
+
+    def cast_impl(self: interpreter.InterpreterBuilder, src: interpreter.TensorHandle, dst_type: tl.dtype
+                  ) -> interpreter.TensorHandle:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            q = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(q.numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
+if importlib.util.find_spec("triton") is not None:  # (the interpreter runs a kernel in its module's globals)
+    import triton
+    import triton.language as tl
+
+    from moebius.kernels.linear import MXFP4_ROWS, weight_tile
+
+    @triton.jit
+    def _mxfp4_tiles(W, Out, R, K, WS, stride_o, BR: tl.constexpr, BK: tl.constexpr):
+        """Out[r, k] = the MXFP4 rows' weight tiles as the fused MoE decodes them, every column of each tile stored
+        (masked ones too)."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        kk = tl.arange(0, BK)
+        for k0 in range(0, K, BK):
+            t = weight_tile(W, r, r < R, k0, K, WS, BK, MXFP4_ROWS, Out.dtype.element_ty)
+            tl.store(Out + r[:, None] * stride_o + (k0 + kk)[None, :], t)
+
+
+def mxfp4_tile_cases() -> None:
+    """The fused MoE's MXFP4 decode (`weight_tile` on MXFP4 rows, `linear.mx4_tile`) against `unpack_rows`, bit for
+    bit (-0.0 included), in bf16 and float32: every byte of codes, scale bytes from 0 (2^-127: subnormal values) to
+    254 (6 * 2^127 past float32's range: inf on both sides), tiles of 32, 64 and 128 columns over rows of 160 (the last
+    tile ragged), masked rows and columns 0."""
+    from moebius.kernels.mxfp4_rows import CHUNK, pack_rows, unpack_rows
+
+    _bf16_as_the_gpu()
+    g = torch.Generator().manual_seed(5)
+    R, C = 13, 160
+    w = pack_rows(torch.randn(R, C, generator=g) * torch.logspace(-100, 20, R, base=2)[:, None])
+    chunks = w.view(R, -1, CHUNK)
+    chunks[:4, :, :16] = (torch.arange(4 * 5 * 16) % 256).to(torch.uint8).view(4, 5, 16)  # every byte of codes
+    chunks[:4, :, 16] = torch.tensor([0, 1, 2, 127, 254], dtype=torch.uint8)
+    for dt, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        want = unpack_rows(w, C, dt)
+        assert (want.view(bits) == torch.tensor(-0.0, dtype=dt).view(bits)).any()
+        for BK in (32, 64, 128):
+            cols = triton.cdiv(C, BK) * BK
+            out = torch.full((16, cols), float("nan"), dtype=dt)  # two programs of 8 rows: the last 3 masked
+            _mxfp4_tiles[(2,)](w, out, R, C, w.shape[1], cols, BR=8, BK=BK)
+            assert torch.equal(out[:R, :C].view(bits), want.view(bits)), (dt, BK)
+            assert (out[R:] == 0).all() and (out[:, C:] == 0).all(), (dt, BK)
+
+
+# (tokens, experts of the model, local experts, first local expert), (hidden, intermediate), GPT-OSS's experts (biases,
+# the clamped activation) of the MXFP4 cases: widths of 1.5 and 2.5 K steps (fused_moe.MXFP4_BK = 64) and whole ones,
+# direct blocks, sorted blocks (one-program and chunked align), all local experts and EP's slice
+MXFP4_CASES = [((6, 16, 8, 8), (96, 160), False), ((8, 16, 8, 8), (160, 96), True), ((40, 16, 16, 0), (160, 96), True),
+               ((40, 16, 8, 8), (96, 64), False), ((300, 16, 8, 0), (96, 64), True)]
+
+
+def moe_mxfp4_cases() -> None:
+    """The fused MoE on MXFP4 rows (kernels/mxfp4_rows.py; W4A16: each weight tile decoded to bf16 as loaded) on bf16
+    activations against `experts_ref` on the same rows (dequantized by `unpack_rows`: the same bf16 weights). Each
+    pair's output (keep_pairs) against the reference run on that pair alone, and the pairs summed in float32 against
+    those summed so, to 1e-4 (observed 0 to 2e-5: the weights equal, the rounding points the same, only the float32
+    summation order differs, flipping a last bf16 bit in ~1e-4 of the elements); the whole against `experts_ref`,
+    which adds the pairs in bf16, to 1e-2 (~4e-3 apart). GPT-OSS's activation in the pairs' reference as the kernel
+    computes it: in float32 on the bf16-rounded gate and up, rounded once (bf16 torch rounds after each op)."""
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels.mxfp4_rows import pack_rows, unpack_rows
+    from moebius.layers.moe import ClampedSwiGLU, experts_ref, swiglu
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+    clamped = ClampedSwiGLU(alpha=1.702, limit=2.0)
+
+    def clamped_f32(gu_PF: torch.Tensor) -> torch.Tensor:
+        return clamped(gu_PF.float()).to(gu_PF.dtype)
+
+    _bf16_as_the_gpu()
+    g = torch.Generator().manual_seed(4)
+    K, bf16 = 4, torch.bfloat16
+    for (T, E_all, E, first), (D, I), gpt_oss in MXFP4_CASES:
+        x = torch.randn(T, D, generator=g).to(bf16)
+        ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g).softmax(-1).to(bf16)
+        w13 = pack_rows(torch.randn(E, 2 * I, D, generator=g) * (0.3 if gpt_oss else 0.1))  # (0.3: the clamps bite)
+        w2 = pack_rows(torch.randn(E, D, I, generator=g) * 0.1)
+        assert w13.dtype == w2.dtype == torch.uint8 and w13.shape[-1] == D // 32 * 17
+        biases = dict(b13_EF=torch.randn(E, 2 * I, generator=g).to(bf16),
+                      b2_ED=torch.randn(E, D, generator=g).to(bf16)) if gpt_oss else {}
+        clamp = (clamped.alpha, clamped.limit) if gpt_oss else None
+        pairs = fm.fused_experts(x, w, ids, w13, w2, first, E_all, keep_pairs=True, clamp=clamp, **biases)
+        mine = (ids.flatten() >= first) & (ids.flatten() < first + E)
+        p = torch.arange(T * K)  # each pair alone: its output is one bf16 row, no sum
+        want = experts_ref(x[p // K], w.reshape(-1, 1), ids.reshape(-1, 1), w13, w2, first,
+                           act=clamped_f32 if gpt_oss else swiglu, **biases)
+        got_sum, want_sum = pairs.sum(), (want.float() * mine[:, None]).view(T, K, D).sum(1).to(bf16)
+        assert rel(pairs.y_ND[mine], want[mine]) < 1e-4, (T, E, first, D, I, gpt_oss, rel(pairs.y_ND[mine], want[mine]))
+        assert rel(got_sum, want_sum) < 1e-4, (T, E, first, D, I, gpt_oss, rel(got_sum, want_sum))
+        ref = experts_ref(x, w, ids, w13, w2, first, act=clamped if gpt_oss else swiglu, **biases)
+        assert rel(got_sum, ref) < 1e-2, (T, E, first, D, I, gpt_oss, rel(got_sum, ref))
+        if gpt_oss:  # both clamps take part
+            h = x.float() @ unpack_rows(w13[0], D, torch.float32).T + biases["b13_EF"][0].float()
+            assert (h[:, :I] > clamped.limit).any() and (h[:, I:].abs() > clamped.limit).any()
 
 
 def attention_cases() -> None:
@@ -413,6 +542,22 @@ def test_fused_experts_w8a8_on_fp8_rows_under_the_interpreter() -> None:
     """--quantization fp8's default GPU path: the activations quantized per token and 128-column group, float8 dots
     scaled by both sides' scales (written, not yet run on a GPU)."""
     _run("moe_w8a8")
+
+
+def test_mxfp4_tile_decode_equals_unpack_rows_under_the_interpreter() -> None:
+    """--quantization mxfp4's weight tiles as the fused MoE decodes them: `unpack_rows`' values, bit for bit."""
+    _run("mxfp4_tile")
+
+
+def test_fused_experts_on_mxfp4_rows_under_the_interpreter() -> None:
+    """--quantization mxfp4's GPU path (W4A16, written, not yet run on a GPU): the experts' MXFP4 rows decoded a tile
+    at a time to the activations' bf16, then the same GEMMs; GPT-OSS's biases and clamped activation, EP's slice."""
+    from moebius.kernels import fused_moe as fm
+
+    pairs = [4 * c[0][0] for c in MXFP4_CASES]
+    assert min(pairs) <= fm.DIRECT_MAX_PAIRS < max(pairs) and max(pairs) > 1024  # direct, one-program and chunked
+    assert any(D % fm.MXFP4_BK and I % fm.MXFP4_BK for _, (D, I), _ in MXFP4_CASES)  # ragged last K steps
+    _run("moe_mxfp4")
 
 
 def test_fused_experts_with_biases_and_the_clamped_activation_under_the_interpreter() -> None:
@@ -638,6 +783,7 @@ def _run(case: str) -> None:
 
 if __name__ == "__main__":
     cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_w8a8": moe_w8a8_cases, "moe_biased": moe_biased_cases,
+             "mxfp4_tile": mxfp4_tile_cases, "moe_mxfp4": moe_mxfp4_cases,
              "attention": attention_cases,
              "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,

@@ -6,7 +6,9 @@ pairs in float32, unless the sublayer-end exchange sums them as it reads them (k
 pairs skips the sort (`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch
 that hits 8 experts reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair
 count), so it runs inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles
-come in through TMA. The torch reference is `moebius.layers.moe.experts_ref`.
+come in through TMA. Quantized experts (uint8 rows, kernels/rows.py) are read as they are held: FP8 rows a 128-column
+chunk a K step (W8A8, or W8A16), MXFP4 rows decoded to the activations' dtype a tile at a time (W4A16,
+`linear.mx4_tile`). The torch reference is `moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK
-from moebius.kernels.linear import fp8_dot, quantize_act, weight_tile
+from moebius.kernels.linear import FP8_ROWS, MXFP4_ROWS, PLAIN, fp8_dot, quantize_act, weight_tile
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
+from moebius.kernels.rows import FP8, MXFP4, format_of
 
 
 @dataclass(frozen=True)
@@ -221,11 +224,12 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 @triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, alpha, limit, K_TOP: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr,
-                  FP8: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
-    """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FP8:
-    FP8 rows of WS bytes; ACT8 (with FP8): float8 dots of the activations quantized a tile at a time (W8A8). BIAS:
-    B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate clamped above at `limit`,
-    up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of silu(gate) * up."""
+                  FMT: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
+    """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FMT: their
+    format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only): float8 dots of the
+    activations quantized a tile at a time (W8A8). BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's
+    activation (`ClampedSwiGLU`: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate *
+    sigmoid(alpha * gate)) instead of silu(gate) * up."""
     enter(PDL)
     nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
     blk = tl.program_id(1)
@@ -252,8 +256,8 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
                     u = W13.load([e * 2 * I + I + nb * BN, k0])
                 else:
                     wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                    g = weight_tile(wbase, n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
-                    u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FP8, X.dtype.element_ty)
+                    g = weight_tile(wbase, n, nm, k0, D, WS, BK, FMT, X.dtype.element_ty)
+                    u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FMT, X.dtype.element_ty)
                 acc_g = tl.dot(a, tl.trans(g), acc_g)
                 acc_u = tl.dot(a, tl.trans(u), acc_u)
         if BIAS:
@@ -274,11 +278,11 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
 
 @triton.jit
 def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, ACT8: tl.constexpr,
+          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr,
           BIAS: tl.constexpr, PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
-    [BN, BK] tiles; FP8: W2 FP8 rows of WS bytes; ACT8 (with FP8): float8 dots of H quantized a tile at a time (W8A8).
-    BIAS: B2 [E, D] added before the routing weight."""
+    [BN, BK] tiles; FMT: W2's format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only):
+    float8 dots of H quantized a tile at a time (W8A8). BIAS: B2 [E, D] added before the routing weight."""
     enter(PDL)
     nb = tl.program_id(0)
     blk = tl.program_id(1)
@@ -298,7 +302,7 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: 
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
                 if not ACT8:
-                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FP8, H.dtype.element_ty)
+                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
             if ACT8:
                 aq, sa = quantize_act(a)
                 acc = fp8_dot(aq, sa, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc)
@@ -376,11 +380,24 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
-def _fp8_tiles(c: TileConfig, w: torch.Tensor, kc: kernels.KernelConfig) -> tuple[TileConfig, bool, bool]:
-    """The tile config for weights `w`, whether they are FP8 rows (uint8: one 128-column chunk a K step, no TMA) and
-    whether the activations are quantized to float8 too (kc.fp8_activations)."""
-    fp8 = w.dtype == torch.uint8
-    return (replace(c, BK=BLOCK[1], tma=False) if fp8 else c), fp8, fp8 and kc.fp8_activations
+# MXFP4 rows' K step: two 32-column chunks. A multiple of 32 (whole chunks: a chunk's mask is its columns'), it
+# divides GPT-OSS's hidden size 2880 (45 steps, no masked tail, where 128 would leave half a tile), and the decode's
+# int32 and float32 temporaries of a [BN, BK] tile are half those of BK = 128: compiled for sm_90 (Triton 3.9), the
+# decode-size configs spill no registers at 64 and spill at 128. Not yet tuned on a GPU (moe_tune.py).
+MXFP4_BK = 64
+
+
+def _row_tiles(c: TileConfig, w: torch.Tensor, K: int, kc: kernels.KernelConfig) -> tuple[TileConfig, int, bool]:
+    """The tile config for weights `w` of K reduction columns, their format (`weight_tile`'s FMT) and whether the
+    activations are quantized to float8 too (FP8 rows with kc.fp8_activations). Quantized rows (uint8, format by
+    row width: `kernels.rows.format_of`) go without TMA: FP8 rows one 128-column chunk a K step, MXFP4 rows MXFP4_BK."""
+    if w.dtype != torch.uint8:
+        return c, PLAIN.value, False
+    f = format_of(w, K)
+    if f is FP8:
+        return replace(c, BK=BLOCK[1], tma=False), FP8_ROWS.value, kc.fp8_activations
+    assert f is MXFP4, f
+    return replace(c, BK=MXFP4_BK, tma=False), MXFP4_ROWS.value, False
 
 
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
@@ -389,14 +406,14 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     """clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED); None: silu(gate) * up."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
-    c, fp8, act8 = _fp8_tiles(c, w13_EFD, kc)
+    c, fmt, act8 = _row_tiles(c, w13_EFD, D, kc)
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
         blocks.first_expert, WS, x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K,
-        BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FP8=fp8, ACT8=act8, BIAS=b13_EF is not None,
+        BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b13_EF is not None,
         CLAMPED=clamp is not None, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
@@ -405,7 +422,7 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
          kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b2_ED: torch.Tensor | None = None) -> torch.Tensor:
     E, D, WS = w2_EDF.shape
     I, N = h.shape[1], w_TK.numel()
-    c, fp8, act8 = _fp8_tiles(c, w2_EDF, kc)
+    c, fmt, act8 = _row_tiles(c, w2_EDF, I, kc)
     y = torch.empty(N, D, dtype=h.dtype, device=h.device)
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
     if tma:
@@ -413,7 +430,7 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, WS, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
-        DIRECT=blocks.direct, FP8=fp8, ACT8=act8, BIAS=b2_ED is not None, num_warps=c.num_warps,
+        DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b2_ED is not None, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl(y, kc))
     return y
 

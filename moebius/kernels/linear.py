@@ -13,7 +13,8 @@ And FP8 rows (--quantization fp8, kernels/fp8_rows.py) at any row count (`linear
 so a projection reads its FP8 bytes once instead of a bf16 copy made for each call. By default (kc.fp8_activations)
 each 128-column group of a row's activations is quantized to float8 with a scale of its own and the tensor cores take
 float8 on both sides (W8A8: `quantize_act`, `fp8_dot`); else each weight tile is dequantized in registers as it is
-loaded (W8A16: `weight_tile`). The fused MoE reads its experts through the same helpers.
+loaded (W8A16: `weight_tile`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
+(--quantization mxfp4, kernels/mxfp4_rows.py) through `weight_tile` alone (W4A16: `mx4_tile`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from moebius import kernels
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
 from moebius.kernels.fp8_rows import packed_width
 from moebius.kernels.pdl import enter, pdl, release, wait
+
+# The weight formats `weight_tile` reads (a kernel's FMT constexpr; host code passes `.value`): plain values of the
+# activations' dtype, FP8 rows (kernels/fp8_rows.py), MXFP4 rows (kernels/mxfp4_rows.py)
+PLAIN, FP8_ROWS, MXFP4_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # Each row costs every program a cross-thread sum of BN x K products: from 4 rows cuBLAS was faster; 2 rows pay
 # only at small weights (`kernels.prefetch_rows`; benchmarks/results/h200x2-prefetch-rows.json).
@@ -55,13 +60,42 @@ def chunk_scales(W, rows, rm, k0, WS):
 
 
 @triton.jit
-def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FP8: tl.constexpr, DT: tl.constexpr):
-    """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT: plain values of row stride WS, or
-    (FP8) FP8 rows of WS bytes (BK == 128, one chunk: its float8 values times the row's block scale, rounded once to
-    DT as `unpack_rows` rounds)."""
-    if FP8:
+def e2m1(q):
+    """float32 values of e2m1 codes q (int32, 0 .. 15: sign bit 3, exponent bits 2..1, mantissa bit 0): e == 0 gives
+    m / 2, else (1 + m / 2) * 2^(e - 1), i.e. twice the magnitude is m or (2 + m) << (e - 1); exact, -0.0 kept."""
+    e = (q >> 1) & 3
+    m = q & 1
+    mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5
+    return tl.where(q >= 8, -mag, mag)
+
+
+@triton.jit
+def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
+    """Columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks) of MXFP4 rows `rows` (mask rm) of WS bytes
+    (kernels/mxfp4_rows.py) in DT, columns from K on 0 (K is whole chunks, so a chunk's mask is its columns'): each
+    e2m1 value times its chunk's 2^(scale - 127) in float32 (exact: the scale is built from its bits, no exp2
+    rounding, 2^-127 a subnormal), rounded once to DT as `unpack_rows` rounds."""
+    c = k0 // 32 + tl.arange(0, BK // 32)  # the tile's chunks
+    at = W + rows.to(tl.int64)[:, None, None] * WS + c[None, :, None] * 17  # [rows, chunks, 1]
+    m = rm[:, None, None] & (c * 32 < K)[None, :, None]
+    q = tl.load(at + tl.arange(0, 16)[None, None, :], mask=m, other=0).to(tl.int32)  # [rows, chunks, 16 bytes]
+    s = tl.load(at + 16, mask=m, other=0).to(tl.int32)  # [rows, chunks, 1]
+    scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+    lo = (e2m1(q & 15) * scale).to(DT)  # the even columns (a byte's low nibble comes first)
+    hi = (e2m1(q >> 4) * scale).to(DT)
+    return tl.reshape(tl.join(lo, hi), [lo.shape[0], BK])  # [rows, chunks, 16, 2] -> columns in order
+
+
+@triton.jit
+def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr):
+    """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT, by format FMT: PLAIN values of row
+    stride WS; FP8_ROWS of WS bytes (BK == 128, one chunk: its float8 values times the row's block scale, rounded
+    once to DT as `unpack_rows` rounds); MXFP4_ROWS of WS bytes (BK a multiple of 32: `mx4_tile`)."""
+    if FMT == FP8_ROWS:
         q = chunk_values(W, rows, rm, k0, K, WS).to(tl.float32)
         return (q * chunk_scales(W, rows, rm, k0, WS)[:, None]).to(DT)
+    elif FMT == MXFP4_ROWS:
+        return mx4_tile(W, rows, rm, k0, K, WS, BK, DT)
     else:
         kk = tl.arange(0, BK)
         m = rm[:, None] & (k0 + kk < K)[None, :]
@@ -206,7 +240,7 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     else:
         acc = tl.zeros([BM, BT], tl.float32)
         for k0 in range(0, K, 128):
-            w = weight_tile(W, rm, mm, k0, K, WS, 128, True, X.dtype.element_ty)
+            w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
             x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
                         mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
             acc = tl.dot(w, x, acc)
