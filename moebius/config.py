@@ -286,6 +286,11 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def largest_window(self) -> int:
+        """The largest sliding window of a layer (0: none slides); the floor model prices window layers by it."""
+        return max((w for w in self.layer_windows if w is not None), default=0)
+
     @functools.cached_property
     def kv_groups(self) -> tuple[KVGroup, ...]:
         """The layers by window: full-attention layers first (every layer, in most models), then each window's."""

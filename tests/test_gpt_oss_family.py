@@ -324,3 +324,22 @@ def test_greedy_equals_transformers_on_the_gpu(ckpt: Callable[[str], str], monke
     tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
     monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "gpt_oss")  # (the GPU path these tests check first)
     family_cases.gpu_parity(ckpt("gpt_oss"), PROMPTS, N_OUT, ENGINE_KW)
+
+
+def test_the_rank_counts_each_sequences_window_for_the_floor(ckpt: Callable[[str], str]) -> None:
+    """The work a rank reports for a step (what `bench throughput` prices, `engine.last_work`): a 17-token prompt's
+    prefill reads its 17 keys in every layer and computes, in the sliding layers, each query's min(q + 1, 6)
+    pairs; a decode after it reads the 5 cached keys its window reaches, and itself."""
+    from moebius.link.messages import attended_pairs
+
+    with LLM(model=ckpt("gpt_oss"), **dict(ENGINE_KW, max_num_batched_tokens=32)) as llm:
+        llm.add_request(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=3))
+        llm.step()
+        w = llm.engine.last_work
+        assert (w.tokens, w.kv_tokens, w.attended) == (17, 17, attended_pairs(0, 17))
+        assert (w.window_kv_tokens, w.window_attended) == (17, attended_pairs(0, 17, WINDOW)) != (17, w.attended)
+        llm.step()
+        w = llm.engine.last_work
+        assert (w.tokens, w.kv_tokens, w.window_kv_tokens, w.window_attended) == (1, 18, WINDOW, WINDOW)
+        while llm.has_unfinished():
+            llm.step()

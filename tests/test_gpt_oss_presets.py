@@ -113,3 +113,42 @@ def test_the_floor_reads_a_window_of_the_sliding_layers_cache() -> None:
     short, long = (decode_step_terms(cfg, 1, "tp", 8, c)["kv_bytes"] for c in (1024, 4096))
     assert long - short == 8 * (4096 - 1024) * per_token
     assert short == 8 * (1024 + 128) * per_token  # as many sliding layers, a window each
+
+
+def test_window_pairs_and_reads_are_counted_query_by_query() -> None:
+    """`attended_pairs` with a window: each query at position q computes min(q + 1, window) pairs (brute force over
+    chunks before, across and past the window); `window_reads`: the cached keys the first query's window reaches and
+    the new tokens."""
+    from moebius.link.messages import attended_pairs, window_reads
+
+    for start, tokens, window in ((0, 1, 4), (0, 10, 4), (2, 5, 4), (3, 1, 4), (100, 7, 8), (5, 300, 128), (0, 3, 1)):
+        assert attended_pairs(start, tokens, window) == sum(min(q + 1, window) for q in range(start, start + tokens))
+        assert attended_pairs(start, tokens) == sum(q + 1 for q in range(start, start + tokens))
+        assert window_reads(start, tokens, window) == min(start, window - 1) + tokens
+    assert window_reads(50, 3, 0) == 0
+
+
+def test_the_step_floor_reads_each_sequences_window() -> None:
+    """gpt-oss-20b's step floor, from the work the rank counts (`worker.rank.step_work`): a 2048-token prompt chunk's
+    sliding layers read its own 2048 keys (not a window's), and a decode batch of mixed lengths reads each sequence's
+    window or less; the floor's cache bytes are those reads and the writes, the full layers' every key."""
+    from moebius.bench.floor import Hardware, prefill_work, step_floor_ms
+    from moebius.link.messages import StepWork, attended_pairs
+
+    cfg = model_config(PRESETS["gpt-oss-20b"])
+    W = cfg.largest_window
+    assert W == 128
+    chunk = prefill_work(2048, window=W)
+    assert (chunk.window_kv_tokens, chunk.window_attended) == (2048, attended_pairs(0, 2048, W))
+    lengths = [10, 100, 127, 128, 129, 5000]  # each decode's cached tokens
+    decode = sum((prefill_work(0, sequences=0, decodes=1, decode_context=n, window=W) for n in lengths), StepWork())
+    assert decode.window_kv_tokens == sum(min(n, W - 1) + 1 for n in lengths)
+    assert decode.window_attended == sum(min(n + 1, W) for n in lengths)
+    # the floor's cache reads beside the same step without them (which still writes the new tokens): 12 full layers
+    # read every key, 12 sliding ones their windows'
+    per_token = 12 * 8 * 2 * 64 * 2
+    bare = StepWork(tokens=decode.tokens, decode_tokens=decode.decode_tokens, sequences=decode.sequences,
+                    sampled=decode.sampled)
+    kv = (decode.kv_tokens + decode.window_kv_tokens) * per_token
+    assert step_floor_ms(cfg, 1, "tp", decode) - step_floor_ms(cfg, 1, "tp", bare) == pytest.approx(
+        kv / Hardware().hbm_bytes_per_s * 1e3, rel=1e-3)

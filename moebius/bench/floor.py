@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from moebius.config import ConfigError, ModelConfig
 from moebius.kernels.rows import row_format
-from moebius.link.messages import StepWork, attended_pairs, split_evenly
+from moebius.link.messages import StepWork, attended_pairs, split_evenly, window_reads
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
 from moebius.parallel.layout import MODES, Layout, tp_cuts_whole_blocks
@@ -138,15 +138,13 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     tp = 1 if ep else P  # the tensor-parallel degree of attention, experts and lm_head
     weights = f.attn_weights + f.dense_weights
     moe_w = _experts_hit(cfg, T, cfg.num_experts / (P if ep else 1)) * expert / tp
-    # read every sequence's KV, write the new tokens' (sliding-window layers: at most a window a sequence, and the
-    # new tokens; an upper bound of their reads, the sequences' lengths not being in the work)
-    kv = (work.kv_tokens + T) * share * f.kv_per_token + (
-        min(work.kv_tokens, work.sequences * f.window) + T) * share * f.window_kv_per_token
+    # read every sequence's KV, write the new tokens' (sliding-window layers: the keys in each sequence's window)
+    kv = ((work.kv_tokens + T) * f.kv_per_token + (work.window_kv_tokens + T) * f.window_kv_per_token) * share
     lm = cfg.vocab_size * D / tp if work.sampled else 0.0
     pairs, inter = T * cfg.top_k * share, cfg.moe_intermediate_size / tp
     # (MLA: the absorbed form's FLOPs a (query, key) pair, though a long prompt chunk may be cheaper expanded)
     flops = (T * share * 2 * weights + Lm * 2 * pairs * expert / tp + work.attended * share * f.attn_flops_per_key
-             + min(work.attended, T * f.window) * share * f.window_attn_flops_per_key
+             + work.window_attended * share * f.window_attn_flops_per_key
              + T * 2 * f.shared_weights + 2 * lm * work.sampled * share)
     if ep:
         remote = (P - 1) * (1.0 - (1.0 - 1.0 / P) ** cfg.top_k) if P > 1 else 0.0
@@ -159,22 +157,27 @@ def step_floor_ms(cfg: ModelConfig, P: int, mode: str, work: StepWork, dtype_byt
     return (max(hbm / hw.hbm_bytes_per_s, flops / hw.bf16_flops) + link / hw.link_bytes_per_s) * 1e3
 
 
-def prefill_work(tokens: int, prefix: int = 0, sequences: int = 1, decodes: int = 0, decode_context: int = 0
-                 ) -> StepWork:
+def prefill_work(tokens: int, prefix: int = 0, sequences: int = 1, decodes: int = 0, decode_context: int = 0,
+                 window: int = 0) -> StepWork:
     """Prompt chunks of `tokens` tokens in all, split evenly over `sequences` prompts (`split_evenly`), each after
     `prefix` cached tokens, each prompt's last token sampled; beside them `decodes` requests each decoding a token
-    after `decode_context` cached ones (a mixed step)."""
+    after `decode_context` cached ones (a mixed step). `window`: the model's largest sliding window (0: none,
+    `ModelConfig.largest_window`)."""
     chunks = split_evenly(tokens, sequences)
     n = decode_context + 1
     return StepWork(tokens=tokens + decodes, decode_tokens=decodes, sequences=sequences + decodes,
                     kv_tokens=sequences * prefix + tokens + decodes * n,
-                    attended=sum(attended_pairs(prefix, c) for c in chunks) + decodes * n, sampled=sequences + decodes)
+                    attended=sum(attended_pairs(prefix, c) for c in chunks) + decodes * n, sampled=sequences + decodes,
+                    window_kv_tokens=sum(window_reads(prefix, c, window) for c in chunks)
+                    + decodes * window_reads(decode_context, 1, window),
+                    window_attended=sum(attended_pairs(prefix, c, window) for c in chunks)
+                    + decodes * attended_pairs(decode_context, 1, window) if window else 0)
 
 
 def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: int = 0, dtype_bytes: int = 2,
                      hw: Hardware = Hardware()) -> float:
     """The least time a prefill step of one chunk can take (`step_floor_ms` of `prefill_work`)."""
-    return step_floor_ms(cfg, P, mode, prefill_work(tokens, prefix), dtype_bytes, hw)
+    return step_floor_ms(cfg, P, mode, prefill_work(tokens, prefix, window=cfg.largest_window), dtype_bytes, hw)
 
 
 

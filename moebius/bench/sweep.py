@@ -122,7 +122,7 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
         if any("error" in r for r in res):
             rows.append({"mode": mode, "tokens": n, "error": [r.get("error") for r in res]})
             continue
-        work = prefill_work(n, args.prefill_prefix, S, **mixed)
+        work = prefill_work(n, args.prefill_prefix, S, **mixed, window=cfg.largest_window)
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
         step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
         row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, **mixed,

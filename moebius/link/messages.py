@@ -196,9 +196,21 @@ def split_evenly(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def attended_pairs(start: int, tokens: int) -> int:
-    """(query, key) pairs a causal chunk of `tokens` new tokens after `start` cached ones computes."""
-    return tokens * start + tokens * (tokens + 1) // 2
+def attended_pairs(start: int, tokens: int, window: int = 0) -> int:
+    """(query, key) pairs a causal chunk of `tokens` new tokens after `start` cached ones computes; with a sliding
+    `window`, each query's keys at most the window's (the query at position q reads min(q + 1, window))."""
+    if not window:
+        return tokens * start + tokens * (tokens + 1) // 2
+    a, b = start + 1, start + tokens  # each query's key count before the window caps it
+    ramp = min(b, window)
+    below = (a + ramp) * (ramp - a + 1) // 2 if ramp >= a else 0
+    return below + window * max(0, b - max(a - 1, window))
+
+
+def window_reads(start: int, tokens: int, window: int) -> int:
+    """KV tokens a sliding-window layer reads for a chunk of `tokens` new tokens after `start` cached ones: the cached
+    keys its first query's window reaches, and the new tokens'."""
+    return min(start, window - 1) + tokens if window else 0
 
 
 class _Summed:
@@ -213,7 +225,8 @@ class _Summed:
 class StepWork(_Summed):
     """What a launched step computes (the floor model prices it): new tokens (prefill chunks and decodes), the
     sequences they belong to, KV tokens its attention reads (each sequence's length after the step), the (query,
-    key) pairs attention computes (each new token's position + 1), and the rows sampled."""
+    key) pairs attention computes (each new token's position + 1), and the rows sampled; a model's sliding-window
+    layers' reads and pairs apart (its largest window's: `window_reads`, `attended_pairs`)."""
 
     tokens: int = 0
     decode_tokens: int = 0  # of `tokens`: decodes (one output-position token that samples)
@@ -222,6 +235,8 @@ class StepWork(_Summed):
     attended: int = 0
     sampled: int = 0
     preempted: int = 0  # requests preempted to schedule it (their KV freed; they recompute)
+    window_kv_tokens: int = 0  # KV tokens a sliding-window layer reads (0 where none slides)
+    window_attended: int = 0  # (query, key) pairs a sliding-window layer computes
 
 
 @dataclass

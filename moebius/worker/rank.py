@@ -35,6 +35,7 @@ from moebius.link.messages import (
     UpdateOutcome,
     WeightUpdate,
     attended_pairs,
+    window_reads,
 )
 from moebius.link.request import PLACEHOLDER, Request, RequestSpec
 from moebius.memory.kv_pool import KVPages, KVPool
@@ -75,8 +76,9 @@ class ModeRuntime:
     runner: ModelRunner
 
 
-def step_work(batch: list[ScheduledChunk], preempted: int = 0) -> StepWork:
-    """What a scheduled batch computes (the floor model's terms), and the requests preempted to schedule it."""
+def step_work(batch: list[ScheduledChunk], preempted: int = 0, window: int = 0) -> StepWork:
+    """What a scheduled batch computes (the floor model's terms; `window`: the model's largest sliding window, 0 for
+    none), and the requests preempted to schedule it."""
     w = StepWork(sequences=len(batch), preempted=preempted)
     for c in batch:
         n, p, samples = c.num_tokens, c.start, c.samples
@@ -85,6 +87,8 @@ def step_work(batch: list[ScheduledChunk], preempted: int = 0) -> StepWork:
         w.kv_tokens += p + n
         w.attended += attended_pairs(p, n)
         w.sampled += samples
+        w.window_kv_tokens += window_reads(p, n, window)
+        w.window_attended += attended_pairs(p, n, window) if window else 0
     return w
 
 
@@ -275,7 +279,7 @@ class Rank:
         of the step resolved."""
         preempted = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
-        self._work = w = step_work(batch, self.scheduler.num_preemptions - preempted)
+        self._work = w = step_work(batch, self.scheduler.num_preemptions - preempted, self.cfg.largest_window)
         n_tokens, decode = w.tokens, w.tokens == w.sequences == w.sampled  # one token a sequence, every one sampled
         if self.layout.data_parallel:
             # attention is per rank, but every rank joins each layer's collectives while any rank has work, and all
