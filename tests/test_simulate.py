@@ -125,6 +125,24 @@ def test_floor_profile_kv_capacity_tp_is_1_over_p_of_ep_for_a_latent_cache() -> 
     assert 8 * cap["tp"] == cap["ep"] > 0
 
 
+def test_floor_profile_of_a_quantized_engine() -> None:
+    """--floor-quantization: DeepSeek-V3 whole fits 8 H200s in FP8 (its FP8 rows' bytes in the weights), with its
+    steps and switches cheaper than the 20-layer cut's per layer in bf16; Qwen3-235B in FP8 on 8 ranks is refused,
+    naming the TP cut inside its scale blocks (auto mode needs both layouts)."""
+    from moebius.bench.simulate import floor_profile
+    from moebius.config import ConfigError
+
+    fp8 = floor_profile("deepseek-v3", 8, 1024, 1.4, 2.0, quantization="fp8")
+    cut = floor_profile("deepseek-v3", 8, 1024, 1.4, 2.0, num_layers=20)
+    assert fp8.key.dtype == "bfloat16+fp8" and fp8.key.num_layers == 61
+    assert 8 * fp8.kv_tokens["tp"] == fp8.kv_tokens["ep"] > 0
+    assert fp8.switch_ms["tp"] / 61 < cut.switch_ms["tp"] / 20
+    assert fp8.ep_ms[-1] / 61 < cut.ep_ms[-1] / 20
+    with pytest.raises(ConfigError, match=r"--quantization fp8 with TP over 8 ranks would cut each expert's "
+                                          r"moe_intermediate_size 1536 into 192 rows a rank"):
+        floor_profile("qwen3-235b-a22b", 8, 1024, 1.4, 2.0, quantization="fp8")
+
+
 def test_simulated_admission_keeps_within_the_layouts_capacity() -> None:
     """As the engine's scheduler: three requests of 1 prompt + 4 output tokens all start in TP holding 10 tokens,
     and at the fourth step (9 held, 3 more needed) the newest is preempted (its 3 freed: 8 held after the step) and

@@ -22,6 +22,7 @@ fits the target.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import statistics
@@ -33,7 +34,9 @@ from moebius.bench.floor import decode_step_floor_ms, floor_kv_capacity, switch_
 from moebius.bench.results import load_result, params_of, save_result, table
 from moebius.bench.workload import SYSTEMS, Job
 from moebius.config import DEFAULT_TOKEN_BUDGET, PRESETS, EngineConfig, ModelConfig
+from moebius.kernels.rows import FORMATS
 from moebius.models.registry import model_config
+from moebius.parallel.layout import MODES, check_quantized_layouts
 from moebius.switch.auto import AutoMode
 from moebius.switch.auto import build as build_auto
 from moebius.switch.calibration import Calibration, CalibrationKey
@@ -175,14 +178,19 @@ def profile_model(key: CalibrationKey) -> ModelConfig | None:
 
 
 def floor_profile(preset: str, P: int, context: int, efficiency: float, switch_efficiency: float,
-                  num_layers: int | None = None, mem_fraction: float = 0.85) -> Calibration:
+                  num_layers: int | None = None, mem_fraction: float = 0.85, quantization: str | None = None
+                  ) -> Calibration:
     """A profile made from the floor model: each layout's step floor times `efficiency`, the weights' switch floor
     times `switch_efficiency`, and each layout's KV capacity on an H200 (`floor_kv_capacity`: `mem_fraction` of it
-    less a rank's weights; TP's is 1/P of EP's for a latent cache)."""
-    cfg = model_config(PRESETS[preset], num_layers=num_layers)
+    less a rank's weights; TP's is 1/P of EP's for a latent cache); `quantization`: the engine's --quantization (its
+    rows' bytes in the weights, the steps and the switch). ConfigError where TP cannot cut its quantized experts
+    (auto mode needs both layouts)."""
+    cfg = dataclasses.replace(model_config(PRESETS[preset], num_layers=num_layers), quantization=quantization or "")
+    check_quantized_layouts(cfg, P, MODES)
     ms = {m: [decode_step_floor_ms(cfg, P, m, b, context) * efficiency for b in FLOOR_BATCHES] for m in ("tp", "ep")}
     switch = switch_floor_ms(cfg, P, 0) * switch_efficiency
-    key = CalibrationKey(preset, cfg.num_layers, P, "floor model", "bfloat16")
+    key = CalibrationKey(preset, cfg.num_layers, P, "floor model", "bfloat16" + (f"+{quantization}" if quantization
+                                                                                   else ""))
     return Calibration(key, context, list(FLOOR_BATCHES), ms["tp"], ms["ep"], {"tp": switch, "ep": switch},
                        kv_tokens=floor_kv_capacity(cfg, P, mem_fraction))
 
@@ -200,8 +208,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         src.add_argument("--floor-ranks", type=int, default=8)
         src.add_argument("--floor-layers", type=int, default=None,
                          help="cut the preset to its first N layers (default: all; DeepSeek-V3 and Kimi K2 do not "
-                         "fit 8 H200s in bf16 whole)")
+                         "fit 8 H200s in bf16 whole: DeepSeek-V3 does in FP8, --floor-quantization fp8)")
         src.add_argument("--floor-context", type=int, default=1024, help="cached tokens a request in the floor")
+        src.add_argument("--floor-quantization", default=None, choices=sorted(FORMATS),
+                         help="the engine's --quantization: the floor counts its rows' bytes (weights, steps, switch)")
         src.add_argument("--efficiency", type=float, default=1.4,
                          help="step time / floor (as the sweep measured it from batch 16 on: ratio_to_floor in "
                          "benchmarks/results/h200x2-qwen3-30b-a3b-sweep.json)")
@@ -231,7 +241,7 @@ def main(a: argparse.Namespace) -> int:
             cal = Calibration.from_json(json.load(f))
     else:
         cal = floor_profile(a.floor_model, a.floor_ranks, a.floor_context, a.efficiency, a.switch_efficiency,
-                            a.floor_layers)
+                            a.floor_layers, quantization=a.floor_quantization)
     tp, ep = cal.curves()
     curves = {"tp": tp, "ep": ep}
     mixed = dict(zip(("tp", "ep"), cal.mixed_curves(), strict=True)) if cal.mixed_curves() else None
