@@ -71,3 +71,21 @@ def test_auto_is_the_default_with_several_ranks_and_calibrates(ckpt: Any, tmp_pa
 def test_auto_refuses_a_static_layout() -> None:
     with pytest.raises(ConfigError, match="static-layout"):
         make_llm(None, num_ranks=2, mode="auto", static_layout=True)
+
+
+def test_a_quantized_engine_calibrates_apart(tmp_path: Any) -> None:
+    """The kept profile is keyed by the engine's --quantization too: after a bf16 start kept its profile, an MXFP4
+    start of the same checkpoint measures its own (its steps and switches move other bytes), and a second MXFP4
+    start reuses that."""
+    from conftest import write_checkpoint
+
+    path = write_checkpoint(str(tmp_path / "wide"), dict(moe_intermediate_size=128))
+    kw = dict(num_ranks=2, calibration_dir=str(tmp_path / "profiles"), **ENGINE)
+    keys = []
+    for quant in (None, "mxfp4", "mxfp4"):
+        with make_llm(path, quantization=quant, **kw) as llm:
+            keys.append(llm.engine.calibration().key)
+            events = [e.reason for e in llm.engine.timeline.switches]
+            assert events == ([] if quant is not None and len(keys) == 3 else ["calibration"] * 2), (quant, events)
+    assert keys[0].dtype == "float32" and keys[1].dtype == keys[2].dtype == "float32+mxfp4"
+    assert len({k.file_name() for k in keys}) == 2

@@ -39,7 +39,7 @@ from moebius.models.registry import model_config
 from moebius.parallel.layout import MODES, check_quantized_layouts
 from moebius.switch.auto import AutoMode
 from moebius.switch.auto import build as build_auto
-from moebius.switch.calibration import Calibration, CalibrationKey
+from moebius.switch.calibration import Calibration, CalibrationKey, weights_label
 from moebius.switch.policy import StepCurve
 
 FLOOR_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -189,8 +189,7 @@ def floor_profile(preset: str, P: int, context: int, efficiency: float, switch_e
     check_quantized_layouts(cfg, P, MODES)
     ms = {m: [decode_step_floor_ms(cfg, P, m, b, context) * efficiency for b in FLOOR_BATCHES] for m in ("tp", "ep")}
     switch = switch_floor_ms(cfg, P, 0) * switch_efficiency
-    key = CalibrationKey(preset, cfg.num_layers, P, "floor model", "bfloat16" + (f"+{quantization}" if quantization
-                                                                                   else ""))
+    key = CalibrationKey(preset, cfg.num_layers, P, "floor model", weights_label("bfloat16", quantization))
     return Calibration(key, context, list(FLOOR_BATCHES), ms["tp"], ms["ep"], {"tp": switch, "ep": switch},
                        kv_tokens=floor_kv_capacity(cfg, P, mem_fraction))
 

@@ -57,7 +57,7 @@ from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.switch import calibration as calibration_store
 from moebius.switch.auto import AutoMode, engine_tokens, needs_calibration, resolve_mode
 from moebius.switch.auto import build as build_auto
-from moebius.switch.calibration import Calibration, CalibrationKey, calibrate
+from moebius.switch.calibration import Calibration, CalibrationKey, calibrate, weights_label
 from moebius.switch.policy import predicted_remaining
 from moebius.worker.build import freeze_heap
 from moebius.worker.launch import LocalRanks, SpawnedRanks, TorchrunRanks, serve_torchrun_rank, torchrun_env
@@ -241,7 +241,8 @@ class EngineCore:
         graphs = ("eager" if c.disable_cuda_graph or self.device != "cuda"
                   else f"graphs to batch {c.cuda_graph_max_bs} / {c.cuda_graph_max_tokens} tokens")
         return CalibrationKey(c.model or "builtin", self.model_config.num_layers, self.world_size,
-                              torch.cuda.get_device_name() if self.device == "cuda" else "cpu", self.dtype,
+                              torch.cuda.get_device_name() if self.device == "cuda" else "cpu",
+                              weights_label(self.dtype, c.quantization, not c.disable_fp8_activations),
                               f"budget {c.max_num_batched_tokens}, {graphs}, experts {c.moe_kernel}, mixed "
                               f"attention {c.mixed_attention}")
 

@@ -31,6 +31,14 @@ from moebius.switch.policy import StepCurve, crossover
 FORMAT = 2  # 2: mixed steps (format 1 files, without them, are still read)
 
 
+def weights_label(dtype: str, quantization: str | None, fp8_activations: bool = True) -> str:
+    """A profile key's dtype: the engine's, and its --quantization where it holds quantized rows (their steps and
+    switches take other times: a bf16 profile is not an FP8 engine's), FP8's W8A16 apart from its W8A8."""
+    if not quantization:
+        return dtype
+    return f"{dtype}+{quantization}" + ("-w8a16" if quantization == "fp8" and not fp8_activations else "")
+
+
 @dataclass(frozen=True)
 class CalibrationKey:
     model: str  # the model's path or preset name, or "builtin"
