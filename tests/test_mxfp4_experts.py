@@ -144,6 +144,18 @@ def test_float_weights_are_quantized_as_the_mx_specification_says() -> None:
     assert ((got - w).norm() / w.norm()) < 0.15
 
 
+def test_packing_goes_a_few_rows_at_a_time_over_any_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strided view (GPT-OSS's transposed, de-interleaved experts) packed in pieces of a few rows (the rounding's
+    temporaries bounded) gives the bytes of its contiguous copy packed whole."""
+    from moebius.kernels import mxfp4_rows
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 64, 2, 40, generator=g).permute(0, 2, 3, 1)  # [3, 2, 40, 64], even its last dim strided
+    whole = pack_rows(w.contiguous())
+    monkeypatch.setattr(mxfp4_rows, "_PIECE", 3 * 64)  # three rows a piece: 14 pieces a matrix, the last of one row
+    assert torch.equal(pack_rows(w), whole) and whole.shape == (3, 2, 40, 34)
+
+
 def test_the_format_of_rows_is_told_by_their_width() -> None:
     w = torch.randn(4, 256)
     assert format_of(pack_rows(w), 256) is MXFP4 and format_of(fp8_rows.pack_rows(w), 256) is FP8

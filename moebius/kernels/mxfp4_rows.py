@@ -14,6 +14,8 @@ transformers' dequantization of the same blocks (each value times 2^(scale - 127
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 BLOCK = 32  # values a scale covers
@@ -47,16 +49,14 @@ def _codes(x: torch.Tensor) -> torch.Tensor:
     mags = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=x.device)
     mids = (mags[1:] + mags[:-1]) / 2
     a = x.abs().contiguous()
-    down = torch.bucketize(a, mids, right=False)  # a tie goes to the lower magnitude
-    up = torch.bucketize(a, mids, right=True)  # ... or the upper one
-    idx = torch.where((down != up) & (up % 2 == 0), up, down)
-    return (idx | (torch.signbit(x).to(torch.int64) << 3)).to(torch.uint8)
+    down = torch.bucketize(a, mids, right=False, out_int32=True)  # a tie goes to the lower magnitude
+    up = torch.bucketize(a, mids, right=True, out_int32=True)  # ... or the upper one
+    idx = torch.where((down != up) & (up % 2 == 0), up, down).to(torch.uint8)
+    return idx | (torch.signbit(x).to(torch.uint8) << 3)
 
 
-def pack_rows(w: torch.Tensor) -> torch.Tensor:
-    """MXFP4 rows (uint8 [..., R, packed_width(C)]) of w [..., R, C] (float: a float model's weights, or the
-    dequantized values of an MXFP4 checkpoint, which come back exactly) quantized by 32-value blocks."""
-    packed_width(w.shape[-1])  # (refuses a row that is not whole blocks)
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """MXFP4 rows of a matrix [r, C] (C whole blocks)."""
     blocks = w.float().unflatten(-1, (w.shape[-1] // BLOCK, BLOCK))
     amax = blocks.abs().amax(-1)
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - EMAX, torch.zeros_like(amax))
@@ -65,6 +65,25 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scale = (exp + SCALE_BIAS).to(torch.uint8)[..., None]
     return torch.cat([packed, scale], dim=-1).flatten(-2)
+
+
+# values rounded at a time: the rounding's float32 and int32 temporaries stay tens of MB whatever the tensor (a
+# release's fused expert tensors are GBs)
+_PIECE = 1 << 22
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """MXFP4 rows (uint8 [..., R, packed_width(C)]) of w [..., R, C] (float: a float model's weights, or the
+    dequantized values of an MXFP4 checkpoint, which come back exactly) quantized by 32-value blocks; a matrix and
+    a few rows at a time (`w` may be any strided view: nothing of its size is copied)."""
+    *lead, R, C = w.shape
+    out = torch.empty(*lead, R, packed_width(C), dtype=torch.uint8, device=w.device)
+    rows = max(1, _PIECE // max(C, 1))
+    for at in itertools.product(*map(range, lead)):
+        src, dst = w[at], out[at]
+        for r in range(0, R, rows):
+            dst[r: r + rows] = _pack(src[r: r + rows])
+    return out
 
 
 def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
