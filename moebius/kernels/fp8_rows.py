@@ -9,6 +9,8 @@ rows as bytes (uint8 tensors), nothing else. `unpack_rows` is transformers' dequ
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 BLOCK = (128, 128)  # [rows, columns] a scale covers: every release's weight_block_size
@@ -36,8 +38,14 @@ def block_scales(w: torch.Tensor) -> torch.Tensor:
 def pack_rows(w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 rows (uint8 [..., R, packed_width(C)]) of w [..., R, C] (float, or the dequantized values of an FP8
     checkpoint) quantized by 128 x 128 blocks with `scale_inv` [..., ceil(R / 128), ceil(C / 128)] (the
-    checkpoint's: its float8 values come back exactly) or, where None, `block_scales(w)`."""
+    checkpoint's: its float8 values come back exactly) or, where None, `block_scales(w)`. A matrix at a time (the
+    rounding's float32 temporaries a matrix's, whatever the tensor: a layer's fused experts are GBs)."""
     *lead, R, C = w.shape
+    if lead:
+        out = torch.empty(*lead, R, packed_width(C), dtype=torch.uint8, device=w.device)
+        for at in itertools.product(*map(range, lead)):
+            out[at] = pack_rows(w[at], None if scale_inv is None else scale_inv[at])
+        return out
     scale = block_scales(w) if scale_inv is None else scale_inv.float()
     cb = scale.shape[-1]
     row_scale = scale.repeat_interleave(BLOCK[0], -2)[..., :R, :]  # [..., R, cb]: each row its blocks' scales
