@@ -47,7 +47,7 @@ from test_gpt_oss_mxfp4 import write_dequantized, write_mxfp4_checkpoint
 from moebius import LLM
 from moebius.config import ConfigError
 from moebius.kernels import fp8_rows
-from moebius.kernels.mxfp4_rows import FP4_VALUES, column_block, pack_rows, packed_width, unpack_rows
+from moebius.kernels.mxfp4_rows import FP4_VALUES, pack_rows, packed_width, unpack_rows
 from moebius.kernels.rows import FP8, MXFP4, format_of
 from moebius.models.registry import model_config
 
@@ -98,7 +98,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
 def test_a_releases_blocks_come_back_byte_for_byte_and_unpack_as_transformers() -> None:
     """Random release blocks (every code, scales 2^-17 .. 2^12), dequantized by transformers and packed again: the
     same codes and scale bytes in each 17-byte chunk, and `unpack_rows` is transformers' dequantization bit for bit
-    (float32 and bf16); a cut at whole chunks (TP's cut of down's columns) unpacks to the same cut of the weight."""
+    (float32 and bf16); a cut of the bytes at whole chunks (TP's cut of down's columns) unpacks to the same cut of the
+    weight."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     g = torch.Generator().manual_seed(0)
@@ -114,9 +115,6 @@ def test_a_releases_blocks_come_back_byte_for_byte_and_unpack_as_transformers() 
         assert torch.equal(unpack_rows(rows, 192, dtype), w)
     half = rows.unflatten(-1, (2, -1))[..., 1, :]  # TP 2's second shard: 3 of the 6 chunks
     assert torch.equal(unpack_rows(half, 96, torch.float32), unpack_rows(rows, 192, torch.float32)[..., 96:])
-    assert torch.equal(column_block(rows, 96, 192), half)
-    with pytest.raises(ValueError, match="whole 32-column chunks, not at columns 16..64"):
-        column_block(rows, 16, 64)
     with pytest.raises(ValueError, match="48 columns is not a multiple of 32"):
         pack_rows(torch.zeros(2, 48))
 

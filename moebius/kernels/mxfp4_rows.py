@@ -92,10 +92,3 @@ def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tens
         raise ValueError(f"MXFP4 rows of {rows.shape[-1]} bytes do not hold {cols} columns ({packed_width(cols)})")
     chunks = rows.unflatten(-1, (cols // BLOCK, CHUNK))
     return values(chunks[..., : BLOCK // 2], chunks[..., BLOCK // 2], dtype).flatten(-2)
-
-
-def column_block(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Columns start .. stop (multiples of 32) of MXFP4 rows: whole chunks, their scales with them."""
-    if start % BLOCK or stop % BLOCK:
-        raise ValueError(f"MXFP4 rows are cut at whole {BLOCK}-column chunks, not at columns {start}..{stop}")
-    return t[..., start // BLOCK * CHUNK: stop // BLOCK * CHUNK]

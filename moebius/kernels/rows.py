@@ -27,7 +27,6 @@ class RowFormat:
     pack: Callable[[torch.Tensor], torch.Tensor]  # float [..., R, C] -> rows, quantized with its own scales
     unpack: Callable[[torch.Tensor, int, torch.dtype], torch.Tensor]  # rows, C, dtype -> [..., R, C]
     width: Callable[[int], int]  # bytes of a row of C columns
-    cut: Callable[[torch.Tensor, int, int], torch.Tensor]  # columns start .. stop of rows, whole chunks
 
     @property
     def bytes_per_value(self) -> float:
@@ -45,9 +44,9 @@ class RowFormat:
 
 
 FP8 = RowFormat("fp8", "block FP8", fp8_rows.BLOCK[0], fp8_rows.BLOCK[1], fp8_rows.CHUNK, False, True,
-                fp8_rows.pack_rows, fp8_rows.unpack_rows, fp8_rows.packed_width, fp8_rows.column_block)
+                fp8_rows.pack_rows, fp8_rows.unpack_rows, fp8_rows.packed_width)
 MXFP4 = RowFormat("mxfp4", "MXFP4", 1, mxfp4_rows.BLOCK, mxfp4_rows.CHUNK, True, False, mxfp4_rows.pack_rows,
-                  mxfp4_rows.unpack_rows, mxfp4_rows.packed_width, mxfp4_rows.column_block)
+                  mxfp4_rows.unpack_rows, mxfp4_rows.packed_width)
 FORMATS = {f.name: f for f in (FP8, MXFP4)}
 
 

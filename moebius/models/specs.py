@@ -225,7 +225,7 @@ def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Ten
 def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Callable[[Fetch], torch.Tensor], *,
                 columns: tuple[int, int] = (0, 1)) -> ParamSpec:
     """A dense region of Linear weights [rows, columns] (`load`: its cut of the checkpoint's `.weight` tensors, rows
-    by any cut, columns by `kernels.rows.RowFormat.cut`). With --quantization fp8 it holds FP8 rows (a checkpoint's
+    by any cut, columns by `kernels.fp8_rows.column_block`). With --quantization fp8 it holds FP8 rows (a checkpoint's
     float8 values and scales as stored) where every rank's columns are whole 128-value chunks (`columns`: the full
     column count and the equal parts some layout's ranks cut it in: o_proj's by heads in TP, down's by TP, a shared
     expert's on every rank) and no tensor it reads is one the checkpoint leaves unquantized (`quant_skip`); else in
