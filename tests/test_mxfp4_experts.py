@@ -65,12 +65,21 @@ def requantized(t: torch.Tensor) -> torch.Tensor:
     return unpack_rows(pack_rows(t.float()), t.shape[-1], torch.float32).contiguous()
 
 
-def write_requantized(path: str, float_ckpt: str) -> str:
-    """The float checkpoint with every routed expert weight requantized (per-expert or fused, [.., rows, columns]):
-    the model the MXFP4 engine serves."""
+def write_requantized(path: str, float_ckpt: str, transposed: bool = False) -> str:
+    """The float checkpoint with every routed expert weight requantized along its input columns (the last dim of
+    per-expert and transformers-5 fused weights; `transposed`: GPT-OSS's fused [E, in, out] weights, dim 1), the
+    biases, routers and shared experts as they are: the model the MXFP4 engine serves."""
     shutil.copytree(float_ckpt, path)
     tensors = saved_tensors(path)
-    out = {n: requantized(t) if ".experts." in n else t for n, t in tensors.items()}
+
+    def held(n: str, t: torch.Tensor) -> torch.Tensor:
+        if ".experts." not in n or n.endswith("_bias"):
+            return t
+        if transposed:
+            return requantized(t.transpose(-1, -2)).transpose(-1, -2).contiguous()
+        return requantized(t)
+
+    out = {n: held(n, t) for n, t in tensors.items()}
     save_file(out, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
     return path
 
@@ -244,23 +253,26 @@ def test_float_updates_are_quantized_on_the_way_in(ckpt: Callable[[str], str], t
 def _family_writers() -> dict[str, Callable[[str], str]]:
     from conftest import write_deepseek_checkpoint
     from test_glm4_moe_family import write_glm_checkpoint
+    from test_gpt_oss_family import write_gpt_oss_checkpoint
     from test_mixtral_family import write_mixtral
     from test_olmoe_family import write_olmoe_checkpoint
     from test_qwen2_moe_family import write_qwen2_moe
 
     return {"deepseek_v3": lambda p: write_deepseek_checkpoint(p, 3),
+            "gpt_oss": lambda p: write_gpt_oss_checkpoint(p, GPT_OSS),
             "glm4_moe": lambda p: write_glm_checkpoint(p, {}, 0),
             "mixtral": lambda p: write_mixtral(p, {}, 0),
             "olmoe": lambda p: write_olmoe_checkpoint(p, {}, 0),
             "qwen2_moe": lambda p: write_qwen2_moe(p, {}, 0)}
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe"])
 def test_every_family_serves_its_experts_in_mxfp4(family: str, tmp_path: Any) -> None:
-    """Each family's tiny checkpoint (experts 32 wide) quantized at load on one rank: transformers' tokens on its
-    requantized twin in TP, then EP after a switch (shared experts and dense layers in the dtype)."""
+    """Each family's tiny float checkpoint (experts 32 or 64 wide) quantized at load on one rank: transformers' tokens
+    on its requantized twin in TP, then EP after a switch (shared experts, expert biases and dense layers in the
+    dtype)."""
     path = _family_writers()[family](str(tmp_path / family))
-    twin = write_requantized(str(tmp_path / (family + "_q")), path)
+    twin = write_requantized(str(tmp_path / (family + "_q")), path, transposed=family == "gpt_oss")
     with LLM(model=path, **MX) as llm:
         w = [lw.mlp for lw in llm.engine.ranks.rank.modes["tp"].weights.layers]
         assert any(getattr(m, "w13_EFD", None) is not None and m.w13_EFD.dtype == torch.uint8 for m in w)
