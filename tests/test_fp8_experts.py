@@ -265,7 +265,7 @@ def test_a_tp_cut_inside_a_scale_block_is_refused_naming_the_sizes(tmp_path: Any
     with pytest.raises(ConfigError, match=r"--quantization fp8 with TP over 2 ranks would cut each expert's "
                                           r"moe_intermediate_size 384 into 192 rows a rank, splitting its 128-row FP8 "
                                           r"scale blocks; EP keeps whole experts: serve it in EP alone "
-                                          r"\(--mode ep --static-layout\)"):
+                                          r"\(leave --mode unset, or --mode ep --static-layout\)"):
         LLM(model=path, num_ranks=2, mode="ep", **FP8)
     with LLM(model=path, num_ranks=2, mode="ep", static_layout=True, **FP8) as llm:
         assert len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3

@@ -321,10 +321,29 @@ def test_a_tp_cut_inside_a_block_is_refused_naming_the_sizes(tmp_path: Any) -> N
     with pytest.raises(ConfigError, match=r"--quantization mxfp4 with TP over 2 ranks would cut each expert's "
                                           r"moe_intermediate_size 96 into 48 rows a rank, splitting its 32-column "
                                           r"MXFP4 scale blocks; EP keeps whole experts: serve it in EP alone "
-                                          r"\(--mode ep --static-layout\)"):
+                                          r"\(leave --mode unset, or --mode ep --static-layout\)"):
         LLM(model=path, num_ranks=2, mode="ep", **MX)
     with LLM(model=path, num_ranks=2, mode="ep", static_layout=True, **MX) as llm:
         assert len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
+    with pytest.raises(ConfigError, match=r"would cut each expert's moe_intermediate_size 96 into 48 rows a rank"):
+        LLM(model=path, num_ranks=2, mode="auto", **MX)  # asked for: auto needs TP too
+
+
+def test_by_default_a_model_tp_cannot_cut_is_served_in_ep_alone(tmp_path: Any,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """No --mode (auto by default with several ranks) and a model TP would cut inside its blocks: the engine starts
+    in EP holding it alone, says why, and refuses a switch to TP naming that; the same tokens as an EP engine asked
+    for."""
+    path = write_checkpoint(str(tmp_path / "q96"), dict(moe_intermediate_size=96))
+    with LLM(model=path, num_ranks=2, mode="ep", static_layout=True, **MX) as llm:
+        want = greedy_outputs(llm, PROMPTS[:3], N_OUT)
+    with caplog.at_level("WARNING", logger="moebius"), LLM(model=path, num_ranks=2, **MX) as llm:
+        assert llm.mode == "ep" and llm.engine.auto is None and llm.engine.held_layouts == ("ep",)
+        assert greedy_outputs(llm, PROMPTS[:3], N_OUT) == want
+        out = llm.switch_mode("tp")
+        assert not out.done and "holds only the ep layout" in out.reason
+    assert any("serving in EP alone: TP over 2 ranks would cut the quantized experts" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_rows_of_no_whole_blocks_are_refused(tmp_path: Any) -> None:

@@ -51,7 +51,7 @@ from moebius.models.builtin import BUILTIN_NOTICE
 from moebius.models.loader import check_update
 from moebius.models.source import check_update_checkpoint, resolve_model
 from moebius.outputs import RequestOutput
-from moebius.parallel.layout import MODES, Layout, check_shapes
+from moebius.parallel.layout import MODES, Layout, check_shapes, tp_cuts_whole_blocks
 from moebius.parallel.placement import Placement
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 from moebius.switch import calibration as calibration_store
@@ -143,10 +143,10 @@ class EngineCore:
         env = torchrun_env()
         self.world_size = env[1] if env else ecfg.num_ranks
         check_shapes(cfg, self.world_size)
-        start, auto = resolve_mode(ecfg, self.world_size)
+        start, auto, self.held_layouts = resolve_mode(ecfg, self.world_size, tp_cuts_whole_blocks(cfg, self.world_size))
         spec = RankSpec(
             engine=ecfg, model=cfg, checkpoint=resolved.checkpoint, device=device, dtype=dtype,
-            eos_token_ids=resolved.eos_token_ids, max_model_len=self.max_model_len, mode=start)
+            eos_token_ids=resolved.eos_token_ids, max_model_len=self.max_model_len, mode=start, held=self.held_layouts)
         if env and env[1] > 1:
             if env[0] != 0:  # a torchrun rank other than 0 follows rank 0's plans until it shuts down
                 serve_torchrun_rank(spec)
@@ -222,7 +222,7 @@ class EngineCore:
         report it, and the other's pages cut from the same bytes as worker/build.py cuts them (a layout holding
         more KV heads a rank makes fewer pages)."""
         start = self.layout
-        held = (start.mode,) if self.config.static_layout else MODES
+        held = self.held_layouts
         cfg, P = self.model_config, self.world_size
         page_bytes = {m: KVPool.page_bytes(block_size, cfg.kv_spec, Layout(cfg, m, 0, P).num_kv_heads, dtype)
                       for m in held}

@@ -9,23 +9,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from moebius.config import ConfigError, EngineConfig
+from moebius.parallel.layout import MODES
 from moebius.switch.calibration import Calibration
 from moebius.switch.policy import PROFILES, CostPolicy, Decision, ThresholdPolicy, Thresholds
 
 log = logging.getLogger("moebius")
 
 
-def resolve_mode(ecfg: EngineConfig, world_size: int) -> tuple[str, bool]:
-    """(the layout the engine starts in, whether the policy switches it): --mode auto (the default with several
-    ranks) starts in TP for interactive serving, in EP for a rollout (one burst, then a drain)."""
+def resolve_mode(ecfg: EngineConfig, world_size: int, tp_possible: bool = True) -> tuple[str, bool, tuple[str, ...]]:
+    """(the layout the engine starts in, whether the policy switches it, the layouts its ranks hold): --mode auto
+    (the default with several ranks) starts in TP for interactive serving, in EP for a rollout (one burst, then a
+    drain), holding both; --static-layout holds the start one alone. tp_possible: whether TP can cut the model (a
+    quantized one whose experts TP would cut inside a scale block cannot): by default such a model is served in EP
+    alone (said in a warning); asked for explicitly, TP or auto is refused where the ranks are built."""
     auto = ecfg.mode == "auto" or (ecfg.mode is None and world_size > 1)
     if not auto:
-        return ecfg.mode or "tp", False
+        start = ecfg.mode or "tp"
+        return start, False, (start,) if ecfg.static_layout else MODES
     if world_size == 1:  # one rank: both layouts are the same; nothing to decide
-        return "tp", False
+        return "tp", False, ("tp",) if ecfg.static_layout else MODES
     if ecfg.static_layout:
         raise ConfigError("--mode auto switches layouts: it needs both (drop --static-layout or pick --mode tp/ep)")
-    return ("ep" if ecfg.switch_profile == "rollout" else "tp"), True
+    if ecfg.mode is None and not tp_possible:
+        log.warning("serving in EP alone: TP over %d ranks would cut the quantized experts inside their scale "
+                    "blocks, so the default auto mode has no second layout to switch to", world_size)
+        return "ep", False, ("ep",)
+    return ("ep" if ecfg.switch_profile == "rollout" else "tp"), True, MODES
 
 
 def engine_tokens(per_rank: Sequence[int], data_parallel: bool) -> int:

@@ -24,7 +24,7 @@ from moebius.models.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.models.registry import family_of
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
-from moebius.parallel.layout import MODES, Layout, check_quantized_layouts, check_shapes
+from moebius.parallel.layout import Layout, check_quantized_layouts, check_shapes
 from moebius.switch.executor import Switcher, SwitchOptions
 from moebius.worker.rank import ModeRuntime, Rank, RankSpec
 from moebius.worker.runner import ModelRunner, StaticBuffers
@@ -144,7 +144,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
                           f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
                           "its GPU tests run it)")
     # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
-    held = (spec.mode,) if ecfg.static_layout else MODES
+    held = spec.held
     check_quantized_layouts(cfg, spec.world_size, held)
     fmt = row_format(cfg.quantization)
     if fmt is not None and device.type == "cuda" and fmt.name not in unchecked:

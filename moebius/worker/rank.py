@@ -42,7 +42,7 @@ from moebius.memory.kv_pool import KVPages, KVPool
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.weights import ModelWeights
 from moebius.parallel.groups import Groups, all_gather_ints, all_gather_json
-from moebius.parallel.layout import Layout
+from moebius.parallel.layout import MODES, Layout
 from moebius.switch.executor import Switcher
 from moebius.switch.handover import RankRequests, SwitchResult, switch_requests
 from moebius.worker.runner import ModelRunner, PendingStep, StepSync, admission_error
@@ -64,6 +64,7 @@ class RankSpec:
     rank: int = 0
     world_size: int = 1
     mode: str = "tp"
+    held: tuple[str, ...] = MODES  # the layouts the rank holds: both (the switchable engine), or the start one alone
 
 
 @dataclass
@@ -255,7 +256,8 @@ class Rank:
             return SwitchOutcome(self.mode, order.target, False, f"already in {self.mode}")
         if order.target not in self.modes:
             return SwitchOutcome(self.mode, order.target, False,
-                                 f"the engine holds only the {self.mode} layout (--static-layout)")
+                                 f"the engine holds only the {self.mode} layout (--static-layout, or a quantized "
+                                 "model TP cannot cut)")
         sched = self.scheduler
         result = switch_requests(self.switcher, self.layout, self.modes[order.target].layout,
                                  self.modes[order.target].kv.num_pages,
