@@ -20,15 +20,16 @@
 #   fp8work   256 whole requests in FP8 and in bf16 (one call), greedy agreement of the FP8 engine with the bf16
 #             model's fp32 argmax beside transformers' bf16 (8 of 48 layers)
 #   mxfp4     --quantization mxfp4's GPU path (the fused MoE on MXFP4 rows, W4A16): its GPU tests, then gpt-oss-20b
-#             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json) and 256 whole
-#             requests in MXFP4, MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss
+#             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json),
+#             MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss
+#   mxfp4work 256 whole requests at gpt-oss-20b shapes in MXFP4 and in bf16 (one call: the timings compare)
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh retest sweep work agree
-#   (then, in further calls: gptoss, fp8, fp8work, mxfp4)
+#   (then, in further calls: gptoss, fp8, fp8work, mxfp4, mxfp4work)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -65,8 +66,11 @@ fp8work)
 mxfp4)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --quantization mxfp4"
   MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4"
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-mxfp4-sweep.json
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --output $R/h200-p1-gpt-oss-20b-mxfp4-throughput.json ;;
+  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-mxfp4-sweep.json ;;
+mxfp4work)
+  G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
+  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/h200-p1-gpt-oss-20b-mxfp4-throughput.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t mxfp4_work_bf16 200 $B throughput $G --output $R/h200-p1-gpt-oss-20b-mxfp4-throughput-bf16.json ;;
 gptoss)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
   MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
