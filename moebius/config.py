@@ -403,7 +403,8 @@ class EngineConfig:
                               "else in process", ("auto", "on", "off"))
     mode: str | None = _flag(None, "parallel layout: tp (tensor parallel attention and experts), ep (data-parallel "
                              "attention, expert-parallel experts), or auto (switch between them by load); default: "
-                             "auto with several ranks, tp with one", ("tp", "ep", "auto"))
+                             "auto with several ranks (ep alone for a quantized model TP cannot cut), tp with one",
+                             ("tp", "ep", "auto"))
     switch_policy: str = _flag("threshold", "auto mode's policy: threshold (switch to EP above --switch-high running "
                                "requests, back to TP below --switch-low) or cost (switch when the calibrated step "
                                "times predict a saving over the work in flight larger than the switch's cost)",

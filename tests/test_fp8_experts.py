@@ -260,15 +260,16 @@ def test_o_proj_cut_by_heads_at_whole_chunks(ckpt: Callable[[str], str], tmp_pat
 
 def test_a_tp_cut_inside_a_scale_block_is_refused_naming_the_sizes(tmp_path: Any) -> None:
     """moe_intermediate_size 384 (Qwen3-30B's 768 at TP 4 alike): TP over 2 ranks cuts 192 rows a rank, inside a
-    128-row scale block: refused at start, naming the sizes and the layouts that serve it; EP alone serves."""
+    128-row scale block: TP asked for is refused at start, naming the sizes and the layouts that serve it; EP alone
+    serves (--mode ep holds it alone)."""
     path = to_fp8(write_checkpoint(str(tmp_path / "q384"), dict(moe_intermediate_size=384)), QWEN_QUANT)
     with pytest.raises(ConfigError, match=r"--quantization fp8 with TP over 2 ranks would cut each expert's "
                                           r"moe_intermediate_size 384 into 192 rows a rank, splitting its 128-row FP8 "
                                           r"scale blocks; EP keeps whole experts: serve it in EP alone "
-                                          r"\(leave --mode unset, or --mode ep --static-layout\)"):
-        LLM(model=path, num_ranks=2, mode="ep", **FP8)
-    with LLM(model=path, num_ranks=2, mode="ep", static_layout=True, **FP8) as llm:
-        assert len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
+                                          r"\(leave --mode unset, or --mode ep\)"):
+        LLM(model=path, num_ranks=2, mode="tp", **FP8)
+    with LLM(model=path, num_ranks=2, mode="ep", **FP8) as llm:
+        assert llm.engine.held_layouts == ("ep",) and len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
 
 
 def test_experts_a_checkpoint_leaves_unquantized_are_refused(ckpt: Callable[[str], str], tmp_path: Any) -> None:

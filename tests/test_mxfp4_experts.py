@@ -139,7 +139,8 @@ def test_float_weights_are_quantized_as_the_mx_specification_says() -> None:
     got = unpack_rows(pack_rows(w), 256, torch.float32)
     blocks = w.unflatten(-1, (8, 32))
     amax = blocks.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, torch.pow(2.0, torch.floor(torch.log2(amax)) - 2), torch.ones_like(amax))
+    scale = torch.where(amax > 0, torch.pow(2.0, torch.floor(torch.log2(amax.double())).float() - 2),
+                        torch.ones_like(amax))
     grid = torch.tensor(FP4_VALUES)
     x = (blocks / scale).clamp(-6, 6)
     nearest = grid[(x[..., None] - grid).abs().argmin(-1)]
@@ -148,6 +149,10 @@ def test_float_weights_are_quantized_as_the_mx_specification_says() -> None:
     ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 6.0, -2.5] + [0.0] * 22])
     assert unpack_rows(pack_rows(ties), 32, torch.float32)[0, :10].tolist() == [0, 1, 1, 2, 2, 4, 4, 6, 6, -2]
     assert torch.signbit(got[4, 32:64]).all() and not torch.signbit(got[3, :32]).any()
+    # a block's largest magnitude just below 2^k: its scale is 2^(k - 3), where float32's log2 rounds up to k
+    below = torch.nextafter(torch.pow(2.0, torch.arange(-100.0, 100.0)), torch.tensor(0.0))
+    scale = pack_rows(torch.nn.functional.pad(below[:, None], (0, 31)))[:, 16].long() - 127
+    assert torch.equal(scale, torch.arange(-100, 100) - 1 - 2)
     assert ((got - w).norm() / w.norm()) < 0.15
 
 
@@ -279,6 +284,32 @@ def test_every_family_serves_its_experts_in_mxfp4(family: str, tmp_path: Any) ->
         parity_across_switch(llm, twin, PROMPTS[:3], N_OUT, back=False)
 
 
+def test_a_fused_update_packs_each_ranks_experts(ckpt: Callable[[str], str], tmp_path: Any) -> None:
+    """At P = 2 in EP, then TP: an update of a layer's fused down_proj [E, D, I] (a trainer's transformers-5 tensor,
+    float32) on a bfloat16 engine: each rank packs its own experts, from the given float32 as the load packs a stored
+    tensor (one rounding); the tokens are the engine's on a checkpoint holding those weights."""
+    float_b = saved_tensors(ckpt("float_b"))
+    names = [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(8)]
+    fused = torch.stack([float_b[n] for n in names])  # [8, 64, 128]
+    mixed = str(tmp_path / "mixed")
+    shutil.copytree(ckpt("float"), mixed)
+    tensors = saved_tensors(mixed)
+    tensors.update({n: float_b[n] for n in names})
+    save_file(tensors, os.path.join(mixed, WEIGHTS), metadata={"format": "pt"})
+    kw = dict(MX, dtype="bfloat16")
+    want = {}
+    with LLM(model=mixed, num_ranks=2, mode="ep", **kw) as llm:  # (bf16: each layout's own sums)
+        want["ep"] = greedy_outputs(llm, PROMPTS[:3], N_OUT)
+        assert llm.switch_mode("tp").done
+        want["tp"] = greedy_outputs(llm, PROMPTS[:3], N_OUT)
+    with LLM(model=ckpt("float"), num_ranks=2, mode="ep", **kw) as llm:
+        assert greedy_outputs(llm, PROMPTS[:3], N_OUT) != want["ep"]  # the update changes tokens
+        assert llm.update_weights([("model.layers.1.mlp.experts.down_proj", fused)]).done
+        assert greedy_outputs(llm, PROMPTS[:3], N_OUT) == want["ep"]
+        assert llm.switch_mode("tp").done
+        assert greedy_outputs(llm, PROMPTS[:3], N_OUT) == want["tp"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPT-OSS's MXFP4 release format, kept as it is stored
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,15 +347,16 @@ def test_a_release_takes_packed_updates(ckpt: Callable[[str], str]) -> None:
 
 def test_a_tp_cut_inside_a_block_is_refused_naming_the_sizes(tmp_path: Any) -> None:
     """moe_intermediate_size 96 (gpt-oss's 2880 at TP 4 alike): TP over 2 ranks cuts down's columns into 48 a rank,
-    inside a 32-value block: refused at start, naming the sizes and the layout that serves it; EP alone serves."""
+    inside a 32-value block: TP or auto asked for is refused at start, naming the sizes and the layout that serves
+    it; EP alone serves (--mode ep holds it alone)."""
     path = write_checkpoint(str(tmp_path / "q96"), dict(moe_intermediate_size=96))
     with pytest.raises(ConfigError, match=r"--quantization mxfp4 with TP over 2 ranks would cut each expert's "
                                           r"moe_intermediate_size 96 into 48 rows a rank, splitting its 32-column "
                                           r"MXFP4 scale blocks; EP keeps whole experts: serve it in EP alone "
-                                          r"\(leave --mode unset, or --mode ep --static-layout\)"):
-        LLM(model=path, num_ranks=2, mode="ep", **MX)
-    with LLM(model=path, num_ranks=2, mode="ep", static_layout=True, **MX) as llm:
-        assert len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
+                                          r"\(leave --mode unset, or --mode ep\)"):
+        LLM(model=path, num_ranks=2, mode="tp", **MX)
+    with LLM(model=path, num_ranks=2, mode="ep", **MX) as llm:
+        assert llm.engine.held_layouts == ("ep",) and len(greedy_outputs(llm, PROMPTS[:2], 3)[1]) == 3
     with pytest.raises(ConfigError, match=r"would cut each expert's moe_intermediate_size 96 into 48 rows a rank"):
         LLM(model=path, num_ranks=2, mode="auto", **MX)  # asked for: auto needs TP too
 
@@ -354,7 +386,7 @@ def test_rows_of_no_whole_blocks_are_refused(tmp_path: Any) -> None:
         LLM(model=path, **MX)
 
 
-def test_a_checkpoint_in_another_format_the_gpu_are_refused(ckpt: Callable[[str], str], tmp_path: Any,
+def test_another_checkpoint_format_and_the_gpu_are_refused(ckpt: Callable[[str], str], tmp_path: Any,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A block-FP8 checkpoint is not quantized a second time (and an MXFP4 one not in FP8: GPT-OSS serves no FP8);
     the GPU until the MXFP4 kernel has run on one, naming the way out."""
@@ -367,6 +399,11 @@ def test_a_checkpoint_in_another_format_the_gpu_are_refused(ckpt: Callable[[str]
                                           r"serve it with --quantization fp8 \(where its family serves that\) or "
                                           r"without --quantization"):
         LLM(model=fp8, **MX)
+    with LLM(model=ckpt("float"), **MX) as llm:  # nor by an update from disk
+        with pytest.raises(ConfigError, match=r"--quantization mxfp4 would quantize again the weight update's "
+                                              r"checkpoint .* stored in fp8: update from a float checkpoint or one "
+                                              r"stored in mxfp4"):
+            llm.update_weights_from_disk(fp8)
     with pytest.raises(ConfigError, match=r"--quantization fp8 is not served for the gpt_oss family"):
         LLM(model=ckpt("mx"), **dict(ENGINE_KW, quantization="fp8"))
     path = ckpt("float")
@@ -407,11 +444,13 @@ def test_gpt_oss_120b_fits_one_gpu_in_mxfp4() -> None:
     block), a rank holds EP's regions alone."""
     from moebius.bench.floor import Hardware, rank_weight_bytes
     from moebius.config import PRESETS
+    from moebius.parallel.layout import tp_cuts_whole_blocks
 
     bf16 = model_config(PRESETS["gpt-oss-120b"])
     mx = dataclasses.replace(bf16, quantization="mxfp4")
     gpu = Hardware().memory_bytes
     assert rank_weight_bytes(mx, 1) < 0.5 * gpu < gpu < rank_weight_bytes(bf16, 1)
+    assert not tp_cuts_whole_blocks(mx, 4) and tp_cuts_whole_blocks(mx, 2)  # (TP 4's specs cannot be cut at all)
     assert rank_weight_bytes(mx, 4) < rank_weight_bytes(mx, 2) < rank_weight_bytes(mx, 1)
 
 

@@ -43,6 +43,8 @@ def pack_rows(w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.T
     *lead, R, C = w.shape
     if lead:
         out = torch.empty(*lead, R, packed_width(C), dtype=torch.uint8, device=w.device)
+        if w.numel() == 0:  # (the checks' shape-only fetches)
+            return out
         for at in itertools.product(*map(range, lead)):
             out[at] = pack_rows(w[at], None if scale_inv is None else scale_inv[at])
         return out

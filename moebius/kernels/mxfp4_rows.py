@@ -59,7 +59,8 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     """MXFP4 rows of a matrix [r, C] (C whole blocks)."""
     blocks = w.float().unflatten(-1, (w.shape[-1] // BLOCK, BLOCK))
     amax = blocks.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - EMAX, torch.zeros_like(amax))
+    # floor(log2(amax)) exactly (float32's log2 rounds a value just below 2^k up to k): amax = m * 2^e, m in [0.5, 1)
+    exp = torch.where(amax > 0, (torch.frexp(amax).exponent - 1 - EMAX).float(), torch.zeros_like(amax))
     exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)  # e8m0's range (255 is its NaN)
     codes = _codes(blocks / torch.pow(2.0, exp)[..., None])
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -78,6 +79,8 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     a few rows at a time (`w` may be any strided view: nothing of its size is copied)."""
     *lead, R, C = w.shape
     out = torch.empty(*lead, R, packed_width(C), dtype=torch.uint8, device=w.device)
+    if w.numel() == 0:  # (the checks' shape-only fetches)
+        return out
     rows = max(1, _PIECE // max(C, 1))
     for at in itertools.product(*map(range, lead)):
         src, dst = w[at], out[at]

@@ -185,11 +185,9 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
             raise ConfigError(f"--quantization {ecfg.quantization} is not served for the {family.name} family "
                               f"({', '.join(family.architectures)}): its experts have their own format")
         q = hf.get("quantization_config") or {}
-        stored = q.get("quant_method")
-        if stored is not None and stored != ecfg.quantization:  # (its values would be rounded a second time)
-            raise ConfigError(f"--quantization {ecfg.quantization} would quantize again a checkpoint stored in "
-                              f"{stored}: serve it with --quantization {stored} (where its family serves that) or "
-                              "without --quantization (it is then dequantized at load)")
+        check_requantization(ecfg.quantization, hf, "a checkpoint",
+                             "serve it with --quantization {stored} (where its family serves that) or without "
+                             "--quantization (it is then dequantized at load)")
         # what a quantized checkpoint leaves unquantized stays in the dtype (its modules_to_not_convert)
         skip = q.get("modules_to_not_convert") or ()
         experts = [m for m in skip if ".experts" in m]
@@ -217,6 +215,16 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     return ResolvedModel(cfg, checkpoint, tok, eos, False)
 
 
+def check_requantization(quantization: str | None, hf: dict[str, Any], what: str, remedy: str) -> None:
+    """ConfigError where an engine holding --quantization's rows would read a checkpoint stored in another quantized
+    format (`what`: the checkpoint, in words): its values would be rounded a second time. `remedy`: what to do instead
+    ("{stored}": the checkpoint's format)."""
+    stored = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantization and stored is not None and stored != quantization:
+        raise ConfigError(f"--quantization {quantization} would quantize again {what} stored in {stored}: "
+                          + remedy.format(stored=stored))
+
+
 def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
     """Before a weight update from `path`: a directory of the served model's architecture and shapes. Its config.json,
     where it has one, describes the same model (at least as many layers as are served), and every tensor the weights
@@ -227,7 +235,10 @@ def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
         raise ConfigError(f"weight update from {str(path)!r}: no such directory")
     layers = cfg.num_layers
     if os.path.isfile(os.path.join(path, "config.json")):
-        theirs = model_config(hf_config_of(str(path)))
+        hf = hf_config_of(str(path))
+        check_requantization(cfg.quantization, hf, f"the weight update's checkpoint {path}",
+                             f"update from a float checkpoint or one stored in {cfg.quantization}")
+        theirs = model_config(hf)
         layers = theirs.num_layers
         if layers < cfg.num_layers:
             raise ConfigError(f"{path}/config.json has {layers} layers; the engine serves {cfg.num_layers}")

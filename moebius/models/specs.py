@@ -125,14 +125,18 @@ class ExpertCut:
 
     def pieces(self, fetch: Fetch) -> list[tuple[tuple[int | slice, ...], torch.Tensor]]:
         """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there)."""
-        w13 = self.which == "w13"
-        if self.rows is not None:
-            fetch = self.rows(fetch)
+        w13, local, raw = self.which == "w13", slice(self.local.start, self.local.stop), fetch
+
+        def fused(name: str, shape: tuple[int, ...]) -> torch.Tensor:  # the local experts of a fused tensor
+            return raw(name, shape)[local]
+
+        if self.rows is not None:  # each tensor packed as fetched (a fused one's local experts only), cut as bytes
+            fetch, fused = self.rows(fetch), self.rows(fused)
         try:
             first = fetch(self._names(self.local.start)[0], self.shapes[0])
         except KeyError as missing:
             try:
-                t = fetch(self.p + (FUSED_W13 if w13 else FUSED_W2), self.fused_shape)[self.local.start:self.local.stop]
+                t = fused(self.p + (FUSED_W13 if w13 else FUSED_W2), self.fused_shape)
             except KeyError:
                 raise missing from None  # name the per-expert tensor (the usual format) as the missing one
             # fused [El, 2I, D]: gate and up rows split, then each cut; [El, D, I]: columns cut

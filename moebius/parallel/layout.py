@@ -222,7 +222,7 @@ def check_quantized_layouts(cfg: ModelConfig, world_size: int, modes: tuple[str,
     raise ConfigError(f"--quantization {fmt.name} with TP over {P} ranks would cut each expert's "
                       f"moe_intermediate_size {I} into {I // P} rows a rank, splitting its "
                       f"{fmt.tp_unit}-{fmt.tp_what} {fmt.name.upper()} scale blocks; EP keeps whole experts: serve "
-                      "it in EP alone (leave --mode unset, or --mode ep --static-layout)")
+                      "it in EP alone (leave --mode unset, or --mode ep)")
 
 
 def tp_block(t: torch.Tensor, dim: int, parts: int, q: int) -> torch.Tensor:

@@ -20,9 +20,13 @@ def resolve_mode(ecfg: EngineConfig, world_size: int, tp_possible: bool = True) 
     """(the layout the engine starts in, whether the policy switches it, the layouts its ranks hold): --mode auto
     (the default with several ranks) starts in TP for interactive serving, in EP for a rollout (one burst, then a
     drain), holding both; --static-layout holds the start one alone. tp_possible: whether TP can cut the model (a
-    quantized one whose experts TP would cut inside a scale block cannot): by default such a model is served in EP
-    alone (said in a warning); asked for explicitly, TP or auto is refused where the ranks are built."""
+    quantized one whose experts TP would cut inside a scale block cannot): with --mode unset or ep such a model is
+    served in EP alone (said in a warning); --mode tp or auto, asked for, is refused where the ranks are built."""
     auto = ecfg.mode == "auto" or (ecfg.mode is None and world_size > 1)
+    if world_size > 1 and not tp_possible and ecfg.mode in (None, "ep"):
+        log.warning("serving in EP alone: TP over %d ranks would cut the quantized experts inside their scale "
+                    "blocks, so there is no second layout to switch to", world_size)
+        return "ep", False, ("ep",)
     if not auto:
         start = ecfg.mode or "tp"
         return start, False, (start,) if ecfg.static_layout else MODES
@@ -30,10 +34,6 @@ def resolve_mode(ecfg: EngineConfig, world_size: int, tp_possible: bool = True) 
         return "tp", False, ("tp",) if ecfg.static_layout else MODES
     if ecfg.static_layout:
         raise ConfigError("--mode auto switches layouts: it needs both (drop --static-layout or pick --mode tp/ep)")
-    if ecfg.mode is None and not tp_possible:
-        log.warning("serving in EP alone: TP over %d ranks would cut the quantized experts inside their scale "
-                    "blocks, so the default auto mode has no second layout to switch to", world_size)
-        return "ep", False, ("ep",)
     return ("ep" if ecfg.switch_profile == "rollout" else "tp"), True, MODES
 
 

@@ -143,8 +143,11 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device} yet: "
                           f"{family.cpu_only}; serve it with --device cpu (MOEBIUS_UNCHECKED_GPU={family.name} lets "
                           "its GPU tests run it)")
-    # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison).
+    # Both layouts resident (the switchable engine), or only the start one (--static-layout, for comparison; a
+    # quantized model TP cannot cut: `switch.auto.resolve_mode`).
     held = spec.held
+    if spec.mode not in held:
+        raise ValueError(f"rank spec starts in {spec.mode} but holds {held}")
     check_quantized_layouts(cfg, spec.world_size, held)
     fmt = row_format(cfg.quantization)
     if fmt is not None and device.type == "cuda" and fmt.name not in unchecked:
