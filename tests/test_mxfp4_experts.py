@@ -104,9 +104,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
 # MXFP4 rows
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_a_releases_blocks_come_back_byte_for_byte_and_unpack_as_transformers() -> None:
+def test_a_releases_blocks_come_back_and_unpack_as_transformers() -> None:
     """Random release blocks (every code, scales 2^-17 .. 2^12), dequantized by transformers and packed again: the
-    same codes and scale bytes in each 17-byte chunk, and `unpack_rows` is transformers' dequantization bit for bit
+    same codes and scale bytes in each 17-byte chunk (a block whose largest code is below 4 would come back as the
+    same values under another scale: none is here), and `unpack_rows` is transformers' dequantization bit for bit
     (float32 and bf16); a cut of the bytes at whole chunks (TP's cut of down's columns) unpacks to the same cut of the
     weight."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
