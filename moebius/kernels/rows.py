@@ -28,6 +28,13 @@ class RowFormat:
     unpack: Callable[[torch.Tensor, int, torch.dtype], torch.Tensor]  # rows, C, dtype -> [..., R, C]
     width: Callable[[int], int]  # bytes of a row of C columns
 
+    def rows_of(self, w: torch.Tensor) -> torch.Tensor:
+        """Float w [..., C] as this format's rows, quantized with its own scales; a meta tensor (an update that leaves
+        the tensor, a shape-only check) as a meta tensor of the rows' shape."""
+        if w.is_meta:
+            return torch.empty(*w.shape[:-1], self.width(w.shape[-1]), dtype=torch.uint8, device="meta")
+        return self.pack(w)
+
     @property
     def bytes_per_value(self) -> float:
         return self.chunk_bytes / self.chunk_cols

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from moebius.config import ConfigError
-from moebius.kernels.fp8_rows import BLOCK, pack_rows, packed_width
+from moebius.kernels.fp8_rows import BLOCK, pack_rows
+from moebius.kernels.rows import FP8 as FP8_ROWS
 
 SCALE = "_scale_inv"  # appended to a quantized weight's name: its scales' name
 FMT = "e4m3"
@@ -90,7 +91,7 @@ def fp8_rows_fetch(fetch: Callable[[str, tuple[int, ...]], torch.Tensor], gate_u
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         w = fetch(name, shape)
         if w.is_meta:
-            return torch.empty(*w.shape[:-1], packed_width(w.shape[-1]), dtype=torch.uint8, device="meta")
+            return FP8_ROWS.rows_of(w)
         scale = None
         if w.dim() == 2:  # a checkpoint's own weight: its scales, where it stores them
             try:

@@ -119,5 +119,5 @@ def floor_terms(cfg: ModelConfig, lay: Layout, *, attn_extra: float = 0.0, share
         shared_weights=shared_weights,
         window_kv_per_token=len(windows) * kvh * spec.parts * spec.dim,
         window_attn_flops_per_key=len(windows) * 4 * qh * d,
-        window=max(windows, default=0),
+        window=cfg.largest_window,
     )

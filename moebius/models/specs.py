@@ -253,13 +253,7 @@ def rows_fetch(fmt: RowFormat, gate_up: bool) -> Callable[[Fetch], Fetch]:
         return functools.partial(fp8_rows_fetch, gate_up=gate_up)
 
     def wrap(fetch: Fetch) -> Fetch:
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            w = fetch(name, shape)
-            if w.is_meta:
-                return torch.empty(*w.shape[:-1], fmt.width(w.shape[-1]), dtype=torch.uint8, device="meta")
-            return fmt.pack(w)
-
-        return get
+        return lambda name, shape: fmt.rows_of(fetch(name, shape))
 
     return wrap
 

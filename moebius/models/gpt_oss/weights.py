@@ -78,11 +78,7 @@ class FusedExperts:
             cut = tp_cut(deinterleave(t).permute(0, 2, 3, 1), 2, self.lay)
         else:
             cut = tp_cut(t.transpose(1, 2), 2, self.lay)  # [El, I, D] -> [El, D, I]
-        if self.fmt is None:
-            return cut
-        if cut.is_meta:
-            return torch.empty(*cut.shape[:-1], self.fmt.width(cut.shape[-1]), dtype=torch.uint8, device="meta")
-        return self.fmt.pack(cut)
+        return cut if self.fmt is None else self.fmt.rows_of(cut)
 
     def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
         """The cut copied into `dst` (the slot's view, [El, 2Il, D] or [El, D, Il]); a tensor an update does not
