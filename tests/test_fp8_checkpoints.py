@@ -339,3 +339,22 @@ def test_a_bfloat16_engine_dequantizes_straight_to_bfloat16(ckpt: Callable[[str]
     seen = unpacked_dtypes(BlockFp8Packing, ckpt("qwen"), PROMPTS["qwen"][0], monkeypatch)
     # 3 layers: 8 experts' 3 projections and 4 attention projections, but layer 2's q_proj (left in bf16)
     assert seen == [torch.bfloat16] * (3 * (8 * 3 + 4) - 1)
+
+
+def test_served_without_quantization_the_load_says_how_to_keep_it(ckpt: Callable[[str], str],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A block-FP8 checkpoint served without --quantization is dequantized at load: a warning says so and names the
+    flag that keeps it as stored (vLLM keeps it by default); with the flag, or for a float checkpoint, no warning."""
+    from moebius.config import EngineConfig
+    from moebius.models.source import resolve_model
+
+    def warned(**kw: Any) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="moebius"):
+            resolve_model(EngineConfig(**kw))
+        return [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+
+    (said,) = warned(model=ckpt("qwen"))
+    assert "stored in fp8" in said and "--quantization fp8 keeps it" in said
+    assert warned(model=ckpt("qwen"), quantization="fp8") == []
+    assert warned(model=ckpt("qwen_deq")) == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from moebius.models.loader import Checkpoint, check_checkpoint
 from moebius.models.registry import FAMILIES, checks_own_keys, family_of, model_config
 from moebius.parallel.layout import check_quantized_rows
 from moebius.tokenizer import Tokenizer, load_generation_eos
+
+log = logging.getLogger("moebius")
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,11 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
                               "without --quantization (it is then dequantized at load)")
         cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip))
         check_quantized_rows(cfg)
+    else:
+        stored = (hf.get("quantization_config") or {}).get("quant_method")
+        if stored in family_of(cfg).quantizations:  # (a user of vLLM expects it kept: say how)
+            log.warning("the checkpoint is stored in %s and is dequantized at load to --dtype (more bytes per weight); "
+                        "--quantization %s keeps it as stored", stored, stored)
     check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()
