@@ -14,12 +14,13 @@
 #   sweep     decode steps at batches 1 .. 1024 (context 1024) against the floor model extended to MLA
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
-#   fp8       --quantization fp8's GPU path (the fused MoE and the projections on FP8 rows): its GPU test, then
-#             Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), MOEBIUS_UNCHECKED_GPU=fp8, and
+#   fp8tests  --quantization fp8's GPU path (the fused MoE and the projections on FP8 rows): its GPU tests
+#   fp8       Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), MOEBIUS_UNCHECKED_GPU=fp8, and
 #             the switch's expert permutes on FP8 rows beside bf16's (reshard_copy.py)
 #   fp8work   256 whole requests in FP8 and in bf16 (one call), greedy agreement of the FP8 engine with the bf16
 #             model's fp32 argmax beside transformers' bf16 (8 of 48 layers)
-#   mxfp4     --quantization mxfp4's GPU path (the fused MoE on MXFP4 rows, W4A16): its GPU tests, then gpt-oss-20b
+#   mxfp4tests --quantization mxfp4's GPU path (the fused MoE on MXFP4 rows, W4A16): its GPU tests
+#   mxfp4     gpt-oss-20b
 #             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json),
 #             MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss
 #   mxfp4work 256 whole requests at gpt-oss-20b shapes in MXFP4 and in bf16 (one call: the timings compare)
@@ -29,7 +30,8 @@
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh retest sweep work agree
-#   (then, in further calls: gptoss, fp8, fp8work, mxfp4, mxfp4work)
+#   (then, in further calls: gptoss, fp8tests fp8, fp8work, mxfp4tests mxfp4, mxfp4work; the *tests steps hold no
+#   timing, so any Hopper card runs them)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -53,8 +55,9 @@ sweep)
   t sweep 200 $B sweep $M --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-deepseek-v2-lite-sweep.json ;;
 work)
   t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-deepseek-v2-lite-throughput.json ;;
+fp8tests)
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8" ;;
 fp8)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8"
   MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json
   t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy.json
   t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
@@ -65,8 +68,9 @@ fp8work)
   MOEBIUS_UNCHECKED_GPU=fp8 t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/h200-p1-qwen3-30b-fp8-agreement.json ;;
 mxfp4)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --quantization mxfp4"
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4"
   MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-mxfp4-sweep.json ;;
+mxfp4tests)
+  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4" ;;
 mxfp4work)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
   MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/h200-p1-gpt-oss-20b-mxfp4-throughput.json
