@@ -171,3 +171,17 @@ def test_deepseek_step_floor_of_a_decode_batch_is_the_decode_floor() -> None:
         work = StepWork(tokens=B, decode_tokens=B, sequences=B, kv_tokens=B * ctx, attended=B * ctx, sampled=B)
         assert step_floor_ms(cfg, P, mode, work) == pytest.approx(decode_step_floor_ms(cfg, P, mode, B, ctx),
                                                                    rel=5e-3)
+
+
+@pytest.mark.parametrize("gpu,card", [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"), ("cpu", "H200"),
+                                      ("NVIDIA A100-SXM4-80GB", "H200")])
+def test_a_floor_is_the_card_s_that_ran(gpu: str, card: str) -> None:
+    """The benches take the floor of the card they ran on (results.gpu_name): an H100's memory-bound decode step reads
+    the same bytes at its own copy rate; anything else is floored as an H200."""
+    from moebius.bench.floor import HARDWARE, hardware_of
+
+    hw = hardware_of(gpu)
+    assert hw == HARDWARE[card]
+    cfg = model_config(PRESETS["qwen3-30b-a3b"])
+    on_h200, here = (decode_step_floor_ms(cfg, 1, "tp", 64, 1024, hw=h) for h in (HARDWARE["H200"], hw))
+    assert here == pytest.approx(on_h200 * HARDWARE["H200"].hbm_bytes_per_s / hw.hbm_bytes_per_s)

@@ -32,6 +32,18 @@ class Hardware:
     memory_bytes: float = 143771 * 2**20  # an H200's memory as nvidia-smi gives it (143771 MiB)
 
 
+# The cards a floor is stated for. The H100's copy rate and bf16 matmul rate were measured on the lent H100 machine
+# (the device library's KINDS.md, 2026-11-13); its link is taken as the H200's (the same NVLink 4, not measured).
+HARDWARE = {"H200": Hardware(),
+            "H100": Hardware(hbm_bytes_per_s=3.0e12, bf16_flops=798e12, memory_bytes=81559 * 2**20)}
+
+
+def hardware_of(gpu: str) -> Hardware:
+    """The floor's figures for the card `gpu` names (torch.cuda.get_device_name, e.g. "NVIDIA H100 80GB HBM3"): an
+    H100's or an H200's; the H200's for anything else (a CPU run's floor is one H200's)."""
+    return next((hw for card, hw in HARDWARE.items() if card in gpu.upper()), HARDWARE["H200"])
+
+
 def _experts_hit(cfg: ModelConfig, tokens: float, candidates: float) -> float:
     """Expected distinct experts hit among `candidates` when `tokens` tokens each pick top-k of E uniformly."""
     return 0.0 if tokens <= 0 else candidates * (1.0 - (1.0 - cfg.top_k / cfg.num_experts) ** tokens)

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from moebius.bench.floor import decode_step_floor_ms
+from moebius.bench.floor import decode_step_floor_ms, hardware_of
+from moebius.bench.results import gpu_name
 from moebius.models.registry import model_config
 
 log = logging.getLogger("moebius")
@@ -172,7 +173,7 @@ def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, 
     what = {"model": type(model).__name__, "attn_implementation": model.config._attn_implementation}
     points = []
     for b in spec.batches:
-        floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len)
+        floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len, hw=hardware_of(gpu_name()))
         for mode, timer in ((f"hf-eager-{suffix}", _eager_step), (f"hf-cb-{suffix}", _cb_step)):
             if timer is _cb_step and not hasattr(model, "generate_batch"):
                 points.append({"mode": mode, "batch": b, "error": "this transformers has no generate_batch"})

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from moebius.bench.floor import decode_step_floor_ms, prefill_work, step_floor_ms
+from moebius.bench.floor import decode_step_floor_ms, hardware_of, prefill_work, step_floor_ms
 from moebius.bench.hf_baseline import BaselineSpec, point, run_one_gpu, run_tensor_parallel
-from moebius.bench.results import command_line, flatten, gpus_used, params_of, save_result, summary_of, table
+from moebius.bench.results import command_line, flatten, gpu_name, gpus_used, params_of, save_result, summary_of, table
 from moebius.config import PRESETS, EngineConfig, ModelConfig
 from moebius.frontend.core import EngineCore
 from moebius.kernels.rows import FORMATS
@@ -86,7 +86,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
                                                      warmup=args.warmup, graphs=False))
                     extra["eager_step_ms"] = max(r["step_ms"] for r in eager)
                     extra["graph_speedup"] = extra["eager_step_ms"] / step
-                floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len)
+                floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len, hw=hardware_of(gpu_name()))
                 p = point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
                 points.append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
@@ -124,7 +124,8 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
             continue
         work = prefill_work(n, args.prefill_prefix, S, **mixed, window=cfg.largest_window)
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
-        step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work)
+        step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work,
+                                                                     hw=hardware_of(gpu_name()))
         row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, **mixed,
                "mixed_attention": args.mixed_attention, "step_tokens": work.tokens,
                "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,

@@ -20,9 +20,9 @@ import statistics
 import time
 from typing import Any
 
-from moebius.bench.floor import step_floor_ms
+from moebius.bench.floor import hardware_of, step_floor_ms
 from moebius.bench.hf_baseline import run_throughput
-from moebius.bench.results import gpus_used, params_of, save_result
+from moebius.bench.results import gpu_name, gpus_used, params_of, save_result
 from moebius.bench.workload import add_engine_shape_args, engine_shape_kwargs, lognormal
 from moebius.config import EngineConfig
 from moebius.frontend.core import EngineCore
@@ -81,7 +81,7 @@ def run(engine: EngineCore, jobs: list[tuple[list[int], int]]) -> tuple[list[Any
     ids = {engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)): i
            for i, (p, n) in enumerate(jobs)}
     done: dict[int, Any] = {}
-    steps = []
+    steps, hw = [], hardware_of(gpu_name())
     while len(done) < len(jobs):
         t = time.perf_counter()
         outs = engine.step()
@@ -89,7 +89,7 @@ def run(engine: EngineCore, jobs: list[tuple[list[int], int]]) -> tuple[list[Any
         steps.append({"t_s": t - t0, "wall_ms": (time.perf_counter() - t) * 1e3, "kind": kind(w), "mode": engine.mode,
                       "tokens": w.tokens, "decode_tokens": w.decode_tokens, "sequences": w.sequences,
                       "preempted": w.preempted,
-                      "floor_ms": step_floor_ms(cfg, P, engine.mode, w) if w.tokens else 0.0,
+                      "floor_ms": step_floor_ms(cfg, P, engine.mode, w, hw=hw) if w.tokens else 0.0,
                       "host_ms": rt.host_ms, "sync_ms": rt.sync_ms, "wait_ms": rt.wait_ms})
         done.update({ids[o.request_id]: o for o in outs if o.finished and o.request_id in ids})
     return [done[i] for i in range(len(jobs))], steps, time.perf_counter() - t0
