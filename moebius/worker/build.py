@@ -34,6 +34,10 @@ log = logging.getLogger("moebius")
 
 GiB = 2**30
 
+# --quantization formats whose GPU kernels (the fused MoE on their rows) are written but have not yet passed their GPU
+# tests (benchmarks/families_device_run.sh's fp8tests / mxfp4tests): refused on a GPU until they have
+UNRUN_ON_GPU = frozenset({"fp8", "mxfp4"})
+
 
 @dataclass(frozen=True)
 class BufferSizes:
@@ -150,7 +154,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         raise ValueError(f"rank spec starts in {spec.mode} but holds {held}")
     check_quantized_layouts(cfg, spec.world_size, held)
     fmt = row_format(cfg.quantization)
-    if fmt is not None and device.type == "cuda" and fmt.name not in unchecked:
+    if fmt is not None and device.type == "cuda" and fmt.name in UNRUN_ON_GPU and fmt.name not in unchecked:
         raise ConfigError(f"--quantization {fmt.name} holds the routed experts in {fmt.title}, whose GPU kernel (the "
                           f"fused MoE on {fmt.name.upper()} rows) has not yet run on a GPU: serve it with --device "
                           "cpu, or without --quantization (a quantized checkpoint is then dequantized at load; "
