@@ -185,3 +185,30 @@ def test_a_floor_is_the_card_s_that_ran(gpu: str, card: str) -> None:
     cfg = model_config(PRESETS["qwen3-30b-a3b"])
     on_h200, here = (decode_step_floor_ms(cfg, 1, "tp", 64, 1024, hw=h) for h in (HARDWARE["H200"], hw))
     assert here == pytest.approx(on_h200 * HARDWARE["H200"].hbm_bytes_per_s / hw.hbm_bytes_per_s)
+
+
+def test_a_throughput_run_is_floored_on_the_card_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench throughput` prices each step on the card the run names: the same demo-model steps floored on an H100
+    cost the H200's floor times the ratio of their rates (every step here reads more bytes than it computes)."""
+    from moebius.bench import throughput
+    from moebius.bench.floor import HARDWARE, step_floor_ms
+    from moebius.config import EngineConfig
+    from moebius.frontend.core import EngineCore
+
+    monkeypatch.setattr(throughput, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    with EngineCore(EngineConfig.from_kwargs(device="cpu")) as engine:
+        cfg, works = engine.model_config, []
+        step = engine.step
+
+        def step_and_keep() -> list:
+            outs = step()
+            works.append(engine.last_work)
+            return outs
+
+        monkeypatch.setattr(engine, "step", step_and_keep)
+        _, rows, _ = throughput.run(engine, [([1, 2, 3, 4, 5], 3), ([6, 7], 2)])
+    timed = [(r, w) for r, w in zip(rows, works, strict=True) if w.tokens]
+    assert timed
+    for row, w in timed:
+        h100 = step_floor_ms(cfg, 1, row["mode"], w, hw=HARDWARE["H100"])
+        assert row["floor_ms"] == pytest.approx(h100) and h100 > step_floor_ms(cfg, 1, row["mode"], w)

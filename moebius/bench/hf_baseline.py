@@ -171,9 +171,9 @@ def _time_model(model: Any, spec: BaselineSpec, dev: torch.device, suffix: str, 
                 ) -> list[dict[str, Any]]:
     cfg = model_config(spec.cfg_dict, spec.num_layers)
     what = {"model": type(model).__name__, "attn_implementation": model.config._attn_implementation}
-    points = []
+    points, hw = [], hardware_of(gpu_name())
     for b in spec.batches:
-        floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len, hw=hardware_of(gpu_name()))
+        floor = decode_step_floor_ms(cfg, ranks, "tp", b, spec.context_len, hw=hw)
         for mode, timer in ((f"hf-eager-{suffix}", _eager_step), (f"hf-cb-{suffix}", _cb_step)):
             if timer is _cb_step and not hasattr(model, "generate_batch"):
                 points.append({"mode": mode, "batch": b, "error": "this transformers has no generate_batch"})

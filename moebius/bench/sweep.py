@@ -45,7 +45,7 @@ log = logging.getLogger("moebius")
 def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(points, the rest: switches, memory ({mode: a record per rank}), skipped, switch_overhead_median_ms / _max_ms
     ({target mode: ms}))."""
-    top, chunk = max(args.batches), max(args.prefill_chunks, default=0)
+    top, chunk, hw = max(args.batches), max(args.prefill_chunks, default=0), hardware_of(gpu_name())
     engine = EngineCore(EngineConfig.from_kwargs(
         model=args.model, load_format=args.load_format, num_layers=args.num_layers, num_ranks=args.num_ranks,
         mode=args.modes[0],
@@ -86,7 +86,7 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
                                                      warmup=args.warmup, graphs=False))
                     extra["eager_step_ms"] = max(r["step_ms"] for r in eager)
                     extra["graph_speedup"] = extra["eager_step_ms"] / step
-                floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len, hw=hardware_of(gpu_name()))
+                floor = decode_step_floor_ms(cfg, args.num_ranks, mode, b, args.context_len, hw=hw)
                 p = point(mode, b, args.context_len, step, floor, all(r["cuda_graph"] for r in res), **extra)
                 points.append(p)
                 log.info("%s batch %d: %.3f ms (floor %.3f, x%.2f)%s", mode, b, step, floor, step / floor,
@@ -113,7 +113,7 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
                    ) -> list[dict[str, Any]]:
     """The prefill table: a step of one prompt chunk of each --prefill-chunks size per rank (after --prefill-prefix
     cached tokens) against its floor; in EP every rank prefills its own chunk, so the step's work is P chunks."""
-    rows = []
+    rows, hw = [], hardware_of(gpu_name())
     mixed = dict(decodes=args.prefill_decodes, decode_context=args.prefill_decode_context)
     for n in args.prefill_chunks:
         S = args.prefill_sequences
@@ -124,8 +124,7 @@ def prefill_points(engine: EngineCore, args: argparse.Namespace, cfg: ModelConfi
             continue
         work = prefill_work(n, args.prefill_prefix, S, **mixed, window=cfg.largest_window)
         work = sum([work] * (len(res) if mode == "ep" else 1), StepWork())
-        step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work,
-                                                                     hw=hardware_of(gpu_name()))
+        step, floor = max(r["step_ms"] for r in res), step_floor_ms(cfg, args.num_ranks, mode, work, hw=hw)
         row = {"mode": mode, "tokens": n, "sequences": S, "prefix": args.prefill_prefix, **mixed,
                "mixed_attention": args.mixed_attention, "step_tokens": work.tokens,
                "step_ms": step, "floor_ms": floor, "ratio_to_floor": step / floor,

@@ -182,12 +182,12 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     name = ecfg.model
     hf = hf_config_of(name)
     cfg = model_config(hf, ecfg.num_layers)
+    q = hf.get("quantization_config") or {}
     if ecfg.quantization is not None:
         family = family_of(cfg)
         if ecfg.quantization not in family.quantizations:
             raise ConfigError(f"--quantization {ecfg.quantization} is not served for the {family.name} family "
                               f"({', '.join(family.architectures)}): its experts have their own format")
-        q = hf.get("quantization_config") or {}
         check_requantization(ecfg.quantization, hf, "a checkpoint",
                              "serve it with --quantization {stored} (where its family serves that) or without "
                              "--quantization (it is then dequantized at load)")
@@ -200,11 +200,9 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
                               "without --quantization (it is then dequantized at load)")
         cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip))
         check_quantized_rows(cfg)
-    else:
-        stored = (hf.get("quantization_config") or {}).get("quant_method")
-        if stored in family_of(cfg).quantizations:  # (a user of vLLM expects it kept: say how)
-            log.warning("the checkpoint is stored in %s and is dequantized at load to --dtype (more bytes per weight); "
-                        "--quantization %s keeps it as stored", stored, stored)
+    elif (stored := q.get("quant_method")) in family_of(cfg).quantizations:  # (vLLM keeps it: say how)
+        log.warning("the checkpoint is stored in %s and is dequantized at load to --dtype (more bytes per weight); "
+                    "--quantization %s keeps it as stored", stored, stored)
     check_kv_budget(ecfg)
     if name is None:
         tok = Tokenizer.builtin()
