@@ -368,8 +368,8 @@ class EngineConfig:
     model: str | None = _flag(None, "local Hugging Face model directory, or a preset name "
                               f"({', '.join(sorted(PRESETS))}) with --load-format dummy; "
                               "default: the small built-in model (random weights, meaningless text)")
-    tokenizer: str | None = _flag(None, "directory with tokenizer.json, for --model (the built-in model has its "
-                                  "own); default: the model directory")
+    tokenizer: str | None = _flag(None, "directory with tokenizer.json (or a tiktoken.model), for --model (the "
+                                  "built-in model has its own); default: the model directory")
     load_format: str = _flag("auto", "auto: safetensors from the model directory; dummy: random weights of the "
                              "right shapes created on the device", ("auto", "safetensors", "dummy"))
     num_layers: int | None = _flag(None, "keep only the first N decoder layers (for benchmarking cut shapes); "

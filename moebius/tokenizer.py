@@ -1,11 +1,14 @@
 """Tokenization: a thin wrapper over the fast `tokenizers` library, chat templates, and streaming detokenization.
 
-`Tokenizer.from_dir` loads a Hugging Face model directory (tokenizer.json + tokenizer_config.json);
-`Tokenizer.builtin` builds the small byte-level BPE tokenizer of the built-in model in code (no files, offline).
+`Tokenizer.from_dir` loads a Hugging Face model directory (tokenizer.json + tokenizer_config.json, or a tiktoken
+vocabulary as Moonlight and Kimi K2 ship it); `Tokenizer.builtin` builds the small byte-level BPE tokenizer of the
+built-in model in code (no files, offline).
 """
 
 from __future__ import annotations
 
+import ast
+import base64
 import json
 import os
 from collections import Counter
@@ -17,7 +20,11 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+# The vocabulary file of a tiktoken tokenizer (Moonlight's and Kimi K2's TikTokenTokenizer), beside tokenizer.json's
+# place in a model directory
+TIKTOKEN_FILE = "tiktoken.model"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Ids 0..255 are the byte tokens, then the specials, then the merges trained by _builtin_vocab().
@@ -130,6 +137,118 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether a model directory holds a tokenizer `Tokenizer.from_dir` reads (tokenizer.json or a tiktoken file)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", TIKTOKEN_FILE))
+
+
+def _tiktoken_ranks(file: str) -> dict[bytes, int]:
+    """A tiktoken vocabulary: a line a token, its bytes in base64 then its rank (its id, 0 .. n-1)."""
+    ranks: dict[bytes, int] = {}
+    with open(file, encoding="ascii") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError as e:  # (binascii.Error is one)
+                raise ValueError(f"{file} line {n}: not a tiktoken entry (base64 token, space, rank): {e}") from e
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{file}: the ranks of its {len(ranks)} tokens are not the ids 0 .. {len(ranks) - 1}, each "
+                         "once")
+    return ranks
+
+
+def _literal_str(node: ast.expr) -> str | None:
+    """The string a source expression of literals spells (a constant, `+` of them, `sep.join([...])`), else None."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _literal_str(node.left), _literal_str(node.right)
+        return None if left is None or right is None else left + right
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.List | ast.Tuple)):
+        sep, parts = _literal_str(node.func.value), [_literal_str(e) for e in node.args[0].elts]
+        return None if sep is None or None in parts else sep.join(parts)  # type: ignore[arg-type]
+    return None
+
+
+def _tiktoken_pattern(path: str, config: dict[str, Any]) -> str:
+    """The pre-tokenizer regex of a tiktoken tokenizer: the `pat_str` its tokenizer class (tokenizer_config.json's
+    auto_map, a tokenization_*.py beside the vocabulary) spells in literals. The source is parsed, never run."""
+    ref = (config.get("auto_map") or {}).get("AutoTokenizer")
+    ref = next((r for r in ref if r), None) if isinstance(ref, list) else ref
+    if not isinstance(ref, str) or "." not in ref:
+        raise ValueError(f"{path!r} holds a {TIKTOKEN_FILE} but its tokenizer_config.json names no tokenizer class "
+                         "(auto_map.AutoTokenizer), whose pat_str is the pre-tokenizer the vocabulary needs; pass "
+                         "--tokenizer DIR with a tokenizer.json")
+    module, cls = ref.split("--")[-1].rsplit(".", 1)
+    source = os.path.join(path, module.replace(".", os.sep) + ".py")
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"{path!r} holds a {TIKTOKEN_FILE} but not {os.path.basename(source)}, the file of "
+                                f"its tokenizer class {ref} (auto_map), whose pat_str is the pre-tokenizer the "
+                                "vocabulary needs")
+    with open(source, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), source)
+    scopes = [n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls] + [tree.body]
+    for body in scopes:  # the class's own pat_str first, then the module's
+        for stmt in body:
+            if isinstance(stmt, ast.Assign):
+                targets, value = stmt.targets, stmt.value
+            elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                targets, value = [stmt.target], stmt.value
+            else:
+                continue
+            if any(isinstance(t, ast.Name) and t.id in ("pat_str", "PAT_STR") for t in targets):
+                pattern = _literal_str(value)
+                if pattern is not None:
+                    return pattern
+    raise ValueError(f"{source} spells no pat_str of string literals (in class {cls} or the module): the "
+                     f"pre-tokenizer its {TIKTOKEN_FILE} needs; pass --tokenizer DIR with a tokenizer.json")
+
+
+def _from_tiktoken(path: str, config: dict[str, Any]) -> tokenizers.Tokenizer:
+    """A tiktoken tokenizer (Moonlight's and Kimi K2's TikTokenTokenizer) as the same byte-level BPE in `tokenizers`:
+    each token's bytes, the merges a token's ranks imply (a split of it into two tokens, ranked by what they make),
+    whole pieces taken first as tiktoken does (ignore_merges); the class's pat_str splits the text; the added
+    tokens of tokenizer_config.json at their ids, the ids between them reserved (`<|reserved_token_{id}|>`, as
+    TikTokenTokenizer names them)."""
+    file = os.path.join(path, TIKTOKEN_FILE)
+    ranks = _tiktoken_ranks(file)
+    pattern = _tiktoken_pattern(path, config)
+    chars = _bytes_to_unicode()
+    text = {t: "".join(chars[b] for b in t) for t in ranks}
+    merges = sorted((r, ranks[t[:k]], ranks[t[k:]]) for t, r in ranks.items() for k in range(1, len(t))
+                    if t[:k] in ranks and t[k:] in ranks)
+    by_rank = {r: t for t, r in ranks.items()}
+    tok = tokenizers.Tokenizer(models.BPE({text[t]: r for t, r in ranks.items()},
+                                          [(text[by_rank[a]], text[by_rank[b]]) for _, a, b in merges],
+                                          ignore_merges=True))
+    try:
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    except Exception as e:  # the Rust side raises a bare Exception
+        raise ValueError(f"the pat_str of {path!r}'s tokenizer class is not a regex Oniguruma reads: {e}") from e
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added = {int(i): t for i, t in (config.get("added_tokens_decoder") or {}).items()}
+    if added and min(added) < len(ranks):
+        raise ValueError(f"{path!r}: tokenizer_config.json adds token id {min(added)}, inside the {len(ranks)} "
+                         f"tokens of its {TIKTOKEN_FILE}")
+    for i in range(len(ranks), max(added, default=len(ranks) - 1) + 1):  # (each takes the next id)
+        t = added.get(i) or {"content": f"<|reserved_token_{i}|>", "special": True}
+        token = AddedToken(t["content"], special=t.get("special", True), normalized=False)
+        if token.special:
+            tok.add_special_tokens([token])
+        else:
+            tok.add_tokens([token])
+        if tok.token_to_id(t["content"]) != i:
+            raise ValueError(f"{path!r}: added token {t['content']!r} (id {i}) is already token "
+                             f"{tok.token_to_id(t['content'])}")
+    return tok
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens and the chat template of one model."""
 
@@ -146,18 +265,23 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
-        """Load tokenizer.json, the chat template and the special tokens of a local Hugging Face model directory."""
+        """Load the tokenizer (tokenizer.json, else a tiktoken vocabulary), the chat template and the special tokens
+        of a local Hugging Face model directory."""
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
-        tok_file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):
-            raise FileNotFoundError(f"{path!r} has no tokenizer.json (Moebius needs the fast tokenizer file of a "
-                                    "Hugging Face model; pass --tokenizer DIR to use another directory)")
-        try:
-            tok = tokenizers.Tokenizer.from_file(tok_file)
-        except Exception as e:  # the Rust side raises a bare Exception
-            raise ValueError(f"cannot load {tok_file}: {e}") from e
         config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        tok_file = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tok_file):
+            try:
+                tok = tokenizers.Tokenizer.from_file(tok_file)
+            except Exception as e:  # the Rust side raises a bare Exception
+                raise ValueError(f"cannot load {tok_file}: {e}") from e
+        elif os.path.isfile(os.path.join(path, TIKTOKEN_FILE)):
+            tok = _from_tiktoken(path, config)
+        else:
+            raise FileNotFoundError(f"{path!r} has no tokenizer.json (Moebius needs the fast tokenizer file of a "
+                                    f"Hugging Face model, or a {TIKTOKEN_FILE}; pass --tokenizer DIR to use another "
+                                    "directory)")
         special_map = _read_json(os.path.join(path, "special_tokens_map.json")) or {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]

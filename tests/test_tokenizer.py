@@ -197,3 +197,134 @@ def test_builtin_model_config() -> None:
     for p in (1, 2, 4):
         assert cfg.num_kv_heads % p == 0 and cfg.num_heads % p == 0 and cfg.num_experts % p == 0
     assert "random weights" in BUILTIN_NOTICE and "--model" in BUILTIN_NOTICE
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A tiktoken vocabulary (Moonlight's and Kimi K2's TikTokenTokenizer): tiktoken itself is the oracle
+# ---------------------------------------------------------------------------------------------------------------
+
+# the pre-tokenizer of Moonshot's tokenization_kimi.py / tokenization_moonshot.py (class intersections, Han runs)
+KIMI_PATTERN_PARTS = [
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
+]
+TIKTOKEN_TEXT = ("The quick brown fox jumps over the lazy dog; THEY'RE here and it's 12345 o'clock.\n\n"
+                 "混合专家模型在多个GPU上运行。你好，世界！ Größe naïve café ÄÖÜ Ελληνικά русский 😀🎉\t  x  \r\n"
+                 "def main():\n    return {\"a\": [1, 2, 3]}  # comment\n")
+TIKTOKEN_SAMPLES = [*TEXTS, TIKTOKEN_TEXT, "你好世界ABCdef", "HELLO's World'S", "e\u0301te\u0301 ١٢٣ ٤٥",
+                    "x [BOS]y<|im_end|>\n<|reserved_token_300|>z", "  \n\n  y\t\t", "1234567890"]
+# source lines of a tokenizer class as Moonshot's files spell it (the loader parses the file, never runs it)
+KIMI_SOURCE = ("import tiktoken\n\n\nclass TikTokenTokenizer:\n    num_reserved_special_tokens = 256\n"
+               "    pat_str = \"|\".join(\n        [\n" + "".join(f"            r\"\"\"{p}\"\"\",\n"
+                                                          for p in KIMI_PATTERN_PARTS) + "        ]\n    )\n")
+
+
+def _tiktoken_ranks(vocab_size: int) -> dict[bytes, int]:
+    """A byte-level BPE trained on TIKTOKEN_TEXT, its tokens' bytes ranked by id (as a tiktoken file is)."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from moebius.tokenizer import _bytes_to_unicode
+
+    bpe = __import__("tokenizers").Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([TIKTOKEN_TEXT] * 4, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    by_id = sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])
+    return {bytes(byte_of[c] for c in piece): rank for rank, (piece, _) in enumerate(by_id)}
+
+
+def _write_tiktoken_dir(path: Path, ranks: dict[bytes, int], added: dict[int, str]) -> Path:
+    import base64
+
+    (path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    (path / "tokenization_kimi.py").write_text(KIMI_SOURCE)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in added.items()},
+        "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "chat_template": "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['content'] }}<|im_end|>{% endfor %}"}))
+    return path
+
+
+def test_a_tiktoken_vocabulary_tokenizes_as_tiktoken(tmp_path: Path) -> None:
+    """A model directory with Moonshot's tiktoken.model and tokenizer class (no tokenizer.json) loads: every text,
+    Han runs, cased words with contractions, digits in threes, emoji and special-token text included, gives the ids
+    tiktoken gives with the class's pat_str, and decodes back; the added tokens keep their ids, the ids between
+    them reserved, and [EOS] ends generation."""
+    import tiktoken
+
+    ranks = _tiktoken_ranks(1000)
+    n = len(ranks)
+    added = {n: "[BOS]", n + 1: "[EOS]", n + 2: "<|im_end|>", n + 3: "<|im_user|>", n + 4: "<|im_assistant|>",
+             n + 301: "[EOT]"}
+    tok = Tokenizer.from_dir(str(_write_tiktoken_dir(tmp_path, ranks, added)))
+    specials = {c: i for i, c in added.items()} | {f"<|reserved_token_{i}|>": i for i in range(n, n + 301)
+                                                   if i not in added}
+    oracle = tiktoken.Encoding("kimi", pat_str="|".join(KIMI_PATTERN_PARTS), mergeable_ranks=ranks,
+                               special_tokens=specials)
+    rng = random.Random(0)
+    pieces = [TIKTOKEN_TEXT[i:i + rng.randint(1, 120)] for i in rng.sample(range(len(TIKTOKEN_TEXT)), 60)]
+    for text in [*TIKTOKEN_SAMPLES, *pieces, f"reserved <|reserved_token_{n + 300}|>!"]:
+        ids = tok.encode(text)
+        assert ids == oracle.encode(text, allowed_special="all"), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.token_to_id(f"<|reserved_token_{n + 300}|>") == n + 300 and tok.vocab_size == n + 302
+    assert tok.eos_token_ids == (n + 1,) and tok.bos_token == "[BOS]"
+    assert set(tok.all_special_ids) == set(range(n, n + 302))
+    assert tok.decode(tok.encode("a [EOS] b")) == "a  b"  # (specials skipped)
+    assert tok.apply_chat_template(CONVERSATION[:1]) == "<|im_user|>Hi there<|im_end|>"
+
+
+def test_a_model_directory_with_a_tiktoken_vocabulary_serves_text(tmp_path: Path) -> None:
+    """The engine takes a checkpoint directory's tiktoken tokenizer as it takes a tokenizer.json: text prompts
+    encode to tiktoken's ids and generations decode."""
+    from conftest import make_llm
+
+    ranks = _tiktoken_ranks(300)
+    n = len(ranks)
+    _write_tiktoken_dir(tmp_path, ranks, {n: "[BOS]", n + 1: "[EOS]"})
+    (tmp_path / "config.json").write_text(json.dumps(builtin_hf_config()))
+    from moebius.sampling_params import SamplingParams
+
+    out = make_llm(str(tmp_path), load_format="dummy").generate("你好, world's end",
+                                                                 SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.prompt_token_ids == Tokenizer.from_dir(str(tmp_path)).encode("你好, world's end")
+    assert len(out.token_ids) == 4 and isinstance(out.outputs[0].text, str)
+
+
+def test_a_tiktoken_directory_s_errors_name_the_file(tmp_path: Path) -> None:
+    ranks = _tiktoken_ranks(300)
+    n = len(ranks)
+    _write_tiktoken_dir(tmp_path, ranks, {n: "[BOS]", n + 1: "[EOS]"})
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {}}))
+    with pytest.raises(ValueError, match=r"names no tokenizer class \(auto_map\.AutoTokenizer\)"):
+        Tokenizer.from_dir(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenization_kimi.py").unlink()
+    with pytest.raises(FileNotFoundError, match=r"not tokenization_kimi\.py"):
+        Tokenizer.from_dir(str(tmp_path))
+    (tmp_path / "tokenization_kimi.py").write_text("class TikTokenTokenizer:\n    pat_str = make_pattern()\n")
+    with pytest.raises(ValueError, match=r"tokenization_kimi\.py spells no pat_str of string literals"):
+        Tokenizer.from_dir(str(tmp_path))
+    (tmp_path / "tokenization_kimi.py").write_text("class TikTokenTokenizer:\n    pat_str = '[a-'\n")
+    with pytest.raises(ValueError, match="not a regex"):
+        Tokenizer.from_dir(str(tmp_path))
+    (tmp_path / "tokenization_kimi.py").write_text(KIMI_SOURCE)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "added_tokens_decoder": {"5": {"content": "[BOS]", "special": True}}}))
+    with pytest.raises(ValueError, match=f"adds token id 5, inside the {n} tokens"):
+        Tokenizer.from_dir(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with open(tmp_path / "tiktoken.model", "a") as f:
+        f.write("not-base64! 7\n")
+    with pytest.raises(ValueError, match=rf"tiktoken\.model line {n + 1}: not a tiktoken entry"):
+        Tokenizer.from_dir(str(tmp_path))
+    _write_tiktoken_dir(tmp_path, {**ranks, b"\xff\xfe": n + 3}, {})
+    with pytest.raises(ValueError, match="are not the ids 0"):
+        Tokenizer.from_dir(str(tmp_path))

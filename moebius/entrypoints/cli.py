@@ -417,7 +417,7 @@ def _prepare(llm: Any, args: argparse.Namespace, items: Sequence[Item]
                 messages = item.messages if item.messages is not None else [{"role": "user", "content": prompt}]
                 if tok is None:
                     raise ValueError("chat messages need a tokenizer with a chat template (the model directory has "
-                                     "no tokenizer.json; pass --tokenizer)")
+                                     "no tokenizer.json nor tiktoken.model; pass --tokenizer)")
                 prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
             assert prompt is not None
             sp = _sampling(args, item.overrides, RequestOutputKind.FINAL_ONLY)

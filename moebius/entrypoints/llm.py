@@ -89,7 +89,8 @@ class LLM:
         joined by newlines, as the server takes them)."""
         self._check_open()
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template (the model directory has no tokenizer.json)")
+            raise ValueError("chat needs a tokenizer with a chat template (the model directory has no tokenizer.json "
+                             "nor tiktoken.model)")
         convs = chat_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -280,8 +280,8 @@ class EngineCore:
                 raise ValueError(f"prompt is not valid text: character {e.start} ({prompt[e.start]!r}) has no UTF-8 "
                                  "form") from None
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (the model directory has no tokenizer.json); "
-                                 "pass token ids or --tokenizer")
+                raise ValueError("text prompts need a tokenizer (the model directory has no tokenizer.json nor "
+                                 "tiktoken.model); pass token ids or --tokenizer")
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise ValueError("prompt is empty after tokenization")
@@ -319,7 +319,8 @@ class EngineCore:
             raise ValueError("routed experts are recorded only on an engine started with "
                              "--enable-return-routed-experts (enable_return_routed_experts=True)")
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json)")
+            raise ValueError("stop strings need a tokenizer (the model directory has no tokenizer.json nor "
+                             "tiktoken.model)")
         V = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids or () if t >= V]
         if bad:  # (min_tokens masks them in the logits: an id beyond them would fail inside a rank)

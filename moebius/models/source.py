@@ -25,7 +25,7 @@ from moebius.models.fp8_blocks import check_config as check_fp8_config
 from moebius.models.loader import Checkpoint, check_checkpoint
 from moebius.models.registry import FAMILIES, checks_own_keys, family_of, model_config
 from moebius.parallel.layout import check_quantized_rows
-from moebius.tokenizer import Tokenizer, load_generation_eos
+from moebius.tokenizer import Tokenizer, has_tokenizer, load_generation_eos
 
 log = logging.getLogger("moebius")
 
@@ -215,7 +215,7 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     checkpoint = None if ecfg.load_format == "dummy" else name
     if checkpoint is not None:  # headers only: every tensor read is there, shaped and typed right
         check_checkpoint(Checkpoint(checkpoint), cfg, hf["num_hidden_layers"])
-    tok_dir = ecfg.tokenizer or (name if os.path.isfile(os.path.join(name, "tokenizer.json")) else None)
+    tok_dir = ecfg.tokenizer or (name if has_tokenizer(name) else None)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir else None
     eos = tuple(dict.fromkeys(load_generation_eos(name) + (tok.eos_token_ids if tok else ())))
     return ResolvedModel(cfg, checkpoint, tok, eos, False)
