@@ -410,7 +410,8 @@ class Family:
     where it is not; a family whose GPU path is written but not yet checked on one says so, and its GPU tests set
     MOEBIUS_UNCHECKED_GPU to its name); `checks_own_keys`: parse_config refuses missing or ill-typed shape keys itself
     (the front end's Qwen3-MoE-shaped key check in models/source.py is skipped); `floor_terms`: a layout's
-    `FloorTerms` for the floor model (None: the floor model refuses the family, naming it)."""
+    `FloorTerms` for the floor model (None: the floor model refuses the family, naming it); `reasoning_parser`: the
+    server's reasoning parser for its chat answers by default (entrypoints/openai/reasoning.py; None: none)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -426,6 +427,7 @@ class Family:
     checkpoint_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
     # the --quantization values it serves (its routed experts through `expert_slot_specs` and `layers/moe`)
     quantizations: tuple[str, ...] = ("fp8", "mxfp4")
+    reasoning_parser: str | None = None
 
     def resident_specs(self, cfg: ModelConfig, layouts: dict[str, Layout], mode: str, elt: int) -> list[ParamSpec]:
         """What a rank holds with `mode` active: every view of that layout (its experts in their slots) and the

@@ -4,6 +4,8 @@ disconnects pass through untouched), and every error in OpenAI's shape."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import ipaddress
 import json
@@ -51,6 +53,7 @@ from moebius.entrypoints.openai.protocol import (
     SwitchRequest,
     UpdateWeightsFromDistributedBody,
 )
+from moebius.entrypoints.openai.reasoning import ReasoningParser, make_parser
 from moebius.entrypoints.openai.serving import (
     Answer,
     Generation,
@@ -83,6 +86,7 @@ class ServeSettings:
     switch_timeout_s: float = 600.0
     open_paths: tuple[str, ...] = ("/health",)  # reachable without the API key (load balancers' probes)
     json_paths: tuple[str, ...] = JSON_ROUTES  # POSTed as application/json only (as vLLM and OpenAI)
+    reasoning_parser: str = "auto"  # a name in reasoning.PARSERS, "none", or "auto": the family's
 
 
 def _loopback_only(request: Request) -> None:
@@ -274,14 +278,14 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         log.exception("unhandled error in a request")
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
-    async def respond(request: Request, gen: Generation, chat: bool, body: CompletionRequest | ChatCompletionRequest
-                      ) -> Response:
+    async def respond(request: Request, gen: Generation, chat: bool, body: CompletionRequest | ChatCompletionRequest,
+                      reasoning: Callable[[], ReasoningParser] | None = None) -> Response:
         try:
             await gen.start()
         except asyncio.CancelledError:
             gen.abort()
             raise
-        answer = Answer(gen, chat, served, body.return_token_ids, info)
+        answer = Answer(gen, chat, served, body.return_token_ids, info, reasoning)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             # the background abort covers a client gone before the stream's first event (its generator never ran)
@@ -296,12 +300,20 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         params = sampling_params(body, info, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
         return await respond(request, Generation(loop, [(p, params) for p in prompts], "prompt"), False, body)
 
+    reasoning = info.reasoning_parser if settings.reasoning_parser == "auto" else \
+        None if settings.reasoning_parser == "none" else settings.reasoning_parser
+    # (harmony's markers are special tokens: its answers are decoded with them)
+    keep_specials = reasoning is not None and make_parser(reasoning, "").keeps_special_tokens
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body, served)
         params = sampling_params(body, info, None, (body.top_logprobs or 0) if body.logprobs else None)
         prompt = await run_in_threadpool(chat_prompt, body, info)  # a template render: off the event loop
-        return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body)
+        if keep_specials:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        parse = None if reasoning is None else functools.partial(make_parser, reasoning, prompt)
+        return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body, parse)
 
     def model_card() -> dict[str, Any]:
         return {"id": served, "object": "model", "created": created, "owned_by": "moebius",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from moebius.entrypoints.openai.protocol import APIError
 from moebius.link.lifecycle import ContextLengthError
+from moebius.models.registry import family_of
 from moebius.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class EngineInfo:
     world_size: int
     moe_layers: tuple[bool, ...] = ()  # per decoder layer: whether it routes (routed experts' -1 rows otherwise)
     top_k: int = 0  # experts a token is routed to
+    reasoning_parser: str | None = None  # the family's (`Family.reasoning_parser`)
 
 
 # ---- events: engine thread -> one HTTP request ----
@@ -254,7 +256,8 @@ class EngineLoop(Admission):
         self._engine = engine
         mc = engine.model_config
         self.info = EngineInfo(engine.tokenizer, engine.max_model_len, mc.vocab_size, engine.world_size,
-                               tuple(mc.is_moe_layer(i) for i in range(mc.num_layers)), mc.top_k)
+                               tuple(mc.is_moe_layer(i) for i in range(mc.num_layers)), mc.top_k,
+                               family_of(mc).reasoning_parser)
         self.metrics, self.max_waiting = metrics, max_waiting
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the counters and flags below, and orders puts against shutdown

@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig, HelpFormatter
+from moebius.entrypoints.openai.reasoning import PARSERS
 from moebius.worker.build import freeze_heap
 
 if TYPE_CHECKING:
@@ -97,6 +98,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     http.add_argument("--port", type=_port, default=8000, help="port to bind (1-65535)")
     http.add_argument("--served-model-name", type=_model_name, default=None,
                       help=f"the name clients send as `model` (default: the --model value, or {DEMO_MODEL_NAME!r})")
+    http.add_argument("--reasoning-parser", choices=("auto", "none", *PARSERS), default="auto",
+                      help="split chat answers into `reasoning_content` and `content`: deepseek_r1 (up to </think>), "
+                      "qwen3 (<think> ... </think>), openai_gptoss (harmony's analysis channel); auto: the model "
+                      "family's (GPT-OSS: openai_gptoss; the others: none)")
     http.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                       help="answer 429 while this many requests wait for their first token (default: no limit)")
     http.add_argument("--shutdown-timeout", type=_drain_seconds, default=30.0,
@@ -285,7 +290,8 @@ def serve(args: argparse.Namespace) -> int:
     world = loop.info.world_size
     loop.start()
     try:
-        settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key)
+        settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key,
+                                 reasoning_parser=args.reasoning_parser)
         config = uvicorn_config(create_app(loop, settings, metrics), args.host, args.port, args.header_timeout,
                                 access_log=not args.disable_uvicorn_access_log)
         log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s%s)", name, args.host, args.port,

@@ -23,7 +23,7 @@ import re
 import time
 import uuid
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, EngineLoop, Failure, SampleDelta, Sink, Update
@@ -34,6 +34,7 @@ from moebius.entrypoints.openai.protocol import (
     SamplingFields,
     unsupported,
 )
+from moebius.entrypoints.openai.reasoning import ReasoningParser
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import _bytes_to_unicode
 
@@ -181,8 +182,10 @@ class Generation:
 class Choice:
     """One choice (sample) of an answer, OpenAI's or SGLang's /generate: what it got so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: ReasoningParser | None = None) -> None:
         self.text = ""
+        self.parser = parser  # chat with a reasoning parser: `text` is its content, `reasoning` the rest
+        self.reasoning = ""
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -193,13 +196,14 @@ class Choice:
         self.routed: list[list[list[int]]] = []  # per output token (return_routed_experts)
         self.prompt_routed: list[list[list[int]]] = []  # per prompt token but the last (return_prompt_routed_experts)
 
-    def apply(self, d: SampleDelta) -> None:
+    def apply(self, d: SampleDelta) -> tuple[str, str]:
+        """Take a delta; returns the (reasoning, content) text it adds (all content without a parser)."""
         self.tokens += d.token_ids
         if d.routed_experts is not None:
             self.routed += d.routed_experts
         if d.prompt_routed_experts is not None:  # all of the prompt's so far: replaces
             self.prompt_routed = d.prompt_routed_experts
-        self.text += d.text
+        reasoning, content = ("", d.text) if self.parser is None else self.parser.feed(d.text)
         self.cached_tokens = d.cached_tokens
         if d.logprobs is not None:
             self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
@@ -207,6 +211,12 @@ class Choice:
             raise APIError(500, f"generation failed: {d.error}", code="generation_error")
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+            if self.parser is not None:
+                rest = self.parser.finish()
+                reasoning, content = reasoning + rest[0], content + rest[1]
+        self.text += content
+        self.reasoning += reasoning
+        return reasoning, content
 
 
 def routed_experts_b64(rows: list[list[list[int]]], info: EngineInfo) -> str:
@@ -279,13 +289,18 @@ def logprobs_end(lp: dict[str, Any]) -> int:
 class Answer:
     """Builds the JSON of one completions or chat request, whole or chunk by chunk."""
 
-    def __init__(self, gen: Generation, chat: bool, model: str, return_token_ids: bool, info: EngineInfo) -> None:
+    def __init__(self, gen: Generation, chat: bool, model: str, return_token_ids: bool, info: EngineInfo,
+                 reasoning: Callable[[], ReasoningParser] | None = None) -> None:
+        """reasoning: a new parser for each choice (chat with a reasoning parser: `reasoning_content` beside
+        `content`)."""
         self.gen, self.chat, self.model, self.return_ids, self.info = gen, chat, model, return_token_ids, info
         self.k = gen.params.logprobs or 0
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = gen.params.n
-        self.choices = [Choice() for _ in range(len(gen.sink.request_ids) * self.n)]
+        self.reasoning = reasoning is not None
+        self.choices = [Choice(reasoning() if reasoning is not None else None)
+                        for _ in range(len(gen.sink.request_ids) * self.n)]
         # (the engine may report more than was asked, e.g. the prompt's rows of a chunked prompt: what goes out is
         # what the request asked for)
         self.routed_out, self.routed_prompt = gen.params.return_routed_experts, gen.params.return_prompt_routed_experts
@@ -323,8 +338,11 @@ class Answer:
         for i, c in enumerate(self.choices):
             lp = logprobs_json(c.logprobs, self.k, self.chat, self.info)
             if self.chat:
-                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
-                                          "logprobs": lp, "finish_reason": c.finish_reason}
+                message = {"role": "assistant", "content": c.text}
+                if self.reasoning:  # (vLLM's name; null where the answer had none)
+                    message["reasoning_content"] = c.reasoning or None
+                choice: dict[str, Any] = {"index": i, "message": message, "logprobs": lp,
+                                          "finish_reason": c.finish_reason}
             else:
                 choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             choice["stop_reason"] = c.stop_reason
@@ -363,17 +381,19 @@ class Answer:
                     for d in upd.samples:
                         i = upd.prompt_index * self.n + d.index
                         c = self.choices[i]
-                        c.apply(d)
-                        text = d.text
+                        reasoning, text = c.apply(d)
                         lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
                                            self.info, c.text_offset) if d.logprobs else None
                         if lp is not None and not self.chat:  # offsets run on across chunks, as in the whole answer
                             c.text_offset = logprobs_end(lp)
-                        if not (text or d.finish_reason or lp or (self.return_ids and d.token_ids)):
+                        if not (text or reasoning or d.finish_reason or lp or (self.return_ids and d.token_ids)):
                             continue
                         if self.chat:
-                            choice: dict[str, Any] = {"index": i, "delta": {"content": text} if text else {},
-                                                      "logprobs": lp, "finish_reason": d.finish_reason}
+                            delta = {"reasoning_content": reasoning} if reasoning else {}
+                            if text:
+                                delta["content"] = text
+                            choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
+                                                      "finish_reason": d.finish_reason}
                         else:
                             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                                       "stop_reason": d.stop_reason}

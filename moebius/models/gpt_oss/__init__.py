@@ -28,4 +28,5 @@ FAMILY = Family("gpt_oss", ("GptOssForCausalLM",), parse_config, weight_specs, b
                          "the clamped activation, the sliding layers' tables in the graphs) is not yet checked on a "
                          "GPU",
                 floor_terms=gqa.floor_terms, packings=MappingProxyType({MXFP4.method: MXFP4}),
-                checkpoint_shapes=checkpoint_tensor_shapes, quantizations=("mxfp4",))
+                checkpoint_shapes=checkpoint_tensor_shapes, quantizations=("mxfp4",),
+                reasoning_parser="openai_gptoss")  # (its chat answers are harmony messages, as vLLM parses them)
