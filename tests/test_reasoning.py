@@ -31,6 +31,8 @@ CASES = [
     ("deepseek_r1", "<｜Assistant｜><think>\n", "Reason.</think>Answer </think>.", ("Reason.", "Answer </think>.")),
     ("deepseek_r1", "<｜Assistant｜>", "<think>R</think>A", ("R", "A")),
     ("deepseek_r1", "<｜Assistant｜>", "no tags at all", ("no tags at all", "")),
+    ("deepseek_r1", "<｜Assistant｜></think>", "off: </think> is text", ("", "off: </think> is text")),
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<think>x</think>", ("", "<think>x</think>")),
     ("openai_gptoss", "<|start|>assistant", HARMONY,
      ("The user greets; answer <politely>.", "Thinking done. Hello! A <b>tag</b>, a < sign and <| too.")),
     ("openai_gptoss", "<|start|>assistant", "<|channel|>analysis<|message|>still thinking <|e",

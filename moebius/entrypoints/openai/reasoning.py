@@ -4,6 +4,7 @@
 - `deepseek_r1`: the reasoning runs up to `</think>`, a `<think>` first or not (DeepSeek-R1's templates open it in the
   prompt); an answer cut short before `</think>` is all reasoning.
 - `qwen3`: only text opened by `<think>` (here or at the prompt's end) is reasoning; without it, all is content.
+- A prompt that ends in `</think>` (a template with thinking turned off) makes the whole answer content, for both.
 - `openai_gptoss`: GPT-OSS's harmony format, its special tokens kept in the text (`keeps_special_tokens`): each
   message `<|channel|>NAME<|message|>TEXT<|end|>` (the last ends in `<|return|>` or `<|call|>`); the analysis
   channel is reasoning, the others (final, commentary preambles) content, the headers neither.
@@ -46,7 +47,8 @@ class ThinkTags(ReasoningParser):
 
     def __init__(self, prompt: str, implicit: bool) -> None:
         self.implicit = implicit
-        self.state = "reasoning" if prompt.rstrip().endswith(self.START) else "before"
+        tail = prompt.rstrip()  # a template may open the reasoning, or close it (thinking turned off)
+        self.state = "reasoning" if tail.endswith(self.START) else "content" if tail.endswith(self.END) else "before"
         self.buf = ""
 
     def feed(self, text: str) -> tuple[str, str]:
