@@ -136,9 +136,10 @@ def test_a_chat_answer_carries_reasoning_content_whole_and_streamed() -> None:
 
 
 @contextlib.contextmanager
-def _served(reasoning_parser: str, family_parser: str | None) -> Iterator[tuple[str, list[SamplingParams]]]:
-    """The demo engine behind the app (its family's parser set to `family_parser`), and the SamplingParams of every
-    request the app submits."""
+def _served(reasoning_parser: str, family_parser: str | None, **settings: Any
+            ) -> Iterator[tuple[str, list[SamplingParams]]]:
+    """The demo engine behind the app (its family's parser set to `family_parser`; `settings`: the app's others),
+    and the SamplingParams of every request the app submits."""
     from conftest import free_port
     from test_serve import uvicorn_thread
 
@@ -161,7 +162,7 @@ def _served(reasoning_parser: str, family_parser: str | None) -> Iterator[tuple[
     loop.start()
     port = free_port()
     try:
-        app = create_app(loop, ServeSettings("moebius-demo", reasoning_parser=reasoning_parser))
+        app = create_app(loop, ServeSettings("moebius-demo", reasoning_parser=reasoning_parser, **settings))
         with uvicorn_thread(uvicorn_config(app, "127.0.0.1", port, access_log=False)):
             yield f"http://127.0.0.1:{port}", submitted
     finally:

@@ -58,10 +58,13 @@ from moebius.entrypoints.openai.serving import (
     Answer,
     Generation,
     chat_prompt,
+    chat_tools,
     check_model,
     completion_inputs,
     sampling_params,
 )
+from moebius.entrypoints.openai.tool_calls import PARSERS as TOOL_PARSERS
+from moebius.entrypoints.openai.tool_calls import ToolCallParser
 from moebius.frontend.core import EngineStateError
 from moebius.parallel.layout import MODES
 
@@ -87,6 +90,8 @@ class ServeSettings:
     open_paths: tuple[str, ...] = ("/health",)  # reachable without the API key (load balancers' probes)
     json_paths: tuple[str, ...] = JSON_ROUTES  # POSTed as application/json only (as vLLM and OpenAI)
     reasoning_parser: str = "auto"  # a name in reasoning.PARSERS, "none", or "auto": the family's
+    tool_call_parser: str | None = None  # a name in tool_calls.PARSERS: with enable_auto_tool_choice, parses tool calls
+    enable_auto_tool_choice: bool = False
 
 
 def _loopback_only(request: Request) -> None:
@@ -279,13 +284,14 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
     async def respond(request: Request, gen: Generation, chat: bool, body: CompletionRequest | ChatCompletionRequest,
-                      reasoning: Callable[[], ReasoningParser] | None = None) -> Response:
+                      reasoning: Callable[[], ReasoningParser] | None = None,
+                      tools: Callable[[], ToolCallParser] | None = None) -> Response:
         try:
             await gen.start()
         except asyncio.CancelledError:
             gen.abort()
             raise
-        answer = Answer(gen, chat, served, body.return_token_ids, info, reasoning)
+        answer = Answer(gen, chat, served, body.return_token_ids, info, reasoning, tools)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             # the background abort covers a client gone before the stream's first event (its generator never ran)
@@ -304,16 +310,21 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         None if settings.reasoning_parser == "none" else settings.reasoning_parser
     # (harmony's markers are special tokens: its answers are decoded with them)
     keep_specials = reasoning is not None and make_parser(reasoning, "").keeps_special_tokens
+    if settings.tool_call_parser is not None and settings.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {settings.tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    tool_parser = settings.tool_call_parser if settings.enable_auto_tool_choice else None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body, served)
         params = sampling_params(body, info, None, (body.top_logprobs or 0) if body.logprobs else None)
-        prompt = await run_in_threadpool(chat_prompt, body, info)  # a template render: off the event loop
+        tools = chat_tools(body, tool_parser)
+        prompt = await run_in_threadpool(chat_prompt, body, info, tools)  # a template render: off the event loop
         if keep_specials:
             params = dataclasses.replace(params, skip_special_tokens=False)
         parse = None if reasoning is None else functools.partial(make_parser, reasoning, prompt)
-        return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body, parse)
+        calls = None if tools is None or tool_parser is None else TOOL_PARSERS[tool_parser]
+        return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body, parse, calls)
 
     def model_card() -> dict[str, Any]:
         return {"id": served, "object": "model", "created": created, "owned_by": "moebius",

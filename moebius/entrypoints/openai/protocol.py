@@ -127,17 +127,48 @@ class ContentPart(_Model):
     text: str | None = None
 
 
+class FunctionCall(_Model):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class Function(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

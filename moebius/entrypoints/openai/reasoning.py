@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
+def held_from(text: str, markers: tuple[str, ...]) -> int:
     """Where the longest end of `text` that begins one of `markers` (and is not all of it) starts; len(text): none."""
     for start in range(max(0, len(text) - max(map(len, markers)) + 1), len(text)):
         if any(m.startswith(text[start:]) for m in markers):
@@ -65,7 +65,7 @@ class ThinkTags(ReasoningParser):
         if self.state == "reasoning":
             end = self.buf.find(self.END)
             if end < 0:
-                keep = _held(self.buf, (self.END,))
+                keep = held_from(self.buf, (self.END,))
                 reasoning, self.buf = self.buf[:keep], self.buf[keep:]
                 return reasoning, ""
             reasoning, self.buf, self.state = self.buf[:end], self.buf[end + len(self.END):], "content"
@@ -103,7 +103,7 @@ class Harmony(ReasoningParser):
             side = "reasoning" if self.channel == "analysis" else "content"
             ends = [(i, m) for m in self.ENDS if (i := self.buf.find(m)) >= 0]
             if not ends:
-                keep = _held(self.buf, self.ENDS)
+                keep = held_from(self.buf, self.ENDS)
                 out[side] += self.buf[:keep]
                 self.buf = self.buf[keep:]
                 return out["reasoning"], out["content"]

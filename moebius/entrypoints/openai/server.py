@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from moebius.config import EngineConfig, HelpFormatter
 from moebius.entrypoints.openai.reasoning import PARSERS
+from moebius.entrypoints.openai.tool_calls import PARSERS as TOOL_PARSERS
 from moebius.worker.build import freeze_heap
 
 if TYPE_CHECKING:
@@ -102,6 +103,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="split chat answers into `reasoning_content` and `content`: deepseek_r1 (up to </think>), "
                       "qwen3 (<think> ... </think>), openai_gptoss (harmony's analysis channel); auto: the model "
                       "family's (GPT-OSS: openai_gptoss; the others: none)")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="answer chat requests with tools (tool_choice auto) with the model's calls parsed into "
+                      "`tool_calls` by --tool-call-parser (without it such requests are refused, as in vLLM)")
+    http.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
+                      help="the tool-call format of the model: hermes (Qwen3, Qwen2.5: <tool_call>{json}</tool_call>)")
     http.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                       help="answer 429 while this many requests wait for their first token (default: no limit)")
     http.add_argument("--shutdown-timeout", type=_drain_seconds, default=30.0,
@@ -274,6 +280,9 @@ def serve(args: argparse.Namespace) -> int:
                          "pip install 'moebius[serve]'") from None
     from moebius.frontend.core import EngineCore
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # (before the engine starts)
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format: "
+                         f"{', '.join(TOOL_PARSERS)})")
     ecfg = EngineConfig.from_cli_args(args)
     if ecfg.rank_process == "auto":  # the step launches must not wait for the GIL the HTTP side holds
         ecfg = dataclasses.replace(ecfg, rank_process="on")
@@ -291,7 +300,8 @@ def serve(args: argparse.Namespace) -> int:
     loop.start()
     try:
         settings = ServeSettings(served_model_name=name, model_path=ecfg.model, api_key=ecfg.api_key,
-                                 reasoning_parser=args.reasoning_parser)
+                                 reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                                 enable_auto_tool_choice=args.enable_auto_tool_choice)
         config = uvicorn_config(create_app(loop, settings, metrics), args.host, args.port, args.header_timeout,
                                 access_log=not args.disable_uvicorn_access_log)
         log.info("starting the server for %r on http://%s:%d/v1 (%s, %d rank%s%s)", name, args.host, args.port,

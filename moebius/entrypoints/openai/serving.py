@@ -35,6 +35,7 @@ from moebius.entrypoints.openai.protocol import (
     unsupported,
 )
 from moebius.entrypoints.openai.reasoning import ReasoningParser
+from moebius.entrypoints.openai.tool_calls import ToolCall, ToolCallParser
 from moebius.sampling_params import SamplingParams
 from moebius.tokenizer import _bytes_to_unicode
 
@@ -98,19 +99,33 @@ def completion_inputs(req: CompletionRequest) -> list[Prompt]:
     return list(p)  # type: ignore[arg-type]
 
 
-def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
-    """The conversation rendered by the model's chat template (pure: runs off the event loop)."""
+def chat_tools(req: ChatCompletionRequest, tool_parser: str | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders, and the answer is parsed for (None: none); a 400 for a tool_choice
+    that cannot be honoured. tool_parser: the server's --tool-call-parser with --enable-auto-tool-choice, else
+    None (as vLLM: without them a request with tools and tool_choice auto is refused)."""
+    choice = req.tool_choice
+    if (choice is not None and not isinstance(choice, str)) or choice == "required":
+        what = "a named function" if not isinstance(choice, str) else "'required'"
+        raise unsupported("tool_choice", f"{what} is not supported (it needs guided decoding); send 'auto' or 'none'")
+    if not req.tools or choice == "none":  # (vLLM: tool_choice none leaves the tools out of the prompt)
+        return None
+    if tool_parser is None:
+        raise APIError(400, "tools with tool_choice 'auto' need the server started with --enable-auto-tool-choice "
+                       "and --tool-call-parser", param="tool_choice")
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def chat_prompt(req: ChatCompletionRequest, info: EngineInfo, tools: list[dict[str, Any]] | None = None) -> str:
+    """The conversation rendered by the model's chat template, with these tools (pure: runs off the event loop)."""
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.tools:
-        raise unsupported("tools", "are not supported")
     if req.response_format and (kind := req.response_format.get("type", "text")) != "text":
         raise unsupported("response_format", f"other than text is not supported, got type {kind!r}")
     if info.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, hence no chat template: use /v1/completions with token ids",
                        param="messages")
     kwargs = req.chat_template_kwargs or {}
-    if reserved := sorted({"messages", "add_generation_prompt"} & set(kwargs)):
+    if reserved := sorted({"messages", "add_generation_prompt", "tools"} & set(kwargs)):
         raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
     messages = []
     for i, m in enumerate(req.messages):
@@ -123,7 +138,15 @@ def chat_prompt(req: ChatCompletionRequest, info: EngineInfo) -> str:
                 raise APIError(400, f"messages[{i}].content: only text parts (with their text) are supported, got "
                                f"a part of type {bad.type!r}", param="messages")
             content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        for name in ("name", "tool_call_id"):
+            if (value := getattr(m, name)) is not None:
+                message[name] = value
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        messages.append(message)
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
     try:
         return info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:
@@ -182,10 +205,12 @@ class Generation:
 class Choice:
     """One choice (sample) of an answer, OpenAI's or SGLang's /generate: what it got so far."""
 
-    def __init__(self, parser: ReasoningParser | None = None) -> None:
+    def __init__(self, parser: ReasoningParser | None = None, tools: ToolCallParser | None = None) -> None:
         self.text = ""
         self.parser = parser  # chat with a reasoning parser: `text` is its content, `reasoning` the rest
         self.reasoning = ""
+        self.tools = tools  # chat with tools: the calls taken out of the content
+        self.calls: list[ToolCall] = []
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -196,8 +221,9 @@ class Choice:
         self.routed: list[list[list[int]]] = []  # per output token (return_routed_experts)
         self.prompt_routed: list[list[list[int]]] = []  # per prompt token but the last (return_prompt_routed_experts)
 
-    def apply(self, d: SampleDelta) -> tuple[str, str]:
-        """Take a delta; returns the (reasoning, content) text it adds (all content without a parser)."""
+    def apply(self, d: SampleDelta) -> tuple[str, str, list[ToolCall]]:
+        """Take a delta; returns the reasoning and content text and the tool calls it adds (all content without
+        parsers)."""
         self.tokens += d.token_ids
         if d.routed_experts is not None:
             self.routed += d.routed_experts
@@ -209,14 +235,22 @@ class Choice:
             self.logprobs += list(zip(d.token_ids, d.logprobs, strict=True))
         if d.finish_reason == "error":  # this request failed (the engine serves on): the answer is an error
             raise APIError(500, f"generation failed: {d.error}", code="generation_error")
-        if d.finish_reason is not None:
-            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
-            if self.parser is not None:
-                rest = self.parser.finish()
-                reasoning, content = reasoning + rest[0], content + rest[1]
+        if d.finish_reason is not None and self.parser is not None:
+            rest = self.parser.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if d.finish_reason is not None:
+                rest_text, rest_calls = self.tools.finish()
+                content, calls = content + rest_text, calls + rest_calls
         self.text += content
         self.reasoning += reasoning
-        return reasoning, content
+        self.calls += calls
+        if d.finish_reason is not None:  # (an answer that ends in its calls: OpenAI's "tool_calls")
+            self.finish_reason = "tool_calls" if self.calls and d.finish_reason == "stop" else d.finish_reason
+            self.stop_reason = d.stop_reason
+        return reasoning, content, calls
 
 
 def routed_experts_b64(rows: list[list[list[int]]], info: EngineInfo) -> str:
@@ -290,16 +324,17 @@ class Answer:
     """Builds the JSON of one completions or chat request, whole or chunk by chunk."""
 
     def __init__(self, gen: Generation, chat: bool, model: str, return_token_ids: bool, info: EngineInfo,
-                 reasoning: Callable[[], ReasoningParser] | None = None) -> None:
-        """reasoning: a new parser for each choice (chat with a reasoning parser: `reasoning_content` beside
-        `content`)."""
+                 reasoning: Callable[[], ReasoningParser] | None = None,
+                 tools: Callable[[], ToolCallParser] | None = None) -> None:
+        """reasoning, tools: a new parser for each choice (chat with a reasoning parser: `reasoning_content` beside
+        `content`; with tools: `tool_calls`)."""
         self.gen, self.chat, self.model, self.return_ids, self.info = gen, chat, model, return_token_ids, info
         self.k = gen.params.logprobs or 0
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = gen.params.n
         self.reasoning = reasoning is not None
-        self.choices = [Choice(reasoning() if reasoning is not None else None)
+        self.choices = [Choice(reasoning() if reasoning is not None else None, tools() if tools is not None else None)
                         for _ in range(len(gen.sink.request_ids) * self.n)]
         # (the engine may report more than was asked, e.g. the prompt's rows of a chunked prompt: what goes out is
         # what the request asked for)
@@ -338,9 +373,12 @@ class Answer:
         for i, c in enumerate(self.choices):
             lp = logprobs_json(c.logprobs, self.k, self.chat, self.info)
             if self.chat:
-                message = {"role": "assistant", "content": c.text}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 if self.reasoning:  # (vLLM's name; null where the answer had none)
                     message["reasoning_content"] = c.reasoning or None
+                if c.calls:  # (OpenAI: content null where the answer is only its calls)
+                    message["tool_calls"] = [call.json() for call in c.calls]
+                    message["content"] = c.text or None
                 choice: dict[str, Any] = {"index": i, "message": message, "logprobs": lp,
                                           "finish_reason": c.finish_reason}
             else:
@@ -381,19 +419,23 @@ class Answer:
                     for d in upd.samples:
                         i = upd.prompt_index * self.n + d.index
                         c = self.choices[i]
-                        reasoning, text = c.apply(d)
+                        called = len(c.calls)
+                        reasoning, text, calls = c.apply(d)
                         lp = logprobs_json(list(zip(d.token_ids, d.logprobs, strict=True)), self.k, self.chat,
                                            self.info, c.text_offset) if d.logprobs else None
                         if lp is not None and not self.chat:  # offsets run on across chunks, as in the whole answer
                             c.text_offset = logprobs_end(lp)
-                        if not (text or reasoning or d.finish_reason or lp or (self.return_ids and d.token_ids)):
+                        if not (text or reasoning or calls or d.finish_reason or lp
+                                or (self.return_ids and d.token_ids)):
                             continue
                         if self.chat:
-                            delta = {"reasoning_content": reasoning} if reasoning else {}
+                            delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
                             if text:
                                 delta["content"] = text
+                            if calls:  # each whole, in the chunk that completes it
+                                delta["tool_calls"] = [call.json(called + k) for k, call in enumerate(calls)]
                             choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp,
-                                                      "finish_reason": d.finish_reason}
+                                                      "finish_reason": c.finish_reason}
                         else:
                             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                                       "stop_reason": d.stop_reason}

@@ -1,0 +1,179 @@
+"""Tool calls (`moebius serve --enable-auto-tool-choice --tool-call-parser hermes`): the tools rendered by the chat
+template, the model's calls parsed into OpenAI's `tool_calls`, whole and streamed; what cannot be honoured refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import pytest
+
+from moebius.entrypoints.openai.tool_calls import Hermes
+from moebius.sampling_params import SamplingParams
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris <FR>"}}\n</tool_call>'
+
+# answer text -> (content, [(name, arguments)])
+CASES = [
+    ("No call here, a < sign and <tool too.", ("No call here, a < sign and <tool too.", [])),
+    ("Let me look." + CALL, ("Let me look.", [("get_weather", {"city": "Paris <FR>"})])),
+    (CALL + "\n" + CALL.replace("Paris <FR>", "Rome"), ("\n", [("get_weather", {"city": "Paris <FR>"}),
+                                                             ("get_weather", {"city": "Rome"})])),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', ("", [("f", {"x": 1})])),
+    ("<tool_call>not json</tool_call> after", ("<tool_call>not json</tool_call> after", [])),
+    ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),
+    ('cut short <tool_call>{"name": "f", "argu', ('cut short <tool_call>{"name": "f", "argu', [])),
+    ("ends in <tool_c", ("ends in <tool_c", [])),
+]
+
+
+def _parse(pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
+    parser = Hermes()
+    steps = [parser.feed(p) for p in pieces] + [parser.finish()]
+    return "".join(c for c, _ in steps), [(call.name, json.loads(call.arguments)) for _, cs in steps for call in cs]
+
+
+@pytest.mark.parametrize(("text", "want"), CASES)
+def test_hermes_calls_whole_and_streamed_alike(text: str, want: tuple[str, list[tuple[str, Any]]]) -> None:
+    """Whole, a character at a time and at random cuts: the same content and calls; a block that is not a call,
+    or is cut short, stays content as it came."""
+    assert _parse([text]) == want
+    assert _parse(list(text)) == want
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        assert _parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == want
+
+
+def test_a_call_goes_out_once_its_block_closes() -> None:
+    parser = Hermes()
+    assert parser.feed("Sure. <tool") == ("Sure. ", [])
+    assert parser.feed('_call>{"name": "f", "arguments": {}}') == ("", [])
+    content, calls = parser.feed("</tool_call>")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+    assert calls[0].id.startswith("call_") and calls[0].json(3)["index"] == 3
+
+
+def _request(**fields: Any) -> Any:
+    from moebius.entrypoints.openai.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(**{"messages": [{"role": "user", "content": "Weather in Paris?"}], **fields})
+
+
+def test_the_tools_a_request_may_use() -> None:
+    """tool_choice auto (the default with tools) needs the server's parser; none leaves the tools out; required and
+    a named function (guided decoding) are refused, naming the field."""
+    from pydantic import ValidationError
+
+    from moebius.entrypoints.openai.protocol import APIError
+    from moebius.entrypoints.openai.serving import chat_tools
+
+    assert chat_tools(_request(tools=[WEATHER]), "hermes") == [WEATHER]
+    assert chat_tools(_request(tools=[WEATHER], tool_choice="none"), None) is None
+    assert chat_tools(_request(), None) is None and chat_tools(_request(tool_choice="auto"), "hermes") is None
+    with pytest.raises(APIError, match="--enable-auto-tool-choice and --tool-call-parser") as e:
+        chat_tools(_request(tools=[WEATHER]), None)
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+    for choice, what in (("required", "'required'"), ({"type": "function", "function": {"name": "get_weather"}},
+                                                      "a named function")):
+        with pytest.raises(APIError, match=f"{what} is not supported") as e:
+            chat_tools(_request(tools=[WEATHER], tool_choice=choice), "hermes")
+        assert e.value.param == "tool_choice"
+    with pytest.raises(ValidationError, match="function"):
+        _request(tools=[{"type": "function"}])
+
+
+def test_the_template_renders_the_tools_and_the_calls_and_results_before() -> None:
+    """The tools reach the chat template as `tools`, an assistant's earlier calls as its `tool_calls`, a tool's
+    answer with its `tool_call_id` (what Qwen3's template reads)."""
+    from moebius.entrypoints.openai.engine_loop import EngineInfo
+    from moebius.entrypoints.openai.serving import chat_prompt
+    from moebius.tokenizer import Tokenizer
+
+    template = ("{% if tools %}TOOLS {{ tools | tojson }}{{ '\\n' }}{% endif %}{% for m in messages %}{{ m.role }}: "
+                "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
+                "{{ c.function.arguments }} {{ c.id }}</tool_call>{% endfor %}"
+                "{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}")
+    tok = Tokenizer(Tokenizer.builtin().tokenizer, chat_template=template)
+    req = _request(tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}])
+    got = chat_prompt(req, EngineInfo(tok, 64, 384, 1), [WEATHER])
+    assert got == (f"TOOLS {json.dumps([WEATHER], ensure_ascii=False)}\nuser: Weather?\nassistant: <tool_call>"
+                   'get_weather {"city": "Rome"} call_1</tool_call>\ntool: sunny (for call_1)\n')
+
+
+def _answer(texts: list[str], stream: bool, finish: str = "stop") -> Any:
+    """A chat Answer with the hermes parser over deltas carrying these texts, whole or as its events."""
+    from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, SampleDelta, Sink, Update
+    from moebius.entrypoints.openai.serving import Answer, Generation
+
+    class Loop:  # what a Generation asks of the engine loop
+        def submit(self, items: Any, param: str) -> Sink:
+            return Sink(["r-0"])
+
+        def abort(self, request_ids: list[str]) -> None:
+            pass
+
+    async def run() -> Any:
+        gen = Generation(Loop(), [([1, 2], SamplingParams(max_tokens=9))], "messages")  # type: ignore[arg-type]
+        gen.sink.receive(Accepted(["r-0"], [[1, 2]]))
+        await gen.start()
+        answer = Answer(gen, chat=True, model="m", return_token_ids=False, info=EngineInfo(None, 64, 256, 1),
+                        tools=Hermes)
+        for k, text in enumerate(texts):
+            last = k == len(texts) - 1
+            gen.sink.receive(Update(0, [SampleDelta(0, [k], text, finish if last else None, None)], last))
+        if not stream:
+            return await answer.whole()
+        return [json.loads(e[6:]) for w in [w async for w in answer.stream(include_usage=False)]
+                for e in w.split("\n\n") if e and e[6:] != "[DONE]"]
+
+    return asyncio.run(run())
+
+
+def test_a_chat_answer_carries_its_calls_whole_and_streamed() -> None:
+    texts = [CALL[:20], CALL[20:], "\n<tool_call>", '{"name": "get_time", "arguments": {}}</tool_call>']
+    choice = _answer(texts, stream=False)["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "\n"
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris <FR>"}), ("function", "get_time", {})]
+    assert len({c["id"] for c in calls}) == 2
+    events = _answer(texts, stream=True)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in streamed] == [(0, "get_weather"), (1, "get_time")]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "".join(d.get("content", "") for d in deltas) == "\n"
+    # only calls: content null; cut short by max_tokens: the block is text and the reason stays "length"
+    assert _answer([CALL], stream=False)["choices"][0]["message"]["content"] is None
+    cut = _answer(["Hi ", CALL[:30]], stream=False, finish="length")["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"] == {"role": "assistant", "content": "Hi " + CALL[:30]}
+
+
+def test_the_server_takes_tools_only_with_its_parser() -> None:
+    """Without --enable-auto-tool-choice a request with tools is a 400 naming the flags; with it (and hermes) the
+    demo model answers; the flag alone is refused before the engine starts."""
+    httpx = pytest.importorskip("httpx")
+    from test_reasoning import _served
+
+    from moebius.entrypoints.cli import build_parser
+    from moebius.entrypoints.openai.server import serve
+
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 4, "tools": [WEATHER]}
+    with _served("none", None) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    with _served("none", None, tool_call_parser="hermes", enable_auto_tool_choice=True) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        serve(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
