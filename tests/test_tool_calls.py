@@ -110,8 +110,9 @@ def test_the_template_renders_the_tools_and_the_calls_and_results_before() -> No
                    'get_weather {"city": "Rome"} call_1</tool_call>\ntool: sunny (for call_1)\n')
 
 
-def _answer(texts: list[str], stream: bool, finish: str = "stop") -> Any:
-    """A chat Answer with the hermes parser over deltas carrying these texts, whole or as its events."""
+def _answer(texts: list[str], stream: bool, finish: str = "stop", tools: Any = Hermes, reasoning: Any = None) -> Any:
+    """A chat Answer with these parsers (hermes alone by default) over deltas carrying these texts, whole or as its
+    events."""
     from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, SampleDelta, Sink, Update
     from moebius.entrypoints.openai.serving import Answer, Generation
 
@@ -127,7 +128,7 @@ def _answer(texts: list[str], stream: bool, finish: str = "stop") -> Any:
         gen.sink.receive(Accepted(["r-0"], [[1, 2]]))
         await gen.start()
         answer = Answer(gen, chat=True, model="m", return_token_ids=False, info=EngineInfo(None, 64, 256, 1),
-                        tools=Hermes)
+                        reasoning=reasoning, tools=tools)
         for k, text in enumerate(texts):
             last = k == len(texts) - 1
             gen.sink.receive(Update(0, [SampleDelta(0, [k], text, finish if last else None, None)], last))
@@ -177,3 +178,63 @@ def test_the_server_takes_tools_only_with_its_parser() -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+HARMONY_CALLS = [
+    (HARMONY_CALL, ("Need the weather.", "", [("get_weather", {"city": "Paris"})])),
+    # the recipient in the role part, a preamble before, a second call after
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f<|channel|>commentary json"
+     "<|message|>{}<|call|><|start|>assistant to=functions.g<|channel|>commentary<|message|> {\"a\": [1]} <|call|>",
+     ("", "Checking.", [("f", {}), ("g", {"a": [1]})])),
+    # cut short in the call's arguments: they stay content, as they came
+    ("<|channel|>commentary to=functions.f<|message|>{\"city\": \"Pa", ("", "{\"city\": \"Pa", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), HARMONY_CALLS)
+def test_gpt_oss_calls_are_harmony_messages_to_functions(text: str, want: tuple[str, str, list[Any]]) -> None:
+    """The openai_gptoss reasoning parser takes a message to `functions.NAME` out as a call (its text the
+    arguments), whole or streamed at any cut."""
+    from moebius.entrypoints.openai.reasoning import make_parser
+
+    def parse(pieces: list[str]) -> tuple[str, str, list[Any]]:
+        parser, calls, steps = make_parser("openai_gptoss", ""), [], []
+        for p in pieces:
+            steps.append(parser.feed(p))
+            calls += parser.take_calls()
+        steps.append(parser.finish())
+        calls += parser.take_calls()
+        return ("".join(r for r, _ in steps), "".join(c for _, c in steps),
+                [(c.name, json.loads(c.arguments)) for c in calls])
+
+    assert parse([text]) == want and parse(list(text)) == want
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 6)))
+        assert parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == want
+
+
+def test_a_gpt_oss_answer_carries_its_calls() -> None:
+    """Served with --tool-call-parser openai (and harmony's reasoning parser): the answer's reasoning, and its call
+    as tool_calls with finish_reason tool_calls; the openai parser without harmony's is refused at start."""
+    from moebius.entrypoints.openai.app import ServeSettings, create_app
+    from moebius.entrypoints.openai.engine_loop import EngineInfo
+    from moebius.entrypoints.openai.reasoning import make_parser
+    from moebius.entrypoints.openai.tool_calls import PARSERS
+
+    choice = _answer([HARMONY_CALL[:50], HARMONY_CALL[50:]], stream=False, tools=PARSERS["openai"],
+                     reasoning=lambda: make_parser("openai_gptoss", ""))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "Need the weather."
+    assert choice["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+            ] == [("get_weather", {"city": "Paris"})]
+
+    class Loop:
+        info = EngineInfo(None, 64, 256, 1, reasoning_parser=None)
+
+    with pytest.raises(ValueError, match="--tool-call-parser openai reads the calls .* needs --reasoning-parser "
+                                         r"openai_gptoss \(or auto, for its family\), got auto \(none\)"):
+        create_app(Loop(), ServeSettings("m", tool_call_parser="openai",  # type: ignore[arg-type]
+                                         enable_auto_tool_choice=True))

@@ -63,6 +63,7 @@ from moebius.entrypoints.openai.serving import (
     completion_inputs,
     sampling_params,
 )
+from moebius.entrypoints.openai.tool_calls import NEEDS_REASONING as TOOL_NEEDS_REASONING
 from moebius.entrypoints.openai.tool_calls import PARSERS as TOOL_PARSERS
 from moebius.entrypoints.openai.tool_calls import ToolCallParser
 from moebius.frontend.core import EngineStateError
@@ -312,6 +313,10 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
     keep_specials = reasoning is not None and make_parser(reasoning, "").keeps_special_tokens
     if settings.tool_call_parser is not None and settings.tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {settings.tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    if (need := TOOL_NEEDS_REASONING.get(settings.tool_call_parser or "")) is not None and reasoning != need:
+        raise ValueError(f"--tool-call-parser {settings.tool_call_parser} reads the calls the {need} reasoning parser "
+                         f"takes out of the answer: it needs --reasoning-parser {need} (or auto, for its family), got "
+                         f"{settings.reasoning_parser} ({reasoning or 'none'})")
     tool_parser = settings.tool_call_parser if settings.enable_auto_tool_choice else None
 
     @app.post("/v1/chat/completions")

@@ -7,23 +7,19 @@
 - A prompt that ends in `</think>` (a template with thinking turned off) makes the whole answer content, for both.
 - `openai_gptoss`: GPT-OSS's harmony format, its special tokens kept in the text (`keeps_special_tokens`): each
   message `<|channel|>NAME<|message|>TEXT<|end|>` (the last ends in `<|return|>` or `<|call|>`); the analysis
-  channel is reasoning, the others (final, commentary preambles) content, the headers neither.
+  channel is reasoning, the others (final, commentary preambles) content, the headers neither; a message to a
+  function (`to=functions.NAME` in its header) is a tool call, its text the arguments (`take_calls`).
 
 A parser holds back only what could still be the start of a marker, so a stream's pieces join to the whole answer's
 split."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import ClassVar
 
-
-def held_from(text: str, markers: tuple[str, ...]) -> int:
-    """Where the longest end of `text` that begins one of `markers` (and is not all of it) starts; len(text): none."""
-    for start in range(max(0, len(text) - max(map(len, markers)) + 1), len(text)):
-        if any(m.startswith(text[start:]) for m in markers):
-            return start
-    return len(text)
+from moebius.entrypoints.openai.parsing import ToolCall, held_from
 
 
 class ReasoningParser:
@@ -37,6 +33,10 @@ class ReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         raise NotImplementedError
+
+    def take_calls(self) -> list[ToolCall]:
+        """The tool calls its format carries outside the content (harmony's), complete since the last take."""
+        return []
 
 
 class ThinkTags(ReasoningParser):
@@ -85,9 +85,13 @@ class Harmony(ReasoningParser):
     ENDS = ("<|end|>", "<|return|>", "<|call|>")
     CHANNEL = "<|channel|>"
 
+    RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
     def __init__(self, prompt: str) -> None:
         self.buf, self.channel = "", None  # channel: None while in a header
         self.seen = False  # a message began
+        self.function: str | None = None  # the message is a call to this function
+        self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
@@ -100,24 +104,35 @@ class Harmony(ReasoningParser):
                 header, self.buf = self.buf[:at], self.buf[at + len(self.MESSAGE):]
                 words = header.split(self.CHANNEL, 1)[1].split("<|", 1)[0].split() if self.CHANNEL in header else []
                 self.channel, self.seen = words[0] if words else "", True
-            side = "reasoning" if self.channel == "analysis" else "content"
+                self.function = m.group(1) if (m := self.RECIPIENT.search(header)) else None
             ends = [(i, m) for m in self.ENDS if (i := self.buf.find(m)) >= 0]
-            if not ends:
-                keep = held_from(self.buf, self.ENDS)
-                out[side] += self.buf[:keep]
-                self.buf = self.buf[keep:]
-                return out["reasoning"], out["content"]
-            at, marker = min(ends)
-            out[side] += self.buf[:at]
+            if self.function is not None:  # a call's arguments go out whole, once it ends
+                if not ends:
+                    return out["reasoning"], out["content"]
+                at, marker = min(ends)
+                self.calls.append(ToolCall(self.function, self.buf[:at].strip()))
+            else:
+                side = "reasoning" if self.channel == "analysis" else "content"
+                if not ends:
+                    keep = held_from(self.buf, self.ENDS)
+                    out[side] += self.buf[:keep]
+                    self.buf = self.buf[keep:]
+                    return out["reasoning"], out["content"]
+                at, marker = min(ends)
+                out[side] += self.buf[:at]
             self.buf, self.channel = self.buf[at + len(marker):], None
 
     def finish(self) -> tuple[str, str]:
-        """A message cut short keeps its side and a header cut short is dropped; text with no message at all (not
-        harmony) is content as it came."""
+        """A message cut short keeps its side (a call cut short: content, as it came) and a header cut short is
+        dropped; text with no message at all (not harmony) is content as it came."""
         rest, self.buf = self.buf, ""
         if self.channel is None:
             return "", "" if self.seen else rest
-        return (rest, "") if self.channel == "analysis" else ("", rest)
+        return (rest, "") if self.channel == "analysis" and self.function is None else ("", rest)
+
+    def take_calls(self) -> list[ToolCall]:
+        calls, self.calls = self.calls, []
+        return calls
 
 
 PARSERS: dict[str, Callable[[str], ReasoningParser]] = {

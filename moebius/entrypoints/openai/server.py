@@ -107,7 +107,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="answer chat requests with tools (tool_choice auto) with the model's calls parsed into "
                       "`tool_calls` by --tool-call-parser (without it such requests are refused, as in vLLM)")
     http.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
-                      help="the tool-call format of the model: hermes (Qwen3, Qwen2.5: <tool_call>{json}</tool_call>)")
+                      help="the tool-call format of the model: hermes (Qwen3, Qwen2.5: <tool_call>{json}</tool_call>) "
+                      "or openai (GPT-OSS: harmony messages to functions.NAME, read by its reasoning parser)")
     http.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                       help="answer 429 while this many requests wait for their first token (default: no limit)")
     http.add_argument("--shutdown-timeout", type=_drain_seconds, default=30.0,

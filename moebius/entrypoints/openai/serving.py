@@ -238,9 +238,10 @@ class Choice:
         if d.finish_reason is not None and self.parser is not None:
             rest = self.parser.finish()
             reasoning, content = reasoning + rest[0], content + rest[1]
-        calls: list[ToolCall] = []
+        calls = self.parser.take_calls() if self.parser is not None else []
         if self.tools is not None:
-            content, calls = self.tools.feed(content)
+            content, found = self.tools.feed(content)
+            calls += found
             if d.finish_reason is not None:
                 rest_text, rest_calls = self.tools.finish()
                 content, calls = content + rest_text, calls + rest_calls

@@ -2,6 +2,8 @@
 `tool_calls`, whole or as the text streams in.
 
 - `hermes` (Qwen3, Qwen2.5, Hermes): each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- `openai` (GPT-OSS): its calls are harmony messages to `functions.NAME`, which the openai_gptoss reasoning parser
+  reads (reasoning.Harmony); the content has none left.
 
 Text outside the calls stays content; a block that is not a call (not JSON naming a function) or is cut short stays
 content as it came, so nothing the model wrote is lost. A parser holds back only what could still begin a call, so
@@ -10,24 +12,9 @@ a stream's pieces join to the whole answer's."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from moebius.entrypoints.openai.reasoning import held_from
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def json(self, index: int | None = None) -> dict[str, object]:
-        """OpenAI's form (a stream's delta carries its `index` among the answer's calls)."""
-        out: dict[str, object] = {"id": self.id, "type": "function",
-                                  "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
+from moebius.entrypoints.openai.parsing import ToolCall, held_from
 
 
 class ToolCallParser:
@@ -83,8 +70,19 @@ def _call_of(body: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"],
-                    args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": Hermes}
+class InMessages(ToolCallParser):
+    """A format whose calls the reasoning parser takes out (harmony's): the content is left as it is."""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return "", []
+
+
+PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": Hermes, "openai": InMessages}
+# the reasoning parser a tool-call format needs (its calls are in the messages that parser reads)
+NEEDS_REASONING = {"openai": "openai_gptoss"}
