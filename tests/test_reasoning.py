@@ -85,8 +85,10 @@ def test_gpt_oss_answers_are_parsed_by_default() -> None:
     assert all(f.reasoning_parser is None for name, f in FAMILIES.items() if name != "gpt_oss")
 
 
-def _answer(parser: str | None, texts: list[str], stream: bool, n: int = 1) -> Any:
-    """A chat Answer over deltas carrying these texts (each sample the same), whole or as its events."""
+def _answer(parser: str | None, texts: list[str], stream: bool, n: int = 1, finish: str = "stop",
+            tools: Any = None) -> Any:
+    """A chat Answer with this reasoning parser (and tool-call parser) over deltas carrying these texts (each sample
+    the same; the last ends with `finish`), whole or as its events."""
     from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, SampleDelta, Sink, Update
     from moebius.entrypoints.openai.serving import Answer, Generation
 
@@ -103,10 +105,10 @@ def _answer(parser: str | None, texts: list[str], stream: bool, n: int = 1) -> A
         await gen.start()
         parse = None if parser is None else (lambda: make_parser(parser, "<|im_start|>assistant\n"))
         answer = Answer(gen, chat=True, model="m", return_token_ids=False, info=EngineInfo(None, 64, 256, 1),
-                        reasoning=parse)
+                        reasoning=parse, tools=tools)
         for k, text in enumerate(texts):
             last = k == len(texts) - 1
-            gen.sink.receive(Update(0, [SampleDelta(i, [k], text, "stop" if last else None, None) for i in range(n)],
+            gen.sink.receive(Update(0, [SampleDelta(i, [k], text, finish if last else None, None) for i in range(n)],
                                     last))
         if not stream:
             return await answer.whole()

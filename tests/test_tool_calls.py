@@ -3,7 +3,6 @@ template, the model's calls parsed into OpenAI's `tool_calls`, whole and streame
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 import pytest
 
 from moebius.entrypoints.openai.tool_calls import Hermes
-from moebius.sampling_params import SamplingParams
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -110,34 +108,12 @@ def test_the_template_renders_the_tools_and_the_calls_and_results_before() -> No
                    'get_weather {"city": "Rome"} call_1</tool_call>\ntool: sunny (for call_1)\n')
 
 
-def _answer(texts: list[str], stream: bool, finish: str = "stop", tools: Any = Hermes, reasoning: Any = None) -> Any:
-    """A chat Answer with these parsers (hermes alone by default) over deltas carrying these texts, whole or as its
-    events."""
-    from moebius.entrypoints.openai.engine_loop import Accepted, EngineInfo, SampleDelta, Sink, Update
-    from moebius.entrypoints.openai.serving import Answer, Generation
+def _answer(texts: list[str], stream: bool, finish: str = "stop", tools: Any = Hermes, reasoning: str | None = None
+            ) -> Any:
+    """A chat Answer with these parsers (hermes alone by default) over deltas carrying these texts."""
+    from test_reasoning import _answer as answer
 
-    class Loop:  # what a Generation asks of the engine loop
-        def submit(self, items: Any, param: str) -> Sink:
-            return Sink(["r-0"])
-
-        def abort(self, request_ids: list[str]) -> None:
-            pass
-
-    async def run() -> Any:
-        gen = Generation(Loop(), [([1, 2], SamplingParams(max_tokens=9))], "messages")  # type: ignore[arg-type]
-        gen.sink.receive(Accepted(["r-0"], [[1, 2]]))
-        await gen.start()
-        answer = Answer(gen, chat=True, model="m", return_token_ids=False, info=EngineInfo(None, 64, 256, 1),
-                        reasoning=reasoning, tools=tools)
-        for k, text in enumerate(texts):
-            last = k == len(texts) - 1
-            gen.sink.receive(Update(0, [SampleDelta(0, [k], text, finish if last else None, None)], last))
-        if not stream:
-            return await answer.whole()
-        return [json.loads(e[6:]) for w in [w async for w in answer.stream(include_usage=False)]
-                for e in w.split("\n\n") if e and e[6:] != "[DONE]"]
-
-    return asyncio.run(run())
+    return answer(reasoning, texts, stream, finish=finish, tools=tools)
 
 
 def test_a_chat_answer_carries_its_calls_whole_and_streamed() -> None:
@@ -221,11 +197,10 @@ def test_a_gpt_oss_answer_carries_its_calls() -> None:
     as tool_calls with finish_reason tool_calls; the openai parser without harmony's is refused at start."""
     from moebius.entrypoints.openai.app import ServeSettings, create_app
     from moebius.entrypoints.openai.engine_loop import EngineInfo
-    from moebius.entrypoints.openai.reasoning import make_parser
     from moebius.entrypoints.openai.tool_calls import PARSERS
 
     choice = _answer([HARMONY_CALL[:50], HARMONY_CALL[50:]], stream=False, tools=PARSERS["openai"],
-                     reasoning=lambda: make_parser("openai_gptoss", ""))["choices"][0]
+                     reasoning="openai_gptoss")["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "Need the weather."
     assert choice["message"]["content"] is None
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
