@@ -97,9 +97,12 @@ def to_fp8(path: str, quant: dict[str, Any]) -> str:
 def hf_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """transformers' block dequantization (finegrained_fp8's, ragged edge blocks cut), in float32 then rounded once
     to `dtype`, as its loader's Fp8Dequantize rounds (its helper multiplies in `dtype`: a second rounding)."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    from transformers.integrations import finegrained_fp8 as hf
 
-    return _dequantize_fp8_weight(weight, scale_inv, [BLOCK, BLOCK], torch.float32).to(dtype)
+    if hasattr(hf, "_dequantize_fp8_weight"):
+        return hf._dequantize_fp8_weight(weight, scale_inv, [BLOCK, BLOCK], torch.float32).to(dtype)
+    # (transformers before it, as on the lent GPU machine: its loader's op, the same block rule)
+    return hf.Fp8Dequantize(None)._dequantize_one(weight, scale_inv, torch.float32).to(dtype)
 
 
 def write_dequantized(path: str, packed: str) -> str:

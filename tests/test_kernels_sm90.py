@@ -23,19 +23,27 @@ from moebius.kernels import DEFAULT_KERNELS, fused_moe, linear  # noqa: E402
 from moebius.kernels.rows import FORMATS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SHARED = 232448  # bytes of shared memory a block may use on H100 / H200 (what a launch checks, 227 KiB)
 D, I, E = 2880, 2880, 4  # gpt-oss's hidden and expert sizes: whole MXFP4 chunks, FP8 blocks with a ragged last one
 
 
-def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int) -> bytes:
-    """`fn` compiled for sm_90 with its arguments' types (Triton's signature strings) and constexprs; the cubin."""
+def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int,
+                 aligned: tuple[str, ...] = ()) -> bytes:
+    """`fn` compiled for sm_90 with its arguments' types (Triton's signature strings) and constexprs, specialized as
+    a launch specializes them: every pointer 16-byte aligned and the `aligned` integers multiples of 16 (what lets
+    Triton pipeline the loads through shared memory); the cubin."""
     try:  # (a Triton wheel ships ptxas; a source build may not)
         nvidia.get_ptxas(HOPPER.arch)
     except Exception as e:
         pytest.skip(f"no ptxas for sm_90: {e}")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, consts), target=HOPPER,
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (types[n].startswith("*") or n in aligned)}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=HOPPER,
                        options={"num_warps": num_warps, "num_stages": num_stages})
     assert k.asm["cubin"], f"{fn.__name__}: no cubin"
+    # (a launch refuses a kernel that needs more: OutOfResources on the GPU, never seen at compile time)
+    assert k.metadata.shared <= HOPPER_SHARED, (fn.__name__, consts, num_stages, k.metadata.shared)
     return k.asm["cubin"]
 
 
@@ -68,7 +76,7 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
                                       BIAS=gpt_oss, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=4, CLAMPED=gpt_oss)
-        compile_sm90(fn, types, consts, c.num_warps, c.num_stages)
+        compile_sm90(fn, types, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
 
 
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
@@ -76,4 +84,5 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
 def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, BT: int) -> None:
     types = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
                  stride_o="i32")
-    compile_sm90(linear._linear_fp8, types, dict(HAS_BIAS=True, BT=BT, BM=linear.FP8_BM, ACT8=act8, PDL=1), 4, 3)
+    compile_sm90(linear._linear_fp8, types, dict(HAS_BIAS=True, BT=BT, BM=linear.FP8_BM, ACT8=act8, PDL=1), 4, 3,
+                 aligned=("N", "K", "WS", "stride_x", "stride_o"))

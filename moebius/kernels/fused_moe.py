@@ -385,6 +385,7 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
 # int32 and float32 temporaries of a [BN, BK] tile are half those of BK = 128: compiled for sm_90 (Triton 3.9), the
 # decode-size configs spill no registers at 64 and spill at 128. Not yet tuned on a GPU (moe_tune.py).
 MXFP4_BK = 64
+FP8_MAX_STAGES = 3
 
 
 def _row_tiles(c: TileConfig, w: torch.Tensor, K: int, kc: kernels.KernelConfig) -> tuple[TileConfig, int, bool]:
@@ -394,8 +395,10 @@ def _row_tiles(c: TileConfig, w: torch.Tensor, K: int, kc: kernels.KernelConfig)
     if w.dtype != torch.uint8:
         return c, PLAIN.value, False
     f = format_of(w, K)
-    if f is FP8:
-        return replace(c, BK=BLOCK[1], tma=False), FP8_ROWS.value, kc.fp8_activations
+    if f is FP8:  # (a 128-column chunk a step doubles the tuned 64-column tiles: four stages of them outgrow
+        # Hopper's shared memory where the rows' stride lets Triton copy them ahead, tests/test_kernels_sm90.py)
+        return (replace(c, BK=BLOCK[1], num_stages=min(c.num_stages, FP8_MAX_STAGES), tma=False), FP8_ROWS.value,
+                kc.fp8_activations)
     assert f is MXFP4, f
     return replace(c, BK=MXFP4_BK, tma=False), MXFP4_ROWS.value, False
 

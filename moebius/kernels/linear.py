@@ -75,15 +75,15 @@ def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
     (kernels/mxfp4_rows.py) in DT, columns from K on 0 (K is whole chunks, so a chunk's mask is its columns'): each
     e2m1 value times its chunk's 2^(scale - 127) in float32 (exact: the scale is built from its bits, no exp2
     rounding, 2^-127 a subnormal), rounded once to DT as `unpack_rows` rounds."""
-    c = k0 // 32 + tl.arange(0, BK // 32)  # the tile's chunks
-    at = W + rows.to(tl.int64)[:, None, None] * WS + c[None, :, None] * 17  # [rows, chunks, 1]
-    m = rm[:, None, None] & (c * 32 < K)[None, :, None]
-    q = tl.load(at + tl.arange(0, 16)[None, None, :], mask=m, other=0).to(tl.int32)  # [rows, chunks, 16 bytes]
-    s = tl.load(at + 16, mask=m, other=0).to(tl.int32)  # [rows, chunks, 1]
+    j = k0 + tl.arange(0, BK)  # the tile's columns: column j is nibble j % 2 of its chunk's byte (j % 32) // 2
+    at = W + rows.to(tl.int64)[:, None] * WS + (j // 32 * 17)[None, :]  # [rows, columns]: its chunk's first byte
+    m = rm[:, None] & (j < K)[None, :]
+    q = tl.load(at + (j % 32 // 2)[None, :], mask=m, other=0).to(tl.int32)  # (each byte read for both its columns)
+    s = tl.load(at + 16, mask=m, other=0).to(tl.int32)  # the chunk's scale byte
     scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
-    lo = (e2m1(q & 15) * scale).to(DT)  # the even columns (a byte's low nibble comes first)
-    hi = (e2m1(q >> 4) * scale).to(DT)
-    return tl.reshape(tl.join(lo, hi), [lo.shape[0], BK])  # [rows, chunks, 16, 2] -> columns in order
+    # (2D [rows, columns] throughout: Triton 3.6 cannot lay out a joined [rows, bytes, 2] tile in shared memory for
+    # Hopper's dot (Illegal shared layout), which 3.9 can)
+    return (e2m1((q >> (j % 2 * 4)[None, :]) & 15) * scale).to(DT)
 
 
 @triton.jit
