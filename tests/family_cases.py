@@ -263,6 +263,15 @@ def well_conditioned(path: str, prompts: Sequence[Sequence[int]], n: int
     return [p for p, _ in kept], [w for _, w in kept]
 
 
+def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> str:
+    """Where two runs' greedy tokens first part (what a failed parity run reports, so that it can be read off a log)."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if list(g) != list(w):
+            j = next((k for k, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
+            return f"prompt {i}, token {j}: {list(g)} against {list(w)}"
+    return "the same tokens"
+
+
 def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: dict[str, Any]) -> None:
     """On the GPU in float32: an engine's decode graphs and step pieces exist (a probe of each), and it gives
     transformers' n greedy tokens in TP, in EP after a switch and in TP again, every KV page free after each; so do
@@ -278,7 +287,8 @@ def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: d
         for mode in ("tp", "ep", "tp"):
             if llm.mode != mode:
                 assert llm.switch_mode(mode).done
-            assert greedy_outputs(llm, prompts, n) == want, mode
+            got = greedy_outputs(llm, prompts, n)
+            assert got == want, f"{mode}: {first_difference(got, want)}"
             assert_kv_free(llm)
     for flag in ("disable_cuda_graph", "disable_overlap_schedule"):
         with LLM(model=path, **{flag: True}, **kw) as llm:
