@@ -50,7 +50,9 @@ def memory_report(rank: Rank) -> dict[str, Any]:
     if rank.device.type == "cuda":
         out["peak_allocated"] = torch.cuda.max_memory_allocated(rank.device)
         out["peak_reserved"] = torch.cuda.max_memory_reserved(rank.device)
-        out["non_kv_bytes"] = out["peak_reserved"] - kv
+        # what the rank holds besides its KV: the buffer's other regions (mapped through the driver, outside torch's
+        # allocator) and the allocator's peak (activations, graphs' pools)
+        out["non_kv_bytes"] = out["umm_bytes"] - kv + out["peak_reserved"]
     return out
 
 
