@@ -36,11 +36,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
 W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypoints.cli bench"
+# results named by the card that ran them (h200-p1-*, or h100-p1-* on a lent H100)
+C=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H100 && echo h100 || echo h200)
 export TRITON_CACHE_DIR=$W/triton
 M="--model deepseek-v2-lite --load-format dummy --num-ranks 1"
 O=${OUT:-/tmp/out}; mkdir -p $O
 # Each step's log goes straight to $OUT and its results are copied after it: a call cut at its limit keeps both.
-keep() { cp $R/h200-p1-deepseek-v2-lite-* $R/h200-p1-qwen3-30b-fp8-* $R/h200-p1-gpt-oss-20b-* $O/ 2>/dev/null; true; }
+keep() { cp $R/$C-p1-deepseek-v2-lite-* $R/$C-p1-qwen3-30b-fp8-* $R/$C-p1-gpt-oss-20b-* $O/ 2>/dev/null; true; }
 t() { local n=$1; shift; timeout $1 "${@:2}" > $O/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $O/$n.log | tail -12; keep; }
 P="python3 -m pytest -v --tb=short --timeout 200 -m gpu -p no:cacheprovider"
 date +%T
@@ -52,36 +54,36 @@ retest)  # the families that failed `families` once mended: OLMoE and GPT-OSS
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)
-  t sweep 200 $B sweep $M --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-deepseek-v2-lite-sweep.json ;;
+  t sweep 200 $B sweep $M --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
 work)
-  t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-deepseek-v2-lite-throughput.json ;;
+  t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-deepseek-v2-lite-throughput.json ;;
 fp8tests)
   MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8" ;;
 fp8)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/h200-p1-qwen3-30b-fp8-sweep.json
-  t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy.json
-  t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/h200-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
+  t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/$C-p1-qwen3-30b-fp8-reshard-copy.json
+  t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/$C-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
 fp8work)
   Q="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/h200-p1-qwen3-30b-fp8-throughput.json
-  t fp8_work_bf16 150 $B throughput $Q --output $R/h200-p1-qwen3-30b-fp8-throughput-bf16.json
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/h200-p1-qwen3-30b-fp8-agreement.json ;;
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/$C-p1-qwen3-30b-fp8-throughput.json
+  t fp8_work_bf16 150 $B throughput $Q --output $R/$C-p1-qwen3-30b-fp8-throughput-bf16.json
+  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/$C-p1-qwen3-30b-fp8-agreement.json ;;
 mxfp4)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --quantization mxfp4"
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-mxfp4-sweep.json ;;
+  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-mxfp4-sweep.json ;;
 mxfp4tests)
   MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4" ;;
 mxfp4work)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/h200-p1-gpt-oss-20b-mxfp4-throughput.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t mxfp4_work_bf16 200 $B throughput $G --output $R/h200-p1-gpt-oss-20b-mxfp4-throughput-bf16.json ;;
+  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t mxfp4_work_bf16 200 $B throughput $G --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput-bf16.json ;;
 gptoss)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/h200-p1-gpt-oss-20b-sweep.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/h200-p1-gpt-oss-20b-long-context.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/h200-p1-gpt-oss-20b-throughput.json ;;
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/$C-p1-gpt-oss-20b-long-context.json
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
 agree)
-  t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/h200-p1-deepseek-v2-lite-agreement.json ;;
+  t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
 # $OUT brings back at most 8 files: the logs travel as one archive.
