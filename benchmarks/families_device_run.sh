@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The model families' first runs on one H200 (issues 44, 45, 46): DeepSeek-V2-Lite shapes with dummy bf16 weights,
-# gpt-oss-20b's, Qwen3-30B-A3B's in FP8. `tests` and `families` passed at 01422685 but for OLMoE and GPT-OSS (mended
-# since: `retest`), which stay refused on a GPU until it passes (MOEBIUS_UNCHECKED_GPU lets these runs start them;
-# then lift their `cpu_only`). Each argument is one step, run in the order given; group them into device calls of
+# gpt-oss-20b's, Qwen3-30B-A3B's in FP8. `tests` and `families` passed at 01422685 but for OLMoE and GPT-OSS; OLMoE's
+# `retest` passed at 8a37444 (an H100) and its `cpu_only` is lifted; GPT-OSS stays refused on a GPU until it passes
+# (MOEBIUS_UNCHECKED_GPU lets these runs start it; then lift its `cpu_only`). Each argument is one step, run in the order given; group them into device calls of
 # under 10 minutes:
 #   tests     the family's GPU tests: float32 tokens against transformers through decode graphs, step pieces and eager
 #             steps across a switch; the latent kernels against their references; pieces against eager steps in bf16
@@ -48,9 +48,9 @@ P="python3 -m pytest -v --tb=short --timeout 200 -m gpu -p no:cacheprovider"
 date +%T
 for step in "$@"; do case $step in
 families)
-  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,olmoe,gpt_oss t families 320 $P tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
-retest)  # the families that failed `families` once mended: OLMoE and GPT-OSS
-  MOEBIUS_UNCHECKED_GPU=olmoe,gpt_oss t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
+  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,gpt_oss t families 320 $P tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
+retest)  # the families that failed `families` once mended: OLMoE (passed on an H100 at 8a37444) and GPT-OSS
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)

@@ -128,15 +128,22 @@ def test_unsupported_settings_are_refused_by_name(olmoe: Callable[[str], str], c
         model_config(hf)
 
 
-def test_the_gpu_is_refused_naming_the_family(olmoe: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its GPU path is written but not yet checked on a GPU: start-up on cuda is refused, naming the family."""
+def test_a_family_awaiting_its_gpu_run_is_refused_there(olmoe: Callable[[str], str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family whose GPU path is written but not yet run there (`Family.cpu_only`, as OLMoE's was) is refused on cuda
+    at start-up naming the family and why; MOEBIUS_UNCHECKED_GPU names the ones its GPU tests start."""
+    import dataclasses
+
+    from moebius.models import registry
     from moebius.worker.build import build_rank
     from moebius.worker.rank import RankSpec
 
     path = olmoe("olmoe")
+    monkeypatch.setitem(registry.FAMILIES, "olmoe", dataclasses.replace(
+        registry.FAMILIES["olmoe"], cpu_only="its GPU path (the q/k norm) is not yet checked on a GPU"))
     monkeypatch.delenv("MOEBIUS_UNCHECKED_GPU", raising=False)
-    with pytest.raises(ConfigError, match=r"the olmoe family \(OlmoeForCausalLM\) cannot run on cuda yet: .* not "
-                                          r"yet checked on a GPU"):
+    with pytest.raises(ConfigError, match=r"the olmoe family \(OlmoeForCausalLM\) cannot run on cuda yet: its GPU "
+                                          r"path .* not yet checked on a GPU; serve it with --device cpu"):
         build_rank(RankSpec(engine=EngineConfig.from_kwargs(model=path, device="cuda"), model=model_config(
             _config(path)), checkpoint=path, device="cuda", dtype="float32", eos_token_ids=(), max_model_len=64))
 
@@ -301,10 +308,8 @@ def test_preset_starts_on_the_cpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["olmoe_d16", "olmoe_gqa_d16"])
-def test_greedy_equals_transformers_on_the_gpu(olmoe: Callable[[str], str], name: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_equals_transformers_on_the_gpu(olmoe: Callable[[str], str], name: str) -> None:
     """On the GPU in float32: decode graphs and step pieces (the
     whole-projection q/k norms through torch ops, the paged attention kernel between the pieces) give transformers'
     greedy tokens, in both layouts across a switch; so do eager steps, and graphs with every step resolved first."""
-    monkeypatch.setenv("MOEBIUS_UNCHECKED_GPU", "olmoe")  # (the GPU path these tests check first)
     gpu_parity(olmoe(name), PROMPTS, N_OUT, ENGINE_KW)

@@ -8,6 +8,4 @@ from moebius.models.olmoe.weights import build_weights, weight_specs
 from moebius.models.specs import Family
 
 FAMILY = Family("olmoe", ("OlmoeForCausalLM",), parse_config, weight_specs, build_weights, forward,
-                cpu_only="its GPU path (the whole-projection q/k norm, its all-reduce inside CUDA graphs) is not yet "
-                         "checked on a GPU",
                 checks_own_keys=True, floor_terms=floor_terms)
