@@ -30,9 +30,40 @@ def test_throughput_baseline_serves_every_request_through_the_named_class(cfg_di
     jobs = _jobs(5, seed=1)
     r = run_throughput(cfg_dict, 2, jobs, warmup_requests=2)
     assert "error" not in r, r
-    assert r["model"] == cls_name and r["attn_implementation"] == "sdpa"
+    assert r["model"] == cls_name and r["attn_implementation"] == "sdpa" and r["method"] == "continuous batching"
     assert r["output_tokens"] == sum(n for _, n in jobs)  # no EOS: every request runs its whole length
     assert r["wall_s"] > 0 and r["requests_per_s"] == pytest.approx(len(jobs) / r["wall_s"])
+
+
+def test_where_continuous_batching_fails_the_baseline_is_generate_in_static_batches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.17's continuous batching fails DeepSeek-V2's keys (and ran out of memory for gpt-oss-20b on an
+    H100): the baseline is then its generate() in padded batches, every request its whole length, saying so and
+    why."""
+    from moebius.bench import hf_baseline
+
+    def fails(*_: Any) -> None:
+        raise RuntimeError("index_copy_(): Source/destination tensor must have same slice shapes")
+
+    calls: list[int] = []
+    generate = hf_baseline._serve_static
+
+    def counted(model: Any, jobs: list[tuple[list[int], int]], dev: Any) -> tuple[float, int]:
+        calls.append(len(jobs))
+        return generate(model, jobs, dev)
+
+    monkeypatch.setattr(hf_baseline, "_serve_cb", fails)
+    monkeypatch.setattr(hf_baseline, "_serve_static", counted)
+    monkeypatch.setattr(hf_baseline, "STATIC_BATCH", 3)
+    jobs = _jobs(7, seed=3)
+    r = run_throughput(DEEPSEEK_V2, 2, jobs, warmup_requests=2)
+    assert "error" not in r, r
+    assert r["method"].startswith("generate() in static batches of 3 (continuous batching failed: RuntimeError: "
+                                  "index_copy_()")
+    assert calls == [2, 7] and r["output_tokens"] == sum(n for _, n in jobs) and r["wall_s"] > 0
+    assert run_throughput(QWEN3, 2, jobs[:2], warmup_requests=0)["method"] == "generate() in static batches of 3 " \
+        "(continuous batching failed: RuntimeError: index_copy_(): Source/destination tensor must have same slice " \
+        "shapes)"
 
 
 def test_config_is_the_class_own_and_cut_to_the_asked_layers() -> None:

@@ -253,10 +253,10 @@ def main(a: argparse.Namespace) -> int:
               f"before, {summary['itl_during_mean_ms']:.1f} ms mean and {summary['itl_during_max_ms']:.1f} ms max "
               f"over its {summary['long_prompt_steps']} steps")
     if "hf_wall_s" in summary:
-        print(f"transformers' continuous batching: {summary['hf_wall_s']:.2f} s; moebius "
+        print(f"transformers ({summary['hf_method']}): {summary['hf_wall_s']:.2f} s; moebius "
               f"{summary['speedup_vs_hf']:.1f}x faster")
     elif a.hf_baseline:
-        print(f"transformers' continuous batching failed: {summary['hf_error']}")
+        print(f"transformers failed: {summary['hf_error']}")
     cached = f" ({summary['cached_tokens'] / inp:.0%} of them found cached)" if summary["cached_tokens"] else ""
     print(f"{len(jobs)} requests in {wall:.2f} s: {len(jobs) / wall:.2f} req/s, {inp / wall:.0f} input{cached} and "
           f"{out / wall:.0f} output tok/s; first TTFT {outs[0].ttft:.3f} s; prefill {summary['prefill_s']:.2f} s, "
