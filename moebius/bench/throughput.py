@@ -165,7 +165,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-baseline", action="store_true",
                    help="also serve the same requests through transformers' continuous batching (random weights of "
-                   "the same shapes; before the engine starts)")
+                   "the same shapes; before the engine starts), or where that fails its generate() in padded "
+                   "batches of 64 (the result says which)")
     w.add_argument("--probe-requests", type=int, default=0,
                    help="before the workload, serve its first N requests one at a time right after start-up and "
                    "report each one's latency and TTFT (table probe): with fixed lengths, the first against the last "
