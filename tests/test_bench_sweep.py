@@ -108,7 +108,7 @@ def test_recorded_sweeps_have_the_asked_form() -> None:
     assert paths, "no sweep recorded in benchmarks/results"
     for path in paths:
         result = load_result(path)
-        check_sweep(result, {"tp", "ep"})
+        check_sweep(result, set(result["params"].get("modes") or ("tp", "ep")))  # every layout it asked for
         assert result["command"].startswith("moebius bench sweep"), path
         assert result["gpu"] != "cpu", path  # the recorded ones come from the GPU machine
 
