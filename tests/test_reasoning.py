@@ -78,11 +78,25 @@ def test_an_unknown_parser_is_named() -> None:
         make_parser("r1", "")
 
 
-def test_gpt_oss_answers_are_parsed_by_default() -> None:
+def test_gpt_oss_answers_are_parsed_by_default(tmp_path: Any) -> None:
+    """The server's `auto` parser is the family's, as the engine loop reports it: harmony for a GPT-OSS checkpoint,
+    none for the demo model (Qwen3-MoE) or any other family."""
+    from test_gpt_oss_family import write_gpt_oss_checkpoint
+
+    from moebius.config import EngineConfig
+    from moebius.entrypoints.openai.engine_loop import EngineLoop
+    from moebius.frontend.core import EngineCore
     from moebius.models.registry import FAMILIES
 
-    assert FAMILIES["gpt_oss"].reasoning_parser == "openai_gptoss" and FAMILIES["gpt_oss"].reasoning_parser in PARSERS
+    assert FAMILIES["gpt_oss"].reasoning_parser in PARSERS
     assert all(f.reasoning_parser is None for name, f in FAMILIES.items() if name != "gpt_oss")
+    path = write_gpt_oss_checkpoint(str(tmp_path / "gpt_oss"))
+    for model, want in ((path, "openai_gptoss"), (None, None)):
+        engine = EngineCore(EngineConfig(model=model, device="cpu", load_format="dummy", max_total_tokens=256))
+        try:
+            assert EngineLoop(engine).info.reasoning_parser == want, model
+        finally:
+            engine.close()
 
 
 def _answer(parser: str | None, texts: list[str], stream: bool, n: int = 1, finish: str = "stop",

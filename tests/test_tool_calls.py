@@ -136,22 +136,29 @@ def test_a_chat_answer_carries_its_calls_whole_and_streamed() -> None:
     assert cut["finish_reason"] == "length" and cut["message"] == {"role": "assistant", "content": "Hi " + CALL[:30]}
 
 
-def test_the_server_takes_tools_only_with_its_parser() -> None:
-    """Without --enable-auto-tool-choice a request with tools is a 400 naming the flags; with it (and hermes) the
-    demo model answers; the flag alone is refused before the engine starts."""
+def test_the_server_takes_tools_only_with_its_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --enable-auto-tool-choice a request with tools is a 400 naming the flags; with it (and hermes) each
+    choice of a request with tools gets a hermes parser, one with tool_choice none or no tools none; the flag alone
+    is refused before the engine starts."""
     httpx = pytest.importorskip("httpx")
     from test_reasoning import _served
 
     from moebius.entrypoints.cli import build_parser
+    from moebius.entrypoints.openai import tool_calls
     from moebius.entrypoints.openai.server import serve
 
+    made: list[Hermes] = []
+    monkeypatch.setitem(tool_calls.PARSERS, "hermes", lambda: made.append(Hermes()) or made[-1])
     body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 4, "tools": [WEATHER]}
     with _served("none", None) as (url, _):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
     with _served("none", None, tool_call_parser="hermes", enable_auto_tool_choice=True) as (url, _):
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "n": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant" and len(made) == 2
+        for extra in ({"tool_choice": "none"}, {"tools": None}):
+            assert httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).status_code == 200
+        assert len(made) == 2
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
 
