@@ -82,6 +82,14 @@ gptoss)
   MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
   MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/$C-p1-gpt-oss-20b-long-context.json
   MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
+gptosswork)  # `gptoss`'s whole requests alone (its transformers baseline: generate() in static batches where
+  # continuous batching runs out of memory)
+  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput --model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
+profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64: FP8 and MXFP4 rows, DeepSeek-V2-Lite
+  S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 64 --context 1024 --graphs-only"
+  MOEBIUS_UNCHECKED_GPU=fp8 t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8
+  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t profile_mxfp4 120 $S --model gpt-oss-20b --quantization mxfp4
+  t profile_deepseek 120 $S --model deepseek-v2-lite ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;

@@ -79,8 +79,20 @@ def hf_model(path: str) -> torch.nn.Module:
     loaded once a path."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                experts_implementation="eager").eval()
+    return as_configured(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                              experts_implementation="eager").eval())
+
+
+def as_configured(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' model computing what its config says: older releases (5.17, the GPU machine's) hard-code GPT-OSS's
+    clamped SwiGLU (alpha 1.702, limit 7.0) where newer ones (5.25) read the config's swiglu_alpha / swiglu_limit, so
+    5.17 gave other tokens than the engine for a checkpoint of limit 2, on either device."""
+    for name in ("alpha", "limit"):
+        value = getattr(model.config, f"swiglu_{name}", None)
+        for m in model.modules():
+            if value is not None and type(m).__name__ == "GptOssExperts":
+                setattr(m, name, value)
+    return model
 
 
 @functools.cache
@@ -304,16 +316,17 @@ def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: d
 
 
 def gpu_quantized_agreement(path: str, dequantized: str, quantization: str, prompts: Sequence[Sequence[int]],
-                            n: int) -> None:
-    """On a GPU in bf16: the engine on a checkpoint with `quantization` (the fused MoE on its rows, through decode
-    graphs and eager steps), in TP and in EP after a switch, against the engine on the dequantized checkpoint (the
-    same bf16 weight values; the kernels' K steps differ, so nearly every token, not all: 90 %)."""
+                            n: int, **engine: Any) -> None:
+    """On a GPU in bf16: the engine on a checkpoint with `quantization` (and `engine`'s settings; the fused MoE on its
+    rows, through decode graphs and eager steps), in TP and in EP after a switch, against the engine on the
+    dequantized checkpoint (the same bf16 weight values, the activations as they are: the kernels' K steps differ, so
+    nearly every token, not all: 90 %)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     kw = dict(ENGINE_KW, device="cuda", dtype="bfloat16")
     with LLM(model=dequantized, **kw) as llm:
         want = greedy_outputs(llm, prompts, n)
-    with LLM(model=path, quantization=quantization, **kw) as llm:
+    with LLM(model=path, quantization=quantization, **kw, **engine) as llm:
         got = [greedy_outputs(llm, prompts, n)]
         assert llm.switch_mode("ep").done
         got.append(greedy_outputs(llm, prompts, n))

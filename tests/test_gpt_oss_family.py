@@ -205,7 +205,8 @@ def test_each_feature_changes_the_oracles_tokens(ckpt: Callable[[str], str], fea
     from transformers import AutoModelForCausalLM
 
     path = ckpt("gpt_oss")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = family_cases.as_configured(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval())
     with torch.no_grad():
         for layer in model.model.layers:
             if feature == "window":

@@ -79,13 +79,19 @@ def write_mxfp4_checkpoint(path: str, seed: int, overrides: dict[str, Any] | Non
 
 
 def write_dequantized(path: str, packed: str) -> str:
-    """transformers' dequantization of `packed` (Mxfp4Config(dequantize=True)), saved as a float checkpoint."""
+    """transformers' dequantization of `packed` (Mxfp4Config(dequantize=True)), saved as a float32 checkpoint: its
+    state dict written here, the config without its quantization_config (5.17's save_pretrained of a dequantized
+    model drops the experts, and its dequantized experts are bf16: the same values, e2m1 times a power of two)."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     model = AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32,
                                                  quantization_config=Mxfp4Config(dequantize=True))
-    model.save_pretrained(path)
-    assert "quantization_config" not in _config(path)
+    os.makedirs(path, exist_ok=True)
+    save_file({n: t.float().contiguous() for n, t in model.state_dict().items()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {k: v for k, v in _config(packed).items() if k != "quantization_config"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
     return path
 
 

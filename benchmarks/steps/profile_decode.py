@@ -25,16 +25,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--mode", default="tp")
+    ap.add_argument("--quantization", default=None, help="as the engine's --quantization (fp8, mxfp4)")
+    ap.add_argument("--graphs-only", action="store_true", help="profile graph replay alone (no eager step)")
     ap.add_argument("--tp-rank-of", type=int, default=0,
                     help="profile one rank of TP over this many GPUs on one GPU (benchmarks/steps/tp_rank_model.py)")
     a = ap.parse_args()
     model = tp_rank_model_dir(a.model, a.tp_rank_of) if a.tp_rank_of else a.model
     engine = EngineCore(EngineConfig.from_kwargs(
         model=model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
-        max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode))
+        max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode,
+        quantization=a.quantization))
     try:
         for b in a.batch:
-            for graphs in (True, False):
+            for graphs in (True,) if a.graphs_only else (True, False):
                 engine.probe(DecodeProbe(batch=b, context=a.context, steps=3, warmup=2, graphs=graphs))
                 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                     r = engine.probe(DecodeProbe(batch=b, context=a.context, steps=5, warmup=0, graphs=graphs))
