@@ -108,9 +108,9 @@ def test_fp8_rows_keep_a_checkpoints_blocks_and_carry_their_scales_through_a_cut
     for dtype in (torch.float32, torch.bfloat16):
         deq = hf_dequantize(q, scale, dtype)
         rows = pack_rows(deq, scale)
-        assert rows.dtype == torch.uint8 and rows.shape == (200, packed_width(300)) == (200, 3 * 132)
+        assert rows.dtype == torch.uint8 and rows.shape == (200, packed_width(300)) == (200, 3 * 144)
         assert torch.equal(unpack_rows(rows, 300, dtype), deq)
-        assert torch.equal(rows.unflatten(-1, (3, 132))[..., :128].reshape(200, 384)[:, :300].view(
+        assert torch.equal(rows.unflatten(-1, (3, 144))[..., :128].reshape(200, 384)[:, :300].view(
             torch.float8_e4m3fn).float(), q.float())
     rows = pack_rows(torch.randn(64, 512, generator=g))
     half = rows.unflatten(1, (2, -1))[:, 1]  # TP 2's second shard: 2 of the 4 chunks
@@ -149,8 +149,8 @@ def test_live_switches_change_no_token(engine: tuple[tuple[int, str], LLM], ckpt
 
 
 def test_the_slots_hold_fp8_rows_at_about_half_the_bytes(ckpt: Callable[[str], str]) -> None:
-    """On one rank: each MoE layer's experts are uint8 FP8 rows in the slot (their scales inside): 132 bytes a chunk
-    of 128 values (0.52 of bf16's bytes; this model's 64 columns pad to one chunk); so are the attention's
+    """On one rank: each MoE layer's experts are uint8 FP8 rows in the slot (their scales inside): 144 bytes a chunk
+    of 128 values (0.56 of bf16's bytes; this model's 64 columns pad to one chunk); so are the attention's
     projections, but what the checkpoint leaves unquantized."""
     with LLM(model=ckpt("fp8"), **FP8) as llm:
         rank = llm.engine.ranks.rank
@@ -163,7 +163,7 @@ def test_the_slots_hold_fp8_rows_at_about_half_the_bytes(ckpt: Callable[[str], s
                 # checkpoint (modules_to_not_convert)
                 assert lw.attn.qkv_QD.dtype == (torch.float32 if i == 2 else torch.uint8)
                 assert lw.attn.o_DQ.dtype == torch.uint8
-            assert lay.expert_bytes(1) == lay.num_local_experts * (2 * INTER * 132 + 64 * 4 * 132)
+            assert lay.expert_bytes(1) == lay.num_local_experts * (2 * INTER * 144 + 64 * 4 * 144)
 
 
 def test_a_memory_release_keeps_the_fp8_rows_and_a_dropped_one_takes_an_update(ckpt: Callable[[str], str]) -> None:
@@ -314,8 +314,8 @@ def test_the_gpu_and_other_expert_formats_are_refused(ckpt: Callable[[str], str]
 
 def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     """Qwen3-30B-A3B's shapes with --quantization fp8: a decode step's routed-expert and attention weight bytes and a
-    switch's weight bytes are 132 / 256 of bf16's (a byte a value and 4 bytes of scale a 128-value chunk), the
-    rest (the cache, activations, lm_head) unchanged."""
+    switch's weight bytes are 144 / 256 of bf16's (a byte a value, 16 bytes of scale and padding a 128-value chunk),
+    the rest (the cache, activations, lm_head) unchanged."""
     from moebius.bench.floor import decode_step_terms, switch_floor_ms
     from moebius.config import PRESETS
 
@@ -324,10 +324,10 @@ def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     for mode in ("tp", "ep"):
         a, b = decode_step_terms(bf16, 4, mode, 64, 1024), decode_step_terms(fp8, 4, mode, 64, 1024)
         scaled = ("experts_bytes", "weights_bytes", "shared_bytes")
-        assert all(b[k] == pytest.approx(a[k] * 132 / 256) for k in scaled)
+        assert all(b[k] == pytest.approx(a[k] * 144 / 256) for k in scaled)
         assert {k: v for k, v in a.items() if k.endswith("_bytes") and k not in (*scaled, "hbm_bytes")} == {
             k: v for k, v in b.items() if k.endswith("_bytes") and k not in (*scaled, "hbm_bytes")}
-    assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * 132 / 256)
+    assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * 144 / 256)
 
 
 @pytest.mark.gpu
@@ -340,11 +340,11 @@ def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[st
     gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT, disable_fp8_activations=True)
 
 
-@pytest.mark.parametrize("quant,ratio", [("fp8", (132, 256)), ("mxfp4", (17, 64))])
+@pytest.mark.parametrize("quant,ratio", [("fp8", (144, 256)), ("mxfp4", (17, 64))])
 def test_a_switch_sends_the_quantized_rows_bytes(tmp_path: Any, quant: str, ratio: tuple[int, int]) -> None:
     """P = 2, a model whose rows are whole chunks of both formats (hidden 128, moe_intermediate_size 256): a TP -> EP
     switch with requests live sends, by its plan (`SwitchOutcome.weight_bytes`), the rows' share of the bfloat16
-    engine's expert bytes (each rank's half of its experts' shards: FP8 132 / 256, MXFP4 17 / 64); the KV rows it
+    engine's expert bytes (each rank's half of its experts' shards: FP8 144 / 256, MXFP4 17 / 64); the KV rows it
     sends are the bfloat16 engine's."""
     path = write_checkpoint(str(tmp_path / "wide"), dict(hidden_size=128, moe_intermediate_size=256))
     sent = {}

@@ -8,6 +8,7 @@ GPU tests' (test_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -28,10 +29,10 @@ D, I, E = 2880, 2880, 4  # gpt-oss's hidden and expert sizes: whole MXFP4 chunks
 
 
 def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int,
-                 aligned: tuple[str, ...] = ()) -> bytes:
+                 aligned: tuple[str, ...] = ()) -> dict[str, Any]:
     """`fn` compiled for sm_90 with its arguments' types (Triton's signature strings) and constexprs, specialized as
     a launch specializes them: every pointer 16-byte aligned and the `aligned` integers multiples of 16 (what lets
-    Triton pipeline the loads through shared memory); the cubin."""
+    Triton pipeline the loads through shared memory); its assembly by kind (ptx, cubin)."""
     try:  # (a Triton wheel ships ptxas; a source build may not)
         nvidia.get_ptxas(HOPPER.arch)
     except Exception as e:
@@ -44,7 +45,7 @@ def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_war
     assert k.asm["cubin"], f"{fn.__name__}: no cubin"
     # (a launch refuses a kernel that needs more: OutOfResources on the GPU, never seen at compile time)
     assert k.metadata.shared <= HOPPER_SHARED, (fn.__name__, consts, num_stages, k.metadata.shared)
-    return k.asm["cubin"]
+    return k.asm
 
 
 def rows(fmt: str, n: int, cols: int) -> torch.Tensor:
@@ -86,3 +87,45 @@ def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, BT: in
                  stride_o="i32")
     compile_sm90(linear._linear_fp8, types, dict(HAS_BIAS=True, BT=BT, BM=linear.FP8_BM, ACT8=act8, PDL=1), 4, 3,
                  aligned=("N", "K", "WS", "stride_x", "stride_o"))
+
+
+def global_loads(ptx: str) -> set[str]:
+    """The kinds of global memory reads in a kernel's PTX: `ld.global.b8`-style loads by width, and the asynchronous
+    copies into shared memory (`cp.async.ca` of 4 or 8 bytes, `cp.async.cg` of 16) by their byte count."""
+    loads = set(re.findall(r"ld\.global(?:\.[a-z]+\d*)*?\.[bsuf](8|16|32|64|128)\b", ptx))
+    copies = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*,\s*(0x[0-9a-f]+|\d+)", ptx))
+    return {f"ld{w}" for w in loads} | {f"cp{int(n, 0)}" for n in copies}
+
+
+@pytest.mark.parametrize("name", ["gate_up", "down", "qkv", "o"])
+def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
+    """Qwen3-30B-A3B's shapes on FP8 rows (hidden 2048, experts' 768, 32 query heads of 128), specialized as a launch
+    is (a row's bytes a multiple of 16 or not): the weights stream into shared memory in 16-byte asynchronous copies,
+    no single-byte or 4-byte reads. With 132-byte chunks (no padding to 16) down read bytes one at a time and gate/up
+    in 4-byte copies: 17 and 2 times their HBM time at batch 64 on an H200 (docs/performance.md "FP8 and MXFP4 on a
+    GPU")."""
+    f = FORMATS["fp8"]
+    kc = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=True)
+    hidden, inter, heads = 2048, 768, 32
+    if name in ("qkv", "o"):
+        K = hidden if name == "qkv" else heads * 128
+        types = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32",
+                     stride_x="i32", stride_o="i32")
+        asm = compile_sm90(linear._linear_fp8, types, dict(HAS_BIAS=False, BT=64, BM=linear.FP8_BM, ACT8=True, PDL=1),
+                           4, 3, aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
+    else:
+        cfg = fused_moe.CONFIGS[-1][1]
+        fn, tile, n, K = ((fused_moe._gate_up_silu, cfg.gate_up, 2 * inter, hidden) if name == "gate_up"
+                          else (fused_moe._down, cfg.down, hidden, inter))
+        c, fmt, a8 = fused_moe._row_tiles(tile, torch.empty(E, n, f.width(K), dtype=torch.uint8, device="meta"), K, kc)
+        types = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
+                     Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", B13="*bf16",
+                     B2="*bf16", alpha="fp32", limit="fp32")
+        consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8,
+                                      BIAS=False, PDL=1)
+        if fn is fused_moe._gate_up_silu:
+            consts.update(K_TOP=8, CLAMPED=False)
+        asm = compile_sm90(fn, types, consts, c.num_warps, c.num_stages,
+                           aligned=("N", "D", "I", "first") + (("WS",) if f.width(K) % 16 == 0 else ()))
+    kinds = global_loads(asm["ptx"])
+    assert "cp16" in kinds and not kinds & {"ld8", "ld16", "cp4", "cp8"}, (name, kinds)

@@ -172,9 +172,9 @@ def test_packing_goes_a_few_rows_at_a_time_over_any_view(monkeypatch: pytest.Mon
 def test_the_format_of_rows_is_told_by_their_width() -> None:
     w = torch.randn(4, 256)
     assert format_of(pack_rows(w), 256) is MXFP4 and format_of(fp8_rows.pack_rows(w), 256) is FP8
-    assert MXFP4.bytes_per_value == 17 / 32 and FP8.bytes_per_value == 132 / 128
+    assert MXFP4.bytes_per_value == 17 / 32 and FP8.bytes_per_value == 144 / 128
     with pytest.raises(ValueError, match=r"uint8 rows of 100 bytes hold 256 columns in no quantized format \(fp8: "
-                                         r"264 bytes, mxfp4: 136 bytes\)"):
+                                         r"288 bytes, mxfp4: 136 bytes\)"):
         format_of(torch.zeros(4, 100, dtype=torch.uint8), 256)
 
 

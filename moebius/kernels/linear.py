@@ -25,12 +25,13 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
-from moebius.kernels.fp8_rows import packed_width
+from moebius.kernels.fp8_rows import CHUNK, packed_width
 from moebius.kernels.pdl import enter, pdl, release, wait
 
 # The weight formats `weight_tile` reads (a kernel's FMT constexpr; host code passes `.value`): plain values of the
 # activations' dtype, FP8 rows (kernels/fp8_rows.py), MXFP4 rows (kernels/mxfp4_rows.py)
 PLAIN, FP8_ROWS, MXFP4_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+FP8_CHUNK = tl.constexpr(CHUNK)  # bytes of an FP8 row's 128-column chunk (a multiple of 16: aligned vector loads)
 
 # Each row costs every program a cross-thread sum of BN x K products: from 4 rows cuBLAS was faster; 2 rows pay
 # only at small weights (`kernels.prefetch_rows`; benchmarks/results/h200x2-prefetch-rows.json).
@@ -48,15 +49,15 @@ def chunk_values(W, rows, rm, k0, K, WS):
     bytes (kernels/fp8_rows.py), as stored."""
     kk = tl.arange(0, 128)
     m = rm[:, None] & (k0 + kk < K)[None, :]
-    at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * 132
+    at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * FP8_CHUNK
     return tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
 def chunk_scales(W, rows, rm, k0, WS):
     """The float32 block scale [rows] after that chunk of each row."""
-    return tl.load((W + rows.to(tl.int64) * WS + (k0 // 128) * 132 + 128).to(tl.pointer_type(tl.float32)), mask=rm,
-                   other=0.0)
+    at = W + rows.to(tl.int64) * WS + (k0 // 128) * FP8_CHUNK + 128
+    return tl.load(at.to(tl.pointer_type(tl.float32)), mask=rm, other=0.0)
 
 
 @triton.jit
