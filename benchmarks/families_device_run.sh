@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The model families' first runs on one H200 (issues 44, 45, 46): DeepSeek-V2-Lite shapes with dummy bf16 weights,
 # gpt-oss-20b's, Qwen3-30B-A3B's in FP8. `tests` and `families` passed at 01422685 but for OLMoE and GPT-OSS; OLMoE's
-# `retest` passed at 8a37444 (an H100) and its `cpu_only` is lifted; GPT-OSS stays refused on a GPU until it passes
-# (MOEBIUS_UNCHECKED_GPU lets these runs start it; then lift its `cpu_only`). Each argument is one step, run in the order given; group them into device calls of
+# `retest` passed at 8a37444 (an H100), GPT-OSS's at f5344d7 (an H200), and `fp8tests` / `mxfp4tests` there too: no
+# family or format is refused on a GPU now. Each argument is one step, run in the order given; group them into device calls of
 # under 10 minutes:
 #   tests     the family's GPU tests: float32 tokens against transformers through decode graphs, step pieces and eager
 #             steps across a switch; the latent kernels against their references; pieces against eager steps in bf16
@@ -15,14 +15,13 @@
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
 #   fp8tests  --quantization fp8's GPU path (the fused MoE and the projections on FP8 rows): its GPU tests
-#   fp8       Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), MOEBIUS_UNCHECKED_GPU=fp8, and
+#   fp8       Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), and
 #             the switch's expert permutes on FP8 rows beside bf16's (reshard_copy.py)
 #   fp8work   256 whole requests in FP8 and in bf16 (one call), greedy agreement of the FP8 engine with the bf16
 #             model's fp32 argmax beside transformers' bf16 (8 of 48 layers)
 #   mxfp4tests --quantization mxfp4's GPU path (the fused MoE on MXFP4 rows, W4A16): its GPU tests
 #   mxfp4     gpt-oss-20b
-#             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json),
-#             MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss
+#             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json)
 #   mxfp4work 256 whole requests at gpt-oss-20b shapes in MXFP4 and in bf16 (one call: the timings compare)
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
@@ -33,7 +32,7 @@
 #   (then, in further calls: gptoss, fp8tests fp8, fp8work, mxfp4tests mxfp4, mxfp4work; the *tests steps hold no
 #   timing, so any Hopper card runs them)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MOEBIUS_UNCHECKED_GPU=deepseek
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
 W=${W:-/tmp/g}; mkdir -p $W; R=benchmarks/results; B="python3 -m moebius.entrypoints.cli bench"
 # results named by the card that ran them (h200-p1-*, or h100-p1-* on a lent H100)
@@ -42,15 +41,16 @@ export TRITON_CACHE_DIR=$W/triton
 M="--model deepseek-v2-lite --load-format dummy --num-ranks 1"
 O=${OUT:-/tmp/out}; mkdir -p $O
 # Each step's log goes straight to $OUT and its results are copied after it: a call cut at its limit keeps both.
-keep() { cp $R/$C-p1-deepseek-v2-lite-* $R/$C-p1-qwen3-30b-fp8-* $R/$C-p1-gpt-oss-20b-* $O/ 2>/dev/null; true; }
+# (only what this call wrote: $OUT brings back at most 8 files)
+touch $W/.start; keep() { find $R -maxdepth 1 -name "$C-p1-*" -newer $W/.start -exec cp {} $O/ \; ; true; }
 t() { local n=$1; shift; timeout $1 "${@:2}" > $O/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $O/$n.log | tail -12; keep; }
 P="python3 -m pytest -v --tb=short --timeout 200 -m gpu -p no:cacheprovider"
 date +%T
 for step in "$@"; do case $step in
 families)
-  MOEBIUS_UNCHECKED_GPU=glm4_moe,qwen2moe,mixtral,gpt_oss t families 320 $P tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
+  t families 320 $P tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 retest)  # the families that failed `families` once mended: OLMoE (passed on an H100 at 8a37444) and GPT-OSS
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
+  t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)
@@ -58,37 +58,37 @@ sweep)
 work)
   t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-deepseek-v2-lite-throughput.json ;;
 fp8tests)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8" ;;
+  t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8" ;;
 fp8)
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
+  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
   t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/$C-p1-qwen3-30b-fp8-reshard-copy.json
   t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/$C-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
 fp8work)
   Q="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/$C-p1-qwen3-30b-fp8-throughput.json
+  t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/$C-p1-qwen3-30b-fp8-throughput.json
   t fp8_work_bf16 150 $B throughput $Q --output $R/$C-p1-qwen3-30b-fp8-throughput-bf16.json
-  MOEBIUS_UNCHECKED_GPU=fp8 t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/$C-p1-qwen3-30b-fp8-agreement.json ;;
+  t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/$C-p1-qwen3-30b-fp8-agreement.json ;;
 mxfp4)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --quantization mxfp4"
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-mxfp4-sweep.json ;;
+  t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-mxfp4-sweep.json ;;
 mxfp4tests)
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4" ;;
+  t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4" ;;
 mxfp4work)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t mxfp4_work_bf16 200 $B throughput $G --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput-bf16.json ;;
+  t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput.json
+  t mxfp4_work_bf16 200 $B throughput $G --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput-bf16.json ;;
 gptoss)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/$C-p1-gpt-oss-20b-long-context.json
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
+  t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
+  t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/$C-p1-gpt-oss-20b-long-context.json
+  t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
 gptosswork)  # `gptoss`'s whole requests alone (its transformers baseline: generate() in static batches where
   # continuous batching runs out of memory)
-  MOEBIUS_UNCHECKED_GPU=gpt_oss t gptoss_work 200 $B throughput --model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
+  t gptoss_work 200 $B throughput --model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
 profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64: FP8 and MXFP4 rows, DeepSeek-V2-Lite
-  S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 64 --context 1024 --graphs-only"
-  MOEBIUS_UNCHECKED_GPU=fp8 t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8
-  MOEBIUS_UNCHECKED_GPU=mxfp4,gpt_oss t profile_mxfp4 120 $S --model gpt-oss-20b --quantization mxfp4
+  S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 64 --context 1024 --graphs-only"  # (--output R.json: the tables as a result)
+  t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8
+  t profile_mxfp4 120 $S --model gpt-oss-20b --quantization mxfp4
   t profile_deepseek 120 $S --model deepseek-v2-lite ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;

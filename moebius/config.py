@@ -380,8 +380,7 @@ class EngineConfig:
                                      "(128 x 128 blocks, e4m3, a float32 scale a block): a block-FP8 checkpoint as "
                                      "stored, a float one quantized at load. mxfp4: hold the routed experts in MXFP4 "
                                      "(32-value blocks of e2m1 sharing a power-of-two scale, as GPT-OSS's releases): "
-                                     "an MXFP4 checkpoint's values as stored, a float one quantized at load. The CPU "
-                                     "only for now (the GPU kernels are written, not yet run on a GPU). "
+                                     "an MXFP4 checkpoint's values as stored, a float one quantized at load. "
                                      "Default: every weight in --dtype (a quantized checkpoint dequantized at load)",
                                      ("fp8", "mxfp4"))
     device: str = _flag("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))

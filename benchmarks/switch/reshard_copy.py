@@ -5,7 +5,8 @@ at a few program sizes. Checks the copies agree, reports each one's time and its
     python benchmarks/switch/reshard_copy.py --model qwen3-30b-a3b --ranks 2 --output reshard_copy.json
 
 --quantization fp8 / mxfp4: the experts as quantized rows (kernels/rows.py, uint8; FP8: each 128 values and their
-scale in 144 bytes (16-byte aligned); MXFP4: each 32 values and their scale in 17), the bytes a switch of such an engine permutes.
+scale in 144 bytes, 16-byte aligned; MXFP4: each 32 values and their scale in 17), the bytes a switch of such an
+engine permutes.
 Recorded: benchmarks/results/h200-reshard-copy.json.
 """
 

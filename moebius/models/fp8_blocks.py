@@ -11,7 +11,7 @@ Without --quantization fp8 the weights are dequantized to the engine's dtype at 
 model's. With it the routed experts stay in block FP8 in their layer slots, as FP8 rows (kernels/fp8_rows.py: each
 row with its blocks' scales), a checkpoint's float8 values exactly (`fp8_rows_fetch`); the CPU computes on them as
 transformers on the dequantized model (dequantize, then the float math); the GPU reads them in the fused MoE and
-`kernels/linear.linear_fp8` (written, not yet run on a GPU).
+`kernels/linear.linear_fp8`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import torch
 from moebius.config import ConfigError, EngineConfig
 from moebius.kernels import KernelConfig
 from moebius.kernels.flash import use_flash
-from moebius.kernels.rows import row_format
 from moebius.link.lifecycle import StopRules
 from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
@@ -33,10 +32,6 @@ from moebius.worker.warmup import fresh_chunk_lengths, warm_up
 log = logging.getLogger("moebius")
 
 GiB = 2**30
-
-# --quantization formats whose GPU kernels (the fused MoE on their rows) are written but have not yet passed their GPU
-# tests (benchmarks/families_device_run.sh's fp8tests / mxfp4tests): refused on a GPU until they have
-UNRUN_ON_GPU = frozenset({"fp8", "mxfp4"})
 
 
 @dataclass(frozen=True)
@@ -141,7 +136,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     dtype = getattr(torch, spec.dtype)
     check_shapes(cfg, spec.world_size)
     family = family_of(cfg)
-    # families (or a --quantization) whose GPU paths are written but not yet run on a GPU: their GPU tests name them
+    # families whose GPU paths are written but not yet run on a GPU: their GPU tests name them
     unchecked = os.environ.get("MOEBIUS_UNCHECKED_GPU", "").split(",")
     if family.cpu_only and device.type != "cpu" and family.name not in unchecked:
         raise ConfigError(f"the {family.name} family ({', '.join(family.architectures)}) cannot run on {device} yet: "
@@ -153,12 +148,6 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     if spec.mode not in held:
         raise ValueError(f"rank spec starts in {spec.mode} but holds {held}")
     check_quantized_layouts(cfg, spec.world_size, held)
-    fmt = row_format(cfg.quantization)
-    if fmt is not None and device.type == "cuda" and fmt.name in UNRUN_ON_GPU and fmt.name not in unchecked:
-        raise ConfigError(f"--quantization {fmt.name} holds the routed experts in {fmt.title}, whose GPU kernel (the "
-                          f"fused MoE on {fmt.name.upper()} rows) has not yet run on a GPU: serve it with --device "
-                          "cpu, or without --quantization (a quantized checkpoint is then dequantized at load; "
-                          f"MOEBIUS_UNCHECKED_GPU={fmt.name} lets its GPU tests run it)")
     layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
     start, bs, elt = layouts[spec.mode], ecfg.block_size, dtype.itemsize
 

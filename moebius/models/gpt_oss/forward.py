@@ -6,7 +6,7 @@ Attention: GQA with q|k|v and o biases, a learned sink logit a head, sliding-win
 (rotate-half, cos and sin times the attention factor). Routing: the router's logits
 with their bias, top-k of them, a softmax over those k. Experts: [gate | up] with their bias, gate clamped above at
 `limit`, up clamped to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate) (`layers.moe.ClampedSwiGLU`),
-down with its bias, all times the routing weight. On the GPU (written, not yet run there) the paged attention
+down with its bias, all times the routing weight. On the GPU the paged attention
 kernel takes the sinks and windows, the fused MoE kernel the biases and this activation, and the decode graphs and
 step pieces hold the sliding layers' own tables.
 Shapes: T tokens, D hidden, H heads, d head dim, E experts, K top-k, F = 2 * I rows of a [gate | up] stack.
