@@ -26,6 +26,9 @@
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
+#   profile   the top kernels of a decode step at batches 1 and 64 (4 layers): Qwen3-30B-A3B in FP8 and bf16,
+#             DeepSeek-V2-Lite
+#   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh retest sweep work agree
@@ -85,11 +88,13 @@ gptoss)
 gptosswork)  # `gptoss`'s whole requests alone (its transformers baseline: generate() in static batches where
   # continuous batching runs out of memory)
   t gptoss_work 200 $B throughput --model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
-profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64: FP8 and MXFP4 rows, DeepSeek-V2-Lite
-  S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 64 --context 1024 --graphs-only"  # (--output R.json: the tables as a result)
-  t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8
-  t profile_mxfp4 120 $S --model gpt-oss-20b --quantization mxfp4
-  t profile_deepseek 120 $S --model deepseek-v2-lite ;;
+profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64: FP8 and bf16 rows, DeepSeek-V2-Lite
+  S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 64 --context 1024 --graphs-only"
+  t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8 --output $R/$C-p1-decode-profile-fp8.json
+  t profile_bf16 120 $S --model qwen3-30b-a3b --output $R/$C-p1-decode-profile-bf16.json
+  t profile_deepseek 120 $S --model deepseek-v2-lite --output $R/$C-p1-decode-profile-deepseek.json ;;
+mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
+  t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;

@@ -1,0 +1,95 @@
+"""Latent (MLA) decode attention launch shapes (KV splits, KV tile, warps, pipeline stages) on one GPU: µs per call
+inside a CUDA graph and the latent cache bandwidth reached, checked against the kernel's own launch
+(`kernels/mla.decode_tiles`, the runner's `num_splits_for`). DeepSeek-V2-Lite's 16 heads (and DeepSeek-V3's at TP 8)
+and DeepSeek-V3's 128 (a rank of EP's data-parallel attention), context 1024, C = 512 latent + R = 64 rope values a
+token. A profile put the kernel at 88 us a layer at batch 64 where its cache bytes take ~18 us on an H200
+(benchmarks/results/h200-p1-decode-profiles.json).
+
+    python benchmarks/kernels/mla_tune.py mla_tune.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+import triton
+
+from moebius.bench.floor import hardware_of
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import write_result
+from moebius.kernels import DEFAULT_KERNELS
+from moebius.kernels import mla as M
+from moebius.kernels.pdl import pdl
+from moebius.layers.attention import num_splits_for
+
+PAGE, C, R, CTX = 16, 512, 64, 1024
+SHAPES = (("16 heads", 16, (1, 8, 64, 128, 256, 1024)), ("128 heads", 128, (1, 8, 32, 128)))
+
+
+def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> list[dict]:
+    """Every launch shape's row at one shape and batch (shapes that fail to compile are left out)."""
+    pages_per = -(-(CTX + 1) // PAGE)
+    npages = B * pages_per + 1
+    cache = torch.randn(npages, PAGE, C + R, device=dev, dtype=torch.bfloat16)
+    bt = (torch.randperm(npages - 1, device=dev)[: B * pages_per] + 1).view(B, pages_per).int().contiguous()
+    seq = torch.full((B,), CTX + 1, device=dev, dtype=torch.int64)
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int64)
+    q_lat = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
+    q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
+    scale = (128 + R) ** -0.5
+    base = num_splits_for(B, triton.cdiv(H, M.HEAD_BLOCK))  # the runner's (`geometry.split_units`: head blocks)
+    ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
+    nbytes = B * (CTX + 1) * (C + R) * 2
+    default_tiles = M.decode_tiles(C, 2)
+    rows = []
+    for ns, BN, nw, st in itertools.product(sorted({1, 2, 4, 8, base}), (16, 32, 64), (4, 8), (2, 3)):
+        o = torch.empty_like(q_lat)
+        pa = torch.empty(B * H * ns, C, dtype=torch.float32, device=dev)
+        pm = torch.empty(B * H * ns, 2, dtype=torch.float32, device=dev)
+
+        def fn(ns: int = ns, BN: int = BN, nw: int = nw, st: int = st, o: torch.Tensor = o,
+               pa: torch.Tensor = pa, pm: torch.Tensor = pm) -> None:
+            M._mla_fwd[(triton.cdiv(H, M.HEAD_BLOCK) * ns, B, 1)](
+                q_lat, q_rope, cache, o, pa if ns > 1 else o, pm if ns > 1 else o, bt, seq, qsl, scale, H,
+                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
+                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, CP=C, RP=R, NUM_SPLITS=ns,
+                BH=M.HEAD_BLOCK, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, num_warps=nw, num_stages=st,
+                **pdl(q_lat, DEFAULT_KERNELS))
+            if ns > 1:
+                M._mla_merge[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, C=C, CP=C, NUM_SPLITS=ns,
+                                     SP=triton.next_power_of_2(ns), **pdl(q_lat, DEFAULT_KERNELS))
+
+        try:
+            us = graph_time_us(fn)
+        except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
+            print(name, B, ns, BN, nw, st, "failed:", str(e)[:100])
+            continue
+        rows.append(dict(shape=name, heads=H, batch=B, splits=ns, BN=BN, warps=nw, stages=st, us=us,
+                         gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6,
+                         err=(o.float() - ref.float()).abs().max().item(),
+                         default=(ns == base and (BN, nw, st) == default_tiles)))
+    best = min(rows, key=lambda r: r["us"])
+    print(f"{name} B={B}: floor {nbytes / hbm_bytes_s * 1e6:.1f} us; default "
+          f"{[round(r['us'], 1) for r in rows if r['default']]}; best {best}", flush=True)
+    return rows
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    hbm = hardware_of(torch.cuda.get_device_name()).hbm_bytes_per_s
+    out = []
+    for name, H, batches in SHAPES:
+        for B in batches:
+            out += tune(name, H, B, dev, hbm)
+    path = sys.argv[1] if len(sys.argv) > 1 else "mla_tune.json"
+    shapes = [dict(shape=n, heads=h, batches=list(b)) for n, h, b in SHAPES]
+    write_result(path, out, params=dict(output=path, page=PAGE, latent=C, rope=R, context=CTX, shapes=shapes),
+                 note="latent decode attention per call inside a CUDA graph (us), the cache bandwidth reached (gbps) "
+                      "and the cache bytes' HBM time (floor_us); err: max abs difference to the kernel's own launch; "
+                      "default: the kernel's own launch shape")
+
+
+if __name__ == "__main__":
+    main()
