@@ -654,6 +654,51 @@ def test_switch_reshard_copies_under_the_interpreter() -> None:
     _run("reshard")
 
 
+def mla_rope_cases() -> None:
+    from attention_cases import paged_metadata
+
+    from moebius.kernels.mla import rope_latent
+    from moebius.models.deepseek.mla import (
+        LATENT_NORM_EPS,
+        MLAConfig,
+        MLAWeights,
+        project,
+        projections,
+        rope_table,
+        write_latent,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    bs, pages, D = 4, 16, 32
+    # (heads, nope N, latent C, rope R): one head block; two, the second partial, C under a power of two
+    for H, N, C, R in [(4, 8, 16, 16), (20, 12, 24, 8)]:
+        for interleave in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                meta = paged_metadata([1, 3, 1], [5, 9, 2], bs, pages, "cpu", seed=H)
+                T = int(meta.positions.shape[0])
+                cfg = MLAConfig.from_hf(dict(hidden_size=D, kv_lora_rank=C, qk_rope_head_dim=R, qk_nope_head_dim=N,
+                                             v_head_dim=N, q_lora_rank=None, num_attention_heads=H,
+                                             rope_interleave=interleave))
+                w = MLAWeights(None, None, None, torch.randn(H * (N + R), D, generator=g).to(dtype),
+                               torch.randn(C + R, D, generator=g).to(dtype), None,
+                               (torch.rand(C, generator=g) + 0.5).to(dtype), torch.zeros(0), torch.zeros(0), None)
+                x = torch.randn(T, D, generator=g).to(dtype)
+                table = rope_table(cfg, 64)
+                want_cache = torch.randn(pages, bs, C + R, generator=g).to(dtype)
+                got_cache = want_cache.clone()
+                _, want_rope, entry = project(x, w, cfg, meta.positions, table)
+                write_latent(want_cache, entry, meta)
+                q, kv = projections(x, w)
+                got_rope = rope_latent(q, kv, w.kv_a_norm, table, meta.positions, meta.slot_mapping, got_cache, H, N,
+                                       LATENT_NORM_EPS, interleave)
+                # float32 as torch (the rope bit for bit); bfloat16 within a few of its roundings at the values'
+                # scale (the interpreter rounds float32 to bfloat16 toward zero, the GPU and torch to nearest: after
+                # each op, and a difference of two near products keeps their error)
+                for what, a, b in (("q rope", got_rope, want_rope), ("cache", got_cache, want_cache)):
+                    atol = 2 ** -5 * b.float().abs().max().item() if dtype == torch.bfloat16 else 1e-5
+                    assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=atol), (H, interleave, dtype, what)
+
+
 def mla_cases() -> None:
     from attention_cases import paged_metadata
 
@@ -702,6 +747,13 @@ def mla_cases() -> None:
     want = absorbed(q_nope, q_rope, cache, kv_b, meta, 0.3)[rows]
     got = absorbed_kernel(q_nope[rows], q_rope[rows], cache, kv_b, sub, 0.3)
     assert torch.allclose(got, want, **tol), "mixed step's decodes"
+
+
+def test_mla_rope_and_latent_write_under_the_interpreter() -> None:
+    """kernels/mla.py's `rope_latent` (the rope queries, the latent's norm and the cache entry in one launch) against
+    models/deepseek/mla.py's torch `project` + `write_latent`: interleaved and halved rope dims, a partial head block,
+    float32 and bfloat16."""
+    _run("mla_rope")
 
 
 def test_latent_decode_attention_under_the_interpreter() -> None:
@@ -788,6 +840,6 @@ if __name__ == "__main__":
              "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
              "linear_fp8": linear_fp8_cases,
-             "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases,
+             "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases, "mla_rope": mla_rope_cases,
              "mla_chunk": mla_chunk_cases}
     cases[sys.argv[1]]()

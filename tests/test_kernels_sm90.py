@@ -129,3 +129,17 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
                            aligned=("N", "D", "I", "first") + (("WS",) if f.width(K) % 16 == 0 else ()))
     kinds = global_loads(asm["ptx"])
     assert "cp16" in kinds and not kinds & {"ld8", "ld16", "cp4", "cp8"}, (name, kinds)
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
+def test_the_mla_rope_and_latent_write_compiles_for_hopper(interleave: bool) -> None:
+    """`kernels/mla._rope_latent` at DeepSeek's shapes (nope 128, latent 512, rope 64, pages of 16) in bf16: a GPU
+    path the CPU's torch statement of it never compiles (its numbers: test_kernels_interpreter.py)."""
+    from moebius.kernels import mla
+
+    types = dict(Q="*bf16", KV="*bf16", NormW="*bf16", Rope="*fp32", Pos="*i64", Slots="*i64", Cache="*bf16",
+                 QRope="*bf16", T="i32", H="i32", eps="fp32", stride_qt="i32", stride_kvt="i32", stride_ot="i32",
+                 stride_oh="i32", stride_pg="i32", stride_tok="i32")
+    compile_sm90(mla._rope_latent, types, dict(N=128, C=512, R=64, CP=512, HB=mla.ROPE_HEADS, PAGE=16,
+                                               INTERLEAVE=interleave, PDL=1), 4, 1,
+                 aligned=("H", "stride_qt", "stride_kvt", "stride_ot", "stride_oh", "stride_pg", "stride_tok"))

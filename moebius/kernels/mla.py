@@ -162,6 +162,96 @@ def _mla_merge(PartAcc, PartML, Out, stride_ot, stride_oh, H, C: tl.constexpr, C
     tl.store(Out + t * stride_ot + h * stride_oh + c, out.to(Out.dtype.element_ty), mask=cv)
 
 
+@triton.jit
+def _rope_pair(X, i, INTERLEAVE: tl.constexpr, R: tl.constexpr, mask):
+    """The rope dims of rows X (pointers to each row's first rope value) as the rotation's two halves: pairs (2i,
+    2i + 1) where the checkpoint interleaves them, else [first half | second half]."""
+    if INTERLEAVE:
+        return (tl.load(X + 2 * i[None, :], mask=mask, other=0.0),
+                tl.load(X + 2 * i[None, :] + 1, mask=mask, other=0.0))
+    return tl.load(X + i[None, :], mask=mask, other=0.0), tl.load(X + R // 2 + i[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dt: tl.constexpr):
+    """[x1 cos - x2 sin | x2 cos + x1 sin] rounded to dt after each product and each sum, as the torch reference's
+    ops in dt (`layers.rotary.apply_rope`)."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rope_latent(Q, KV, NormW, Rope, Pos, Slots, Cache, QRope, T, H, eps, stride_qt, stride_kvt, stride_ot,
+                 stride_oh, stride_pg, stride_tok, N: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                 CP: tl.constexpr, HB: tl.constexpr, PAGE: tl.constexpr, INTERLEAVE: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Program (token, block): blocks below cdiv(H, HB) rotate HB heads' rope query into QRope; the last one
+    normalises the token's latent (RMSNorm, NormW), rotates its rope key and writes both, the cache entry, at the
+    token's slot."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    dt = QRope.dtype.element_ty
+    i = tl.arange(0, R // 2)
+    pos = tl.load(Pos + t)
+    cos = tl.load(Rope + pos * R + i).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(Rope + pos * R + R // 2 + i).to(dt).to(tl.float32)[None, :]
+    if blk < tl.cdiv(H, HB):
+        h = blk * HB + tl.arange(0, HB)
+        hv = (h < H)[:, None]
+        x1, x2 = _rope_pair(Q + t * stride_qt + h[:, None] * (N + R) + N, i, INTERLEAVE, R, hv)
+        o1, o2 = _rotate(x1, x2, cos, sin, dt)
+        out = QRope + t * stride_ot + h[:, None] * stride_oh + i[None, :]
+        tl.store(out, o1, mask=hv)
+        tl.store(out + R // 2, o2, mask=hv)
+    else:
+        slot = tl.load(Slots + t)
+        dst = Cache + (slot // PAGE) * stride_pg + (slot % PAGE) * stride_tok
+        c = tl.arange(0, CP)
+        cv = c < C
+        x = tl.load(KV + t * stride_kvt + c, mask=cv, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 0) / C + eps)
+        w = tl.load(NormW + c, mask=cv, other=0.0).to(tl.float32)
+        tl.store(dst + c, (w * (x * r).to(dt).to(tl.float32)).to(dt), mask=cv)
+        one = tl.full([1], 1, tl.int1)
+        k1, k2 = _rope_pair(KV + t * stride_kvt + C + tl.zeros([1], tl.int64), i, INTERLEAVE, R, one[:, None])
+        ko1, ko2 = _rotate(k1, k2, cos, sin, dt)  # (names apart from the queries': Triton types each per branch)
+        tl.store(dst + C + i[None, :], ko1)
+        tl.store(dst + C + R // 2 + i[None, :], ko2)
+
+
+# heads a program of `rope_latent` rotates
+ROPE_HEADS = 16
+
+
+def rope_latent(q_TX: torch.Tensor, kv_TA: torch.Tensor, norm_C: torch.Tensor, rope: torch.Tensor,
+                positions: torch.Tensor, slots: torch.Tensor, cache_PSA: torch.Tensor, num_heads: int, nope: int,
+                eps: float, interleave: bool, *, kc: KernelConfig = DEFAULT_KERNELS,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's step between its projections and its attention in one launch: from q [T, H (N + R)] (each head's N
+    nope then R rope values) and kv_a's output [T, C + R] (the latent, then the rope key), the rope queries
+    [T, H, R] rotated at each token's position (in `out` when given), and each token's cache entry (the latent
+    RMSNorm-ed with `norm_C`, the rotated rope key) written at its slot; `models/deepseek/mla.project` and
+    `write_latent` are the torch statement of it (their ops' roundings included)."""
+    T = q_TX.shape[0]
+    R = rope.shape[1]
+    C = kv_TA.shape[1] - R
+    if cache_PSA.shape[2] != C + R or q_TX.shape[1] != num_heads * (nope + R):
+        raise ValueError(f"rope_latent: q {tuple(q_TX.shape)} is not {num_heads} heads of {nope} + {R}, or the "
+                         f"cache's entries {cache_PSA.shape[2]} are not kv's {C} + {R}")
+    out = torch.empty(T, num_heads, R, dtype=q_TX.dtype, device=q_TX.device) if out is None else out
+    if T:
+        _rope_latent[(T, triton.cdiv(num_heads, ROPE_HEADS) + 1)](
+            q_TX, kv_TA, norm_C, rope, positions, slots, cache_PSA, out, T, num_heads, eps, q_TX.stride(0),
+            kv_TA.stride(0), out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), N=nope, C=C,
+            R=R, CP=triton.next_power_of_2(C), HB=ROPE_HEADS, PAGE=cache_PSA.shape[1], INTERLEAVE=interleave,
+            num_warps=4, **pdl(q_TX, kc))
+    return out
+
+
 def decode_tiles(C: int, element_size: int) -> tuple[int, int, int]:
     """(KV tile, warps, pipeline stages): not tuned yet (no GPU run of this kernel so far); a [BN, C] latent tile of
     bf16 at C = 512 is 32 KiB a stage at BN = 32, float32 (the tests' oracle runs) half the tokens for the same

@@ -146,16 +146,23 @@ def head_slice(w: MLAWeights, cfg: MLAConfig, h0: int, h1: int, *, with_bias: bo
                    o_DO=w.o_DO[:, h0 * v: h1 * v], o_bias=w.o_bias if with_bias else None)
 
 
-def project(x_TD: torch.Tensor, w: MLAWeights, cfg: MLAConfig, positions_T: torch.Tensor, table: torch.Tensor, *,
-            kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_nope [T, H, N], q_rope [T, H, R] roped, the cache entries [T, A]: normalised latent then roped key)."""
-    N, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+def projections(x_TD: torch.Tensor, w: MLAWeights, kc: KernelConfig = DEFAULT_KERNELS
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, H (N + R)]: each head's nope then rope values, kv_a's output [T, C + R]: the latent then the rope key)."""
     if w.q_a_LD is None:
         q = linear(x_TD, w.q_QL, kc=kc)
     else:
         q = linear(rms_norm(linear(x_TD, w.q_a_LD, w.q_a_bias, kc=kc), w.q_a_norm, LATENT_NORM_EPS), w.q_QL, kc=kc)
+    return q, linear(x_TD, w.kv_a_AD, w.kv_a_bias, kc=kc)
+
+
+def project(x_TD: torch.Tensor, w: MLAWeights, cfg: MLAConfig, positions_T: torch.Tensor, table: torch.Tensor, *,
+            kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_nope [T, H, N], q_rope [T, H, R] roped, the cache entries [T, A]: normalised latent then roped key)."""
+    N, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q, kv = projections(x_TD, w, kc)
     q_nope_THN, q_rope_THR = q.unflatten(-1, (-1, N + R)).split([N, R], dim=-1)
-    latent_TC, k_rope_TR = linear(x_TD, w.kv_a_AD, w.kv_a_bias, kc=kc).split([cfg.kv_lora_rank, R], dim=-1)
+    latent_TC, k_rope_TR = kv.split([cfg.kv_lora_rank, R], dim=-1)
     q_rope_THR = apply_mla_rope(q_rope_THR, positions_T, table, cfg.rope_interleave)
     k_rope_TR = apply_mla_rope(k_rope_TR[:, None], positions_T, table, cfg.rope_interleave)[:, 0]
     entry_TA = torch.cat([rms_norm(latent_TC, w.kv_a_norm, LATENT_NORM_EPS), k_rope_TR], dim=-1)
@@ -314,8 +321,18 @@ def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, me
                   kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """This shard's heads' part of o_proj's output [T, D] (the whole output with every head; a sum over shards
     otherwise); the step's cache entries are written first. absorb: the form, as `latent_attention` takes it."""
-    q_nope_THN, q_rope_THR, entry_TA = project(x_TD, w, cfg, meta.positions, table, kc=kc)
-    write_latent(cache_PSA, entry_TA, meta)
+    if x_TD.is_cuda and triton_available():  # rope, the latent's norm and the cache write in one launch
+        from moebius.kernels.mla import rope_latent
+
+        N = cfg.qk_nope_head_dim
+        q, kv = projections(x_TD, w, kc)
+        H = q.shape[1] // (N + cfg.qk_rope_head_dim)
+        q_nope_THN = q.unflatten(-1, (H, -1))[..., :N]
+        q_rope_THR = rope_latent(q, kv, w.kv_a_norm, table, meta.positions, meta.slot_mapping, cache_PSA, H, N,
+                                 LATENT_NORM_EPS, cfg.rope_interleave, kc=kc)
+    else:
+        q_nope_THN, q_rope_THR, entry_TA = project(x_TD, w, cfg, meta.positions, table, kc=kc)
+        write_latent(cache_PSA, entry_TA, meta)
     if meta.cut is not None:  # captured in pieces: the absorbed query into the static buffer, attention between
         T, H, N = q_nope_THN.shape
         wk_HNC, wv_HVC = _up_projections(w.kv_b_UC, H, N)
