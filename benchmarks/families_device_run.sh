@@ -28,6 +28,7 @@
 #             the window come from the full layers only), 256 whole requests against transformers
 #   profile   the top kernels of a decode step at batches 1 and 64 (4 layers): Qwen3-30B-A3B in FP8 and bf16,
 #             DeepSeek-V2-Lite
+#   fp8tune   the fused MoE's tiles searched on FP8 rows (benchmarks/kernels/moe_tune.py --quantization fp8)
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
@@ -57,13 +58,13 @@ retest)  # the families that failed `families` once mended: OLMoE (passed on an 
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 sweep)
-  t sweep 200 $B sweep $M --modes tp --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
+  t sweep 200 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
 work)
   t work 240 $B throughput $M --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-deepseek-v2-lite-throughput.json ;;
 fp8tests)
   t fp8_tests 100 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8" ;;
 fp8)
-  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
+  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
   t fp8_reshard 60 python3 benchmarks/switch/reshard_copy.py --quantization fp8 --elems 16384 --output $R/$C-p1-qwen3-30b-fp8-reshard-copy.json
   t bf16_reshard 60 python3 benchmarks/switch/reshard_copy.py --elems 16384 --output $R/$C-p1-qwen3-30b-fp8-reshard-copy-bf16.json ;;
 fp8work)
@@ -82,7 +83,7 @@ mxfp4work)
   t mxfp4_work_bf16 200 $B throughput $G --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput-bf16.json ;;
 gptoss)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1"
-  t gptoss_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
+  t gptoss_sweep 150 $B sweep $G --modes tp --cuda-graph-max-bs 1024 --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
   t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/$C-p1-gpt-oss-20b-long-context.json
   t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
 gptosswork)  # `gptoss`'s whole requests alone (its transformers baseline: generate() in static batches where
@@ -93,6 +94,8 @@ profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64:
   t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8 --output $R/$C-p1-decode-profile-fp8.json
   t profile_bf16 120 $S --model qwen3-30b-a3b --output $R/$C-p1-decode-profile-bf16.json
   t profile_deepseek 120 $S --model deepseek-v2-lite --output $R/$C-p1-decode-profile-deepseek.json ;;
+fp8tune)  # the fused MoE's tiles on FP8 rows at Qwen3-30B-A3B's shapes (never searched: bf16's are used)
+  t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 --output $R/$C-p1-moe-tune-fp8.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
 agree)

@@ -10,6 +10,11 @@ their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs o
     python benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
     python benchmarks/kernels/moe_tune.py --no-search --batches 256 512 1024 2048 --output moe_tma.json
     python benchmarks/kernels/moe_tune.py --ranks 1 --modes tp --batches 2048 8192 16384 --output moe_prefill.json
+    python benchmarks/kernels/moe_tune.py --ranks 1 --modes tp --quantization fp8 --output moe_tune_fp8.json
+
+With --quantization the experts are quantized rows (kernels/rows.py: the GEMMs take BK and pipeline stages from the
+format, so the search is over BN, warps and BM); the reference is the float math on the dequantized rows (with FP8's
+W8A8 activations the error is percents), grouped_mm the bf16 weights' GEMMs.
 
 Recorded: benchmarks/results/h200-moe-tune.json, h200-moe-tma.json (`--no-search`).
 """
@@ -30,6 +35,7 @@ from moebius.bench.results import flatten, params_of, write_result
 from moebius.config import PRESETS
 from moebius.kernels import fused_moe as fm
 from moebius.kernels.fused import sum_k
+from moebius.kernels.rows import FORMATS
 from moebius.layers.moe import experts_ref
 
 SMALL = [fm.TileConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
@@ -64,6 +70,7 @@ def main() -> None:
     ap.add_argument("--modes", default="tp,ep", help="the layouts' shards to tune (at --ranks 1 they are the same)")
     ap.add_argument("--output", default="moe_tune.json")
     ap.add_argument("--old", help="path of a previous fused_moe.py to time for comparison")
+    ap.add_argument("--quantization", choices=sorted(FORMATS), help="the experts as quantized rows of this format")
     ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
                     "and `tma_switched`: them with TMA switched), no search over others")
     a = ap.parse_args()
@@ -84,8 +91,14 @@ def main() -> None:
     for mode in a.modes.split(","):
         E, I = (E_all, I_full // P) if mode == "tp" else (E_all // P, I_full)
         torch.manual_seed(0)
-        w13 = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16) * 0.02
+        w13 = w13_bf16 = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16) * 0.02
+        w2 = w2_bf16 = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16) * 0.02
+        fmt = FORMATS[a.quantization] if a.quantization else None
+        expert_bytes = 3 * I * D * 2
+        if fmt is not None:  # the rows the slots hold, and their values for the reference
+            w13, w2 = fmt.rows_of(w13_bf16), fmt.rows_of(w2_bf16)
+            w13_bf16, w2_bf16 = fmt.unpack(w13, D, torch.bfloat16), fmt.unpack(w2, I, torch.bfloat16)
+            expert_bytes = 2 * I * fmt.width(D) + D * fmt.width(I)
         for B in a.batches:
             T = B if mode == "tp" else -(-B // P) * P  # EP: every rank's tokens, padded to the agreed capacity
             x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -96,7 +109,7 @@ def main() -> None:
             cfg = fm.config_for(T * K, E, E_all // E)
             out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all)
             if T <= 512:
-                ref = experts_ref(x.float(), w_TK.float(), ids, w13.float(), w2.float(), 0)
+                ref = experts_ref(x.float(), w_TK.float(), ids, w13_bf16.float(), w2_bf16.float(), 0)
                 rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
             else:
                 rel = None
@@ -124,8 +137,8 @@ def main() -> None:
                 offs = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0, dtype=torch.int32)
                 xs, hs = x[order // K], torch.randn(T * K, I, device=dev, dtype=torch.bfloat16)
                 timed_default["grouped_mm"] = dict(
-                    gate_up_us=graph_time_us(lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)),  # noqa: B023
-                    down_us=graph_time_us(lambda: torch._grouped_mm(hs, w2.transpose(1, 2), offs=offs)))  # noqa: B023
+                    gate_up_us=graph_time_us(lambda: torch._grouped_mm(xs, w13_bf16.transpose(1, 2), offs=offs)),  # noqa: B023
+                    down_us=graph_time_us(lambda: torch._grouped_mm(hs, w2_bf16.transpose(1, 2), offs=offs)))  # noqa: B023
             if not blocks.direct:  # rows the GEMMs multiply: used, and padding up to each expert's last block
                 used = (blocks.rows.view(-1, bm) < T * K).sum(1)
                 timed_default.update(rows_used=int(used.sum()), blocks_used=int((used > 0).sum()))
@@ -141,7 +154,7 @@ def main() -> None:
                 dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c))  # noqa: B023
                 rows.append(dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
                                  down=dn[0].__dict__ if dn[0] else None, down_us=dn[1]))
-            wbytes = hit * 3 * I * D * 2
+            wbytes = hit * expert_bytes
             best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default_timed"]
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
