@@ -1,0 +1,87 @@
+"""The dense projection on FP8 rows (`kernels/linear._linear_fp8`) over its launch shapes on one GPU: weight rows a
+program (BM), warps, pipeline stages, W8A8 and W8A16, at Qwen3-30B-A3B's q|k|v (5120 x 2048) and o (2048 x 4096)
+projections and 1 to 256 rows; µs per call inside a CUDA graph and the weight bandwidth reached, beside the bf16
+projection of the same shape as the engine runs it (`layers.linear.linear`). Its launch (`FP8_BM`, 4 warps, 3
+stages) was never searched: a profile put it at 25 us a call at one row where its FP8 bytes take 2-3 us
+(benchmarks/results/h200-p1-decode-profiles.json, 132-byte chunks).
+
+    python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+
+import torch
+import triton
+
+from moebius.bench.floor import hardware_of
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import write_result
+from moebius.kernels import DEFAULT_KERNELS, LATE
+from moebius.kernels import linear as L
+from moebius.kernels.fp8_rows import pack_rows
+from moebius.kernels.pdl import pdl
+from moebius.layers.linear import linear as dense_linear
+
+SHAPES = (("qkv", 5120, 2048), ("o", 2048, 4096))
+ROWS = (1, 8, 64, 256)
+
+
+def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: float) -> list[dict]:
+    """Every launch shape's row at one projection and row count (shapes that fail to compile are left out)."""
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5
+    rows = pack_rows(w)
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    kc = dataclasses.replace(DEFAULT_KERNELS, release=LATE)  # (the order decode steps of few rows run in)
+    bf16_us = graph_time_us(lambda: dense_linear(x, w, kc=kc))
+    nbytes = rows.numel()
+    out = []
+    for act8, BM, nw, st in itertools.product((True, False), (16, 32, 64, 128), (4, 8), (3, 5)):
+        BT = min(L.FP8_MAX_BT, max(16, triton.next_power_of_2(T)))
+        o = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+
+        def fn(act8: bool = act8, BM: int = BM, nw: int = nw, st: int = st, BT: int = BT,
+               o: torch.Tensor = o) -> None:
+            L._linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT))](
+                x, rows, rows, o, T, N, K, rows.shape[1], x.stride(0), o.stride(0), HAS_BIAS=False, BT=BT, BM=BM,
+                ACT8=act8, num_warps=nw, num_stages=st, **pdl(x, DEFAULT_KERNELS))
+
+        try:
+            us = graph_time_us(fn)
+        except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
+            print(name, T, act8, BM, nw, st, "failed:", str(e)[:100])
+            continue
+        want = L.linear_fp8(x, rows, kc=dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8))
+        out.append(dict(proj=name, N=N, K=K, rows=T, act8=act8, BM=BM, warps=nw, stages=st, us=us,
+                        gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
+                        err=(o.float() - want.float()).abs().max().item(),
+                        default=(BM == L.FP8_BM and (nw, st) == (4, 3))))
+    for act8 in (True, False):
+        mine = [r for r in out if r["act8"] == act8]
+        if mine:
+            best = min(mine, key=lambda r: r["us"])
+            print(f"{name} T={T} act8={act8}: floor {nbytes / hbm_bytes_s * 1e6:.1f} us, bf16 {bf16_us:.1f} us; "
+                  f"default {[round(r['us'], 1) for r in mine if r['default']]}; best {best}", flush=True)
+    return out
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    hbm = hardware_of(torch.cuda.get_device_name()).hbm_bytes_per_s
+    out = []
+    for name, N, K in SHAPES:
+        for T in ROWS:
+            out += tune(name, N, K, T, dev, hbm)
+    path = sys.argv[1] if len(sys.argv) > 1 else "linear_fp8_tune.json"
+    write_result(path, out, params=dict(output=path, shapes=[dict(proj=n, N=N, K=K) for n, N, K in SHAPES],
+                                        rows=list(ROWS)),
+                 note="the FP8-rows projection per call inside a CUDA graph (us), the weight bandwidth reached (gbps), "
+                      "its bytes' HBM time (floor_us) and the bf16 projection's time (bf16_us); err: max abs "
+                      "difference to linear_fp8's own launch; default: its launch shape")
+
+
+if __name__ == "__main__":
+    main()
