@@ -129,6 +129,22 @@ def test_greedy_equals_transformers_on_the_gpu(ckpt: Checkpoints, name: str) -> 
     gpu_parity(ckpt(name), PROMPTS, N_OUT, ENGINE_KW)
 
 
+def test_the_latent_decode_launch_asks_for_programs_enough(ckpt: Checkpoints) -> None:
+    """MLA's attention geometry: a decoding sequence's programs are its head blocks, and where the Triton kernels run
+    a decode launch's keys are split up to kernels/mla.DECODE_MIN_PROGRAMS programs (one a sequence left most SMs
+    idle: benchmarks/results/h200-p1-decode-profiles.json)."""
+    from moebius.kernels import triton_available
+
+    with LLM(model=ckpt("deepseek_v3"), **ENGINE_KW) as llm:
+        g = llm.engine.ranks.rank.runner.geometry
+        if triton_available():
+            from moebius.kernels.mla import DECODE_MIN_PROGRAMS, HEAD_BLOCK
+
+            assert (g.min_programs, g.split_units) == (DECODE_MIN_PROGRAMS, -(-g.heads // HEAD_BLOCK))
+        else:
+            assert g.min_programs == 0
+
+
 def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:
     """An update from disk rewrites every view the specs cut (the next tokens are the new checkpoint's), and the
     routed experts of each output token are those of the MoE layers (top-k ids, each below n_routed_experts)."""

@@ -5,6 +5,8 @@ the attention's query-block table). Capture and replay need a GPU: tests/test_gp
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,25 @@ def test_leading_decodes_of_a_step_with_chunks_attend_apart() -> None:
             assert meta.q_blocks is not None and meta.q_blocks.tolist() == want.tolist()
             assert meta.decodes == first
             assert meta.num_splits == (num_splits_for(2, runner.kv[0].shape[3]) if first else 1)
+
+
+def test_a_family_asking_for_more_programs_splits_its_decodes_further() -> None:
+    """`AttentionGeometry.min_programs` (MLA's: kernels/mla.DECODE_MIN_PROGRAMS): where the split table leaves a
+    decode launch fewer programs, its keys are split up to that many (a power of two, at most 32); where the table
+    gives more it stands, and a family asking nothing (GQA's 0) keeps the table. The runner asks its geometry."""
+    from moebius.layers.attention import num_splits_for
+
+    batches = (1, 4, 16, 33, 64, 65, 128, 129, 1024)
+    assert [num_splits_for(b, 1, min_programs=256) for b in batches] == [32, 32, 16, 4, 4, 2, 2, 1, 1]
+    assert [num_splits_for(b, 1) for b in batches] == [32, 16, 16, 1, 1, 1, 1, 1, 1]
+    assert num_splits_for(8, 8, min_programs=256) == 4  # DeepSeek-V3's 128 heads: 8 programs a sequence
+    with EngineCore(EngineConfig.from_kwargs(device="cpu")) as e:
+        runner = e.ranks.rank.runner
+        assert runner.geometry.min_programs == 0
+        runner.attn_kernels, plain = True, runner.geometry
+        try:
+            assert runner._kv_splits(16) == num_splits_for(16, plain.split_units)
+            runner.geometry = dataclasses.replace(plain, min_programs=256)
+            assert runner._kv_splits(16) == num_splits_for(16, plain.split_units, min_programs=256) > 1
+        finally:
+            runner.attn_kernels, runner.geometry = False, plain

@@ -39,7 +39,8 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> li
     q_lat = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
     q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
     scale = (128 + R) ** -0.5
-    base = num_splits_for(B, triton.cdiv(H, M.HEAD_BLOCK))  # the runner's (`geometry.split_units`: head blocks)
+    # the runner's (`geometry.split_units`: head blocks; `min_programs`)
+    base = num_splits_for(B, triton.cdiv(H, M.HEAD_BLOCK), min_programs=M.DECODE_MIN_PROGRAMS)
     ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
     nbytes = B * (CTX + 1) * (C + R) * 2
     default_tiles = M.decode_tiles(C, 2)

@@ -25,6 +25,12 @@ from moebius.kernels.pdl import enter, pdl
 # heads a program takes: tl.dot needs at least 16 rows compiled; more would hold a [BH, C] float32 accumulator of
 # C = 512 (every published DeepSeek config) past the registers of 4 warps
 HEAD_BLOCK = 16
+# programs a decode launch's keys are split up to (`layers.attention.num_splits_for`): GQA's split table gives 33
+# sequences and more one program each, but a latent program walks its pages alone, a table load before each tile's
+# cache load, so 64 sequences of 16 heads kept 64 of 132 SMs busy at ~1/5 of HBM's rate (88 us a layer at batch 64
+# on an H200, benchmarks/results/h200-p1-decode-profiles.json). About two programs an SM; not yet measured against
+# other counts (benchmarks/kernels/mla_tune.py times them)
+DECODE_MIN_PROGRAMS = 256
 
 
 @triton.jit

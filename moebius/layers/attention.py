@@ -39,13 +39,15 @@ class AttentionGeometry:
     static buffers between step pieces hold q [T, heads, q_dim] and the output [T, heads, o_dim]; a decoding
     sequence runs `split_units` programs before KV splits (its KV heads; MLA: its head blocks); `group`: query
     heads a KV head, for the query-block table of kernels/attention.py's chunk launch (None: the family's kernels
-    take no such table)."""
+    take no such table); `min_programs`: programs a decode launch is split up to where the split table leaves
+    fewer (`num_splits_for`; 0: the table alone)."""
 
     heads: int
     q_dim: int
     o_dim: int
     split_units: int
     group: int | None
+    min_programs: int = 0
 
 
 @dataclass
@@ -93,10 +95,13 @@ class AttentionMetadata:
 SPLITS = [(2, 32), (4, 16), (8, 32), (16, 16), (32, 8)]
 
 
-def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
-    """Decode on the GPU: KV splits (flash-decoding) for `batch` sequences of `kv_heads` KV heads."""
+def num_splits_for(batch: int, kv_heads: int, sms: int = 132, min_programs: int = 0) -> int:
+    """Decode on the GPU: KV splits (flash-decoding) for `batch` sequences of `kv_heads` KV heads (programs each
+    before splits); where that leaves fewer than `min_programs` programs, the power of two of splits up to it."""
     pairs = batch * kv_heads * 132 / sms
-    return next((splits for most, splits in SPLITS if pairs <= most), 1)
+    splits = next((splits for most, splits in SPLITS if pairs <= most), 1)
+    fill = min_programs // max(1, batch * kv_heads)
+    return max(splits, min(32, 1 << (fill.bit_length() - 1))) if fill > 1 else splits
 
 
 def query_blocks(q_lens: np.ndarray, seq_lens: np.ndarray, block: int, first: int = 0) -> np.ndarray:

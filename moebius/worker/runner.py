@@ -461,7 +461,9 @@ class ModelRunner:
     def _kv_splits(self, decodes: int) -> int:
         """KV splits of the Triton attention launch over `decodes` one-token sequences (1 without them, or where
         the Triton kernels do not run)."""
-        return num_splits_for(decodes, self.geometry.split_units) if decodes and self.attn_kernels else 1
+        g = self.geometry
+        return num_splits_for(decodes, g.split_units, min_programs=g.min_programs) if decodes and self.attn_kernels \
+            else 1
 
     def decode_metadata(self, b: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """The static-buffer views a decode graph of bucket b reads (contents written before each replay)."""

@@ -47,11 +47,12 @@ def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.T
     ext = cfg.extra_as(DeepseekConfig)
     mla = ext.mla
     heads = weights.layers[0].attn.q_QL.shape[0] // (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
-    block = heads  # (off the GPU's kernels no step splits its keys: any value)
+    block, programs = heads, 0  # (off the GPU's kernels no step splits its keys: any value)
     if triton_available():
+        from moebius.kernels.mla import DECODE_MIN_PROGRAMS as programs
         from moebius.kernels.mla import HEAD_BLOCK as block
     return AttentionGeometry(heads=heads, q_dim=mla.cache_dim, o_dim=mla.kv_lora_rank,
-                             split_units=-(-heads // block), group=None)
+                             split_units=-(-heads // block), group=None, min_programs=programs)
 
 
 attend = attend_absorbed  # a layer's attention between two step pieces
