@@ -437,8 +437,42 @@ def test_decode_attention_from_qkv_under_the_interpreter() -> None:
     _run("qk_attention")
 
 
+def test_grouped_routing_under_the_interpreter() -> None:
+    """kernels/fused.py's `grouped_topk` (DeepSeek's and GLM-4.5's routing in one launch) against
+    models/grouped_moe.py's torch `route`: softmax greedy and group-limited (groups not a power of two), sigmoid
+    noaux_tc with the correction bias and renormalisation, one group of 384: the same experts and weights."""
+    _run("grouped_route")
+
+
 def test_qk_norm_rope_kv_under_the_interpreter() -> None:
     _run("qk")
+
+
+def grouped_route_cases() -> None:
+    from moebius.kernels.fused import grouped_topk
+    from moebius.models.grouped_moe import MoEConfig, route
+
+    g = torch.Generator().manual_seed(0)
+    # (experts, top k, scoring, method, groups, kept groups, norm, scaling): DeepSeek-V2-Lite, V2's grouped softmax
+    # (160 experts: groups of 20, not a power of two), V3 / GLM-4.5's noaux_tc, Kimi K2's 384 in one group
+    for E, K, scoring, method, G, TG, norm, scale in [(64, 6, "softmax", "greedy", 1, 1, False, 1.0),
+                                                      (160, 6, "softmax", "group_limited_greedy", 8, 3, False, 16.0),
+                                                      (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5),
+                                                      (384, 8, "sigmoid", "noaux_tc", 1, 1, True, 2.827)]:
+        cfg = MoEConfig(num_experts=E, top_k=K, scoring_func=scoring, topk_method=method, n_group=G, topk_group=TG,
+                        norm_topk_prob=norm, routed_scaling_factor=scale, n_shared_experts=1,
+                        moe_intermediate_size=8, intermediate_size=8)
+        bias = torch.randn(E, generator=g) * 0.1 if scoring == "sigmoid" else None
+        logits = torch.randn(37, E, generator=g) * 2
+        want_w, want_ids = route(logits, cfg, bias)
+        got_w, got_ids = grouped_topk(logits, bias, K, scoring == "sigmoid", G, TG, method == "noaux_tc", norm, scale)
+        # the same experts with the same weights; the kernel's come in descending order of choice
+        order_w, order_g = want_ids.argsort(1), got_ids.argsort(1)
+        assert torch.equal(want_ids.gather(1, order_w), got_ids.gather(1, order_g)), (E, method)
+        assert torch.allclose(want_w.gather(1, order_w), got_w.gather(1, order_g), rtol=1e-5, atol=1e-6), (E, method)
+        choice = (logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)) + (0 if bias is None else bias)
+        picked = choice.gather(1, got_ids)
+        assert (picked[:, :-1] >= picked[:, 1:]).all(), (E, method)
 
 
 def router_cases() -> None:
@@ -838,7 +872,8 @@ if __name__ == "__main__":
              "mxfp4_tile": mxfp4_tile_cases, "moe_mxfp4": moe_mxfp4_cases,
              "attention": attention_cases,
              "attention_window": attention_window_cases, "argmax": argmax_cases,
-             "qk": qk_cases, "router": router_cases, "qk_attention": qk_attention_cases, "linear": linear_cases,
+             "qk": qk_cases, "router": router_cases, "grouped_route": grouped_route_cases,
+             "qk_attention": qk_attention_cases, "linear": linear_cases,
              "linear_fp8": linear_fp8_cases,
              "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases, "mla_rope": mla_rope_cases,
              "mla_chunk": mla_chunk_cases}

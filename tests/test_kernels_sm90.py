@@ -143,3 +143,15 @@ def test_the_mla_rope_and_latent_write_compiles_for_hopper(interleave: bool) -> 
     compile_sm90(mla._rope_latent, types, dict(N=128, C=512, R=64, CP=512, HB=mla.ROPE_HEADS, PAGE=16,
                                                INTERLEAVE=interleave, PDL=1), 4, 1,
                  aligned=("H", "stride_qt", "stride_kvt", "stride_ot", "stride_oh", "stride_pg", "stride_tok"))
+
+
+@pytest.mark.parametrize("E,K,G,TG,sigmoid", [(64, 6, 1, 1, False), (160, 6, 8, 3, False), (256, 8, 8, 4, True),
+                                              (384, 8, 1, 1, True)], ids=["v2-lite", "v2", "v3", "kimi-k2"])
+def test_grouped_routing_compiles_for_hopper(E: int, K: int, G: int, TG: int, sigmoid: bool) -> None:
+    """`kernels/fused._grouped_topk` at the DeepSeek family's routings (its numbers: test_kernels_interpreter.py)."""
+    from moebius.kernels import fused
+
+    types = dict(Logits="*fp32", Bias="*fp32", W="*fp32", Ids="*i64", E="i32", scale="fp32")
+    compile_sm90(fused._grouped_topk, types, dict(K=K, SIGMOID=sigmoid, HAS_BIAS=sigmoid, G=G, TG=TG, TOP2=sigmoid,
+                                                  NORM=sigmoid, BLOCK=triton.next_power_of_2(E),
+                                                  GP=triton.next_power_of_2(G), PDL=1), 1 if E <= 256 else 2, 1)

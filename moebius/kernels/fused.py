@@ -235,6 +235,80 @@ def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: tor
     return _topk(logits_TE, T, E, 0, top_k, norm, out_dtype, kc)
 
 
+@triton.jit
+def _grouped_topk(Logits, Bias, W, Ids, E, scale, K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  G: tl.constexpr, TG: tl.constexpr, TOP2: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                  GP: tl.constexpr, PDL: tl.constexpr):
+    """Program t: DeepSeek's / GLM-4.5's routing of one token from its float32 logits (`grouped_moe.route`, its torch
+    statement): scores (sigmoid or softmax), the choice (the scores plus the correction bias), the TG best of G
+    groups kept (each scored by its best choice, or TOP2 its best two), the others' experts masked (-inf, or 0 for
+    softmax scores), the top K of the choice, their unbiased scores renormalised (NORM) and scaled."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    m = e < E
+    x = tl.load(Logits + t * E + e, mask=m, other=float("-inf"))
+    if SIGMOID:
+        scores = tl.where(m, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    else:
+        p = tl.exp(x - tl.max(x, 0))
+        scores = p / tl.sum(p, 0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(Bias + e, mask=m, other=0.0)
+    choice = tl.where(m, choice, float("-inf"))
+    if TG < G:  # (keeping every group masks nothing)
+        grp = e // (E // G)
+        gi = tl.arange(0, GP)
+        gscore = tl.full([GP], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            c = tl.where(m & (grp == g), choice, float("-inf"))
+            best = tl.max(c, 0)
+            if TOP2:
+                best += tl.max(tl.where(e == tl.argmax(c, 0), float("-inf"), c), 0)
+            gscore = tl.where(gi == g, best, gscore)
+        keep = tl.zeros([BLOCK], tl.int1)
+        for _ in tl.static_range(TG):
+            g = tl.argmax(gscore, 0)
+            keep = keep | (grp == g)
+            gscore = tl.where(gi == g, float("-inf"), gscore)
+        if TOP2:
+            choice = tl.where(keep, choice, float("-inf"))
+        else:  # (softmax scores are positive: a masked expert at 0 is never picked while kept ones remain)
+            choice = tl.where(keep | ~m, choice, 0.0)
+    total = 0.0
+    if NORM:  # a first pass for the sum of the top k, so each weight is stored once
+        q = choice
+        for _ in tl.static_range(K):
+            i = tl.argmax(q, 0)
+            total += tl.sum(tl.where(e == i, scores, 0.0), 0)
+            q = tl.where(e == i, float("-inf"), q)
+    for k in tl.static_range(K):
+        i = tl.argmax(choice, 0)
+        w = tl.sum(tl.where(e == i, scores, 0.0), 0)
+        if NORM:
+            w = w / (total + 1e-20)
+        tl.store(Ids + t * K + k, i.to(tl.int64))
+        tl.store(W + t * K + k, w * scale)
+        choice = tl.where(e == i, float("-inf"), choice)
+
+
+def grouped_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int,
+                 topk_group: int, top2: bool, norm: bool, scale: float, *, kc: KernelConfig = DEFAULT_KERNELS
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`models/grouped_moe.route` from float32 logits [T, E] in one launch: (weights [T, K] float32, ids [T, K]
+    int64), each token's ids in descending order of choice."""
+    T, E = logits_TE.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
+    if T:
+        _grouped_topk[(T,)](logits_TE, logits_TE if bias_E is None else bias_E, w, ids, E, scale, K=top_k,
+                            SIGMOID=sigmoid, HAS_BIAS=bias_E is not None, G=n_group, TG=topk_group, TOP2=top2,
+                            NORM=norm, BLOCK=triton.next_power_of_2(E), GP=triton.next_power_of_2(n_group),
+                            num_warps=1 if E <= 256 else 2, **pdl(logits_TE, kc))
+    return w, ids
+
+
 ROUTER_MAX_ROWS = 16  # one tl.dot row tile; more tokens: cuBLAS then topk_softmax
 ROUTER_BK = 256
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.kernels import KernelConfig
+from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
 from moebius.layers.moe import dense_mlp, experts, summed
 from moebius.models.specs import ParamSpec, routed_expert_specs, shared_expert_specs
 from moebius.models.weights import DenseWeights, MoEWeights, shared_expert_weights
@@ -136,16 +136,23 @@ def router_logits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD.float(), gate_ED.float())
 
 
-def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None, *,
+          kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, K] (float32) and global expert ids [T, K] from the router's float32 logits.
 
     softmax: softmax scores, top-k over all experts (greedy) or over the topk_group groups with the best single
     score. sigmoid: sigmoid scores; bias_E (e_score_correction_bias) is added for choosing the groups (each scored by
     its best two) and the experts only, the weights are the unbiased scores. Then norm_topk_prob's renormalisation
     and the routed_scaling_factor. Every top-k is torch.topk(sorted=False) on the values transformers feeds it, so
-    the ids come in its order and ties break as in transformers.
+    the ids come in its order and ties break as in transformers. On the GPU one Triton launch (`kernels.fused.
+    grouped_topk`: each token's ids in descending order of choice; some 15 small torch kernels a layer before).
     """
+    if logits_TE.is_cuda and triton_available():
+        from moebius.kernels.fused import grouped_topk
+
+        return grouped_topk(logits_TE.contiguous(), bias_E, cfg.top_k, cfg.scoring_func == "sigmoid", cfg.n_group,
+                            cfg.topk_group, cfg.topk_method == "noaux_tc", cfg.norm_topk_prob,
+                            cfg.routed_scaling_factor, kc=kc)
     if cfg.scoring_func == "sigmoid":
         scores_TE = logits_TE.sigmoid()
     else:
@@ -214,7 +221,7 @@ def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communic
     """This rank's part of the MoE block's output for the tokens dispatched to it (its local experts' pairs plus its
     shard of the shared experts), and the handle that combines it. routed_TK: where the router's global expert ids
     are written (taken before the dispatch: the same in every layout)."""
-    w_TK, ids_TK = route(router_logits(h_TD, w.gate_ED), cfg, w.bias_E)
+    w_TK, ids_TK = route(router_logits(h_TD, w.gate_ED), cfg, w.bias_E, kc=kc)
     if routed_TK is not None:
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
