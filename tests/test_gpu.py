@@ -12,7 +12,7 @@ import torch
 from attention_cases import paged_metadata, qk_norm_rope_kv_errors
 
 from moebius import LLM, SamplingParams
-from moebius.kernels import DEFAULT_KERNELS, KernelConfig
+from moebius.kernels import DEFAULT_KERNELS, LATE, KernelConfig
 from moebius.kernels.pairs import PairRows
 from moebius.layers.attention import paged_attention, paged_attention_ref
 from moebius.layers.moe import experts, experts_ref
@@ -183,7 +183,10 @@ def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) ->
     for a8, q in ((True, quantize_groups), (False, lambda t: t)):
         refs[a8] = (experts_ref(q(x.float()), w.float(), ids, w13, w2, 0, act=lambda gu, q=q: q(fused_act(gu))),
                     F.linear(q(x.float()), unpack_rows(wp, D, torch.float32)))
-    for got, want, other in zip((out, proj), refs[act8], refs[not act8], strict=True):
+    # a row or two in the LATE order: `linear_fp8_rows` (weights held in registers), the same statements
+    late = linear(x, wp, kc=kc.with_release(LATE))
+    for got, want, other in zip((out, proj, late), (*refs[act8], refs[act8][1]), (*refs[not act8], refs[not act8][1]),
+                                strict=True):
         print(T, act8, _rel(got, want), _rel(got, other))
         assert torch.isfinite(got).all()
         # (float8 activations round to 3 mantissa bits: a value the kernel and the reference round on either side of

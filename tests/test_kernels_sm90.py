@@ -155,3 +155,17 @@ def test_grouped_routing_compiles_for_hopper(E: int, K: int, G: int, TG: int, si
     compile_sm90(fused._grouped_topk, types, dict(K=K, SIGMOID=sigmoid, HAS_BIAS=sigmoid, G=G, TG=TG, TOP2=sigmoid,
                                                   NORM=sigmoid, BLOCK=triton.next_power_of_2(E),
                                                   GP=triton.next_power_of_2(G), PDL=1), 1 if E <= 256 else 2, 1)
+
+
+@pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("K", [2048, 4096])
+def test_the_fp8_row_projection_compiles_for_hopper_in_registers(act8: bool, K: int) -> None:
+    """`kernels/linear._linear_fp8_rows` at Qwen3-30B-A3B's q|k|v and o widths: its weight rows in 16-byte loads
+    and held in registers without spilling to local memory (its point: loaded before the wait for the kernel before)."""
+    types = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
+                 stride_o="i32")
+    CB = triton.next_power_of_2(K // 128)
+    asm = compile_sm90(linear._linear_fp8_rows, types, dict(HAS_BIAS=True, BN=max(1, linear.TILE_ELEMS // (CB * 128)),
+                                                            CB=CB, ACT8=act8, PDL=1), 8, 1,
+                       aligned=("N", "K", "WS", "stride_x", "stride_o"))
+    assert "ld.global.v4" in asm["ptx"] and not re.search(r"\b(ld|st)\.local", asm["ptx"])

@@ -168,6 +168,66 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
     return out
 
 
+def fits_fp8_rows(x_TD: torch.Tensor, w_NC: torch.Tensor, kc: KernelConfig) -> bool:
+    """Where `linear_fp8_rows` takes a projection on FP8 rows: `fits`'s rows and order (in EARLY these programs sit
+    on the SMs, registers full, while the kernels before still run)."""
+    return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
+            and x_TD.dtype in (torch.bfloat16, torch.float16) and w_NC.is_contiguous()
+            and w_NC.shape[1] == packed_width(x_TD.shape[1]) and kc.release == kernels.LATE)
+
+
+@triton.jit
+def _linear_fp8_rows(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                     CB: tl.constexpr, ACT8: tl.constexpr, PDL: tl.constexpr):
+    """`_linear_rows` on FP8 rows: this program's BN weight rows, every 128-column chunk (CB, a power of two, at
+    least the row's), held as float8 with their block scales, loaded before the wait; then each row t of X. ACT8:
+    each 128-column group of X quantized (`quantize_act`) and the float8 products summed in float32 a chunk, times
+    both scales (`fp8_dot`'s sums); else each chunk dequantized to X's dtype (`weight_tile`) and multiplied."""
+    release(PDL)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    c = tl.arange(0, CB)
+    kk = tl.arange(0, 128)
+    mn = rn < N
+    col = c[:, None] * 128 + kk[None, :]  # [CB, 128]: each chunk's columns
+    mcol = col < K
+    row = W + rn.to(tl.int64)[:, None, None] * WS
+    wq = tl.load(row + (c[:, None] * FP8_CHUNK + kk[None, :])[None, :, :], mask=mn[:, None, None] & mcol[None, :, :],
+                 other=0).to(tl.float8e4nv, bitcast=True)
+    sw = tl.load((W + rn.to(tl.int64)[:, None] * WS + c[None, :] * FP8_CHUNK + 128).to(tl.pointer_type(tl.float32)),
+                 mask=mn[:, None] & (c * 128 < K)[None, :], other=0.0)  # [BN, CB]
+    if HAS_BIAS:
+        b = tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
+    wait(PDL)  # only X comes from the kernel before
+    for t in range(T):
+        x = tl.load(X + t * stride_x + col, mask=mcol, other=0.0)  # [CB, 128]
+        if ACT8:
+            xq, sx = quantize_act(x)
+            part = tl.sum(wq.to(tl.float32) * xq.to(tl.float32)[None, :, :], axis=2)  # [BN, CB]
+            acc = tl.sum(part * sw * sx[None, :], axis=1)
+        else:
+            wd = (wq.to(tl.float32) * sw[:, :, None]).to(X.dtype.element_ty).to(tl.float32)
+            acc = tl.sum(tl.sum(wd * x.to(tl.float32)[None, :, :], axis=2), axis=1)
+        if HAS_BIAS:
+            acc += b
+        tl.store(Out + t * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
+
+
+def linear_fp8_rows(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None = None, *,
+                    kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """`linear_fp8` for one or two rows (`fits_fp8_rows`): weight rows held in registers before the wait, as
+    `linear`'s (the tensor-core tiles of `linear_fp8` leave most SMs idle at a row: few programs, each streaming its
+    rows through K)."""
+    T, K = x_TD.shape
+    N = w_NC.shape[0]
+    out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
+    CB = triton.next_power_of_2(triton.cdiv(K, 128))
+    BN = max(1, TILE_ELEMS // (CB * 128))
+    _linear_fp8_rows[(triton.cdiv(N, BN),)](x_TD, w_NC, w_NC if bias_N is None else bias_N, out, T, N, K,
+                                            w_NC.shape[1], x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
+                                            BN=BN, CB=CB, ACT8=kc.fp8_activations, num_warps=8, **pdl(x_TD, kc))
+    return out
+
+
 # Tensor-core tiles for 3 to 32 rows (`kernels.MMA_MIN_ROWS`, `MMA_MAX_ROWS`): weight rows a program x K a stage,
 # stages. One shape for every row count: measured near the best one at each count on the 30B TP-2 and EP shapes
 # (benchmarks/results/h200-few-row-projections.json); 64 rows of tokens would not fit the shared memory.

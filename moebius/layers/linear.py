@@ -14,10 +14,11 @@ def linear(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | None =
            kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     if w_ND.dtype == torch.uint8:  # FP8 rows (--quantization fp8): read as stored by the kernel (W8A8 or W8A16)
         if x_TD.is_cuda and triton_available() and x_TD.dtype in (torch.bfloat16, torch.float16):
-            from moebius.kernels.linear import linear_fp8
+            from moebius.kernels import linear as kl
 
-            return linear_fp8(x_TD.reshape(-1, x_TD.shape[-1]).contiguous(), w_ND, bias_N,
-                              kc=kc).unflatten(0, x_TD.shape[:-1])
+            x = x_TD.reshape(-1, x_TD.shape[-1]).contiguous()
+            run = kl.linear_fp8_rows if kl.fits_fp8_rows(x, w_ND, kc) else kl.linear_fp8
+            return run(x, w_ND, bias_N, kc=kc).unflatten(0, x_TD.shape[:-1])
         return F.linear(x_TD, unpack_rows(w_ND, x_TD.shape[-1], x_TD.dtype), bias_N)  # the CPU's reference
     if x_TD.is_cuda and triton_available():
         from moebius.kernels import linear as kl
