@@ -3,7 +3,8 @@ program (BM), warps, pipeline stages, W8A8 and W8A16, at Qwen3-30B-A3B's q|k|v (
 projections and 1 to 256 rows; µs per call inside a CUDA graph and the weight bandwidth reached, beside the bf16
 projection of the same shape as the engine runs it (`layers.linear.linear`). Its launch (`FP8_BM`, 4 warps, 3
 stages) was never searched: a profile put it at 25 us a call at one row where its FP8 bytes take 2-3 us
-(benchmarks/results/h200-p1-decode-profiles.json, 132-byte chunks).
+(benchmarks/results/h200-p1-decode-profiles.json, 132-byte chunks). At one or two rows the engine runs
+`linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
 
     python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json
 """
@@ -55,10 +56,18 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
             print(name, T, act8, BM, nw, st, "failed:", str(e)[:100])
             continue
         want = L.linear_fp8(x, rows, kc=dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8))
-        out.append(dict(proj=name, N=N, K=K, rows=T, act8=act8, BM=BM, warps=nw, stages=st, us=us,
+        out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, warps=nw, stages=st, us=us,
                         gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(BM == L.FP8_BM and (nw, st) == (4, 3))))
+                        default=(T > L.MAX_ROWS and BM == L.FP8_BM and (nw, st) == (4, 3))))
+    if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
+        for act8 in (True, False):
+            kc8 = dataclasses.replace(kc, fp8_activations=act8)
+            us = graph_time_us(lambda kc8=kc8: L.linear_fp8_rows(x, rows, kc=kc8))
+            out.append(dict(proj=name, N=N, K=K, rows=T, kernel="rows", act8=act8, us=us, gbps=nbytes / us / 1e3,
+                            floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us, default=True,
+                            err=(L.linear_fp8_rows(x, rows, kc=kc8).float()
+                                 - L.linear_fp8(x, rows, kc=kc8).float()).abs().max().item()))
     for act8 in (True, False):
         mine = [r for r in out if r["act8"] == act8]
         if mine:
