@@ -534,30 +534,21 @@ def linear_fp8_cases() -> None:
 
     _nearest_even_fp8_casts()
     g = torch.Generator().manual_seed(3)
-    for T, N, K in [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200)]:
-        x = torch.randn(T, K, generator=g)
-        w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
-        b = torch.randn(N, generator=g)
-        for bias in (None, b):
-            want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
-            got = linear_fp8(x, w, bias, kc=KernelConfig(fp8_activations=False))
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (T, N, K, (got - want).abs().max())
-            want8 = F.linear(quantize_groups(x), unpack_rows(w, K, x.dtype), bias)
-            err = ((linear_fp8(x, w, bias) - want8).norm() / want8.norm()).item()
-            assert err < 1e-5, (T, N, K, bias is None, err)
-            assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
-    # one or two rows held in registers (`linear_fp8_rows`, the LATE order's): the same statements
-    for T, N, K in [(1, 40, 256), (2, 19, 300), (2, 70, 1000)]:
-        x = torch.randn(T, K, generator=g)
-        w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
-        b = torch.randn(N, generator=g)
-        for bias in (None, b):
-            want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
-            got = linear_fp8_rows(x, w, bias, kc=KernelConfig(fp8_activations=False))
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (T, N, K, (got - want).abs().max())
-            want8 = F.linear(quantize_groups(x), unpack_rows(w, K, x.dtype), bias)
-            err = ((linear_fp8_rows(x, w, bias) - want8).norm() / want8.norm()).item()
-            assert err < 1e-5, (T, N, K, bias is None, err)
+    # the tensor-core tiles at any row count; one or two rows held in registers (`linear_fp8_rows`, the LATE order's)
+    for run, cases in ((linear_fp8, [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200)]),
+                       (linear_fp8_rows, [(1, 40, 256), (2, 19, 300), (2, 70, 1000)])):
+        for T, N, K in cases:
+            x = torch.randn(T, K, generator=g)
+            w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
+            b = torch.randn(N, generator=g)
+            for bias in (None, b):
+                want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
+                got = run(x, w, bias, kc=KernelConfig(fp8_activations=False))
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (run, T, N, K, (got - want).abs().max())
+                want8 = F.linear(quantize_groups(x), unpack_rows(w, K, x.dtype), bias)
+                err = ((run(x, w, bias) - want8).norm() / want8.norm()).item()
+                assert err < 1e-5, (run, T, N, K, bias is None, err)
+                assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
 
 
 def test_fp8_linear_under_the_interpreter() -> None:

@@ -53,6 +53,13 @@ def rows(fmt: str, n: int, cols: int) -> torch.Tensor:
     return torch.empty(E, n, FORMATS[fmt].width(cols), dtype=torch.uint8, device="meta")
 
 
+# the kernels' argument types (Triton's signature strings): the fused MoE's two GEMMs, the projections on FP8 rows
+MOE_TYPES = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
+                 Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", B13="*bf16", B2="*bf16",
+                 alpha="fp32", limit="fp32")
+LINEAR_TYPES = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
+                    stride_o="i32")
+
 # (format, W8A8, biases and GPT-OSS's clamped activation): FP8 for the families FP8 serves (no expert biases), MXFP4
 # with and without GPT-OSS's biases and activation
 VARIANTS = [("fp8", False, False), ("fp8", True, False), ("mxfp4", False, False), ("mxfp4", False, True)]
@@ -70,22 +77,17 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
                                  ("down", fused_moe._down, cfg.down, w2, I)):
         c, f, a8 = fused_moe._row_tiles(tile, w, K, kc)
         assert not c.tma and a8 == act8, (name, c, a8)
-        types = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
-                     Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", B13="*bf16",
-                     B2="*bf16", alpha="fp32", limit="fp32")
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=direct, FMT=f, ACT8=a8,
                                       BIAS=gpt_oss, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=4, CLAMPED=gpt_oss)
-        compile_sm90(fn, types, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
+        compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
 
 
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("BT", [16, linear.FP8_MAX_BT])
 def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, BT: int) -> None:
-    types = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
-                 stride_o="i32")
-    compile_sm90(linear._linear_fp8, types, dict(HAS_BIAS=True, BT=BT, BM=linear.FP8_BM, ACT8=act8, PDL=1), 4, 3,
+    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=linear.FP8_BM, ACT8=act8, PDL=1), 4, 3,
                  aligned=("N", "K", "WS", "stride_x", "stride_o"))
 
 
@@ -109,23 +111,19 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
     hidden, inter, heads = 2048, 768, 32
     if name in ("qkv", "o"):
         K = hidden if name == "qkv" else heads * 128
-        types = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32",
-                     stride_x="i32", stride_o="i32")
-        asm = compile_sm90(linear._linear_fp8, types, dict(HAS_BIAS=False, BT=64, BM=linear.FP8_BM, ACT8=True, PDL=1),
-                           4, 3, aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
+        consts = dict(HAS_BIAS=False, BT=64, BM=linear.FP8_BM, ACT8=True, PDL=1)
+        asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, 4, 3,
+                           aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
     else:
         cfg = fused_moe.CONFIGS[-1][1]
         fn, tile, n, K = ((fused_moe._gate_up_silu, cfg.gate_up, 2 * inter, hidden) if name == "gate_up"
                           else (fused_moe._down, cfg.down, hidden, inter))
         c, fmt, a8 = fused_moe._row_tiles(tile, torch.empty(E, n, f.width(K), dtype=torch.uint8, device="meta"), K, kc)
-        types = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
-                     Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", B13="*bf16",
-                     B2="*bf16", alpha="fp32", limit="fp32")
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8,
                                       BIAS=False, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=8, CLAMPED=False)
-        asm = compile_sm90(fn, types, consts, c.num_warps, c.num_stages,
+        asm = compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages,
                            aligned=("N", "D", "I", "first") + (("WS",) if f.width(K) % 16 == 0 else ()))
     kinds = global_loads(asm["ptx"])
     assert "cp16" in kinds and not kinds & {"ld8", "ld16", "cp4", "cp8"}, (name, kinds)
@@ -162,10 +160,8 @@ def test_grouped_routing_compiles_for_hopper(E: int, K: int, G: int, TG: int, si
 def test_the_fp8_row_projection_compiles_for_hopper_in_registers(act8: bool, K: int) -> None:
     """`kernels/linear._linear_fp8_rows` at Qwen3-30B-A3B's q|k|v and o widths: its weight rows in 16-byte loads
     and held in registers without spilling to local memory (its point: loaded before the wait for the kernel before)."""
-    types = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
-                 stride_o="i32")
     CB = triton.next_power_of_2(K // 128)
-    asm = compile_sm90(linear._linear_fp8_rows, types, dict(HAS_BIAS=True, BN=max(1, linear.TILE_ELEMS // (CB * 128)),
-                                                            CB=CB, ACT8=act8, PDL=1), 8, 1,
+    consts = dict(HAS_BIAS=True, BN=max(1, linear.TILE_ELEMS // (CB * 128)), CB=CB, ACT8=act8, PDL=1)
+    asm = compile_sm90(linear._linear_fp8_rows, LINEAR_TYPES, consts, 8, 1,
                        aligned=("N", "K", "WS", "stride_x", "stride_o"))
     assert "ld.global.v4" in asm["ptx"] and not re.search(r"\b(ld|st)\.local", asm["ptx"])
