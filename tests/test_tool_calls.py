@@ -148,7 +148,13 @@ def test_the_server_takes_tools_only_with_its_parser(monkeypatch: pytest.MonkeyP
     from moebius.entrypoints.openai.server import serve
 
     made: list[Hermes] = []
-    monkeypatch.setitem(tool_calls.PARSERS, "hermes", lambda: made.append(Hermes()) or made[-1])
+
+    class Counted(Hermes):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setitem(tool_calls.PARSERS, "hermes", Counted)
     body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 4, "tools": [WEATHER]}
     with _served("none", None) as (url, _):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
@@ -161,6 +167,78 @@ def test_the_server_takes_tools_only_with_its_parser(monkeypatch: pytest.MonkeyP
         assert len(made) == 2
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         serve(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+
+
+V3_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
+           "<｜tool▁call▁end｜>")
+V31_CALL = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Rome\"}<｜tool▁call▁end｜>"
+KIMI_CALL = ("<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}"
+             "<|tool_call_end|>")
+# (parser, answer text) -> (content, [(name, arguments)])
+MARKED_CASES = [
+    ("deepseek_v3", "Looking it up.<｜tool▁calls▁begin｜>" + V3_CALL + V31_CALL + "<｜tool▁calls▁end｜>",
+     ("Looking it up.", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})])),
+    ("deepseek_v3", "No call, a <｜ sign.", ("No call, a <｜ sign.", [])),
+    # not a call (no separator; arguments not an object): the text as it came, the section's markers dropped
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>oops<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     ("<｜tool▁call▁begin｜>oops<｜tool▁call▁end｜>", [])),
+    ("deepseek_v3", "<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1, 2]<｜tool▁call▁end｜>",
+     ("<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1, 2]<｜tool▁call▁end｜>", [])),
+    ("deepseek_v3", "cut <｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a",
+     ("cut <｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a", [])),
+    ("kimi_k2", "Sure.<|tool_calls_section_begin|>" + KIMI_CALL
+     + KIMI_CALL.replace(":0", ":1").replace("Paris", "Rome") + "<|tool_calls_section_end|>",
+     ("Sure.", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})])),
+    ("kimi_k2", "<|tool_call_begin|>functions.f:0 no arguments<|tool_call_end|> after",
+     ("<|tool_call_begin|>functions.f:0 no arguments<|tool_call_end|> after", [])),
+    ("kimi_k2", "ends in <|tool_calls_sec", ("ends in <|tool_calls_sec", [])),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "want"), MARKED_CASES)
+def test_deepseek_and_kimi_calls_whole_and_streamed_alike(name: str, text: str, want: tuple[str, list[Any]]
+                                                           ) -> None:
+    """`--tool-call-parser deepseek_v3` (V3's fenced arguments and V3.1's plain ones) and `kimi_k2`: whole, a
+    character at a time and at random cuts, the same content (a section's markers dropped) and calls; what is not a
+    call, or is cut short, stays content as it came."""
+    from moebius.entrypoints.openai.tool_calls import PARSERS
+
+    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
+        parser = PARSERS[name]()
+        steps = [parser.feed(p) for p in pieces] + [parser.finish()]
+        return "".join(c for c, _ in steps), [(c.name, json.loads(c.arguments)) for _, cs in steps for c in cs]
+
+    assert parse([text]) == want
+    assert parse(list(text)) == want
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        assert parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == want
+
+
+def test_kimi_calls_keep_the_models_ids() -> None:
+    """A Kimi K2 call's id is the one the model wrote (functions.NAME:INDEX), which its chat template renders back
+    with the tool's result; DeepSeek's get ids of their own."""
+    from moebius.entrypoints.openai.tool_calls import PARSERS
+
+    _, calls = PARSERS["kimi_k2"]().feed(KIMI_CALL)
+    assert [(c.id, c.name) for c in calls] == [("functions.get_weather:0", "get_weather")]
+    _, calls = PARSERS["deepseek_v3"]().feed(V31_CALL)
+    assert calls[0].id.startswith("call_")
+
+
+def test_marker_formats_decode_their_answers_with_special_tokens() -> None:
+    """DeepSeek's and Kimi's markers are special tokens: with their parser a request with tools is decoded keeping
+    them (else the calls would vanish from the text); one without tools, or with hermes, is decoded as asked."""
+    httpx = pytest.importorskip("httpx")
+    from test_reasoning import _served
+
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 2, "tools": [WEATHER]}
+    for parser, keeps in (("deepseek_v3", True), ("kimi_k2", True), ("hermes", False)):
+        with _served("none", None, tool_call_parser=parser, enable_auto_tool_choice=True) as (url, submitted):
+            for extra in ({}, {"tools": None}):
+                assert httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).status_code == 200
+            assert [p.skip_special_tokens for p in submitted] == [not keeps, True], parser
 
 
 HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
