@@ -1,9 +1,11 @@
 """The dense projection on FP8 rows (`kernels/linear._linear_fp8`) over its launch shapes on one GPU: weight rows a
-program (BM), warps, pipeline stages, W8A8 and W8A16, at Qwen3-30B-A3B's q|k|v (5120 x 2048) and o (2048 x 4096)
-projections and 1 to 256 rows; µs per call inside a CUDA graph and the weight bandwidth reached, beside the bf16
-projection of the same shape as the engine runs it (`layers.linear.linear`). Its launch (`FP8_BM`, 4 warps, 3
-stages) was never searched: a profile put it at 25 us a call at one row where its FP8 bytes take 2-3 us
-(benchmarks/results/h200-p1-decode-profiles.json, 132-byte chunks). At one or two rows the engine runs
+program (BM), token rows a program (BT), warps, pipeline stages, W8A8 and W8A16, at Qwen3-30B-A3B's q|k|v
+(5120 x 2048) and o (2048 x 4096) projections and 1 to 2048 rows; µs per call inside a CUDA graph and the weight
+bandwidth reached, beside the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`). Its
+launch (`FP8_BM`, `FP8_MAX_BT`, 4 warps, 3 stages) was never searched: a profile put it at 25 us a call at one row
+where its FP8 bytes take 2-3 us (benchmarks/results/h200-p1-decode-profiles.json, 132-byte chunks), and FP8's
+prompt steps took 3.6 times bf16's (h100-p1-qwen3-30b-fp8-throughput-bf16.json's mixed steps against the FP8 run's
+in docs/performance.md). At one or two rows the engine runs
 `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
 
     python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json
@@ -28,7 +30,7 @@ from moebius.kernels.pdl import pdl
 from moebius.layers.linear import linear as dense_linear
 
 SHAPES = (("qkv", 5120, 2048), ("o", 2048, 4096))
-ROWS = (1, 8, 64, 256)
+ROWS = (1, 8, 64, 256, 2048)  # (2048: a prompt chunk's rows, where the GEMM is compute-bound)
 
 
 def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: float) -> list[dict]:
@@ -40,8 +42,8 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
     bf16_us = graph_time_us(lambda: dense_linear(x, w, kc=kc))
     nbytes = rows.numel()
     out = []
-    for act8, BM, nw, st in itertools.product((True, False), (16, 32, 64, 128), (4, 8), (3, 5)):
-        BT = min(L.FP8_MAX_BT, max(16, triton.next_power_of_2(T)))
+    bts = sorted({min(bt, max(16, triton.next_power_of_2(T))) for bt in (L.FP8_MAX_BT, 128)})
+    for act8, BM, nw, st, BT in itertools.product((True, False), (16, 32, 64, 128), (4, 8), (3, 5), bts):
         o = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
 
         def fn(act8: bool = act8, BM: int = BM, nw: int = nw, st: int = st, BT: int = BT,
@@ -56,10 +58,11 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
             print(name, T, act8, BM, nw, st, "failed:", str(e)[:100])
             continue
         want = L.linear_fp8(x, rows, kc=dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8))
-        out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, warps=nw, stages=st, us=us,
+        out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, BT=BT, warps=nw, stages=st, us=us,
                         gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(T > L.MAX_ROWS and BM == L.FP8_BM and (nw, st) == (4, 3))))
+                        default=(T > L.MAX_ROWS and BM == L.FP8_BM and (nw, st) == (4, 3)
+                                 and BT == min(L.FP8_MAX_BT, max(16, triton.next_power_of_2(T))))))
     if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
         for act8 in (True, False):
             kc8 = dataclasses.replace(kc, fp8_activations=act8)
