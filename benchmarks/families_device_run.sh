@@ -96,7 +96,7 @@ profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64:
   t profile_bf16 120 $S --model qwen3-30b-a3b --output $R/$C-p1-decode-profile-bf16.json
   t profile_deepseek 120 $S --model deepseek-v2-lite --output $R/$C-p1-decode-profile-deepseek.json ;;
 fp8tune)  # the fused MoE's tiles on FP8 rows at Qwen3-30B-A3B's shapes (never searched: bf16's are used)
-  t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 --output $R/$C-p1-moe-tune-fp8.json
+  t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 2048 --output $R/$C-p1-moe-tune-fp8.json
   t fp8lineartune 240 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-tune.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
