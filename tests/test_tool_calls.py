@@ -150,8 +150,8 @@ def test_the_server_takes_tools_only_with_its_parser(monkeypatch: pytest.MonkeyP
     made: list[Hermes] = []
 
     class Counted(Hermes):
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, tools: Any = ()) -> None:
+            super().__init__(tools)
             made.append(self)
 
     monkeypatch.setitem(tool_calls.PARSERS, "hermes", Counted)
@@ -162,6 +162,7 @@ def test_the_server_takes_tools_only_with_its_parser(monkeypatch: pytest.MonkeyP
     with _served("none", None, tool_call_parser="hermes", enable_auto_tool_choice=True) as (url, _):
         r = httpx.post(f"{url}/v1/chat/completions", json={**body, "n": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant" and len(made) == 2
+        assert all(list(p.tools) == [WEATHER] for p in made)  # each knows the request's tools (glm45 types by them)
         for extra in ({"tool_choice": "none"}, {"tools": None}):
             assert httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).status_code == 200
         assert len(made) == 2
@@ -216,6 +217,35 @@ def test_deepseek_and_kimi_calls_whole_and_streamed_alike(name: str, text: str, 
         assert parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == want
 
 
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "limit": {"type": "integer"}, "tags": {"type": "array"}}}}}
+GLM_CALL = ("<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>42</arg_value>\n<arg_key>limit</arg_key>\n"
+            "<arg_value>5</arg_value>\n<arg_key>tags</arg_key><arg_value>[\"a\", \"b\"]</arg_value>\n</tool_call>")
+GLM_CASES = [
+    ("Searching." + GLM_CALL, ("Searching.", [("search", {"query": "42", "limit": 5, "tags": ["a", "b"]})])),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+     ("", [("get_weather", {"city": "Paris"})])),
+    ("<tool_call>now</tool_call>", ("", [("now", {})])),  # a call without arguments
+    # Qwen's JSON form, or stray text among the arguments: not GLM's call, kept as it came
+    ('<tool_call>{"name": "f"}</tool_call>', ('<tool_call>{"name": "f"}</tool_call>', [])),
+    ("<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value> junk</tool_call>",
+     ("<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value> junk</tool_call>", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), GLM_CASES)
+def test_glm_calls_are_typed_by_the_tools_schema(text: str, want: tuple[str, list[Any]]) -> None:
+    """`--tool-call-parser glm45`: a value stays text where the tool's schema says string ("42"), is read as JSON
+    elsewhere (5, a list); whole and a character at a time alike."""
+    from moebius.entrypoints.openai.tool_calls import PARSERS
+
+    for pieces in ([text], list(text)):
+        parser = PARSERS["glm45"]([SEARCH, WEATHER])
+        steps = [parser.feed(p) for p in pieces] + [parser.finish()]
+        got = "".join(c for c, _ in steps), [(c.name, json.loads(c.arguments)) for _, cs in steps for c in cs]
+        assert got == want
+
+
 def test_kimi_calls_keep_the_models_ids() -> None:
     """A Kimi K2 call's id is the one the model wrote (functions.NAME:INDEX), which its chat template renders back
     with the tool's result; DeepSeek's get ids of their own."""
@@ -228,13 +258,14 @@ def test_kimi_calls_keep_the_models_ids() -> None:
 
 
 def test_marker_formats_decode_their_answers_with_special_tokens() -> None:
-    """DeepSeek's and Kimi's markers are special tokens: with their parser a request with tools is decoded keeping
-    them (else the calls would vanish from the text); one without tools, or with hermes, is decoded as asked."""
+    """DeepSeek's, Kimi's and GLM's markers are special tokens: with their parser a request with tools is decoded
+    keeping them (else the calls would vanish from the text); one without tools, or with hermes, is decoded as
+    asked."""
     httpx = pytest.importorskip("httpx")
     from test_reasoning import _served
 
     body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 2, "tools": [WEATHER]}
-    for parser, keeps in (("deepseek_v3", True), ("kimi_k2", True), ("hermes", False)):
+    for parser, keeps in (("deepseek_v3", True), ("kimi_k2", True), ("glm45", True), ("hermes", False)):
         with _served("none", None, tool_call_parser=parser, enable_auto_tool_choice=True) as (url, submitted):
             for extra in ({}, {"tools": None}):
                 assert httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60).status_code == 200

@@ -325,9 +325,10 @@ def create_app(loop: EngineLoop | EngineClient, settings: ServeSettings, metrics
         params = sampling_params(body, info, None, (body.top_logprobs or 0) if body.logprobs else None)
         tools = chat_tools(body, tool_parser)
         prompt = await run_in_threadpool(chat_prompt, body, info, tools)  # a template render: off the event loop
-        calls = None if tools is None or tool_parser is None else TOOL_PARSERS[tool_parser]
-        if keep_specials or (calls is not None and calls.keeps_special_tokens):  # (markers that are special tokens)
+        parser = None if tools is None or tool_parser is None else TOOL_PARSERS[tool_parser]
+        if keep_specials or (parser is not None and parser.keeps_special_tokens):  # (markers that are special tokens)
             params = dataclasses.replace(params, skip_special_tokens=False)
+        calls = None if parser is None else functools.partial(parser, tools)  # (one an answer, knowing the tools)
         parse = None if reasoning is None else functools.partial(make_parser, reasoning, prompt)
         return await respond(request, Generation(loop, [(prompt, params)], "messages"), True, body, parse, calls)
 

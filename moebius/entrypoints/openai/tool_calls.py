@@ -5,30 +5,39 @@
 - `deepseek_v3` (DeepSeek-V3 / R1; `deepseek_v31` the same parser): calls between `<｜tool▁calls▁begin｜>` and
   `<｜tool▁calls▁end｜>`, each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then its arguments in a ```json
   fence (V3), or `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS` (V3.1), closed by `<｜tool▁call▁end｜>`.
-- `kimi_k2` (Kimi K2, Moonlight's chat models): calls between `<|tool_calls_section_begin|>` and
+- `kimi_k2` (Kimi K2): calls between `<|tool_calls_section_begin|>` and
   `<|tool_calls_section_end|>`, each `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`; the call's id is `functions.NAME:INDEX`, as the model numbers them.
+- `glm45` (GLM-4.5 / 4.6): `<tool_call>NAME` then each argument as `<arg_key>KEY</arg_key><arg_value>VALUE
+  </arg_value>`, `</tool_call>`; a value stays text where the tool's schema says string, else is read as JSON where
+  it is JSON (as vLLM's).
 - `openai` (GPT-OSS): its calls are harmony messages to `functions.NAME`, which the openai_gptoss reasoning parser
   reads (reasoning.Harmony); the content has none left.
 
-The DeepSeek and Kimi markers are special tokens: a request with tools is decoded with them (`keeps_special_tokens`).
-Text outside the calls stays content (a section's markers dropped); a block that is not a call (its arguments not
-a JSON object, no name) or is cut short stays content as it came, so nothing the model wrote is lost. A parser holds
-back only what could still begin a marker, so a stream's pieces join to the whole answer's."""
+The DeepSeek, Kimi and GLM markers are special tokens: a request with tools is decoded with them
+(`keeps_special_tokens`). Text outside the calls stays content (a section's markers dropped); a block that is not a
+call (its arguments not a JSON object, no name) or is cut short stays content as it came, so nothing the model wrote
+is lost. A parser holds back only what could still begin a marker, so a stream's pieces join to the whole
+answer's."""
 
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from moebius.entrypoints.openai.parsing import ToolCall, held_from
 
 
 class ToolCallParser:
     """Splits one answer's content as it arrives: `feed(text)` -> (content, calls) it can place now; `finish()` ->
-    what it held back."""
+    what it held back. Made for one answer to a request with `tools` (OpenAI's tool dicts)."""
 
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens: decode them into the text
+
+    def __init__(self, tools: Sequence[dict[str, Any]] = ()) -> None:
+        self.tools = tools
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
@@ -45,7 +54,8 @@ class Delimited(ToolCallParser):
     END: ClassVar[str]
     SECTION: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[dict[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.buf, self.inside = "", False
 
     def call_of(self, body: str) -> ToolCall | None:
@@ -141,6 +151,38 @@ class KimiK2(Delimited):
         return None if not sep or arguments is None or not name else ToolCall(name, arguments, call_id)
 
 
+class Glm45(Delimited):
+    START, END = "<tool_call>", "</tool_call>"
+    ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    keeps_special_tokens = True
+
+    def call_of(self, body: str) -> ToolCall | None:
+        name, at, rest = body.partition("<arg_key>")
+        name = name.strip()
+        if not name or any(c in name for c in "{}<>\n"):
+            return None
+        args, pos, rest = {}, 0, at + rest
+        while pos < len(rest.rstrip()) and (m := self.ARG.match(rest, pos)):
+            args[m.group(1).strip()], pos = self._value(name, m.group(1).strip(), m.group(2)), m.end()
+        if rest[pos:].strip():  # something that is not an argument: not a call
+            return None
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+    def _value(self, name: str, key: str, text: str) -> Any:
+        """The argument's text as the tool's schema types it: a string stays text, anything else is read as JSON
+        where it is JSON."""
+        for tool in self.tools:
+            fn = tool.get("function", {})
+            if fn.get("name") == name:
+                if fn.get("parameters", {}).get("properties", {}).get(key, {}).get("type") == "string":
+                    return text
+                break
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
 class InMessages(ToolCallParser):
     """A format whose calls the reasoning parser takes out (harmony's): the content is left as it is."""
 
@@ -152,6 +194,6 @@ class InMessages(ToolCallParser):
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": Hermes, "deepseek_v3": DeepSeekV3, "deepseek_v31": DeepSeekV3,
-                                            "kimi_k2": KimiK2, "openai": InMessages}
+                                            "kimi_k2": KimiK2, "glm45": Glm45, "openai": InMessages}
 # the reasoning parser a tool-call format needs (its calls are in the messages that parser reads)
 NEEDS_REASONING = {"openai": "openai_gptoss"}
