@@ -59,8 +59,9 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> li
                 BH=M.HEAD_BLOCK, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, num_warps=nw, num_stages=st,
                 **pdl(q_lat, DEFAULT_KERNELS))
             if ns > 1:
-                M._mla_merge[(B, H)](pa, pm, o, o.stride(0), o.stride(1), H, C=C, CP=C, NUM_SPLITS=ns,
-                                     SP=triton.next_power_of_2(ns), **pdl(q_lat, DEFAULT_KERNELS))
+                M._mla_merge[(B, H, triton.cdiv(C, M.MERGE_BLOCK))](
+                    pa, pm, o, o.stride(0), o.stride(1), H, C=C, CB=min(M.MERGE_BLOCK, C), NUM_SPLITS=ns,
+                    SP=triton.next_power_of_2(ns), **pdl(q_lat, DEFAULT_KERNELS))
 
         try:
             us = graph_time_us(fn)

@@ -31,6 +31,9 @@ HEAD_BLOCK = 16
 # on an H200, benchmarks/results/h200-p1-decode-profiles.json). About two programs an SM; not yet measured against
 # other counts (benchmarks/kernels/mla_tune.py times them)
 DECODE_MIN_PROGRAMS = 256
+# latent values a program of the splits' merge takes (16 programs of 32 x 512 float32 partials each took 8.7 us at
+# batch 1 on an H200, benchmarks/results/h200-p1-decode-profiles.json; not yet measured split)
+MERGE_BLOCK = 128
 
 
 @triton.jit
@@ -146,10 +149,10 @@ def _mla_fwd(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QSt
 
 
 @triton.jit
-def _mla_merge(PartAcc, PartML, Out, stride_ot, stride_oh, H, C: tl.constexpr, CP: tl.constexpr,
+def _mla_merge(PartAcc, PartML, Out, stride_ot, stride_oh, H, C: tl.constexpr, CB: tl.constexpr,
                NUM_SPLITS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-    """Program (token, head): the splits' partial sums rescaled to the largest maximum and normalised. SP:
-    NUM_SPLITS rounded up to a power of two."""
+    """Program (token, head, CB latent values): the splits' partial sums rescaled to the largest maximum and
+    normalised. SP: NUM_SPLITS rounded up to a power of two."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -161,7 +164,7 @@ def _mla_merge(PartAcc, PartML, Out, stride_ot, stride_oh, H, C: tl.constexpr, C
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))  # log2 units
     L = tl.sum(l * w, 0)
-    c = tl.arange(0, CP)
+    c = tl.program_id(2) * CB + tl.arange(0, CB)
     cv = c < C
     acc = tl.load(PartAcc + idx[:, None] * C + c[None, :], mask=sv[:, None] & cv[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(L > 0, L, 1.0)
@@ -342,7 +345,8 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
                    C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=HEAD_BLOCK, BM=BM, BN=BN,
                    PAGE=cache_PSA.shape[1], PREC="ieee" if q_latent_THC.dtype == torch.float32 else "tf32",
                    DECODE=decode, num_warps=warps, num_stages=stages, **pdl(q_latent_THC, kc))
-    if num_splits > 1:
-        _mla_merge[(T, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), H, C=C, CP=CP, NUM_SPLITS=num_splits,
-                           SP=triton.next_power_of_2(num_splits), **pdl(q_latent_THC, kc))
+    if num_splits > 1:  # (a program a block of latent values: a token's heads alone left most SMs idle at batch 1)
+        _mla_merge[(T, H, triton.cdiv(C, MERGE_BLOCK))](part_acc, part_ml, out, out.stride(0), out.stride(1), H, C=C,
+                                                        CB=min(MERGE_BLOCK, CP), NUM_SPLITS=num_splits,
+                                                        SP=triton.next_power_of_2(num_splits), **pdl(q_latent_THC, kc))
     return out
