@@ -33,10 +33,11 @@
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
-# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests fp8tests families profile
+# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests fp8tests profile
 #   (the GPU tests of the kernels written since the last run: MLA's rope_latent and splits, the grouped routing, FP8's
-#   row kernel; GLM-4.5's routing), then `mlatune fp8tune` (set the launches from their JSON), then
-#   `sweep gptoss fp8 fp8work` against the bars; the *tests steps hold no timing, so any Hopper card runs them
+#   row kernel), then `families mlatune` (GLM-4.5's routing now on the GPU), then `fp8tune` (set the launches from
+#   their JSON), then `sweep gptoss fp8 fp8work` against the bars; the *tests steps hold no timing, so any Hopper card
+#   runs them
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
