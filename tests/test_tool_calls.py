@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from moebius.entrypoints.openai.tool_calls import Hermes
+from moebius.entrypoints.openai.tool_calls import PARSERS, Hermes
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -30,22 +30,27 @@ CASES = [
 ]
 
 
-def _parse(pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
-    parser = Hermes()
+def _parse(pieces: list[str], name: str = "hermes") -> tuple[str, list[tuple[str, Any]]]:
+    parser = PARSERS[name]()
     steps = [parser.feed(p) for p in pieces] + [parser.finish()]
     return "".join(c for c, _ in steps), [(call.name, json.loads(call.arguments)) for _, cs in steps for call in cs]
+
+
+def _streamed_alike(text: str, want: tuple[str, list[tuple[str, Any]]], name: str = "hermes") -> None:
+    """Parsed whole, a character at a time and at random cuts: `want` each time."""
+    assert _parse([text], name) == want
+    assert _parse(list(text), name) == want
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        assert _parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)], name) == want
 
 
 @pytest.mark.parametrize(("text", "want"), CASES)
 def test_hermes_calls_whole_and_streamed_alike(text: str, want: tuple[str, list[tuple[str, Any]]]) -> None:
     """Whole, a character at a time and at random cuts: the same content and calls; a block that is not a call,
     or is cut short, stays content as it came."""
-    assert _parse([text]) == want
-    assert _parse(list(text)) == want
-    rng = random.Random(len(text))
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
-        assert _parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == want
+    _streamed_alike(text, want)
 
 
 def test_a_call_goes_out_once_its_block_closes() -> None:
@@ -202,19 +207,7 @@ def test_deepseek_and_kimi_calls_whole_and_streamed_alike(name: str, text: str, 
     """`--tool-call-parser deepseek_v3` (V3's fenced arguments and V3.1's plain ones) and `kimi_k2`: whole, a
     character at a time and at random cuts, the same content (a section's markers dropped) and calls; what is not a
     call, or is cut short, stays content as it came."""
-    from moebius.entrypoints.openai.tool_calls import PARSERS
-
-    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
-        parser = PARSERS[name]()
-        steps = [parser.feed(p) for p in pieces] + [parser.finish()]
-        return "".join(c for c, _ in steps), [(c.name, json.loads(c.arguments)) for _, cs in steps for c in cs]
-
-    assert parse([text]) == want
-    assert parse(list(text)) == want
-    rng = random.Random(len(text))
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
-        assert parse([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == want
+    _streamed_alike(text, want, name)
 
 
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
@@ -237,7 +230,6 @@ GLM_CASES = [
 def test_glm_calls_are_typed_by_the_tools_schema(text: str, want: tuple[str, list[Any]]) -> None:
     """`--tool-call-parser glm45`: a value stays text where the tool's schema says string ("42"), is read as JSON
     elsewhere (5, a list); whole and a character at a time alike."""
-    from moebius.entrypoints.openai.tool_calls import PARSERS
 
     for pieces in ([text], list(text)):
         parser = PARSERS["glm45"]([SEARCH, WEATHER])
@@ -249,7 +241,6 @@ def test_glm_calls_are_typed_by_the_tools_schema(text: str, want: tuple[str, lis
 def test_kimi_calls_keep_the_models_ids() -> None:
     """A Kimi K2 call's id is the one the model wrote (functions.NAME:INDEX), which its chat template renders back
     with the tool's result; DeepSeek's get ids of their own."""
-    from moebius.entrypoints.openai.tool_calls import PARSERS
 
     _, calls = PARSERS["kimi_k2"]().feed(KIMI_CALL)
     assert [(c.id, c.name) for c in calls] == [("functions.get_weather:0", "get_weather")]
@@ -313,7 +304,6 @@ def test_a_gpt_oss_answer_carries_its_calls() -> None:
     as tool_calls with finish_reason tool_calls; the openai parser without harmony's is refused at start."""
     from moebius.entrypoints.openai.app import ServeSettings, create_app
     from moebius.entrypoints.openai.engine_loop import EngineInfo
-    from moebius.entrypoints.openai.tool_calls import PARSERS
 
     choice = _answer([HARMONY_CALL[:50], HARMONY_CALL[50:]], stream=False, tools=PARSERS["openai"],
                      reasoning="openai_gptoss")["choices"][0]
