@@ -230,7 +230,6 @@ GLM_CASES = [
 def test_glm_calls_are_typed_by_the_tools_schema(text: str, want: tuple[str, list[Any]]) -> None:
     """`--tool-call-parser glm45`: a value stays text where the tool's schema says string ("42"), is read as JSON
     elsewhere (5, a list); whole and a character at a time alike."""
-
     for pieces in ([text], list(text)):
         parser = PARSERS["glm45"]([SEARCH, WEATHER])
         steps = [parser.feed(p) for p in pieces] + [parser.finish()]
@@ -241,7 +240,6 @@ def test_glm_calls_are_typed_by_the_tools_schema(text: str, want: tuple[str, lis
 def test_kimi_calls_keep_the_models_ids() -> None:
     """A Kimi K2 call's id is the one the model wrote (functions.NAME:INDEX), which its chat template renders back
     with the tool's result; DeepSeek's get ids of their own."""
-
     _, calls = PARSERS["kimi_k2"]().feed(KIMI_CALL)
     assert [(c.id, c.name) for c in calls] == [("functions.get_weather:0", "get_weather")]
     _, calls = PARSERS["deepseek_v3"]().feed(V31_CALL)
