@@ -27,7 +27,7 @@
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
 #   profile   the top kernels of a decode step at batches 1 and 64 (4 layers): Qwen3-30B-A3B in FP8 and bf16,
-#             DeepSeek-V2-Lite
+#             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   fp8tune   the fused MoE's tiles and the projection's launch searched on FP8 rows (moe_tune.py --quantization
 #             fp8, linear_fp8_tune.py)
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
@@ -96,7 +96,8 @@ profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64:
   S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 1 64 --context 1024 --graphs-only"
   t profile_fp8 120 $S --model qwen3-30b-a3b --quantization fp8 --output $R/$C-p1-decode-profile-fp8.json
   t profile_bf16 120 $S --model qwen3-30b-a3b --output $R/$C-p1-decode-profile-bf16.json
-  t profile_deepseek 120 $S --model deepseek-v2-lite --output $R/$C-p1-decode-profile-deepseek.json ;;
+  t profile_deepseek 120 $S --model deepseek-v2-lite --output $R/$C-p1-decode-profile-deepseek.json
+  t profile_gptoss 120 $S --model gpt-oss-20b --batch 256 --output $R/$C-p1-decode-profile-gpt-oss.json ;;  # (1.34x at 256)
 fp8tune)  # the fused MoE's tiles on FP8 rows at Qwen3-30B-A3B's shapes (never searched: bf16's are used)
   t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 2048 --output $R/$C-p1-moe-tune-fp8.json
   t fp8lineartune 240 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-tune.json ;;
