@@ -2,8 +2,8 @@
 models/fp8_blocks.py) laid out so that a row carries its own scales. Each weight row is cut in 128-column chunks,
 each chunk its 128 float8 bytes followed by 16 bytes: the float32 scale of its block (the block's scale repeated on
 each of its 128 rows), then zeros, so that every chunk starts 16-byte aligned and the kernels read its values in
-16-byte vectors (132-byte chunks, 3 % beside the weights instead of 12.5 %, left the kernels single-byte or 4-byte
-loads: 2 to 17 times the HBM time of their bytes, docs/performance.md "FP8 and MXFP4 on a GPU"). Every cut the
+16-byte vectors (chunks of 128 values and the 4-byte scale alone left the kernels single-byte or 4-byte loads:
+docs/performance.md "FP8 and MXFP4 on a GPU"). Every cut the
 layouts make (rows of gate and up, whole 128-column chunks of down) then carries the scales with the weights, so the
 load, a switch and an update move FP8 rows as bytes (uint8 tensors), nothing else. `unpack_rows` is transformers'
 dequantization of the same blocks; `quantize_groups` the activations' rounding of the W8A8 GEMMs

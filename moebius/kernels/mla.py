@@ -26,13 +26,12 @@ from moebius.kernels.pdl import enter, pdl
 # C = 512 (every published DeepSeek config) past the registers of 4 warps
 HEAD_BLOCK = 16
 # programs a decode launch's keys are split up to (`layers.attention.num_splits_for`): GQA's split table gives 33
-# sequences and more one program each, but a latent program walks its pages alone, a table load before each tile's
-# cache load, so 64 sequences of 16 heads kept 64 of 132 SMs busy at ~1/5 of HBM's rate (88 us a layer at batch 64
-# on an H200, benchmarks/results/h200-p1-decode-profiles.json). About two programs an SM; not yet measured against
-# other counts (benchmarks/kernels/mla_tune.py times them)
+# sequences and more one program each, which left a latent launch far from HBM's rate with most SMs idle
+# (benchmarks/results/h200-p1-decode-profiles.json). About two programs an SM; the count is to be set from
+# benchmarks/kernels/mla_tune.py's run
 DECODE_MIN_PROGRAMS = 256
-# latent values a program of the splits' merge takes (16 programs of 32 x 512 float32 partials each took 8.7 us at
-# batch 1 on an H200, benchmarks/results/h200-p1-decode-profiles.json; not yet measured split)
+# latent values a program of the splits' merge takes: a program a token's head left the merge slow at batch 1
+# (benchmarks/results/h200-p1-decode-profiles.json)
 MERGE_BLOCK = 128
 
 

@@ -145,7 +145,7 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None =
     its best two) and the experts only, the weights are the unbiased scores. Then norm_topk_prob's renormalisation
     and the routed_scaling_factor. Every top-k is torch.topk(sorted=False) on the values transformers feeds it, so
     the ids come in its order and ties break as in transformers. On the GPU one Triton launch (`kernels.fused.
-    grouped_topk`: each token's ids in descending order of choice; some 15 small torch kernels a layer before).
+    grouped_topk`: each token's ids in descending order of choice, in place of the torch ops' many small launches).
     """
     if logits_TE.is_cuda and triton_available():
         from moebius.kernels.fused import grouped_topk
