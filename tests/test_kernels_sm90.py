@@ -136,7 +136,7 @@ def test_the_mla_rope_and_latent_write_compiles_for_hopper(interleave: bool) -> 
     from moebius.kernels import mla
 
     types = dict(Q="*bf16", KV="*bf16", NormW="*bf16", Rope="*fp32", Pos="*i64", Slots="*i64", Cache="*bf16",
-                 QRope="*bf16", T="i32", H="i32", eps="fp32", stride_qt="i32", stride_kvt="i32", stride_ot="i32",
+                 QRope="*bf16", H="i32", eps="fp32", stride_qt="i32", stride_kvt="i32", stride_ot="i32",
                  stride_oh="i32", stride_pg="i32", stride_tok="i32")
     compile_sm90(mla._rope_latent, types, dict(N=128, C=512, R=64, CP=512, HB=mla.ROPE_HEADS, PAGE=16,
                                                INTERLEAVE=interleave, PDL=1), 4, 1,

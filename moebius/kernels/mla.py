@@ -191,8 +191,8 @@ def _rotate(x1, x2, cos, sin, dt: tl.constexpr):
     return o1, o2
 
 
-@triton.jit(do_not_specialize=["T"])
-def _rope_latent(Q, KV, NormW, Rope, Pos, Slots, Cache, QRope, T, H, eps, stride_qt, stride_kvt, stride_ot,
+@triton.jit
+def _rope_latent(Q, KV, NormW, Rope, Pos, Slots, Cache, QRope, H, eps, stride_qt, stride_kvt, stride_ot,
                  stride_oh, stride_pg, stride_tok, N: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                  CP: tl.constexpr, HB: tl.constexpr, PAGE: tl.constexpr, INTERLEAVE: tl.constexpr,
                  PDL: tl.constexpr):
@@ -237,11 +237,10 @@ ROPE_HEADS = 16
 
 def rope_latent(q_TX: torch.Tensor, kv_TA: torch.Tensor, norm_C: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor, slots: torch.Tensor, cache_PSA: torch.Tensor, num_heads: int, nope: int,
-                eps: float, interleave: bool, *, kc: KernelConfig = DEFAULT_KERNELS,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                eps: float, interleave: bool, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """MLA's step between its projections and its attention in one launch: from q [T, H (N + R)] (each head's N
     nope then R rope values) and kv_a's output [T, C + R] (the latent, then the rope key), the rope queries
-    [T, H, R] rotated at each token's position (in `out` when given), and each token's cache entry (the latent
+    [T, H, R] rotated at each token's position, and each token's cache entry (the latent
     RMSNorm-ed with `norm_C`, the rotated rope key) written at its slot; `models/deepseek/mla.project` and
     `write_latent` are the torch statement of it (their ops' roundings included)."""
     T = q_TX.shape[0]
@@ -250,10 +249,10 @@ def rope_latent(q_TX: torch.Tensor, kv_TA: torch.Tensor, norm_C: torch.Tensor, r
     if cache_PSA.shape[2] != C + R or q_TX.shape[1] != num_heads * (nope + R):
         raise ValueError(f"rope_latent: q {tuple(q_TX.shape)} is not {num_heads} heads of {nope} + {R}, or the "
                          f"cache's entries {cache_PSA.shape[2]} are not kv's {C} + {R}")
-    out = torch.empty(T, num_heads, R, dtype=q_TX.dtype, device=q_TX.device) if out is None else out
+    out = torch.empty(T, num_heads, R, dtype=q_TX.dtype, device=q_TX.device)
     if T:
         _rope_latent[(T, triton.cdiv(num_heads, ROPE_HEADS) + 1)](
-            q_TX, kv_TA, norm_C, rope, positions, slots, cache_PSA, out, T, num_heads, eps, q_TX.stride(0),
+            q_TX, kv_TA, norm_C, rope, positions, slots, cache_PSA, out, num_heads, eps, q_TX.stride(0),
             kv_TA.stride(0), out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), N=nope, C=C,
             R=R, CP=triton.next_power_of_2(C), HB=ROPE_HEADS, PAGE=cache_PSA.shape[1], INTERLEAVE=interleave,
             num_warps=4, **pdl(q_TX, kc))

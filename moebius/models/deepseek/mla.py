@@ -326,10 +326,9 @@ def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, me
 
         N = cfg.qk_nope_head_dim
         q, kv = projections(x_TD, w, kc)
-        H = q.shape[1] // (N + cfg.qk_rope_head_dim)
-        q_nope_THN = q.unflatten(-1, (H, -1))[..., :N]
-        q_rope_THR = rope_latent(q, kv, w.kv_a_norm, table, meta.positions, meta.slot_mapping, cache_PSA, H, N,
-                                 LATENT_NORM_EPS, cfg.rope_interleave, kc=kc)
+        q_nope_THN = q.unflatten(-1, (-1, N + cfg.qk_rope_head_dim))[..., :N]
+        q_rope_THR = rope_latent(q, kv, w.kv_a_norm, table, meta.positions, meta.slot_mapping, cache_PSA,
+                                 q_nope_THN.shape[1], N, LATENT_NORM_EPS, cfg.rope_interleave, kc=kc)
     else:
         q_nope_THN, q_rope_THR, entry_TA = project(x_TD, w, cfg, meta.positions, table, kc=kc)
         write_latent(cache_PSA, entry_TA, meta)

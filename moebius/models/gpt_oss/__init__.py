@@ -2,8 +2,8 @@
 logit a head, sliding-window layers alternating with full ones, YaRN rope; a biased router softmaxed over its top k;
 experts with biases and a clamped SwiGLU, stored fused with gate and up interleaved.
 
-On the GPU the paged kernel takes the sinks and windows and the fused MoE the biases and the clamped activation
-(its float32 GPU parity passed on an H200 at f5344d7). MXFP4 checkpoints (the releases:
+On the GPU the paged kernel takes the sinks and windows and the fused MoE the biases and the clamped activation.
+MXFP4 checkpoints (the releases:
 quantization_config's quant_method "mxfp4", the experts stored as `*_blocks` / `*_scales`) load dequantized to the
 engine's dtype (`mxfp4.MXFP4`, the family's `packings`), or with --quantization mxfp4 kept in MXFP4 as MXFP4 rows
 (kernels/mxfp4_rows.py: their values exactly); a weight update takes the same pieces; a checkpoint dequantized to a
