@@ -30,6 +30,7 @@
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   fp8tune   the fused MoE's tiles and the projection's launch searched on FP8 rows (moe_tune.py --quantization
 #             fp8, linear_fp8_tune.py)
+#   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
@@ -101,6 +102,10 @@ profile)  # the top kernels of a decode step (graph replay) at batches 1 and 64:
 fp8tune)  # the fused MoE's tiles on FP8 rows at Qwen3-30B-A3B's shapes (never searched: bf16's are used)
   t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 2048 --output $R/$C-p1-moe-tune-fp8.json
   t fp8lineartune 240 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-tune.json ;;
+moetune)  # the fused MoE's bf16 tiles at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes (CONFIGS were searched at
+  # Qwen3-30B-A3B's)
+  t moetune_gptoss 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --batches 64 128 256 512 1024 --output $R/$C-p1-moe-tune-gpt-oss-20b.json
+  t moetune_deepseek 200 python3 benchmarks/kernels/moe_tune.py --preset deepseek-v2-lite --ranks 1 --modes tp --batches 64 128 256 1024 --output $R/$C-p1-moe-tune-deepseek-v2-lite.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
 agree)

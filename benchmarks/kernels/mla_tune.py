@@ -43,7 +43,7 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> li
     base = num_splits_for(B, triton.cdiv(H, M.HEAD_BLOCK), min_programs=M.DECODE_MIN_PROGRAMS)
     ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
     nbytes = B * (CTX + 1) * (C + R) * 2
-    default_tiles = M.decode_tiles(C, 2)
+    default_tiles = M.decode_tiles(C, 2, B, triton.cdiv(H, M.HEAD_BLOCK))
     rows = []
     for ns, BN, nw, st in itertools.product(sorted({1, 2, 4, 8, base}), (16, 32, 64), (4, 8), (2, 3)):
         o = torch.empty_like(q_lat)

@@ -37,6 +37,7 @@ from moebius.kernels import fused_moe as fm
 from moebius.kernels.fused import sum_k
 from moebius.kernels.rows import FORMATS
 from moebius.layers.moe import experts_ref
+from moebius.models.registry import model_config
 
 SMALL = [fm.TileConfig(bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
     (16, 32, 64, 128), (128, 256), ((4, 3), (4, 4), (4, 6)))]
@@ -74,8 +75,8 @@ def main() -> None:
     ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
                     "and `tma_switched`: them with TMA switched), no search over others")
     a = ap.parse_args()
-    hf = PRESETS[a.preset]
-    D, I_full, E_all, K = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"], hf["num_experts_per_tok"]
+    m = model_config(PRESETS[a.preset])  # the family's parse: every family's expert shapes under one name
+    D, I_full, E_all, K = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k
     P = a.ranks
     old = None
     if a.old:

@@ -26,10 +26,9 @@ from moebius.kernels.pdl import enter, pdl
 # C = 512 (every published DeepSeek config) past the registers of 4 warps
 HEAD_BLOCK = 16
 # programs a decode launch's keys are split up to (`layers.attention.num_splits_for`): GQA's split table gives 33
-# sequences and more one program each, which left a latent launch far from HBM's rate with most SMs idle
-# (benchmarks/results/h200-p1-decode-profiles.json). About two programs an SM; the count is to be set from
-# benchmarks/kernels/mla_tune.py's run
-DECODE_MIN_PROGRAMS = 256
+# sequences and more one program each, which left a latent launch far from HBM's rate with most SMs idle. About one
+# program an SM: two an SM measured slower from batch 64 (benchmarks/results/h100-p1-mla-tune.json)
+DECODE_MIN_PROGRAMS = 128
 # latent values a program of the splits' merge takes: a program a token's head left the merge slow at batch 1
 # (benchmarks/results/h200-p1-decode-profiles.json)
 MERGE_BLOCK = 128
@@ -259,21 +258,26 @@ def rope_latent(q_TX: torch.Tensor, kv_TA: torch.Tensor, norm_C: torch.Tensor, r
     return out
 
 
-def decode_tiles(C: int, element_size: int) -> tuple[int, int, int]:
-    """(KV tile, warps, pipeline stages): not tuned yet (no GPU run of this kernel so far); a [BN, C] latent tile of
-    bf16 at C = 512 is 32 KiB a stage at BN = 32, float32 (the tests' oracle runs) half the tokens for the same
-    bytes."""
-    BN = 32 if element_size <= 2 else 16
-    return BN, 8 if C >= 256 else 4, 2
+def decode_tiles(C: int, element_size: int, batch: int, head_blocks: int) -> tuple[int, int, int]:
+    """(KV tile, warps, pipeline stages) of a decode launch of `batch` sequences of `head_blocks` head blocks. bf16,
+    searched by benchmarks/kernels/mla_tune.py (benchmarks/results/h100-p1-mla-tune.json): up to about one program
+    an SM before splits, 64-key tiles on 8 warps; past it 4 warps, and 32-key tiles where a sequence has one head
+    block (its programs stream the cache from HBM) while several head blocks (reading a sequence's latents through
+    L2) keep 64. float32 (the tests' oracle runs): a [16, C] tile, the bytes of bf16's 32."""
+    if element_size > 2:
+        return 16, 8 if C >= 256 else 4, 2
+    if batch * head_blocks <= DECODE_MIN_PROGRAMS:
+        return 64, 8, 2
+    return 32 if head_blocks == 1 else 64, 4, 2
 
 
 def chunk_tiles(C: int, element_size: int) -> tuple[int, int, int, int]:
     """(query tokens a program, KV tile, warps, pipeline stages) of a launch with prompt chunks: not tuned yet (no
     GPU run of it so far). 4 tokens x HEAD_BLOCK heads = 64 rows, whose [64, C] float32 accumulator at C = 512 is
     what 8 warps hold in registers (FlashMLA's tile is 64 rows of the same latent); every row reuses each latent
-    tile, so the cache is read once a query block of 4 tokens x 16 heads."""
-    BN, warps, stages = decode_tiles(C, element_size)
-    return 4, BN, warps, stages
+    tile, so the cache is read once a query block of 4 tokens x 16 heads. A [BN, C] latent tile of bf16 at C = 512
+    is 32 KiB a stage at BN = 32, float32 half the tokens for the same bytes."""
+    return 4, 32 if element_size <= 2 else 16, 8 if C >= 256 else 4, 2
 
 
 def latent_decode_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
@@ -326,7 +330,7 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
         raise ValueError(f"latent attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
     decode = max_query_len == 1
     if decode:
-        BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size())
+        BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size(), B, triton.cdiv(H, HEAD_BLOCK))
     else:
         BM, BN, warps, stages = chunk_tiles(C, cache_PSA.element_size())
     CP, RP = triton.next_power_of_2(C), max(16, triton.next_power_of_2(R))  # (tl.dot's K of at least 16)
