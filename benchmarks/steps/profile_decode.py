@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="as the engine's --quantization (fp8, mxfp4)")
     ap.add_argument("--graphs-only", action="store_true", help="profile graph replay alone (no eager step)")
     ap.add_argument("--output", help="a result JSON of the top kernels of each profiled step")
+    ap.add_argument("--disable-pdl", action="store_true", help="launch without programmatic dependent launch: each "
+                    "kernel's time its own (with PDL a kernel's includes its wait for the one before)")
+    ap.add_argument("--top", type=int, default=25, help="kernels recorded a step")
     ap.add_argument("--tp-rank-of", type=int, default=0,
                     help="profile one rank of TP over this many GPUs on one GPU (benchmarks/steps/tp_rank_model.py)")
     a = ap.parse_args()
@@ -38,7 +41,7 @@ def main() -> None:
     engine = EngineCore(EngineConfig.from_kwargs(
         model=model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
         max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode,
-        quantization=a.quantization))
+        quantization=a.quantization, disable_pdl=a.disable_pdl))
     rows: list[dict[str, Any]] = []
     try:
         for b in a.batch:
@@ -49,7 +52,7 @@ def main() -> None:
                 print(f"=== batch {b} graphs={graphs} {r}")
                 events = prof.key_averages()
                 print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-                rows += top_kernels(events, b, graphs, r[0]["step_ms"])
+                rows += top_kernels(events, b, graphs, r[0]["step_ms"], a.top)
     finally:
         engine.close()
     if a.output:
