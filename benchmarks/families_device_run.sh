@@ -26,6 +26,8 @@
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
+#   gptsweep  `gptoss`'s decode sweep alone
+#   qktests   the q/k rope kernel without norms and the GQA families' GPU parity through it
 #   profile   the top kernels of a decode step at batches 1 and 64 (4 layers): Qwen3-30B-A3B in FP8 and bf16,
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   bigprofile gpt-oss-20b's decode at 512 and 1024 (graphs), and the kernels of DeepSeek-V2-Lite's and gpt-oss-20b's
@@ -92,6 +94,10 @@ gptoss)
   t gptoss_sweep 150 $B sweep $G --modes tp --cuda-graph-max-bs 1024 --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json
   t gptoss_long 90 $B sweep $G --modes tp --batches 1,8,64 --context-len 16384 --output $R/$C-p1-gpt-oss-20b-long-context.json
   t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
+gptsweep)  # `gptoss`'s decode sweep alone (an H100 holds the KV of batch 512 at most at context 1024)
+  t gptoss_sweep 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json ;;
+qktests)  # the q/k rope kernel without q/k norms (GPT-OSS, Mixtral, Qwen2-MoE take it now) and its families' GPU parity
+  t qk_tests 200 $P tests/test_gpu.py -k "qk_norm_rope" tests/test_gpt_oss_family.py tests/test_mixtral_family.py tests/test_qwen2_moe_family.py tests/test_glm4_moe_family.py ;;
 gptosswork)  # `gptoss`'s whole requests alone (its transformers baseline: generate() in static batches where
   # continuous batching runs out of memory)
   t gptoss_work 200 $B throughput --model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;

@@ -31,10 +31,10 @@ def paged_metadata(q_lens: list[int], ctx: list[int], bs: int, pages: int, dev: 
                              max(q_lens), max(ctx), bs)
 
 
-def qk_norm_rope_kv_errors(heads: int, kv_heads: int, T: int, d: int, dev: str, dtype: torch.dtype
-                           ) -> tuple[float, float, bool]:
+def qk_norm_rope_kv_errors(heads: int, kv_heads: int, T: int, d: int, dev: str, dtype: torch.dtype,
+                           norm: bool = True) -> tuple[float, float, bool]:
     """kernels.fused.qk_norm_rope_kv against the torch reference: relative errors of q and of the cached k, and
-    whether v went into the cache unchanged."""
+    whether v went into the cache unchanged. norm False: no q/k norms (GPT-OSS's, Mixtral's attention)."""
     from moebius.kernels.fused import qk_norm_rope_kv
     from moebius.layers.norm import rms_norm
     from moebius.layers.rotary import apply_rope, rope_table
@@ -47,10 +47,13 @@ def qk_norm_rope_kv_errors(heads: int, kv_heads: int, T: int, d: int, dev: str, 
     pos = torch.randint(0, 4096, (T,), device=dev)
     slots = torch.randperm(64 * bs, device=dev)[:T]
     cache = torch.full((64, 2, bs, kv_heads, d), float("nan"), device=dev, dtype=dtype)
+    if not norm:
+        qn = kn = None
     q = qk_norm_rope_kv(qkv, qn, kn, rope, pos, slots, cache, heads, 1e-6)
     rq, rk, rv = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    want_q = apply_rope(rms_norm(rq.unflatten(-1, (-1, d)), qn.float(), 1e-6), pos, rope)
-    want_k = apply_rope(rms_norm(rk.unflatten(-1, (-1, d)), kn.float(), 1e-6), pos, rope)
+    normed = (lambda x, w: rms_norm(x, w.float(), 1e-6)) if norm else (lambda x, w: x)  # noqa: E731
+    want_q = apply_rope(normed(rq.unflatten(-1, (-1, d)), qn), pos, rope)
+    want_k = apply_rope(normed(rk.unflatten(-1, (-1, d)), kn), pos, rope)
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
     k, v = cache[slots // bs, 0, slots % bs], cache[slots // bs, 1, slots % bs]
     return rel(q, want_q), rel(k, want_k), torch.equal(v, rv.unflatten(-1, (-1, d)).to(dtype))

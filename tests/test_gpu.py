@@ -488,8 +488,9 @@ def test_pairs_summed_inside_the_norm_match_the_two_launches() -> None:
 
 @pytest.mark.parametrize("heads,kv_heads", [(16, 2), (8, 4), (4, 1)])
 @pytest.mark.parametrize("T", [1, 45, 100, 700])  # one head a program, a few, all of a token's
-def test_qk_norm_rope_kv_matches_reference(heads: int, kv_heads: int, T: int) -> None:
-    q_err, k_err, v_same = qk_norm_rope_kv_errors(heads, kv_heads, T, 128, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("norm", [True, False])  # False: no q/k norms (GPT-OSS, Mixtral)
+def test_qk_norm_rope_kv_matches_reference(heads: int, kv_heads: int, T: int, norm: bool) -> None:
+    q_err, k_err, v_same = qk_norm_rope_kv_errors(heads, kv_heads, T, 128, "cuda", torch.bfloat16, norm)
     assert q_err < 1e-2 and k_err < 1e-2 and v_same
 
 

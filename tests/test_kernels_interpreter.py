@@ -401,8 +401,9 @@ def qk_cases() -> None:
 
     for heads, kv_heads in [(16, 2), (4, 1)]:
         for T in (1, 45, 100, 700):  # a program's rows within one token, across two, across many programs
-            q_err, k_err, v_same = qk_norm_rope_kv_errors(heads, kv_heads, T, 64, "cpu", torch.float32)
-            assert q_err < 1e-5 and k_err < 1e-5 and v_same, (heads, kv_heads, T)
+            for norm in (True, False):  # (False: no q/k norms, as GPT-OSS's and Mixtral's attention)
+                q_err, k_err, v_same = qk_norm_rope_kv_errors(heads, kv_heads, T, 64, "cpu", torch.float32, norm)
+                assert q_err < 1e-5 and k_err < 1e-5 and v_same, (heads, kv_heads, T, norm)
 
 
 def qk_attention_cases() -> None:

@@ -86,10 +86,10 @@ def sum_k_add_rmsnorm(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: in
 
 @triton.jit
 def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, stride_t, stride_qt, stride_qh, stride_pg,
-              stride_kv, stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr):
+              stride_kv, stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr = True):
     """Rows (token t, head h) (vectors; q heads below H, then k heads; other rows are skipped) of the fused qkv
-    projection: RMSNorm with q_norm / k_norm, RoPE at the token's position; q heads to QOut, k heads and their v
-    to the paged cache at the token's slot."""
+    projection: RMSNorm with q_norm / k_norm (NORM; QN, KN unread without), RoPE at the token's position; q heads to
+    QOut, k heads and their v to the paged cache at the token's slot."""
     half = tl.arange(0, D // 2)
     t2 = t[:, None]
     is_q = (h < H)[:, None]
@@ -97,13 +97,16 @@ def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, str
     base = QKV + t2 * stride_t + h[:, None] * D + half[None, :]
     x1 = tl.load(base, mask=is_q | is_k, other=0.0).to(tl.float32)
     x2 = tl.load(base + D // 2, mask=is_q | is_k, other=0.0).to(tl.float32)
-    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
-    r = tl.rsqrt(var + eps)[:, None]
     dt = QOut.dtype.element_ty
-    w1 = tl.where(is_q, tl.load(QN + half)[None, :], tl.load(KN + half)[None, :]).to(tl.float32)
-    w2 = tl.where(is_q, tl.load(QN + D // 2 + half)[None, :], tl.load(KN + D // 2 + half)[None, :]).to(tl.float32)
-    n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if NORM:
+        var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
+        r = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(QN + half)[None, :], tl.load(KN + half)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(QN + D // 2 + half)[None, :], tl.load(KN + D // 2 + half)[None, :]).to(tl.float32)
+        n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        n1, n2 = x1, x2
     pos = tl.load(Pos + t)[:, None]
     cos = tl.load(Rope + pos * D + half[None, :]).to(dt).to(tl.float32)
     sin = tl.load(Rope + pos * D + D // 2 + half[None, :]).to(dt).to(tl.float32)
@@ -126,7 +129,8 @@ def _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, str
 # be a multiple of 16, which the start-up warm-up's token counts need not all have met)
 @triton.jit(do_not_specialize=["T"])
 def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH, stride_t, stride_pg, stride_kv,
-                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+                     stride_tok, stride_hd, PAGE: tl.constexpr, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+                     PDL: tl.constexpr):
     """R consecutive (token, head) rows of the T x (H + KVH) that carry a q or k head: no program holds padding
     heads (a token's 36 heads padded to 64 left 28 of every 64 rows of a token-per-program launch idle)."""
     enter(PDL)
@@ -136,7 +140,7 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH,
     t = tl.where(ok, g // heads, 0)
     h = tl.where(ok, g % heads, heads)  # heads: no head
     _qk_heads(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, t, h, eps, H, KVH, stride_t, H * D, D, stride_pg,
-              stride_kv, stride_tok, stride_hd, PAGE, D)
+              stride_kv, stride_tok, stride_hd, PAGE, D, NORM)
 
 
 # (token, head) rows a program of qk_norm_rope_kv, on 4 warps: on H200 faster than the launch it replaced (a token's
@@ -146,20 +150,21 @@ def _qk_norm_rope_kv(QKV, QN, KN, Rope, Pos, Slots, Cache, QOut, eps, T, H, KVH,
 QK_ROWS = 16
 
 
-def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, rope: torch.Tensor,
+def qk_norm_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, rope: torch.Tensor,
                     positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, num_heads: int, eps: float, *,
                     kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
-    """From the fused qkv projection [T, (H + 2 kvH) d]: per-head RMSNorm of q and k, RoPE, k and v written into
-    the paged cache at `slots`; returns q [T, H, d] (in `out` when given: contiguous)."""
+    """From the fused qkv projection [T, (H + 2 kvH) d]: per-head RMSNorm of q and k (none where q_norm is None),
+    RoPE, k and v written into the paged cache at `slots`; returns q [T, H, d] (in `out` when given: contiguous)."""
     T = qkv.shape[0]
     kvh, D = cache.shape[3], cache.shape[4]
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device) if out is None else out
     if T:
         rows = T * (num_heads + kvh)
         _qk_norm_rope_kv[(triton.cdiv(rows, QK_ROWS),)](
-            qkv, q_norm, k_norm, rope, positions, slots, cache, q, eps, T, num_heads, kvh, qkv.stride(0),
-            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), PAGE=cache.shape[2], D=D,
-            R=QK_ROWS, num_warps=4, **pdl(qkv, kc))
+            qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, rope, positions, slots, cache,
+            q, eps, T, num_heads, kvh, qkv.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+            cache.stride(3), PAGE=cache.shape[2], D=D, R=QK_ROWS, NORM=q_norm is not None, num_warps=4,
+            **pdl(qkv, kc))
     return q
 
 

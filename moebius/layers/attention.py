@@ -135,8 +135,8 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
 
 
 def fused_qk_path(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, rope: torch.Tensor, head_dim: int) -> bool:
-    """Whether the fused Triton kernels take q/k: on the GPU, for per-head q/k norms and rope over the whole head
-    (Qwen3's attention); other attentions (no q/k norm, partial rotary) take the torch ops there."""
+    """Whether a decode step's attention launch takes q/k itself (`qk_decode_attention`): on the GPU, for per-head
+    q/k norms and rope over the whole head (Qwen3's attention); others launch `qk_norm_rope_kv` before it."""
     return qkv_TQ.is_cuda and triton_available() and q_norm is not None and rope.shape[-1] == head_dim
 
 
@@ -145,10 +145,11 @@ def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
                     kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
     """Split the fused q|k|v projection into heads, RMS-normalise q and k per head (where the norms are given),
     rotate them by position (the rope table's width of each head: partial rotary where narrower), and store k and
-    v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel on the GPU (`fused_qk_path`)."""
+    v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel on the GPU where the rope
+    covers the whole head (partial rotary takes the torch ops)."""
     kvh, d = cache.shape[3], cache.shape[4]
     num_heads = qkv_TQ.shape[1] // d - 2 * kvh
-    if fused_qk_path(qkv_TQ, q_norm, rope, d):
+    if qkv_TQ.is_cuda and triton_available() and rope.shape[-1] == d:  # (with q/k norms or without)
         from moebius.kernels.fused import qk_norm_rope_kv as fast
 
         return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps, kc=kc,

@@ -280,9 +280,28 @@ def absorbed_kernel(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PS
     wk_HNC, wv_HVC = _up_projections(kv_b_UC, H, N)
     if T == 0:
         return q_nope_THN.new_zeros(0, H, wv_HVC.shape[1])
-    q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC)
-    return torch.einsum("thc,hvc->thv", latent_kernels(q_latent_THC, q_rope_THR, cache_PSA, meta, scale, kc=kc),
-                        wv_HVC)
+    o_latent_THC = torch.empty(H, T, wk_HNC.shape[2], dtype=q_nope_THN.dtype, device=q_nope_THN.device).transpose(0, 1)
+    latent_kernels(_absorb(q_nope_THN, wk_HNC), q_rope_THR, cache_PSA, meta, scale, kc=kc, out=o_latent_THC)
+    return _unabsorb(o_latent_THC, wv_HVC)
+
+
+def _absorb(q_nope_THN: torch.Tensor, wk_HNC: torch.Tensor, out_THC: torch.Tensor | None = None) -> torch.Tensor:
+    """q_latent [T, H, C] = q_nope through W_UK, head by head: one batched GEMM over head-major views of both (the
+    kernels take any token and head strides), where einsum's permutes copied a [T, H, C] tensor a layer
+    (benchmarks/results/h100-p1-decode-profile-deepseek-big.json). Head-major in memory unless `out` is given."""
+    if out_THC is None:
+        return torch.bmm(q_nope_THN.transpose(0, 1), wk_HNC).transpose(0, 1)
+    torch.bmm(q_nope_THN.transpose(0, 1), wk_HNC, out=out_THC.transpose(0, 1))
+    return out_THC
+
+
+def _unabsorb(o_latent_THC: torch.Tensor, wv_HVC: torch.Tensor) -> torch.Tensor:
+    """[T, H, V] (contiguous: o_proj's input) = the weighted latent sums through W_UV, head by head, in one batched
+    GEMM writing its token-major result in place."""
+    T, H = o_latent_THC.shape[:2]
+    o_THV = o_latent_THC.new_empty(T, H, wv_HVC.shape[1])
+    torch.bmm(o_latent_THC.transpose(0, 1), wv_HVC.transpose(1, 2), out=o_THV.transpose(0, 1))
+    return o_THV
 
 
 def latent_attention(q_nope_THN: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
@@ -336,10 +355,9 @@ def mla_attention(x_TD: torch.Tensor, w: MLAWeights, cache_PSA: torch.Tensor, me
         T, H, N = q_nope_THN.shape
         wk_HNC, wv_HVC = _up_projections(w.kv_b_UC, H, N)
         q_THA = meta.cut.q_buffer(T)
-        q_THA[..., : cfg.kv_lora_rank] = torch.einsum("thn,hnc->thc", q_nope_THN, wk_HNC)
+        _absorb(q_nope_THN, wk_HNC, q_THA[..., : cfg.kv_lora_rank])
         q_THA[..., cfg.kv_lora_rank:] = q_rope_THR
-        o_latent_THC = meta.cut.attend(q_THA, cache_PSA, cfg.softmax_scale, kc)
-        o_THV = torch.einsum("thc,hvc->thv", o_latent_THC, wv_HVC)
+        o_THV = _unabsorb(meta.cut.attend(q_THA, cache_PSA, cfg.softmax_scale, kc), wv_HVC)
     else:
         o_THV = latent_attention(q_nope_THN, q_rope_THR, cache_PSA, w.kv_b_UC, meta, cfg.softmax_scale, absorb,
                                  kc=kc)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ModelConfig
-from moebius.kernels import KernelConfig
+from moebius.kernels import KernelConfig, triton_available
 from moebius.layers.attention import AttentionMetadata, qkv_attention
 from moebius.layers.linear import linear
 from moebius.layers.moe import experts
@@ -44,10 +44,16 @@ def attention(x_TD: torch.Tensor, w: GptOssAttnWeights, cache: torch.Tensor, met
     return linear(o.flatten(1), w.o_DQ, w.o_bias, kc=kc)
 
 
-def route(x_TD: torch.Tensor, w: GptOssMoEWeights, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x_TD: torch.Tensor, w: GptOssMoEWeights, top_k: int, kc: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights [T, K] (x's dtype) and expert ids [T, K], as transformers' GptOssTopKRouter: the top k of the
-    biased logits, softmaxed among themselves."""
+    biased logits, softmaxed among themselves. On the GPU one launch after the logits' GEMM (`fused.topk_softmax`:
+    the softmax over every expert renormalised over the top k is the softmax of the top k's logits), where torch's
+    top-k, sort and softmax took several."""
     logits_TE = F.linear(x_TD, w.gate_ED, w.router_bias_E)
+    if logits_TE.is_cuda and triton_available():
+        from moebius.kernels.fused import topk_softmax
+
+        return topk_softmax(logits_TE, top_k, True, x_TD.dtype, kc=kc)
     top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
     return torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype), ids_TK
 
@@ -56,7 +62,7 @@ def moe(h_TD: torch.Tensor, w: GptOssMoEWeights, cfg: ModelConfig, comm: Communi
         routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """This rank's expert outputs for the tokens dispatched to it, and the handle that combines them. routed_TK:
     where the router's global expert ids are written (taken before the dispatch: the same in every layout)."""
-    w_TK, ids_TK = route(h_TD, w, cfg.top_k)
+    w_TK, ids_TK = route(h_TD, w, cfg.top_k, kc)
     if routed_TK is not None:
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK, ids_TK, kc=kc)
