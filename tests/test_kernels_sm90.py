@@ -63,12 +63,16 @@ LINEAR_TYPES = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32"
 # (format, W8A8, biases and GPT-OSS's clamped activation): FP8 for the families FP8 serves (no expert biases), MXFP4
 # with and without GPT-OSS's biases and activation
 VARIANTS = [("fp8", False, False), ("fp8", True, False), ("mxfp4", False, False), ("mxfp4", False, True)]
-TILES = [(c, False) for _, c in fused_moe.CONFIGS] + [(fused_moe.CONFIGS[0][1], True)]  # (config, direct blocks)
+# (format, W8A8, biases, config, direct blocks): every variant with bf16's table, FP8 rows with their own too
+CASES = [(*v, c, False) for v in VARIANTS
+         for _, c in fused_moe.CONFIGS + (fused_moe.FP8_CONFIGS if v[0] == "fp8" else [])]
+CASES += [(*v, fused_moe.CONFIGS[0][1], True) for v in VARIANTS]
+CASES += [("fp8", True, False, fused_moe.FP8_CONFIGS[0][1], True)]
 
 
-@pytest.mark.parametrize("fmt,act8,gpt_oss", VARIANTS, ids=[f"{f}{'-w8a8' if a else ''}{'-gpt-oss' if g else ''}"
-                                                            for f, a, g in VARIANTS])
-@pytest.mark.parametrize("cfg,direct", TILES, ids=[f"BM{c.BM}{'-direct' if d else ''}" for c, d in TILES])
+@pytest.mark.parametrize("fmt,act8,gpt_oss,cfg,direct", CASES, ids=[
+    f"{f}{'-w8a8' if a else ''}{'-gpt-oss' if g else ''}-{i}-BM{c.BM}{'-direct' if d else ''}"
+    for i, (f, a, g, c, d) in enumerate(CASES)])
 def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: bool, gpt_oss: bool,
                                                              cfg: fused_moe.MoEConfig, direct: bool) -> None:
     kc = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8)
@@ -84,11 +88,17 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
         compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
 
 
-@pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
-@pytest.mark.parametrize("BT", [16, linear.FP8_MAX_BT])
-def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, BT: int) -> None:
-    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=linear.FP8_BM, ACT8=act8, PDL=1), 4, 3,
-                 aligned=("N", "K", "WS", "stride_x", "stride_o"))
+LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]
+
+
+@pytest.mark.parametrize("act8,most,launch", LAUNCHES, ids=[f"{'w8a8' if a else 'w8a16'}-{min(m, 4096)}"
+                                                            for a, m, _ in LAUNCHES])
+def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, most: int, launch: tuple) -> None:
+    """Every launch shape of `linear.FP8_LAUNCHES` (their BT for a step of the bucket's most rows, 2048 at most)."""
+    BM, BT, warps, stages = linear.fp8_launch(min(most, 2048), act8)
+    assert (BM, warps, stages) == (launch[0], launch[2], launch[3])
+    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8, PDL=1), warps,
+                 stages, aligned=("N", "K", "WS", "stride_x", "stride_o"))
 
 
 def global_loads(ptx: str) -> set[str]:
@@ -111,8 +121,9 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
     hidden, inter, heads = 2048, 768, 32
     if name in ("qkv", "o"):
         K = hidden if name == "qkv" else heads * 128
-        consts = dict(HAS_BIAS=False, BT=64, BM=linear.FP8_BM, ACT8=True, PDL=1)
-        asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, 4, 3,
+        BM, BT, warps, stages = linear.fp8_launch(64, True)
+        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, PDL=1)
+        asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, warps, stages,
                            aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
     else:
         cfg = fused_moe.CONFIGS[-1][1]

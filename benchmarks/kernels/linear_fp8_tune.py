@@ -1,12 +1,9 @@
 """The dense projection on FP8 rows (`kernels/linear._linear_fp8`) over its launch shapes on one GPU: weight rows a
 program (BM), token rows a program (BT), warps, pipeline stages, W8A8 and W8A16, at Qwen3-30B-A3B's q|k|v
 (5120 x 2048) and o (2048 x 4096) projections and 1 to 2048 rows; µs per call inside a CUDA graph and the weight
-bandwidth reached, beside the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`). Its
-launch (`FP8_BM`, `FP8_MAX_BT`, 4 warps, 3 stages) was never searched: a profile put it at 25 us a call at one row
-where its FP8 bytes take 2-3 us (benchmarks/results/h200-p1-decode-profiles.json, 132-byte chunks), and FP8's
-prompt steps took 3.6 times bf16's (h100-p1-qwen3-30b-fp8-throughput-bf16.json's mixed steps against the FP8 run's
-in docs/performance.md). At one or two rows the engine runs
-`linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
+bandwidth reached, beside the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`).
+`linear.FP8_LAUNCHES` comes from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "default" marks its
+launch. At one or two rows the engine runs `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
 
     python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json
 """
@@ -42,7 +39,7 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
     bf16_us = graph_time_us(lambda: dense_linear(x, w, kc=kc))
     nbytes = rows.numel()
     out = []
-    bts = sorted({min(bt, max(16, triton.next_power_of_2(T))) for bt in (L.FP8_MAX_BT, 128)})
+    bts = sorted({min(bt, max(16, triton.next_power_of_2(T))) for bt in (16, 64, 128)})
     for act8, BM, nw, st, BT in itertools.product((True, False), (16, 32, 64, 128), (4, 8), (3, 5), bts):
         o = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
 
@@ -61,8 +58,7 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
         out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, BT=BT, warps=nw, stages=st, us=us,
                         gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(T > L.MAX_ROWS and BM == L.FP8_BM and (nw, st) == (4, 3)
-                                 and BT == min(L.FP8_MAX_BT, max(16, triton.next_power_of_2(T))))))
+                        default=(T > L.MAX_ROWS and (BM, BT, nw, st) == L.fp8_launch(T, act8))))
     if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
         for act8 in (True, False):
             kc8 = dataclasses.replace(kc, fp8_activations=act8)

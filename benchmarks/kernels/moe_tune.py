@@ -107,7 +107,7 @@ def main() -> None:
             w_TK = w_TK.to(torch.bfloat16)
             local = (ids < E).sum().item()
             hit = int(torch.unique(ids[ids < E]).numel())
-            cfg = fm.config_for(T * K, E, E_all // E)
+            cfg = fm.config_for(T * K, E, E_all // E, fm.table_for(w13, D))
             out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all)
             if T <= 512:
                 ref = experts_ref(x.float(), w_TK.float(), ids, w13_bf16.float(), w2_bf16.float(), 0)

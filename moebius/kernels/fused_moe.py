@@ -88,15 +88,34 @@ def _use_tma(c: TileConfig, *tensors: torch.Tensor) -> bool:
 DIRECT_MAX_PAIRS = 32
 
 
-def pick_config(pairs_per_expert: float) -> MoEConfig:
-    return next(c for limit, c in CONFIGS if pairs_per_expert <= limit)
+# FP8 rows' own table (their BK and stages are the format's, `_row_tiles`: BN, warps and BM are what differ), searched
+# on an H100 at Qwen3-30B-A3B's shapes (moe_tune.py --quantization fp8, benchmarks/results/h100-p1-moe-tune-fp8.json):
+# bf16's 128-row TMA blocks took twice as long as 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
+# at 16 pairs an expert. Between 24 and 96 pairs an expert it was not searched (the 64-row blocks of prompt sizes).
+FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
+    (2.5, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(64, 128, 4, 3))),
+    (12.0, MoEConfig(16, TileConfig(64, 128, 4, 3), TileConfig(64, 128, 4, 3))),
+    (24.0, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(128, 128, 4, 3))),
+    (float("inf"), MoEConfig(64, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))),
+]
 
 
-def config_for(num_pairs: int, num_experts: int, num_ranks_sharing: int = 1) -> MoEConfig:
-    """num_pairs: all (token, k) pairs handed in; about 1/num_ranks_sharing of them are local (EP)."""
+def pick_config(pairs_per_expert: float, table: list[tuple[float, MoEConfig]] = CONFIGS) -> MoEConfig:
+    return next(c for limit, c in table if pairs_per_expert <= limit)
+
+
+def config_for(num_pairs: int, num_experts: int, num_ranks_sharing: int = 1,
+               table: list[tuple[float, MoEConfig]] = CONFIGS) -> MoEConfig:
+    """num_pairs: all (token, k) pairs handed in; about 1/num_ranks_sharing of them are local (EP). table: the
+    weights' format's (`table_for`)."""
     local = num_pairs / num_ranks_sharing
     hit = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** local) if local else 1.0
-    return pick_config(local / max(hit, 1.0))
+    return pick_config(local / max(hit, 1.0), table)
+
+
+def table_for(w13_EFD: torch.Tensor, D: int) -> list[tuple[float, MoEConfig]]:
+    """The block-shape table of experts held as `w13_EFD` with D input columns: FP8 rows' own, else `CONFIGS`."""
+    return FP8_CONFIGS if w13_EFD.dtype == torch.uint8 and format_of(w13_EFD, D) is FP8 else CONFIGS
 
 
 @triton.jit
@@ -452,7 +471,7 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     if T == 0:
         return torch.zeros_like(x_TD)
     total = num_experts or E
-    c = config or config_for(T * K, E, max(1, total // E))
+    c = config or config_for(T * K, E, max(1, total // E), table_for(w13_EFD, x_TD.shape[1]))
     w_TK = w_TK.reshape(-1)
     if not w_TK.is_contiguous():
         w_TK = w_TK.contiguous()

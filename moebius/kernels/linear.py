@@ -276,8 +276,20 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
     return out
 
 
-# FP8 rows: one 128-column chunk a K step (its scale covers exactly those columns); token tiles of up to 64 rows.
-FP8_BM, FP8_MAX_BT = 64, 64
+# FP8 rows: one 128-column chunk a K step (its scale covers exactly those columns). Launch shapes (weight rows a
+# program, token rows a program, warps, stages) by the most rows a step brings, for W8A16 and W8A8, searched on an
+# H100 at Qwen3-30B-A3B's q|k|v and o (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/
+# h100-p1-linear-fp8-tune.json): the unsearched 64 x 64 launch ran few programs an SM at decode sizes.
+FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int]]]] = {
+    False: [(16, (32, 16, 4, 5)), (64, (16, 64, 4, 5)), (256, (64, 64, 4, 3)), (1 << 62, (128, 128, 8, 3))],
+    True: [(16, (128, 16, 8, 3)), (256, (64, 64, 4, 3)), (1 << 62, (128, 64, 4, 3))],
+}
+
+
+def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int]:
+    """(BM, BT, warps, stages) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the least)."""
+    BM, BT, warps, stages = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
+    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages
 
 
 @triton.jit
@@ -322,9 +334,9 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
         raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
                          f"({packed_width(K)} bytes), or a tensor is not row-major")
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
-    BT = min(FP8_MAX_BT, max(16, triton.next_power_of_2(T)))
-    _linear_fp8[(triton.cdiv(N, FP8_BM), triton.cdiv(T, BT))](
+    BM, BT, warps, stages = fp8_launch(T, kc.fp8_activations)
+    _linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT))](
         x_TD, w_NC, w_NC if bias_N is None else bias_N, out, T, N, K, w_NC.shape[1], x_TD.stride(0), out.stride(0),
-        HAS_BIAS=bias_N is not None, BT=BT, BM=FP8_BM, ACT8=kc.fp8_activations, num_warps=4, num_stages=3,
+        HAS_BIAS=bias_N is not None, BT=BT, BM=BM, ACT8=kc.fp8_activations, num_warps=warps, num_stages=stages,
         **pdl(x_TD, kc))
     return out
