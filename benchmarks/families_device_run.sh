@@ -38,11 +38,11 @@
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
-# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh tests fp8tests profile
-#   (the GPU tests of the kernels written since the last run: MLA's rope_latent and splits, the grouped routing, FP8's
-#   row kernel), then `families mlatune` (GLM-4.5's routing now on the GPU), then `fp8tune` (set the launches from
-#   their JSON), then `sweep gptoss fp8 fp8work` against the bars; the *tests steps hold no timing, so any Hopper card
-#   runs them
+# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Next: `gptsweep` on an
+#   H200 (needs_h200: gpt-oss-20b's batch 1024 at a 1k context does not fit an H100's KV; at 6e4efa1 the H100 ran
+#   1.06x-1.18x from 64 to 512, issue 45's bar); `fp8tests fp8 fp8work` (FP8 rows' own MoE table and projection
+#   launches, b3dae70, not yet timed in the engine); `sweep` on an H200 (issue 44: 1.21x-1.26x from 64 to 512 on an
+#   H100, 1.35x at 1024)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}

@@ -316,6 +316,28 @@ def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * 144 / 256)
 
 
+def test_fp8_rows_launch_by_their_own_tables() -> None:
+    """The fused MoE on FP8 rows picks its block shapes from FP8_CONFIGS (searched on FP8 rows: at prompt sizes
+    bf16's 128-row TMA blocks took twice as long as 64-row ones), other experts from bf16's CONFIGS; the projection's
+    launch grows with the rows and keeps BT within a step's rows."""
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels import linear
+    from moebius.kernels.rows import FORMATS
+
+    D, I, E = 256, 128, 4
+    w = torch.randn(E, 2 * I, D)
+    assert fm.table_for(FORMATS["fp8"].rows_of(w), D) is fm.FP8_CONFIGS
+    assert fm.table_for(FORMATS["mxfp4"].rows_of(w), D) is fm.CONFIGS
+    assert fm.table_for(w.bfloat16(), D) is fm.CONFIGS
+    prompt = fm.config_for(2048 * 8, 128, 1, fm.FP8_CONFIGS)
+    assert prompt.BM == 64 and not prompt.gate_up.tma and fm.config_for(2048 * 8, 128).BM == 128
+    for act8 in (False, True):
+        launches = [linear.fp8_launch(T, act8) for T in (3, 8, 64, 256, 2048)]
+        assert all(BT <= max(16, 1 << (T - 1).bit_length()) for T, (_, BT, _, _) in zip((3, 8, 64, 256, 2048),
+                                                                                         launches, strict=True))
+        assert launches[-1][0] == 128  # (prompt sizes: the tallest weight tiles)
+
+
 @pytest.mark.gpu
 def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
     """On a GPU in bf16 (MOEBIUS_UNCHECKED_GPU=fp8, benchmarks/families_device_run.sh's `fp8tests` step): the fused
