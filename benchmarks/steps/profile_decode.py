@@ -56,9 +56,10 @@ def main() -> None:
     finally:
         engine.close()
     if a.output:
-        write_result(a.output, rows, params=vars(a), note="per kernel: its calls in the profiled steps (5 decode "
-                     "steps), its CUDA time in all and a call; kernels launched with PDL wait inside for the one "
-                     "before, so a kernel after a long one may show its wait")
+        write_result(a.output, rows, params=vars(a), note="per kernel: its calls in the profiled probe (a layer's "
+                     "kernel's calls over the layers give the steps run), its CUDA time in all and a call; kernels "
+                     "launched with PDL (unless --disable-pdl) wait inside for the one before, so a kernel after a "
+                     "long one may show its wait")
 
 
 def top_kernels(events: Any, batch: int, graphs: bool, step_ms: float, n: int = 25) -> list[dict[str, Any]]:
