@@ -10,7 +10,7 @@
 #             oracle's near tie on the device's transformers)
 #   families  the same float32 GPU parity for the GQA families not yet run on a GPU (GLM-4.5, Qwen2-MoE, Mixtral,
 #             OLMoE, GPT-OSS; windowed variants: the sliding layers' tables in the graphs, the kernel's window and
-#             sinks); lift each one's `cpu_only` once it passes
+#             sinks; every one passed, none is `cpu_only` now)
 #   sweep     decode steps at batches 1 .. 1024 (context 1024) against the floor model extended to MLA
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call

@@ -340,7 +340,7 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
 
 @pytest.mark.gpu
 def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
-    """On a GPU in bf16 (MOEBIUS_UNCHECKED_GPU=fp8, benchmarks/families_device_run.sh's `fp8tests` step): the fused
+    """On a GPU in bf16 (benchmarks/families_device_run.sh's `fp8tests` step): the fused
     MoE and the projections on FP8 rows in W8A16, through decode graphs and eager steps in both layouts, against the
     engine on the dequantized checkpoint (the same bf16 weight values; the kernels' K steps differ, so nearly every
     token, not all). W8A8 rounds the activations to float8 too, which on this tiny random model's close logits moved

@@ -134,10 +134,10 @@ def write_kv(cache: torch.Tensor, k_THd: torch.Tensor, v_THd: torch.Tensor, meta
     cache[page, 1, off] = v_THd
 
 
-def fused_qk_path(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, rope: torch.Tensor, head_dim: int) -> bool:
-    """Whether a decode step's attention launch takes q/k itself (`qk_decode_attention`): on the GPU, for per-head
-    q/k norms and rope over the whole head (Qwen3's attention); others launch `qk_norm_rope_kv` before it."""
-    return qkv_TQ.is_cuda and triton_available() and q_norm is not None and rope.shape[-1] == head_dim
+def triton_qk(qkv_TQ: torch.Tensor, rope: torch.Tensor, head_dim: int) -> bool:
+    """Whether the Triton q/k kernel takes a step's q and k (with per-head q/k norms or none): on the GPU, for rope
+    over the whole head (partial rotary takes the torch ops)."""
+    return qkv_TQ.is_cuda and triton_available() and rope.shape[-1] == head_dim
 
 
 def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
@@ -145,11 +145,10 @@ def qk_norm_rope_kv(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: t
                     kc: KernelConfig = DEFAULT_KERNELS, out: torch.Tensor | None = None) -> torch.Tensor:
     """Split the fused q|k|v projection into heads, RMS-normalise q and k per head (where the norms are given),
     rotate them by position (the rope table's width of each head: partial rotary where narrower), and store k and
-    v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel on the GPU where the rope
-    covers the whole head (partial rotary takes the torch ops)."""
+    v in the paged cache. Returns q [T, H, d] (in `out` when given). One Triton kernel where `triton_qk`."""
     kvh, d = cache.shape[3], cache.shape[4]
     num_heads = qkv_TQ.shape[1] // d - 2 * kvh
-    if qkv_TQ.is_cuda and triton_available() and rope.shape[-1] == d:  # (with q/k norms or without)
+    if triton_qk(qkv_TQ, rope, d):
         from moebius.kernels.fused import qk_norm_rope_kv as fast
 
         return fast(qkv_TQ, q_norm, k_norm, rope, meta.positions, meta.slot_mapping, cache, num_heads, eps, kc=kc,
@@ -168,15 +167,16 @@ def qkv_attention(qkv_TQ: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
                   kc: KernelConfig = DEFAULT_KERNELS, sinks: torch.Tensor | None = None,
                   window: int | None = None) -> torch.Tensor:
     """Attention from the fused q|k|v projection: `qk_norm_rope_kv` (k and v into the cache) then `paged_attention`.
-    Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS does both in
-    one Triton launch (`fused_qk_path`). A forward captured in pieces (`meta.cut`) leaves attention itself to run
-    between them. q_norm / k_norm None: no q/k norm. sinks / window: `paged_attention`'s."""
+    Returns [T, H, d]. On the GPU a decode step (one new token a sequence) of up to QK_FUSED_MAX_TOKENS with
+    per-head q/k norms (Qwen3's attention, where `triton_qk`) does both in one Triton launch. A forward captured in
+    pieces (`meta.cut`) leaves attention itself to run between them. q_norm / k_norm None: no q/k norm. sinks /
+    window: `paged_attention`'s."""
     plain = sinks is None and window is None
     if meta.cut is not None:
         q = qk_norm_rope_kv(qkv_TQ, q_norm, k_norm, rope, cache, meta, eps, kc=kc,
                             out=meta.cut.q_buffer(qkv_TQ.shape[0]))
         return meta.cut.attend(q, cache, scale, kc, group=meta.kv_group, window=window, sinks=sinks)
-    if plain and fused_qk_path(qkv_TQ, q_norm, rope, cache.shape[4]) and meta.max_query_len == 1:
+    if plain and q_norm is not None and triton_qk(qkv_TQ, rope, cache.shape[4]) and meta.max_query_len == 1:
         from moebius.kernels.attention import QK_FUSED_MAX_TOKENS, qk_decode_attention
 
         if qkv_TQ.shape[0] <= QK_FUSED_MAX_TOKENS:

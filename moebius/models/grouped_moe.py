@@ -132,11 +132,7 @@ class MoEConfig:
 
 
 def router_logits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> torch.Tensor:
-    """[T, E] in float32, as the routers compute them (inputs and weight upcast before the product). On the GPU a
-    16-bit x and weight go into one GEMM accumulating in float32: their products are exact in float32, so it is the
-    upcast product up to the sums' order, without a float32 copy of x and of the weight a layer and step."""
-    if x_TD.is_cuda and x_TD.dtype in (torch.bfloat16, torch.float16) and gate_ED.dtype == x_TD.dtype:
-        return torch.mm(x_TD, gate_ED.t(), out_dtype=torch.float32)
+    """[T, E] in float32, as the routers compute them (inputs and weight upcast before the product)."""
     return F.linear(x_TD.float(), gate_ED.float())
 
 
