@@ -65,6 +65,10 @@ retest)  # the families that failed `families` once mended: OLMoE (passed on an 
   t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
+moetests)  # the shared experts' activation in one launch and their add inside the pair sum; the MoE blocks through them
+  t moe_tests 150 $P tests/test_gpu.py -k "swiglu or shared_experts or pairs_summed or fused_experts" tests/test_deepseek_moe.py tests/test_deepseek_family.py ;;
+fp8sweep)  # `fp8`'s decode sweep alone
+  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
 sweep)
   t sweep 200 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
 work)

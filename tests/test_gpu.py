@@ -486,6 +486,31 @@ def test_pairs_summed_inside_the_norm_match_the_two_launches() -> None:
         assert torch.equal(got, want) and torch.equal(got_res, want_res), (T, D, first)
 
 
+def test_shared_experts_added_inside_the_pair_sum_match_the_unfused_add() -> None:
+    """PairRows.sum(add_TD) (the shared experts' output added in the sum's launch) gives sum_k then `+`'s bits."""
+    torch.manual_seed(0)
+    for T, D, first, local in ((1, 2048, 0, 64), (1024, 2048, 0, 64), (77, 5120, 32, 64)):
+        ids = torch.randint(0, 64 + first, (T, 6), device="cuda")
+        y = torch.randn(T * 6, D, device="cuda", dtype=torch.bfloat16)
+        y[((ids < first) | (ids >= first + local)).flatten()] = float("nan")
+        pairs, shared = PairRows(y, ids, first, local), torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(pairs.sum(shared), pairs.sum() + shared), (T, D, first)
+
+
+@pytest.mark.parametrize("T,I", [(1, 1408), (64, 1408), (1024, 1408), (33, 10944), (5, 100)])
+def test_swiglu_launch_matches_torch(T: int, I: int) -> None:
+    """kernels.fused.swiglu (the dense MLPs' and shared experts' activation in one launch) against torch's silu and
+    product in bf16: the same roundings, so the same bits but where the two exps differ in their last bit."""
+    import torch.nn.functional as F
+
+    from moebius.kernels.fused import swiglu
+
+    torch.manual_seed(0)
+    h = torch.randn(T, 2 * I, device="cuda", dtype=torch.bfloat16) * 3
+    got, want = swiglu(h), F.silu(h[:, :I]) * h[:, I:]
+    assert (got == want).float().mean() > 0.995 and _rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(16, 2), (8, 4), (4, 1)])
 @pytest.mark.parametrize("T", [1, 45, 100, 700])  # one head a program, a few, all of a token's
 @pytest.mark.parametrize("norm", [True, False])  # False: no q/k norms (GPT-OSS, Mixtral)

@@ -647,10 +647,30 @@ def norm_cases() -> None:
         got = PairRows(y, ids, first, local).add_rms_norm(got_res, w, 1e-6)
         assert torch.allclose(got_res, res + want_sum, atol=1e-5), (T, D)
         assert torch.allclose(got, rms_norm(res + want_sum, w, 1e-6), atol=1e-5), (T, D)
+        shared = torch.randn(T, D, generator=g)  # the shared experts' output, added inside the sum's launch
+        assert torch.allclose(PairRows(y, ids, first, local).sum(shared), want_sum + shared, atol=1e-5), (T, D)
 
 
 def test_add_rmsnorm_and_pairs_summed_inside_it_under_the_interpreter() -> None:
     _run("norm")
+
+
+def swiglu_cases() -> None:
+    import torch.nn.functional as F
+
+    from moebius.kernels.fused import swiglu
+
+    g = torch.Generator().manual_seed(0)
+    for T, I in [(1, 8), (5, 1408), (3, 1500)]:  # one block a row; several, the last partial
+        h = torch.randn(T, 2 * I, generator=g) * 4
+        assert torch.allclose(swiglu(h), F.silu(h[:, :I]) * h[:, I:], atol=1e-5), (T, I)
+        wide = torch.randn(T, 2 * I + 6, generator=g)[:, : 2 * I]  # rows strided in a wider buffer
+        assert torch.allclose(swiglu(wide), F.silu(wide[:, :I]) * wide[:, I:], atol=1e-5), (T, I)
+
+
+def test_swiglu_under_the_interpreter() -> None:
+    """The dense MLPs' and shared experts' activation in one launch (kernels/fused.py `swiglu`)."""
+    _run("swiglu")
 
 
 def reshard_cases() -> None:
@@ -879,6 +899,7 @@ if __name__ == "__main__":
              "qk": qk_cases, "router": router_cases, "grouped_route": grouped_route_cases,
              "qk_attention": qk_attention_cases, "linear": linear_cases,
              "linear_fp8": linear_fp8_cases,
-             "reshard": reshard_cases, "norm": norm_cases, "mla": mla_cases, "mla_rope": mla_rope_cases,
+             "reshard": reshard_cases, "norm": norm_cases, "swiglu": swiglu_cases, "mla": mla_cases,
+             "mla_rope": mla_rope_cases,
              "mla_chunk": mla_chunk_cases}
     cases[sys.argv[1]]()

@@ -378,23 +378,57 @@ def argmax_keys(scores_TV: torch.Tensor, first: int, *, kc: KernelConfig = DEFAU
 
 
 @triton.jit
-def _sum_k(Y, Ids, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written)."""
+def _sum_k(Y, Ids, Add, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr,
+           PDL: tl.constexpr):
+    """Out[t] = sum of Y[t*K + k] over the local pairs of token t (other rows were never written), plus Add[t]."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = cols < D
-    acc = _pair_sum(Y, Ids, t, first, E, D, cols, cm, K, BD)
-    tl.store(Out + t * D + cols, acc.to(Out.dtype.element_ty), mask=cm)
+    y = _pair_sum(Y, Ids, t, first, E, D, cols, cm, K, BD).to(Out.dtype.element_ty)
+    if HAS_ADD:  # rounded as the sum, then the unfused add
+        y = (y.to(tl.float32) + tl.load(Add + t * D + cols, mask=cm, other=0.0).to(tl.float32)).to(y.dtype)
+    tl.store(Out + t * D + cols, y, mask=cm)
 
 
-def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, *, kc: KernelConfig = DEFAULT_KERNELS
-          ) -> torch.Tensor:
+def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, add_TD: torch.Tensor | None = None, *,
+          kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """The fused MoE's last launch (kernels/fused_moe.py; `PairRows.sum`): [T, D], each token's sum over its pairs'
-    rows y_ND[t * K + k] whose expert is one of the E local ones from first_expert, float32 in k order, rounded once."""
+    rows y_ND[t * K + k] whose expert is one of the E local ones from first_expert, float32 in k order, rounded once;
+    plus add_TD (the shared experts' output), rounded again, where given: the bits of `sum_k(...) + add_TD`."""
     T, K = ids_TK.shape
     D = y_ND.shape[1]
     out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
     BD = min(1024, triton.next_power_of_2(D))
-    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, out, first_expert, E, D, K=K, BD=BD, num_warps=4, **pdl(y_ND, kc))
+    if add_TD is not None and not (add_TD.shape == out.shape and add_TD.is_contiguous()):
+        raise ValueError(f"sum_k adds a contiguous [{T}, {D}] tensor, not {tuple(add_TD.shape)}")
+    _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, y_ND if add_TD is None else add_TD, out, first_expert, E, D, K=K,
+                                    BD=BD, HAS_ADD=add_TD is not None, num_warps=4, **pdl(y_ND, kc))
+    return out
+
+
+@triton.jit
+def _swiglu(H, Out, F, stride_h, BF: tl.constexpr, PDL: tl.constexpr):
+    """Out[t] = silu(H[t, :F]) * H[t, F:], rounded where torch's two launches round: silu's output, the product."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BF + tl.arange(0, BF)
+    m = cols < F
+    g = tl.load(H + t * stride_h + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(H + t * stride_h + F + cols, mask=m, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + t * F + cols, (s * u).to(Out.dtype.element_ty), mask=m)
+
+
+def swiglu(h_TF2: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """moebius.layers.moe.swiglu in one launch (torch's silu and product are two, each over strided halves): [T, F]
+    from rows [T, 2F] of [gate | up]."""
+    T, F2 = h_TF2.shape
+    F = F2 // 2
+    if F2 % 2 or h_TF2.stride(1) != 1:
+        raise ValueError(f"swiglu takes rows [gate | up] with unit column stride, not {tuple(h_TF2.shape)}")
+    out = torch.empty(T, F, dtype=h_TF2.dtype, device=h_TF2.device)
+    BF = min(1024, triton.next_power_of_2(F))
+    if T:
+        _swiglu[(T, triton.cdiv(F, BF))](h_TF2, out, F, h_TF2.stride(0), BF=BF, num_warps=4, **pdl(h_TF2, kc))
     return out

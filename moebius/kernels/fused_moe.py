@@ -55,7 +55,10 @@ CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 4), TileConfig(128, 128, 4, 3))),
     (12.0, MoEConfig(16, TileConfig(64, 128, 4, 3), TileConfig(128, 128, 4, 3))),
     (24.0, MoEConfig(32, TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3))),
-    (96.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
+    (64.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
+    # one 128-row block an expert up to 96 pairs (each weight tile read once): searched at DeepSeek-V2-Lite's batch
+    # 1024 on an H100, 5% under the 64-row blocks (benchmarks/results/h100-p1-moe-tune-deepseek-v2-lite.json)
+    (96.0, MoEConfig(128, TileConfig(64, 64, 8, 3), TileConfig(128, 128, 8, 3, tma=True))),
     # TMA only for the largest blocks: it measured faster at many thousands of pairs and no better below
     # (`python benchmarks/kernels/moe_tune.py --no-search`; benchmarks/results/h200-moe-tma.json)
     (float("inf"), MoEConfig(128, TileConfig(128, 64, 8, 4, tma=True), TileConfig(128, 64, 8, 3, tma=True))),

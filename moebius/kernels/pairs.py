@@ -21,11 +21,12 @@ class PairRows:
     first_expert: int
     num_local: int
 
-    def sum(self, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-        """[T, D]: each token's sum over its local pairs (float32 in k order, rounded once)."""
+    def sum(self, add_TD: torch.Tensor | None = None, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+        """[T, D]: each token's sum over its local pairs (float32 in k order, rounded once), plus add_TD where given
+        (in the same launch: the bits of the sum, then `+ add_TD`)."""
         from moebius.kernels.fused import sum_k
 
-        return sum_k(self.y_ND, self.ids_TK, self.first_expert, self.num_local, kc=kc)
+        return sum_k(self.y_ND, self.ids_TK, self.first_expert, self.num_local, add_TD, kc=kc)
 
     def add_rms_norm(self, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
                      kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:

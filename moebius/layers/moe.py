@@ -17,9 +17,13 @@ from moebius.layers.linear import linear
 from moebius.layers.norm import add_rms_norm
 
 
-def summed(y: torch.Tensor | PairRows, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """Expert outputs per token: y itself, or its pairs summed over k (`PairRows.sum`)."""
-    return y.sum(kc=kc) if isinstance(y, PairRows) else y
+def summed(y: torch.Tensor | PairRows, add_TD: torch.Tensor | None = None, *, kc: KernelConfig = DEFAULT_KERNELS
+           ) -> torch.Tensor:
+    """Expert outputs per token: y itself, or its pairs summed over k (`PairRows.sum`); plus add_TD (the shared
+    experts' output) where given, inside the sum's launch for pairs."""
+    if isinstance(y, PairRows):
+        return y.sum(add_TD, kc=kc)
+    return y if add_TD is None else y + add_TD
 
 
 def summed_add_rms_norm(y: torch.Tensor | PairRows, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -48,8 +52,13 @@ def route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, norm_topk_prob:
     return w_TK.to(x_TD.dtype), ids_TK
 
 
-def swiglu(h_TF2: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, where the last dim stacks [gate | up]."""
+def swiglu(h_TF2: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """silu(gate) * up, where the last dim stacks [gate | up] (on the GPU in 16 bits one Triton launch, the same
+    roundings: `kernels.fused.swiglu`)."""
+    if h_TF2.is_cuda and h_TF2.dim() == 2 and h_TF2.dtype in (torch.bfloat16, torch.float16) and triton_available():
+        from moebius.kernels import fused
+
+        return fused.swiglu(h_TF2, kc=kc)
     gate, up = h_TF2.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -75,7 +84,7 @@ Activation = Callable[[torch.Tensor], torch.Tensor]  # [gate | up] rows -> the d
 
 def dense_mlp(x_TD: torch.Tensor, w13_FD: torch.Tensor, w2_DF: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS
               ) -> torch.Tensor:
-    return linear(swiglu(linear(x_TD, w13_FD, kc=kc)), w2_DF, kc=kc)
+    return linear(swiglu(linear(x_TD, w13_FD, kc=kc), kc=kc), w2_DF, kc=kc)
 
 
 def experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,

@@ -226,7 +226,8 @@ def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communic
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK.to(h_TD.dtype), ids_TK, kc=kc)
-    y_TD = summed(experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, kc=kc), kc=kc)
-    if w.shared is not None:  # a 1/P shard on the dispatched tokens: the combine's sum over ranks completes it
-        y_TD = y_TD + dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
-    return y_TD, handle
+    # the shared experts: a 1/P shard on the dispatched tokens (the combine's sum over ranks completes it), added
+    # inside the sum over each token's pairs
+    shared_TD = None if w.shared is None else dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
+    pairs = experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True, kc=kc)
+    return summed(pairs, shared_TD, kc=kc), handle

@@ -74,8 +74,6 @@ def moe_block(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w: M
     routed experts see other tokens than the rank's own (EP's dispatch), the forward adds the shared experts itself
     (`dense_mlp`) and passes a `MoEWeights` without them."""
     # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
-    y_TD = summed(experts(x_TD, w_TK.to(x_TD.dtype), ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts,
-                          kc=kc), kc=kc)
-    if w.shared is not None:
-        y_TD = y_TD + dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
-    return y_TD
+    shared_TD = None if w.shared is None else dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
+    return summed(experts(x_TD, w_TK.to(x_TD.dtype), ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts,
+                          keep_pairs=True, kc=kc), shared_TD, kc=kc)
