@@ -13,6 +13,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 
 from moebius.config import ConfigError
 from moebius.models.deepseek.moe import DenseWeights, MoEConfig, MoEWeights, moe_block, route, router_logits
+from moebius.models.grouped_moe import route_tokens
 
 D, E, INTER, T = 32, 16, 8, 24
 RTOL, ATOL = 1e-5, 1e-6
@@ -296,6 +297,13 @@ def test_gpu_route_and_block_match_the_cpu(dtype: torch.dtype, backend: str, tol
     order, order_gpu = ids_TK.argsort(dim=-1), ids_gpu.cpu().argsort(dim=-1)  # sorted=False: the order may differ
     assert torch.equal(ids_TK.gather(1, order), ids_gpu.cpu().gather(1, order_gpu))
     torch.testing.assert_close(w_TK.gather(1, order), w_gpu.cpu().gather(1, order_gpu), rtol=1e-5, atol=1e-6)
+    # from the hidden states: the float32 router's split-K partials, summed inside the routing launch
+    x_in = x_TD.to(dtype).float()  # the hidden states as the engine holds them
+    w_in, ids_in = route(router_logits(x_in, gate_ED), cfg, bias_E)
+    w_h, ids_h = route_tokens(x_in.to("cuda", dtype), gate_ED.cuda(), cfg, bias_E.cuda())
+    order, order_h = ids_in.argsort(dim=-1), ids_h.cpu().argsort(dim=-1)
+    assert torch.equal(ids_in.gather(1, order), ids_h.cpu().gather(1, order_h))
+    torch.testing.assert_close(w_in.gather(1, order), w_h.cpu().gather(1, order_h), rtol=1e-4, atol=1e-5)
 
     ref = moe_block(x_TD, w_TK, ids_TK, part, cfg)
     on_gpu = MoEWeights(gate_ED.cuda(), bias_E.cuda(), part.w13_EFD.to("cuda", dtype), part.w2_EDF.to("cuda", dtype),

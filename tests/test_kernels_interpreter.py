@@ -450,8 +450,8 @@ def test_qk_norm_rope_kv_under_the_interpreter() -> None:
 
 
 def grouped_route_cases() -> None:
-    from moebius.kernels.fused import grouped_topk
-    from moebius.models.grouped_moe import MoEConfig, route
+    from moebius.kernels.fused import grouped_topk, router_partials_f32
+    from moebius.models.grouped_moe import MoEConfig, route, router_logits
 
     g = torch.Generator().manual_seed(0)
     # (experts, top k, scoring, method, groups, kept groups, norm, scaling): DeepSeek-V2-Lite, V2's grouped softmax
@@ -474,6 +474,19 @@ def grouped_route_cases() -> None:
         choice = (logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)) + (0 if bias is None else bias)
         picked = choice.gather(1, got_ids)
         assert (picked[:, :-1] >= picked[:, 1:]).all(), (E, method)
+    # the float32 router as split-K partials, summed inside the routing launch (`route_tokens` on the GPU)
+    for T, D, E in [(1, 256, 64), (37, 200, 160), (70, 448, 64)]:  # one split; D not a multiple of 64; 2 token tiles
+        cfg = MoEConfig(num_experts=E, top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1,
+                        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=1,
+                        moe_intermediate_size=8, intermediate_size=8)
+        x, gate = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g) * D ** -0.5
+        part = router_partials_f32(x, gate)
+        assert torch.allclose(part.sum(0), router_logits(x, gate), atol=1e-5), (T, D, E)
+        got_w, got_ids = grouped_topk(part, None, 6, False, 1, 1, False, False, 1.0)
+        want_w, want_ids = route(part.sum(0), cfg)
+        order_w, order_g = want_ids.argsort(1), got_ids.argsort(1)
+        assert torch.equal(want_ids.gather(1, order_w), got_ids.gather(1, order_g)), (T, D, E)
+        assert torch.allclose(want_w.gather(1, order_w), got_w.gather(1, order_g), rtol=1e-5, atol=1e-6), (T, D, E)
 
 
 def router_cases() -> None:

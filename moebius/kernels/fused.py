@@ -241,9 +241,9 @@ def topk_softmax(logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: tor
 
 
 @triton.jit
-def _grouped_topk(Logits, Bias, W, Ids, E, scale, K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  G: tl.constexpr, TG: tl.constexpr, TOP2: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-                  GP: tl.constexpr, PDL: tl.constexpr):
+def _grouped_topk(Logits, Bias, W, Ids, T, E, SPLITS, scale, K: tl.constexpr, SIGMOID: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, TOP2: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr):
     """Program t: DeepSeek's / GLM-4.5's routing of one token from its float32 logits (`grouped_moe.route`, its torch
     statement): scores (sigmoid or softmax), the choice (the scores plus the correction bias), the TG best of G
     groups kept (each scored by its best choice, or TOP2 its best two), the others' experts masked (-inf, or 0 for
@@ -253,6 +253,8 @@ def _grouped_topk(Logits, Bias, W, Ids, E, scale, K: tl.constexpr, SIGMOID: tl.c
     e = tl.arange(0, BLOCK)
     m = e < E
     x = tl.load(Logits + t * E + e, mask=m, other=float("-inf"))
+    for s in range(1, SPLITS):  # split-K partials [SPLITS, T, E] (`router_partials_f32`), summed in order
+        x += tl.load(Logits + (s * T + t) * E + e, mask=m, other=0.0)
     if SIGMOID:
         scores = tl.where(m, 1.0 / (1.0 + tl.exp(-x)), 0.0)
     else:
@@ -301,17 +303,65 @@ def _grouped_topk(Logits, Bias, W, Ids, E, scale, K: tl.constexpr, SIGMOID: tl.c
 def grouped_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int,
                  topk_group: int, top2: bool, norm: bool, scale: float, *, kc: KernelConfig = DEFAULT_KERNELS
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`models/grouped_moe.route` from float32 logits [T, E] in one launch: (weights [T, K] float32, ids [T, K]
-    int64), each token's ids in descending order of choice."""
-    T, E = logits_TE.shape
+    """`models/grouped_moe.route` from float32 logits [T, E], or split-K partials of them [S, T, E]
+    (`router_partials_f32`, summed in order first), in one launch: (weights [T, K] float32, ids [T, K] int64), each
+    token's ids in descending order of choice."""
+    part = logits_TE if logits_TE.dim() == 3 else logits_TE[None]
+    S, T, E = part.shape
+    if not part.is_contiguous() or part.dtype != torch.float32:
+        raise ValueError(f"grouped_topk reads contiguous float32 logits, not {part.dtype} of strides {part.stride()}")
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
     if T:
-        _grouped_topk[(T,)](logits_TE, logits_TE if bias_E is None else bias_E, w, ids, E, scale, K=top_k,
+        _grouped_topk[(T,)](part, part if bias_E is None else bias_E, w, ids, T, E, S, scale, K=top_k,
                             SIGMOID=sigmoid, HAS_BIAS=bias_E is not None, G=n_group, TG=topk_group, TOP2=top2,
                             NORM=norm, BLOCK=triton.next_power_of_2(E), GP=triton.next_power_of_2(n_group),
-                            num_warps=1 if E <= 256 else 2, **pdl(logits_TE, kc))
+                            num_warps=1 if E <= 256 else 2, **pdl(part, kc))
     return w, ids
+
+
+@triton.jit
+def _router_f32(X, Wg, Part, T, E, D, KPER, stride_x, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                PDL: tl.constexpr):
+    """Program (i, n, s): float32 router logits of tokens i*BT.. over experts n*BN.., summed over inputs s*KPER ..
+    (s+1)*KPER in IEEE float32 (x upcast exactly, no TF32), to Part[s, t, e]."""
+    enter(PDL)
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mt, mn = rt < T, rn < E
+    acc = tl.zeros([BT, BN], tl.float32)
+    start = tl.program_id(2) * KPER
+    for k0 in range(start, start + KPER, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < D
+        x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        w = tl.load(Wg + rn[:, None].to(tl.int64) * D + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    tl.store(Part + (tl.program_id(2) * T + rt[:, None]) * E + rn[None, :], acc, mask=mt[:, None] & mn[None, :])
+
+
+ROUTER_F32_PROGRAMS = 256  # split-K until about this many programs: cuBLAS's float32 GEMM ran a few tiles of many SMs
+
+
+def router_partials_f32(x_TD: torch.Tensor, gate_ED: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS
+                        ) -> torch.Tensor:
+    """models/grouped_moe.router_logits (x upcast, times the float32 router) as split-K partials [S, T, E] that
+    `grouped_topk` sums: one launch, no float32 copy of x."""
+    T, D = x_TD.shape
+    E = gate_ED.shape[0]
+    if x_TD.stride(1) != 1 or not gate_ED.is_contiguous() or gate_ED.dtype != torch.float32:
+        raise ValueError("router_partials_f32 takes rows of x with unit column stride and a contiguous float32 router")
+    BT, BN, BK = min(64, max(16, triton.next_power_of_2(T))), 64, 64
+    tiles = triton.cdiv(T, BT) * triton.cdiv(E, BN)
+    chunks = triton.cdiv(D, BK)
+    per = triton.cdiv(chunks, max(1, min(chunks, ROUTER_F32_PROGRAMS // tiles)))
+    S = triton.cdiv(chunks, per)
+    part = torch.empty(S, T, E, dtype=torch.float32, device=x_TD.device)
+    if T:
+        _router_f32[(triton.cdiv(T, BT), triton.cdiv(E, BN), S)](x_TD, gate_ED, part, T, E, D, per * BK,
+                                                                 x_TD.stride(0), BT=BT, BN=BN, BK=BK, num_warps=4,
+                                                                 **pdl(x_TD, kc))
+    return part
 
 
 ROUTER_MAX_ROWS = 16  # one tl.dot row tile; more tokens: cuBLAS then topk_softmax

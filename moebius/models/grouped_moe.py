@@ -136,9 +136,24 @@ def router_logits(x_TD: torch.Tensor, gate_ED: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD.float(), gate_ED.float())
 
 
+def route_tokens(h_TD: torch.Tensor, gate_ED: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None, *,
+                 kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route(router_logits(h_TD, gate_ED), ...)`. On the GPU the float32 logits come as split-K partials of one
+    Triton launch (`kernels.fused.router_partials_f32`), summed inside the routing launch: cuBLAS's float32 GEMM,
+    after an upcast copy of h, ran as two launches on a few SMs (benchmarks/results/
+    h100-p1-decode-profile-deepseek-big.json)."""
+    if (h_TD.is_cuda and triton_available() and h_TD.stride(1) == 1 and gate_ED.dtype == torch.float32
+            and gate_ED.is_contiguous()):
+        from moebius.kernels.fused import router_partials_f32
+
+        return route(router_partials_f32(h_TD, gate_ED, kc=kc), cfg, bias_E, kc=kc)
+    return route(router_logits(h_TD, gate_ED), cfg, bias_E, kc=kc)
+
+
 def route(logits_TE: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None, *,
           kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights [T, K] (float32) and global expert ids [T, K] from the router's float32 logits.
+    """Routing weights [T, K] (float32) and global expert ids [T, K] from the router's float32 logits [T, E] (on the
+    GPU also their split-K partials [S, T, E], `route_tokens`).
 
     softmax: softmax scores, top-k over all experts (greedy) or over the topk_group groups with the best single
     score. sigmoid: sigmoid scores; bias_E (e_score_correction_bias) is added for choosing the groups (each scored by
@@ -221,7 +236,7 @@ def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communic
     """This rank's part of the MoE block's output for the tokens dispatched to it (its local experts' pairs plus its
     shard of the shared experts), and the handle that combines it. routed_TK: where the router's global expert ids
     are written (taken before the dispatch: the same in every layout)."""
-    w_TK, ids_TK = route(router_logits(h_TD, w.gate_ED), cfg, w.bias_E, kc=kc)
+    w_TK, ids_TK = route_tokens(h_TD, w.gate_ED, cfg, w.bias_E, kc=kc)
     if routed_TK is not None:
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
