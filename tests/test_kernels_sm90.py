@@ -160,10 +160,21 @@ def test_grouped_routing_compiles_for_hopper(E: int, K: int, G: int, TG: int, si
     """`kernels/fused._grouped_topk` at the DeepSeek family's routings (its numbers: test_kernels_interpreter.py)."""
     from moebius.kernels import fused
 
-    types = dict(Logits="*fp32", Bias="*fp32", W="*fp32", Ids="*i64", E="i32", scale="fp32")
+    types = dict(Logits="*fp32", Bias="*fp32", W="*fp32", Ids="*i64", T="i32", E="i32", SPLITS="i32", scale="fp32")
     compile_sm90(fused._grouped_topk, types, dict(K=K, SIGMOID=sigmoid, HAS_BIAS=sigmoid, G=G, TG=TG, TOP2=sigmoid,
                                                   NORM=sigmoid, BLOCK=triton.next_power_of_2(E),
                                                   GP=triton.next_power_of_2(G), PDL=1), 1 if E <= 256 else 2, 1)
+
+
+@pytest.mark.parametrize("BT", [16, 64])
+def test_the_float32_router_compiles_for_hopper(BT: int) -> None:
+    """`kernels/fused._router_f32` (DeepSeek's and GLM-4.5's float32 router, IEEE float32 dots of upcast bf16 rows;
+    its numbers: test_kernels_interpreter.py)."""
+    from moebius.kernels import fused
+
+    types = dict(X="*bf16", Wg="*fp32", Part="*fp32", T="i32", E="i32", D="i32", KPER="i32", stride_x="i32")
+    compile_sm90(fused._router_f32, types, dict(BT=BT, BN=64, BK=64, PDL=1), 4, 3,
+                 aligned=("E", "D", "KPER", "stride_x"))
 
 
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
