@@ -167,13 +167,14 @@ def test_grouped_routing_compiles_for_hopper(E: int, K: int, G: int, TG: int, si
 
 
 @pytest.mark.parametrize("BT", [16, 64])
-def test_the_float32_router_compiles_for_hopper(BT: int) -> None:
+@pytest.mark.parametrize("prec", ["ieee", "tf32x3"])
+def test_the_float32_router_compiles_for_hopper(BT: int, prec: str) -> None:
     """`kernels/fused._router_f32` (DeepSeek's and GLM-4.5's float32 router, IEEE float32 dots of upcast bf16 rows;
     its numbers: test_kernels_interpreter.py)."""
     from moebius.kernels import fused
 
     types = dict(X="*bf16", Wg="*fp32", Part="*fp32", T="i32", E="i32", D="i32", KPER="i32", stride_x="i32")
-    compile_sm90(fused._router_f32, types, dict(BT=BT, BN=64, BK=64, PDL=1), 4, 3,
+    compile_sm90(fused._router_f32, types, dict(BT=BT, BN=64, BK=64, PREC=prec, PDL=1), 4, 3,
                  aligned=("E", "D", "KPER", "stride_x"))
 
 

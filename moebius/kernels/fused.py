@@ -3,6 +3,8 @@ op; their references are the torch code in moebius.layers (norm.py, rotary.py, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -322,9 +324,10 @@ def grouped_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: in
 
 @triton.jit
 def _router_f32(X, Wg, Part, T, E, D, KPER, stride_x, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                PDL: tl.constexpr):
+                PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (i, n, s): float32 router logits of tokens i*BT.. over experts n*BN.., summed over inputs s*KPER ..
-    (s+1)*KPER in IEEE float32 (x upcast exactly, no TF32), to Part[s, t, e]."""
+    (s+1)*KPER, to Part[s, t, e]: x upcast exactly, dots of precision PREC ("ieee", or "tf32x3": three TF32
+    products, float32's precision to a few ulps; plain TF32 would round the router's weights to 10 bits)."""
     enter(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -336,31 +339,44 @@ def _router_f32(X, Wg, Part, T, E, D, KPER, stride_x, BT: tl.constexpr, BN: tl.c
         mk = rk < D
         x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         w = tl.load(Wg + rn[:, None].to(tl.int64) * D + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=PREC)
     tl.store(Part + (tl.program_id(2) * T + rt[:, None]) * E + rn[None, :], acc, mask=mt[:, None] & mn[None, :])
 
 
-ROUTER_F32_PROGRAMS = 256  # split-K until about this many programs: cuBLAS's float32 GEMM ran a few tiles of many SMs
+@dataclass(frozen=True)
+class RouterLaunch:
+    """`_router_f32`'s launch: token and expert tile (BT at most T's power of two, 16 the least), input chunk, split-K
+    until about `programs` programs (cuBLAS's float32 GEMM ran a few tiles on a few SMs), dot precision, warps."""
+
+    BT: int = 64
+    BN: int = 64
+    BK: int = 64
+    programs: int = 256
+    precision: str = "ieee"
+    num_warps: int = 4
 
 
-def router_partials_f32(x_TD: torch.Tensor, gate_ED: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS
-                        ) -> torch.Tensor:
+ROUTER_F32 = RouterLaunch()
+
+
+def router_partials_f32(x_TD: torch.Tensor, gate_ED: torch.Tensor, *, launch: RouterLaunch = ROUTER_F32,
+                        kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """models/grouped_moe.router_logits (x upcast, times the float32 router) as split-K partials [S, T, E] that
     `grouped_topk` sums: one launch, no float32 copy of x."""
     T, D = x_TD.shape
     E = gate_ED.shape[0]
     if x_TD.stride(1) != 1 or not gate_ED.is_contiguous() or gate_ED.dtype != torch.float32:
         raise ValueError("router_partials_f32 takes rows of x with unit column stride and a contiguous float32 router")
-    BT, BN, BK = min(64, max(16, triton.next_power_of_2(T))), 64, 64
+    BT, BN, BK = min(launch.BT, max(16, triton.next_power_of_2(T))), launch.BN, launch.BK
     tiles = triton.cdiv(T, BT) * triton.cdiv(E, BN)
     chunks = triton.cdiv(D, BK)
-    per = triton.cdiv(chunks, max(1, min(chunks, ROUTER_F32_PROGRAMS // tiles)))
+    per = triton.cdiv(chunks, max(1, min(chunks, launch.programs // tiles)))
     S = triton.cdiv(chunks, per)
     part = torch.empty(S, T, E, dtype=torch.float32, device=x_TD.device)
     if T:
-        _router_f32[(triton.cdiv(T, BT), triton.cdiv(E, BN), S)](x_TD, gate_ED, part, T, E, D, per * BK,
-                                                                 x_TD.stride(0), BT=BT, BN=BN, BK=BK, num_warps=4,
-                                                                 **pdl(x_TD, kc))
+        _router_f32[(triton.cdiv(T, BT), triton.cdiv(E, BN), S)](
+            x_TD, gate_ED, part, T, E, D, per * BK, x_TD.stride(0), BT=BT, BN=BN, BK=BK, PREC=launch.precision,
+            num_warps=launch.num_warps, **pdl(x_TD, kc))
     return part
 
 
