@@ -2,7 +2,7 @@
 hidden states and float32 weights, split-K partials that the routing launch sums) on one GPU: µs per call inside a
 CUDA graph of each launch (tiles, split-K target, dot precision, warps) beside cuBLAS's float32 GEMM after the
 upcast copy it replaced, at DeepSeek-V2-Lite's router (64 experts of 2048) and DeepSeek-V3's (256 of 7168). A profile
-put the IEEE launch at 24 us a layer at batch 1024, where the copy and cuBLAS took 23
+put the first (IEEE) launch at 24 us a layer at batch 1024, where the copy and cuBLAS took 23
 (benchmarks/results/h100-p1-decode-profile-deepseek-1024.json).
 
     python benchmarks/kernels/router_tune.py router_tune.json
@@ -31,8 +31,8 @@ def tune(name: str, E: int, D: int, T: int, dev: torch.device) -> list[dict]:
     want = F.linear(x.float(), gate)
     base = dict(shape=name, experts=E, hidden=D, batch=T)
     rows = [dict(base, kernel="cublas", us=graph_time_us(lambda: F.linear(x.float(), gate)))]
-    for BT, BK, programs, prec, warps in itertools.product((16, 64, 128), (64, 128), (128, 256, 512),
-                                                            ("ieee", "tf32x3"), (4, 8)):
+    for BT, BK, programs, prec, warps in itertools.product((16, 64, 128), (64, 128), (128, 256),
+                                                            ("ieee", "tf32x3"), (4,)):
         if BT > max(16, T):
             continue
         launch = dataclasses.replace(fused.ROUTER_F32, BT=BT, BK=BK, programs=programs, precision=prec,
