@@ -489,11 +489,11 @@ class EngineConfig:
                             "hits) or grouped_mm (torch._grouped_mm)", ("triton", "grouped_mm"))
     disable_pdl: bool = _flag(False, "launch the Triton kernels without programmatic dependent launch (by default, on "
                               "Hopper and newer, a kernel launches while the one before it finishes)")
-    disable_fp8_activations: bool = _flag(False, "with --quantization fp8 on the GPU, multiply in --dtype against "
-                                          "each FP8 weight tile dequantized as loaded (W8A16); by default each "
-                                          "128-column group of a token's activations is quantized to FP8 with a "
-                                          "scale of its own and the GEMMs multiply FP8 by FP8 (W8A8, as vLLM and "
-                                          "SGLang for block FP8)")
+    fp8_activations: bool = _flag(False, "with --quantization fp8 on the GPU, quantize each 128-column group of a "
+                                  "token's activations to FP8 with a scale of its own and multiply FP8 by FP8 (W8A8, "
+                                  "as vLLM and SGLang for block FP8); by default each FP8 weight tile is dequantized "
+                                  "as loaded and multiplied in --dtype (W8A16: the faster here at decode sizes, and "
+                                  "the bf16 model's activations; docs/performance.md)")
     disable_reshard_kernel: bool = _flag(False, "a switch's local expert permutes through torch's strided copies "
                                          "instead of the Triton row copy (GPU)")
     admin_port: int | None = _flag(None, "serve operator endpoints (POST /admin/switch, GET /admin/status) on this "

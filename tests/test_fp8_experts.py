@@ -340,12 +340,12 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
 
 @pytest.mark.gpu
 def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
-    """On a GPU in bf16 (benchmarks/families_device_run.sh's `fp8tests` step): the fused
-    MoE and the projections on FP8 rows in W8A16, through decode graphs and eager steps in both layouts, against the
-    engine on the dequantized checkpoint (the same bf16 weight values; the kernels' K steps differ, so nearly every
-    token, not all). W8A8 rounds the activations to float8 too, which on this tiny random model's close logits moved
+    """On a GPU in bf16 (benchmarks/families_device_run.sh's `fp8tests` step): the fused MoE and the projections on
+    FP8 rows in W8A16 (the default), through decode graphs and eager steps in both layouts, against the engine on
+    the dequantized checkpoint (the same bf16 weight values; the kernels' K steps differ, so nearly every token, not
+    all). W8A8 rounds the activations to float8 too, which on this tiny random model's close logits moved
     most tokens (7 of 32 kept on an H100): its kernels are checked against their reference in test_gpu.py instead."""
-    gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT, disable_fp8_activations=True)
+    gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT)
 
 
 @pytest.mark.parametrize("quant,ratio", [("fp8", (144, 256)), ("mxfp4", (17, 64))])

@@ -151,8 +151,8 @@ def _nearest_even_fp8_casts() -> None:
 
 
 def moe_fp8_cases() -> None:
-    """The fused MoE on FP8 rows (kernels/fp8_rows.py) in W8A16 (kc.fp8_activations off: each weight tile
-    dequantized as loaded) against the torch reference, which dequantizes them."""
+    """The fused MoE on FP8 rows (kernels/fp8_rows.py) in W8A16 (the default, kc.fp8_activations off: each weight
+    tile dequantized as loaded) against the torch reference, which dequantizes them."""
     from moebius.kernels import KernelConfig
     from moebius.kernels import fused_moe as fm
     from moebius.layers.moe import experts_ref
@@ -167,16 +167,18 @@ def moe_fp8_cases() -> None:
 
 
 def moe_w8a8_cases() -> None:
-    """The fused MoE on FP8 rows in W8A8 (the default kc.fp8_activations: float8 dots of activations quantized per
-    token and 128-column group) against torch's statement of it: `quantize_groups` on the activations, float32 math
-    on the dequantized weights. Each GEMM launch is checked on its own input to 1e-5: the down launch on the h the
+    """The fused MoE on FP8 rows in W8A8 (kc.fp8_activations: float8 dots of activations quantized per token and
+    128-column group) against torch's statement of it: `quantize_groups` on the activations, float32 math on the
+    dequantized weights. Each GEMM launch is checked on its own input to 1e-5: the down launch on the h the
     gate_up launch wrote, since two float32 sums of h a last bit apart round to float8 a step apart where they
     straddle a midpoint (a few elements in 10^5, each ~1e-5 of the output). The whole `fused_experts` is checked
     against `experts_ref` so quantized, within such steps. The W8A16 results differ by percents (a fallback fails)."""
+    from moebius.kernels import KernelConfig
     from moebius.kernels import fused_moe as fm
     from moebius.kernels.fp8_rows import quantize_groups, unpack_rows
     from moebius.layers.moe import experts_ref, swiglu
 
+    W8A8 = KernelConfig(fp8_activations=True)
     _nearest_even_fp8_casts()
     g = torch.Generator().manual_seed(1)
     K = 4
@@ -184,8 +186,8 @@ def moe_w8a8_cases() -> None:
         x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I, K)
         c = fm.config_for(T * K, E, E_all // E)
         blocks = fm.direct(ids, first, c.BM) if T * K <= fm.DIRECT_MAX_PAIRS else fm.align(ids, first, E, c.BM)
-        h = fm.gate_up(x, w13, blocks, K, c.gate_up)
-        y = fm.down(h, w2, blocks, w.reshape(-1), c.down)
+        h = fm.gate_up(x, w13, blocks, K, c.gate_up, kc=W8A8)
+        y = fm.down(h, w2, blocks, w.reshape(-1), c.down, kc=W8A8)
         row = torch.arange(T * K)  # each pair's row of h (direct: its own; sorted: where the align put it)
         if not blocks.direct:
             used = blocks.rows < T * K
@@ -204,7 +206,7 @@ def moe_w8a8_cases() -> None:
             got, want, a16 = (torch.cat(r) for r in results)
             err, apart = ((got - want).norm() / want.norm()).item(), ((a16 - want).norm() / want.norm()).item()
             assert err < 1e-5 and apart > 1e-2, (name, T, E, first, D, I, err, apart)
-        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, kc=W8A8)
         ref = experts_ref(quantize_groups(x), w, ids, w13, w2, first, act=lambda gu: quantize_groups(swiglu(gu)))
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 2e-4, (T, E, first, D, I, err)
@@ -538,7 +540,7 @@ def test_few_row_linear_under_the_interpreter() -> None:
 def linear_fp8_cases() -> None:
     """kernels/linear.py's projection on FP8 rows against F.linear on their dequantized weights (`unpack_rows`): one
     row to a prompt's many (several token tiles), whole and ragged 128-column chunks, partial weight-row tiles. W8A16
-    (kc.fp8_activations off) on x, W8A8 (the default) on `quantize_groups(x)`, to 1e-5; the two differ by percents (a
+    (the default) on x, W8A8 (kc.fp8_activations) on `quantize_groups(x)`, to 1e-5; the two differ by percents (a
     fallback fails)."""
     import torch.nn.functional as F
 
@@ -557,10 +559,10 @@ def linear_fp8_cases() -> None:
             b = torch.randn(N, generator=g)
             for bias in (None, b):
                 want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
-                got = run(x, w, bias, kc=KernelConfig(fp8_activations=False))
+                got = run(x, w, bias)
                 assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (run, T, N, K, (got - want).abs().max())
                 want8 = F.linear(quantize_groups(x), unpack_rows(w, K, x.dtype), bias)
-                err = ((run(x, w, bias) - want8).norm() / want8.norm()).item()
+                err = ((run(x, w, bias, kc=KernelConfig(fp8_activations=True)) - want8).norm() / want8.norm()).item()
                 assert err < 1e-5, (run, T, N, K, bias is None, err)
                 assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
 
@@ -584,14 +586,14 @@ def test_fused_experts_under_the_interpreter() -> None:
 
 
 def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
-    """--quantization fp8's GPU path with --disable-fp8-activations (written, not yet run on a GPU): each weight
+    """--quantization fp8's default GPU path (W8A16): each weight
     tile's float8 values times its rows' block scales, rounded to the activations' dtype, then the same GEMMs."""
     _run("moe_fp8")
 
 
 def test_fused_experts_w8a8_on_fp8_rows_under_the_interpreter() -> None:
-    """--quantization fp8's default GPU path: the activations quantized per token and 128-column group, float8 dots
-    scaled by both sides' scales (written, not yet run on a GPU)."""
+    """--quantization fp8 --fp8-activations's GPU path (W8A8): the activations quantized per token and 128-column
+    group, float8 dots scaled by both sides' scales."""
     _run("moe_w8a8")
 
 

@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--mode", default="tp")
     ap.add_argument("--quantization", default=None, help="as the engine's --quantization (fp8, mxfp4)")
-    ap.add_argument("--disable-fp8-activations", action="store_true", help="FP8 rows' GEMMs in W8A16")
+    ap.add_argument("--fp8-activations", action="store_true", help="FP8 rows' GEMMs in W8A8")
     ap.add_argument("--graphs-only", action="store_true", help="profile graph replay alone (no eager step)")
     ap.add_argument("--output", help="a result JSON of the top kernels of each profiled step")
     ap.add_argument("--disable-pdl", action="store_true", help="launch without programmatic dependent launch: each "
@@ -42,7 +42,7 @@ def main() -> None:
     engine = EngineCore(EngineConfig.from_kwargs(
         model=model, load_format="dummy", num_layers=a.num_layers, max_model_len=a.context + 64,
         max_running_requests=max(a.batch), mem_fraction=0.5, cuda_graph_max_bs=max(a.batch), mode=a.mode,
-        quantization=a.quantization, disable_pdl=a.disable_pdl, disable_fp8_activations=a.disable_fp8_activations))
+        quantization=a.quantization, disable_pdl=a.disable_pdl, fp8_activations=a.fp8_activations))
     rows: list[dict[str, Any]] = []
     try:
         for b in a.batch:

@@ -54,7 +54,9 @@ class KernelConfig:
     Triton kernel and cuDNN (decodes apart keep their Triton launch); the engine's: --prefill-attention.
     fp8_activations: GEMMs on FP8 rows (--quantization fp8) quantize each 128-column group of a row's activations to
     float8 with a scale of its own and multiply float8 by float8 (W8A8, vLLM's and SGLang's default for block FP8);
-    off: each weight tile dequantized to the activations' dtype (W8A16); the engine's: not --disable-fp8-activations."""
+    off (the default): each weight tile dequantized to the activations' dtype (W8A16), whose decode steps measured
+    faster (benchmarks/results/h100-p1-qwen3-30b-fp8-w8a16-sweep.json against h100-p1-qwen3-30b-fp8-sweep.json);
+    the engine's: --fp8-activations."""
 
     moe_backend: str = "triton"
     pdl: bool = True
@@ -63,7 +65,7 @@ class KernelConfig:
     fresh_chunk_lengths: frozenset[int] = frozenset()
     decodes_apart: bool = False
     flash_prefill: bool = False
-    fp8_activations: bool = True
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_backend not in ("triton", "grouped_mm"):

@@ -11,10 +11,10 @@
   Their steps run in the LATE order too.
 And FP8 rows (--quantization fp8, kernels/fp8_rows.py) at any row count (`linear_fp8`): the same tensor-core tiles,
 so a projection reads its FP8 bytes once instead of a bf16 copy made for each call; one or two rows in the LATE order
-as the first kernel does, weight rows in registers before the wait (`linear_fp8_rows`). By default (kc.fp8_activations)
-each 128-column group of a row's activations is quantized to float8 with a scale of its own and the tensor cores take
-float8 on both sides (W8A8: `quantize_act`, `fp8_dot`); else each weight tile is dequantized in registers as it is
-loaded (W8A16: `weight_tile`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
+as the first kernel does, weight rows in registers before the wait (`linear_fp8_rows`). By default each weight tile is
+dequantized in registers as it is loaded (W8A16: `weight_tile`); with kc.fp8_activations each 128-column group of a
+row's activations is quantized to float8 with a scale of its own and the tensor cores take float8 on both sides
+(W8A8: `quantize_act`, `fp8_dot`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
 (--quantization mxfp4, kernels/mxfp4_rows.py) through `weight_tile` alone (W4A16: `mx4_tile`).
 """
 

@@ -31,7 +31,7 @@ from moebius.switch.policy import StepCurve, crossover
 FORMAT = 2  # 2: mixed steps (format 1 files, without them, are still read)
 
 
-def weights_label(dtype: str, quantization: str | None, fp8_activations: bool = True) -> str:
+def weights_label(dtype: str, quantization: str | None, fp8_activations: bool = False) -> str:
     """A profile key's dtype: the engine's, and its --quantization where it holds quantized rows (their steps and
     switches take other times: a bf16 profile is not an FP8 engine's), FP8's W8A16 apart from its W8A8."""
     if not quantization:
