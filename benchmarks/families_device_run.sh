@@ -38,11 +38,10 @@
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
-# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Next: `gptsweep` on an
-#   H200 (needs_h200: gpt-oss-20b's batch 1024 at a 1k context does not fit an H100's KV; at 6e4efa1 the H100 ran
-#   1.06x-1.18x from 64 to 512, issue 45's bar); `fp8tests fp8 fp8work` (FP8 rows' own MoE table and projection
-#   launches, b3dae70, not yet timed in the engine); `sweep` on an H200 (issue 44: 1.21x-1.26x from 64 to 512 on an
-#   H100, 1.35x at 1024)
+# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Next: `sweep gptsweep`
+#   on an H200 (needs_h200: gpt-oss-20b's batch 1024 at a 1k context does not fit an H100's KV; on an H100 at d7f6276
+#   DeepSeek-V2-Lite ran 1.17x-1.28x from 64 to 1024, gpt-oss-20b at a 512 context 1.06x-1.22x to 512 and 1.38x at
+#   1024); `fp8tests fp8 fp8work` (W8A16 the default since a740521: its GPU tests, whole requests, agreement)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -66,7 +65,8 @@ retest)  # the families that failed `families` once mended: OLMoE (passed on an 
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 moetests)  # the shared experts' activation in one launch and their add inside the pair sum; the MoE blocks through them
-  t moe_tests 150 $P tests/test_gpu.py -k "swiglu or shared_experts or pairs_summed or fused_experts" tests/test_deepseek_moe.py tests/test_deepseek_family.py ;;
+  t moe_tests 150 $P tests/test_gpu.py -k "swiglu or shared_experts or pairs_summed or fused_experts"
+  t moe_blocks 150 $P tests/test_deepseek_moe.py tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py ;;
 fp8sweep)  # `fp8`'s decode sweep alone
   t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
 sweep)
