@@ -477,7 +477,8 @@ def grouped_route_cases() -> None:
         picked = choice.gather(1, got_ids)
         assert (picked[:, :-1] >= picked[:, 1:]).all(), (E, method)
     # the float32 router as split-K partials, summed inside the routing launch (`route_tokens` on the GPU)
-    for T, D, E in [(1, 256, 64), (37, 200, 160), (70, 448, 64)]:  # one split; D not a multiple of 64; 2 token tiles
+    # no tokens (an EP rank's empty step); one split; D not a multiple of 64; 2 token tiles
+    for T, D, E in [(0, 256, 64), (1, 256, 64), (37, 200, 160), (70, 448, 64)]:
         cfg = MoEConfig(num_experts=E, top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1,
                         topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=1,
                         moe_intermediate_size=8, intermediate_size=8)

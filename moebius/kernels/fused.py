@@ -370,7 +370,7 @@ def router_partials_f32(x_TD: torch.Tensor, gate_ED: torch.Tensor, *, launch: Ro
     if x_TD.stride(1) != 1 or not gate_ED.is_contiguous() or gate_ED.dtype != torch.float32:
         raise ValueError("router_partials_f32 takes rows of x with unit column stride and a contiguous float32 router")
     BT, BN, BK = min(launch.BT, max(16, triton.next_power_of_2(T))), launch.BN, launch.BK
-    tiles = triton.cdiv(T, BT) * triton.cdiv(E, BN)
+    tiles = max(1, triton.cdiv(T, BT) * triton.cdiv(E, BN))  # (a rank may route no tokens in EP)
     chunks = triton.cdiv(D, BK)
     per = triton.cdiv(chunks, max(1, min(chunks, launch.programs // tiles)))
     S = triton.cdiv(chunks, per)
