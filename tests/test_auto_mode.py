@@ -89,3 +89,10 @@ def test_a_quantized_engine_calibrates_apart(tmp_path: Any) -> None:
             assert events == ([] if quant is not None and len(keys) == 3 else ["calibration"] * 2), (quant, events)
     assert keys[0].dtype == "float32" and keys[1].dtype == keys[2].dtype == "float32+mxfp4"
     assert len({k.file_name() for k in keys}) == 2
+
+
+def test_fp8_profiles_tell_w8a8_from_the_default_w8a16() -> None:
+    """FP8's two GEMM forms take other times: their profiles are apart (the default W8A16 the bare label)."""
+    label = calibration.weights_label
+    assert label("bfloat16", None) == "bfloat16" and label("bfloat16", "mxfp4", True) == "bfloat16+mxfp4"
+    assert label("bfloat16", "fp8") == "bfloat16+fp8" and label("bfloat16", "fp8", True) == "bfloat16+fp8-w8a8"
