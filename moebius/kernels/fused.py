@@ -353,7 +353,8 @@ class RouterLaunch:
     BK: int = 64
     programs: int = 256
     # IEEE float32 dots run on the CUDA cores: 24 us a layer at batch 1024 on an H100, no better than cuBLAS
-    # (benchmarks/results/h100-p1-decode-profile-deepseek-1024.json); TF32x3's run on the tensor cores
+    # (benchmarks/results/h100-p1-decode-profile-deepseek-1024.json); TF32x3's run on the tensor cores, a third of
+    # cuBLAS's time (benchmarks/results/h100-p1-router-tune.json)
     precision: str = "tf32x3"
     num_warps: int = 4
 
