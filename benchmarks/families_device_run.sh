@@ -26,7 +26,9 @@
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
-#   gptsweep  `gptoss`'s decode sweep alone
+#   gptsweep  `gptoss`'s decode sweep alone; gptsweep512 the same at a 512 context (batch 1024 fits an H100)
+#   routertune the float32 router's launches (benchmarks/kernels/router_tune.py)
+#   moetests  the shared experts' launches (SwiGLU, the add inside the pairs' sum) and the MoE blocks' GPU tests
 #   qktests   the q/k rope kernel without norms and the GQA families' GPU parity through it
 #   profile   the top kernels of a decode step at batches 1 and 64 (4 layers): Qwen3-30B-A3B in FP8 and bf16,
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
@@ -67,8 +69,11 @@ tests)
 moetests)  # the shared experts' activation in one launch and their add inside the pair sum; the MoE blocks through them
   t moe_tests 150 $P tests/test_gpu.py -k "swiglu or shared_experts or pairs_summed or fused_experts"
   t moe_blocks 150 $P tests/test_deepseek_moe.py tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py ;;
-fp8sweep)  # `fp8`'s decode sweep alone
-  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
+fp8sweep)  # `fp8`'s decode sweep alone (W8A16, the default since a740521), and in W8A8 (--fp8-activations)
+  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
+  t fp8_sweep_w8a8 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --fp8-activations --modes tp --cuda-graph-max-bs 256 --batches 1,8,64,256 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-w8a8-sweep.json ;;
+routertune)  # the float32 router's launches (DeepSeek-V2-Lite's and V3's routers) against the upcast copy + cuBLAS
+  t router_tune 120 python3 benchmarks/kernels/router_tune.py $R/$C-p1-router-tune.json ;;
 sweep)
   t sweep 200 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
 work)
@@ -100,6 +105,8 @@ gptoss)
   t gptoss_work 200 $B throughput $G --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --hf-baseline --output $R/$C-p1-gpt-oss-20b-throughput.json ;;
 gptsweep)  # `gptoss`'s decode sweep alone (an H100 holds the KV of batch 512 at most at context 1024)
   t gptoss_sweep 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 1,4,16,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep.json ;;
+gptsweep512)  # the same at a 512 context, where an H100 holds batch 1024's KV
+  t gptoss_sweep512 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 1,4,16,64,128,256,512,1024 --context-len 512 --output $R/$C-p1-gpt-oss-20b-sweep-context512.json ;;
 qktests)  # the q/k rope kernel without q/k norms (GPT-OSS, Mixtral, Qwen2-MoE take it now) and its families' GPU parity
   t qk_tests 200 $P tests/test_gpu.py -k "qk_norm_rope" tests/test_gpt_oss_family.py tests/test_mixtral_family.py tests/test_qwen2_moe_family.py tests/test_glm4_moe_family.py ;;
 gptosswork)  # `gptoss`'s whole requests alone (its transformers baseline: generate() in static batches where
