@@ -352,9 +352,9 @@ class RouterLaunch:
     BN: int = 64
     BK: int = 64
     programs: int = 256
-    # IEEE float32 dots run on the CUDA cores: 24 us a layer at batch 1024 on an H100, no better than cuBLAS
-    # (benchmarks/results/h100-p1-decode-profile-deepseek-1024.json); TF32x3's run on the tensor cores, a third of
-    # cuBLAS's time (benchmarks/results/h100-p1-router-tune.json)
+    # IEEE float32 dots run on the CUDA cores, no faster than cuBLAS (benchmarks/results/
+    # h100-p1-decode-profile-deepseek-1024.json); TF32x3's on the tensor cores (benchmarks/results/
+    # h100-p1-router-tune.json)
     precision: str = "tf32x3"
     num_warps: int = 4
 
@@ -477,6 +477,13 @@ def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, a
 
 
 @triton.jit
+def silu_mul(g, u, DT: tl.constexpr):
+    """silu(g) * u in float32 of g and u held in DT, rounded where torch's two launches round: silu's output (to DT),
+    then the product (the caller stores it in DT). The fused MoE's gate_up launch computes it too."""
+    return (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
+
+
+@triton.jit
 def _swiglu(H, Out, F, stride_h, BF: tl.constexpr, PDL: tl.constexpr):
     """Out[t] = silu(H[t, :F]) * H[t, F:], rounded where torch's two launches round: silu's output, the product."""
     enter(PDL)
@@ -485,8 +492,7 @@ def _swiglu(H, Out, F, stride_h, BF: tl.constexpr, PDL: tl.constexpr):
     m = cols < F
     g = tl.load(H + t * stride_h + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(H + t * stride_h + F + cols, mask=m, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + t * F + cols, (s * u).to(Out.dtype.element_ty), mask=m)
+    tl.store(Out + t * F + cols, silu_mul(g, u, Out.dtype.element_ty).to(Out.dtype.element_ty), mask=m)
 
 
 def swiglu(h_TF2: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:

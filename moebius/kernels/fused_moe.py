@@ -22,6 +22,7 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK
+from moebius.kernels.fused import silu_mul
 from moebius.kernels.linear import FP8_ROWS, MXFP4_ROWS, PLAIN, fp8_dot, quantize_act, weight_tile
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
@@ -56,8 +57,8 @@ CONFIGS: list[tuple[float, MoEConfig]] = [
     (12.0, MoEConfig(16, TileConfig(64, 128, 4, 3), TileConfig(128, 128, 4, 3))),
     (24.0, MoEConfig(32, TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3))),
     (64.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
-    # one 128-row block an expert up to 96 pairs (each weight tile read once): searched at DeepSeek-V2-Lite's batch
-    # 1024 on an H100, 5% under the 64-row blocks (benchmarks/results/h100-p1-moe-tune-deepseek-v2-lite.json)
+    # one 128-row block an expert up to 96 pairs (each weight tile read once): faster than 64-row blocks in the search
+    # at DeepSeek-V2-Lite's batch 1024 (benchmarks/results/h100-p1-moe-tune-deepseek-v2-lite.json)
     (96.0, MoEConfig(128, TileConfig(64, 64, 8, 3), TileConfig(128, 128, 8, 3, tma=True))),
     # TMA only for the largest blocks: it measured faster at many thousands of pairs and no better below
     # (`python benchmarks/kernels/moe_tune.py --no-search`; benchmarks/results/h200-moe-tma.json)
@@ -93,7 +94,7 @@ DIRECT_MAX_PAIRS = 32
 
 # FP8 rows' own table (their BK and stages are the format's, `_row_tiles`: BN, warps and BM are what differ), searched
 # on an H100 at Qwen3-30B-A3B's shapes (moe_tune.py --quantization fp8, benchmarks/results/h100-p1-moe-tune-fp8.json):
-# bf16's 128-row TMA blocks took twice as long as 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
+# bf16's 128-row TMA blocks were slower than 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
 # at 16 pairs an expert. Between 24 and 96 pairs an expert it was not searched (the 64-row blocks of prompt sizes).
 FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(64, 128, 4, 3))),
@@ -293,7 +294,7 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
             uc = tl.minimum(tl.maximum(ub, -limit), limit)
             h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
         else:
-            h = (gb / (1.0 + tl.exp(-gb))).to(Out.dtype.element_ty).to(tl.float32) * ub
+            h = silu_mul(gb, ub, Out.dtype.element_ty)
         tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(Out.dtype.element_ty),
                  mask=ok[:, None] & nm[None, :])
 
