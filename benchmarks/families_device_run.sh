@@ -34,6 +34,8 @@
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   bigprofile gpt-oss-20b's decode at 512 and 1024 (graphs), and the kernels of DeepSeek-V2-Lite's and gpt-oss-20b's
 #             large-batch steps without PDL (each kernel's time its own)
+#   splittune the FP8 projection's launches with K splits (W8A16; 8, 64, 256 rows) and W8A16's decode kernels at 64
+#             and 256 (no PDL: each kernel's own time)
 #   fp8tune   the fused MoE's tiles and the projection's launch searched on FP8 rows (moe_tune.py --quantization
 #             fp8, linear_fp8_tune.py)
 #   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
@@ -123,6 +125,10 @@ bigprofile)  # the large batches that miss the bar (DeepSeek-V2-Lite from 512, g
   t gptoss_big 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep-big.json
   t bigprofile_deepseek 120 $S --model deepseek-v2-lite --batch 64 1024 --output $R/$C-p1-decode-profile-deepseek-big.json
   t bigprofile_gptoss 120 $S --model gpt-oss-20b --batch 1024 --output $R/$C-p1-decode-profile-gpt-oss-big.json ;;
+splittune)  # the projection on FP8 rows with its K split (W8A16, decode's rows), and the W8A16 step's kernels each
+  # timed alone (no PDL) at 64 and 256
+  t splittune 330 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-split-tune.json --rows 8 64 256
+  t fp8profile 150 python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 64 256 --context 1024 --graphs-only --disable-pdl --top 30 --model qwen3-30b-a3b --quantization fp8 --output $R/$C-p1-decode-profile-fp8-w8a16.json ;;
 fp8tune)  # the fused MoE's tiles on FP8 rows at Qwen3-30B-A3B's shapes (never searched: bf16's are used)
   t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 2048 --output $R/$C-p1-moe-tune-fp8.json
   t fp8lineartune 240 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-tune.json ;;

@@ -95,10 +95,25 @@ LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() 
                                                             for a, m, _ in LAUNCHES])
 def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, most: int, launch: tuple) -> None:
     """Every launch shape of `linear.FP8_LAUNCHES` (their BT for a step of the bucket's most rows, 2048 at most)."""
-    BM, BT, warps, stages = linear.fp8_launch(min(most, 2048), act8)
-    assert (BM, warps, stages) == (launch[0], launch[2], launch[3])
-    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8, PDL=1), warps,
-                 stages, aligned=("N", "K", "WS", "stride_x", "stride_o"))
+    BM, BT, warps, stages, splits = linear.fp8_launch(min(most, 2048), act8)
+    assert (BM, warps, stages, splits) == (launch[0], launch[2], launch[3], launch[4])
+    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8, SPLITS=splits,
+                                                        PDL=1), warps, stages,
+                 aligned=("N", "K", "WS", "stride_x", "stride_o"))
+
+
+@pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
+def test_the_split_k_projection_on_fp8_rows_compiles_for_hopper(act8: bool) -> None:
+    """`_linear_fp8` with its K split (float32 partials, a runtime chunk range a program) reads as the whole-K launch
+    does (the weights in 16-byte asynchronous copies: the chunk loop keeps k0's alignment), and `_sum_splits`
+    compiles."""
+    kinds = [global_loads(compile_sm90(linear._linear_fp8, {**LINEAR_TYPES, "Out": out},
+                                       dict(HAS_BIAS=False, BT=64, BM=64, ACT8=act8, SPLITS=splits, PDL=2), 4, 4,
+                                       aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
+             for splits, out in ((1, "*bf16"), (4, "*fp32"))]
+    assert "cp16" in kinds[1] and kinds[0] == kinds[1], kinds
+    compile_sm90(linear._sum_splits, dict(Part="*fp32", B="*bf16", Out="*bf16", T="i32", N="i32", stride_o="i32"),
+                 dict(HAS_BIAS=True, SPLITS=4, BN=1024, PDL=2), 4, 1, aligned=("N", "stride_o"))
 
 
 def global_loads(ptx: str) -> set[str]:
@@ -121,8 +136,8 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
     hidden, inter, heads = 2048, 768, 32
     if name in ("qkv", "o"):
         K = hidden if name == "qkv" else heads * 128
-        BM, BT, warps, stages = linear.fp8_launch(64, True)
-        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, PDL=1)
+        BM, BT, warps, stages, splits = linear.fp8_launch(64, True)
+        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, SPLITS=splits, PDL=1)
         asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, warps, stages,
                            aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
     else:

@@ -1,18 +1,19 @@
 """The dense projection on FP8 rows (`kernels/linear._linear_fp8`) over its launch shapes on one GPU: weight rows a
-program (BM), token rows a program (BT), warps, pipeline stages, W8A8 and W8A16, at Qwen3-30B-A3B's q|k|v
-(5120 x 2048) and o (2048 x 4096) projections and 1 to 2048 rows; µs per call inside a CUDA graph and the weight
-bandwidth reached, beside the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`).
-`linear.FP8_LAUNCHES` comes from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "default" marks its
-launch. At one or two rows the engine runs `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
+program (BM), token rows a program (BT), warps, pipeline stages, K splits (float32 partials summed by
+`_sum_splits`), W8A16 (and W8A8 with --w8a8), at Qwen3-30B-A3B's q|k|v (5120 x 2048) and o (2048 x 4096)
+projections; µs per call inside a CUDA graph (the partials' sum included) and the weight bandwidth reached, beside
+the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`). `linear.FP8_LAUNCHES` comes
+from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "default" marks its launch. At one or two rows the
+engine runs `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
 
-    python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json
+    python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json --rows 8 64 256 [--w8a8]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
-import sys
 
 import torch
 import triton
@@ -20,17 +21,17 @@ import triton
 from moebius.bench.floor import hardware_of
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import write_result
-from moebius.kernels import DEFAULT_KERNELS, LATE
+from moebius.kernels import DEFAULT_KERNELS, LATE, KernelConfig
 from moebius.kernels import linear as L
 from moebius.kernels.fp8_rows import pack_rows
-from moebius.kernels.pdl import pdl
 from moebius.layers.linear import linear as dense_linear
 
 SHAPES = (("qkv", 5120, 2048), ("o", 2048, 4096))
 ROWS = (1, 8, 64, 256, 2048)  # (2048: a prompt chunk's rows, where the GEMM is compute-bound)
 
 
-def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: float) -> list[dict]:
+def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: float, forms: tuple[bool, ...]
+         ) -> list[dict]:
     """Every launch shape's row at one projection and row count (shapes that fail to compile are left out)."""
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5
     rows = pack_rows(w)
@@ -40,34 +41,35 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
     nbytes = rows.numel()
     out = []
     bts = sorted({min(bt, max(16, triton.next_power_of_2(T))) for bt in (16, 64, 128)})
-    for act8, BM, nw, st, BT in itertools.product((True, False), (16, 32, 64, 128), (4, 8), (3, 5), bts):
+    for act8, BM, nw, st, BT, sp in itertools.product(forms, (16, 32, 64, 128), (4, 8), (3, 5), bts, (1, 2, 4, 8)):
+        if (sp > 1 and T > 256) or (nw == 8 and BM * BT < 64 * 64):  # (prompt sizes fill the SMs with whole-K
+            continue  # programs; 8 warps on a small tile sit idle)
         o = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+        kc8 = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8)
 
-        def fn(act8: bool = act8, BM: int = BM, nw: int = nw, st: int = st, BT: int = BT,
-               o: torch.Tensor = o) -> None:
-            L._linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT))](
-                x, rows, rows, o, T, N, K, rows.shape[1], x.stride(0), o.stride(0), HAS_BIAS=False, BT=BT, BM=BM,
-                ACT8=act8, num_warps=nw, num_stages=st, **pdl(x, DEFAULT_KERNELS))
+        def fn(BM: int = BM, nw: int = nw, st: int = st, BT: int = BT, sp: int = sp, o: torch.Tensor = o,
+               kc8: KernelConfig = kc8) -> None:
+            L.launch_fp8(x, rows, None, o, BM, BT, nw, st, sp, kc=kc8)
 
         try:
             us = graph_time_us(fn)
         except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
-            print(name, T, act8, BM, nw, st, "failed:", str(e)[:100])
+            print(name, T, act8, BM, nw, st, sp, "failed:", str(e)[:100])
             continue
-        want = L.linear_fp8(x, rows, kc=dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8))
-        out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, BT=BT, warps=nw, stages=st, us=us,
-                        gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
+        want = L.linear_fp8(x, rows, kc=kc8)
+        out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, BT=BT, warps=nw, stages=st,
+                        splits=sp, us=us, gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(T > L.MAX_ROWS and (BM, BT, nw, st) == L.fp8_launch(T, act8))))
+                        default=(T > L.MAX_ROWS and (BM, BT, nw, st, sp) == L.fp8_launch(T, act8))))
     if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
-        for act8 in (True, False):
+        for act8 in forms:
             kc8 = dataclasses.replace(kc, fp8_activations=act8)
             us = graph_time_us(lambda kc8=kc8: L.linear_fp8_rows(x, rows, kc=kc8))
             out.append(dict(proj=name, N=N, K=K, rows=T, kernel="rows", act8=act8, us=us, gbps=nbytes / us / 1e3,
                             floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us, default=True,
                             err=(L.linear_fp8_rows(x, rows, kc=kc8).float()
                                  - L.linear_fp8(x, rows, kc=kc8).float()).abs().max().item()))
-    for act8 in (True, False):
+    for act8 in forms:
         mine = [r for r in out if r["act8"] == act8]
         if mine:
             best = min(mine, key=lambda r: r["us"])
@@ -77,15 +79,21 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("output", nargs="?", default="linear_fp8_tune.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    ap.add_argument("--w8a8", action="store_true", help="search W8A8's launches too")
+    args = ap.parse_args()
+    forms = (False, True) if args.w8a8 else (False,)
     dev = torch.device("cuda")
     hbm = hardware_of(torch.cuda.get_device_name()).hbm_bytes_per_s
     out = []
     for name, N, K in SHAPES:
-        for T in ROWS:
-            out += tune(name, N, K, T, dev, hbm)
-    path = sys.argv[1] if len(sys.argv) > 1 else "linear_fp8_tune.json"
+        for T in args.rows:
+            out += tune(name, N, K, T, dev, hbm, forms)
+    path = args.output
     write_result(path, out, params=dict(output=path, shapes=[dict(proj=n, N=N, K=K) for n, N, K in SHAPES],
-                                        rows=list(ROWS)),
+                                        rows=args.rows, w8a8=args.w8a8),
                  note="the FP8-rows projection per call inside a CUDA graph (us), the weight bandwidth reached (gbps), "
                       "its bytes' HBM time (floor_us) and the bf16 projection's time (bf16_us); err: max abs "
                       "difference to linear_fp8's own launch; default: its launch shape")

@@ -277,35 +277,44 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
 
 
 # FP8 rows: one 128-column chunk a K step (its scale covers exactly those columns). Launch shapes (weight rows a
-# program, token rows a program, warps, stages) by the most rows a step brings, for W8A16 and W8A8, searched on an
-# H100 at Qwen3-30B-A3B's q|k|v and o (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/
-# h100-p1-linear-fp8-tune.json): the unsearched 64 x 64 launch ran few programs an SM at decode sizes.
-FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int]]]] = {
-    False: [(16, (32, 16, 4, 5)), (64, (16, 64, 4, 5)), (256, (64, 64, 4, 3)), (1 << 62, (128, 128, 8, 3))],
-    True: [(16, (128, 16, 8, 3)), (256, (64, 64, 4, 3)), (1 << 62, (128, 64, 4, 3))],
+# program, token rows a program, warps, stages, K splits) by the most rows a step brings, for W8A16 and W8A8, searched
+# on an H100 at Qwen3-30B-A3B's q|k|v and o (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/
+# h100-p1-linear-fp8-tune.json): the unsearched 64 x 64 launch ran few programs an SM at decode sizes. K splits:
+# programs that each sum a contiguous share of the chunks into float32 partials, summed in split order by
+# `_sum_splits` (more programs where N / BM x T / BT leaves SMs idle; at most one split a chunk).
+FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int]]]] = {
+    False: [(16, (32, 16, 4, 5, 1)), (64, (16, 64, 4, 5, 1)), (256, (64, 64, 4, 3, 1)), (1 << 62, (128, 128, 8, 3, 1))],
+    True: [(16, (128, 16, 8, 3, 1)), (256, (64, 64, 4, 3, 1)), (1 << 62, (128, 64, 4, 3, 1))],
 }
 
 
-def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int]:
-    """(BM, BT, warps, stages) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the least)."""
-    BM, BT, warps, stages = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
-    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages
+def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int, int]:
+    """(BM, BT, warps, stages, splits) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the least)."""
+    BM, BT, warps, stages, splits = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
+    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, splits
 
 
 @triton.jit
 def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
-                BM: tl.constexpr, ACT8: tl.constexpr, PDL: tl.constexpr):
+                BM: tl.constexpr, ACT8: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, float32
     sums rounded once. ACT8: each [BT, 128] tile of X quantized per row (`quantize_act`), FP8 dots (`fp8_dot`); else
-    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`)."""
+    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`).
+    SPLITS > 1: program_id(2) sums only its share of the chunks, into float32 partials Out[split, t, n] (row stride
+    stride_o; no bias: `_sum_splits` adds it)."""
     enter(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rt = tl.program_id(1) * BT + tl.arange(0, BT)
     rk = tl.arange(0, 128)
     mm, mt = rm < N, rt < T
+    chunks = tl.cdiv(K, 128)
+    share = tl.cdiv(chunks, SPLITS)
+    c_lo = tl.program_id(2) * share
+    c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
     if ACT8:  # tokens are the dot's rows here: the activations' scales are per token
         acc_TM = tl.zeros([BT, BM], tl.float32)
-        for k0 in range(0, K, 128):
+        for c in range(c_lo, c_hi):
+            k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
             xq, sx = quantize_act(x)
@@ -313,15 +322,35 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
         acc = tl.trans(acc_TM)
     else:
         acc = tl.zeros([BM, BT], tl.float32)
-        for k0 in range(0, K, 128):
+        for c in range(c_lo, c_hi):
+            k0 = c * 128
             w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
             x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
                         mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
             acc = tl.dot(w, x, acc)
-    if HAS_BIAS:
+    if SPLITS == 1 and HAS_BIAS:
         acc += tl.load(B + rm, mask=mm, other=0.0).to(tl.float32)[:, None]
-    tl.store(Out + rt[None, :].to(tl.int64) * stride_o + rm[:, None], acc.to(Out.dtype.element_ty),
+    at = Out + tl.program_id(2).to(tl.int64) * T * stride_o  # (SPLITS == 1: split 0, Out itself)
+    tl.store(at + rt[None, :].to(tl.int64) * stride_o + rm[:, None], acc.to(Out.dtype.element_ty),
              mask=mm[:, None] & mt[None, :])
+
+
+@triton.jit
+def _sum_splits(Part, B, Out, T, N, stride_o, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr,
+                PDL: tl.constexpr):
+    """Out[t, n] = the float32 partials Part[0 .. SPLITS, t, n] (rows of N) summed in split order (+ B[n]), rounded
+    once: row t, this program's BN columns."""
+    enter(PDL)
+    t = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = rn < N
+    at = Part + t.to(tl.int64) * N + rn
+    acc = tl.load(at, mask=mn, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(at + s * T * N, mask=mn, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
+    tl.store(Out + t.to(tl.int64) * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
 
 
 def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None = None, *,
@@ -334,9 +363,24 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
         raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
                          f"({packed_width(K)} bytes), or a tensor is not row-major")
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
-    BM, BT, warps, stages = fp8_launch(T, kc.fp8_activations)
-    _linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT))](
-        x_TD, w_NC, w_NC if bias_N is None else bias_N, out, T, N, K, w_NC.shape[1], x_TD.stride(0), out.stride(0),
-        HAS_BIAS=bias_N is not None, BT=BT, BM=BM, ACT8=kc.fp8_activations, num_warps=warps, num_stages=stages,
-        **pdl(x_TD, kc))
+    launch_fp8(x_TD, w_NC, bias_N, out, *fp8_launch(T, kc.fp8_activations), kc=kc)
     return out
+
+
+def launch_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None, out: torch.Tensor, BM: int,
+               BT: int, warps: int, stages: int, splits: int, *, kc: KernelConfig = DEFAULT_KERNELS) -> None:
+    """`_linear_fp8` into out [T, N] at one launch shape (`fp8_launch`'s, or a search's), its splits (at most one a
+    128-column chunk) summed by `_sum_splits`."""
+    T, K = x_TD.shape
+    N = w_NC.shape[0]
+    splits = max(1, min(splits, triton.cdiv(K, 128)))
+    part = out if splits == 1 else torch.empty(splits, T, N, dtype=torch.float32, device=x_TD.device)
+    _linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT), splits)](
+        x_TD, w_NC, w_NC if bias_N is None else bias_N, part, T, N, K, w_NC.shape[1], x_TD.stride(0), part.stride(-2),
+        HAS_BIAS=bias_N is not None, BT=BT, BM=BM, ACT8=kc.fp8_activations, SPLITS=splits, num_warps=warps,
+        num_stages=stages, **pdl(x_TD, kc))
+    if splits > 1:
+        BN = min(1024, triton.next_power_of_2(N))
+        _sum_splits[(T, triton.cdiv(N, BN))](part, part if bias_N is None else bias_N, out, T, N, out.stride(0),
+                                            HAS_BIAS=bias_N is not None, SPLITS=splits, BN=BN, num_warps=4,
+                                            **pdl(x_TD, kc))
