@@ -34,6 +34,7 @@
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   bigprofile gpt-oss-20b's decode at 512 and 1024 (graphs), and the kernels of DeepSeek-V2-Lite's and gpt-oss-20b's
 #             large-batch steps without PDL (each kernel's time its own)
+#   groups    the fused MoE's blocks interleaved in groups against the default order (moe_tune.py --groups)
 #   splittune the FP8 projection's launches with K splits (W8A16; 8, 64, 256 rows) and W8A16's decode kernels at 64
 #             and 256 (no PDL: each kernel's own time)
 #   fp8tune   the fused MoE's tiles and the projection's launch searched on FP8 rows (moe_tune.py --quantization
@@ -125,6 +126,11 @@ bigprofile)  # the large batches that miss the bar (DeepSeek-V2-Lite from 512, g
   t gptoss_big 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep-big.json
   t bigprofile_deepseek 120 $S --model deepseek-v2-lite --batch 64 1024 --output $R/$C-p1-decode-profile-deepseek-big.json
   t bigprofile_gptoss 120 $S --model gpt-oss-20b --batch 1024 --output $R/$C-p1-decode-profile-gpt-oss-big.json ;;
+groups)  # the fused MoE's blocks interleaved in groups (`TileConfig.group`) against the default order, where experts
+  # take several blocks: gpt-oss-20b and DeepSeek-V2-Lite at large decode batches, Qwen3-30B-A3B at prompt sizes
+  for p in gpt-oss-20b:"256 512 1024" deepseek-v2-lite:"512 1024" qwen3-30b-a3b:"1024 2048 8192"; do
+    t groups_${p%%:*} 100 python3 benchmarks/kernels/moe_tune.py --preset ${p%%:*} --ranks 1 --modes tp --no-search --groups 1 2 4 8 --batches ${p#*:} --output $R/$C-p1-moe-groups-${p%%:*}.json
+  done ;;
 splittune)  # the projection on FP8 rows with its K split (W8A16, decode's rows), and the W8A16 step's kernels each
   # timed alone (no PDL) at 64 and 256
   t splittune 330 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-split-tune.json --rows 8 64 256

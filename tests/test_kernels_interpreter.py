@@ -15,6 +15,7 @@ tests/test_symmetric_protocol.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -41,10 +42,15 @@ def moe_cases() -> None:
         w = torch.rand(T, K, generator=g).softmax(-1)
         w13 = torch.randn(E, 2 * I, D, generator=g) * 0.1
         w2 = torch.randn(E, D, I, generator=g) * 0.1
-        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
         ref = experts_ref(x, w, ids, w13, w2, first)
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (T, E, first, err)
+        # blocks interleaved in groups (`_program_tile`; 3: the last group short), sorted blocks of several an expert
+        cfg = fm.config_for(T * K, E, E_all // E)
+        grouped = fm.MoEConfig(8, *(dataclasses.replace(c, group=3) for c in (cfg.gate_up, cfg.down)))
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, config=grouped)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, (T, E, first, "grouped")
 
 
 def moe_biased_cases() -> None:

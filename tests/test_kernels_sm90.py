@@ -82,7 +82,7 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
         c, f, a8 = fused_moe._row_tiles(tile, w, K, kc)
         assert not c.tma and a8 == act8, (name, c, a8)
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=direct, FMT=f, ACT8=a8,
-                                      BIAS=gpt_oss, PDL=1)
+                                      BIAS=gpt_oss, GB=c.group, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=4, CLAMPED=gpt_oss)
         compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
@@ -146,7 +146,7 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
                           else (fused_moe._down, cfg.down, hidden, inter))
         c, fmt, a8 = fused_moe._row_tiles(tile, torch.empty(E, n, f.width(K), dtype=torch.uint8, device="meta"), K, kc)
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8,
-                                      BIAS=False, PDL=1)
+                                      BIAS=False, GB=c.group, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=8, CLAMPED=False)
         asm = compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages,

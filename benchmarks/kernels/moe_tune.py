@@ -11,6 +11,8 @@ their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs o
     python benchmarks/kernels/moe_tune.py --no-search --batches 256 512 1024 2048 --output moe_tma.json
     python benchmarks/kernels/moe_tune.py --ranks 1 --modes tp --batches 2048 8192 16384 --output moe_prefill.json
     python benchmarks/kernels/moe_tune.py --ranks 1 --modes tp --quantization fp8 --output moe_tune_fp8.json
+    python benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --no-search --groups 1 4 8 \
+        --batches 512 1024 --output moe_groups.json
 
 With --quantization the experts are quantized rows (kernels/rows.py: the GEMMs take BK and pipeline stages from the
 format, so the search is over BN, warps and BM); the reference is the float math on the dequantized rows (with FP8's
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--quantization", choices=sorted(FORMATS), help="the experts as quantized rows of this format")
     ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
                     "and `tma_switched`: them with TMA switched), no search over others")
+    ap.add_argument("--groups", type=int, nargs="*", default=[], help="also time the default shapes with their "
+                    "blocks interleaved in groups of these sizes (`TileConfig.group`)")
     a = ap.parse_args()
     m = model_config(PRESETS[a.preset])  # the family's parse: every family's expert shapes under one name
     D, I_full, E_all, K = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k
@@ -124,9 +128,12 @@ def main() -> None:
             y = fm.down(h, w2, blocks, wflat, cfg.down)
             sum_us = graph_time_us(lambda: sum_k(y, ids, 0, E))  # noqa: B023
             timed_default = {}
-            for name, gu_c, dn_c in [("default_timed", cfg.gate_up, cfg.down),
-                                     ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),
-                                      dataclasses.replace(cfg.down, tma=not cfg.down.tma))]:
+            variants = [("default_timed", cfg.gate_up, cfg.down),
+                        ("tma_switched", dataclasses.replace(cfg.gate_up, tma=not cfg.gate_up.tma),
+                         dataclasses.replace(cfg.down, tma=not cfg.down.tma))]
+            variants += [(f"group_{g}", dataclasses.replace(cfg.gate_up, group=g),
+                          dataclasses.replace(cfg.down, group=g)) for g in a.groups]
+            for name, gu_c, dn_c in variants:
                 timed_default[name] = dict(
                     tma=[gu_c.tma, dn_c.tma],
                     gate_up_us=graph_time_us(lambda c=gu_c: fm.gate_up(x, w13, blocks, K, c)),  # noqa: B023

@@ -38,6 +38,9 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # weight tiles (and down's activation tiles) through TMA descriptors, where the GPU has TMA
+    # blocks whose programs interleave (`_program_tile`): an expert's blocks in one group read each weight tile at
+    # about the same time, the second read from L2; 1: each block's column blocks in turn
+    group: int = 1
 
 
 
@@ -245,17 +248,30 @@ def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.conste
 
 
 @triton.jit
+def _program_tile(NB, GB: tl.constexpr):
+    """(column block, block) of this program in a 1-D grid of NB column blocks x the blocks: the blocks in groups of
+    GB, a group's blocks varying fastest, then its column blocks (matmul's grouped ordering): blocks of one expert
+    in a group take the same weight tile one after another. The used (low) blocks are scheduled first."""
+    pid = tl.program_id(0)
+    blocks = tl.num_programs(0) // NB
+    first = pid // (GB * NB) * GB
+    size = tl.minimum(blocks - first, GB)
+    within = pid - first * NB
+    return within // size, first + within % size
+
+
+@triton.jit
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, alpha, limit, K_TOP: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr,
-                  FMT: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, PDL: tl.constexpr):
+                  FMT: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, GB: tl.constexpr,
+                  PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FMT: their
     format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only): float8 dots of the
     activations quantized a tile at a time (W8A8). BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's
     activation (`ClampedSwiGLU`: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate *
     sigmoid(alpha * gate)) instead of silu(gate) * up."""
     enter(PDL)
-    nb = tl.program_id(0)  # column blocks vary fastest: the used (low) blocks are scheduled first
-    blk = tl.program_id(1)
+    nb, blk = _program_tile(tl.cdiv(I, BN), GB)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
         ok = pair < N
@@ -302,13 +318,12 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
 @triton.jit
 def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr,
-          BIAS: tl.constexpr, PDL: tl.constexpr):
+          BIAS: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
     [BN, BK] tiles; FMT: W2's format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only):
     float8 dots of H quantized a tile at a time (W8A8). BIAS: B2 [E, D] added before the routing weight."""
     enter(PDL)
-    nb = tl.program_id(0)
-    blk = tl.program_id(1)
+    nb, blk = _program_tile(tl.cdiv(D, BN), GB)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
     if (e >= 0) & (e < E):
         ok = pair < N
@@ -436,11 +451,11 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
     h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
-    _gate_up_silu[(triton.cdiv(I, c.BN), blocks.max_blocks)](
+    _gate_up_silu[(triton.cdiv(I, c.BN) * blocks.max_blocks,)](
         x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
         blocks.first_expert, WS, x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K,
         BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b13_EF is not None,
-        CLAMPED=clamp is not None, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
+        CLAMPED=clamp is not None, GB=c.group, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
@@ -453,10 +468,10 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
     if tma:
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
-    _down[(triton.cdiv(D, c.BN), blocks.max_blocks)](
+    _down[(triton.cdiv(D, c.BN) * blocks.max_blocks,)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, WS, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
-        DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b2_ED is not None, num_warps=c.num_warps,
+        DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b2_ED is not None, GB=c.group, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl(y, kc))
     return y
 
