@@ -79,7 +79,7 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/linear_fp8_tune.py")
     ap.add_argument("output", nargs="?", default="linear_fp8_tune.json")
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--w8a8", action="store_true", help="search W8A8's launches too")
