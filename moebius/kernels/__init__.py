@@ -56,7 +56,10 @@ class KernelConfig:
     float8 with a scale of its own and multiply float8 by float8 (W8A8, vLLM's and SGLang's default for block FP8);
     off (the default): each weight tile dequantized to the activations' dtype (W8A16), whose decode steps measured
     faster (benchmarks/results/h100-p1-qwen3-30b-fp8-w8a16-sweep.json against h100-p1-qwen3-30b-fp8-sweep.json);
-    the engine's: --fp8-activations."""
+    the engine's: --fp8-activations.
+    shared_stream: the shared experts (DeepSeek, GLM-4.5, Qwen2-MoE) run on a side stream of the GPU, overlapping the
+    routed experts' kernels, and join before the pairs' sum (`layers.moe.beside`); the engine's:
+    --shared-experts-stream."""
 
     moe_backend: str = "triton"
     pdl: bool = True
@@ -66,6 +69,7 @@ class KernelConfig:
     decodes_apart: bool = False
     flash_prefill: bool = False
     fp8_activations: bool = False
+    shared_stream: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_backend not in ("triton", "grouped_mm"):

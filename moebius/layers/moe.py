@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,31 @@ from moebius.kernels.pairs import PairRows
 from moebius.kernels.rows import format_of
 from moebius.layers.linear import linear
 from moebius.layers.norm import add_rms_norm
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=-1)  # (high: its blocks take the SMs the routed experts free)
+
+
+def beside(fn: Callable[[], torch.Tensor], like: torch.Tensor, kc: KernelConfig) -> Callable[[], torch.Tensor]:
+    """fn() (kernels on `like`'s inputs) queued on the GPU's side stream where kc.shared_stream, so that it overlaps
+    the kernels the caller queues next; call the result to make the current stream wait for it and take its output
+    (inside CUDA graphs the fork and join are captured as edges). Elsewhere fn() runs at once."""
+    if not (kc.shared_stream and like.is_cuda):
+        out = fn()
+        return lambda: out
+    main, side = torch.cuda.current_stream(like.device), _side_stream(like.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+
+    def join() -> torch.Tensor:
+        main.wait_stream(side)
+        out.record_stream(main)  # (allocated on the side stream: not reused there before the main stream is done)
+        return out
+
+    return join
 
 
 def summed(y: torch.Tensor | PairRows, add_TD: torch.Tensor | None = None, *, kc: KernelConfig = DEFAULT_KERNELS

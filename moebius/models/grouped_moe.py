@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from moebius.config import ConfigError, ModelConfig
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
-from moebius.layers.moe import dense_mlp, experts, summed
+from moebius.layers.moe import beside, dense_mlp, experts, summed
 from moebius.models.specs import ParamSpec, routed_expert_specs, shared_expert_specs
 from moebius.models.weights import DenseWeights, MoEWeights, shared_expert_weights
 from moebius.parallel.dispatch import Communicator
@@ -242,7 +242,8 @@ def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communic
     # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK.to(h_TD.dtype), ids_TK, kc=kc)
     # the shared experts: a 1/P shard on the dispatched tokens (the combine's sum over ranks completes it), added
-    # inside the sum over each token's pairs
-    shared_TD = None if w.shared is None else dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc)
+    # inside the sum over each token's pairs (with kc.shared_stream computed beside the routed experts)
+    shared = None if w.shared is None else beside(
+        lambda: dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc), x_TD, kc)
     pairs = experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True, kc=kc)
-    return summed(pairs, shared_TD, kc=kc), handle
+    return summed(pairs, None if shared is None else shared(), kc=kc), handle

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from moebius.config import ModelConfig
 from moebius.kernels import KernelConfig
 from moebius.layers.attention import AttentionMetadata
-from moebius.layers.moe import dense_mlp, experts, route, summed
+from moebius.layers.moe import beside, dense_mlp, experts, route, summed
 from moebius.models.decoder import decoder, num_moe_layers  # noqa: F401  (the family's)
 from moebius.models.gqa import attend, attention, attention_geometry  # noqa: F401  (the family's)
 from moebius.models.qwen2moe.weights import Qwen2MoEWeights
@@ -33,10 +33,12 @@ def moe(h_TD: torch.Tensor, w: Qwen2MoEWeights, cfg: ModelConfig, comm: Communic
     if routed_TK is not None:
         routed_TK[: ids_TK.shape[0]].copy_(ids_TK)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK, ids_TK, kc=kc)
-    y_TD = summed(experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, kc=kc), kc=kc)
     # the gate scales each token: the ranks' scaled shards sum (in the combine) to the scaled whole shared expert
-    gate_T1 = torch.sigmoid(F.linear(x_TD, w.shared_gate_1D))
-    return y_TD + gate_T1 * dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc), handle
+    # (with kc.shared_stream computed beside the routed experts)
+    shared = beside(lambda: torch.sigmoid(F.linear(x_TD, w.shared_gate_1D))
+                    * dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc), x_TD, kc)
+    y_TD = summed(experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, kc=kc), kc=kc)
+    return y_TD + shared(), handle
 
 
 def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWeights, kv: list[torch.Tensor],
