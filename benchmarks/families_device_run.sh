@@ -34,7 +34,8 @@
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   bigprofile gpt-oss-20b's decode at 512 and 1024 (graphs), and the kernels of DeepSeek-V2-Lite's and gpt-oss-20b's
 #             large-batch steps without PDL (each kernel's time its own)
-#   sharedstream DeepSeek-V2-Lite's decode at 64-1024 with and without --shared-experts-stream; its GPU parity
+#   sharedstream DeepSeek-V2-Lite's decode at 64-1024 with and without --shared-experts-stream; sharedtests its GPU
+#             parity (a run with the flag)
 #   groups    the fused MoE's blocks interleaved in groups against the default order (moe_tune.py --groups)
 #   splittune the FP8 projection's launches with K splits (W8A16; 8, 64, 256 rows) and W8A16's decode kernels at 64
 #             and 256 (no PDL: each kernel's own time)
@@ -57,10 +58,12 @@ C=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | gr
 export TRITON_CACHE_DIR=$W/triton
 M="--model deepseek-v2-lite --load-format dummy --num-ranks 1"
 O=${OUT:-/tmp/out}; mkdir -p $O
-# Each step's log goes straight to $OUT and its results are copied after it: a call cut at its limit keeps both.
-# (only what this call wrote: $OUT brings back at most 8 files)
-touch $W/.start; keep() { find $R -maxdepth 1 -name "$C-p1-*" -newer $W/.start -exec cp {} $O/ \; ; true; }
-t() { local n=$1; shift; timeout $1 "${@:2}" > $O/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $O/$n.log | tail -12; keep; }
+# $OUT brings back at most 8 files: after each step this call's results (JSON and plots) and the logs so far are
+# packed into two archives there, results.tgz and logs.tgz, so a call cut at its limit keeps what finished.
+touch $W/.start; mkdir -p $W/logs
+keep() { (cd $R && find . -maxdepth 1 -name "$C-p1-*" -newer $W/.start | tar czf $O/results.tgz -T -)
+         (cd $W/logs && tar czf $O/logs.tgz *.log); true; }
+t() { local n=$1; shift; timeout $1 "${@:2}" > $W/logs/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $W/logs/$n.log | tail -12; keep; }
 P="python3 -m pytest -v --tb=short --timeout 200 -m gpu -p no:cacheprovider"
 date +%T
 for step in "$@"; do case $step in
@@ -73,8 +76,9 @@ tests)
 moetests)  # the shared experts' activation in one launch and their add inside the pair sum; the MoE blocks through them
   t moe_tests 150 $P tests/test_gpu.py -k "swiglu or shared_experts or pairs_summed or fused_experts"
   t moe_blocks 150 $P tests/test_deepseek_moe.py tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py ;;
-fp8sweep)  # `fp8`'s decode sweep alone (W8A16, the default since a740521), and in W8A8 (--fp8-activations)
-  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json
+fp8sweep)  # `fp8`'s decode sweep alone (W8A16, the default since a740521)
+  t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
+fp8sweepw8a8)  # the same in W8A8 (--fp8-activations)
   t fp8_sweep_w8a8 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --fp8-activations --modes tp --cuda-graph-max-bs 256 --batches 1,8,64,256 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-w8a8-sweep.json ;;
 routertune)  # the float32 router's launches (DeepSeek-V2-Lite's and V3's routers) against the upcast copy + cuBLAS
   t router_tune 120 python3 benchmarks/kernels/router_tune.py $R/$C-p1-router-tune.json ;;
@@ -132,6 +136,8 @@ sharedstream)  # DeepSeek-V2-Lite's decode with the shared experts on a side str
   S="$B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 64,256,512,1024 --context-len 1024"
   t shared_off 150 $S --output $R/$C-p1-deepseek-v2-lite-sweep-shared-inline.json
   t shared_on 150 $S --shared-experts-stream --output $R/$C-p1-deepseek-v2-lite-sweep-shared-stream.json
+  ;;
+sharedtests)  # the DeepSeek family's GPU parity (with its --shared-experts-stream run)
   t shared_tests 200 $P tests/test_deepseek_family.py -k greedy_equals_transformers_on_the_gpu ;;
 groups)  # the fused MoE's blocks interleaved in groups (`TileConfig.group`) against the default order, where experts
   # take several blocks: gpt-oss-20b and DeepSeek-V2-Lite at large decode batches, Qwen3-30B-A3B at prompt sizes
@@ -155,5 +161,4 @@ agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac; done
-# $OUT brings back at most 8 files: the logs travel as one archive.
-(cd $O && tar czf logs.tgz *.log && rm -f *.log) 2>/dev/null; true
+true
