@@ -576,16 +576,18 @@ def linear_fp8_cases() -> None:
     # at 300 columns), the bias added once, W8A16 and W8A8
     from moebius.kernels.linear import launch_fp8
 
-    for T, N, K, splits in [(5, 130, 300, 2), (70, 64, 300, 8), (3, 40, 1000, 4)]:
+    # and W8A16 with either operand as the dot's rows (`token_rows`)
+    for T, N, K, splits in [(5, 130, 300, 2), (70, 64, 300, 8), (3, 40, 1000, 4), (20, 50, 260, 1)]:
         x = torch.randn(T, K, generator=g)
         w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
         b = torch.randn(N, generator=g)
-        for act8 in (False, True):
+        for act8, token_rows in ((False, False), (False, True), (True, True)):
             kc = KernelConfig(fp8_activations=act8)
             want = linear_fp8(x, w, b, kc=kc)
             got = torch.empty_like(want)
-            launch_fp8(x, w, b, got, 32, 16, 4, 2, splits, kc=kc)
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (T, N, K, splits, act8, (got - want).abs().max())
+            launch_fp8(x, w, b, got, 32, 16, 4, 2, splits, token_rows, kc=kc)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (T, N, K, splits, act8, token_rows,
+                                                                      (got - want).abs().max())
 
 
 def test_fp8_linear_under_the_interpreter() -> None:

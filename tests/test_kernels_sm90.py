@@ -95,10 +95,10 @@ LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() 
                                                             for a, m, _ in LAUNCHES])
 def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, most: int, launch: tuple) -> None:
     """Every launch shape of `linear.FP8_LAUNCHES` (their BT for a step of the bucket's most rows, 2048 at most)."""
-    BM, BT, warps, stages, splits = linear.fp8_launch(min(most, 2048), act8)
+    BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(min(most, 2048), act8)
     assert (BM, warps, stages, splits) == (launch[0], launch[2], launch[3], launch[4])
-    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8, SPLITS=splits,
-                                                        PDL=1), warps, stages,
+    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8,
+                                                        TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1), warps, stages,
                  aligned=("N", "K", "WS", "stride_x", "stride_o"))
 
 
@@ -108,12 +108,24 @@ def test_the_split_k_projection_on_fp8_rows_compiles_for_hopper(act8: bool) -> N
     does (the weights in 16-byte asynchronous copies: the chunk loop keeps k0's alignment), and `_sum_splits`
     compiles."""
     kinds = [global_loads(compile_sm90(linear._linear_fp8, {**LINEAR_TYPES, "Out": out},
-                                       dict(HAS_BIAS=False, BT=64, BM=64, ACT8=act8, SPLITS=splits, PDL=2), 4, 4,
-                                       aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
+                                       dict(HAS_BIAS=False, BT=64, BM=64, ACT8=act8, TOKEN_ROWS=act8, SPLITS=splits,
+                                            PDL=2), 4, 4, aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
              for splits, out in ((1, "*bf16"), (4, "*fp32"))]
     assert "cp16" in kinds[1] and kinds[0] == kinds[1], kinds
     compile_sm90(linear._sum_splits, dict(Part="*fp32", B="*bf16", Out="*bf16", T="i32", N="i32", stride_o="i32"),
                  dict(HAS_BIAS=True, SPLITS=4, BN=1024, PDL=2), 4, 1, aligned=("N", "stride_o"))
+
+
+def test_w8a16_token_rows_read_the_weights_in_16_byte_copies() -> None:
+    """W8A16 on FP8 rows at 64 x 64 tiles: with the tokens as the dot's rows the weight tile streams in 16-byte
+    copies (and its scales in 4); with the weight rows as the dot's rows (their tile then an operand from registers)
+    Triton copies it 8 bytes at a time."""
+    def kinds(token_rows: bool) -> set[str]:
+        return global_loads(compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(
+            HAS_BIAS=False, BT=64, BM=64, ACT8=False, TOKEN_ROWS=token_rows, SPLITS=1, PDL=1), 4, 4,
+            aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
+
+    assert kinds(True) == {"cp16", "cp4"} and "cp8" in kinds(False), (kinds(True), kinds(False))
 
 
 def global_loads(ptx: str) -> set[str]:
@@ -136,8 +148,8 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
     hidden, inter, heads = 2048, 768, 32
     if name in ("qkv", "o"):
         K = hidden if name == "qkv" else heads * 128
-        BM, BT, warps, stages, splits = linear.fp8_launch(64, True)
-        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, SPLITS=splits, PDL=1)
+        BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(64, True)
+        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1)
         asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, warps, stages,
                            aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
     else:

@@ -1,10 +1,10 @@
 """The dense projection on FP8 rows (`kernels/linear._linear_fp8`) over its launch shapes on one GPU: weight rows a
-program (BM), token rows a program (BT), warps, pipeline stages, K splits (float32 partials summed by
-`_sum_splits`), W8A16 (and W8A8 with --w8a8), at Qwen3-30B-A3B's q|k|v (5120 x 2048) and o (2048 x 4096)
-projections; µs per call inside a CUDA graph (the partials' sum included) and the weight bandwidth reached, beside
-the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`). `linear.FP8_LAUNCHES` comes
-from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "default" marks its launch. At one or two rows the
-engine runs `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
+program (BM), token rows a program (BT), warps, K splits (float32 partials summed by `_sum_splits`), which operand
+the dot's rows are (token_rows), W8A16 (and W8A8 with --w8a8), at Qwen3-30B-A3B's q|k|v (5120 x 2048) and o (2048 x
+4096) projections; µs per call inside a CUDA graph (the partials' sum included) and the weight bandwidth reached,
+beside the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`). `linear.FP8_LAUNCHES`
+comes from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "default" marks its launch. At one or two
+rows the engine runs `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
 
     python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json --rows 8 64 256 [--w8a8]
 """
@@ -27,6 +27,7 @@ from moebius.kernels.fp8_rows import pack_rows
 from moebius.layers.linear import linear as dense_linear
 
 SHAPES = (("qkv", 5120, 2048), ("o", 2048, 4096))
+STAGES = (4,)  # (one depth: the search's other axes, splits and token rows, doubled it past a device call)
 ROWS = (1, 8, 64, 256, 2048)  # (2048: a prompt chunk's rows, where the GEMM is compute-bound)
 
 
@@ -41,26 +42,28 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
     nbytes = rows.numel()
     out = []
     bts = sorted({min(bt, max(16, triton.next_power_of_2(T))) for bt in (16, 64, 128)})
-    for act8, BM, nw, st, BT, sp in itertools.product(forms, (16, 32, 64, 128), (4, 8), (3, 5), bts, (1, 2, 4, 8)):
-        if (sp > 1 and T > 256) or (nw == 8 and BM * BT < 64 * 64):  # (prompt sizes fill the SMs with whole-K
-            continue  # programs; 8 warps on a small tile sit idle)
+    for act8, BM, nw, st, BT, sp, tr in itertools.product(forms, (16, 32, 64, 128), (4, 8), STAGES, bts,
+                                                          (1, 2, 4, 8), (True, False)):
+        if (sp > 1 and T > 256) or (nw == 8 and BM * BT < 64 * 64) or (act8 and not tr):  # (prompt sizes fill the
+            continue  # SMs with whole-K programs; 8 warps on a small tile sit idle; W8A8 has token rows only)
         o = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
         kc8 = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8)
 
-        def fn(BM: int = BM, nw: int = nw, st: int = st, BT: int = BT, sp: int = sp, o: torch.Tensor = o,
-               kc8: KernelConfig = kc8) -> None:
-            L.launch_fp8(x, rows, None, o, BM, BT, nw, st, sp, kc=kc8)
+        def fn(BM: int = BM, nw: int = nw, st: int = st, BT: int = BT, sp: int = sp, tr: bool = tr,
+               o: torch.Tensor = o, kc8: KernelConfig = kc8) -> None:
+            L.launch_fp8(x, rows, None, o, BM, BT, nw, st, sp, tr, kc=kc8)
 
         try:
             us = graph_time_us(fn)
         except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
-            print(name, T, act8, BM, nw, st, sp, "failed:", str(e)[:100])
+            print(name, T, act8, BM, nw, st, sp, tr, "failed:", str(e)[:100])
             continue
         want = L.linear_fp8(x, rows, kc=kc8)
         out.append(dict(proj=name, N=N, K=K, rows=T, kernel="mma", act8=act8, BM=BM, BT=BT, warps=nw, stages=st,
-                        splits=sp, us=us, gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
+                        splits=sp, token_rows=tr, us=us, gbps=nbytes / us / 1e3,
+                        floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(T > L.MAX_ROWS and (BM, BT, nw, st, sp) == L.fp8_launch(T, act8))))
+                        default=(T > L.MAX_ROWS and (BM, BT, nw, st, sp, tr) == L.fp8_launch(T, act8))))
     if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
         for act8 in forms:
             kc8 = dataclasses.replace(kc, fp8_activations=act8)

@@ -1,15 +1,16 @@
-"""Fused MoE in Triton, four launches per layer at decode sizes: `_align` groups the (token, k) pairs by local
-expert into BM-row blocks (a counting sort; three passes over chunks for many pairs); `_gate_up_silu` computes each
-block's gate and up projections with SwiGLU applied on the way out; `_down` the down projection scaled by the
-routing weight, one row per pair (`PairRows`); `sum_k` (kernels/fused.py, `PairRows.sum`) adds each token's local
-pairs in float32, unless the sublayer-end exchange sums them as it reads them (kernels/symmetric.py). A handful of
-pairs skips the sort (`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch
-that hits 8 experts reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair
-count), so it runs inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles
-come in through TMA. A GEMM's programs are one 1-D grid over (column block, block), its blocks taken in groups
-(`TileConfig.group`, `_program_tile`) so that an expert's blocks can read a weight tile back to back. Quantized experts (uint8 rows, kernels/rows.py) are read as they are held: FP8 rows a 128-column
-chunk a K step (W8A8, or W8A16), MXFP4 rows decoded to the activations' dtype a tile at a time (W4A16,
-`linear.mx4_tile`). The torch reference is `moebius.layers.moe.experts_ref`.
+"""Fused MoE in Triton, four launches per layer at decode sizes: `_align` groups the (token, k) pairs by local expert
+into BM-row blocks (a counting sort; three passes over chunks for many pairs); `_gate_up_silu` computes each block's
+gate and up projections with SwiGLU applied on the way out; `_down` the down projection scaled by the routing weight,
+one row per pair (`PairRows`); `sum_k` (kernels/fused.py, `PairRows.sum`) adds each token's local pairs in float32,
+unless the sublayer-end exchange sums them as it reads them (kernels/symmetric.py). A handful of pairs skips the sort
+(`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch that hits 8 experts
+reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair count), so it runs
+inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles come in through TMA. A
+GEMM's programs are one 1-D grid over (column block, block), its blocks taken in groups (`TileConfig.group`,
+`_program_tile`) so that an expert's blocks can read a weight tile back to back. Quantized experts (uint8 rows,
+kernels/rows.py) are read as they are held: FP8 rows a 128-column chunk a K step (W8A8, or W8A16), MXFP4 rows decoded
+to the activations' dtype a tile at a time (W4A16, `linear.mx4_tile`). The torch reference is
+`moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations

@@ -282,24 +282,31 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
 # h100-p1-linear-fp8-tune.json): the unsearched 64 x 64 launch ran few programs an SM at decode sizes. K splits:
 # programs that each sum a contiguous share of the chunks into float32 partials, summed in split order by
 # `_sum_splits` (more programs where N / BM x T / BT leaves SMs idle; at most one split a chunk).
-FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int]]]] = {
-    False: [(16, (32, 16, 4, 5, 1)), (64, (16, 64, 4, 5, 1)), (256, (64, 64, 4, 3, 1)), (1 << 62, (128, 128, 8, 3, 1))],
-    True: [(16, (128, 16, 8, 3, 1)), (256, (64, 64, 4, 3, 1)), (1 << 62, (128, 64, 4, 3, 1))],
+# Token rows: W8A16's dot with the tokens as its rows and the weight tile as the other operand (as W8A8's and the
+# fused MoE's), where the weight tiles come in 16-byte copies; else the weight rows are the dot's rows (their tile
+# then feeds the tensor cores from registers, copied in 8 bytes: tests/test_kernels_sm90.py).
+FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]] = {
+    False: [(16, (32, 16, 4, 5, 1, False)), (64, (16, 64, 4, 5, 1, False)), (256, (64, 64, 4, 3, 1, False)),
+            (1 << 62, (128, 128, 8, 3, 1, False))],
+    True: [(16, (128, 16, 8, 3, 1, True)), (256, (64, 64, 4, 3, 1, True)), (1 << 62, (128, 64, 4, 3, 1, True))],
 }
 
 
-def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int, int]:
-    """(BM, BT, warps, stages, splits) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the least)."""
-    BM, BT, warps, stages, splits = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
-    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, splits
+def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int, int, bool]:
+    """(BM, BT, warps, stages, splits, token rows) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the
+    least; W8A8 has token rows always)."""
+    BM, BT, warps, stages, splits, token_rows = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
+    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, splits, token_rows or act8
 
 
 @triton.jit
 def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
-                BM: tl.constexpr, ACT8: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                BM: tl.constexpr, ACT8: tl.constexpr, TOKEN_ROWS: tl.constexpr, SPLITS: tl.constexpr,
+                PDL: tl.constexpr):
     """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, float32
     sums rounded once. ACT8: each [BT, 128] tile of X quantized per row (`quantize_act`), FP8 dots (`fp8_dot`); else
-    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`).
+    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`), the dot's
+    rows the tokens (TOKEN_ROWS) or the weight rows.
     SPLITS > 1: program_id(2) sums only its share of the chunks, into float32 partials Out[split, t, n] (row stride
     stride_o; no bias: `_sum_splits` adds it)."""
     enter(PDL)
@@ -311,14 +318,18 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     share = tl.cdiv(chunks, SPLITS)
     c_lo = tl.program_id(2) * share
     c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
-    if ACT8:  # tokens are the dot's rows here: the activations' scales are per token
+    if ACT8 or TOKEN_ROWS:  # (W8A8: the activations' scales are per token)
         acc_TM = tl.zeros([BT, BM], tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            xq, sx = quantize_act(x)
-            acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, acc_TM)
+            if ACT8:
+                xq, sx = quantize_act(x)
+                acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, acc_TM)
+            else:
+                w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
+                acc_TM = tl.dot(x, tl.trans(w), acc_TM)
         acc = tl.trans(acc_TM)
     else:
         acc = tl.zeros([BM, BT], tl.float32)
@@ -368,7 +379,8 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
 
 
 def launch_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None, out: torch.Tensor, BM: int,
-               BT: int, warps: int, stages: int, splits: int, *, kc: KernelConfig = DEFAULT_KERNELS) -> None:
+               BT: int, warps: int, stages: int, splits: int, token_rows: bool, *,
+               kc: KernelConfig = DEFAULT_KERNELS) -> None:
     """`_linear_fp8` into out [T, N] at one launch shape (`fp8_launch`'s, or a search's), its splits (at most one a
     128-column chunk) summed by `_sum_splits`."""
     T, K = x_TD.shape
@@ -377,8 +389,8 @@ def launch_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
     part = out if splits == 1 else torch.empty(splits, T, N, dtype=torch.float32, device=x_TD.device)
     _linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT), splits)](
         x_TD, w_NC, w_NC if bias_N is None else bias_N, part, T, N, K, w_NC.shape[1], x_TD.stride(0), part.stride(-2),
-        HAS_BIAS=bias_N is not None, BT=BT, BM=BM, ACT8=kc.fp8_activations, SPLITS=splits, num_warps=warps,
-        num_stages=stages, **pdl(x_TD, kc))
+        HAS_BIAS=bias_N is not None, BT=BT, BM=BM, ACT8=kc.fp8_activations, TOKEN_ROWS=token_rows, SPLITS=splits,
+        num_warps=warps, num_stages=stages, **pdl(x_TD, kc))
     if splits > 1:
         BN = min(1024, triton.next_power_of_2(N))
         _sum_splits[(T, triton.cdiv(N, BN))](part, part if bias_N is None else bias_N, out, T, N, out.stride(0),
