@@ -91,15 +91,15 @@ def main() -> None:
     dev = torch.device("cuda")
     hbm = hardware_of(torch.cuda.get_device_name()).hbm_bytes_per_s
     out = []
-    for name, N, K in SHAPES:
-        for T in args.rows:
+    for T in args.rows:
+        for name, N, K in SHAPES:
             out += tune(name, N, K, T, dev, hbm, forms)
-    path = args.output
-    write_result(path, out, params=dict(output=path, shapes=[dict(proj=n, N=N, K=K) for n, N, K in SHAPES],
-                                        rows=args.rows, w8a8=args.w8a8),
-                 note="the FP8-rows projection per call inside a CUDA graph (us), the weight bandwidth reached (gbps), "
-                      "its bytes' HBM time (floor_us) and the bf16 projection's time (bf16_us); err: max abs "
-                      "difference to linear_fp8's own launch; default: its launch shape")
+            # (written after each shape: a run cut at a device call's limit keeps what it searched)
+            write_result(args.output, out, params=dict(output=args.output, rows=args.rows, w8a8=args.w8a8,
+                                                       shapes=[dict(proj=n, N=N, K=K) for n, N, K in SHAPES]),
+                         note="the FP8-rows projection per call inside a CUDA graph (us), the weight bandwidth reached "
+                              "(gbps), its bytes' HBM time (floor_us) and the bf16 projection's time (bf16_us); err: "
+                              "max abs difference to linear_fp8's own launch; default: its launch shape")
 
 
 if __name__ == "__main__":
