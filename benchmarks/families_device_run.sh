@@ -146,7 +146,7 @@ groups)  # the fused MoE's blocks interleaved in groups (`TileConfig.group`) aga
   done ;;
 splittune)  # the projection on FP8 rows with its K split (W8A16, decode's rows), and the W8A16 step's kernels each
   # timed alone (no PDL) at 64 and 256
-  t splittune 330 python3 benchmarks/kernels/linear_fp8_tune.py $R/$C-p1-linear-fp8-split-tune.json --rows 64 8 256
+  t splittune 330 python3 benchmarks/kernels/linear_fp8_tune.py $O/$C-p1-linear-fp8-split-tune.json --rows 64 8 256  # (into $OUT as it goes)
   t fp8profile 150 python3 benchmarks/steps/profile_decode.py --num-layers 4 --batch 64 256 --context 1024 --graphs-only --disable-pdl --top 30 --model qwen3-30b-a3b --quantization fp8 --output $R/$C-p1-decode-profile-fp8-w8a16.json ;;
 fp8tune)  # the fused MoE's tiles on FP8 rows at Qwen3-30B-A3B's shapes (never searched: bf16's are used)
   t fp8tune 300 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 1 8 64 256 2048 --output $R/$C-p1-moe-tune-fp8.json
