@@ -573,10 +573,9 @@ def linear_fp8_cases() -> None:
                 assert err < 1e-5, (run, T, N, K, bias is None, err)
                 assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
     # K split into float32 partials summed in split order (`launch_fp8`'s splits, at most one a chunk: 8 asks for 3
-    # at 300 columns), the bias added once, W8A16 and W8A8
+    # at 300 columns), the bias added once; W8A16 with either operand as the dot's rows (`token_rows`), and W8A8
     from moebius.kernels.linear import launch_fp8
 
-    # and W8A16 with either operand as the dot's rows (`token_rows`)
     for T, N, K, splits in [(5, 130, 300, 2), (70, 64, 300, 8), (3, 40, 1000, 4), (20, 50, 260, 1)]:
         x = torch.randn(T, K, generator=g)
         w = pack_rows(torch.randn(N, K, generator=g) * 0.1)

@@ -294,9 +294,9 @@ FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]]
 
 def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int, int, bool]:
     """(BM, BT, warps, stages, splits, token rows) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the
-    least; W8A8 has token rows always)."""
+    least; W8A8's dot has the tokens as its rows whatever the flag says)."""
     BM, BT, warps, stages, splits, token_rows = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
-    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, splits, token_rows or act8
+    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, splits, token_rows
 
 
 @triton.jit
