@@ -34,8 +34,8 @@
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   bigprofile gpt-oss-20b's decode at 512 and 1024 (graphs), and the kernels of DeepSeek-V2-Lite's and gpt-oss-20b's
 #             large-batch steps without PDL (each kernel's time its own)
-#   sharedstream DeepSeek-V2-Lite's decode at 64-1024 with and without --shared-experts-stream; sharedtests its GPU
-#             parity (a run with the flag)
+#   sharedstream DeepSeek-V2-Lite's decode at 64-1024 with and without --disable-shared-experts-stream; sharedtests
+#             its GPU parity (a run with the flag)
 #   groups    the fused MoE's blocks interleaved in groups against the default order (moe_tune.py --groups)
 #   splittune the FP8 projection's launches with K splits (W8A16; 8, 64, 256 rows) and W8A16's decode kernels at 64
 #             and 256 (no PDL: each kernel's own time)
@@ -135,13 +135,13 @@ bigprofile)  # the large batches that miss the bar (DeepSeek-V2-Lite from 512, g
   t gptoss_big 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep-big.json
   t bigprofile_deepseek 120 $S --model deepseek-v2-lite --batch 64 1024 --output $R/$C-p1-decode-profile-deepseek-big.json
   t bigprofile_gptoss 120 $S --model gpt-oss-20b --batch 1024 --output $R/$C-p1-decode-profile-gpt-oss-big.json ;;
-sharedstream)  # DeepSeek-V2-Lite's decode with the shared experts on a side stream (--shared-experts-stream), beside
-  # the default in the same call, and the family's GPU parity (its run with the flag)
+sharedstream)  # DeepSeek-V2-Lite's decode with the shared experts on a side stream (the default) and after the routed
+  # experts (--disable-shared-experts-stream) in the same call
   S="$B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 64,256,512,1024 --context-len 1024"
-  t shared_off 150 $S --output $R/$C-p1-deepseek-v2-lite-sweep-shared-inline.json
-  t shared_on 150 $S --shared-experts-stream --output $R/$C-p1-deepseek-v2-lite-sweep-shared-stream.json
+  t shared_off 150 $S --disable-shared-experts-stream --output $R/$C-p1-deepseek-v2-lite-sweep-shared-inline.json
+  t shared_on 150 $S --output $R/$C-p1-deepseek-v2-lite-sweep-shared-stream.json
   ;;
-sharedtests)  # the DeepSeek family's GPU parity (with its --shared-experts-stream run)
+sharedtests)  # the DeepSeek family's GPU parity (with its --disable-shared-experts-stream run)
   t shared_tests 200 $P tests/test_deepseek_family.py -k greedy_equals_transformers_on_the_gpu ;;
 groups)  # the fused MoE's blocks interleaved in groups (`TileConfig.group`) against the default order, where experts
   # take several blocks: gpt-oss-20b and DeepSeek-V2-Lite at large decode batches, Qwen3-30B-A3B at prompt sizes

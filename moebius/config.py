@@ -494,8 +494,9 @@ class EngineConfig:
                                   "as vLLM and SGLang for block FP8); by default each FP8 weight tile is dequantized "
                                   "as loaded and multiplied in --dtype (W8A16: the faster here at decode sizes, and "
                                   "the bf16 model's activations; docs/performance.md)")
-    shared_experts_stream: bool = _flag(False, "on the GPU, run the shared experts (DeepSeek, GLM-4.5, Qwen2-MoE) on "
-                                        "a side stream beside the routed experts' kernels, joined before their sum")
+    disable_shared_experts_stream: bool = _flag(False, "on the GPU, run the shared experts (DeepSeek, GLM-4.5, "
+                                                "Qwen2-MoE) on the main stream after the routed experts' kernels, "
+                                                "instead of on a side stream beside them (joined before their sum)")
     disable_reshard_kernel: bool = _flag(False, "a switch's local expert permutes through torch's strided copies "
                                          "instead of the Triton row copy (GPU)")
     admin_port: int | None = _flag(None, "serve operator endpoints (POST /admin/switch, GET /admin/status) on this "

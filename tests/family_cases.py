@@ -287,10 +287,10 @@ def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]
 def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: dict[str, Any]) -> None:
     """On the GPU in float32: an engine's decode graphs and step pieces exist (a probe of each), and it gives
     transformers' n greedy tokens in TP, in EP after a switch and in TP again, every KV page free after each; so do
-    eager steps (no graphs), graphs with every step resolved first (no overlap) and graphs with the shared experts on
-    a side stream (--shared-experts-stream; the same kernels elsewhere). Every run is made before the
-    verdict, which names each one that parted from transformers and where (a GPU run is scarce: one tells whether the
-    graphs, a layout or the kernels part)."""
+    eager steps (no graphs), graphs with every step resolved first (no overlap) and graphs with the shared experts
+    after the routed ones on the main stream (--disable-shared-experts-stream; the same kernels elsewhere). Every
+    run is made before the verdict, which names each one that parted from transformers and where (a GPU run is
+    scarce: one tells whether the graphs, a layout or the kernels part)."""
     from moebius.link.messages import DecodeProbe, PrefillProbe
 
     prompts, want = well_conditioned(path, prompts, n)
@@ -310,7 +310,7 @@ def gpu_parity(path: str, prompts: Sequence[Sequence[int]], n: int, engine_kw: d
                 assert llm.switch_mode(mode).done
             check(mode, greedy_outputs(llm, prompts, n))
             assert_kv_free(llm)
-    for flag in ("disable_cuda_graph", "disable_overlap_schedule", "shared_experts_stream"):
+    for flag in ("disable_cuda_graph", "disable_overlap_schedule", "disable_shared_experts_stream"):
         with LLM(model=path, **{flag: True}, **kw) as llm:
             check(flag, greedy_outputs(llm, prompts, n))
     assert not parted, "; ".join(parted)

@@ -332,7 +332,7 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
     prompt = fm.config_for(2048 * 8, 128, 1, fm.FP8_CONFIGS)
     assert prompt.BM == 64 and not prompt.gate_up.tma and fm.config_for(2048 * 8, 128).BM == 128
     for act8 in (False, True):
-        launches = [linear.fp8_launch(T, act8) for T in (3, 8, 64, 256, 2048)]
+        launches = [linear.fp8_launch(T, 4096, act8) for T in (3, 8, 64, 256, 2048)]
         assert all(BT <= max(16, 1 << (T - 1).bit_length()) for T, (_, BT, *_) in zip((3, 8, 64, 256, 2048),
                                                                                         launches, strict=True))
         assert launches[-1][0] == 128 and launches[-1][4] == 1  # (prompt sizes: the tallest weight tiles, K whole)

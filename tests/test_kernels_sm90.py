@@ -94,9 +94,10 @@ LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() 
 @pytest.mark.parametrize("act8,most,launch", LAUNCHES, ids=[f"{'w8a8' if a else 'w8a16'}-{min(m, 4096)}"
                                                             for a, m, _ in LAUNCHES])
 def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, most: int, launch: tuple) -> None:
-    """Every launch shape of `linear.FP8_LAUNCHES` (their BT for a step of the bucket's most rows, 2048 at most)."""
-    BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(min(most, 2048), act8)
-    assert (BM, warps, stages, splits) == (launch[0], launch[2], launch[3], launch[4])
+    """Every launch shape of `linear.FP8_LAUNCHES` (their BT for a step of the bucket's most rows, 2048 at most; the
+    splits of Qwen3-30B-A3B's o projection, 4096 columns)."""
+    BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(min(most, 2048), 4096, act8)
+    assert (BM, warps, stages, splits) == (launch[0], launch[2], launch[3], 4096 // launch[4] if launch[4] else 1)
     compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8,
                                                         TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1), warps, stages,
                  aligned=("N", "K", "WS", "stride_x", "stride_o"))
@@ -146,7 +147,7 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
     hidden, inter, heads = 2048, 768, 32
     if name in ("qkv", "o"):
         K = hidden if name == "qkv" else heads * 128
-        BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(64, True)
+        BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(64, K, True)
         consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1)
         asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, warps, stages,
                            aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))

@@ -65,7 +65,7 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
                         splits=sp, token_rows=tr, us=us, gbps=nbytes / us / 1e3,
                         floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(T > L.MAX_ROWS and (BM, BT, nw, st, sp, tr) == L.fp8_launch(T, act8))))
+                        default=(T > L.MAX_ROWS and (BM, BT, nw, st, sp, tr) == L.fp8_launch(T, K, act8))))
     if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
         for act8 in forms:
             kc8 = dataclasses.replace(kc, fp8_activations=act8)

@@ -277,26 +277,28 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
 
 
 # FP8 rows: one 128-column chunk a K step (its scale covers exactly those columns). Launch shapes (weight rows a
-# program, token rows a program, warps, stages, K splits) by the most rows a step brings, for W8A16 and W8A8, searched
-# on an H100 at Qwen3-30B-A3B's q|k|v and o (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/
-# h100-p1-linear-fp8-tune.json): the unsearched 64 x 64 launch ran few programs an SM at decode sizes. K splits:
-# programs that each sum a contiguous share of the chunks into float32 partials, summed in split order by
-# `_sum_splits` (more programs where N / BM x T / BT leaves SMs idle; at most one split a chunk).
-# Token rows: W8A16's dot with the tokens as its rows and the weight tile as the other operand (as W8A8's and the
-# fused MoE's), where the weight tiles come in 16-byte copies; else the weight rows are the dot's rows (their tile
-# then feeds the tensor cores from registers, copied in 8 bytes: tests/test_kernels_sm90.py).
+# program, token rows a program, warps, stages, K columns a split, token rows) by the most rows a step brings, for
+# W8A16 and W8A8. K splits: programs that each sum a contiguous share of the chunks into float32 partials, summed in
+# split order by `_sum_splits` (more programs where N / BM x T / BT leaves SMs idle); a projection of K columns takes
+# K // (columns a split) of them (0: K whole). Token rows: W8A16's dot with the tokens as its rows and the weight
+# tile as the other operand (as W8A8's and the fused MoE's), where the weight tiles come in 16-byte copies; else the
+# weight rows are the dot's rows (their tile then feeds the tensor cores from registers, copied in 8 bytes:
+# tests/test_kernels_sm90.py). W8A16's decode rows from the search with splits at Qwen3-30B-A3B's q|k|v and o on an
+# H100 (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/h100-p1-linear-fp8-split-tune.json: a split per
+# 1024 columns beside one launch shape a bucket was within a few percent of each shape's own best); prompt rows and
+# W8A8's from the search before splits (h100-p1-linear-fp8-tune.json).
 FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]] = {
-    False: [(16, (32, 16, 4, 5, 1, False)), (64, (16, 64, 4, 5, 1, False)), (256, (64, 64, 4, 3, 1, False)),
-            (1 << 62, (128, 128, 8, 3, 1, False))],
-    True: [(16, (128, 16, 8, 3, 1, True)), (256, (64, 64, 4, 3, 1, True)), (1 << 62, (128, 64, 4, 3, 1, True))],
+    False: [(16, (64, 16, 4, 4, 1024, True)), (64, (32, 64, 4, 4, 1024, True)), (256, (128, 128, 8, 4, 1024, False)),
+            (1 << 62, (128, 128, 8, 3, 0, False))],
+    True: [(16, (128, 16, 8, 3, 0, True)), (256, (64, 64, 4, 3, 0, True)), (1 << 62, (128, 64, 4, 3, 0, True))],
 }
 
 
-def fp8_launch(T: int, act8: bool) -> tuple[int, int, int, int, int, bool]:
-    """(BM, BT, warps, stages, splits, token rows) of `_linear_fp8` for T rows (BT at most T's power of two, 16 the
-    least; W8A8's dot has the tokens as its rows whatever the flag says)."""
-    BM, BT, warps, stages, splits, token_rows = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
-    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, splits, token_rows
+def fp8_launch(T: int, K: int, act8: bool) -> tuple[int, int, int, int, int, bool]:
+    """(BM, BT, warps, stages, splits, token rows) of `_linear_fp8` for T rows of K columns (BT at most T's power of
+    two, 16 the least; W8A8's dot has the tokens as its rows whatever the flag says)."""
+    BM, BT, warps, stages, cols, token_rows = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
+    return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, max(1, K // cols) if cols else 1, token_rows
 
 
 @triton.jit
@@ -374,7 +376,7 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
         raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
                          f"({packed_width(K)} bytes), or a tensor is not row-major")
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
-    launch_fp8(x_TD, w_NC, bias_N, out, *fp8_launch(T, kc.fp8_activations), kc=kc)
+    launch_fp8(x_TD, w_NC, bias_N, out, *fp8_launch(T, K, kc.fp8_activations), kc=kc)
     return out
 
 

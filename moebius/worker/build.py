@@ -176,7 +176,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
 
     kernels = KernelConfig(moe_backend=ecfg.moe_kernel, pdl=not ecfg.disable_pdl,
                            reshard_kernel=not ecfg.disable_reshard_kernel,
-                           fp8_activations=ecfg.fp8_activations, shared_stream=ecfg.shared_experts_stream,
+                           fp8_activations=ecfg.fp8_activations, shared_stream=not ecfg.disable_shared_experts_stream,
                            decodes_apart=ecfg.mixed_attention == "apart",
                            flash_prefill=use_flash(ecfg.prefill_attention, device, dtype, cfg.head_dim),
                            fresh_chunk_lengths=fresh_chunk_lengths(ecfg.max_num_batched_tokens, spec.max_model_len))
