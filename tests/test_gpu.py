@@ -194,6 +194,19 @@ def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) ->
         assert _rel(got, want) < min(2e-2, _rel(got, other) / 2)
 
 
+def test_fp8_rows_unpacked_in_one_launch_equal_unpack_rows() -> None:
+    """`linear.unpack_fp8` (W8A16's weight past UNPACK_ROWS rows, multiplied by cuBLAS) is `unpack_rows` bit for bit
+    in bf16 and float16 (Qwen3-30B-A3B's o projection; a ragged chunk and a partial row block)."""
+    from moebius.kernels.fp8_rows import pack_rows, unpack_rows
+    from moebius.kernels.linear import unpack_fp8
+
+    torch.manual_seed(0)
+    for N, K in ((2048, 4096), (77, 300)):
+        w = pack_rows(torch.randn(N, K, device="cuda") * 0.05)
+        for dt in (torch.bfloat16, torch.float16):
+            assert torch.equal(unpack_fp8(w, K, dt), unpack_rows(w, K, dt)), (N, K, dt)
+
+
 @pytest.mark.parametrize("gpt_oss", [False, True])
 @pytest.mark.parametrize("first_expert,local", [(0, 16), (8, 8)])
 @pytest.mark.parametrize("T", [1, 2, 8, 77, 600, 4096])

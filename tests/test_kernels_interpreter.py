@@ -557,8 +557,9 @@ def linear_fp8_cases() -> None:
 
     _nearest_even_fp8_casts()
     g = torch.Generator().manual_seed(3)
-    # the tensor-core tiles at any row count; one or two rows held in registers (`linear_fp8_rows`, the LATE order's)
-    for run, cases in ((linear_fp8, [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200)]),
+    # the tensor-core tiles at any row count (W8A16 past UNPACK_ROWS: the weight unpacked, then F.linear); one or
+    # two rows held in registers (`linear_fp8_rows`, the LATE order's)
+    for run, cases in ((linear_fp8, [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200), (300, 40, 260)]),
                        (linear_fp8_rows, [(1, 40, 256), (2, 19, 300), (2, 70, 1000)])):
         for T, N, K in cases:
             x = torch.randn(T, K, generator=g)
@@ -572,6 +573,13 @@ def linear_fp8_cases() -> None:
                 err = ((run(x, w, bias, kc=KernelConfig(fp8_activations=True)) - want8).norm() / want8.norm()).item()
                 assert err < 1e-5, (run, T, N, K, bias is None, err)
                 assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
+    # the one-pass unpack: exactly `unpack_rows` (ragged last chunk, partial row blocks; in float32, since the
+    # interpreter's bf16 casts truncate: bf16 in tests/test_gpu.py)
+    from moebius.kernels.linear import unpack_fp8
+
+    for N, K in ((40, 260), (33, 128)):
+        w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
+        assert torch.equal(unpack_fp8(w, K, torch.float32), unpack_rows(w, K, torch.float32)), (N, K)
     # K split into float32 partials summed in split order (`launch_fp8`'s splits, at most one a chunk: 8 asks for 3
     # at 300 columns), the bias added once; W8A16 with either operand as the dot's rows (`token_rows`), and W8A8
     from moebius.kernels.linear import launch_fp8

@@ -117,6 +117,14 @@ def test_the_split_k_projection_on_fp8_rows_compiles_for_hopper(act8: bool) -> N
                  dict(HAS_BIAS=True, SPLITS=4, BN=1024, PDL=2), 4, 1, aligned=("N", "stride_o"))
 
 
+def test_the_fp8_unpack_compiles_for_hopper_without_byte_loads() -> None:
+    """`linear._unpack_fp8` (W8A16's weight at prompt sizes) reads a chunk's FP8 bytes in 16-byte loads, never one
+    byte at a time (its scale in 4), stores in 16-byte vectors, and compiles with PDL."""
+    ptx = compile_sm90(linear._unpack_fp8, dict(W="*u8", Out="*bf16", N="i32", K="i32", WS="i32"),
+                       dict(BR=32, PDL=1), 4, 1, aligned=("N", "K", "WS"))["ptx"]
+    assert global_loads(ptx) == {"ld32"} and "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, global_loads(ptx)
+
+
 def test_w8a16_token_rows_read_the_weights_in_16_byte_copies() -> None:
     """W8A16 on FP8 rows at 64 x 64 tiles: with the tokens as the dot's rows the weight tile streams in 16-byte
     copies (and its scales in 4). (With the weight rows as the dot's rows, their tile then an operand from registers,

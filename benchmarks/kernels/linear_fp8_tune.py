@@ -4,7 +4,8 @@ the dot's rows are (token_rows), W8A16 (and W8A8 with --w8a8), at Qwen3-30B-A3B'
 4096) projections; µs per call inside a CUDA graph (the partials' sum included) and the weight bandwidth reached,
 beside the bf16 projection of the same shape as the engine runs it (`layers.linear.linear`). `linear.FP8_LAUNCHES`
 comes from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "default" marks its launch. At one or two
-rows the engine runs `linear_fp8_rows` (kernel "rows"), timed beside the searched shapes.
+rows the engine runs `linear_fp8_rows` (kernel "rows"), and W8A16 past `UNPACK_ROWS` the weight unpacked and
+multiplied by cuBLAS (kernel "unpack"), timed beside the searched shapes.
 
     python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json --rows 8 64 256 [--w8a8]
 """
@@ -23,7 +24,7 @@ from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import write_result
 from moebius.kernels import DEFAULT_KERNELS, LATE, KernelConfig
 from moebius.kernels import linear as L
-from moebius.kernels.fp8_rows import pack_rows
+from moebius.kernels.fp8_rows import pack_rows, unpack_rows
 from moebius.layers.linear import linear as dense_linear
 
 SHAPES = (("qkv", 5120, 2048), ("o", 2048, 4096))
@@ -65,7 +66,14 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
                         splits=sp, token_rows=tr, us=us, gbps=nbytes / us / 1e3,
                         floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us,
                         err=(o.float() - want.float()).abs().max().item(),
-                        default=(T > L.MAX_ROWS and (BM, BT, nw, st, sp, tr) == L.fp8_launch(T, K, act8))))
+                        default=(T > L.MAX_ROWS and (act8 or T <= L.UNPACK_ROWS)
+                                 and (BM, BT, nw, st, sp, tr) == L.fp8_launch(T, K, act8))))
+    if T > L.UNPACK_ROWS and False in forms:  # the engine's W8A16 at prompt sizes: the weight unpacked, then cuBLAS
+        us = graph_time_us(lambda: L.linear_fp8(x, rows))
+        ref = torch.nn.functional.linear(x, unpack_rows(rows, K, x.dtype))
+        out.append(dict(proj=name, N=N, K=K, rows=T, kernel="unpack", act8=False, us=us, gbps=nbytes / us / 1e3,
+                        floor_us=nbytes / hbm_bytes_s * 1e6, bf16_us=bf16_us, default=True,
+                        err=(L.linear_fp8(x, rows).float() - ref.float()).abs().max().item()))
     if T <= L.MAX_ROWS:  # the engine's kernel for a row or two in the LATE order (`linear_fp8_rows`)
         for act8 in forms:
             kc8 = dataclasses.replace(kc, fp8_activations=act8)

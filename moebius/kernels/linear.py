@@ -366,15 +366,48 @@ def _sum_splits(Part, B, Out, T, N, stride_o, HAS_BIAS: tl.constexpr, SPLITS: tl
     tl.store(Out + t.to(tl.int64) * stride_o + rn, acc.to(Out.dtype.element_ty), mask=mn)
 
 
+@triton.jit
+def _unpack_fp8(W, Out, N, K, WS, BR: tl.constexpr, PDL: tl.constexpr):
+    """Out [N, K] = the FP8 rows W (WS bytes each) in Out's dtype, rounded as `unpack_rows` rounds (`weight_tile`):
+    this program's BR rows, one 128-column chunk."""
+    enter(PDL)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = rows < N
+    k0 = tl.program_id(1) * 128
+    kk = k0 + tl.arange(0, 128)
+    tile = weight_tile(W, rows, rm, k0, K, WS, 128, FP8_ROWS, Out.dtype.element_ty)
+    tl.store(Out + rows.to(tl.int64)[:, None] * K + kk[None, :], tile, mask=rm[:, None] & (kk < K)[None, :])
+
+
+# Rows from which W8A16 on FP8 rows unpacks the weight in one pass (`unpack_fp8`) and multiplies through torch
+# (cuBLAS): prompt sizes are compute-bound, where the FP8 kernels took 2-3x bf16's time at 2048 rows
+# (benchmarks/results/h100-p1-linear-fp8-tune.json) and the copy costs about one pass over the weight's bytes.
+UNPACK_ROWS = 256
+
+
+def unpack_fp8(w_NC: torch.Tensor, K: int, dtype: torch.dtype, *, kc: KernelConfig = DEFAULT_KERNELS
+               ) -> torch.Tensor:
+    """`fp8_rows.unpack_rows(w_NC, K, dtype)` of FP8 rows on the GPU, one launch: [N, K] in dtype."""
+    N = w_NC.shape[0]
+    out = torch.empty(N, K, dtype=dtype, device=w_NC.device)
+    BR = 32
+    _unpack_fp8[(triton.cdiv(N, BR), triton.cdiv(K, 128))](w_NC, out, N, K, w_NC.shape[1], BR=BR, num_warps=4,
+                                                            **pdl(w_NC, kc))
+    return out
+
+
 def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None = None, *,
                kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear(x, unpack_rows(w_NC, K, x.dtype), bias) for any x [T, K] and FP8 rows w_NC [N, packed_width(K)]; with
-    kc.fp8_activations x as `quantize_groups(x)` (W8A8)."""
+    kc.fp8_activations x as `quantize_groups(x)` (W8A8). W8A16 from UNPACK_ROWS rows on: literally that (the weight
+    unpacked by `unpack_fp8`, the product cuBLAS's)."""
     T, K = x_TD.shape
     N = w_NC.shape[0]
     if w_NC.shape[1] != packed_width(K) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
         raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
                          f"({packed_width(K)} bytes), or a tensor is not row-major")
+    if T > UNPACK_ROWS and not kc.fp8_activations:
+        return torch.nn.functional.linear(x_TD, unpack_fp8(w_NC, K, x_TD.dtype, kc=kc), bias_N)
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
     launch_fp8(x_TD, w_NC, bias_N, out, *fp8_launch(T, K, kc.fp8_activations), kc=kc)
     return out
