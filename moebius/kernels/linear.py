@@ -285,8 +285,9 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
 # weight rows are the dot's rows (their tile then feeds the tensor cores from registers, copied in 8 bytes:
 # tests/test_kernels_sm90.py). W8A16's decode rows from the search with splits at Qwen3-30B-A3B's q|k|v and o on an
 # H100 (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/h100-p1-linear-fp8-split-tune.json: a split per
-# 1024 columns beside one launch shape a bucket was within a few percent of each shape's own best); prompt rows and
-# W8A8's from the search before splits (h100-p1-linear-fp8-tune.json).
+# 1024 columns and one launch a bucket for both shapes, near each shape's own best); prompt rows (where W8A16 unpacks
+# its weight instead, `UNPACK_ROWS`: this launch is the search's comparison) and W8A8's from the search before splits
+# (h100-p1-linear-fp8-tune.json).
 FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]] = {
     False: [(16, (64, 16, 4, 4, 1024, True)), (64, (32, 64, 4, 4, 1024, True)), (256, (128, 128, 8, 4, 1024, False)),
             (1 << 62, (128, 128, 8, 3, 0, False))],
