@@ -45,14 +45,12 @@
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
-# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Next: `sweep gptsweep`
-#   on an H200 (needs_h200: gpt-oss-20b's batch 1024 at a 1k context does not fit an H100's KV; on an H100 at d7f6276
-#   DeepSeek-V2-Lite ran 1.17x-1.28x from 64 to 1024, gpt-oss-20b at a 512 context 1.06x-1.22x to 512 and 1.38x at
-#   1024); `fp8tests fp8 fp8work` (W8A16 the default since a740521: its GPU tests, whole requests, agreement);
-#   the three searches whose knobs are off until measured: `splittune` (the FP8 projection's K splits and token rows:
-#   then FP8_LAUNCHES), `groups` (the fused MoE's grouped blocks: then TileConfig.group in CONFIGS' large rows),
-#   `sharedstream` (--shared-experts-stream against the default); `moetests sharedtests` (the 1-D MoE grid and the
-#   side stream's GPU parity, not yet run on a GPU)
+# Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
+#   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
+#   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
+#   and FP8's 64-256. Next, after a change aimed at one of them: its sweep step beside the last JSON on the same card
+#   (and `fp8work` for FP8's whole requests against bf16); results land under the card's names, so rename an earlier
+#   record (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}

@@ -170,6 +170,29 @@ def moe_fp8_cases() -> None:
         ref = experts_ref(x, w, ids, w13, w2, first)
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (T, E, first, D, I, err)
+    # prompt sizes (from UNPACK_PAIRS pairs an expert, lowered here to any): the experts unpacked a share at a time
+    # (UNPACK_BYTES lowered to three experts': passes of 3, 3, 2 of EP's 8 and 3 x 5 + 1 of 16) and through the plain
+    # kernels, each pass writing its pairs
+    passes: list[int] = []
+    unpack, saved = fm.unpack_fp8, (fm.UNPACK_PAIRS, fm.UNPACK_BYTES)
+
+    def counted(w: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        passes.append(w.shape[0])
+        return unpack(w, *a, **kw)
+
+    fm.unpack_fp8 = counted
+    try:
+        for (T, E_all, E, first), (D, I) in FP8_CASES[1:]:
+            fm.UNPACK_PAIRS, fm.UNPACK_BYTES = 1, 3 * (3 * I * D * 4)
+            x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I)
+            passes.clear()
+            out = fm.fused_experts(x, w, ids, w13, w2, first, E_all)
+            ref = experts_ref(x, w, ids, w13, w2, first)
+            assert passes == [n * rows for n in [3] * (E // 3) + [E % 3] * (E % 3 > 0) for rows in (2 * I, D)], passes
+            err = ((out - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, (T, E, first, D, I, err)
+    finally:
+        fm.unpack_fp8, (fm.UNPACK_PAIRS, fm.UNPACK_BYTES) = unpack, saved
 
 
 def moe_w8a8_cases() -> None:

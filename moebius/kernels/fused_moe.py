@@ -25,7 +25,7 @@ import triton.language as tl
 from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK
 from moebius.kernels.fused import silu_mul
-from moebius.kernels.linear import FP8_ROWS, MXFP4_ROWS, PLAIN, fp8_dot, quantize_act, weight_tile
+from moebius.kernels.linear import FP8_ROWS, MXFP4_ROWS, PLAIN, fp8_dot, quantize_act, unpack_fp8, weight_tile
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
 from moebius.kernels.rows import FP8, MXFP4, format_of
@@ -462,11 +462,14 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
 
 
 def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: TileConfig, *,
-         kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b2_ED: torch.Tensor | None = None) -> torch.Tensor:
+         kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b2_ED: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The pairs' weighted outputs [N, D] (row t * K + k), into `out` where given: only the blocks' pairs' rows are
+    written."""
     E, D, WS = w2_EDF.shape
     I, N = h.shape[1], w_TK.numel()
     c, fmt, act8 = _row_tiles(c, w2_EDF, I, kc)
-    y = torch.empty(N, D, dtype=h.dtype, device=h.device)
+    y = torch.empty(N, D, dtype=h.dtype, device=h.device) if out is None else out
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
     if tma:
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
@@ -478,6 +481,38 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
     return y
 
 
+# Mean (token, k) pairs an expert of the model from which FP8 rows in W8A16 are unpacked to the activations' dtype
+# (`linear.unpack_fp8`) and multiplied by the bf16 kernels, a share of the experts at a time: prompt sizes are
+# compute-bound, where the fused MoE on FP8 rows took over 1.6x bf16's grouped GEMM at 2048 tokens
+# (benchmarks/results/h100-p1-moe-tune-fp8.json), and the copies cost a pass over the bf16 bytes. Not yet timed in the
+# engine (issue 46's `fp8work`).
+UNPACK_PAIRS = 256
+UNPACK_BYTES = 256 << 20  # unpacked experts held at once: the share of the local experts in one pass
+
+
+def _unpacked_pairs(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
+                    w2_EDF: torch.Tensor, first_expert: int, c: MoEConfig, kc: kernels.KernelConfig,
+                    b13_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, clamp: tuple[float, float] | None
+                    ) -> PairRows:
+    """The pairs' outputs of experts held as FP8 rows, UNPACK_BYTES of them at a time unpacked to x's dtype and run
+    through the plain kernels at config c, each pass writing its experts' pairs into one buffer (summed once, as the
+    one-pass kernels' pairs are)."""
+    T, K = ids_TK.shape
+    E, F, _ = w13_EFD.shape
+    D, I = x_TD.shape[1], F // 2
+    share = max(1, min(E, UNPACK_BYTES // (3 * I * D * x_TD.element_size())))
+    y = torch.empty(T * K, D, dtype=x_TD.dtype, device=x_TD.device)
+    for e0 in range(0, E, share):
+        n = min(share, E - e0)
+        w13 = unpack_fp8(w13_EFD[e0:e0 + n].flatten(0, 1), D, x_TD.dtype, kc=kc).unflatten(0, (n, F))
+        w2 = unpack_fp8(w2_EDF[e0:e0 + n].flatten(0, 1), I, x_TD.dtype, kc=kc).unflatten(0, (n, D))
+        blocks = align(ids_TK, first_expert + e0, n, c.BM, kc=kc)
+        h = gate_up(x_TD, w13, blocks, K, c.gate_up, kc=kc, clamp=clamp,
+                    b13_EF=None if b13_EF is None else b13_EF[e0:e0 + n])
+        down(h, w2, blocks, w_TK, c.down, kc=kc, b2_ED=None if b2_ED is None else b2_ED[e0:e0 + n], out=y)
+    return PairRows(y, ids_TK, first_expert, E)
+
+
 def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
                   w2_EDF: torch.Tensor, first_expert: int, num_experts: int | None = None,
                   config: MoEConfig | None = None, keep_pairs: bool = False, *,
@@ -486,16 +521,22 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
                   ) -> torch.Tensor | PairRows:
     """num_experts: the model's expert count (local pairs ~ pairs * E_local / num_experts, for block shapes).
     keep_pairs: return the outputs per pair, for a consumer that sums them itself (no `sum_k` launch).
-    b13_EF / b2_ED: the experts' biases; clamp: GPT-OSS's activation's (alpha, limit) (`gate_up`)."""
+    b13_EF / b2_ED: the experts' biases; clamp: GPT-OSS's activation's (alpha, limit) (`gate_up`). FP8 rows in W8A16
+    from UNPACK_PAIRS pairs an expert: unpacked a share at a time, through the plain kernels (`_unpacked_pairs`)."""
     T, K = ids_TK.shape
     E = w13_EFD.shape[0]
     if T == 0:
         return torch.zeros_like(x_TD)
     total = num_experts or E
-    c = config or config_for(T * K, E, max(1, total // E), table_for(w13_EFD, x_TD.shape[1]))
+    unpacked = (config is None and T * K >= UNPACK_PAIRS * total and not kc.fp8_activations
+                and table_for(w13_EFD, x_TD.shape[1]) is FP8_CONFIGS)
+    c = config or config_for(T * K, E, max(1, total // E), CONFIGS if unpacked else table_for(w13_EFD, x_TD.shape[1]))
     w_TK = w_TK.reshape(-1)
     if not w_TK.is_contiguous():
         w_TK = w_TK.contiguous()
+    if unpacked:
+        pairs = _unpacked_pairs(x_TD, w_TK, ids_TK, w13_EFD, w2_EDF, first_expert, c, kc, b13_EF, b2_ED, clamp)
+        return pairs if keep_pairs else pairs.sum(kc=kc)
     if T * K <= DIRECT_MAX_PAIRS:
         blocks = direct(ids_TK, first_expert, c.BM)
     else:

@@ -380,10 +380,11 @@ def _unpack_fp8(W, Out, N, K, WS, BR: tl.constexpr, PDL: tl.constexpr):
     tl.store(Out + rows.to(tl.int64)[:, None] * K + kk[None, :], tile, mask=rm[:, None] & (kk < K)[None, :])
 
 
-# Rows from which W8A16 on FP8 rows unpacks the weight in one pass (`unpack_fp8`) and multiplies through torch
-# (cuBLAS): prompt sizes are compute-bound, where the FP8 kernels took 2-3x bf16's time at 2048 rows
-# (benchmarks/results/h100-p1-linear-fp8-tune.json) and the copy costs about one pass over the weight's bytes.
-UNPACK_ROWS = 256
+# Rows past which W8A16 on FP8 rows unpacks the weight in one pass (`unpack_fp8`) and multiplies through torch
+# (cuBLAS): from a few hundred rows the GEMM is compute-bound and the FP8 kernels took about twice the unpack and
+# cuBLAS together (benchmarks/results/h200-p1-linear-fp8-unpack.json from 512 rows; at 256 rows the split search's
+# launches against bf16's cuBLAS plus the unpack's cost there, h200-p1-linear-fp8-split-tune.json).
+UNPACK_ROWS = 128
 
 
 def unpack_fp8(w_NC: torch.Tensor, K: int, dtype: torch.dtype, *, kc: KernelConfig = DEFAULT_KERNELS
@@ -400,7 +401,7 @@ def unpack_fp8(w_NC: torch.Tensor, K: int, dtype: torch.dtype, *, kc: KernelConf
 def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | None = None, *,
                kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """F.linear(x, unpack_rows(w_NC, K, x.dtype), bias) for any x [T, K] and FP8 rows w_NC [N, packed_width(K)]; with
-    kc.fp8_activations x as `quantize_groups(x)` (W8A8). W8A16 from UNPACK_ROWS rows on: literally that (the weight
+    kc.fp8_activations x as `quantize_groups(x)` (W8A8). W8A16 past UNPACK_ROWS rows: literally that (the weight
     unpacked by `unpack_fp8`, the product cuBLAS's)."""
     T, K = x_TD.shape
     N = w_NC.shape[0]
