@@ -42,15 +42,20 @@
 #   fp8tune   the fused MoE's tiles and the projection's launch searched on FP8 rows (moe_tune.py --quantization
 #             fp8, linear_fp8_tune.py)
 #   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
-#   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py)
+#   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py);
+#             mlatune16 at 16 heads and batches 256 and 1024 only
+#   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
+#   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
 #   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
 #   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
-#   and FP8's 64-256. Next, after a change aimed at one of them: its sweep step beside the last JSON on the same card
-#   (and `fp8work` for FP8's whole requests against bf16); results land under the card's names, so rename an earlier
-#   record (`<name>-<commit>.json`) before copying a new one in.
+#   and FP8's 64-256. Next (c225e07 on): `fp8tests fp8sweep fp8work` (the unpacked projections past 128 rows and
+#   experts from 256 pairs an expert, built after the last call: GPU tests, then whole requests against bf16), then
+#   the searches for the gaps (`fp8moetune`, `mlatune16`, `groupsearch`); after a change aimed at a bar: its sweep
+#   step beside the last JSON on the same card. Results land under the card's names, so rename an earlier record
+#   (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -157,6 +162,12 @@ moetune)  # the fused MoE's bf16 tiles at gpt-oss-20b's and DeepSeek-V2-Lite's e
   # Qwen3-30B-A3B's)
   t moetune_gptoss 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --batches 64 128 256 512 1024 --output $R/$C-p1-moe-tune-gpt-oss-20b.json
   t moetune_deepseek 200 python3 benchmarks/kernels/moe_tune.py --preset deepseek-v2-lite --ranks 1 --modes tp --batches 64 128 256 1024 --output $R/$C-p1-moe-tune-deepseek-v2-lite.json ;;
+mlatune16)  # the same at DeepSeek-V2-Lite's 16 heads and the batches over the bar on the H200 (256, 1024)
+  t mlatune16 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 256 1024 ;;
+groupsearch)  # gpt-oss-20b's MoE at 512 and 1024 tokens: every BM's best tiles, each also with its blocks in groups
+  t groupsearch 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --groups 2 4 --batches 512 1024 --output $R/$C-p1-moe-groupsearch-gpt-oss-20b.json ;;
+fp8moetune)  # the fused MoE on FP8 rows (W8A16) at decode sizes and at 4096 tokens (the unpacked experts' path)
+  t fp8moetune 250 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 64 256 4096 --output $R/$C-p1-moe-tune-fp8-w8a16.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
 agree)

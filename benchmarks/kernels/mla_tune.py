@@ -5,13 +5,13 @@ and DeepSeek-V3's 128 (a rank of EP's data-parallel attention), context 1024, C 
 token. A profile put the kernel at 88 us a layer at batch 64 where its cache bytes take ~18 us on an H200
 (benchmarks/results/h200-p1-decode-profiles.json).
 
-    python benchmarks/kernels/mla_tune.py mla_tune.json
+    python benchmarks/kernels/mla_tune.py mla_tune.json [--heads 16] [--batches 256 1024]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
-import sys
 
 import torch
 import triton
@@ -79,14 +79,21 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> li
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/mla_tune.py")
+    ap.add_argument("output", nargs="?", default="mla_tune.json")
+    ap.add_argument("--heads", type=int, nargs="+", help="only the shapes of these head counts (16, 128)")
+    ap.add_argument("--batches", type=int, nargs="+", help="only these batches (of each shape's)")
+    args = ap.parse_args()
+    shapes = [(n, h, tuple(b for b in bs if not args.batches or b in args.batches)) for n, h, bs in SHAPES
+              if not args.heads or h in args.heads]
     dev = torch.device("cuda")
     hbm = hardware_of(torch.cuda.get_device_name()).hbm_bytes_per_s
     out = []
-    for name, H, batches in SHAPES:
+    for name, H, batches in shapes:
         for B in batches:
             out += tune(name, H, B, dev, hbm)
-    path = sys.argv[1] if len(sys.argv) > 1 else "mla_tune.json"
-    shapes = [dict(shape=n, heads=h, batches=list(b)) for n, h, b in SHAPES]
+    path = args.output
+    shapes = [dict(shape=n, heads=h, batches=list(b)) for n, h, b in shapes]
     write_result(path, out, params=dict(output=path, page=PAGE, latent=C, rope=R, context=CTX, shapes=shapes),
                  note="latent decode attention per call inside a CUDA graph (us), the cache bandwidth reached (gbps) "
                       "and the cache bytes' HBM time (floor_us); err: max abs difference to the kernel's own launch; "

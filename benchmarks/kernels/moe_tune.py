@@ -76,8 +76,8 @@ def main() -> None:
     ap.add_argument("--quantization", choices=sorted(FORMATS), help="the experts as quantized rows of this format")
     ap.add_argument("--no-search", action="store_true", help="time the default block shapes only (`default_timed`, "
                     "and `tma_switched`: them with TMA switched), no search over others")
-    ap.add_argument("--groups", type=int, nargs="*", default=[], help="also time the default shapes with their "
-                    "blocks interleaved in groups of these sizes (`TileConfig.group`)")
+    ap.add_argument("--groups", type=int, nargs="*", default=[], help="also time the default shapes, and each "
+                    "searched BM's best, with their blocks interleaved in groups of these sizes (`TileConfig.group`)")
     a = ap.parse_args()
     m = model_config(PRESETS[a.preset])  # the family's parse: every family's expert shapes under one name
     D, I_full, E_all, K = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k
@@ -160,8 +160,15 @@ def main() -> None:
                 h2 = fm.gate_up(x, w13, b2, K, cfg.gate_up if bm_try == bm else cands[0])
                 gu = best_of(cands, lambda c: fm.gate_up(x, w13, b2, K, c))  # noqa: B023
                 dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c))  # noqa: B023
-                rows.append(dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
-                                 down=dn[0].__dict__ if dn[0] else None, down_us=dn[1]))
+                row = dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
+                           down=dn[0].__dict__ if dn[0] else None, down_us=dn[1])
+                for g in a.groups if gu[0] and dn[0] else ():  # each BM's best with its blocks in groups
+                    gu_g, dn_g = dataclasses.replace(gu[0], group=g), dataclasses.replace(dn[0], group=g)
+                    row[f"gate_up_group_{g}_us"] = graph_time_us(
+                        lambda c=gu_g: fm.gate_up(x, w13, b2, K, c))  # noqa: B023
+                    row[f"down_group_{g}_us"] = graph_time_us(
+                        lambda c=dn_g: fm.down(h2, w2, b2, wflat, c))  # noqa: B023
+                rows.append(row)
             wbytes = hit * expert_bytes
             best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default_timed"]
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
