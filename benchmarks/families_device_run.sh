@@ -33,7 +33,8 @@
 #   profile   the top kernels of a decode step at batches 1 and 64 (4 layers): Qwen3-30B-A3B in FP8 and bf16,
 #             DeepSeek-V2-Lite; gpt-oss-20b at 256
 #   bigprofile gpt-oss-20b's decode at 512 and 1024 (graphs), and the kernels of DeepSeek-V2-Lite's and gpt-oss-20b's
-#             large-batch steps without PDL (each kernel's time its own)
+#             large-batch steps without PDL (each kernel's time its own); midprofile the same kernels at the batches just over the bar
+#             (DeepSeek-V2-Lite 256 and 512, gpt-oss-20b 512)
 #   sharedstream DeepSeek-V2-Lite's decode at 64-1024 with and without --disable-shared-experts-stream; sharedtests
 #             its GPU parity (a run with the flag)
 #   groups    the fused MoE's blocks interleaved in groups against the default order (moe_tune.py --groups)
@@ -53,9 +54,9 @@
 #   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
 #   and FP8's 64-256. Next (c225e07 on): `fp8tests fp8sweep fp8work` (the unpacked projections past 128 rows and
 #   experts from 256 pairs an expert, built after the last call: GPU tests, then whole requests against bf16), then
-#   the searches for the gaps (`fp8moetune`, `mlatune16`, `groupsearch`); after a change aimed at a bar: its sweep
-#   step beside the last JSON on the same card. Results land under the card's names, so rename an earlier record
-#   (`<name>-<commit>.json`) before copying a new one in.
+#   the profiles and searches for the gaps (`midprofile`, `fp8moetune`, `mlatune16`, `groupsearch`); after a change
+#   aimed at a bar: its sweep step beside the last JSON on the same card. Results land under the card's names, so
+#   rename an earlier record (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
@@ -138,6 +139,10 @@ bigprofile)  # the large batches that miss the bar (DeepSeek-V2-Lite from 512, g
   t gptoss_big 150 $B sweep --model gpt-oss-20b --load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --batches 512,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-sweep-big.json
   t bigprofile_deepseek 120 $S --model deepseek-v2-lite --batch 64 1024 --output $R/$C-p1-decode-profile-deepseek-big.json
   t bigprofile_gptoss 120 $S --model gpt-oss-20b --batch 1024 --output $R/$C-p1-decode-profile-gpt-oss-big.json ;;
+midprofile)  # the batches just over the bar on the H200: DeepSeek-V2-Lite at 256 and 512, gpt-oss-20b at 512 (no PDL)
+  S="python3 benchmarks/steps/profile_decode.py --num-layers 4 --context 1024 --graphs-only --disable-pdl --top 40"
+  t midprofile_deepseek 120 $S --model deepseek-v2-lite --batch 256 512 --output $R/$C-p1-decode-profile-deepseek-mid.json
+  t midprofile_gptoss 120 $S --model gpt-oss-20b --batch 512 --output $R/$C-p1-decode-profile-gpt-oss-mid.json ;;
 sharedstream)  # DeepSeek-V2-Lite's decode with the shared experts on a side stream (the default) and after the routed
   # experts (--disable-shared-experts-stream) in the same call
   S="$B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 64,256,512,1024 --context-len 1024"
