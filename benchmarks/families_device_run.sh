@@ -52,8 +52,8 @@
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
 #   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
 #   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
-#   and FP8's 64-256. Next (c225e07 on): `fp8tests fp8sweep fp8work` (the unpacked projections past 128 rows and
-#   experts from 256 pairs an expert, built after the last call: GPU tests, then whole requests against bf16), then
+#   and FP8's 64-256. Next (c225e07 on): `fp8tests fp8sweep fp8work` (the experts unpacked from 256 pairs an
+#   expert, built after the last call: GPU tests, then whole requests against bf16), then
 #   the profiles and searches for the gaps (`midprofile`, `fp8moetune`, `mlatune16`, `groupsearch`); after a change
 #   aimed at a bar: its sweep step beside the last JSON on the same card. Results land under the card's names, so
 #   rename an earlier record (`<name>-<commit>.json`) before copying a new one in.

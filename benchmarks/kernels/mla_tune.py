@@ -93,8 +93,8 @@ def main() -> None:
         for B in batches:
             out += tune(name, H, B, dev, hbm)
     path = args.output
-    shapes = [dict(shape=n, heads=h, batches=list(b)) for n, h, b in shapes]
-    write_result(path, out, params=dict(output=path, page=PAGE, latent=C, rope=R, context=CTX, shapes=shapes),
+    write_result(path, out, params=dict(output=path, page=PAGE, latent=C, rope=R, context=CTX,
+                                        shapes=[dict(shape=n, heads=h, batches=list(b)) for n, h, b in shapes]),
                  note="latent decode attention per call inside a CUDA graph (us), the cache bandwidth reached (gbps) "
                       "and the cache bytes' HBM time (floor_us); err: max abs difference to the kernel's own launch; "
                       "default: the kernel's own launch shape")

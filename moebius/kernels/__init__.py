@@ -59,8 +59,9 @@ class KernelConfig:
     the engine's: --fp8-activations.
     shared_stream: the shared experts (DeepSeek, GLM-4.5, Qwen2-MoE) run on a side stream of the GPU, overlapping the
     routed experts' kernels, and join before the pairs' sum (`layers.moe.beside`): DeepSeek-V2-Lite's decode steps
-    measured faster at every batch from 64 to 1024 (benchmarks/results/h100-p1-deepseek-v2-lite-sweep-shared-stream.json
-    against h100-p1-deepseek-v2-lite-sweep-shared-inline.json); off: the engine's --disable-shared-experts-stream."""
+    measured faster from 64 to 512 on an H100 and an H200 and no slower at 1024
+    (benchmarks/results/h200-p1-deepseek-v2-lite-sweep-shared-stream.json against
+    h200-p1-deepseek-v2-lite-sweep-shared-inline.json, h100-p1-* likewise); off: --disable-shared-experts-stream."""
 
     moe_backend: str = "triton"
     pdl: bool = True

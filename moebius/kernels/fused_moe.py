@@ -528,9 +528,9 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     if T == 0:
         return torch.zeros_like(x_TD)
     total = num_experts or E
-    unpacked = (config is None and T * K >= UNPACK_PAIRS * total and not kc.fp8_activations
-                and table_for(w13_EFD, x_TD.shape[1]) is FP8_CONFIGS)
-    c = config or config_for(T * K, E, max(1, total // E), CONFIGS if unpacked else table_for(w13_EFD, x_TD.shape[1]))
+    table = table_for(w13_EFD, x_TD.shape[1])
+    unpacked = config is None and table is FP8_CONFIGS and not kc.fp8_activations and T * K >= UNPACK_PAIRS * total
+    c = config or config_for(T * K, E, max(1, total // E), CONFIGS if unpacked else table)
     w_TK = w_TK.reshape(-1)
     if not w_TK.is_contiguous():
         w_TK = w_TK.contiguous()

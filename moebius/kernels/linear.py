@@ -381,10 +381,10 @@ def _unpack_fp8(W, Out, N, K, WS, BR: tl.constexpr, PDL: tl.constexpr):
 
 
 # Rows past which W8A16 on FP8 rows unpacks the weight in one pass (`unpack_fp8`) and multiplies through torch
-# (cuBLAS): from a few hundred rows the GEMM is compute-bound and the FP8 kernels took about twice the unpack and
-# cuBLAS together (benchmarks/results/h200-p1-linear-fp8-unpack.json from 512 rows; at 256 rows the split search's
-# launches against bf16's cuBLAS plus the unpack's cost there, h200-p1-linear-fp8-split-tune.json).
-UNPACK_ROWS = 128
+# (cuBLAS): prompt sizes are compute-bound, where the FP8 kernels took about twice the unpack and cuBLAS together
+# (benchmarks/results/h200-p1-linear-fp8-unpack.json); decode steps keep the FP8 kernels (an unpack each step would
+# move five bytes through HBM for each FP8 byte).
+UNPACK_ROWS = 256
 
 
 def unpack_fp8(w_NC: torch.Tensor, K: int, dtype: torch.dtype, *, kc: KernelConfig = DEFAULT_KERNELS
