@@ -196,15 +196,6 @@ def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) ->
         assert _rel(got, want) < min(2e-2, _rel(got, other) / 2)
 
 
-def test_fp8_values_as_bf16_bits_on_the_gpu() -> None:
-    """`linear.fp8_as_bf16`'s PTX (W8A16's float8 values in bf16 in tiles of under SCALED_ROWS token rows): every
-    e4m3 value times 2^-FP8_BF16_EXP, bit for bit, as its interpreter statement is on the CPU."""
-    from test_kernels_interpreter import fp8_as_bf16_bytes
-
-    got, want = fp8_as_bf16_bytes("cuda")
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got, want)
-
-
 def test_fp8_rows_unpacked_in_one_launch_equal_unpack_rows() -> None:
     """`linear.unpack_fp8` (W8A16's weight past UNPACK_ROWS rows, multiplied by cuBLAS) is `unpack_rows` bit for bit
     in bf16 and float16 (Qwen3-30B-A3B's o projection; a ragged chunk and a partial row block)."""

@@ -276,12 +276,7 @@ if importlib.util.find_spec("triton") is not None:  # (the interpreter runs a ke
     import triton
     import triton.language as tl
 
-    from moebius.kernels.linear import MXFP4_ROWS, fp8_as_bf16, weight_tile
-
-    @triton.jit
-    def _fp8_bits(Q, Out, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(Out + i, fp8_as_bf16(tl.load(Q + i)))
+    from moebius.kernels.linear import MXFP4_ROWS, weight_tile
 
     @triton.jit
     def _mxfp4_tiles(W, Out, R, K, WS, stride_o, BR: tl.constexpr, BK: tl.constexpr):
@@ -572,24 +567,6 @@ def test_few_row_linear_under_the_interpreter() -> None:
     _run("linear")
 
 
-def fp8_as_bf16_bytes(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what `linear.fp8_as_bf16` makes of every float8 e4m3 byte but the two NaNs, on `device`; the values times
-    2^-FP8_BF16_EXP as torch rounds them to bf16): its interpreter statement on the CPU, its PTX on a GPU
-    (tests/test_gpu.py)."""
-    from moebius.kernels.linear import FP8_BF16_EXP
-
-    q = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8, device=device)
-    q = torch.cat([q, q[:2]])  # 256: a power of two, whole 4-byte packs
-    got = torch.empty(q.numel(), dtype=torch.bfloat16, device=device)
-    _fp8_bits[(1,)](q, got, BLOCK=q.numel())
-    return got, (q.view(torch.float8_e4m3fn).float() * 2.0 ** -FP8_BF16_EXP).bfloat16()
-
-
-def fp8_bits_cases() -> None:
-    got, want = fp8_as_bf16_bytes("cpu")
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got, want)
-
-
 def linear_fp8_cases() -> None:
     """kernels/linear.py's projection on FP8 rows against F.linear on their dequantized weights (`unpack_rows`): one
     row to a prompt's many (several token tiles), whole and ragged 128-column chunks, partial weight-row tiles. W8A16
@@ -641,12 +618,6 @@ def linear_fp8_cases() -> None:
             launch_fp8(x, w, b, got, 32, 16, 4, 2, splits, token_rows, kc=kc)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (T, N, K, splits, act8, token_rows,
                                                                       (got - want).abs().max())
-
-
-def test_fp8_values_as_bf16_bits_under_the_interpreter() -> None:
-    """W8A16's exact float8 values in bf16 (`linear.fp8_as_bf16`, integer operations on f16 bits): each e4m3 value
-    times 2^-FP8_BF16_EXP, bit for bit, subnormals and signed zeros included."""
-    _run("fp8_bits")
 
 
 def test_fp8_linear_under_the_interpreter() -> None:
@@ -995,7 +966,7 @@ if __name__ == "__main__":
              "attention_window": attention_window_cases, "argmax": argmax_cases,
              "qk": qk_cases, "router": router_cases, "grouped_route": grouped_route_cases,
              "qk_attention": qk_attention_cases, "linear": linear_cases,
-             "linear_fp8": linear_fp8_cases, "fp8_bits": fp8_bits_cases,
+             "linear_fp8": linear_fp8_cases,
              "reshard": reshard_cases, "norm": norm_cases, "swiglu": swiglu_cases, "mla": mla_cases,
              "mla_rope": mla_rope_cases,
              "mla_chunk": mla_chunk_cases}

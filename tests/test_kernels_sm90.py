@@ -143,35 +143,6 @@ def global_loads(ptx: str) -> set[str]:
     return {f"ld{w}" for w in loads} | {f"cp{int(n, 0)}" for n in copies}
 
 
-@pytest.mark.parametrize("name", ["gate_up", "down", "linear"])
-def test_w8a16_small_tiles_take_the_float8_values_without_float32_conversions(name: str) -> None:
-    """W8A16 in tiles of under SCALED_ROWS token rows (decode's MoE blocks, the projection's 16-token tiles) converts
-    the float8 values to bf16 bits (`linear.fp8_as_bf16`: no f16 -> float32 conversions, no scaling of each weight) and
-    scales each K step's products; 64-row tiles dequantize each weight (`weight_tile`). Qwen3-30B-A3B's shapes."""
-    f = FORMATS["fp8"]
-    hidden, inter = 2048, 768
-    ptx = {}
-    for rows in (16, 64):
-        if name == "linear":
-            consts = dict(HAS_BIAS=False, BT=rows, BM=32, ACT8=False, TOKEN_ROWS=True, SPLITS=1, PDL=1)
-            asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, 4, 3,
-                               aligned=("N", "K", "WS", "stride_x", "stride_o"))
-        else:
-            fn, n, K = ((fused_moe._gate_up_silu, 2 * inter, hidden) if name == "gate_up"
-                        else (fused_moe._down, hidden, inter))
-            c, fmt, a8 = fused_moe._row_tiles(fused_moe.TileConfig(64, 128, 4, 3), torch.empty(
-                E, n, f.width(K), dtype=torch.uint8, device="meta"), K, DEFAULT_KERNELS)
-            consts = dict(BM=rows, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8, BIAS=False, GB=1,
-                          PDL=1)
-            if fn is fused_moe._gate_up_silu:
-                consts.update(K_TOP=8, CLAMPED=False)
-            asm = compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
-        ptx[rows] = asm["ptx"]
-    assert linear.SCALED_ROWS == 64
-    assert "cvt.rn.f16x2.e4m3x2" in ptx[16] and "cvt.f32.f16" not in ptx[16], name
-    assert "cvt.f32.f16" in ptx[64], name
-
-
 @pytest.mark.parametrize("name", ["gate_up", "down", "qkv", "o"])
 def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
     """Qwen3-30B-A3B's shapes on FP8 rows (hidden 2048, experts' 768, 32 query heads of 128), specialized as a launch

@@ -25,18 +25,7 @@ import triton.language as tl
 from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK
 from moebius.kernels.fused import silu_mul
-from moebius.kernels.linear import (
-    FP8_ROWS,
-    MXFP4_ROWS,
-    PLAIN,
-    SCALED_ROWS,
-    bits_scales,
-    chunk_bits,
-    fp8_dot,
-    quantize_act,
-    unpack_fp8,
-    weight_tile,
-)
+from moebius.kernels.linear import FP8_ROWS, MXFP4_ROWS, PLAIN, fp8_dot, quantize_act, unpack_fp8, weight_tile
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
 from moebius.kernels.rows import FP8, MXFP4, format_of
@@ -294,11 +283,6 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
-        SCALED: tl.constexpr = FMT == FP8_ROWS and not ACT8 and BM < SCALED_ROWS  # W8A16: float8 values as stored
-        if SCALED:
-            wbase = W13 + e.to(tl.int64) * 2 * I * WS
-            sg_next = bits_scales(wbase, n, nm, 0, D, WS, X.dtype.element_ty)
-            su_next = bits_scales(wbase, I + n, nm, 0, D, WS, X.dtype.element_ty)
         for k0 in range(0, D, BK):
             km = k0 + kk < D
             a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
@@ -307,12 +291,6 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
                 aq, sa = quantize_act(a)
                 acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, acc_g)
                 acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, acc_u)
-            elif SCALED:
-                sg, su = sg_next, su_next
-                sg_next = bits_scales(wbase, n, nm, k0 + BK, D, WS, X.dtype.element_ty)
-                su_next = bits_scales(wbase, I + n, nm, k0 + BK, D, WS, X.dtype.element_ty)
-                acc_g += tl.dot(a, tl.trans(chunk_bits(wbase, n, nm, k0, D, WS, X.dtype.element_ty))) * sg[None, :]
-                acc_u += tl.dot(a, tl.trans(chunk_bits(wbase, I + n, nm, k0, D, WS, X.dtype.element_ty))) * su[None, :]
             else:
                 if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
                     g = W13.load([e * 2 * I + nb * BN, k0])
@@ -355,9 +333,6 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: 
         nm = n < D
         kk = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], tl.float32)
-        SCALED: tl.constexpr = FMT == FP8_ROWS and not ACT8 and BM < SCALED_ROWS  # (`_gate_up_silu`'s)
-        if SCALED:
-            sb_next = bits_scales(W2 + e.to(tl.int64) * D * WS, n, nm, 0, I, WS, H.dtype.element_ty)
         for k0 in range(0, I, BK):
             if TMA:  # padding rows of H hold garbage: their results are never stored
                 a = H.load([blk * BM, k0])
@@ -366,16 +341,11 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: 
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
-                if not ACT8 and not SCALED:
+                if not ACT8:
                     b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
             if ACT8:
                 aq, sa = quantize_act(a)
                 acc = fp8_dot(aq, sa, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc)
-            elif SCALED:
-                sb = sb_next
-                sb_next = bits_scales(W2 + e.to(tl.int64) * D * WS, n, nm, k0 + BK, I, WS, H.dtype.element_ty)
-                b = chunk_bits(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, H.dtype.element_ty)
-                acc += tl.dot(a, tl.trans(b)) * sb[None, :]
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:

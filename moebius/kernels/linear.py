@@ -20,8 +20,6 @@ row's activations is quantized to float8 with a scale of its own and the tensor 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -61,75 +59,6 @@ def chunk_scales(W, rows, rm, k0, WS):
     """The float32 block scale [rows] after that chunk of each row."""
     at = W + rows.to(tl.int64) * WS + (k0 // 128) * FP8_CHUNK + 128
     return tl.load(at.to(tl.pointer_type(tl.float32)), mask=rm, other=0.0)
-
-
-# e4m3 values in bf16 without arithmetic a value: each pair converted to f16 in one instruction (exact: e4m3's values,
-# its subnormals too, are f16 normals), then f16's sign kept and its exponent and top 7 mantissa bits (the rest are
-# zero) moved as they are into bf16's fields, which reads them with bf16's exponent bias: the value times
-# 2^(15 - 127). Two integer operations a pair, where dequantizing to float32, scaling and rounding took five
-# (`weight_tile`; tests/test_kernels_sm90.py counts them).
-FP8_BF16_EXP = 112
-_FP8_AS_BF16 = tl.constexpr("""{
-.reg .b16 lo, hi;
-.reg .b32 a, b;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 a, lo;
-cvt.rn.f16x2.e4m3x2 b, hi;
-shr.b32 $0, a, 3;
-shr.b32 $1, b, 3;
-and.b32 $0, $0, 0x0FFF0FFF;
-and.b32 $1, $1, 0x0FFF0FFF;
-and.b32 a, a, 0x80008000;
-and.b32 b, b, 0x80008000;
-or.b32 $0, $0, a;
-or.b32 $1, $1, b;
-}""")
-# Triton's interpreter (the CPU tests) runs no PTX: there `fp8_as_bf16` states the same bits in Triton's operations
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def fp8_as_bf16(q):
-    """bf16 [..] of float8 e4m3 bytes q (uint8) holding each value times 2^-FP8_BF16_EXP, exactly."""
-    if INTERPRETED:
-        h = q.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return (((h >> 3) & 0x0FFF) | (h & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return tl.inline_asm_elementwise(_FP8_AS_BF16, "=r,=r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def chunk_bits(W, rows, rm, k0, K, WS, DT: tl.constexpr):
-    """The float8 values [rows, 128] of the chunk at column k0 (< K) of FP8 rows `rows` (mask rm) of WS bytes in DT,
-    exactly (bf16: times 2^-FP8_BF16_EXP, `fp8_as_bf16`): a dot with them, times `bits_scales`, is W8A16's product
-    with the dequantized chunk, each weight unrounded (`weight_tile` rounds it to DT as `unpack_rows` does) and
-    converted in fewer instructions (tiles of under SCALED_ROWS token rows)."""
-    kk = tl.arange(0, 128)
-    m = rm[:, None] & (k0 + kk < K)[None, :]
-    q = tl.load(W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * FP8_CHUNK + kk[None, :], mask=m, other=0)
-    if DT == tl.bfloat16:
-        return fp8_as_bf16(q)
-    else:
-        return q.to(tl.float8e4nv, bitcast=True).to(DT)
-
-
-@triton.jit
-def bits_scales(W, rows, rm, k0, K, WS, DT: tl.constexpr):
-    """The block scales [rows] of the chunk at column k0 times what undoes `chunk_bits`' factor, float32; 0 from K on
-    (a kernel loads a chunk's scales a K step ahead: they are read after its dot, where a load in the same step
-    would wait on memory)."""
-    s = chunk_scales(W, rows, rm & (rows * 0 + k0 < K), k0, WS)
-    if DT == tl.bfloat16:
-        return s * 5.192296858534828e33  # 2^FP8_BF16_EXP
-    else:
-        return s
-
-
-# W8A16 tiles of fewer token rows (the dot's rows) than this take the float8 values as they are and scale the
-# products (`chunk_bits`, `bits_scales`): 16-row tiles (mma.sync), where the dequantization's conversions were most
-# of a K step's instructions (sm_90: 378 a warp, 319 scaled); from 64 rows (wgmma) scaling each K step's products
-# counted as many or more (tests/test_kernels_sm90.py).
-SCALED_ROWS = tl.constexpr(64)
 
 
 @triton.jit
@@ -379,9 +308,8 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
                 PDL: tl.constexpr):
     """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, float32
     sums rounded once. ACT8: each [BT, 128] tile of X quantized per row (`quantize_act`), FP8 dots (`fp8_dot`); else
-    W8A16, the dot's rows the tokens (TOKEN_ROWS) or the weight rows: in tiles of under SCALED_ROWS token rows the
-    float8 values as they are, each K step's products times the block scales (`chunk_bits`, `bits_scales`), else
-    each weight tile's values times its rows' block scales rounded to X's dtype (as `unpack_rows`).
+    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`), the dot's
+    rows the tokens (TOKEN_ROWS) or the weight rows.
     SPLITS > 1: program_id(2) sums only its share of the chunks, into float32 partials Out[split, t, n] (row stride
     stride_o; no bias: `_sum_splits` adds it)."""
     enter(PDL)
@@ -394,10 +322,7 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     c_lo = tl.program_id(2) * share
     c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
     if ACT8 or TOKEN_ROWS:  # (W8A8: the activations' scales are per token)
-        SCALED: tl.constexpr = not ACT8 and BT < SCALED_ROWS
         acc_TM = tl.zeros([BT, BM], tl.float32)
-        if SCALED:
-            sw_next = bits_scales(W, rm, mm, c_lo * 128, c_hi * 128, WS, X.dtype.element_ty)
         for c in range(c_lo, c_hi):
             k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
@@ -405,10 +330,6 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
             if ACT8:
                 xq, sx = quantize_act(x)
                 acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, acc_TM)
-            elif SCALED:
-                sw = sw_next
-                sw_next = bits_scales(W, rm, mm, k0 + 128, c_hi * 128, WS, X.dtype.element_ty)
-                acc_TM += tl.dot(x, tl.trans(chunk_bits(W, rm, mm, k0, K, WS, X.dtype.element_ty))) * sw[None, :]
             else:
                 w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
                 acc_TM = tl.dot(x, tl.trans(w), acc_TM)
