@@ -55,8 +55,10 @@ def rows(fmt: str, n: int, cols: int) -> torch.Tensor:
 
 # the kernels' argument types (Triton's signature strings): the fused MoE's two GEMMs, the projections on FP8 rows
 MOE_TYPES = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
-                 Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", B13="*bf16", B2="*bf16",
-                 alpha="fp32", limit="fp32")
+                 Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", XS="i32", OS="i32",
+                 HS="i32", B13="*bf16", B2="*bf16", alpha="fp32", limit="fp32")
+# W8A8: the fused MoE's activations (x, and h between its GEMMs) as FP8 rows, gate_up's output among them
+W8A8_TYPES = {"gate_up": dict(MOE_TYPES, X="*u8", Out="*u8"), "down": dict(MOE_TYPES, H="*u8")}
 LINEAR_TYPES = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
                     stride_o="i32")
 
@@ -84,8 +86,9 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=direct, FMT=f, ACT8=a8,
                                       BIAS=gpt_oss, GB=c.group, PDL=1)
         if fn is fused_moe._gate_up_silu:
-            consts.update(K_TOP=4, CLAMPED=gpt_oss)
-        compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS"))
+            consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
+        compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
+                     aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
 
 
 LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]
@@ -167,9 +170,10 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8,
                                       BIAS=False, GB=c.group, PDL=1)
         if fn is fused_moe._gate_up_silu:
-            consts.update(K_TOP=8, CLAMPED=False)
-        asm = compile_sm90(fn, MOE_TYPES, consts, c.num_warps, c.num_stages,
-                           aligned=("N", "D", "I", "first") + (("WS",) if f.width(K) % 16 == 0 else ()))
+            consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16, BN=128)
+        asm = compile_sm90(fn, W8A8_TYPES[name], consts, c.num_warps, c.num_stages,
+                           aligned=("N", "D", "I", "first", "XS", "OS", "HS")
+                           + (("WS",) if f.width(K) % 16 == 0 else ()))
     kinds = global_loads(asm["ptx"])
     assert "cp16" in kinds and not kinds & {"ld8", "ld16", "cp4", "cp8"}, (name, kinds)
 

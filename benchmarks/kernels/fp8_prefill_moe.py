@@ -3,7 +3,8 @@ it, against the bf16 kernels on the same weights unpacked beforehand.
 
 Variants per token count: `passes` (the default: the experts unpacked `fused_moe.UNPACK_BYTES` at a time, each share
 through the bf16 kernels), `one_pass` (every expert unpacked at once), `fp8_direct` (the FP8 kernels on the rows,
-no unpack, at --direct-tiles), `bf16` (the bf16 kernels on weights unpacked beforehand: the GEMMs alone) and `unpack`
+no unpack, at --direct-tiles), `w8a8` and `w8a8_direct` (W8A8, --fp8-activations: the table's tiles and
+--direct-tiles), `bf16` (the bf16 kernels on weights unpacked beforehand: the GEMMs alone) and `unpack`
 (the two unpacks of every expert alone). Each: `wall_us` (eager calls back to back, synchronized: host launches
 included, as an eager prompt step pays them), `host_us` (the host's time to issue a call) and `graph_us` (the GPU's
 time inside a CUDA graph, `graph_time_us`).
@@ -22,10 +23,13 @@ import torch
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import params_of, write_result
 from moebius.config import PRESETS
+from moebius.kernels import KernelConfig
 from moebius.kernels import fused_moe as fm
 from moebius.kernels.linear import unpack_fp8
 from moebius.kernels.rows import FORMATS
 from moebius.models.registry import model_config
+
+W8A8 = KernelConfig(fp8_activations=True)
 
 
 def eager_us(fn: Callable[[], object], n: int = 10) -> tuple[float, float]:
@@ -77,6 +81,8 @@ def main() -> None:
             "passes": lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E),  # noqa: B023
             "one_pass": one_pass,
             "fp8_direct": lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E, config=direct),  # noqa: B023
+            "w8a8": lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E, kc=W8A8),  # noqa: B023
+            "w8a8_direct": lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E, config=direct, kc=W8A8),  # noqa: B023
             "bf16": lambda: fm.fused_experts(x, w_TK, ids, w13_bf16, w2_bf16, 0, E),  # noqa: B023
             "unpack": lambda: (unpack_fp8(w13.flatten(0, 1), D, torch.bfloat16),
                                unpack_fp8(w2.flatten(0, 1), I, torch.bfloat16)),

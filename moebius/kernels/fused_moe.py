@@ -23,12 +23,26 @@ import triton
 import triton.language as tl
 
 from moebius import kernels
-from moebius.kernels.fp8_rows import BLOCK
+from moebius.kernels.fp8_rows import BLOCK, packed_width
 from moebius.kernels.fused import silu_mul
-from moebius.kernels.linear import FP8_ROWS, MXFP4_ROWS, PLAIN, fp8_dot, quantize_act, unpack_fp8, weight_tile
+from moebius.kernels.linear import (
+    FP8_CHUNK,
+    FP8_ROWS,
+    MXFP4_ROWS,
+    PLAIN,
+    chunk_scales,
+    chunk_values,
+    fp8_dot,
+    quantize_act,
+    quantize_rows,
+    unpack_fp8,
+    weight_tile,
+)
 from moebius.kernels.pairs import PairRows
 from moebius.kernels.pdl import enter, pdl
 from moebius.kernels.rows import FP8, MXFP4, format_of
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}  # kernels' DT
 
 
 @dataclass(frozen=True)
@@ -263,15 +277,17 @@ def _program_tile(NB, GB: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, alpha, limit, K_TOP: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr,
-                  FMT: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, GB: tl.constexpr,
-                  PDL: tl.constexpr):
+def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit,
+                  K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
+                  DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr, DT: tl.constexpr, BIAS: tl.constexpr,
+                  CLAMPED: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FMT: their
-    format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only): float8 dots of the
-    activations quantized a tile at a time (W8A8). BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's
-    activation (`ClampedSwiGLU`: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate *
-    sigmoid(alpha * gate)) instead of silu(gate) * up."""
+    format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes). X [T, D] and Out [rows, I] in DT; ACT8 (FP8 rows
+    only, W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
+    `quantize_rows`), float8 dots, and each row of this program's output tile (BN = 128: one group) quantized as
+    it is stored. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
+    clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of
+    silu(gate) * up."""
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(I, BN), GB)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
@@ -285,45 +301,52 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, B13, al
         acc_u = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, D, BK):
             km = k0 + kk < D
-            a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
-            if ACT8:  # one quantized tile for both halves
+            if ACT8:  # the tokens' quantized groups, one tile for both halves
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                aq, sa = quantize_act(a)
+                aq, sa = chunk_values(X, tok, ok, k0, D, XS), chunk_scales(X, tok, ok, k0, XS)
                 acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, acc_g)
                 acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, acc_u)
             else:
+                a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
                 if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
                     g = W13.load([e * 2 * I + nb * BN, k0])
                     u = W13.load([e * 2 * I + I + nb * BN, k0])
                 else:
                     wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                    g = weight_tile(wbase, n, nm, k0, D, WS, BK, FMT, X.dtype.element_ty)
-                    u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FMT, X.dtype.element_ty)
+                    g = weight_tile(wbase, n, nm, k0, D, WS, BK, FMT, DT)
+                    u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FMT, DT)
                 acc_g = tl.dot(a, tl.trans(g), acc_g)
                 acc_u = tl.dot(a, tl.trans(u), acc_u)
         if BIAS:
             bb = B13 + e.to(tl.int64) * 2 * I
             acc_g += tl.load(bb + n, mask=nm, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(bb + I + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        gb = acc_g.to(Out.dtype.element_ty).to(tl.float32)  # round like the unfused bf16 GEMM output
-        ub = acc_u.to(Out.dtype.element_ty).to(tl.float32)
+        gb = acc_g.to(DT).to(tl.float32)  # round like the unfused bf16 GEMM output
+        ub = acc_u.to(DT).to(tl.float32)
         if CLAMPED:
             gc = tl.minimum(gb, limit)
             uc = tl.minimum(tl.maximum(ub, -limit), limit)
             h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
         else:
-            h = silu_mul(gb, ub, Out.dtype.element_ty)
-        tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(Out.dtype.element_ty),
-                 mask=ok[:, None] & nm[None, :])
+            h = silu_mul(gb, ub, DT)
+        if ACT8:  # (masked columns hold 0: they leave the group's scale as it is)
+            hq, hs = quantize_act(h.to(DT))
+            at = Out + rows.to(tl.int64)[:, None] * OS + nb * FP8_CHUNK
+            tl.store(at + tl.arange(0, BN)[None, :], hq.to(tl.uint8, bitcast=True), mask=ok[:, None])
+            tl.store((Out + rows.to(tl.int64) * OS + nb * FP8_CHUNK + BN).to(tl.pointer_type(tl.float32)), hs,
+                     mask=ok)
+        else:
+            tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(DT), mask=ok[:, None] & nm[None, :])
 
 
 @triton.jit
-def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr,
-          BIAS: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
+def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, BM: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr,
+          ACT8: tl.constexpr, BIAS: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
     """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
-    [BN, BK] tiles; FMT: W2's format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only):
-    float8 dots of H quantized a tile at a time (W8A8). BIAS: B2 [E, D] added before the routing weight."""
+    [BN, BK] tiles; FMT: W2's format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only,
+    W8A8): H is FP8 rows of HS bytes (`_gate_up_silu` quantized them), float8 dots. BIAS: B2 [E, D] added before
+    the routing weight."""
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(D, BN), GB)
     e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
@@ -337,14 +360,13 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, B2, BM: 
             if TMA:  # padding rows of H hold garbage: their results are never stored
                 a = H.load([blk * BM, k0])
                 b = W2.load([e * D + nb * BN, k0])
-            else:
+            elif not ACT8:
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
-                if not ACT8:
-                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
+                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
             if ACT8:
-                aq, sa = quantize_act(a)
+                aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
                 acc = fp8_dot(aq, sa, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
@@ -446,36 +468,54 @@ def _row_tiles(c: TileConfig, w: torch.Tensor, K: int, kc: kernels.KernelConfig)
 def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c: TileConfig, *,
             kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b13_EF: torch.Tensor | None = None,
             clamp: tuple[float, float] | None = None) -> torch.Tensor:
-    """clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED); None: silu(gate) * up."""
+    """h [rows, I] of the blocks' pairs. clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED);
+    None: silu(gate) * up. FP8 rows in W8A8 (kc.fp8_activations): x quantized once (`linear.quantize_rows`), and h
+    returned as FP8 rows of I columns, quantized as stored (`down` takes them with cols=I)."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
     c, fmt, act8 = _row_tiles(c, w13_EFD, D, kc)
-    h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
+    if act8:
+        c = replace(c, BN=BLOCK[1])  # an output tile's row is one quantization group of h
+        x = quantize_rows(x_TD, kc=kc)
+        h = torch.empty(blocks.num_rows, packed_width(I), dtype=torch.uint8, device=x_TD.device)
+    else:
+        x = x_TD
+        h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN) * blocks.max_blocks,)](
-        x_TD, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E,
-        blocks.first_expert, WS, x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K,
-        BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b13_EF is not None,
+        x, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E, blocks.first_expert, WS, x.stride(0),
+        h.stride(0), x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K, BM=blocks.BM, BN=c.BN,
+        BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, DT=_TL[x_TD.dtype], BIAS=b13_EF is not None,
         CLAMPED=clamp is not None, GB=c.group, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
 
 
 def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: TileConfig, *,
          kc: kernels.KernelConfig = kernels.DEFAULT_KERNELS, b2_ED: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, cols: int | None = None, dtype: torch.dtype | None = None
+         ) -> torch.Tensor:
     """The pairs' weighted outputs [N, D] (row t * K + k), into `out` where given: only the blocks' pairs' rows are
-    written."""
+    written. h as `gate_up` returns it: [rows, I] in the activations' dtype, or (W8A8) FP8 rows of cols = I columns,
+    the outputs then in `dtype`, the activations'."""
     E, D, WS = w2_EDF.shape
-    I, N = h.shape[1], w_TK.numel()
+    N = w_TK.numel()
+    quantized = h.dtype == torch.uint8
+    if quantized and (cols is None or dtype is None):
+        raise ValueError("down: h is FP8 rows (W8A8's gate_up): pass cols (its columns) and dtype (the outputs')")
+    I = cols if quantized else h.shape[1]
     c, fmt, act8 = _row_tiles(c, w2_EDF, I, kc)
-    y = torch.empty(N, D, dtype=h.dtype, device=h.device) if out is None else out
+    if act8 != quantized:
+        raise ValueError(f"down: h is {'FP8 rows' if quantized else h.dtype} where the weights and kc ask for "
+                         f"{'W8A8 (FP8 rows)' if act8 else 'values'}")
+    y = torch.empty(N, D, dtype=dtype if quantized else h.dtype, device=h.device) if out is None else out
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
+    hs = h.stride(0)
     if tma:
         h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
     _down[(triton.cdiv(D, c.BN) * blocks.max_blocks,)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
-        blocks.first_expert, WS, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
+        blocks.first_expert, WS, hs, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
         DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b2_ED is not None, GB=c.group, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl(y, kc))
     return y
@@ -542,5 +582,6 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     else:
         blocks = align(ids_TK, first_expert, E, c.BM, kc=kc)
     h = gate_up(x_TD, w13_EFD, blocks, K, c.gate_up, kc=kc, b13_EF=b13_EF, clamp=clamp)
-    pairs = PairRows(down(h, w2_EDF, blocks, w_TK, c.down, kc=kc, b2_ED=b2_ED), ids_TK, first_expert, E)
+    y = down(h, w2_EDF, blocks, w_TK, c.down, kc=kc, b2_ED=b2_ED, cols=w13_EFD.shape[1] // 2, dtype=x_TD.dtype)
+    pairs = PairRows(y, ids_TK, first_expert, E)
     return pairs if keep_pairs else pairs.sum(kc=kc)

@@ -123,6 +123,34 @@ def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, acc):
     return acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * chunk_scales(W, rows, rm, k0, WS)[None, :]
 
 
+@triton.jit
+def _quantize_rows(X, Out, T, K, stride_x, WS, BR: tl.constexpr, PDL: tl.constexpr):
+    """Out = X [T, K] as FP8 rows of WS bytes (kernels/fp8_rows.py's layout, a scale a row and chunk): each row's
+    128-column group quantized with a scale of its own (`quantize_act`), this program's BR rows of one chunk."""
+    enter(PDL)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = rows < T
+    k0 = tl.program_id(1) * 128
+    kk = tl.arange(0, 128)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + (k0 + kk)[None, :],
+                mask=rm[:, None] & (k0 + kk < K)[None, :], other=0.0)
+    q, s = quantize_act(x)
+    at = Out + rows.to(tl.int64) * WS + tl.program_id(1) * FP8_CHUNK
+    tl.store(at[:, None] + kk[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None])
+    tl.store((at + 128).to(tl.pointer_type(tl.float32)), s, mask=rm)
+
+
+def quantize_rows(x_TD: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """x [T, K] as FP8 rows (uint8 [T, packed_width(K)]) of per-token 128-column groups, each with a float32 scale of
+    its own (W8A8's activations: `quantize_act`'s values, `fp8_rows.quantize_groups` once unpacked), one launch."""
+    T, K = x_TD.shape
+    out = torch.empty(T, packed_width(K), dtype=torch.uint8, device=x_TD.device)
+    BR = 32
+    _quantize_rows[(triton.cdiv(T, BR), triton.cdiv(K, 128))](x_TD, out, T, K, x_TD.stride(0), out.shape[1], BR=BR,
+                                                               num_warps=4, **pdl(x_TD, kc))
+    return out
+
+
 def fits(x_TD: torch.Tensor, w_ND: torch.Tensor, kc: KernelConfig) -> bool:
     return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
             and w_ND.shape[1] == x_TD.shape[1] and w_ND.is_contiguous() and x_TD.dtype == w_ND.dtype
