@@ -318,8 +318,9 @@ def test_the_floor_model_counts_fp8_rows_bytes() -> None:
 
 def test_fp8_rows_launch_by_their_own_tables() -> None:
     """The fused MoE on FP8 rows picks its block shapes from FP8_CONFIGS (searched on FP8 rows: at prompt sizes
-    bf16's 128-row TMA blocks took twice as long as 64-row ones), other experts from bf16's CONFIGS; the projection's
-    launch grows with the rows and keeps BT within a step's rows."""
+    bf16's 128-row TMA blocks took twice as long as 64-row ones; 128-row blocks without TMA from 64 pairs an expert)
+    or in W8A8 W8A8_CONFIGS (64-row blocks), other experts from bf16's CONFIGS; the projection's launch grows with the
+    rows and keeps BT within a step's rows."""
     from moebius.kernels import fused_moe as fm
     from moebius.kernels import linear
     from moebius.kernels.rows import FORMATS
@@ -327,10 +328,12 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
     D, I, E = 256, 128, 4
     w = torch.randn(E, 2 * I, D)
     assert fm.table_for(FORMATS["fp8"].rows_of(w), D) is fm.FP8_CONFIGS
+    assert fm.table_for(FORMATS["fp8"].rows_of(w), D, act8=True) is fm.W8A8_CONFIGS
     assert fm.table_for(FORMATS["mxfp4"].rows_of(w), D) is fm.CONFIGS
     assert fm.table_for(w.bfloat16(), D) is fm.CONFIGS
-    prompt = fm.config_for(2048 * 8, 128, 1, fm.FP8_CONFIGS)
-    assert prompt.BM == 64 and not prompt.gate_up.tma and fm.config_for(2048 * 8, 128).BM == 128
+    prompt, short = (fm.config_for(tokens * 8, 128, 1, fm.FP8_CONFIGS) for tokens in (2048, 1024))
+    assert (prompt.BM, short.BM) == (128, 64) and not prompt.gate_up.tma and fm.config_for(2048 * 8, 128).BM == 128
+    assert fm.config_for(2048 * 8, 128, 1, fm.W8A8_CONFIGS).BM == 64
     for act8 in (False, True):
         launches = [linear.fp8_launch(T, 4096, act8) for T in (3, 8, 64, 256, 2048)]
         assert all(BT <= max(16, 1 << (T - 1).bit_length()) for T, (_, BT, *_) in zip((3, 8, 64, 256, 2048),

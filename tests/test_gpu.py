@@ -154,13 +154,13 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
 
 
 @pytest.mark.parametrize("act8", [True, False])
-@pytest.mark.parametrize("T", [1, 77, 600, 1100])
+@pytest.mark.parametrize("T", [1, 77, 600, 2100])
 def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) -> None:
     """--quantization fp8's kernels on FP8 rows (the fused MoE and `linear_fp8`, direct and sorted blocks) against
     float32 math on the dequantized weights: W8A8 (kc.fp8_activations) on the activations as `quantize_groups`
     rounds them, W8A16 on the activations as they are; each nearer its own reference than the other one. W8A16 at
-    1100 rows takes the prompt sizes' paths: the projection's weight unpacked for cuBLAS, the experts unpacked for the
-    plain kernels (275 pairs an expert)."""
+    2100 rows takes the prompt sizes' paths: the projection's weight unpacked for cuBLAS, the experts unpacked for the
+    plain kernels (525 pairs an expert; 600 rows: 150, the FP8 kernels' 128-row blocks)."""
     import torch.nn.functional as F
 
     from moebius.kernels.fp8_rows import pack_rows, quantize_groups, unpack_rows

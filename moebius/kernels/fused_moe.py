@@ -114,13 +114,18 @@ DIRECT_MAX_PAIRS = 32
 # FP8 rows' own table (their BK and stages are the format's, `_row_tiles`: BN, warps and BM are what differ), searched
 # on an H100 at Qwen3-30B-A3B's shapes (moe_tune.py --quantization fp8, benchmarks/results/h100-p1-moe-tune-fp8.json):
 # bf16's 128-row TMA blocks were slower than 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
-# at 16 pairs an expert. Between 24 and 96 pairs an expert it was not searched (the 64-row blocks of prompt sizes).
+# at 16 pairs an expert. From 64 pairs an expert, 128-row blocks without TMA: faster than 64-row ones at 128 and 256
+# pairs, slower at 32 (benchmarks/results/h100-p1-fp8-prefill-moe.json, `fp8_direct`). W8A8's (`table_for`) keeps
+# 64-row blocks: its 128-row ones took 3 to 4 times as long (the same JSON, `w8a8_direct`).
+_FP8_BM64 = MoEConfig(64, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))
 FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(64, 128, 4, 3))),
     (12.0, MoEConfig(16, TileConfig(64, 128, 4, 3), TileConfig(64, 128, 4, 3))),
     (24.0, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(128, 128, 4, 3))),
-    (float("inf"), MoEConfig(64, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))),
+    (64.0, _FP8_BM64),
+    (float("inf"), MoEConfig(128, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))),
 ]
+W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [*FP8_CONFIGS[:3], (float("inf"), _FP8_BM64)]
 
 
 def pick_config(pairs_per_expert: float, table: list[tuple[float, MoEConfig]] = CONFIGS) -> MoEConfig:
@@ -136,9 +141,12 @@ def config_for(num_pairs: int, num_experts: int, num_ranks_sharing: int = 1,
     return pick_config(local / max(hit, 1.0), table)
 
 
-def table_for(w13_EFD: torch.Tensor, D: int) -> list[tuple[float, MoEConfig]]:
-    """The block-shape table of experts held as `w13_EFD` with D input columns: FP8 rows' own, else `CONFIGS`."""
-    return FP8_CONFIGS if w13_EFD.dtype == torch.uint8 and format_of(w13_EFD, D) is FP8 else CONFIGS
+def table_for(w13_EFD: torch.Tensor, D: int, act8: bool = False) -> list[tuple[float, MoEConfig]]:
+    """The block-shape table of experts held as `w13_EFD` with D input columns: FP8 rows' own (act8, W8A8:
+    `W8A8_CONFIGS`), else `CONFIGS`."""
+    if w13_EFD.dtype == torch.uint8 and format_of(w13_EFD, D) is FP8:
+        return W8A8_CONFIGS if act8 else FP8_CONFIGS
+    return CONFIGS
 
 
 @triton.jit
@@ -523,10 +531,9 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
 
 # Mean (token, k) pairs an expert of the model from which FP8 rows in W8A16 are unpacked to the activations' dtype
 # (`linear.unpack_fp8`) and multiplied by the bf16 kernels, a share of the experts at a time: prompt sizes are
-# compute-bound, where the fused MoE on FP8 rows took over 1.6x bf16's grouped GEMM at 2048 tokens
-# (benchmarks/results/h100-p1-moe-tune-fp8.json), and the copies cost a pass over the bf16 bytes. Not yet timed in the
-# engine (issue 46's `fp8work`).
-UNPACK_PAIRS = 256
+# compute-bound, and the copies cost a pass over the bf16 bytes. The FP8 kernels' 128-row blocks were faster at 256
+# pairs an expert, the unpacked experts at 512 (benchmarks/results/h100-p1-fp8-prefill-moe.json).
+UNPACK_PAIRS = 512
 UNPACK_BYTES = 256 << 20  # unpacked experts held at once: the share of the local experts in one pass
 
 
@@ -568,8 +575,8 @@ def fused_experts(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, 
     if T == 0:
         return torch.zeros_like(x_TD)
     total = num_experts or E
-    table = table_for(w13_EFD, x_TD.shape[1])
-    unpacked = config is None and table is FP8_CONFIGS and not kc.fp8_activations and T * K >= UNPACK_PAIRS * total
+    table = table_for(w13_EFD, x_TD.shape[1], kc.fp8_activations)
+    unpacked = config is None and table is FP8_CONFIGS and T * K >= UNPACK_PAIRS * total
     c = config or config_for(T * K, E, max(1, total // E), CONFIGS if unpacked else table)
     w_TK = w_TK.reshape(-1)
     if not w_TK.is_contiguous():
