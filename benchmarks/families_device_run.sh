@@ -52,11 +52,12 @@
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
 #   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
 #   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
-#   and FP8's 64-256. Next (c225e07 on): `fp8tests fp8sweep fp8work` (the experts unpacked from 256 pairs an
-#   expert, built after the last call: GPU tests, then whole requests against bf16), then
-#   the profiles and searches for the gaps (`midprofile`, `fp8moetune`, `mlatune16`, `groupsearch`); after a change
-#   aimed at a bar: its sweep step beside the last JSON on the same card. Results land under the card's names, so
-#   rename an earlier record (`<name>-<commit>.json`) before copying a new one in.
+#   and FP8's 64-256. On H100s at 494dd47-bc79944 (fourteenth session): `fp8tests fp8sweep fp8work`, `fp8moetune
+#   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). Next, on an
+#   H200: `sweep gptsweep fp8sweep fp8work` at the current commit beside d701103's records (the FP8 prompt-size
+#   tables changed), and the exact-value W8A16 tiles of 451d447 (reverted: slower on an H100) timed there with
+#   moe_tune.py --old. Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`)
+#   before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
