@@ -98,9 +98,9 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
     write_result(a.output, rows, params=params_of(a),
-                 note="µs per call of the fused MoE on FP8 rows (W8A16) at prompt sizes: wall (eager, synchronized), "
-                      "host (issuing a call), graph (inside a CUDA graph); rel_to_bf16: relative difference from the "
-                      "bf16 kernels on the unpacked weights")
+                 note="µs per call of the fused MoE on FP8 rows at prompt sizes by variant: wall (eager, "
+                      "synchronized), host (issuing a call), graph (inside a CUDA graph); rel_to_bf16: relative "
+                      "difference from the bf16 kernels on the unpacked weights")
 
 
 if __name__ == "__main__":
