@@ -502,14 +502,22 @@ def test_pairs_summed_inside_the_norm_match_the_two_launches() -> None:
 
 
 def test_shared_experts_added_inside_the_pair_sum_match_the_unfused_add() -> None:
-    """PairRows.sum(add_TD) (the shared experts' output added in the sum's launch) gives sum_k then `+`'s bits."""
+    """Pairs carrying the shared experts' output (`PairRows.plus`) sum to sum_k then `+`'s bits, and their sum inside
+    the next norm's launch (`add_rms_norm`, a rank's combine) to those bits then `add_rmsnorm`'s."""
+    from moebius.kernels.fused import add_rmsnorm
+
     torch.manual_seed(0)
     for T, D, first, local in ((1, 2048, 0, 64), (1024, 2048, 0, 64), (77, 5120, 32, 64)):
         ids = torch.randint(0, 64 + first, (T, 6), device="cuda")
         y = torch.randn(T * 6, D, device="cuda", dtype=torch.bfloat16)
         y[((ids < first) | (ids >= first + local)).flatten()] = float("nan")
         pairs, shared = PairRows(y, ids, first, local), torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(pairs.sum(shared), pairs.sum() + shared), (T, D, first)
+        assert torch.equal(pairs.plus(shared).sum(), pairs.sum() + shared), (T, D, first)
+        res, w = torch.randn(T, D, device="cuda", dtype=torch.bfloat16), torch.rand(D, device="cuda") + 0.5
+        got_res, want_res = res.clone(), res.clone()
+        got = pairs.plus(shared).add_rms_norm(got_res, w.bfloat16(), 1e-6)
+        want = add_rmsnorm(pairs.sum() + shared, want_res, w.bfloat16(), 1e-6)
+        assert torch.equal(got, want) and torch.equal(got_res, want_res), (T, D, first)
 
 
 @pytest.mark.parametrize("T,I", [(1, 1408), (64, 1408), (1024, 1408), (33, 10944), (5, 100)])

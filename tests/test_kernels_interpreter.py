@@ -727,7 +727,16 @@ def norm_cases() -> None:
         assert torch.allclose(got_res, res + want_sum, atol=1e-5), (T, D)
         assert torch.allclose(got, rms_norm(res + want_sum, w, 1e-6), atol=1e-5), (T, D)
         shared = torch.randn(T, D, generator=g)  # the shared experts' output, added inside the sum's launch
-        assert torch.allclose(PairRows(y, ids, first, local).sum(shared), want_sum + shared, atol=1e-5), (T, D)
+        with_shared = PairRows(y, ids, first, local).plus(shared)
+        assert torch.allclose(with_shared.sum(), want_sum + shared, atol=1e-5), (T, D)
+        # ... or inside the next norm's, as the combine of one rank takes them (`summed_add_rms_norm`): the bits of
+        # the sum's launch, then the add + norm's
+        from moebius.layers.moe import summed_add_rms_norm
+
+        got_res, want_res = res.clone(), res.clone()
+        got, _ = summed_add_rms_norm(with_shared, got_res, w, 1e-6)
+        want = add_rmsnorm(with_shared.sum(), want_res, w, 1e-6)
+        assert torch.equal(got, want) and torch.equal(got_res, want_res), (T, D)
 
 
 def test_add_rmsnorm_and_pairs_summed_inside_it_under_the_interpreter() -> None:

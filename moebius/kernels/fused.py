@@ -61,27 +61,33 @@ def _pair_sum(Y, Ids, t, first, E, D, cols, m, K: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _sum_k_add_rmsnorm(Y, Ids, R, W, Out, first, E, N, eps, K: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Token t: its local pairs summed (rounded once, as `_sum_k`), added to the residual and normed (as
-    `_add_rmsnorm`)."""
+def _sum_k_add_rmsnorm(Y, Ids, Add, R, W, Out, first, E, N, eps, K: tl.constexpr, HAS_ADD: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Token t: its local pairs summed (rounded once, as `_sum_k`), plus Add[t] (HAS_ADD, rounded again, as
+    `_sum_k`'s), added to the residual and normed (as `_add_rmsnorm`)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    acc = _pair_sum(Y, Ids, t, first, E, N, cols, m, K, BLOCK)
-    _add_norm_row(acc.to(Y.dtype.element_ty), R, W, Out, t, N, cols, m, eps, True)
+    y = _pair_sum(Y, Ids, t, first, E, N, cols, m, K, BLOCK).to(Y.dtype.element_ty)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(Add + t * N + cols, mask=m, other=0.0).to(tl.float32)).to(y.dtype)
+    _add_norm_row(y, R, W, Out, t, N, cols, m, eps, True)
 
 
 def sum_k_add_rmsnorm(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, residual: torch.Tensor,
-                      weight: torch.Tensor, eps: float, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
-    """`sum_k` then `add_rmsnorm` in one launch (`PairRows.add_rms_norm`), bit for bit: the per-token sum never
-    goes through memory (at 8k tokens the two launches read and wrote it once more each)."""
+                      weight: torch.Tensor, eps: float, add_TD: torch.Tensor | None = None, *,
+                      kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """`sum_k` (with add_TD where given) then `add_rmsnorm` in one launch (`PairRows.add_rms_norm`), bit for bit:
+    the per-token sum never goes through memory (at 8k tokens the two launches read and wrote it once more each)."""
     T, K = ids_TK.shape
     N = y_ND.shape[1]
     out = torch.empty(T, N, dtype=y_ND.dtype, device=y_ND.device)
+    if add_TD is not None and not (add_TD.shape == out.shape and add_TD.is_contiguous()):
+        raise ValueError(f"sum_k_add_rmsnorm adds a contiguous [{T}, {N}] tensor, not {tuple(add_TD.shape)}")
     if T:
-        _sum_k_add_rmsnorm[(T,)](y_ND, ids_TK, residual, weight, out, first_expert, E, N, eps, K=K,
+        _sum_k_add_rmsnorm[(T,)](y_ND, ids_TK, y_ND if add_TD is None else add_TD, residual, weight, out,
+                                 first_expert, E, N, eps, K=K, HAS_ADD=add_TD is not None,
                                  BLOCK=triton.next_power_of_2(N), num_warps=4, **pdl(y_ND, kc))
     return out
 

@@ -420,10 +420,11 @@ class FusedAllReduceNorm:
         return T * N * dtype.itemsize >= self.TWO_SHOT_MIN_BYTES
 
     def fits_pairs(self, pairs: PairRows) -> bool:
-        """Whether `sum_pairs` takes these (else sum them first and call)."""
+        """Whether `sum_pairs` takes these (else sum them first and call): not pairs carrying a per-token output to
+        add (`PairRows.add_TD`), which this kernel does not read."""
         T, K = pairs.ids_TK.shape
         y = pairs.y_ND
-        return (y.dtype == self.dtype and y.is_contiguous() and pairs.ids_TK.is_contiguous()
+        return (pairs.add_TD is None and y.dtype == self.dtype and y.is_contiguous() and pairs.ids_TK.is_contiguous()
                 and y.shape[0] == T * K and T * y.shape[1] <= self.max_numel
                 and (self._two_shot(T, y.shape[1], y.dtype) or T <= self.PAIRS_ONE_SHOT_MAX_ROWS))
 
@@ -511,9 +512,9 @@ class EPExchange:
                          kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
         """rms_norm(residual + this rank's tokens' rows summed over ranks) * weight; residual updated in place.
         y: [P * C, D], or the expert outputs per pair of those rows, summed here over each token's local pairs (in
-        the kernel up to PAIRS_MAX_CAPACITY, before it beyond)."""
+        the kernel up to PAIRS_MAX_CAPACITY, before it beyond or where they carry a per-token output to add)."""
         C, D = capacity, self.hidden
-        if isinstance(y, PairRows) and C > self.PAIRS_MAX_CAPACITY:
+        if isinstance(y, PairRows) and (C > self.PAIRS_MAX_CAPACITY or y.add_TD is not None):
             y = y.sum(kc=kc)
         pairs = y if isinstance(y, PairRows) else None
         y_ND = pairs.y_ND if pairs else y

@@ -43,13 +43,20 @@ def beside(fn: Callable[[], torch.Tensor], like: torch.Tensor, kc: KernelConfig)
     return join
 
 
+def plus(y: torch.Tensor | PairRows, add_TD: torch.Tensor | None) -> torch.Tensor | PairRows:
+    """Expert outputs plus a per-token output of the same tokens (the shared experts'): pairs carry it to the launch
+    that sums them (`PairRows.plus`: the sum's, or the next norm's, `summed_add_rms_norm`), a tensor adds it now."""
+    if add_TD is None:
+        return y
+    return y.plus(add_TD) if isinstance(y, PairRows) else y + add_TD
+
+
 def summed(y: torch.Tensor | PairRows, add_TD: torch.Tensor | None = None, *, kc: KernelConfig = DEFAULT_KERNELS
            ) -> torch.Tensor:
     """Expert outputs per token: y itself, or its pairs summed over k (`PairRows.sum`); plus add_TD (the shared
     experts' output) where given, inside the sum's launch for pairs."""
-    if isinstance(y, PairRows):
-        return y.sum(add_TD, kc=kc)
-    return y if add_TD is None else y + add_TD
+    y = plus(y, add_TD)
+    return y.sum(kc=kc) if isinstance(y, PairRows) else y
 
 
 def summed_add_rms_norm(y: torch.Tensor | PairRows, residual_TD: torch.Tensor, weight: torch.Tensor, eps: float, *,

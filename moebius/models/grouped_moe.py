@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from moebius.config import ConfigError, ModelConfig
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig, triton_available
-from moebius.layers.moe import beside, dense_mlp, experts, summed
+from moebius.kernels.pairs import PairRows
+from moebius.layers.moe import beside, dense_mlp, experts, plus
 from moebius.models.specs import ParamSpec, routed_expert_specs, shared_expert_specs
 from moebius.models.weights import DenseWeights, MoEWeights, shared_expert_weights
 from moebius.parallel.dispatch import Communicator
@@ -232,7 +233,7 @@ def moe_weights(views: dict[str, torch.Tensor], lay: Layout, i: int) -> GroupedM
 
 
 def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communicator, kc: KernelConfig,
-        routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        routed_TK: torch.Tensor | None = None) -> tuple[torch.Tensor | PairRows, object]:
     """This rank's part of the MoE block's output for the tokens dispatched to it (its local experts' pairs plus its
     shard of the shared experts), and the handle that combines it. routed_TK: where the router's global expert ids
     are written (taken before the dispatch: the same in every layout)."""
@@ -242,8 +243,9 @@ def moe(h_TD: torch.Tensor, w: GroupedMoEWeights, cfg: MoEConfig, comm: Communic
     # the engine's experts take weights in x's dtype (transformers multiplies in float32, then rounds)
     x_TD, w_TK, ids_TK, handle = comm.dispatch(h_TD, w_TK.to(h_TD.dtype), ids_TK, kc=kc)
     # the shared experts: a 1/P shard on the dispatched tokens (the combine's sum over ranks completes it), added
-    # inside the sum over each token's pairs (with kc.shared_stream computed beside the routed experts)
+    # inside the sum over each token's pairs, the combine's (`plus`; with kc.shared_stream computed beside the routed
+    # experts)
     shared = None if w.shared is None else beside(
         lambda: dense_mlp(x_TD, w.shared.w13_FD, w.shared.w2_DF, kc=kc), x_TD, kc)
     pairs = experts(x_TD, w_TK, ids_TK, w.w13_EFD, w.w2_EDF, w.first_expert, cfg.num_experts, keep_pairs=True, kc=kc)
-    return summed(pairs, None if shared is None else shared(), kc=kc), handle
+    return plus(pairs, None if shared is None else shared()), handle
