@@ -43,6 +43,25 @@ def test_length_distributions(tmp_path) -> None:
     assert groups[0][0] == groups[2][0] != groups[3][0]
 
 
+def test_throughput_hands_the_fp8_flags_to_the_engine(monkeypatch) -> None:
+    """--quantization and --fp8-activations reach the engine's config (FP8's W8A8 whole requests, beside W8A16)."""
+    from moebius.bench import throughput
+    from moebius.entrypoints.cli import build_parser
+
+    seen = []
+
+    def engine(cfg):  # the engine's config, then stop before starting one
+        seen.append(cfg)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(throughput, "EngineCore", engine)
+    a = build_parser().parse_args(["bench", "throughput", "--device", "cpu", "--num-prompts", "2",
+                                   "--quantization", "fp8", "--fp8-activations"])
+    with pytest.raises(RuntimeError, match="stop"):
+        throughput.main(a)
+    assert seen[0].quantization == "fp8" and seen[0].fp8_activations
+
+
 @pytest.mark.parametrize("ranks,mode", [(1, "tp"), (2, "tp"), (2, "ep")])
 def test_throughput_runs_on_cpu(tmp_path, ranks: int, mode: str) -> None:
     """Two ranks: a TP step is counted once (every rank runs it), EP ranks' steps are summed."""

@@ -151,6 +151,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "TRITON_CACHE_DIR for a cold cache)")
     e.add_argument("--quantization", default=None, choices=sorted(FORMATS),
                    help="the engine's --quantization (each step's floor counts the quantized rows' bytes)")
+    e.add_argument("--fp8-activations", action="store_true",
+                   help="the engine's --fp8-activations (FP8 rows' GEMMs in W8A8)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256)
     for what, length in (("prompt", 256), ("output", 128)):
@@ -186,7 +188,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(a: argparse.Namespace) -> int:
     cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup,
-                                quantization=a.quantization)
+                                quantization=a.quantization, fp8_activations=a.fp8_activations)
     hf_cfg = hf_config_of(a.model)
     model_cfg = model_config(hf_cfg, a.num_layers)
     vocab = model_cfg.vocab_size
