@@ -18,7 +18,7 @@
 #   fp8       Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), and
 #             the switch's expert permutes on FP8 rows beside bf16's (reshard_copy.py)
 #   fp8work   256 whole requests in FP8 and in bf16 (one call), greedy agreement of the FP8 engine with the bf16
-#             model's fp32 argmax beside transformers' bf16 (8 of 48 layers)
+#             model's fp32 argmax beside transformers' bf16 (8 of 48 layers); fp8worka8 the requests in W8A8 too
 #   mxfp4tests --quantization mxfp4's GPU path (the fused MoE on MXFP4 rows, W4A16): its GPU tests
 #   mxfp4     gpt-oss-20b
 #             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json)
@@ -106,6 +106,12 @@ fp8work)
   t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/$C-p1-qwen3-30b-fp8-throughput.json
   t fp8_work_bf16 150 $B throughput $Q --output $R/$C-p1-qwen3-30b-fp8-throughput-bf16.json
   t fp8_agree 200 python3 benchmarks/models/greedy_agreement.py --preset qwen3-30b-a3b --num-layers 8 --engine-set quantization=fp8 --output $R/$C-p1-qwen3-30b-fp8-agreement.json ;;
+fp8worka8)  # `fp8work`'s whole requests in W8A8 (--fp8-activations: prompt sizes through the FP8 kernels' float8
+  # dots, activations quantized once) beside W8A16 and bf16 in one call
+  Q="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
+  t fp8_work_w8a8 200 $B throughput $Q --quantization fp8 --fp8-activations --output $R/$C-p1-qwen3-30b-fp8-w8a8-throughput.json
+  t fp8_work 200 $B throughput $Q --quantization fp8 --output $R/$C-p1-qwen3-30b-fp8-throughput.json
+  t fp8_work_bf16 150 $B throughput $Q --output $R/$C-p1-qwen3-30b-fp8-throughput-bf16.json ;;
 mxfp4)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --quantization mxfp4"
   t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-mxfp4-sweep.json ;;
