@@ -116,7 +116,7 @@ DIRECT_MAX_PAIRS = 32
 # bf16's 128-row TMA blocks were slower than 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
 # at 16 pairs an expert. From 64 pairs an expert, 128-row blocks without TMA: faster than 64-row ones at 128 and 256
 # pairs, slower at 32 (benchmarks/results/h100-p1-fp8-prefill-moe.json, `fp8_direct`). W8A8's (`table_for`) keeps
-# 64-row blocks: its 128-row ones took 3 to 4 times as long (the same JSON, `w8a8_direct`).
+# 64-row blocks: its 128-row ones were several times slower (the same JSON, `w8a8_direct`).
 _FP8_BM64 = MoEConfig(64, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))
 FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(64, 128, 4, 3))),
