@@ -311,3 +311,29 @@ def test_gpu_route_and_block_match_the_cpu(dtype: torch.dtype, backend: str, tol
     out = moe_block(x_TD.to("cuda", dtype), w_gpu, ids_gpu, on_gpu, cfg, kc=KernelConfig(moe_backend=backend))
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel(out, ref) < tol
+
+
+def test_the_engine_block_hands_the_shared_output_on_with_the_pairs(monkeypatch) -> None:
+    """The engine's MoE block (models/grouped_moe.py `moe`): where the experts come back per pair (the fused GPU
+    kernels), the shared experts' output rides with them (`PairRows.plus`) to the combine's launch that sums them,
+    unsummed here; where they come back summed (the CPU), it is added at once."""
+    from moebius.kernels import DEFAULT_KERNELS
+    from moebius.kernels.pairs import PairRows
+    from moebius.layers.moe import dense_mlp
+    from moebius.models import grouped_moe
+    from moebius.parallel.dispatch import LocalComm
+
+    config = v3_config()
+    cfg = MoEConfig.from_hf(config.to_dict())
+    g = torch.Generator().manual_seed(3)
+    shared = DenseWeights(torch.randn(2 * 2 * INTER, D, generator=g), torch.randn(D, 2 * INTER, generator=g))
+    w = grouped_moe.GroupedMoEWeights(torch.randn(E, D, generator=g), torch.randn(E, 2 * INTER, D, generator=g),
+                                      torch.randn(E, D, INTER, generator=g), 0, torch.zeros(E), shared)
+    x = inputs()
+    summed, _ = grouped_moe.moe(x, w, cfg, LocalComm(), DEFAULT_KERNELS)
+    assert isinstance(summed, torch.Tensor)
+    per_pair = PairRows(torch.zeros(T * cfg.top_k, D), torch.zeros(T, cfg.top_k, dtype=torch.long), 0, E)
+    monkeypatch.setattr(grouped_moe, "experts", lambda *a, **kw: per_pair)
+    pairs, _ = grouped_moe.moe(x, w, cfg, LocalComm(), DEFAULT_KERNELS)
+    assert isinstance(pairs, PairRows) and pairs.y_ND is per_pair.y_ND
+    assert torch.equal(pairs.add_TD, dense_mlp(x, shared.w13_FD, shared.w2_DF))

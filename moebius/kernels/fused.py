@@ -61,6 +61,22 @@ def _pair_sum(Y, Ids, t, first, E, D, cols, m, K: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _pair_sum_plus(Y, Ids, Add, t, first, E, D, cols, m, K: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_ADD: tl.constexpr, DT: tl.constexpr):
+    """`_pair_sum` rounded once to DT, plus Add[t] (HAS_ADD: the shared experts' output) rounded again: the bits of
+    the sum, then the unfused add."""
+    y = _pair_sum(Y, Ids, t, first, E, D, cols, m, K, BLOCK).to(DT)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(Add + t * D + cols, mask=m, other=0.0).to(tl.float32)).to(DT)
+    return y
+
+
+def _check_add(add_TD: torch.Tensor | None, T: int, D: int, what: str) -> None:
+    if add_TD is not None and not (add_TD.shape == (T, D) and add_TD.is_contiguous()):
+        raise ValueError(f"{what} adds a contiguous [{T}, {D}] tensor, not {tuple(add_TD.shape)}")
+
+
+@triton.jit
 def _sum_k_add_rmsnorm(Y, Ids, Add, R, W, Out, first, E, N, eps, K: tl.constexpr, HAS_ADD: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Token t: its local pairs summed (rounded once, as `_sum_k`), plus Add[t] (HAS_ADD, rounded again, as
@@ -69,10 +85,8 @@ def _sum_k_add_rmsnorm(Y, Ids, Add, R, W, Out, first, E, N, eps, K: tl.constexpr
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    y = _pair_sum(Y, Ids, t, first, E, N, cols, m, K, BLOCK).to(Y.dtype.element_ty)
-    if HAS_ADD:
-        y = (y.to(tl.float32) + tl.load(Add + t * N + cols, mask=m, other=0.0).to(tl.float32)).to(y.dtype)
-    _add_norm_row(y, R, W, Out, t, N, cols, m, eps, True)
+    _add_norm_row(_pair_sum_plus(Y, Ids, Add, t, first, E, N, cols, m, K, BLOCK, HAS_ADD, Y.dtype.element_ty), R,
+                  W, Out, t, N, cols, m, eps, True)
 
 
 def sum_k_add_rmsnorm(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, residual: torch.Tensor,
@@ -83,8 +97,7 @@ def sum_k_add_rmsnorm(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: in
     T, K = ids_TK.shape
     N = y_ND.shape[1]
     out = torch.empty(T, N, dtype=y_ND.dtype, device=y_ND.device)
-    if add_TD is not None and not (add_TD.shape == out.shape and add_TD.is_contiguous()):
-        raise ValueError(f"sum_k_add_rmsnorm adds a contiguous [{T}, {N}] tensor, not {tuple(add_TD.shape)}")
+    _check_add(add_TD, T, N, "sum_k_add_rmsnorm")
     if T:
         _sum_k_add_rmsnorm[(T,)](y_ND, ids_TK, y_ND if add_TD is None else add_TD, residual, weight, out,
                                  first_expert, E, N, eps, K=K, HAS_ADD=add_TD is not None,
@@ -460,9 +473,7 @@ def _sum_k(Y, Ids, Add, Out, first, E, D, K: tl.constexpr, BD: tl.constexpr, HAS
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = cols < D
-    y = _pair_sum(Y, Ids, t, first, E, D, cols, cm, K, BD).to(Out.dtype.element_ty)
-    if HAS_ADD:  # rounded as the sum, then the unfused add
-        y = (y.to(tl.float32) + tl.load(Add + t * D + cols, mask=cm, other=0.0).to(tl.float32)).to(y.dtype)
+    y = _pair_sum_plus(Y, Ids, Add, t, first, E, D, cols, cm, K, BD, HAS_ADD, Out.dtype.element_ty)
     tl.store(Out + t * D + cols, y, mask=cm)
 
 
@@ -475,8 +486,7 @@ def sum_k(y_ND: torch.Tensor, ids_TK: torch.Tensor, first_expert: int, E: int, a
     D = y_ND.shape[1]
     out = torch.empty(T, D, dtype=y_ND.dtype, device=y_ND.device)
     BD = min(1024, triton.next_power_of_2(D))
-    if add_TD is not None and not (add_TD.shape == out.shape and add_TD.is_contiguous()):
-        raise ValueError(f"sum_k adds a contiguous [{T}, {D}] tensor, not {tuple(add_TD.shape)}")
+    _check_add(add_TD, T, D, "sum_k")
     _sum_k[(T, triton.cdiv(D, BD))](y_ND, ids_TK, y_ND if add_TD is None else add_TD, out, first_expert, E, D, K=K,
                                     BD=BD, HAS_ADD=add_TD is not None, num_warps=4, **pdl(y_ND, kc))
     return out

@@ -26,15 +26,14 @@ from moebius import kernels
 from moebius.kernels.fp8_rows import BLOCK, packed_width
 from moebius.kernels.fused import silu_mul
 from moebius.kernels.linear import (
-    FP8_CHUNK,
     FP8_ROWS,
     MXFP4_ROWS,
     PLAIN,
     chunk_scales,
     chunk_values,
     fp8_dot,
-    quantize_act,
     quantize_rows,
+    store_chunk,
     unpack_fp8,
     weight_tile,
 )
@@ -338,11 +337,7 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
         else:
             h = silu_mul(gb, ub, DT)
         if ACT8:  # (masked columns hold 0: they leave the group's scale as it is)
-            hq, hs = quantize_act(h.to(DT))
-            at = Out + rows.to(tl.int64)[:, None] * OS + nb * FP8_CHUNK
-            tl.store(at + tl.arange(0, BN)[None, :], hq.to(tl.uint8, bitcast=True), mask=ok[:, None])
-            tl.store((Out + rows.to(tl.int64) * OS + nb * FP8_CHUNK + BN).to(tl.pointer_type(tl.float32)), hs,
-                     mask=ok)
+            store_chunk(Out, rows, ok, nb, OS, h.to(DT))
         else:
             tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(DT), mask=ok[:, None] & nm[None, :])
 

@@ -124,9 +124,19 @@ def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, acc):
 
 
 @triton.jit
+def store_chunk(Out, rows, rm, c, WS, x):
+    """x [rows, 128] quantized (`quantize_act`) into chunk c of FP8 rows `rows` (mask rm) of WS bytes: its float8
+    values, then its scale (kernels/fp8_rows.py's layout, a scale a row and chunk)."""
+    q, s = quantize_act(x)
+    at = Out + rows.to(tl.int64) * WS + c * FP8_CHUNK
+    tl.store(at[:, None] + tl.arange(0, 128)[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None])
+    tl.store((at + 128).to(tl.pointer_type(tl.float32)), s, mask=rm)
+
+
+@triton.jit
 def _quantize_rows(X, Out, T, K, stride_x, WS, BR: tl.constexpr, PDL: tl.constexpr):
-    """Out = X [T, K] as FP8 rows of WS bytes (kernels/fp8_rows.py's layout, a scale a row and chunk): each row's
-    128-column group quantized with a scale of its own (`quantize_act`), this program's BR rows of one chunk."""
+    """Out = X [T, K] as FP8 rows of WS bytes, each row's 128-column group quantized with a scale of its own
+    (`store_chunk`), this program's BR rows of one chunk."""
     enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = rows < T
@@ -134,10 +144,7 @@ def _quantize_rows(X, Out, T, K, stride_x, WS, BR: tl.constexpr, PDL: tl.constex
     kk = tl.arange(0, 128)
     x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + (k0 + kk)[None, :],
                 mask=rm[:, None] & (k0 + kk < K)[None, :], other=0.0)
-    q, s = quantize_act(x)
-    at = Out + rows.to(tl.int64) * WS + tl.program_id(1) * FP8_CHUNK
-    tl.store(at[:, None] + kk[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None])
-    tl.store((at + 128).to(tl.pointer_type(tl.float32)), s, mask=rm)
+    store_chunk(Out, rows, rm, tl.program_id(1), WS, x)
 
 
 def quantize_rows(x_TD: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
