@@ -17,6 +17,8 @@
 #   fp8tests  --quantization fp8's GPU path (the fused MoE and the projections on FP8 rows): its GPU tests
 #   fp8       Qwen3-30B-A3B shapes' decode sweep in FP8 (bf16's is h200-p1-sweep.json), and
 #             the switch's expert permutes on FP8 rows beside bf16's (reshard_copy.py)
+#   fp8scope  `fp8sweep` and `fp8work`'s requests with --quantization-scope experts (dense weights in bf16) beside the
+#             default and bf16, one call
 #   fp8work   256 whole requests in FP8 and in bf16 (one call), greedy agreement of the FP8 engine with the bf16
 #             model's fp32 argmax beside transformers' bf16 (8 of 48 layers); fp8worka8 the requests in W8A8 too
 #   mxfp4tests --quantization mxfp4's GPU path (the fused MoE on MXFP4 rows, W4A16): its GPU tests
@@ -87,6 +89,16 @@ moetests)  # the shared experts' activation in one launch and their add inside t
   t moe_blocks 150 $P tests/test_deepseek_moe.py tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py ;;
 fp8sweep)  # `fp8`'s decode sweep alone (W8A16, the default since a740521)
   t fp8_sweep 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --batches 1,8,64,256,1024 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
+fp8scope)  # FP8 with the dense weights in bf16 (--quantization-scope experts) beside the default, one call: decode
+  # sweeps (the same FP8 floor) and whole requests beside bf16's
+  S="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --modes tp --cuda-graph-max-bs 1024 --context-len 1024"
+  [ $C = h100 ] && S="$S --batches 1,8,64,256" || S="$S --batches 1,8,64,256,1024"
+  t fp8_sweep 150 $B sweep $S --output $R/$C-p1-qwen3-30b-fp8-sweep.json
+  t fp8_sweep_experts 150 $B sweep $S --quantization-scope experts --output $R/$C-p1-qwen3-30b-fp8-experts-sweep.json
+  Q="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
+  t fp8_work_experts 150 $B throughput $Q --quantization fp8 --quantization-scope experts --output $R/$C-p1-qwen3-30b-fp8-experts-throughput.json
+  t fp8_work 150 $B throughput $Q --quantization fp8 --output $R/$C-p1-qwen3-30b-fp8-throughput.json
+  t fp8_work_bf16 150 $B throughput $Q --output $R/$C-p1-qwen3-30b-fp8-throughput-bf16.json ;;
 fp8sweepw8a8)  # the same in W8A8 (--fp8-activations)
   t fp8_sweep_w8a8 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --fp8-activations --modes tp --cuda-graph-max-bs 256 --batches 1,8,64,256 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-w8a8-sweep.json ;;
 routertune)  # the float32 router's launches (DeepSeek-V2-Lite's and V3's routers) against the upcast copy + cuBLAS

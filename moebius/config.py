@@ -250,6 +250,9 @@ class ModelConfig:
     # the modules an FP8 checkpoint leaves unquantized (its quantization_config's modules_to_not_convert): kept in
     # the dtype
     quant_skip: tuple[str, ...] = ()
+    # --quantization-scope experts: the dense Linear weights held in the dtype (a quantized checkpoint's dequantized
+    # at load), the routed experts alone in --quantization's rows
+    quantize_dense: bool = True
     # the family's own fields (frozen dataclasses: a ModelConfig is a cache key), read only by its folder
     extra: Any = None
 
@@ -383,6 +386,12 @@ class EngineConfig:
                                      "an MXFP4 checkpoint's values as stored, a float one quantized at load. "
                                      "Default: every weight in --dtype (a quantized checkpoint dequantized at load)",
                                      ("fp8", "mxfp4"))
+    quantization_scope: str = _flag("all", "with --quantization: all = every weight the format holds (FP8: the "
+                                    "routed experts and the dense Linear weights); experts = the routed experts "
+                                    "alone, the dense Linear weights (attention's projections, shared experts, "
+                                    "dense MLPs) in --dtype, a quantized checkpoint's dequantized at load (twice "
+                                    "their bytes; on the GPU their GEMMs are bf16's, faster here than the FP8 "
+                                    "projections: docs/performance.md)", ("all", "experts"))
     device: str = _flag("auto", "auto = cuda when available, else cpu", ("auto", "cpu", "cuda"))
     seed: int = _flag(0, "engine seed (0 to 2^63 - 1): dummy weights and the seeds of requests that give none")
     block_size: int = _flag(16, "tokens per KV-cache page")

@@ -92,7 +92,10 @@ def test_a_quantized_engine_calibrates_apart(tmp_path: Any) -> None:
 
 
 def test_fp8_profiles_tell_w8a8_from_the_default_w8a16() -> None:
-    """FP8's two GEMM forms take other times: their profiles are apart (the default W8A16 the bare label)."""
+    """FP8's two GEMM forms take other times, and so do its dense weights in the dtype: their profiles are apart
+    (the default W8A16 with FP8 dense weights the bare label)."""
     label = calibration.weights_label
     assert label("bfloat16", None) == "bfloat16" and label("bfloat16", "mxfp4", True) == "bfloat16+mxfp4"
     assert label("bfloat16", "fp8") == "bfloat16+fp8" and label("bfloat16", "fp8", True) == "bfloat16+fp8-w8a8"
+    assert label("bfloat16", "fp8", False, "experts") == "bfloat16+fp8-experts"
+    assert label("bfloat16", "mxfp4", False, "experts") == "bfloat16+mxfp4"  # (MXFP4 holds the experts alone)

@@ -234,9 +234,42 @@ def test_updates_take_float8_with_scales_or_float_quantized_on_the_way_in(ckpt: 
         parity_across_switch(llm, ckpt("fp8_b_deq"), prompts, N_OUT, back=False)
 
 
+def test_the_experts_scope_holds_the_dense_weights_in_the_dtype(ckpt: Callable[[str], str], tmp_path: Any) -> None:
+    """--quantization-scope experts: the routed experts as FP8 rows, the attention's projections in the dtype (the
+    checkpoint's float8 blocks dequantized at load: the values FP8 rows unpack to), so transformers' tokens on the
+    dequantized model, in TP then EP after a switch; an update of an attention projection as float8 with its scales
+    lands dequantized (transformers' tokens with it replaced)."""
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    raw_b = saved_tensors(ckpt("fp8_b"))
+    mixed = str(tmp_path / "mixed")
+    shutil.copytree(ckpt("fp8_deq"), mixed)
+    deq = saved_tensors(mixed)
+    deq[o_proj] = hf_dequantize(raw_b[o_proj], raw_b[o_proj + "_scale_inv"], torch.float32)
+    save_file(deq, os.path.join(mixed, WEIGHTS), metadata={"format": "pt"})
+    prompts = PROMPTS[1:3]
+    assert ([hf_greedy(ckpt("fp8_deq"), tuple(p), N_OUT) for p in prompts]
+            != [hf_greedy(mixed, tuple(p), N_OUT) for p in prompts])  # the update changes tokens
+    with LLM(model=ckpt("fp8"), quantization_scope="experts", **FP8) as llm:
+        for rt in llm.engine.ranks.rank.modes.values():
+            for lw in rt.weights.layers:
+                assert lw.mlp.w13_EFD.dtype == lw.mlp.w2_EDF.dtype == torch.uint8
+                assert lw.attn.qkv_QD.dtype == lw.attn.o_DQ.dtype == torch.float32
+        parity_across_switch(llm, ckpt("fp8_deq"), PROMPTS[:3], N_OUT, back=False)
+        assert llm.update_weights([(o_proj, raw_b[o_proj]), (o_proj + "_scale_inv", raw_b[o_proj + "_scale_inv"])]).done
+        parity_across_switch(llm, mixed, prompts, N_OUT, back=False)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals
 # ---------------------------------------------------------------------------------------------------------------
+
+def test_a_quantization_scope_without_quantization_is_refused() -> None:
+    from moebius.config import EngineConfig
+    from moebius.models.source import resolve_model
+
+    with pytest.raises(ConfigError, match=r"--quantization-scope experts needs --quantization"):
+        resolve_model(EngineConfig(quantization_scope="experts"))
+
 
 def test_o_proj_cut_by_heads_at_whole_chunks(ckpt: Callable[[str], str], tmp_path: Any) -> None:
     """head_dim 128, 4 heads, 2 ranks: TP cuts o_proj's 512 columns at whole 128-column chunks, so it is held in FP8

@@ -65,7 +65,7 @@ def quantized_bytes_per_element(cfg: ModelConfig, dtype_bytes: int, experts: boo
     or the rows' (FP8: a byte a value and a float32 scale a 128-value chunk; MXFP4: half a byte a value and a scale
     byte a 32-value block; their FLOPs are counted at bf16's rate). For the dense weights a lower bound: some stay in
     the dtype (`specs.linear_spec`: a TP cut inside a chunk, MLA's kv_b_proj, what a checkpoint leaves
-    unquantized)."""
+    unquantized, all of them with --quantization-scope experts: the FP8 model's floor, stricter than that engine's)."""
     fmt = row_format(cfg.quantization)
     if fmt is None or (fmt.experts_only and not experts):
         return dtype_bytes

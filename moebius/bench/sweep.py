@@ -56,7 +56,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
         disable_cuda_graph=args.disable_cuda_graph, moe_kernel=args.moe_kernel, mixed_attention=args.mixed_attention,
         prefill_attention=args.prefill_attention, switch_overlap=args.switch_overlap,
         switch_transport=args.switch_transport, quantization=args.quantization,
-        fp8_activations=args.fp8_activations, disable_shared_experts_stream=args.disable_shared_experts_stream))
+        fp8_activations=args.fp8_activations, quantization_scope=args.quantization_scope,
+        disable_shared_experts_stream=args.disable_shared_experts_stream))
     points: list[dict[str, Any]] = []
     out: dict[str, Any] = {"switches": [], "memory": {}, "skipped": [], "prefill": [],
                            "flash_prefill": bool(engine.query("kernels")[0]["flash_prefill"])}
@@ -261,6 +262,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the engine's --quantization (the floor counts the quantized rows' bytes)")
     p.add_argument("--fp8-activations", action="store_true",
                    help="the engine's --fp8-activations (FP8 rows' GEMMs in W8A8)")
+    p.add_argument("--quantization-scope", default="all", choices=["all", "experts"],
+                   help="the engine's --quantization-scope (experts: the dense weights in the dtype; the floor still "
+                   "counts them as quantized rows)")
     p.add_argument("--disable-shared-experts-stream", action="store_true",
                    help="the engine's --disable-shared-experts-stream (shared experts after the routed ones)")
     p.add_argument("--mixed-attention", default="shared", choices=["shared", "apart"],

@@ -153,6 +153,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the engine's --quantization (each step's floor counts the quantized rows' bytes)")
     e.add_argument("--fp8-activations", action="store_true",
                    help="the engine's --fp8-activations (FP8 rows' GEMMs in W8A8)")
+    e.add_argument("--quantization-scope", default="all", choices=["all", "experts"],
+                   help="the engine's --quantization-scope (experts: the dense weights in the dtype; each step's "
+                   "floor still counts them as quantized rows)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=256)
     for what, length in (("prompt", 256), ("output", 128)):
@@ -188,7 +191,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(a: argparse.Namespace) -> int:
     cfg = EngineConfig.from_kwargs(**engine_shape_kwargs(a), mode=a.mode, warmup=a.warmup,
-                                quantization=a.quantization, fp8_activations=a.fp8_activations)
+                                quantization=a.quantization, fp8_activations=a.fp8_activations,
+                                quantization_scope=a.quantization_scope)
     hf_cfg = hf_config_of(a.model)
     model_cfg = model_config(hf_cfg, a.num_layers)
     vocab = model_cfg.vocab_size

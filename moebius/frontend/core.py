@@ -242,7 +242,7 @@ class EngineCore:
                   else f"graphs to batch {c.cuda_graph_max_bs} / {c.cuda_graph_max_tokens} tokens")
         return CalibrationKey(c.model or "builtin", self.model_config.num_layers, self.world_size,
                               torch.cuda.get_device_name() if self.device == "cuda" else "cpu",
-                              weights_label(self.dtype, c.quantization, c.fp8_activations),
+                              weights_label(self.dtype, c.quantization, c.fp8_activations, c.quantization_scope),
                               f"budget {c.max_num_batched_tokens}, {graphs}, experts {c.moe_kernel}, mixed "
                               f"attention {c.mixed_attention}")
 

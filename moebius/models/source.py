@@ -183,6 +183,9 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
     hf = hf_config_of(name)
     cfg = model_config(hf, ecfg.num_layers)
     q = hf.get("quantization_config") or {}
+    if ecfg.quantization is None and ecfg.quantization_scope != "all":
+        raise ConfigError(f"--quantization-scope {ecfg.quantization_scope} needs --quantization (the format the "
+                          "routed experts are held in)")
     if ecfg.quantization is not None:
         family = family_of(cfg)
         if ecfg.quantization not in family.quantizations:
@@ -198,7 +201,8 @@ def resolve_model(ecfg: EngineConfig) -> ResolvedModel:
             raise ConfigError(f"--quantization {ecfg.quantization} holds the routed experts quantized, but the "
                               f"checkpoint leaves {experts[0]} unquantized (its modules_to_not_convert): serve it "
                               "without --quantization (it is then dequantized at load)")
-        cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip))
+        cfg = dataclasses.replace(cfg, quantization=ecfg.quantization, quant_skip=tuple(skip),
+                                  quantize_dense=ecfg.quantization_scope == "all")
         check_quantized_rows(cfg)
     elif (stored := q.get("quant_method")) in family_of(cfg).quantizations:  # (vLLM keeps it: say how)
         log.warning("the checkpoint is stored in %s and is dequantized at load to --dtype (more bytes per weight); "
@@ -249,7 +253,8 @@ def check_update_checkpoint(path: str, cfg: ModelConfig) -> None:
         if layers < cfg.num_layers:
             raise ConfigError(f"{path}/config.json has {layers} layers; the engine serves {cfg.num_layers}")
         differ = [f"{f.name} {getattr(theirs, f.name)!r} (the engine's: {getattr(cfg, f.name)!r})"
-                  for f in dataclasses.fields(cfg) if f.name not in ("num_layers", "quantization", "quant_skip")
+                  for f in dataclasses.fields(cfg)
+                  if f.name not in ("num_layers", "quantization", "quant_skip", "quantize_dense")
                   and getattr(theirs, f.name) != getattr(cfg, f.name)]
         if differ:
             raise ConfigError(f"{path}/config.json describes another model than the one served: {'; '.join(differ)}")

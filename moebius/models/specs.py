@@ -233,11 +233,12 @@ def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Calla
     float8 values and scales as stored) where every rank's columns are whole 128-value chunks (`columns`: the full
     column count and the equal parts some layout's ranks cut it in: o_proj's by heads in TP, down's by TP, a shared
     expert's on every rank) and no tensor it reads is one the checkpoint leaves unquantized (`quant_skip`); else in
-    the dtype, in every layout alike (--quantization mxfp4 holds the routed experts alone)."""
+    the dtype, in every layout alike (--quantization mxfp4 holds the routed experts alone, and so does any format with
+    --quantization-scope experts: `cfg.quantize_dense`)."""
     spec = ParamSpec(name, shape, load)
     full, parts = columns
     fmt = row_format(cfg.quantization)
-    if fmt is None or fmt.experts_only or (parts > 1 and full % (parts * fmt.chunk_cols)):
+    if fmt is None or fmt.experts_only or not cfg.quantize_dense or (parts > 1 and full % (parts * fmt.chunk_cols)):
         return spec
     if cfg.quant_skip and any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
         return spec

@@ -31,14 +31,16 @@ from moebius.switch.policy import StepCurve, crossover
 FORMAT = 2  # 2: mixed steps (format 1 files, without them, are still read)
 
 
-def weights_label(dtype: str, quantization: str | None, fp8_activations: bool = False) -> str:
+def weights_label(dtype: str, quantization: str | None, fp8_activations: bool = False, scope: str = "all") -> str:
     """A profile key's dtype: the engine's, and its --quantization where it holds quantized rows (their steps and
     switches take other times: a bf16 profile is not an FP8 engine's), FP8's W8A8 (--fp8-activations) apart from
-    its default W8A16. (Before a740521 W8A8 was the default and the bare "+fp8"; a profile saved then is re-measured
-    or read as W8A16's: its times, never its tokens.)"""
+    its default W8A16, and FP8's dense weights in the dtype (--quantization-scope experts) apart from FP8 rows.
+    (Before a740521 W8A8 was the default and the bare "+fp8"; a profile saved then is re-measured or read as W8A16's:
+    its times, never its tokens.)"""
     if not quantization:
         return dtype
-    return f"{dtype}+{quantization}" + ("-w8a8" if quantization == "fp8" and fp8_activations else "")
+    return (f"{dtype}+{quantization}" + ("-w8a8" if quantization == "fp8" and fp8_activations else "")
+            + ("-experts" if scope == "experts" and quantization == "fp8" else ""))
 
 
 @dataclass(frozen=True)

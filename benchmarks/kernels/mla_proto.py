@@ -1,0 +1,357 @@
+"""Prototype latent decode kernels (DeepSeek-V2-Lite's 16 heads, context 1024) against kernels/mla's in the same
+call: `_mla_tma` (whole pages through TMA descriptors, two a rescale), `_mla_swap` (the keys as the MMA's rows: a
+warpgroup MMA from 64 keys), `_mla_swap2` (that, whole tiles unmasked, each row's address a page's base plus offsets
+fixed for the launch), `_mla_cur2` (kernels/mla's layout with `_mla_swap2`'s addressing). --l2: every sequence reads
+the same pages, from L2: each kernel's ceiling where HBM is not the limit (an H200's bandwidth is over an H100's
+kernel rate). Results: benchmarks/results/h100-p1-mla-variants*.json, docs/performance.md.
+
+    python benchmarks/kernels/mla_proto.py out.json [--batches 256 1024] [--l2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from moebius.bench.graph_timing import graph_time_us
+from moebius.kernels import mla as M
+
+PAGE, C, R, CTX = 16, 512, 64, 1024
+
+
+@triton.jit
+def _step(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv):
+    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
+    s = tl.where(jv[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * scale2 - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _step2(q_lat, q_rope, lat, rope, lat2, rope2, m_i, l_i, acc, scale2):
+    """Two whole pages: one rescale."""
+    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
+    s2 = tl.dot(q_lat, tl.trans(lat2)) + tl.dot(q_rope, tl.trans(rope2))
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s2, 1)) * scale2)
+    p = tl.exp2(s * scale2 - m_new[:, None])
+    p2 = tl.exp2(s2 * scale2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p2, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+    acc = acc + tl.dot(p2.to(lat.dtype), lat2)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_tma(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens, scale, H,
+             stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+             C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, PAGE: tl.constexpr, PAIR: tl.constexpr,
+             TMA: tl.constexpr):
+    """Program (head block, sequence): whole pages through TMA descriptors (or pointers), PAIR pages a rescale;
+    the last page (partial) through masked pointer loads."""
+    hblk = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    h = hblk * BH + tl.arange(0, BH)
+    hv = h < H
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q_lat = tl.load(QLat + b * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None], other=0.0)
+    q_rope = tl.load(QRope + b * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None], other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, C], tl.float32)
+    scale2 = scale * 1.4426950408889634
+    full = (seq_len - 1) // PAGE  # whole pages before the last (which may be partial)
+    t = tl.arange(0, PAGE)
+    if PAIR == 2:
+        for p in range(0, full // 2 * 2, 2):
+            pg = tl.load(BlockTables + b * stride_bt + p)
+            pg2 = tl.load(BlockTables + b * stride_bt + p + 1)
+            if TMA:
+                lat = LatDesc.load([pg * PAGE, 0])
+                rope = RopeDesc.load([pg * PAGE, C])
+                lat2 = LatDesc.load([pg2 * PAGE, 0])
+                rope2 = RopeDesc.load([pg2 * PAGE, C])
+            else:
+                base = pg.to(tl.int64) * stride_pg + t * stride_tok
+                base2 = pg2.to(tl.int64) * stride_pg + t * stride_tok
+                lat = tl.load(Cache + base[:, None] + c[None, :])
+                rope = tl.load(Cache + C + base[:, None] + r[None, :])
+                lat2 = tl.load(Cache + base2[:, None] + c[None, :])
+                rope2 = tl.load(Cache + C + base2[:, None] + r[None, :])
+            m_i, l_i, acc = _step2(q_lat, q_rope, lat, rope, lat2, rope2, m_i, l_i, acc, scale2)
+        first = full // 2 * 2
+    else:
+        first = 0
+    for p in range(first, full):
+        pg = tl.load(BlockTables + b * stride_bt + p)
+        if TMA:
+            lat = LatDesc.load([pg * PAGE, 0])
+            rope = RopeDesc.load([pg * PAGE, C])
+        else:
+            base = pg.to(tl.int64) * stride_pg + t * stride_tok
+            lat = tl.load(Cache + base[:, None] + c[None, :])
+            rope = tl.load(Cache + C + base[:, None] + r[None, :])
+        m_i, l_i, acc = _step(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t >= 0)
+    # the last page: keys past the sequence's end masked to 0 (an unwritten slot may hold NaN)
+    j = full * PAGE + t
+    jv = j < seq_len
+    pg = tl.load(BlockTables + b * stride_bt + full)
+    base = pg.to(tl.int64) * stride_pg + t * stride_tok
+    lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None], other=0.0)
+    rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None], other=0.0)
+    m_i, l_i, acc = _step(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + b * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
+             mask=hv[:, None])
+
+
+@triton.jit
+def _mla_swap(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
+              stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+              C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
+    """Program (head block, sequence), transposed: scores^T = latent tile [BN, C] @ q^T [C, BH] (the keys as the
+    MMA's rows: a warpgroup MMA from BN = 64), acc^T [C, BH] += latent^T @ p^T."""
+    hblk = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    h = hblk * BH + tl.arange(0, BH)
+    hv = h < H
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
+    q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([C, BH], tl.float32)
+    scale2 = scale * 1.4426950408889634
+    for start in range(0, seq_len, BN):
+        j = start + tl.arange(0, BN)
+        jv = j < seq_len
+        pg = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
+        base = pg.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok
+        lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None], other=0.0)
+        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None], other=0.0)
+        s = tl.dot(lat, q_lat) + tl.dot(rope, q_rope)
+        s = tl.where(jv[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * scale2 - m_safe[None, :])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(lat), p.to(lat.dtype))
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+    tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
+             mask=hv[None, :])
+
+
+@triton.jit
+def _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexpr):
+    s = tl.dot(lat, q_lat) + tl.dot(rope, q_rope)
+    if MASK:
+        s = tl.where(jv[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * scale2 - m_safe[None, :])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc = acc * alpha[None, :] + tl.dot(tl.trans(lat), p.to(lat.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_swap2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
+               stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+               C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
+    """`_mla_swap` with whole tiles unmasked and their addresses a page's base (one table read a page) plus
+    offsets fixed for the launch; the last, partial tile masked."""
+    hblk = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    h = hblk * BH + tl.arange(0, BH)
+    hv = h < H
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
+    q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([C, BH], tl.float32)
+    scale2 = scale * 1.4426950408889634
+    t = tl.arange(0, BN)
+    off_lat = (t % PAGE)[:, None] * stride_tok + c[None, :]
+    off_rope = (t % PAGE)[:, None] * stride_tok + C + r[None, :]
+    full = seq_len // BN * BN
+    Table = BlockTables + b * stride_bt
+    for start in range(0, full, BN):
+        pg = tl.load(Table + (start + t) // PAGE)
+        base = Cache + pg.to(tl.int64) * stride_pg
+        lat = tl.load(base[:, None] + off_lat)
+        rope = tl.load(base[:, None] + off_rope)
+        m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False)
+    if full < seq_len:
+        j = full + t
+        jv = j < seq_len
+        pg = tl.load(Table + j // PAGE, mask=jv, other=0)
+        base = Cache + pg.to(tl.int64) * stride_pg
+        lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
+        rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
+        m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+    tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
+             mask=hv[None, :])
+
+
+@triton.jit
+def _cur2_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexpr):
+    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
+    if MASK:
+        s = tl.where(jv[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * scale2 - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_cur2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
+              stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+              C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
+    """kernels/mla's layout (heads as the MMA's rows) with `_mla_swap2`'s addressing: whole tiles unmasked, a
+    page's base plus offsets fixed for the launch; the last, partial tile masked."""
+    hblk = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    h = hblk * BH + tl.arange(0, BH)
+    hv = h < H
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q_lat = tl.load(QLat + b * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None], other=0.0)
+    q_rope = tl.load(QRope + b * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None], other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, C], tl.float32)
+    scale2 = scale * 1.4426950408889634
+    t = tl.arange(0, BN)
+    off_lat = (t % PAGE)[:, None] * stride_tok + c[None, :]
+    off_rope = (t % PAGE)[:, None] * stride_tok + C + r[None, :]
+    full = seq_len // BN * BN
+    Table = BlockTables + b * stride_bt
+    for start in range(0, full, BN):
+        pg = tl.load(Table + (start + t) // PAGE)
+        base = Cache + pg.to(tl.int64) * stride_pg
+        lat = tl.load(base[:, None] + off_lat)
+        rope = tl.load(base[:, None] + off_rope)
+        m_i, l_i, acc = _cur2_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False)
+    if full < seq_len:
+        j = full + t
+        jv = j < seq_len
+        pg = tl.load(Table + j // PAGE, mask=jv, other=0)
+        base = Cache + pg.to(tl.int64) * stride_pg
+        lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
+        rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
+        m_i, l_i, acc = _cur2_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + b * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
+             mask=hv[:, None])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("output")
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--l2", action="store_true", help="every sequence reads the same pages (from L2): the kernels' "
+                    "ceiling when HBM is not the limit")
+    args = ap.parse_args()
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    dev = torch.device("cuda")
+    H = args.heads
+    rows = []
+    for B in args.batches:
+        pages_per = -(-(CTX + 1) // PAGE)
+        npages = B * pages_per + 1
+        cache = torch.randn(npages, PAGE, C + R, device=dev, dtype=torch.bfloat16)
+        bt = (torch.randperm(npages - 1, device=dev)[: B * pages_per] + 1).view(B, pages_per).int().contiguous()
+        if args.l2:
+            bt = bt[:1].expand(B, pages_per).contiguous()
+        seq = torch.full((B,), CTX + 1, device=dev, dtype=torch.int64)
+        qsl = torch.arange(B + 1, device=dev, dtype=torch.int64)
+        q_lat = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
+        q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
+        scale = (128 + R) ** -0.5
+        nbytes = B * (CTX + 1) * (C + R) * 2
+        ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, 1)
+        flat = cache.view(npages * PAGE, C + R)
+        lat_desc = TensorDescriptor.from_tensor(flat, [PAGE, C])
+        rope_desc = TensorDescriptor.from_tensor(flat, [PAGE, R])
+
+        def cur(BN: int, nw: int, st: int, o: torch.Tensor) -> None:
+            M._mla_fwd[(triton.cdiv(H, M.HEAD_BLOCK), B, 1)](
+                q_lat, q_rope, cache, o, o, o, bt, seq, qsl, scale, H,
+                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
+                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, CP=C, RP=R, NUM_SPLITS=1,
+                BH=M.HEAD_BLOCK, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, PDL=0, num_warps=nw,
+                num_stages=st)
+
+        def proto(pair: int, tma: bool, nw: int, st: int, o: torch.Tensor) -> None:
+            _mla_tma[(triton.cdiv(H, 16), B)](
+                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H,
+                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
+                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, BH=16, PAGE=PAGE, PAIR=pair, TMA=tma,
+                num_warps=nw, num_stages=st)
+
+        def swap(kern: object, BN: int, nw: int, st: int, o: torch.Tensor) -> None:
+            kern[(triton.cdiv(H, 16), B)](
+                q_lat, q_rope, cache, o, bt, seq, scale, H,
+                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
+                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, BH=16, BN=BN, PAGE=PAGE,
+                num_warps=nw, num_stages=st)
+
+        cases = [("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in
+                 ((16, 4, 3), (16, 4, 4), (32, 4, 2), (32, 4, 3), (64, 4, 3))]
+        cases += [("proto", dict(pair=2, tma=True, nw=4, st=3)), ("swap", dict(BN=64, nw=4, st=3))]
+        cases += [(name, dict(BN=BN, nw=4, st=st)) for name, BN, st in
+                  (("cur2", 16, 2), ("cur2", 16, 3), ("cur2", 16, 4), ("cur2", 32, 2), ("cur2", 32, 3),
+                   ("cur2", 32, 4), ("cur2", 64, 2), ("cur2", 64, 3), ("swap2", 64, 2), ("swap2", 64, 3))]
+        for kind, kw in cases:
+            o = torch.empty_like(q_lat)
+            def fn(kind: str = kind, kw: dict = kw, o: torch.Tensor = o) -> None:
+                if kind == "current":
+                    cur(**kw, o=o)
+                elif kind == "proto":
+                    proto(**kw, o=o)
+                else:
+                    swap(dict(swap=_mla_swap, swap2=_mla_swap2, cur2=_mla_cur2)[kind], **kw, o=o)
+            try:
+                us = graph_time_us(fn)
+            except Exception as e:  # noqa: BLE001 - shapes past shared memory fail to compile
+                print(kind, B, kw, "failed:", str(e)[:200], flush=True)
+                continue
+            err = (o.float() - ref.float()).abs().max().item()
+            rows.append(dict(kind=kind, batch=B, heads=H, **kw, us=us, tbps=nbytes / us / 1e6, err=err))
+            print(kind, B, kw, f"{us:.1f} us {nbytes / us / 1e6:.2f} TB/s err {err:.2e}", flush=True)
+    json.dump(rows, open(args.output, "w"), indent=1)
+    for B in args.batches:
+        for kind in ("current", "cur2", "swap2"):
+            rs = sorted([r for r in rows if r["batch"] == B and r["kind"] == kind], key=lambda r: r["us"])
+            print("BEST", kind, B, rs[:3])
+
+
+if __name__ == "__main__":
+    main()
