@@ -58,7 +58,8 @@
 #   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). Next, on an
 #   H200: `sweep gptsweep fp8sweep fp8work` at the current commit beside d701103's records (the FP8 prompt-size
 #   tables changed), and the exact-value W8A16 tiles of 451d447 (reverted: slower on an H100) timed there with
-#   moe_tune.py --old. Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`)
+#   moe_tune.py --old. On H100s at 32e6972 (fifteenth session): `fp8scope` (--quantization-scope experts), and
+#   benchmarks/kernels/mla_proto.py (both owed on an H200). Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`)
 #   before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
