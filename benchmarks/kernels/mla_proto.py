@@ -5,19 +5,21 @@ fixed for the launch), `_mla_cur2` (kernels/mla's layout with `_mla_swap2`'s add
 the same pages, from L2: each kernel's ceiling where HBM is not the limit (an H200's bandwidth is over an H100's
 kernel rate). Results: benchmarks/results/h100-p1-mla-variants*.json, docs/performance.md.
 
-    python benchmarks/kernels/mla_proto.py out.json [--batches 256 1024] [--l2]
+    python benchmarks/kernels/mla_proto.py out.json [--batches 256 1024] [--modes hbm l2] [--replot]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import load_result, save_result
 from moebius.kernels import mla as M
 
 PAGE, C, R, CTX = 16, 512, 64, 1024
@@ -270,87 +272,106 @@ def _mla_cur2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
              mask=hv[:, None])
 
 
+def plot(result: dict, png: str) -> None:
+    """Cache TB/s of each launch at each batch, from HBM and from L2."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    keys = sorted({(r["mode"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 6), squeeze=False)
+    for ax, (mode, B) in zip(axes[0], keys, strict=True):
+        rs = [r for r in rows if (r["mode"], r["batch"]) == (mode, B)]
+        labels = [f"{i}: {r['kind']} " + "/".join(str(r[k]) for k in ("BN", "pair", "nw", "st") if k in r)
+                  for i, r in enumerate(rs)]
+        ax.barh(labels, [r["tbps"] for r in rs])
+        ax.set_title(f"batch {B}, cache from {mode.upper()} ({result.get('gpu', '')})", fontsize=9)
+        ax.set_xlabel("latent cache TB/s")
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+
+
+def run(B: int, H: int, l2: bool) -> list[dict]:
+    """Every case's row at one batch (cases that fail to compile are left out)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    dev = torch.device("cuda")
+    pages_per = -(-(CTX + 1) // PAGE)
+    npages = B * pages_per + 1
+    cache = torch.randn(npages, PAGE, C + R, device=dev, dtype=torch.bfloat16)
+    bt = (torch.randperm(npages - 1, device=dev)[: B * pages_per] + 1).view(B, pages_per).int().contiguous()
+    if l2:  # every sequence reads the first one's pages
+        bt = bt[:1].expand(B, pages_per).contiguous()
+    seq = torch.full((B,), CTX + 1, device=dev, dtype=torch.int64)
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int64)
+    q_lat = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
+    q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
+    scale = (128 + R) ** -0.5
+    nbytes = B * (CTX + 1) * (C + R) * 2
+    ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, 1)
+    flat = cache.view(npages * PAGE, C + R)
+    lat_desc = TensorDescriptor.from_tensor(flat, [PAGE, C])
+    rope_desc = TensorDescriptor.from_tensor(flat, [PAGE, R])
+    strides = (q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1))
+
+    def launch(kind: str, kw: dict, o: torch.Tensor) -> None:
+        common = (*strides, o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), bt.stride(0))
+        if kind == "current":
+            M._mla_fwd[(triton.cdiv(H, M.HEAD_BLOCK), B, 1)](
+                q_lat, q_rope, cache, o, o, o, bt, seq, qsl, scale, H, *common, C=C, R=R, CP=C, RP=R, NUM_SPLITS=1,
+                BH=M.HEAD_BLOCK, BM=1, BN=kw["BN"], PAGE=PAGE, PREC="tf32", DECODE=True, PDL=0, num_warps=kw["nw"],
+                num_stages=kw["st"])
+        elif kind == "tma":
+            _mla_tma[(triton.cdiv(H, 16), B)](
+                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16, PAGE=PAGE,
+                PAIR=kw["pair"], TMA=True, num_warps=kw["nw"], num_stages=kw["st"])
+        else:
+            kern = dict(swap=_mla_swap, swap2=_mla_swap2, cur2=_mla_cur2)[kind]
+            kern[(triton.cdiv(H, 16), B)](q_lat, q_rope, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
+                                          BN=kw["BN"], PAGE=PAGE, num_warps=kw["nw"], num_stages=kw["st"])
+
+    rows = []
+    for kind, kw in CASES:
+        o = torch.empty_like(q_lat)
+        try:
+            us = graph_time_us(lambda kind=kind, kw=kw, o=o: launch(kind, kw, o))
+        except Exception as e:  # noqa: BLE001 - shapes past shared memory fail to compile
+            print(kind, B, kw, "failed:", str(e)[:200], flush=True)
+            continue
+        err = (o.float() - ref.float()).abs().max().item()
+        rows.append(dict(kind=kind, mode="l2" if l2 else "hbm", batch=B, heads=H, **kw, us=us,
+                         tbps=nbytes / us / 1e6, err=err))
+        print(rows[-1], flush=True)
+    return rows
+
+
+CASES = ([("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in ((32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2))]
+         + [("tma", dict(pair=2, nw=4, st=3)), ("swap", dict(BN=64, nw=4, st=3))]
+         + [(name, dict(BN=BN, nw=4, st=st)) for name, BN, st in
+            (("cur2", 32, 2), ("cur2", 32, 3), ("cur2", 64, 2), ("cur2", 64, 3), ("swap2", 64, 2), ("swap2", 64, 3))])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("output")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--l2", action="store_true", help="every sequence reads the same pages (from L2): the kernels' "
-                    "ceiling when HBM is not the limit")
+    ap.add_argument("--modes", nargs="+", default=["hbm", "l2"], choices=["hbm", "l2"],
+                    help="l2: every sequence reads the same pages, from L2 (each kernel's ceiling where HBM is not "
+                    "the limit)")
+    ap.add_argument("--replot", action="store_true", help="draw the plot of the result at OUTPUT and stop")
     args = ap.parse_args()
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    dev = torch.device("cuda")
-    H = args.heads
-    rows = []
-    for B in args.batches:
-        pages_per = -(-(CTX + 1) // PAGE)
-        npages = B * pages_per + 1
-        cache = torch.randn(npages, PAGE, C + R, device=dev, dtype=torch.bfloat16)
-        bt = (torch.randperm(npages - 1, device=dev)[: B * pages_per] + 1).view(B, pages_per).int().contiguous()
-        if args.l2:
-            bt = bt[:1].expand(B, pages_per).contiguous()
-        seq = torch.full((B,), CTX + 1, device=dev, dtype=torch.int64)
-        qsl = torch.arange(B + 1, device=dev, dtype=torch.int64)
-        q_lat = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
-        q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
-        scale = (128 + R) ** -0.5
-        nbytes = B * (CTX + 1) * (C + R) * 2
-        ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, 1)
-        flat = cache.view(npages * PAGE, C + R)
-        lat_desc = TensorDescriptor.from_tensor(flat, [PAGE, C])
-        rope_desc = TensorDescriptor.from_tensor(flat, [PAGE, R])
-
-        def cur(BN: int, nw: int, st: int, o: torch.Tensor) -> None:
-            M._mla_fwd[(triton.cdiv(H, M.HEAD_BLOCK), B, 1)](
-                q_lat, q_rope, cache, o, o, o, bt, seq, qsl, scale, H,
-                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
-                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, CP=C, RP=R, NUM_SPLITS=1,
-                BH=M.HEAD_BLOCK, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, PDL=0, num_warps=nw,
-                num_stages=st)
-
-        def proto(pair: int, tma: bool, nw: int, st: int, o: torch.Tensor) -> None:
-            _mla_tma[(triton.cdiv(H, 16), B)](
-                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H,
-                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
-                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, BH=16, PAGE=PAGE, PAIR=pair, TMA=tma,
-                num_warps=nw, num_stages=st)
-
-        def swap(kern: object, BN: int, nw: int, st: int, o: torch.Tensor) -> None:
-            kern[(triton.cdiv(H, 16), B)](
-                q_lat, q_rope, cache, o, bt, seq, scale, H,
-                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
-                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, BH=16, BN=BN, PAGE=PAGE,
-                num_warps=nw, num_stages=st)
-
-        cases = [("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in
-                 ((16, 4, 3), (16, 4, 4), (32, 4, 2), (32, 4, 3), (64, 4, 3))]
-        cases += [("proto", dict(pair=2, tma=True, nw=4, st=3)), ("swap", dict(BN=64, nw=4, st=3))]
-        cases += [(name, dict(BN=BN, nw=4, st=st)) for name, BN, st in
-                  (("cur2", 16, 2), ("cur2", 16, 3), ("cur2", 16, 4), ("cur2", 32, 2), ("cur2", 32, 3),
-                   ("cur2", 32, 4), ("cur2", 64, 2), ("cur2", 64, 3), ("swap2", 64, 2), ("swap2", 64, 3))]
-        for kind, kw in cases:
-            o = torch.empty_like(q_lat)
-            def fn(kind: str = kind, kw: dict = kw, o: torch.Tensor = o) -> None:
-                if kind == "current":
-                    cur(**kw, o=o)
-                elif kind == "proto":
-                    proto(**kw, o=o)
-                else:
-                    swap(dict(swap=_mla_swap, swap2=_mla_swap2, cur2=_mla_cur2)[kind], **kw, o=o)
-            try:
-                us = graph_time_us(fn)
-            except Exception as e:  # noqa: BLE001 - shapes past shared memory fail to compile
-                print(kind, B, kw, "failed:", str(e)[:200], flush=True)
-                continue
-            err = (o.float() - ref.float()).abs().max().item()
-            rows.append(dict(kind=kind, batch=B, heads=H, **kw, us=us, tbps=nbytes / us / 1e6, err=err))
-            print(kind, B, kw, f"{us:.1f} us {nbytes / us / 1e6:.2f} TB/s err {err:.2e}", flush=True)
-    json.dump(rows, open(args.output, "w"), indent=1)
-    for B in args.batches:
-        for kind in ("current", "cur2", "swap2"):
-            rs = sorted([r for r in rows if r["batch"] == B and r["kind"] == kind], key=lambda r: r["us"])
-            print("BEST", kind, B, rs[:3])
+    if args.replot:
+        plot(load_result(args.output), os.path.splitext(args.output)[0] + ".png")
+        return
+    rows = [r for mode in args.modes for B in args.batches for r in run(B, args.heads, mode == "l2")]
+    save_result(args.output, plot, rows=rows, gpu=torch.cuda.get_device_name(),
+                command="python benchmarks/kernels/mla_proto.py " + " ".join(sys.argv[1:]),
+                params=dict(heads=args.heads, context=CTX + 1, page=PAGE, latent=C, rope=R),
+                note="latent decode attention: us per call inside a CUDA graph, the cache bytes' rate (tbps); mode "
+                     "l2: every sequence reads the same pages; err: max abs difference to kernels/mla's own launch")
 
 
 if __name__ == "__main__":
