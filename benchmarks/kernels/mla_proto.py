@@ -272,6 +272,46 @@ def _mla_cur2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
              mask=hv[:, None])
 
 
+@triton.jit
+def _mla_swap_tma(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens, scale, H,
+                  stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
+                  C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, PAGE: tl.constexpr, WS: tl.constexpr,
+                  NS: tl.constexpr):
+    """`_mla_swap` over pages of 64 or more keys: each whole page one TMA load (a tile of PAGE keys), optionally
+    warp-specialized (a producer warp issuing the loads NS pages ahead); the last page through masked pointers."""
+    hblk = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    h = hblk * BH + tl.arange(0, BH)
+    hv = h < H
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
+    q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([C, BH], tl.float32)
+    scale2 = scale * 1.4426950408889634
+    t = tl.arange(0, PAGE)
+    full = (seq_len - 1) // PAGE
+    Table = BlockTables + b * stride_bt
+    for p in tl.range(0, full, warp_specialize=WS, num_stages=NS):
+        pg = tl.load(Table + p)
+        lat = LatDesc.load([pg * PAGE, 0])
+        rope = RopeDesc.load([pg * PAGE, C])
+        m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False)
+    j = full * PAGE + t
+    jv = j < seq_len
+    pg = tl.load(Table + full)
+    base = Cache + pg.to(tl.int64) * stride_pg + t * stride_tok
+    lat = tl.load(base[:, None] + c[None, :], mask=jv[:, None], other=0.0)
+    rope = tl.load(base[:, None] + C + r[None, :], mask=jv[:, None], other=0.0)
+    m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+    tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
+             mask=hv[None, :])
+
+
 def plot(result: dict, png: str) -> None:
     """Cache TB/s of each launch at each batch, from HBM and from L2."""
     import matplotlib
@@ -284,7 +324,7 @@ def plot(result: dict, png: str) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 6), squeeze=False)
     for ax, (mode, B) in zip(axes[0], keys, strict=True):
         rs = [r for r in rows if (r["mode"], r["batch"]) == (mode, B)]
-        labels = [f"{i}: {r['kind']} " + "/".join(str(r[k]) for k in ("BN", "pair", "nw", "st") if k in r)
+        labels = [f"{i}: {r['kind']} " + "/".join(str(r[k]) for k in ("page", "BN", "pair", "nw", "st") if k in r)
                   for i, r in enumerate(rs)]
         ax.barh(labels, [r["tbps"] for r in rs])
         ax.set_title(f"batch {B}, cache from {mode.upper()} ({result.get('gpu', '')})", fontsize=9)
@@ -294,43 +334,58 @@ def plot(result: dict, png: str) -> None:
 
 
 def run(B: int, H: int, l2: bool) -> list[dict]:
-    """Every case's row at one batch (cases that fail to compile are left out)."""
+    """Every case's row at one batch (cases that fail to compile are left out); each case on its pages' size."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     dev = torch.device("cuda")
-    pages_per = -(-(CTX + 1) // PAGE)
-    npages = B * pages_per + 1
-    cache = torch.randn(npages, PAGE, C + R, device=dev, dtype=torch.bfloat16)
-    bt = (torch.randperm(npages - 1, device=dev)[: B * pages_per] + 1).view(B, pages_per).int().contiguous()
-    if l2:  # every sequence reads the first one's pages
-        bt = bt[:1].expand(B, pages_per).contiguous()
-    seq = torch.full((B,), CTX + 1, device=dev, dtype=torch.int64)
-    qsl = torch.arange(B + 1, device=dev, dtype=torch.int64)
     q_lat = torch.randn(B, H, C, device=dev, dtype=torch.bfloat16)
     q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
+    seq = torch.full((B,), CTX + 1, device=dev, dtype=torch.int64)
+    qsl = torch.arange(B + 1, device=dev, dtype=torch.int64)
     scale = (128 + R) ** -0.5
     nbytes = B * (CTX + 1) * (C + R) * 2
-    ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, 1)
-    flat = cache.view(npages * PAGE, C + R)
-    lat_desc = TensorDescriptor.from_tensor(flat, [PAGE, C])
-    rope_desc = TensorDescriptor.from_tensor(flat, [PAGE, R])
     strides = (q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1))
+    caches: dict[int, tuple] = {}
+
+    def paged(page: int) -> tuple:
+        """The cache in pages of `page` keys, its block table, descriptors of a page's latent and rope parts, and
+        kernels/mla's output on it (the reference)."""
+        if page not in caches:
+            caches.clear()  # (one cache at a time: batch 1024's is 1.2 GB)
+            torch.cuda.empty_cache()
+            pages_per = -(-(CTX + 1) // page)
+            npages = B * pages_per + 1
+            cache = torch.randn(npages, page, C + R, device=dev, dtype=torch.bfloat16)
+            bt = (torch.randperm(npages - 1, device=dev)[: B * pages_per] + 1).view(B, pages_per).int().contiguous()
+            if l2:  # every sequence reads the first one's pages
+                bt = bt[:1].expand(B, pages_per).contiguous()
+            flat = cache.view(npages * page, C + R)
+            descs = TensorDescriptor.from_tensor(flat, [page, C]), TensorDescriptor.from_tensor(flat, [page, R])
+            ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, 1)
+            caches[page] = cache, bt, descs, ref
+        return caches[page]
 
     def launch(kind: str, kw: dict, o: torch.Tensor) -> None:
+        cache, bt, (lat_desc, rope_desc), _ = paged(kw.get("page", PAGE))
         common = (*strides, o.stride(0), o.stride(1), cache.stride(0), cache.stride(1), bt.stride(0))
         if kind == "current":
             M._mla_fwd[(triton.cdiv(H, M.HEAD_BLOCK), B, 1)](
                 q_lat, q_rope, cache, o, o, o, bt, seq, qsl, scale, H, *common, C=C, R=R, CP=C, RP=R, NUM_SPLITS=1,
-                BH=M.HEAD_BLOCK, BM=1, BN=kw["BN"], PAGE=PAGE, PREC="tf32", DECODE=True, PDL=0, num_warps=kw["nw"],
-                num_stages=kw["st"])
+                BH=M.HEAD_BLOCK, BM=1, BN=kw["BN"], PAGE=cache.shape[1], PREC="tf32", DECODE=True, PDL=0,
+                num_warps=kw["nw"], num_stages=kw["st"])
         elif kind == "tma":
             _mla_tma[(triton.cdiv(H, 16), B)](
                 q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16, PAGE=PAGE,
                 PAIR=kw["pair"], TMA=True, num_warps=kw["nw"], num_stages=kw["st"])
+        elif kind == "swap_tma":
+            _mla_swap_tma[(triton.cdiv(H, 16), B)](
+                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
+                PAGE=cache.shape[1], WS=False, NS=kw["st"], num_warps=kw["nw"], num_stages=kw["st"])
         else:
             kern = dict(swap=_mla_swap, swap2=_mla_swap2, cur2=_mla_cur2)[kind]
             kern[(triton.cdiv(H, 16), B)](q_lat, q_rope, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
-                                          BN=kw["BN"], PAGE=PAGE, num_warps=kw["nw"], num_stages=kw["st"])
+                                          BN=kw["BN"], PAGE=cache.shape[1], num_warps=kw["nw"],
+                                          num_stages=kw["st"])
 
     rows = []
     for kind, kw in CASES:
@@ -340,17 +395,18 @@ def run(B: int, H: int, l2: bool) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - shapes past shared memory fail to compile
             print(kind, B, kw, "failed:", str(e)[:200], flush=True)
             continue
-        err = (o.float() - ref.float()).abs().max().item()
-        rows.append(dict(kind=kind, mode="l2" if l2 else "hbm", batch=B, heads=H, **kw, us=us,
+        err = (o.float() - paged(kw.get("page", PAGE))[3].float()).abs().max().item()
+        rows.append(dict(kind=kind, mode="l2" if l2 else "hbm", batch=B, heads=H, **{"page": PAGE, **kw}, us=us,
                          tbps=nbytes / us / 1e6, err=err))
         print(rows[-1], flush=True)
     return rows
 
 
-CASES = ([("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in ((32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2))]
-         + [("tma", dict(pair=2, nw=4, st=3)), ("swap", dict(BN=64, nw=4, st=3))]
-         + [(name, dict(BN=BN, nw=4, st=st)) for name, BN, st in
-            (("cur2", 32, 2), ("cur2", 32, 3), ("cur2", 64, 2), ("cur2", 64, 3), ("swap2", 64, 2), ("swap2", 64, 3))])
+CASES = ([("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in ((32, 4, 2), (32, 4, 3), (64, 4, 3))]
+         + [("current", dict(page=64, BN=BN, nw=4, st=st)) for BN, st in ((32, 2), (64, 2), (64, 3))]
+         + [(name, dict(BN=BN, nw=4, st=st)) for name, BN, st in (("cur2", 32, 2), ("cur2", 64, 2), ("swap2", 64, 2))]
+         + [("cur2", dict(page=64, BN=64, nw=4, st=st)) for st in (2, 3)]
+         + [("swap_tma", dict(page=64, nw=4, st=st)) for st in (2, 3)])
 
 
 def main() -> None:
