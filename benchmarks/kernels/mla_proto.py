@@ -410,7 +410,7 @@ CASES = ([("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in ((32, 4, 2), 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/mla_proto.py")
     ap.add_argument("output")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--heads", type=int, default=16)
