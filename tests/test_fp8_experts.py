@@ -198,6 +198,22 @@ def test_deepseek_experts_in_fp8(ckpt: Callable[[str], str]) -> None:
         parity_across_switch(llm, ckpt("deepseek_deq"), prompts, N_OUT, back=False)
 
 
+def test_deepseek_with_the_experts_scope_holds_its_dense_weights_in_the_dtype(ckpt: Callable[[str], str]) -> None:
+    """DeepSeek-V3's FP8 release with --quantization-scope experts on one rank: the routed experts FP8 rows; the
+    dense first layer, the shared experts and MLA's projections in the dtype; transformers' tokens on the
+    dequantized model."""
+    with LLM(model=ckpt("deepseek"), quantization_scope="experts", **FP8) as llm:
+        rank = llm.engine.ranks.rank
+        dense, *moe = [lw.mlp for lw in rank.modes[rank.mode].weights.layers]
+        assert dense.w13_FD.dtype == dense.w2_DF.dtype == torch.float32
+        assert all(m.w13_EFD.dtype == m.w2_EDF.dtype == torch.uint8 for m in moe)
+        assert all(m.shared.w13_FD.dtype == m.shared.w2_DF.dtype == torch.float32 for m in moe)
+        attn = [lw.attn for lw in rank.modes[rank.mode].weights.layers]
+        assert all(w.dtype == torch.float32 for a in attn for w in (a.qkv_QD, a.q_QL, a.kv_a_AD, a.o_DO))
+        assert greedy_outputs(llm, random_prompts(7, (1, 9)), N_OUT) == [
+            hf_greedy(ckpt("deepseek_deq"), tuple(p), N_OUT) for p in random_prompts(7, (1, 9))]
+
+
 def test_a_float_checkpoint_is_quantized_at_load(ckpt: Callable[[str], str]) -> None:
     """--quantization fp8 on a float checkpoint: the tokens of transformers' model whose experts and q|k|v were
     quantized by blocks and dequantized (float32, every layout over P = 2, across a switch); without the flag, the
@@ -375,13 +391,15 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
+@pytest.mark.parametrize("scope", ["all", "experts"])
+def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str], scope: str) -> None:
     """On a GPU in bf16 (benchmarks/families_device_run.sh's `fp8tests` step): the fused MoE and the projections on
-    FP8 rows in W8A16 (the default), through decode graphs and eager steps in both layouts, against the engine on
-    the dequantized checkpoint (the same bf16 weight values; the kernels' K steps differ, so nearly every token, not
-    all). W8A8 rounds the activations to float8 too, which on this tiny random model's close logits moved
-    most tokens (7 of 32 kept on an H100): its kernels are checked against their reference in test_gpu.py instead."""
-    gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT)
+    FP8 rows in W8A16 (the default; with --quantization-scope experts the projections in bf16), through decode
+    graphs and eager steps in both layouts, against the engine on the dequantized checkpoint (the same bf16 weight
+    values; the kernels' K steps differ, so nearly every token, not all). W8A8 rounds the activations to float8
+    too, which on this tiny random model's close logits moved most tokens (7 of 32 kept on an H100): its kernels are
+    checked against their reference in test_gpu.py instead."""
+    gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT, quantization_scope=scope)
 
 
 @pytest.mark.parametrize("quant,ratio", [("fp8", (144, 256)), ("mxfp4", (17, 64))])
