@@ -55,11 +55,12 @@
 #   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
 #   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
 #   and FP8's 64-256. On H100s at 494dd47-bc79944 (fourteenth session): `fp8tests fp8sweep fp8work`, `fp8moetune
-#   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). Next, on an
-#   H200: `sweep gptsweep fp8sweep fp8work` at the current commit beside d701103's records (the FP8 prompt-size
-#   tables changed), and the exact-value W8A16 tiles of 451d447 (reverted: slower on an H100) timed there with
-#   moe_tune.py --old. On H100s at 32e6972 (fifteenth session): `fp8scope` (--quantization-scope experts), and
-#   benchmarks/kernels/mla_proto.py (both owed on an H200). Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`)
+#   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). On H100s at
+#   32e6972-a6ce148 (fifteenth session): `fp8scope` (--quantization-scope experts) and benchmarks/kernels/mla_proto.py.
+#   Next, on an H200: `fp8scope sweep gptsweep` beside d701103's records, `python3 benchmarks/kernels/mla_proto.py
+#   $OUT/h200-p1-mla-variants.json` (which latent kernel the H200 favours), and the exact-value W8A16 tiles of
+#   451d447 (reverted: slower on an H100) with moe_tune.py --old. Results land under the card's names, so rename an
+#   earlier record (`<name>-<commit>.json`)
 #   before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
