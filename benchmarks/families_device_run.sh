@@ -46,7 +46,8 @@
 #             fp8, linear_fp8_tune.py)
 #   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py);
-#             mlatune16 at 16 heads and batches 256 and 1024 only
+#             mlatune16 at 16 heads and batches 256 and 1024 only; mlaproto the prototype kernels of
+#             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
@@ -57,8 +58,8 @@
 #   and FP8's 64-256. On H100s at 494dd47-bc79944 (fourteenth session): `fp8tests fp8sweep fp8work`, `fp8moetune
 #   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). On H100s at
 #   32e6972-a6ce148 (fifteenth session): `fp8scope` (--quantization-scope experts) and benchmarks/kernels/mla_proto.py.
-#   Next, on an H200: `fp8scope sweep gptsweep` beside d701103's records, `python3 benchmarks/kernels/mla_proto.py
-#   $OUT/h200-p1-mla-variants.json` (which latent kernel the H200 favours), and the exact-value W8A16 tiles of
+#   Next, on an H200: `mlaproto fp8scope`, then `sweep gptsweep` beside d701103's records (which latent kernel the
+#   H200 favours; FP8 in both scopes), and the exact-value W8A16 tiles of
 #   451d447 (reverted: slower on an H100) with moe_tune.py --old. Results land under the card's names, so rename an
 #   earlier record (`<name>-<commit>.json`)
 #   before copying a new one in.
@@ -194,6 +195,8 @@ groupsearch)  # gpt-oss-20b's MoE at 512 and 1024 tokens: every BM's best tiles,
   t groupsearch 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --groups 2 4 --batches 512 1024 --output $R/$C-p1-moe-groupsearch-gpt-oss-20b.json ;;
 fp8moetune)  # the fused MoE on FP8 rows (W8A16) at decode sizes and at 4096 tokens (the unpacked experts' path)
   t fp8moetune 250 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 64 256 4096 --output $R/$C-p1-moe-tune-fp8-w8a16.json ;;
+mlaproto)  # prototype latent decode kernels against kernels/mla's, from HBM and from L2 (each kernel's ceiling)
+  t mlaproto 150 python3 benchmarks/kernels/mla_proto.py $R/$C-p1-mla-variants.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
 agree)
