@@ -44,7 +44,8 @@ def test_length_distributions(tmp_path) -> None:
 
 
 def test_throughput_hands_the_fp8_flags_to_the_engine(monkeypatch) -> None:
-    """--quantization and --fp8-activations reach the engine's config (FP8's W8A8 whole requests, beside W8A16)."""
+    """--quantization, --fp8-activations and --quantization-scope reach the engine's config (FP8's W8A8 whole
+    requests beside W8A16; its dense weights in the dtype beside FP8 rows)."""
     from moebius.bench import throughput
     from moebius.entrypoints.cli import build_parser
 
@@ -56,10 +57,10 @@ def test_throughput_hands_the_fp8_flags_to_the_engine(monkeypatch) -> None:
 
     monkeypatch.setattr(throughput, "EngineCore", engine)
     a = build_parser().parse_args(["bench", "throughput", "--device", "cpu", "--num-prompts", "2",
-                                   "--quantization", "fp8", "--fp8-activations"])
+                                   "--quantization", "fp8", "--fp8-activations", "--quantization-scope", "experts"])
     with pytest.raises(RuntimeError, match="stop"):
         throughput.main(a)
-    assert seen[0].quantization == "fp8" and seen[0].fp8_activations
+    assert seen[0].quantization == "fp8" and seen[0].fp8_activations and seen[0].quantization_scope == "experts"
 
 
 @pytest.mark.parametrize("ranks,mode", [(1, "tp"), (2, "tp"), (2, "ep")])

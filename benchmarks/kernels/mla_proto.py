@@ -1,10 +1,10 @@
 """Prototype latent decode kernels (DeepSeek-V2-Lite's 16 heads, context 1024) against kernels/mla's in the same
-call: `_mla_tma` (whole pages through TMA descriptors, two a rescale), `_mla_swap` (the keys as the MMA's rows: a
-warpgroup MMA from 64 keys), `_mla_swap2` (that, whole tiles unmasked, each row's address a page's base plus offsets
-fixed for the launch), `_mla_cur2` (kernels/mla's layout with `_mla_swap2`'s addressing). --l2: every sequence reads
-the same pages, from L2: each kernel's ceiling where HBM is not the limit (an H200's bandwidth is over an H100's
-kernel rate). Results: benchmarks/results/h100-p1-mla-variants*.json, docs/performance.md.
-
+call, all one kernel, `_mla_paged`: `cur2` (kernels/mla's layout, heads as the MMA's rows, with whole tiles unmasked
+and each row's address its page's base plus offsets fixed for the launch), `swap2` (the same addressing, the keys as
+the rows: a warpgroup MMA from 64 keys), `swap_tma` (keys as rows over pages of 64 keys, each page one TMA load).
+--modes l2: every sequence reads the same pages, from L2: each kernel's ceiling where HBM is not the limit (an H200's
+bandwidth is over an H100's kernel rate). Results: benchmarks/results/h100-p1-mla-variants*.json (the b05ee39
+record's `tma` and `swap` rows: kernels of this script at 32e6972, since dropped), docs/performance.md.
     python benchmarks/kernels/mla_proto.py out.json [--batches 256 1024] [--modes hbm l2] [--replot]
 """
 
@@ -26,158 +26,40 @@ PAGE, C, R, CTX = 16, 512, 64, 1024
 
 
 @triton.jit
-def _step(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv):
-    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
-    s = tl.where(jv[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale2 - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _step2(q_lat, q_rope, lat, rope, lat2, rope2, m_i, l_i, acc, scale2):
-    """Two whole pages: one rescale."""
-    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
-    s2 = tl.dot(q_lat, tl.trans(lat2)) + tl.dot(q_rope, tl.trans(rope2))
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(s, 1), tl.max(s2, 1)) * scale2)
-    p = tl.exp2(s * scale2 - m_new[:, None])
-    p2 = tl.exp2(s2 * scale2 - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1) + tl.sum(p2, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-    acc = acc + tl.dot(p2.to(lat.dtype), lat2)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _mla_tma(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens, scale, H,
-             stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
-             C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, PAGE: tl.constexpr, PAIR: tl.constexpr,
-             TMA: tl.constexpr):
-    """Program (head block, sequence): whole pages through TMA descriptors (or pointers), PAIR pages a rescale;
-    the last page (partial) through masked pointer loads."""
-    hblk = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    h = hblk * BH + tl.arange(0, BH)
-    hv = h < H
-    c = tl.arange(0, C)
-    r = tl.arange(0, R)
-    q_lat = tl.load(QLat + b * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None], other=0.0)
-    q_rope = tl.load(QRope + b * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None], other=0.0)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, C], tl.float32)
-    scale2 = scale * 1.4426950408889634
-    full = (seq_len - 1) // PAGE  # whole pages before the last (which may be partial)
-    t = tl.arange(0, PAGE)
-    if PAIR == 2:
-        for p in range(0, full // 2 * 2, 2):
-            pg = tl.load(BlockTables + b * stride_bt + p)
-            pg2 = tl.load(BlockTables + b * stride_bt + p + 1)
-            if TMA:
-                lat = LatDesc.load([pg * PAGE, 0])
-                rope = RopeDesc.load([pg * PAGE, C])
-                lat2 = LatDesc.load([pg2 * PAGE, 0])
-                rope2 = RopeDesc.load([pg2 * PAGE, C])
-            else:
-                base = pg.to(tl.int64) * stride_pg + t * stride_tok
-                base2 = pg2.to(tl.int64) * stride_pg + t * stride_tok
-                lat = tl.load(Cache + base[:, None] + c[None, :])
-                rope = tl.load(Cache + C + base[:, None] + r[None, :])
-                lat2 = tl.load(Cache + base2[:, None] + c[None, :])
-                rope2 = tl.load(Cache + C + base2[:, None] + r[None, :])
-            m_i, l_i, acc = _step2(q_lat, q_rope, lat, rope, lat2, rope2, m_i, l_i, acc, scale2)
-        first = full // 2 * 2
-    else:
-        first = 0
-    for p in range(first, full):
-        pg = tl.load(BlockTables + b * stride_bt + p)
-        if TMA:
-            lat = LatDesc.load([pg * PAGE, 0])
-            rope = RopeDesc.load([pg * PAGE, C])
-        else:
-            base = pg.to(tl.int64) * stride_pg + t * stride_tok
-            lat = tl.load(Cache + base[:, None] + c[None, :])
-            rope = tl.load(Cache + C + base[:, None] + r[None, :])
-        m_i, l_i, acc = _step(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t >= 0)
-    # the last page: keys past the sequence's end masked to 0 (an unwritten slot may hold NaN)
-    j = full * PAGE + t
-    jv = j < seq_len
-    pg = tl.load(BlockTables + b * stride_bt + full)
-    base = pg.to(tl.int64) * stride_pg + t * stride_tok
-    lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None], other=0.0)
-    rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None], other=0.0)
-    m_i, l_i, acc = _step(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + b * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
-             mask=hv[:, None])
-
-
-@triton.jit
-def _mla_swap(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
-              stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
-              C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
-    """Program (head block, sequence), transposed: scores^T = latent tile [BN, C] @ q^T [C, BH] (the keys as the
-    MMA's rows: a warpgroup MMA from BN = 64), acc^T [C, BH] += latent^T @ p^T."""
-    hblk = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    h = hblk * BH + tl.arange(0, BH)
-    hv = h < H
-    c = tl.arange(0, C)
-    r = tl.arange(0, R)
-    q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
-    q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([C, BH], tl.float32)
-    scale2 = scale * 1.4426950408889634
-    for start in range(0, seq_len, BN):
-        j = start + tl.arange(0, BN)
-        jv = j < seq_len
-        pg = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
-        base = pg.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok
-        lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None], other=0.0)
-        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None], other=0.0)
+def _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexpr, SWAP: tl.constexpr):
+    """One tile of the online softmax (base 2): heads as the MMA's rows (q [BH, C], acc [BH, C]), or SWAP the keys
+    (q^T [C, BH], acc^T [C, BH]: a warpgroup MMA from 64 keys)."""
+    if SWAP:
         s = tl.dot(lat, q_lat) + tl.dot(rope, q_rope)
-        s = tl.where(jv[:, None], s, float("-inf"))
+        if MASK:
+            s = tl.where(jv[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s * scale2 - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(lat), p.to(lat.dtype))
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-    tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
-             mask=hv[None, :])
-
-
-@triton.jit
-def _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexpr):
-    s = tl.dot(lat, q_lat) + tl.dot(rope, q_rope)
-    if MASK:
-        s = tl.where(jv[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0) * scale2)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale2 - m_safe[None, :])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    acc = acc * alpha[None, :] + tl.dot(tl.trans(lat), p.to(lat.dtype))
+    else:
+        s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
+        if MASK:
+            s = tl.where(jv[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * scale2 - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _mla_swap2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
+def _mla_paged(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens, scale, H,
                stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
-               C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
-    """`_mla_swap` with whole tiles unmasked and their addresses a page's base (one table read a page) plus
-    offsets fixed for the launch; the last, partial tile masked."""
+               C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
+               SWAP: tl.constexpr, TMA: tl.constexpr):
+    """Program (head block, sequence): whole BN-key tiles unmasked, each row's address its page's base plus offsets
+    fixed for the launch (`_mla_cur2`: heads as rows; `_mla_swap2`: SWAP, keys as rows), or (TMA, BN == PAGE) each
+    whole page one TMA load (`_mla_swap_tma`); the last, partial tile through masked pointers."""
     hblk = tl.program_id(0)
     b = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -185,131 +67,51 @@ def _mla_swap2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
     hv = h < H
     c = tl.arange(0, C)
     r = tl.arange(0, R)
-    q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
-    q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
+    if SWAP:  # q^T, acc^T
+        q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
+        q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
+        acc = tl.zeros([C, BH], tl.float32)
+    else:
+        q_lat = tl.load(QLat + b * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None], other=0.0)
+        q_rope = tl.load(QRope + b * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None], other=0.0)
+        acc = tl.zeros([BH, C], tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([C, BH], tl.float32)
     scale2 = scale * 1.4426950408889634
     t = tl.arange(0, BN)
     off_lat = (t % PAGE)[:, None] * stride_tok + c[None, :]
     off_rope = (t % PAGE)[:, None] * stride_tok + C + r[None, :]
-    full = seq_len // BN * BN
+    full = (seq_len - 1) // BN * BN  # whole tiles before the last (which may be partial)
     Table = BlockTables + b * stride_bt
     for start in range(0, full, BN):
-        pg = tl.load(Table + (start + t) // PAGE)
-        base = Cache + pg.to(tl.int64) * stride_pg
-        lat = tl.load(base[:, None] + off_lat)
-        rope = tl.load(base[:, None] + off_rope)
-        m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False)
-    if full < seq_len:
-        j = full + t
-        jv = j < seq_len
-        pg = tl.load(Table + j // PAGE, mask=jv, other=0)
-        base = Cache + pg.to(tl.int64) * stride_pg
-        lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
-        rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
-        m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-    tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
-             mask=hv[None, :])
-
-
-@triton.jit
-def _cur2_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexpr):
-    s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
-    if MASK:
-        s = tl.where(jv[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale2 - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _mla_cur2(QLat, QRope, Cache, Out, BlockTables, SeqLens, scale, H,
-              stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
-              C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
-    """kernels/mla's layout (heads as the MMA's rows) with `_mla_swap2`'s addressing: whole tiles unmasked, a
-    page's base plus offsets fixed for the launch; the last, partial tile masked."""
-    hblk = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    h = hblk * BH + tl.arange(0, BH)
-    hv = h < H
-    c = tl.arange(0, C)
-    r = tl.arange(0, R)
-    q_lat = tl.load(QLat + b * stride_lt + h[:, None] * stride_lh + c[None, :], mask=hv[:, None], other=0.0)
-    q_rope = tl.load(QRope + b * stride_rt + h[:, None] * stride_rh + r[None, :], mask=hv[:, None], other=0.0)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, C], tl.float32)
-    scale2 = scale * 1.4426950408889634
-    t = tl.arange(0, BN)
-    off_lat = (t % PAGE)[:, None] * stride_tok + c[None, :]
-    off_rope = (t % PAGE)[:, None] * stride_tok + C + r[None, :]
-    full = seq_len // BN * BN
-    Table = BlockTables + b * stride_bt
-    for start in range(0, full, BN):
-        pg = tl.load(Table + (start + t) // PAGE)
-        base = Cache + pg.to(tl.int64) * stride_pg
-        lat = tl.load(base[:, None] + off_lat)
-        rope = tl.load(base[:, None] + off_rope)
-        m_i, l_i, acc = _cur2_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False)
-    if full < seq_len:
-        j = full + t
-        jv = j < seq_len
-        pg = tl.load(Table + j // PAGE, mask=jv, other=0)
-        base = Cache + pg.to(tl.int64) * stride_pg
-        lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
-        rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
-        m_i, l_i, acc = _cur2_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + b * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
-             mask=hv[:, None])
-
-
-@triton.jit
-def _mla_swap_tma(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens, scale, H,
-                  stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
-                  C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, PAGE: tl.constexpr, WS: tl.constexpr,
-                  NS: tl.constexpr):
-    """`_mla_swap` over pages of 64 or more keys: each whole page one TMA load (a tile of PAGE keys), optionally
-    warp-specialized (a producer warp issuing the loads NS pages ahead); the last page through masked pointers."""
-    hblk = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    h = hblk * BH + tl.arange(0, BH)
-    hv = h < H
-    c = tl.arange(0, C)
-    r = tl.arange(0, R)
-    q_lat = tl.load(QLat + b * stride_lt + h[None, :] * stride_lh + c[:, None], mask=hv[None, :], other=0.0)
-    q_rope = tl.load(QRope + b * stride_rt + h[None, :] * stride_rh + r[:, None], mask=hv[None, :], other=0.0)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([C, BH], tl.float32)
-    scale2 = scale * 1.4426950408889634
-    t = tl.arange(0, PAGE)
-    full = (seq_len - 1) // PAGE
-    Table = BlockTables + b * stride_bt
-    for p in tl.range(0, full, warp_specialize=WS, num_stages=NS):
-        pg = tl.load(Table + p)
-        lat = LatDesc.load([pg * PAGE, 0])
-        rope = RopeDesc.load([pg * PAGE, C])
-        m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False)
-    j = full * PAGE + t
+        if TMA:
+            pg = tl.load(Table + start // PAGE)
+            lat = LatDesc.load([pg * PAGE, 0])
+            rope = RopeDesc.load([pg * PAGE, C])
+        else:
+            base = Cache + tl.load(Table + (start + t) // PAGE).to(tl.int64) * stride_pg
+            lat = tl.load(base[:, None] + off_lat)
+            rope = tl.load(base[:, None] + off_rope)
+        m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False, SWAP)
+    # the last tile: keys past the sequence's end masked to 0 (an unwritten slot may hold NaN)
+    j = full + t
     jv = j < seq_len
-    pg = tl.load(Table + full)
-    base = Cache + pg.to(tl.int64) * stride_pg + t * stride_tok
-    lat = tl.load(base[:, None] + c[None, :], mask=jv[:, None], other=0.0)
-    rope = tl.load(base[:, None] + C + r[None, :], mask=jv[:, None], other=0.0)
-    m_i, l_i, acc = _swap_tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-    tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
-             mask=hv[None, :])
+    base = Cache + tl.load(Table + j // PAGE, mask=jv, other=0).to(tl.int64) * stride_pg
+    lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
+    rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
+    m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True, SWAP)
+    if SWAP:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+        tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
+                 mask=hv[None, :])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(Out.dtype.element_ty),
+                 mask=hv[:, None])
+
+
+# the variants: (SWAP, TMA)
+VARIANTS = {"cur2": (False, False), "swap2": (True, False), "swap_tma": (True, True)}
 
 
 def plot(result: dict, png: str) -> None:
@@ -373,19 +175,12 @@ def run(B: int, H: int, l2: bool) -> list[dict]:
                 q_lat, q_rope, cache, o, o, o, bt, seq, qsl, scale, H, *common, C=C, R=R, CP=C, RP=R, NUM_SPLITS=1,
                 BH=M.HEAD_BLOCK, BM=1, BN=kw["BN"], PAGE=cache.shape[1], PREC="tf32", DECODE=True, PDL=0,
                 num_warps=kw["nw"], num_stages=kw["st"])
-        elif kind == "tma":
-            _mla_tma[(triton.cdiv(H, 16), B)](
-                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16, PAGE=PAGE,
-                PAIR=kw["pair"], TMA=True, num_warps=kw["nw"], num_stages=kw["st"])
-        elif kind == "swap_tma":
-            _mla_swap_tma[(triton.cdiv(H, 16), B)](
-                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
-                PAGE=cache.shape[1], WS=False, NS=kw["st"], num_warps=kw["nw"], num_stages=kw["st"])
         else:
-            kern = dict(swap=_mla_swap, swap2=_mla_swap2, cur2=_mla_cur2)[kind]
-            kern[(triton.cdiv(H, 16), B)](q_lat, q_rope, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
-                                          BN=kw["BN"], PAGE=cache.shape[1], num_warps=kw["nw"],
-                                          num_stages=kw["st"])
+            swap, tma = VARIANTS[kind]
+            _mla_paged[(triton.cdiv(H, 16), B)](
+                q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
+                BN=cache.shape[1] if tma else kw["BN"], PAGE=cache.shape[1], SWAP=swap, TMA=tma, num_warps=kw["nw"],
+                num_stages=kw["st"])
 
     rows = []
     for kind, kw in CASES:
