@@ -208,22 +208,3 @@ def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
         bad = llm.engine.probe(PrefillProbe(tokens=40, context=4, steps=1, warmup=0, idle_s=-1.0))
         assert all("idle_s >= 0" in r["error"] and "-1.0" in r["error"] for r in bad), bad
 
-
-def test_sweep_hands_the_fp8_flags_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--quantization, --fp8-activations and --quantization-scope reach the sweep's engine config (the same FP8
-    floor: the model config's quantization alone sets it)."""
-    from moebius.bench import sweep
-    from moebius.entrypoints.cli import build_parser
-
-    seen = []
-
-    def engine(cfg):  # the engine's config, then stop before starting one
-        seen.append(cfg)
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(sweep, "EngineCore", engine)
-    a = build_parser().parse_args(["bench", "sweep", "--batches", "1", "--quantization", "fp8",
-                                   "--fp8-activations", "--quantization-scope", "experts"])
-    with pytest.raises(RuntimeError, match="stop"):
-        sweep.main(a)
-    assert seen[0].quantization == "fp8" and seen[0].fp8_activations and seen[0].quantization_scope == "experts"

@@ -43,23 +43,27 @@ def test_length_distributions(tmp_path) -> None:
     assert groups[0][0] == groups[2][0] != groups[3][0]
 
 
-def test_throughput_hands_the_fp8_flags_to_the_engine(monkeypatch) -> None:
-    """--quantization, --fp8-activations and --quantization-scope reach the engine's config (FP8's W8A8 whole
-    requests beside W8A16; its dense weights in the dtype beside FP8 rows)."""
-    from moebius.bench import throughput
+@pytest.mark.parametrize("command,argv", [("throughput", ["--device", "cpu", "--num-prompts", "2"]),
+                                          ("sweep", ["--batches", "1"])])
+def test_bench_commands_hand_the_fp8_flags_to_the_engine(monkeypatch, command: str, argv: list[str]) -> None:
+    """--quantization, --fp8-activations and --quantization-scope reach the engine's config of `bench throughput`
+    and `bench sweep` (FP8's W8A8 beside W8A16; its dense weights in the dtype beside FP8 rows)."""
+    import importlib
+
     from moebius.entrypoints.cli import build_parser
 
+    module = importlib.import_module(f"moebius.bench.{command}")
     seen = []
 
     def engine(cfg):  # the engine's config, then stop before starting one
         seen.append(cfg)
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(throughput, "EngineCore", engine)
-    a = build_parser().parse_args(["bench", "throughput", "--device", "cpu", "--num-prompts", "2",
-                                   "--quantization", "fp8", "--fp8-activations", "--quantization-scope", "experts"])
+    monkeypatch.setattr(module, "EngineCore", engine)
+    a = build_parser().parse_args(["bench", command, *argv, "--quantization", "fp8", "--fp8-activations",
+                                   "--quantization-scope", "experts"])
     with pytest.raises(RuntimeError, match="stop"):
-        throughput.main(a)
+        module.main(a)
     assert seen[0].quantization == "fp8" and seen[0].fp8_activations and seen[0].quantization_scope == "experts"
 
 
