@@ -207,4 +207,3 @@ def test_bench_prefill_splits_a_step_over_several_prompts() -> None:
         assert all("room for 257 requests" in r["error"] for r in bad), bad
         bad = llm.engine.probe(PrefillProbe(tokens=40, context=4, steps=1, warmup=0, idle_s=-1.0))
         assert all("idle_s >= 0" in r["error"] and "-1.0" in r["error"] for r in bad), bad
-
