@@ -226,3 +226,21 @@ def test_the_fp8_row_projection_compiles_for_hopper_in_registers(act8: bool, K: 
     asm = compile_sm90(linear._linear_fp8_rows, LINEAR_TYPES, consts, 8, 1,
                        aligned=("N", "K", "WS", "stride_x", "stride_o"))
     assert "ld.global.v4" in asm["ptx"] and not re.search(r"\b(ld|st)\.local", asm["ptx"])
+
+
+def test_the_align_and_argmax_atomics_are_relaxed() -> None:
+    """The fused MoE's align passes (`_align`, `_align_scatter`: a pair claims its row) and the argmax's per-program
+    maximum issue relaxed atomics: Triton's default acq_rel compiles each into a GPU-wide fence, the atomic and an L1
+    invalidation, one pair after another, in launches on every MoE layer's and every step's path."""
+    from moebius.kernels import fused
+
+    align_types = dict(Ids="*i64", N="i32", first="i32", E="i32", SortedIds="*i32", BlockExpert="*i32",
+                       Cursor="*i32", num_rows="i32", max_blocks="i32", Ends="*i32")
+    kernels = [(fused_moe._align, align_types, dict(BM=16, EB=256, CHUNK=1024, MB=32, PDL=1)),
+               (fused_moe._align_scatter, align_types, dict(BM=16, EB=256, CHUNK=1024, MB=32, PDL=1)),
+               (fused._argmax_keys, dict(Scores="*bf16", Keys="*i64", V="i32", stride="i32", first="i32",
+                                         CHUNKS="i32"), dict(BLOCK=2048, PDL=1))]
+    for fn, types, consts in kernels:
+        ptx = compile_sm90(fn, types, consts, 8, 1)["ptx"]
+        atomics = re.findall(r"\b(?:atom|red)\.global\.\S+", ptx)
+        assert atomics and all(".relaxed." in a for a in atomics), (fn.__name__, sorted(set(atomics)))

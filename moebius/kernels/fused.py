@@ -446,7 +446,8 @@ def _argmax_keys(Scores, Keys, V, stride, first, CHUNKS, BLOCK: tl.constexpr, PD
     bits = m.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # int order = float order
     low = tl.full([], 0xFFFFFFFF, tl.int64) - (i + first).to(tl.int64)
-    tl.atomic_max(Keys + t, (ordered << 32) | low)
+    # relaxed: nothing in this launch reads the keys after (the default acq_rel fences every program's end)
+    tl.atomic_max(Keys + t, (ordered << 32) | low, sem="relaxed")
 
 
 def argmax_keys(scores_TV: torch.Tensor, first: int, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:

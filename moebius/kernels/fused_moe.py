@@ -190,8 +190,10 @@ def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_block
                           max_blocks, BM, CHUNK, MB)
     tl.store(Cursor + bins, starts)
     tl.debug_barrier()  # cursors and padding are written before any pair claims a row
-    # rows within an expert are claimed in any order: each pair's result depends only on its own row
-    row = tl.atomic_add(Cursor + key, 1, mask=ok)
+    # rows within an expert are claimed in any order: each pair's result depends only on its own row. Relaxed (the
+    # barrier orders the cursors' stores before; the rows are read by later launches): the default acq_rel puts a
+    # GPU-wide fence and an L1 invalidation around every pair's atomic, one after another
+    row = tl.atomic_add(Cursor + key, 1, mask=ok, sem="relaxed")
     tl.store(SortedIds + row, offs, mask=ok)
 
 
@@ -243,7 +245,7 @@ def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_b
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     key, ok = _local_keys(Ids, offs, N, first, E)
-    row = tl.atomic_add(Cursor + c * EB + key, 1, mask=ok)
+    row = tl.atomic_add(Cursor + c * EB + key, 1, mask=ok, sem="relaxed")  # (relaxed: as `_align`'s)
     tl.store(SortedIds + row, offs, mask=ok)
     bins = tl.arange(0, EB)
     ends = tl.load(Ends + bins)
