@@ -309,13 +309,13 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, D, BK):
-            km = k0 + kk < D
             if ACT8:  # the tokens' quantized groups, one tile for both halves
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
                 aq, sa = chunk_values(X, tok, ok, k0, D, XS), chunk_scales(X, tok, ok, k0, XS)
                 acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, acc_g)
                 acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, acc_u)
             else:
+                km = k0 + kk < D
                 a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
                 if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
                     g = W13.load([e * 2 * I + nb * BN, k0])
