@@ -1,9 +1,7 @@
 """Prototype latent decode kernels (DeepSeek-V2-Lite's 16 heads, context 1024) against kernels/mla's in the same
 call, all one kernel, `_mla_paged`: `cur2` (kernels/mla's layout, heads as the MMA's rows, with whole tiles unmasked
 and each row's address its page's base plus offsets fixed for the launch), `swap2` (the same addressing, the keys as
-the rows: a warpgroup MMA from 64 keys), `swap_tma` (keys as rows over pages of 64 keys, each page one TMA load),
-`cur_rp` / `swap_rp` (a register stage: the next tile's loads issued before this tile's MMAs, one loop of masked
-tiles; Triton's own pipelining issues them after, so a program has nothing in flight while it computes).
+the rows: a warpgroup MMA from 64 keys), `swap_tma` (keys as rows over pages of 64 keys, each page one TMA load).
 --modes l2: every sequence reads the same pages, from L2: each kernel's ceiling where HBM is not the limit (an H200's
 bandwidth is over an H100's kernel rate). Results: benchmarks/results/h100-p1-mla-variants*.json (the b05ee39
 record's `tma` and `swap` rows: kernels of this script at 32e6972, since dropped), docs/performance.md.
@@ -58,7 +56,7 @@ def _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexp
 def _mla_paged(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens, scale, H,
                stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
                C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
-               SWAP: tl.constexpr, TMA: tl.constexpr, PREFETCH: tl.constexpr):
+               SWAP: tl.constexpr, TMA: tl.constexpr):
     """Program (head block, sequence): whole BN-key tiles unmasked, each row's address its page's base plus offsets
     fixed for the launch (`_mla_cur2`: heads as rows; `_mla_swap2`: SWAP, keys as rows), or (TMA, BN == PAGE) each
     whole page one TMA load (`_mla_swap_tma`); the last, partial tile through masked pointers."""
@@ -85,43 +83,23 @@ def _mla_paged(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens,
     off_rope = (t % PAGE)[:, None] * stride_tok + C + r[None, :]
     full = (seq_len - 1) // BN * BN  # whole tiles before the last (which may be partial)
     Table = BlockTables + b * stride_bt
-    if PREFETCH:
-        # a register stage: the next tile's loads are issued before this tile's MMAs, so they are in flight while
-        # it computes (Triton's pipelining issues them after); one loop, every tile masked (a second, tail tile
-        # outside the loop left the queries' MMA operand in registers across the loop: spills)
-        jv = t < seq_len
-        base = Cache + tl.load(Table + t // PAGE, mask=jv, other=0).to(tl.int64) * stride_pg
-        lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
-        rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
-        for start in range(0, seq_len, BN):
-            jn = start + BN + t
-            jnv = jn < seq_len
-            base = Cache + tl.load(Table + jn // PAGE, mask=jnv, other=0).to(tl.int64) * stride_pg
-            lat_n = tl.load(base[:, None] + off_lat, mask=jnv[:, None], other=0.0)
-            rope_n = tl.load(base[:, None] + off_rope, mask=jnv[:, None], other=0.0)
-            m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True, SWAP)
-            lat = lat_n
-            rope = rope_n
-            jv = jnv
-    else:
-        for start in range(0, full, BN):
-            if TMA:
-                pg = tl.load(Table + start // PAGE)
-                lat = LatDesc.load([pg * PAGE, 0])
-                rope = RopeDesc.load([pg * PAGE, C])
-            else:
-                base = Cache + tl.load(Table + (start + t) // PAGE).to(tl.int64) * stride_pg
-                lat = tl.load(base[:, None] + off_lat)
-                rope = tl.load(base[:, None] + off_rope)
-            m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False, SWAP)
-    if not PREFETCH:
-        # the last tile: keys past the sequence's end masked to 0 (an unwritten slot may hold NaN)
-        j = full + t
-        jv = j < seq_len
-        base = Cache + tl.load(Table + j // PAGE, mask=jv, other=0).to(tl.int64) * stride_pg
-        lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
-        rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
-        m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True, SWAP)
+    for start in range(0, full, BN):
+        if TMA:
+            pg = tl.load(Table + start // PAGE)
+            lat = LatDesc.load([pg * PAGE, 0])
+            rope = RopeDesc.load([pg * PAGE, C])
+        else:
+            base = Cache + tl.load(Table + (start + t) // PAGE).to(tl.int64) * stride_pg
+            lat = tl.load(base[:, None] + off_lat)
+            rope = tl.load(base[:, None] + off_rope)
+        m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, t, False, SWAP)
+    # the last tile: keys past the sequence's end masked to 0 (an unwritten slot may hold NaN)
+    j = full + t
+    jv = j < seq_len
+    base = Cache + tl.load(Table + j // PAGE, mask=jv, other=0).to(tl.int64) * stride_pg
+    lat = tl.load(base[:, None] + off_lat, mask=jv[:, None], other=0.0)
+    rope = tl.load(base[:, None] + off_rope, mask=jv[:, None], other=0.0)
+    m_i, l_i, acc = _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, True, SWAP)
     if SWAP:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
         tl.store(Out + b * stride_ot + h[None, :] * stride_oh + c[:, None], out.to(Out.dtype.element_ty),
@@ -132,9 +110,8 @@ def _mla_paged(QLat, QRope, LatDesc, RopeDesc, Cache, Out, BlockTables, SeqLens,
                  mask=hv[:, None])
 
 
-# the variants: (SWAP, TMA, PREFETCH)
-VARIANTS = {"cur2": (False, False, False), "swap2": (True, False, False), "swap_tma": (True, True, False),
-            "cur_rp": (False, False, True), "swap_rp": (True, False, True)}
+# the variants: (SWAP, TMA)
+VARIANTS = {"cur2": (False, False), "swap2": (True, False), "swap_tma": (True, True)}
 
 
 def plot(result: dict, png: str) -> None:
@@ -199,11 +176,10 @@ def run(B: int, H: int, l2: bool) -> list[dict]:
                 BH=M.HEAD_BLOCK, BM=1, BN=kw["BN"], PAGE=cache.shape[1], PREC="tf32", DECODE=True, PDL=0,
                 num_warps=kw["nw"], num_stages=kw["st"])
         else:
-            swap, tma, prefetch = VARIANTS[kind]
+            swap, tma = VARIANTS[kind]
             _mla_paged[(triton.cdiv(H, 16), B)](
                 q_lat, q_rope, lat_desc, rope_desc, cache, o, bt, seq, scale, H, *common, C=C, R=R, BH=16,
-                BN=cache.shape[1] if tma else kw["BN"], PAGE=cache.shape[1], SWAP=swap, TMA=tma, PREFETCH=prefetch,
-                num_warps=kw["nw"],
+                BN=cache.shape[1] if tma else kw["BN"], PAGE=cache.shape[1], SWAP=swap, TMA=tma, num_warps=kw["nw"],
                 num_stages=kw["st"])
 
     rows = []
@@ -221,10 +197,11 @@ def run(B: int, H: int, l2: bool) -> list[dict]:
     return rows
 
 
-CASES = ([("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in ((32, 4, 2), (32, 4, 3))]
-         + [("cur2", dict(BN=64, nw=4, st=2))]
-         + [("cur_rp", dict(BN=BN, nw=nw, st=1)) for BN, nw in ((16, 4), (16, 8), (32, 8), (64, 8))]
-         + [("swap2", dict(BN=64, nw=8, st=2))])
+CASES = ([("current", dict(BN=BN, nw=nw, st=st)) for BN, nw, st in ((32, 4, 2), (32, 4, 3), (64, 4, 3))]
+         + [("current", dict(page=64, BN=BN, nw=4, st=st)) for BN, st in ((32, 2), (64, 2), (64, 3))]
+         + [(name, dict(BN=BN, nw=4, st=st)) for name, BN, st in (("cur2", 32, 2), ("cur2", 64, 2), ("swap2", 64, 2))]
+         + [("cur2", dict(page=64, BN=64, nw=4, st=st)) for st in (2, 3)]
+         + [("swap_tma", dict(page=64, nw=4, st=st)) for st in (2, 3)])
 
 
 def main() -> None:
