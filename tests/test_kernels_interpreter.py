@@ -411,6 +411,38 @@ def attention_cases() -> None:
                     assert err < 1e-5, (heads, kvh, q_lens, "decodes apart", err)
 
 
+def align_cases() -> None:
+    """fused_moe.align's one-program pass (up to 1024 pairs) and its chunked passes against what the GEMMs rely on:
+    every local pair in exactly one row, each row's block the pair's expert, blocks past the last used one E, unused
+    rows N, each expert's rows a BM-aligned run starting where the one before ended. Routings: uniform, all pairs to
+    one expert (one expert owns many blocks, the rest none), half the experts idle, an EP rank's slice of them."""
+    from moebius.kernels import fused_moe as fm
+
+    g = torch.Generator().manual_seed(0)
+    for T, E_all, E, first, K, BM, skew in [(8, 128, 128, 0, 8, 16, "uniform"), (64, 64, 64, 0, 6, 16, "uniform"),
+                                            (64, 128, 128, 0, 8, 16, "one"), (100, 32, 32, 0, 4, 64, "half"),
+                                            (48, 16, 8, 8, 2, 32, "uniform"), (300, 64, 32, 32, 6, 16, "one"),
+                                            (200, 64, 64, 0, 8, 16, "half")]:
+        scores = torch.rand(T, E_all, generator=g)
+        if skew == "one":  # every token's first choice the same expert of this rank
+            scores[:, first + 3] += 2.0
+        elif skew == "half":  # only every other expert ever chosen
+            scores[:, 1::2] -= 2.0
+        ids = scores.topk(K, -1).indices
+        b = fm.align(ids, first, E, BM)
+        flat, rows = ids.flatten(), b.rows.long()
+        used = rows < flat.numel()
+        local = torch.nonzero((flat >= first) & (flat < first + E)).flatten()
+        assert torch.equal(rows[used].sort().values, local), (T, E, skew, "not every local pair once")
+        experts = b.block_expert.long()
+        assert torch.equal(flat[rows[used]] - first, experts.repeat_interleave(BM)[used]), (T, E, skew)
+        counts = torch.bincount(flat[local] - first, minlength=E)
+        blocks = (counts + BM - 1) // BM
+        want = torch.cat([torch.full((int(n),), e) for e, n in enumerate(blocks)] +
+                         [torch.full((b.max_blocks - int(blocks.sum()),), E)])
+        assert torch.equal(experts, want), (T, E, skew, experts.tolist(), want.tolist())
+
+
 def argmax_cases() -> None:
     from moebius.kernels.fused import argmax_keys
     from moebius.layers.sampler import key_ids
@@ -638,6 +670,10 @@ def test_fp8_linear_under_the_interpreter() -> None:
 
 def test_argmax_keys_under_the_interpreter() -> None:
     _run("argmax")
+
+
+def test_moe_align_under_the_interpreter() -> None:
+    _run("align")
 
 
 def test_fused_experts_under_the_interpreter() -> None:
@@ -983,7 +1019,7 @@ if __name__ == "__main__":
     cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_w8a8": moe_w8a8_cases, "moe_biased": moe_biased_cases,
              "mxfp4_tile": mxfp4_tile_cases, "moe_mxfp4": moe_mxfp4_cases,
              "attention": attention_cases,
-             "attention_window": attention_window_cases, "argmax": argmax_cases,
+             "attention_window": attention_window_cases, "argmax": argmax_cases, "align": align_cases,
              "qk": qk_cases, "router": router_cases, "grouped_route": grouped_route_cases,
              "qk_attention": qk_attention_cases, "linear": linear_cases,
              "linear_fp8": linear_fp8_cases,

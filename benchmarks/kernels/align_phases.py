@@ -1,8 +1,9 @@
 """Where the fused MoE's one-program align pass (`fused_moe._align`, up to 1024 pairs) spends its time at decode
 shapes: a copy of it stopped after the load and the per-expert histogram (phase 1), after the plan too (phase 2:
-block experts, padding, cursors), and whole (phase 3, its atomics as Triton's default acq_rel), at 4, 8 and 16 warps,
-against the engine's `fused_moe.align` (`full`, relaxed atomics) and a one-element torch add (`copy1`, a launch's
-floor in a graph). µs a call inside CUDA graphs of 20 calls. Results: benchmarks/results/h100-p1-align-phases.json.
+block experts, padding, cursors: `fused_moe._plan_blocks` as it is now), and whole (phase 3, its atomics as Triton's
+default acq_rel), at 4, 8 and 16 warps, against the engine's `fused_moe.align` (`full`, relaxed atomics) and a
+one-element torch add (`copy1`, a launch's floor in a graph). µs a call inside CUDA graphs of 20 calls. Results:
+benchmarks/results/h100-p1-align-phases*.json (each with its commit: the plan changed between them).
 
     python benchmarks/kernels/align_phases.py out.json [--replot]
 """
@@ -28,7 +29,7 @@ CASES = ((8, 128, 8, 16), (64, 64, 6, 16), (64, 128, 8, 16), (128, 128, 8, 16), 
 
 @triton.jit
 def _align_phase(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_blocks, BM: tl.constexpr,
-                 EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PHASE: tl.constexpr):
+                 EB: tl.constexpr, CHUNK: tl.constexpr, PHASE: tl.constexpr):
     """`fused_moe._align` up to PHASE (1: keys and histogram; 2: and the plan; 3: whole, acq_rel atomics)."""
     bins = tl.arange(0, EB)
     offs = tl.arange(0, CHUNK)
@@ -37,7 +38,7 @@ def _align_phase(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max
     if PHASE == 1:
         tl.store(Cursor + bins, counts)
     else:
-        starts = fm._plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM, CHUNK, MB)
+        starts = fm._plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM, CHUNK)
         tl.store(Cursor + bins, starts)
         if PHASE == 3:
             tl.debug_barrier()
@@ -78,15 +79,14 @@ def run() -> list[dict]:
         sorted_ids = torch.empty(max_blocks * BM, dtype=torch.int32, device="cuda")
         block_expert = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
         EB = triton.next_power_of_2(E + 1)
-        MB = max(16, min(64, 8192 // EB))
         cursor = torch.empty(EB, dtype=torch.int32, device="cuda")
         r = dict(T=T, E=E, K=K, BM=BM, full=graph_time_us(lambda ids=ids, E=E, BM=BM: fm.align(ids, 0, E, BM)))
         for nw in (4, 8, 16):
             for ph in (1, 2, 3):
                 r[f"ph{ph}_w{nw}"] = graph_time_us(
-                    lambda ph=ph, nw=nw, ids=ids, N=N, E=E, BM=BM, EB=EB, MB=MB, mb=max_blocks, s=sorted_ids,
+                    lambda ph=ph, nw=nw, ids=ids, N=N, E=E, BM=BM, EB=EB, mb=max_blocks, s=sorted_ids,
                     be=block_expert, c=cursor: _align_phase[(1,)](ids, N, 0, E, s, be, c, mb * BM, mb, BM=BM, EB=EB,
-                                                                  CHUNK=1024, MB=MB, PHASE=ph, num_warps=nw))
+                                                                  CHUNK=1024, PHASE=ph, num_warps=nw))
         r["copy1"] = graph_time_us(lambda c=cursor: c.add_(1))
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
         rows.append(r)

@@ -157,21 +157,22 @@ def _local_keys(Ids, offs, N, first, E):
 
 @triton.jit
 def _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM: tl.constexpr,
-                 CHUNK: tl.constexpr, MB: tl.constexpr):
+                 CHUNK: tl.constexpr):
     """From per-expert pair counts [EB]: write BlockExpert and pad SortedIds with N; return each expert's first
-    row (a multiple of BM)."""
-    padded = tl.where(bins < E, (counts + BM - 1) // BM * BM, 0)
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    for b0 in range(0, max_blocks, MB):
-        b = b0 + tl.arange(0, MB)
-        start = b * BM
-        e = tl.sum(((ends[None, :] <= start[:, None]) & (bins < E)[None, :]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + b, tl.where(start < total, e, E), mask=b < max_blocks)
+    row (a multiple of BM). Each expert writes its own blocks, all experts at once a block of theirs at a time (as
+    many rounds as the most blocks one expert has: a few at decode sizes), where comparing every block with every
+    expert's end cost most of the one-program pass at 128 experts (benchmarks/results/h100-p1-align-phases.json)."""
+    blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
+    first = tl.cumsum(blocks, 0) - blocks
+    for j in range(0, tl.max(blocks, 0)):
+        tl.store(BlockExpert + first + j, bins, mask=j < blocks)
+    for b0 in range(tl.sum(blocks, 0), max_blocks, CHUNK):  # blocks past the last expert's: E
+        b = b0 + tl.arange(0, CHUNK)
+        tl.store(BlockExpert + b, E, mask=b < max_blocks)
     for r0 in range(0, num_rows, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
         tl.store(SortedIds + r, N, mask=r < num_rows)
-    return ends - padded
+    return first * BM
 
 
 # The align passes take step-sized counts (pairs, rows, blocks, chunks) unspecialized: Triton would otherwise compile
@@ -179,7 +180,7 @@ def _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_block
 # cannot all foresee (block and chunk counts are not linear in the tokens), and a request would wait for it.
 @triton.jit(do_not_specialize=["N", "num_rows", "max_blocks"])
 def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_blocks, BM: tl.constexpr,
-           EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr):
+           EB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """All pairs in one program (N <= CHUNK). Pairs of local expert e get rows [start_e, start_e + count_e) of
     SortedIds; unused rows hold N. BlockExpert[b] is the expert of rows [b*BM, (b+1)*BM), E past the last."""
     enter(PDL)
@@ -187,7 +188,7 @@ def _align(Ids, N, first, E, SortedIds, BlockExpert, Cursor, num_rows, max_block
     offs = tl.arange(0, CHUNK)
     key, ok = _local_keys(Ids, offs, N, first, E)
     starts = _plan_blocks(tl.histogram(key, EB, mask=ok), bins, E, BlockExpert, SortedIds, N, num_rows,
-                          max_blocks, BM, CHUNK, MB)
+                          max_blocks, BM, CHUNK)
     tl.store(Cursor + bins, starts)
     tl.debug_barrier()  # cursors and padding are written before any pair claims a row
     # rows within an expert are claimed in any order: each pair's result depends only on its own row. Relaxed (the
@@ -433,7 +434,7 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     if chunks == 1:
         cursor = torch.empty(EB, dtype=torch.int32, device=dev)
         _align[(1,)](ids_TK, N, first_expert, E, sorted_ids, block_expert, cursor, max_blocks * BM, max_blocks,
-                     BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK, kc))
+                     BM=BM, EB=EB, CHUNK=CHUNK, num_warps=8, **pdl(ids_TK, kc))
     else:
         partial = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
         cursor = torch.empty(chunks, EB, dtype=torch.int32, device=dev)
