@@ -58,9 +58,12 @@
 #   and FP8's 64-256. On H100s at 494dd47-bc79944 (fourteenth session): `fp8tests fp8sweep fp8work`, `fp8moetune
 #   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). On H100s at
 #   32e6972-a6ce148 (fifteenth session): `fp8scope` (--quantization-scope experts) and benchmarks/kernels/mla_proto.py.
-#   Next, on an H200: `mlaproto fp8scope`, then `sweep gptsweep` beside d701103's records (which latent kernel the
-#   H200 favours; FP8 in both scopes), and the exact-value W8A16 tiles of
-#   451d447 (reverted: slower on an H100) with moe_tune.py --old. Results land under the card's names, so rename an
+#   Sixteenth session (f6f3178, an H100): benchmarks/kernels/align_phases.py, DeepSeek-V2-Lite's sweep with acq_rel
+#   and relaxed align atomics, mla_proto.py with a register stage (dropped). Next, first: `pytest -m gpu
+#   tests/test_gpu.py -k fused_experts` (the align's block table rewritten at 602fb63, run on the CPU only) and
+#   align_phases.py; on an H200: `mlaproto mlatune16 fp8scope`, then `sweep gptsweep` beside d701103's records
+#   (which latent launch the H200 favours: 3 stages may hide its latency better; FP8 in both scopes), and the
+#   exact-value W8A16 tiles of 451d447 (reverted: slower on an H100) with moe_tune.py --old. Results land under the card's names, so rename an
 #   earlier record (`<name>-<commit>.json`)
 #   before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
