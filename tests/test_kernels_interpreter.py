@@ -422,7 +422,8 @@ def align_cases() -> None:
     for T, E_all, E, first, K, BM, skew in [(8, 128, 128, 0, 8, 16, "uniform"), (64, 64, 64, 0, 6, 16, "uniform"),
                                             (64, 128, 128, 0, 8, 16, "one"), (100, 32, 32, 0, 4, 64, "half"),
                                             (48, 16, 8, 8, 2, 32, "uniform"), (300, 64, 32, 32, 6, 16, "one"),
-                                            (200, 64, 64, 0, 8, 16, "half")]:
+                                            (200, 64, 64, 0, 8, 16, "half"), (600, 128, 128, 0, 8, 16, "uniform"),
+                                            (700, 128, 64, 64, 8, 64, "one")]:
         scores = torch.rand(T, E_all, generator=g)
         if skew == "one":  # every token's first choice the same expert of this rank
             scores[:, first + 3] += 2.0

@@ -237,7 +237,7 @@ def test_the_align_and_argmax_atomics_are_relaxed() -> None:
     align_types = dict(Ids="*i64", N="i32", first="i32", E="i32", SortedIds="*i32", BlockExpert="*i32",
                        Cursor="*i32", num_rows="i32", max_blocks="i32", Ends="*i32")
     kernels = [(fused_moe._align, align_types, dict(BM=16, EB=256, CHUNK=1024, PDL=1)),
-               (fused_moe._align_scatter, align_types, dict(BM=16, EB=256, CHUNK=1024, MB=32, PDL=1)),
+               (fused_moe._align_scatter, align_types, dict(BM=16, EB=256, CHUNK=1024, PDL=1)),
                (fused._argmax_keys, dict(Scores="*bf16", Keys="*i64", V="i32", stride="i32", first="i32",
                                          CHUNKS="i32"), dict(BLOCK=2048, PDL=1))]
     for fn, types, consts in kernels:

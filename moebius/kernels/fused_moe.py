@@ -156,19 +156,28 @@ def _local_keys(Ids, offs, N, first, E):
 
 
 @triton.jit
+def _block_experts(first, blocks, bins, E, BlockExpert, max_blocks, part, parts, CHUNK: tl.constexpr):
+    """BlockExpert of the experts e with e % parts == part (first: each expert's first block, blocks: its count,
+    0 past E), all of them at once a block of theirs at a time (as many rounds as the most blocks one has: a few at
+    decode sizes), and E in this part's share of the blocks past the last expert's. Comparing every block with every
+    expert's end instead cost most of the one-program pass at 128 experts
+    (benchmarks/results/h100-p1-align-phases.json)."""
+    mine = tl.where(bins % parts == part, blocks, 0)
+    for j in range(0, tl.max(mine, 0)):
+        tl.store(BlockExpert + first + j, bins, mask=j < mine)
+    for b0 in range(tl.sum(blocks, 0) + part * CHUNK, max_blocks, parts * CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        tl.store(BlockExpert + b, E, mask=b < max_blocks)
+
+
+@triton.jit
 def _plan_blocks(counts, bins, E, BlockExpert, SortedIds, N, num_rows, max_blocks, BM: tl.constexpr,
                  CHUNK: tl.constexpr):
     """From per-expert pair counts [EB]: write BlockExpert and pad SortedIds with N; return each expert's first
-    row (a multiple of BM). Each expert writes its own blocks, all experts at once a block of theirs at a time (as
-    many rounds as the most blocks one expert has: a few at decode sizes), where comparing every block with every
-    expert's end cost most of the one-program pass at 128 experts (benchmarks/results/h100-p1-align-phases.json)."""
+    row (a multiple of BM)."""
     blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
     first = tl.cumsum(blocks, 0) - blocks
-    for j in range(0, tl.max(blocks, 0)):
-        tl.store(BlockExpert + first + j, bins, mask=j < blocks)
-    for b0 in range(tl.sum(blocks, 0), max_blocks, CHUNK):  # blocks past the last expert's: E
-        b = b0 + tl.arange(0, CHUNK)
-        tl.store(BlockExpert + b, E, mask=b < max_blocks)
+    _block_experts(first, blocks, bins, E, BlockExpert, max_blocks, 0, 1, CHUNK)
     for r0 in range(0, num_rows, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
         tl.store(SortedIds + r, N, mask=r < num_rows)
@@ -239,9 +248,9 @@ def _align_plan(Partial, num_chunks, E, Cursor, Ends, BM: tl.constexpr, EB: tl.c
 
 @triton.jit(do_not_specialize=["N", "max_blocks"])
 def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_blocks, BM: tl.constexpr,
-                   EB: tl.constexpr, CHUNK: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr):
+                   EB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Third pass: each chunk's pairs claim rows from the chunk's own cursors (no contention across programs), and
-    each program writes the experts of its share of the blocks (E past the last used block)."""
+    each program writes the blocks of every num_programs-th expert and its share of those past the last (E)."""
     enter(PDL)
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -250,13 +259,9 @@ def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_b
     tl.store(SortedIds + row, offs, mask=ok)
     bins = tl.arange(0, EB)
     ends = tl.load(Ends + bins)
-    total = tl.max(ends, 0)
-    share = tl.cdiv(max_blocks, tl.num_programs(0))
-    for b0 in range(c * share, tl.minimum((c + 1) * share, max_blocks), MB):
-        b = b0 + tl.arange(0, MB)
-        start = b * BM
-        e = tl.sum(((ends[None, :] <= start[:, None]) & (bins < E)[None, :]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + b, tl.where(start < total, e, E), mask=b < tl.minimum((c + 1) * share, max_blocks))
+    starts = tl.load(Ends + bins - 1, mask=bins > 0, other=0)
+    _block_experts(starts // BM, (ends - starts) // BM, bins, E, BlockExpert, max_blocks, c, tl.num_programs(0),
+                   CHUNK)
 
 
 @triton.jit
@@ -428,7 +433,6 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
     sorted_ids = torch.empty(max_blocks * BM, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     EB = triton.next_power_of_2(E + 1)
-    MB = max(16, min(64, 8192 // EB))
     CHUNK = 1024
     chunks = triton.cdiv(N, CHUNK)
     if chunks == 1:
@@ -444,7 +448,7 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
         _align_plan[(1,)](partial, chunks, E, cursor, ends, BM=BM, EB=EB, CB=max(1, min(16, 4096 // EB)),
                           num_warps=8, **pdl(ids_TK, kc))
         _align_scatter[(chunks,)](ids_TK, N, first_expert, E, cursor, sorted_ids, ends, block_expert, max_blocks,
-                                  BM=BM, EB=EB, CHUNK=CHUNK, MB=MB, num_warps=8, **pdl(ids_TK, kc))
+                                  BM=BM, EB=EB, CHUNK=CHUNK, num_warps=8, **pdl(ids_TK, kc))
     return Blocks(sorted_ids, block_expert, max_blocks, BM)
 
 
