@@ -39,16 +39,11 @@ def _tile(q_lat, q_rope, lat, rope, m_i, l_i, acc, scale2, jv, MASK: tl.constexp
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(lat), p.to(lat.dtype))
-    else:
+    else:  # kernels/mla's layout and step
         s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(rope))
         if MASK:
             s = tl.where(jv[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * scale2 - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+        m_new, l_i, acc = M._softmax_step(s, lat, m_i, l_i, acc, scale2, "tf32")
     return m_new, l_i, acc
 
 

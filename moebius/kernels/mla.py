@@ -58,6 +58,13 @@ def _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, str
             s = tl.where(jv[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
         else:
             s = tl.where(jv[None, :], s, float("-inf"))
+    return _softmax_step(s, lat, m_i, l_i, acc, scale2, PREC)
+
+
+@triton.jit
+def _softmax_step(s, lat, m_i, l_i, acc, scale2, PREC: tl.constexpr):
+    """The online softmax (base 2) over one tile's scores s [rows, keys] (-inf where masked) and the weighted sum of
+    its latents lat [keys, C] into acc [rows, C]; returns the new (max, sum, acc)."""
     # scaled after the row max (scale2 > 0), so each score takes one fused multiply-add before exp2
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
