@@ -4,6 +4,7 @@
 # `retest` passed at 8a37444 (an H100), GPT-OSS's at f5344d7 (an H200), and `fp8tests` / `mxfp4tests` there too: no
 # family or format is refused on a GPU now. Each argument is one step, run in the order given; group them into device calls of
 # under 10 minutes:
+#   align     the fused MoE's GPU tests and benchmarks/kernels/align_phases.py (the align's block table)
 #   tests     the family's GPU tests: float32 tokens against transformers through decode graphs, step pieces and eager
 #             steps across a switch; the latent kernels against their references; pieces against eager steps in bf16
 #   retest    OLMoE's and GPT-OSS's GPU parity tests (`families` failed them: a test checkpoint's head_dim 8, and the
@@ -88,6 +89,9 @@ families)
   t families 320 $P tests/test_glm4_moe_family.py tests/test_qwen2_moe_family.py tests/test_mixtral_family.py tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 retest)  # the families that failed `families` once mended: OLMoE (passed on an H100 at 8a37444) and GPT-OSS
   t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
+align)  # the align's block table (602fb63) on a GPU: the fused MoE's GPU tests, then its phases' timings
+  t align_tests 150 $P tests/test_gpu.py -k fused_experts
+  t align_phases 120 python3 benchmarks/kernels/align_phases.py $R/$C-p1-align-phases.json ;;
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;
 moetests)  # the shared experts' activation in one launch and their add inside the pair sum; the MoE blocks through them
