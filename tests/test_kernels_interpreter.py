@@ -136,15 +136,15 @@ def _fp8_moe_inputs(g: torch.Generator, T: int, E_all: int, E: int, D: int, I: i
     return x, ids, w, w13, w2
 
 
-def _nearest_even_fp8_casts() -> None:
+def _nearest_even_casts() -> None:
     """Triton's interpreter rounds float32 -> float8 wrongly (triton-lang/triton#8322: up whenever the guard bit is
-    set, a mantissa carry OR'd into the exponent, subnormals truncated); the GPU rounds to nearest even, as torch does,
-    so the W8A8 cases cast through torch."""
+    set, a mantissa carry OR'd into the exponent, subnormals truncated) and float32 -> bfloat16 by truncation; the GPU
+    rounds both to nearest even, as torch does, so the W8A8 cases and the bf16 ones cast through torch."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
-    cast = interpreter.InterpreterBuilder.create_fp_to_fp
+    cast, cast_impl = interpreter.InterpreterBuilder.create_fp_to_fp, interpreter.InterpreterBuilder.cast_impl
 
     def create_fp_to_fp(self: interpreter.InterpreterBuilder, src: interpreter.TensorHandle, dst_type: tl.dtype,
                         rounding_mode: object) -> interpreter.TensorHandle:
@@ -153,7 +153,15 @@ def _nearest_even_fp8_casts() -> None:
             return interpreter.TensorHandle(q.numpy(), tl.float8e4nv)
         return cast(self, src, dst_type, rounding_mode)
 
+    def to_bf16(self: interpreter.InterpreterBuilder, src: interpreter.TensorHandle,
+                dst_type: tl.dtype) -> interpreter.TensorHandle:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            b = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.uint16)
+            return interpreter.TensorHandle(b.numpy(), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    interpreter.InterpreterBuilder.cast_impl = to_bf16
 
 
 def moe_fp8_cases() -> None:
@@ -170,6 +178,21 @@ def moe_fp8_cases() -> None:
         ref = experts_ref(x, w, ids, w13, w2, first)
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (T, E, first, D, I, err)
+    # bf16 activations: the decode blocks' f16 dots (`fused_moe.f16_dots`), each row's K step scaled by a power of two
+    # into f16's range, against float32 math on the exact weights, token by token: rows of 1e6 (past f16's largest)
+    # and 1e-7 (under its smallest normal) among them. (The interpreter's bf16 dots are wrong, so the CPU checks only
+    # this path in bf16.)
+    _nearest_even_casts()
+    for (T, E_all, E, first), (D, I) in FP8_CASES[:2]:
+        x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I)
+        big, small = ((ids >= first) & (ids < first + E)).any(1).nonzero().flatten()[:2].tolist()  # (local pairs)
+        x[big] *= 1e6
+        x[small] *= 1e-7
+        out = fm.fused_experts(x.bfloat16(), w.bfloat16(), ids, w13, w2, first, E_all).float()
+        ref = experts_ref(x.bfloat16().float(), w.bfloat16().float(), ids, w13, w2, first)
+        for t in range(T):
+            err = ((out[t] - ref[t]).norm() / ref[t].norm().clamp_min(1e-30)).item()
+            assert err < 1e-2 or ref[t].norm() == 0, (T, E, t, err)
     # prompt sizes (from UNPACK_PAIRS pairs an expert, lowered here to any): the experts unpacked a share at a time
     # (UNPACK_BYTES lowered to three experts': passes of 3, 3, 2 of EP's 8 and 3 x 5 + 1 of 16) and through the plain
     # kernels, each pass writing its pairs
@@ -209,7 +232,7 @@ def moe_w8a8_cases() -> None:
     from moebius.layers.moe import experts_ref, swiglu
 
     W8A8 = KernelConfig(fp8_activations=True)
-    _nearest_even_fp8_casts()
+    _nearest_even_casts()
     g = torch.Generator().manual_seed(1)
     K = 4
     for (T, E_all, E, first), (D, I) in FP8_CASES:
@@ -614,7 +637,7 @@ def linear_fp8_cases() -> None:
     from moebius.kernels.fp8_rows import pack_rows, quantize_groups, unpack_rows
     from moebius.kernels.linear import linear_fp8, linear_fp8_rows
 
-    _nearest_even_fp8_casts()
+    _nearest_even_casts()
     g = torch.Generator().manual_seed(3)
     # the tensor-core tiles at any row count (W8A16 past UNPACK_ROWS: the weight unpacked, then F.linear); one or
     # two rows held in registers (`linear_fp8_rows`, the LATE order's)

@@ -87,8 +87,12 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
                                       BIAS=gpt_oss, GB=c.group, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
-        compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
-                     aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
+        ptx = compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
+                           aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))["ptx"]
+        # W8A16's decode blocks (mma.sync) take f16 dots (`fused_moe.f16_dots`): no bf16 tensor-core op there
+        mma = set(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.", ptx))
+        if fmt == "fp8" and not act8 and cfg.BM < fused_moe.F16_ROWS:
+            assert mma == {"f16"}, (name, cfg, mma)
 
 
 LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]
