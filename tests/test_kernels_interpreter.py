@@ -635,7 +635,7 @@ def linear_fp8_cases() -> None:
 
     from moebius.kernels import KernelConfig
     from moebius.kernels.fp8_rows import pack_rows, quantize_groups, unpack_rows
-    from moebius.kernels.linear import linear_fp8, linear_fp8_rows
+    from moebius.kernels.linear import launch_fp8, linear_fp8, linear_fp8_rows
 
     _nearest_even_casts()
     g = torch.Generator().manual_seed(3)
@@ -655,6 +655,19 @@ def linear_fp8_cases() -> None:
                 err = ((run(x, w, bias, kc=KernelConfig(fp8_activations=True)) - want8).norm() / want8.norm()).item()
                 assert err < 1e-5, (run, T, N, K, bias is None, err)
                 assert ((want - want8).norm() / want8.norm()).item() > 1e-3, (T, N, K)
+    # bf16 rows in 16- and 32-row tiles (`linear.f16_dots`, the K split too): f16 dots against float32 math on the
+    # exact weights, row by row, rows of 1e6 and 1e-7 among them
+    for T, N, K, splits in [(3, 40, 300, 1), (20, 70, 260, 1), (5, 130, 300, 2)]:
+        x = torch.randn(T, K, generator=g)
+        x[0] *= 1e6
+        x[1] *= 1e-7
+        w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
+        want = F.linear(x.bfloat16().float(), unpack_rows(w, K, torch.float32))
+        got = torch.empty(T, N, dtype=torch.bfloat16)
+        launch_fp8(x.bfloat16(), w, None, got, 32, 16 if T <= 16 else 32, 4, 2, splits, True)
+        got = got.float()
+        err = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
+        assert err < 1e-2, (T, N, K, splits, err)
     # the one-pass unpack: exactly `unpack_rows` (ragged last chunk, partial row blocks; in float32, since the
     # interpreter's bf16 casts truncate: bf16 in tests/test_gpu.py)
     from moebius.kernels.linear import unpack_fp8
@@ -672,8 +685,6 @@ def linear_fp8_cases() -> None:
         assert torch.equal(unpack_rows(quantize_rows(x), K, torch.float32), quantize_groups(x)), (T, K)
     # K split into float32 partials summed in split order (`launch_fp8`'s splits, at most one a chunk: 8 asks for 3
     # at 300 columns), the bias added once; W8A16 with either operand as the dot's rows (`token_rows`), and W8A8
-    from moebius.kernels.linear import launch_fp8
-
     for T, N, K, splits in [(5, 130, 300, 2), (70, 64, 300, 8), (3, 40, 1000, 4), (20, 50, 260, 1)]:
         x = torch.randn(T, K, generator=g)
         w = pack_rows(torch.randn(N, K, generator=g) * 0.1)

@@ -32,6 +32,7 @@ from moebius.kernels.linear import (
     chunk_scales,
     chunk_values,
     f16_act,
+    f16_dots,
     fp8_dot,
     next_scales,
     quantize_rows,
@@ -291,19 +292,6 @@ def _program_tile(NB, GB: tl.constexpr):
     size = tl.minimum(blocks - first, GB)
     within = pid - first * NB
     return within // size, first + within % size
-
-
-# W8A16 tiles of fewer token rows than this (decode's blocks: mma.sync) take f16 dots (`linear.f16_act`,
-# `linear.fp8_dot`) where the dequantization's conversions were most of a K step's instructions; from 64 rows (wgmma)
-# a K step's products scaled apart from the accumulator cost more than the conversions they spare.
-F16_ROWS = 64
-
-
-@triton.constexpr_function
-def f16_dots(fmt: int, act8: bool, BM: int, dt: tl.dtype) -> bool:
-    """Whether a fused MoE GEMM on weights of format fmt takes f16 dots: W8A16 on FP8 rows, BM under F16_ROWS, 16-bit
-    activations (float32's, the CPU's, keep the dequantized tiles)."""
-    return fmt == FP8_ROWS and not act8 and BM < F16_ROWS and dt != tl.float32
 
 
 @triton.jit

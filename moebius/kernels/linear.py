@@ -128,6 +128,20 @@ def f16_act(a):
     return (af * up[:, None]).to(tl.float16), ((254 - k) << 23).to(tl.float32, bitcast=True)
 
 
+# W8A16 tiles of fewer token rows than this (decode's: mma.sync) take f16 dots (`f16_act`, `fp8_dot`) where the
+# dequantization's conversions were most of a K step's instructions; from 64 rows (wgmma) a K step's products scaled
+# apart from the accumulator cost more than the conversions they spare, and spill at the fused MoE's tiles
+# (tests/test_kernels_sm90.py compiles them).
+F16_ROWS = 64
+
+
+@triton.constexpr_function
+def f16_dots(fmt: int, act8: bool, rows: int, dt: tl.dtype) -> bool:
+    """Whether a GEMM on weights of format fmt takes f16 dots: W8A16 on FP8 rows in tiles of fewer than F16_ROWS
+    token rows, 16-bit activations (float32's, the CPU's, keep the dequantized tiles)."""
+    return fmt == FP8_ROWS.value and not act8 and rows < F16_ROWS and dt != tl.float32
+
+
 @triton.jit
 def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc):
     """acc [BM, rows] plus the product of an activation tile as values and a float32 scale a row (aq, sa) and the
@@ -384,14 +398,18 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
     if ACT8 or TOKEN_ROWS:  # (W8A8: the activations' scales are per token)
         acc_TM = tl.zeros([BT, BM], tl.float32)
-        if ACT8:
+        F16: tl.constexpr = f16_dots(FP8_ROWS, ACT8, BT, X.dtype.element_ty)
+        if ACT8 or F16:
             sw = chunk_scales(W, rm, mm & (rm * 0 + c_lo < c_hi), c_lo * 128, WS)
         for c in range(c_lo, c_hi):
             k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            if ACT8:
-                xq, sx = quantize_act(x)
+            if ACT8 or F16:
+                if ACT8:
+                    xq, sx = quantize_act(x)
+                else:
+                    xq, sx = f16_act(x)
                 sw_next = next_scales(W, rm, mm, k0, c_hi * 128, WS)
                 acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw, acc_TM)
                 sw = sw_next
