@@ -87,12 +87,8 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
                                       BIAS=gpt_oss, GB=c.group, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
-        ptx = compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
-                           aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))["ptx"]
-        # W8A16's decode blocks (mma.sync) take f16 dots (`fused_moe.f16_dots`): no bf16 tensor-core op there
-        mma = set(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.", ptx))
-        if fmt == "fp8" and not act8 and cfg.BM < linear.F16_ROWS:
-            assert mma == {"f16"}, (name, cfg, mma)
+        compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
+                     aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
 
 
 LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]
@@ -105,13 +101,9 @@ def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, most: 
     splits of Qwen3-30B-A3B's o projection, 4096 columns)."""
     BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(min(most, 2048), 4096, act8)
     assert (BM, warps, stages, splits) == (launch[0], launch[2], launch[3], 4096 // launch[4] if launch[4] else 1)
-    for T in (most, 16):  # (and 16 rows, the f16 dots' tile: `linear.f16_dots`)
-        BT = linear.fp8_launch(min(T, 2048), 4096, act8)[1]
-        ptx = compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8,
-                                                                  TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1),
-                           warps, stages, aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"]
-        if not act8 and token_rows and BT < linear.F16_ROWS:
-            assert set(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.", ptx)) == {"f16"}, BT
+    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8,
+                                                        TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1), warps, stages,
+                 aligned=("N", "K", "WS", "stride_x", "stride_o"))
 
 
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])

@@ -31,10 +31,7 @@ from moebius.kernels.linear import (
     PLAIN,
     chunk_scales,
     chunk_values,
-    f16_act,
-    f16_dots,
     fp8_dot,
-    next_scales,
     quantize_rows,
     store_chunk,
     unpack_fp8,
@@ -317,23 +314,12 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
-        if not TMA:  # (W13 a pointer)
-            wbase = W13 + e.to(tl.int64) * 2 * I * WS
-        F16: tl.constexpr = f16_dots(FMT, ACT8, BM, DT)
-        if ACT8 or F16:  # the block scales of gate's and up's rows, a K step ahead
-            sg, su = chunk_scales(wbase, n, nm, 0, WS), chunk_scales(wbase, I + n, nm, 0, WS)
         for k0 in range(0, D, BK):
-            if ACT8 or F16:  # the tokens' groups as values and scales, one tile for both halves
-                if ACT8:
-                    aq, sa = chunk_values(X, tok, ok, k0, D, XS), chunk_scales(X, tok, ok, k0, XS)
-                else:
-                    a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & (k0 + kk < D)[None, :],
-                                other=0.0)
-                    aq, sa = f16_act(a)
-                sg_next, su_next = next_scales(wbase, n, nm, k0, D, WS), next_scales(wbase, I + n, nm, k0, D, WS)
-                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, sg, acc_g)
-                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, su, acc_u)
-                sg, su = sg_next, su_next
+            if ACT8:  # the tokens' quantized groups, one tile for both halves
+                wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                aq, sa = chunk_values(X, tok, ok, k0, D, XS), chunk_scales(X, tok, ok, k0, XS)
+                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, acc_g)
+                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, acc_u)
             else:
                 km = k0 + kk < D
                 a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
@@ -341,6 +327,7 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
                     g = W13.load([e * 2 * I + nb * BN, k0])
                     u = W13.load([e * 2 * I + I + nb * BN, k0])
                 else:
+                    wbase = W13 + e.to(tl.int64) * 2 * I * WS
                     g = weight_tile(wbase, n, nm, k0, D, WS, BK, FMT, DT)
                     u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FMT, DT)
                 acc_g = tl.dot(a, tl.trans(g), acc_g)
@@ -380,11 +367,6 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, 
         nm = n < D
         kk = tl.arange(0, BK)
         acc = tl.zeros([BM, BN], tl.float32)
-        if not TMA:
-            wbase = W2 + e.to(tl.int64) * D * WS
-        F16: tl.constexpr = f16_dots(FMT, ACT8, BM, H.dtype.element_ty)
-        if ACT8 or F16:  # the block scales, a K step ahead
-            sw = chunk_scales(wbase, n, nm, 0, WS)
         for k0 in range(0, I, BK):
             if TMA:  # padding rows of H hold garbage: their results are never stored
                 a = H.load([blk * BM, k0])
@@ -393,16 +375,10 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, 
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
                             other=0.0)
-                if not F16:
-                    b = weight_tile(wbase, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
-            if ACT8 or F16:
-                if ACT8:
-                    aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
-                else:
-                    aq, sa = f16_act(a)
-                sw_next = next_scales(wbase, n, nm, k0, I, WS)
-                acc = fp8_dot(aq, sa, wbase, n, nm, k0, I, WS, sw, acc)
-                sw = sw_next
+                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
+            if ACT8:
+                aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
+                acc = fp8_dot(aq, sa, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:

@@ -115,52 +115,12 @@ def quantize_act(a):
 
 
 @triton.jit
-def f16_act(a):
-    """An activation tile [BM, 128] of bf16 (or f16) values as f16 values and a float32 factor a row, for W8A16's f16
-    dots (`fp8_dot`): each row times the power of two that puts its largest magnitude in [2^14, 2^15), under f16's
-    largest, so that the f16 values are the tile's exactly (bf16's 8 significant bits within f16's 11) down to 2^-28
-    of the row's largest; the factor undoes it."""
-    af = a.to(tl.float32)
-    amax = tl.max(tl.abs(af), axis=1)
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: floor(log2(amax)) + 127 (0: zero row)
-    k = tl.minimum(tl.maximum(268 - e, 1), 253)  # the row's multiplier is 2^(k - 127); its inverse a normal too
-    up = (k << 23).to(tl.float32, bitcast=True)
-    return (af * up[:, None]).to(tl.float16), ((254 - k) << 23).to(tl.float32, bitcast=True)
-
-
-# W8A16 tiles of fewer token rows than this (decode's: mma.sync) take f16 dots (`f16_act`, `fp8_dot`) where the
-# dequantization's conversions were most of a K step's instructions; from 64 rows (wgmma) a K step's products scaled
-# apart from the accumulator cost more than the conversions they spare, and spill at the fused MoE's tiles
-# (tests/test_kernels_sm90.py compiles them).
-F16_ROWS = 64
-
-
-@triton.constexpr_function
-def f16_dots(fmt: int, act8: bool, rows: int, dt: tl.dtype) -> bool:
-    """Whether a GEMM on weights of format fmt takes f16 dots: W8A16 on FP8 rows in tiles of fewer than F16_ROWS
-    token rows, 16-bit activations (float32's, the CPU's, keep the dequantized tiles)."""
-    return fmt == FP8_ROWS.value and not act8 and rows < F16_ROWS and dt != tl.float32
-
-
-@triton.jit
-def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc):
-    """acc [BM, rows] plus the product of an activation tile as values and a float32 scale a row (aq, sa) and the
-    chunk at column k0 of FP8 rows `rows` as stored (`chunk_values`; sw its block scales, `chunk_scales`), float32
-    sums times both scales (vLLM's and SGLang's block-FP8 GEMMs): W8A8's float8 values (`quantize_act`) and the float8
-    weights into the tensor cores; W8A16's f16 values (`f16_act`) and the weights converted to f16 (exact, one
-    instruction a pair, where dequantizing a weight to bf16 as `weight_tile` does takes three a value)."""
+def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, acc):
+    """acc [BM, rows] plus the W8A8 product of an activation tile quantized by `quantize_act` (aq, sa) and the chunk at
+    column k0 of FP8 rows `rows` as stored (`chunk_values`, `chunk_scales`): float8 operands into the tensor cores,
+    float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs)."""
     wq = chunk_values(W, rows, rm, k0, K, WS)
-    if aq.dtype == tl.float16:
-        wq = wq.to(tl.float16)
-    return acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * sw[None, :]
-
-
-@triton.jit
-def next_scales(W, rows, rm, k0, K, WS):
-    """`chunk_scales` of the chunk after column k0's (0 past K): a K loop loads them a step ahead, as they are read
-    after the step's dot (Triton's pipelining prefetches only what feeds a dot; a load in the step would wait on
-    memory there)."""
-    return chunk_scales(W, rows, rm & (rows * 0 + k0 + 128 < K), k0 + 128, WS)  # (a tensor mask)
+    return acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * chunk_scales(W, rows, rm, k0, WS)[None, :]
 
 
 @triton.jit
@@ -398,21 +358,13 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
     if ACT8 or TOKEN_ROWS:  # (W8A8: the activations' scales are per token)
         acc_TM = tl.zeros([BT, BM], tl.float32)
-        F16: tl.constexpr = f16_dots(FP8_ROWS, ACT8, BT, X.dtype.element_ty)
-        if ACT8 or F16:
-            sw = chunk_scales(W, rm, mm & (rm * 0 + c_lo < c_hi), c_lo * 128, WS)
         for c in range(c_lo, c_hi):
             k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            if ACT8 or F16:
-                if ACT8:
-                    xq, sx = quantize_act(x)
-                else:
-                    xq, sx = f16_act(x)
-                sw_next = next_scales(W, rm, mm, k0, c_hi * 128, WS)
-                acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw, acc_TM)
-                sw = sw_next
+            if ACT8:
+                xq, sx = quantize_act(x)
+                acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, acc_TM)
             else:
                 w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
                 acc_TM = tl.dot(x, tl.trans(w), acc_TM)
