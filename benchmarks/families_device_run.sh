@@ -60,10 +60,11 @@
 #   midprofile mlatune16 groupsearch`, and benchmarks/kernels/fp8_prefill_moe.py (docs/performance.md). On H100s at
 #   32e6972-a6ce148 (fifteenth session): `fp8scope` (--quantization-scope experts) and benchmarks/kernels/mla_proto.py.
 #   Sixteenth session (f6f3178, an H100): benchmarks/kernels/align_phases.py, DeepSeek-V2-Lite's sweep with acq_rel
-#   and relaxed align atomics, mla_proto.py with a register stage (dropped). Next, first: `pytest -m gpu
-#   tests/test_gpu.py -k fused_experts` (the align's block table rewritten at 602fb63, run on the CPU only) and
-#   align_phases.py; on an H200: `mlaproto mlatune16 fp8scope`, then `sweep gptsweep` beside d701103's records
-#   (which latent launch the H200 favours: 3 stages may hide its latency better; FP8 in both scopes), and the
+#   and relaxed align atomics, mla_proto.py with a register stage (dropped). Seventeenth (f926faf, an H100): `align`,
+#   the FP8 GPU tests, W8A16 in f16 dots against the dequantizing tiles (moe_tune.py --old; reverted), DeepSeek-V2-Lite's
+#   and gpt-oss-20b's sweeps at 64-512. Next, on an H200: `sweep gptsweep`, `mlaproto mlatune16 fp8scope` beside
+#   d701103's records (which latent launch the H200 favours: 3 stages may hide its latency better; FP8 in both
+#   scopes), and the
 #   exact-value W8A16 tiles of 451d447 (reverted: slower on an H100) with moe_tune.py --old. Results land under the card's names, so rename an
 #   earlier record (`<name>-<commit>.json`)
 #   before copying a new one in.
@@ -90,7 +91,7 @@ families)
 retest)  # the families that failed `families` once mended: OLMoE (passed on an H100 at 8a37444) and GPT-OSS
   t retest 150 $P tests/test_olmoe_family.py tests/test_gpt_oss_family.py ;;
 align)  # the align's block table (602fb63) on a GPU: the fused MoE's GPU tests, then its phases' timings
-  t align_tests 150 $P tests/test_gpu.py -k fused_experts
+  t align_tests 150 $P tests/test_gpu.py -k "experts_match_reference or fp8_rows_experts"
   t align_phases 120 python3 benchmarks/kernels/align_phases.py $R/$C-p1-align-phases.json ;;
 tests)
   t gpu_tests 250 $P tests/test_deepseek_family.py tests/test_deepseek_moe.py tests/test_gpu.py -k "latent or deepseek or graph_replay" ;;

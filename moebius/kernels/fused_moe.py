@@ -161,7 +161,7 @@ def _block_experts(first, blocks, bins, E, BlockExpert, max_blocks, part, parts,
     0 past E), all of them at once a block of theirs at a time (as many rounds as the most blocks one has: a few at
     decode sizes), and E in this part's share of the blocks past the last expert's. Comparing every block with every
     expert's end instead cost most of the one-program pass at 128 experts
-    (benchmarks/results/h100-p1-align-phases.json)."""
+    (benchmarks/results/h100-p1-align-phases-f6f3178.json; this way: h100-p1-align-phases.json)."""
     mine = tl.where(bins % parts == part, blocks, 0)
     for j in range(0, tl.max(mine, 0)):
         tl.store(BlockExpert + first + j, bins, mask=j < mine)
