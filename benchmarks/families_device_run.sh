@@ -50,7 +50,8 @@
 #             mlatune16 at 16 heads and batches 256 and 1024 only; mlaproto the prototype kernels of
 #             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
-#   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked)
+#   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
+#             at 64 and 256 searched with up to 6 pipeline stages (moe_tune.py --fp8-max-stages)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
@@ -203,6 +204,9 @@ groupsearch)  # gpt-oss-20b's MoE at 512 and 1024 tokens: every BM's best tiles,
   t groupsearch 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --groups 2 4 --batches 512 1024 --output $R/$C-p1-moe-groupsearch-gpt-oss-20b.json ;;
 fp8moetune)  # the fused MoE on FP8 rows (W8A16) at decode sizes and at 4096 tokens (the unpacked experts' path)
   t fp8moetune 250 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --batches 64 256 4096 --output $R/$C-p1-moe-tune-fp8-w8a16.json ;;
+fp8stages)  # W8A16's decode tiles searched with up to 6 pipeline stages (the engine caps FP8 rows' at 3; at 16-row
+  # blocks 6 stages of every searched tile fit Hopper's shared memory)
+  t fp8stages 250 python3 benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 1 --modes tp --quantization fp8 --fp8-max-stages 6 --batches 64 256 --output $R/$C-p1-moe-tune-fp8-stages.json ;;
 mlaproto)  # prototype latent decode kernels against kernels/mla's, from HBM and from L2 (each kernel's ceiling)
   t mlaproto 150 python3 benchmarks/kernels/mla_proto.py $R/$C-p1-mla-variants.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads

@@ -15,8 +15,9 @@ their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs o
         --batches 512 1024 --output moe_groups.json
 
 With --quantization the experts are quantized rows (kernels/rows.py: the GEMMs take BK and pipeline stages from the
-format, so the search is over BN, warps and BM); the reference is the float math on the dequantized rows (with FP8's
-W8A8 activations the error is percents), grouped_mm the bf16 weights' GEMMs.
+format, so the search is over BN, warps and BM; --fp8-max-stages lifts FP8's cap on the stages, so that the search's
+3, 4 and 6 apply); the reference is the float math on the dequantized rows (with FP8's W8A8 activations the error is
+percents), grouped_mm the bf16 weights' GEMMs.
 
 Recorded: benchmarks/results/h200-moe-tune.json, h200-moe-tma.json (`--no-search`).
 """
@@ -78,7 +79,11 @@ def main() -> None:
                     "and `tma_switched`: them with TMA switched), no search over others")
     ap.add_argument("--groups", type=int, nargs="*", default=[], help="also time the default shapes, and each "
                     "searched BM's best, with their blocks interleaved in groups of these sizes (`TileConfig.group`)")
+    ap.add_argument("--fp8-max-stages", type=int, help="let FP8 rows' tiles pipeline this many stages (the search's "
+                    "3, 4 and 6 where shared memory holds them; the engine caps them at fused_moe.FP8_MAX_STAGES)")
     a = ap.parse_args()
+    if a.fp8_max_stages:
+        fm.FP8_MAX_STAGES = a.fp8_max_stages
     m = model_config(PRESETS[a.preset])  # the family's parse: every family's expert shapes under one name
     D, I_full, E_all, K = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k
     P = a.ranks
