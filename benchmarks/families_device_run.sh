@@ -12,6 +12,8 @@
 #   families  the same float32 GPU parity for the GQA families not yet run on a GPU (GLM-4.5, Qwen2-MoE, Mixtral,
 #             OLMoE, GPT-OSS; windowed variants: the sliding layers' tables in the graphs, the kernel's window and
 #             sinks; every one passed, none is `cpu_only` now)
+#   bars      the three bars in one call: DeepSeek-V2-Lite's and gpt-oss-20b's decode sweeps from batch 64, FP8's in
+#             both scopes (`sweep`, `gptsweep`, `fp8scope`'s sweeps at the bars' batches)
 #   sweep     decode steps at batches 1 .. 1024 (context 1024) against the floor model extended to MLA
 #             (the issue's bar: better than 1.3x the floor from batch 64)
 #   work      256 whole requests (prompts 64-512, 128 out) against transformers' continuous batching in the same call
@@ -63,10 +65,11 @@
 #   Sixteenth session (f6f3178, an H100): benchmarks/kernels/align_phases.py, DeepSeek-V2-Lite's sweep with acq_rel
 #   and relaxed align atomics, mla_proto.py with a register stage (dropped). Seventeenth (f926faf, an H100): `align`,
 #   the FP8 GPU tests, W8A16 in f16 dots against the dequantizing tiles (moe_tune.py --old; reverted), DeepSeek-V2-Lite's
-#   and gpt-oss-20b's sweeps at 64-512. Next, on an H200: `sweep gptsweep`, `mlaproto mlatune16 fp8scope` beside
-#   d701103's records (which latent launch the H200 favours: 3 stages may hide its latency better; FP8 in both
-#   scopes), and the
-#   exact-value W8A16 tiles of 451d447 (reverted: slower on an H100) with moe_tune.py --old. Results land under the card's names, so rename an
+#   and gpt-oss-20b's sweeps at 64-512; the align A/B and --fp8-max-stages (853b974, an H100). Next, on an H200:
+#   `bars`, then `mlaproto mlatune16` beside d701103's records (which latent launch the H200 favours: 3 stages may
+#   hide its latency better), and W8A16's reverted variants (451d447's bf16-bits tiles, f926faf's f16 dots: slower on
+#   an H100) with moe_tune.py --old, where the FP8 kernels scale less with bandwidth. Results land under the card's
+#   names, so rename an
 #   earlier record (`<name>-<commit>.json`)
 #   before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -115,6 +118,15 @@ fp8sweepw8a8)  # the same in W8A8 (--fp8-activations)
   t fp8_sweep_w8a8 150 $B sweep --model qwen3-30b-a3b --load-format dummy --num-ranks 1 --quantization fp8 --fp8-activations --modes tp --cuda-graph-max-bs 256 --batches 1,8,64,256 --context-len 1024 --output $R/$C-p1-qwen3-30b-fp8-w8a8-sweep.json ;;
 routertune)  # the float32 router's launches (DeepSeek-V2-Lite's and V3's routers) against the upcast copy + cuBLAS
   t router_tune 120 python3 benchmarks/kernels/router_tune.py $R/$C-p1-router-tune.json ;;
+bars)  # the three issues' bars in one call (from batch 64, context 1024; an H100 holds gpt-oss-20b's and FP8's KV to
+  # 512): DeepSeek-V2-Lite, gpt-oss-20b, FP8 in both scopes
+  X="--load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --context-len 1024"
+  [ $C = h100 ] && L=64,128,256,512 || L=64,128,256,512,1024
+  t bars_deepseek 150 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json
+  t bars_gptoss 150 $B sweep --model gpt-oss-20b $X --batches $L --output $R/$C-p1-gpt-oss-20b-sweep.json
+  F="--model qwen3-30b-a3b $X --quantization fp8 --batches ${L/,128/}"
+  t bars_fp8_experts 150 $B sweep $F --quantization-scope experts --output $R/$C-p1-qwen3-30b-fp8-experts-sweep.json
+  t bars_fp8 150 $B sweep $F --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
 sweep)
   t sweep 200 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
 work)
