@@ -55,7 +55,7 @@ class KernelConfig:
     fp8_activations: GEMMs on FP8 rows (--quantization fp8) quantize each 128-column group of a row's activations to
     float8 with a scale of its own and multiply float8 by float8 (W8A8, vLLM's and SGLang's default for block FP8);
     off (the default): each weight tile dequantized to the activations' dtype (W8A16), whose decode steps measured
-    faster (benchmarks/results/h100-p1-qwen3-30b-fp8-w8a16-sweep.json against h100-p1-qwen3-30b-fp8-sweep.json);
+    faster (benchmarks/results/h100-p1-qwen3-30b-fp8-w8a16-sweep.json against h100-p1-qwen3-30b-fp8-sweep-3c2f530.json);
     the engine's: --fp8-activations.
     shared_stream: the shared experts (DeepSeek, GLM-4.5, Qwen2-MoE) run on a side stream of the GPU, overlapping the
     routed experts' kernels, and join before the pairs' sum (`layers.moe.beside`): DeepSeek-V2-Lite's decode steps
