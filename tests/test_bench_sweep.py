@@ -44,7 +44,8 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
     (model / "config.json").write_text(json.dumps(builtin_hf_config()))
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, "-m", "moebius.entrypoints.cli", "bench", "sweep", "--model", str(model), "--num-ranks",
-           "2", "--batches", "1,2,4", "--context-len", "16", "--steps", "2", "--warmup", "1", "--eager-up-to", "2",
+           "2", "--batches", "1,2,4,100000", "--context-len", "16", "--steps", "2", "--warmup", "1",
+           "--eager-up-to", "2",
            "--switch-repeats", "1", "--switch-batch", "3", "--switch-overlap", "--switch-transport", "peer",
            "--hf-baseline", "--hf-batches", "2", "--prefill-chunks", "8,40", "--prefill-prefix", "4",
            "--prefill-decodes", "2", "--prefill-decode-context", "12", "--prefill-idle", "0.01",
@@ -63,7 +64,11 @@ def test_sweep_runs_on_cpu_and_writes_the_asked_form(tmp_path) -> None:
         (m, b) for m in ("tp", "ep") for b in (1, 2, 4))
     memory = table(result, "memory")  # a record per layout and rank
     assert sorted((m["mode"], m["rank"]) for m in memory) == [("ep", 0), ("ep", 1), ("tp", 0), ("tp", 1)]
-    assert not table(result, "skipped") and "wall_s" in summary
+    # a batch past the KV pages: skipped in each layout, the reason in the table and on stdout
+    skipped = table(result, "skipped")
+    assert sorted((p["mode"], p["batch"]) for p in skipped) == [("ep", 100000), ("tp", 100000)], skipped
+    assert all(w.startswith("needs ") and "KV pages" in w for p in skipped for w in p["why"]), skipped
+    assert r.stdout.count("100000 skipped: ") == 2 and "wall_s" in summary, r.stdout[-2000:]
     # transformers on the same shapes (here on the CPU): eager decode steps and its continuous batching, in one
     # process and with its tensor-parallel plan over the two ranks (two gloo processes here)
     hf = {p["mode"]: p for p in decode if p["mode"].startswith("hf")}

@@ -73,6 +73,8 @@ def run_engine_sweep(args: argparse.Namespace, cfg: ModelConfig) -> tuple[list[d
                                                warmup=args.warmup, graphs=True))
                 if any("error" in r for r in res):
                     out["skipped"].append({"mode": mode, "batch": b, "why": [r.get("error") for r in res]})
+                    log.warning("%s batch %d skipped: %s", mode, b, "; ".join(str(r["error"]) for r in res
+                                                                              if "error" in r))
                     continue
                 step = max(r["step_ms"] for r in res)  # lockstep ranks: the step ends when the slowest does
                 extra: dict[str, Any] = {}
@@ -347,6 +349,8 @@ def main(args: argparse.Namespace) -> int:
                   f"x{p['ratio_to_floor']:.2f}  {p['tokens_per_s']:10.0f} tok/s  graph={p['cuda_graph']}"
                   + (f"  eager {p['eager_step_ms']:.3f} ms ({p['graph_speedup']:.1f}x)" if "eager_step_ms" in p
                      else ""))
+    for p in other["skipped"]:  # (a batch past the KV pages: in the table, said here too)
+        print(f"{p['mode']:>14} {p['batch']:>5} skipped: {'; '.join(str(w) for w in p['why'] if w)}")
     for p in other["prefill"]:
         if "step_ms" in p:
             print(f"{p['mode']:>14} prefill {p['tokens']:>6} {p['step_ms']:9.3f} ms  floor {p['floor_ms']:8.3f}  "

@@ -12,7 +12,7 @@ import torch
 
 from moebius.link.messages import DecodeProbe, PrefillProbe, split_evenly
 from moebius.link.request import Request, RequestSpec
-from moebius.parallel.groups import all_gather_ints
+from moebius.parallel.groups import Groups, all_gather_ints
 from moebius.sampling_params import SamplingParams
 from moebius.worker.runner import PendingStep, StepSync
 from moebius.worker.scheduler import ScheduledChunk
@@ -44,6 +44,14 @@ def _decoding(rank: Rank, n: int, context: int) -> list[ScheduledChunk]:
     return chunks
 
 
+NOT_HERE = "fits this rank, not another"  # (each rank answers for itself: the one that lacks room says why)
+
+
+def fits_every_rank(ok: bool, groups: Groups) -> bool:
+    """Whether a probe fits every rank (a collective where there are several)."""
+    return groups.world_size == 1 or all(v for (v,) in all_gather_ints([int(ok)], groups))
+
+
 def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict[str, Any]:
     """Time steady-state decode steps of `batch` requests (global) with `context` cached tokens each, through
     the real runner (graph or eager) but without prefill: the requests' KV pages hold whatever is there."""
@@ -54,11 +62,13 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
     ecfg = rank.spec.engine
     pages_each = -(-(context + 1) // ecfg.block_size)
     need = local * pages_each
-    ok = need <= alloc.num_free and local <= ecfg.max_num_batched_tokens
-    if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
-        return {"error": "does not fit on every rank"}
-    if not ok:
-        return {"error": f"needs {need} KV pages, {alloc.num_free} free"}
+    why = []
+    if need > alloc.num_free:
+        why.append(f"needs {need} KV pages, {alloc.num_free} free")
+    if local > ecfg.max_num_batched_tokens:
+        why.append(f"{local} requests a step, past the token budget of {ecfg.max_num_batched_tokens}")
+    if not fits_every_rank(not why, groups) or why:
+        return {"error": "; ".join(why) or NOT_HERE}
     chunks = _decoding(rank, local, context)
     sync = StepSync(lay.step_tokens(batch), True)
     runner = rank.runner
@@ -107,12 +117,11 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
     need = sum(pages) + decodes * -(-(decode_context + 1) // ecfg.block_size)
     ok = (need <= alloc.num_free and tokens + decodes <= ecfg.max_num_batched_tokens
           and sequences + decodes <= ecfg.max_running_requests)
-    if groups.world_size > 1 and not all(v for (v,) in all_gather_ints([int(ok)], groups)):
-        return {"error": "does not fit on every rank"}
-    if not ok:
-        return {"error": f"needs {need} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
-                         f"({ecfg.max_num_batched_tokens}) and room for {sequences + decodes} requests "
-                         f"({ecfg.max_running_requests})"}
+    if not fits_every_rank(ok, groups) or not ok:
+        return {"error": NOT_HERE if ok else (
+            f"needs {need} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
+            f"({ecfg.max_num_batched_tokens}) and room for {sequences + decodes} requests "
+            f"({ecfg.max_running_requests})")}
     V = rank.cfg.vocab_size
     chunks = _decoding(rank, decodes, decode_context)  # running requests come first in a step (the scheduler's order)
     for s, (n, p) in enumerate(zip(sizes, pages, strict=True)):
