@@ -648,14 +648,14 @@ def linear_fp8_cases() -> None:
         x[1] = 0
         assert torch.equal(unpack_rows(quantize_rows(x), K, torch.float32), quantize_groups(x)), (T, K)
     # K split into float32 partials summed in split order (`launch_fp8`'s splits, at most one a chunk: 8 asks for 3
-    # at 300 columns), the bias added once; W8A16 with either operand as the dot's rows (`token_rows`), and W8A8
+    # at 300 columns), the bias added once; W8A16 and W8A8 with either operand as the dot's rows (`token_rows`)
     from moebius.kernels.linear import launch_fp8
 
     for T, N, K, splits in [(5, 130, 300, 2), (70, 64, 300, 8), (3, 40, 1000, 4), (20, 50, 260, 1)]:
         x = torch.randn(T, K, generator=g)
         w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
         b = torch.randn(N, generator=g)
-        for act8, token_rows in ((False, False), (False, True), (True, True)):
+        for act8, token_rows in ((False, False), (False, True), (True, False), (True, True)):
             kc = KernelConfig(fp8_activations=act8)
             want = linear_fp8(x, w, b, kc=kc)
             got = torch.empty_like(want)

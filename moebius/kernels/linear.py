@@ -115,12 +115,20 @@ def quantize_act(a):
 
 
 @triton.jit
-def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, acc):
-    """acc [BM, rows] plus the W8A8 product of an activation tile quantized by `quantize_act` (aq, sa) and the chunk at
-    column k0 of FP8 rows `rows` as stored (`chunk_values`, `chunk_scales`): float8 operands into the tensor cores,
-    float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs)."""
+def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr):
+    """acc plus the W8A8 product of an activation tile quantized by `quantize_act` (aq [BM, 128], sa) and the chunk at
+    column k0 of FP8 rows `rows` as stored (`chunk_values`; sw: its `chunk_scales`, which a caller may load a chunk
+    ahead: Triton's pipelining copies a dot's operands ahead, not what scales its result): float8 operands into the
+    tensor cores, float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs). acc is [BM, rows], or with
+    W_ROWS [rows, BM]: the weight rows the dot's rows, so that on Hopper 64 or more of them make a warpgroup MMA on
+    float8 operands, where a dot of fewer than 64 token rows takes Ampere's MMA, which converts both tiles to f16
+    first (tests/test_kernels_sm90.py)."""
     wq = chunk_values(W, rows, rm, k0, K, WS)
-    return acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * chunk_scales(W, rows, rm, k0, WS)[None, :]
+    if W_ROWS:
+        out = acc + tl.dot(wq, tl.trans(aq)) * sw[:, None] * sa[None, :]
+    else:
+        out = acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * sw[None, :]
+    return out
 
 
 @triton.jit
@@ -332,7 +340,7 @@ FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]]
 
 def fp8_launch(T: int, K: int, act8: bool) -> tuple[int, int, int, int, int, bool]:
     """(BM, BT, warps, stages, splits, token rows) of `_linear_fp8` for T rows of K columns (BT at most T's power of
-    two, 16 the least; W8A8's dot has the tokens as its rows whatever the flag says)."""
+    two, 16 the least)."""
     BM, BT, warps, stages, cols, token_rows = next(launch for most, launch in FP8_LAUNCHES[act8] if T <= most)
     return BM, min(BT, max(16, triton.next_power_of_2(T))), warps, stages, max(1, K // cols) if cols else 1, token_rows
 
@@ -343,7 +351,7 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
                 PDL: tl.constexpr):
     """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, float32
     sums rounded once. ACT8: each [BT, 128] tile of X quantized per row (`quantize_act`), FP8 dots (`fp8_dot`); else
-    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`), the dot's
+    each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`). The dot's
     rows the tokens (TOKEN_ROWS) or the weight rows.
     SPLITS > 1: program_id(2) sums only its share of the chunks, into float32 partials Out[split, t, n] (row stride
     stride_o; no bias: `_sum_splits` adds it)."""
@@ -356,7 +364,7 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     share = tl.cdiv(chunks, SPLITS)
     c_lo = tl.program_id(2) * share
     c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
-    if ACT8 or TOKEN_ROWS:  # (W8A8: the activations' scales are per token)
+    if TOKEN_ROWS:
         acc_TM = tl.zeros([BT, BM], tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * 128
@@ -364,7 +372,7 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
             if ACT8:
                 xq, sx = quantize_act(x)
-                acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, acc_TM)
+                acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, chunk_scales(W, rm, mm, k0, WS), acc_TM, False)
             else:
                 w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
                 acc_TM = tl.dot(x, tl.trans(w), acc_TM)
@@ -373,10 +381,16 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
         acc = tl.zeros([BM, BT], tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * 128
-            w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
-            x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
-                        mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
-            acc = tl.dot(w, x, acc)
+            if ACT8:  # (a token's scale is its row's: the tile is quantized as [BT, 128])
+                x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
+                            mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
+                xq, sx = quantize_act(x)
+                acc = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, chunk_scales(W, rm, mm, k0, WS), acc, True)
+            else:
+                w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
+                x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
+                            mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
+                acc = tl.dot(w, x, acc)
     if SPLITS == 1 and HAS_BIAS:
         acc += tl.load(B + rm, mask=mm, other=0.0).to(tl.float32)[:, None]
     at = Out + tl.program_id(2).to(tl.int64) * T * stride_o  # (SPLITS == 1: split 0, Out itself)
