@@ -364,33 +364,41 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
     share = tl.cdiv(chunks, SPLITS)
     c_lo = tl.program_id(2) * share
     c_hi = tl.minimum(chunks, c_lo + share)  # (k0 as chunk x 128: Triton sees its alignment, 16-byte copies)
-    if TOKEN_ROWS:
+    if ACT8:  # each [BT, 128] tile of X quantized per token row; the weight scales loaded a chunk ahead (`fp8_dot`)
+        if TOKEN_ROWS:
+            acc8 = tl.zeros([BT, BM], tl.float32)
+        else:
+            acc8 = tl.zeros([BM, BT], tl.float32)
+        sw = chunk_scales(W, rm, mm, tl.minimum(c_lo * 128, K - 1), WS)
+        for c in range(c_lo, c_hi):
+            k0 = c * 128
+            sw_next = chunk_scales(W, rm, mm, tl.minimum(k0 + 128, K - 1), WS)  # (past the last: the last again)
+            x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
+                        mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
+            xq, sx = quantize_act(x)
+            acc8 = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw, acc8, not TOKEN_ROWS)
+            sw = sw_next
+        if TOKEN_ROWS:
+            acc = tl.trans(acc8)
+        else:
+            acc = acc8
+    elif TOKEN_ROWS:
         acc_TM = tl.zeros([BT, BM], tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            if ACT8:
-                xq, sx = quantize_act(x)
-                acc_TM = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, chunk_scales(W, rm, mm, k0, WS), acc_TM, False)
-            else:
-                w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
-                acc_TM = tl.dot(x, tl.trans(w), acc_TM)
+            w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
+            acc_TM = tl.dot(x, tl.trans(w), acc_TM)
         acc = tl.trans(acc_TM)
     else:
         acc = tl.zeros([BM, BT], tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * 128
-            if ACT8:  # (a token's scale is its row's: the tile is quantized as [BT, 128])
-                x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
-                            mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
-                xq, sx = quantize_act(x)
-                acc = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, chunk_scales(W, rm, mm, k0, WS), acc, True)
-            else:
-                w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
-                x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
-                            mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
-                acc = tl.dot(w, x, acc)
+            w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
+            x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
+                        mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
+            acc = tl.dot(w, x, acc)
     if SPLITS == 1 and HAS_BIAS:
         acc += tl.load(B + rm, mask=mm, other=0.0).to(tl.float32)[:, None]
     at = Out + tl.program_id(2).to(tl.int64) * T * stride_o  # (SPLITS == 1: split 0, Out itself)
