@@ -91,26 +91,6 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
                      aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
 
 
-@pytest.mark.parametrize("name", ["gate_up", "down"])
-def test_w8a8_decode_blocks_multiply_in_float8_warpgroup_mmas(name: str) -> None:
-    """W8A8's fused MoE at decode sizes (16-row blocks: W8A8_CONFIGS' first) has the weight rows as its dots' rows, so
-    that Hopper's warpgroup MMA takes both float8 tiles as they are loaded. With the 16 token rows as the dots' rows
-    Triton takes Ampere's MMA, which has no float8 form on sm_90: each float8 pair converted to f16 first."""
-    cfg = fused_moe.W8A8_CONFIGS[0][1]
-    kc = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=True)
-    fn, tile, w, K = ((fused_moe._gate_up_silu, cfg.gate_up, rows("fp8", 2 * I, D), D) if name == "gate_up"
-                      else (fused_moe._down, cfg.down, rows("fp8", D, I), I))
-    c, f, a8 = fused_moe._row_tiles(tile, w, K, kc)
-    consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=f, ACT8=a8, BIAS=False,
-                                  GB=c.group, PDL=1)
-    if name == "gate_up":
-        consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16, BN=128)
-    ptx = compile_sm90(fn, W8A8_TYPES[name], consts, c.num_warps, c.num_stages,
-                       aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))["ptx"]
-    assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx) and "mma.sync" not in ptx, name
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx, name
-
-
 LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]
 
 
@@ -146,6 +126,18 @@ def test_the_fp8_unpack_compiles_for_hopper_without_byte_loads() -> None:
     ptx = compile_sm90(linear._unpack_fp8, dict(W="*u8", Out="*bf16", N="i32", K="i32", WS="i32"),
                        dict(BR=32, PDL=1), 4, 1, aligned=("N", "K", "WS"))["ptx"]
     assert global_loads(ptx) == {"ld32"} and "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, global_loads(ptx)
+
+
+@pytest.mark.parametrize("token_rows", [True, False], ids=["token-rows", "weight-rows"])
+def test_w8a8_dots_with_the_weight_rows_as_their_rows_take_float8_warpgroup_mmas(token_rows: bool) -> None:
+    """W8A8's projection at 16 token rows a program (`_linear_fp8`'s decode tile): with the weight rows as the dot's
+    rows (128 of them) it multiplies in Hopper's warpgroup MMA on float8 tiles; with the tokens as the dot's rows
+    Triton takes Ampere's MMA, which on sm_90 converts each float8 pair to f16 first."""
+    ptx = compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=False, BT=16, BM=128, ACT8=True,
+                                                              TOKEN_ROWS=token_rows, SPLITS=1, PDL=1), 8, 3,
+                       aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"]
+    wgmma = bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx))
+    assert wgmma != token_rows and ("cvt.rn.f16x2.e4m3x2" in ptx) == token_rows, (token_rows, wgmma)
 
 
 def test_w8a16_token_rows_read_the_weights_in_16_byte_copies() -> None:

@@ -7,7 +7,7 @@ comes from this search (benchmarks/results/h100-p1-linear-fp8-tune.json); "defau
 rows the engine runs `linear_fp8_rows` (kernel "rows"), and W8A16 past `UNPACK_ROWS` the weight unpacked and
 multiplied by cuBLAS (kernel "unpack"), timed beside the searched shapes.
 
-    python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json --rows 8 64 256 [--w8a8]
+    python benchmarks/kernels/linear_fp8_tune.py linear_fp8_tune.json --rows 8 64 256 [--w8a8] [--table-only]
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ STAGES = (4,)  # (one depth: the search's other axes, splits and token rows, dou
 ROWS = (1, 8, 64, 256, 2048)  # (2048: a prompt chunk's rows, where the GEMM is compute-bound)
 
 
-def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: float, forms: tuple[bool, ...]
-         ) -> list[dict]:
-    """Every launch shape's row at one projection and row count (shapes that fail to compile are left out)."""
+def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: float, forms: tuple[bool, ...],
+         table_only: bool = False) -> list[dict]:
+    """Every launch shape's row at one projection and row count (shapes that fail to compile are left out); with
+    table_only the table's launch alone (`linear.fp8_launch`), with either operand as the dot's rows."""
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5
     rows = pack_rows(w)
     x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
@@ -45,10 +46,13 @@ def tune(name: str, N: int, K: int, T: int, dev: torch.device, hbm_bytes_s: floa
     bts = sorted({min(bt, max(16, triton.next_power_of_2(T))) for bt in (16, 64, 128)})
     wants = {act8: L.linear_fp8(x, rows, kc=dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8))
              for act8 in forms}  # (each launch's err: against the engine's own launch)
-    for act8, BM, nw, st, BT, sp, tr in itertools.product(forms, (16, 32, 64, 128), (4, 8), STAGES, bts,
-                                                          (1, 2, 4, 8), (True, False)):
-        if (sp > 1 and T > 256) or (nw == 8 and BM * BT < 64 * 64):  # (prompt sizes fill the SMs with whole-K
-            continue  # programs; 8 warps on a small tile sit idle)
+    launches = itertools.product(forms, (16, 32, 64, 128), (4, 8), STAGES, bts, (1, 2, 4, 8), (True, False))
+    if table_only:
+        launches = [(act8, BM, nw, st, BT, sp, tr) for act8 in forms for BM, BT, nw, st, sp, _ in
+                    [L.fp8_launch(T, K, act8)] for tr in (True, False)]
+    for act8, BM, nw, st, BT, sp, tr in launches:
+        if not table_only and ((sp > 1 and T > 256) or (nw == 8 and BM * BT < 64 * 64)):  # (prompt sizes fill the
+            continue  # SMs with whole-K programs; 8 warps on a small tile sit idle)
         o = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
         kc8 = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8)
 
@@ -96,6 +100,8 @@ def main() -> None:
     ap.add_argument("output", nargs="?", default="linear_fp8_tune.json")
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--w8a8", action="store_true", help="search W8A8's launches too")
+    ap.add_argument("--table-only", action="store_true", help="only the table's launch for each row count, with "
+                    "either operand as the dot's rows")
     args = ap.parse_args()
     forms = (False, True) if args.w8a8 else (False,)
     dev = torch.device("cuda")
@@ -103,9 +109,10 @@ def main() -> None:
     out = []
     for T in args.rows:
         for name, N, K in SHAPES:
-            out += tune(name, N, K, T, dev, hbm, forms)
+            out += tune(name, N, K, T, dev, hbm, forms, args.table_only)
             # (written after each shape: a run cut at a device call's limit keeps what it searched)
             write_result(args.output, out, params=dict(output=args.output, rows=args.rows, w8a8=args.w8a8,
+                                                       table_only=args.table_only,
                                                        shapes=[dict(proj=n, N=N, K=K) for n, N, K in SHAPES]),
                          note="the FP8-rows projection per call inside a CUDA graph (us), the weight bandwidth reached "
                               "(gbps), its bytes' HBM time (floor_us) and the bf16 projection's time (bf16_us); err: "

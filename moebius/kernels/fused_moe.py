@@ -311,28 +311,17 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
         tok = tl.where(ok, pair // K_TOP, 0).to(tl.int64)
         n = nb * BN + tl.arange(0, BN)
         nm = n < I
-        if ACT8:  # W8A8: the tokens' quantized groups, one tile for both halves; the weight rows the dots' rows
-            # (`fp8_dot`'s W_ROWS), the next chunk's scales loaded while this chunk's dots run (`fp8_dot`)
-            wbase = W13 + e.to(tl.int64) * 2 * I * WS
-            acc_g = tl.zeros([BN, BM], tl.float32)
-            acc_u = tl.zeros([BN, BM], tl.float32)
-            sa, sg = chunk_scales(X, tok, ok, 0, XS), chunk_scales(wbase, n, nm, 0, WS)
-            su = chunk_scales(wbase, I + n, nm, 0, WS)
-            for k0 in range(0, D, BK):
-                kn = tl.minimum(k0 + BK, D - 1)  # (past the last chunk: the last one's again)
-                sa_next, sg_next = chunk_scales(X, tok, ok, kn, XS), chunk_scales(wbase, n, nm, kn, WS)
-                su_next = chunk_scales(wbase, I + n, nm, kn, WS)
-                aq = chunk_values(X, tok, ok, k0, D, XS)
-                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, sg, acc_g, True)
-                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, su, acc_u, True)
-                sa, sg, su = sa_next, sg_next, su_next
-            acc_g = tl.trans(acc_g)
-            acc_u = tl.trans(acc_u)
-        else:
-            kk = tl.arange(0, BK)
-            acc_g = tl.zeros([BM, BN], tl.float32)
-            acc_u = tl.zeros([BM, BN], tl.float32)
-            for k0 in range(0, D, BK):
+        kk = tl.arange(0, BK)
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, D, BK):
+            if ACT8:  # the tokens' quantized groups, one tile for both halves
+                wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                aq, sa = chunk_values(X, tok, ok, k0, D, XS), chunk_scales(X, tok, ok, k0, XS)
+                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, WS), acc_g, False)
+                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, WS), acc_u,
+                                False)
+            else:
                 km = k0 + kk < D
                 a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
                 if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
@@ -377,29 +366,22 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, 
         ok = pair < N
         n = nb * BN + tl.arange(0, BN)
         nm = n < D
-        if ACT8:  # (as gate_up's)
-            wbase = W2 + e.to(tl.int64) * D * WS
-            acc = tl.zeros([BN, BM], tl.float32)
-            sa, sw = chunk_scales(H, rows, ok, 0, HS), chunk_scales(wbase, n, nm, 0, WS)
-            for k0 in range(0, I, BK):
-                kn = tl.minimum(k0 + BK, I - 1)
-                sa_next, sw_next = chunk_scales(H, rows, ok, kn, HS), chunk_scales(wbase, n, nm, kn, WS)
-                aq = chunk_values(H, rows, ok, k0, I, HS)
-                acc = fp8_dot(aq, sa, wbase, n, nm, k0, I, WS, sw, acc, True)
-                sa, sw = sa_next, sw_next
-            acc = tl.trans(acc)
-        else:
-            kk = tl.arange(0, BK)
-            acc = tl.zeros([BM, BN], tl.float32)
-            for k0 in range(0, I, BK):
-                if TMA:  # padding rows of H hold garbage: their results are never stored
-                    a = H.load([blk * BM, k0])
-                    b = W2.load([e * D + nb * BN, k0])
-                else:
-                    km = k0 + kk < I
-                    a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :],
-                                mask=ok[:, None] & km[None, :], other=0.0)
-                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, I, BK):
+            if TMA:  # padding rows of H hold garbage: their results are never stored
+                a = H.load([blk * BM, k0])
+                b = W2.load([e * D + nb * BN, k0])
+            elif not ACT8:
+                km = k0 + kk < I
+                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
+                            other=0.0)
+                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
+            if ACT8:
+                aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
+                w2base = W2 + e.to(tl.int64) * D * WS
+                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, WS), acc, False)
+            else:
                 acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
             acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]

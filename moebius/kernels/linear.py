@@ -120,9 +120,9 @@ def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr):
     column k0 of FP8 rows `rows` as stored (`chunk_values`; sw: its `chunk_scales`, which a caller may load a chunk
     ahead: Triton's pipelining copies a dot's operands ahead, not what scales its result): float8 operands into the
     tensor cores, float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs). acc is [BM, rows], or with
-    W_ROWS [rows, BM]: the weight rows the dot's rows, so that on Hopper 64 or more of them make a warpgroup MMA on
-    float8 operands, where a dot of fewer than 64 token rows takes Ampere's MMA, which converts both tiles to f16
-    first (tests/test_kernels_sm90.py)."""
+    W_ROWS [rows, BM]: the weight rows the dot's rows (on Hopper a dot of fewer than 64 rows takes Ampere's MMA, which
+    converts both float8 tiles to f16 first; 64 weight rows make a warpgroup MMA on float8:
+    tests/test_kernels_sm90.py)."""
     wq = chunk_values(W, rows, rm, k0, K, WS)
     if W_ROWS:
         out = acc + tl.dot(wq, tl.trans(aq)) * sw[:, None] * sa[None, :]
@@ -323,18 +323,19 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
 # program, token rows a program, warps, stages, K columns a split, token rows) by the most rows a step brings, for
 # W8A16 and W8A8. K splits: programs that each sum a contiguous share of the chunks into float32 partials, summed in
 # split order by `_sum_splits` (more programs where N / BM x T / BT leaves SMs idle); a projection of K columns takes
-# K // (columns a split) of them (0: K whole). Token rows: W8A16's dot with the tokens as its rows and the weight
-# tile as the other operand (as W8A8's and the fused MoE's), where the weight tiles come in 16-byte copies; else the
-# weight rows are the dot's rows (their tile then feeds the tensor cores from registers, copied in 8 bytes:
+# K // (columns a split) of them (0: K whole). Token rows: the dot with the tokens as its rows and the weight tile
+# as the other operand (as the fused MoE's), where W8A16's weight tiles come in 16-byte copies; else the weight rows
+# are the dot's rows (W8A16's tile then feeds the tensor cores from registers, copied in 8 bytes:
 # tests/test_kernels_sm90.py). W8A16's decode rows from the search with splits at Qwen3-30B-A3B's q|k|v and o on an
 # H100 (benchmarks/kernels/linear_fp8_tune.py; benchmarks/results/h100-p1-linear-fp8-split-tune.json: a split per
 # 1024 columns and one launch a bucket for both shapes, near each shape's own best); prompt rows (where W8A16 unpacks
 # its weight instead, `UNPACK_ROWS`: this launch is the search's comparison) and W8A8's from the search before splits
-# (h100-p1-linear-fp8-tune.json).
+# (h100-p1-linear-fp8-tune.json), its 17 to 256 rows since with the weight rows as the dot's rows (faster at 64 and
+# 256 rows: h100-p1-linear-fp8-w8a8-weight-rows.json).
 FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]] = {
     False: [(16, (64, 16, 4, 4, 1024, True)), (64, (32, 64, 4, 4, 1024, True)), (256, (128, 128, 8, 4, 1024, False)),
             (1 << 62, (128, 128, 8, 3, 0, False))],
-    True: [(16, (128, 16, 8, 3, 0, True)), (256, (64, 64, 4, 3, 0, True)), (1 << 62, (128, 64, 4, 3, 0, True))],
+    True: [(16, (128, 16, 8, 3, 0, True)), (256, (64, 64, 4, 3, 0, False)), (1 << 62, (128, 64, 4, 3, 0, True))],
 }
 
 

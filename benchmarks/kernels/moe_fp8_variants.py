@@ -1,0 +1,107 @@
+"""The fused MoE on FP8 rows in several versions of its source (a folder holding a `fused_moe.py` and the `linear.py`
+it imports from, such as an earlier commit's two files), at Qwen3-30B-A3B's expert shapes (128 experts, top 8,
+hidden 2048, 768 expert columns): µs a call inside a CUDA graph, W8A16, and W8A8 too for the variants --w8a8 names.
+Each variant also runs with every expert's weights addressed as expert e % 4 (columns `<name>_l2_*`): the weights
+then stay in L2, so the time is the kernel's own ceiling, what a card with more bandwidth could get out of it (the
+H200's question, asked on an H100). `tree_us`: the engine's own import, for reference.
+
+    mkdir -p v/old && for f in fused_moe linear; do git show c19787f:moebius/kernels/$f.py > v/old/$f.py; done
+    python benchmarks/kernels/moe_fp8_variants.py out.json --variants tree=moebius/kernels old=v/old \\
+        --w8a8 tree old --batches 8 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from moebius.bench.graph_timing import graph_time_us
+from moebius.bench.results import write_result
+from moebius.kernels import KernelConfig
+from moebius.kernels import fused_moe as fm
+from moebius.kernels.rows import FORMATS
+from moebius.layers.moe import experts_ref
+
+D, I, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's experts
+L2_EXPERTS = 4  # the L2 form's distinct experts (their FP8 rows: ~21 MB, inside an H100's or H200's L2)
+
+
+def load_variant(name: str, folder: Path, l2: bool, into: Path) -> ModuleType:
+    """The folder's fused_moe.py as a module of its own, importing the folder's linear.py (as `<name>_linear`) in
+    place of the package's; with l2, every weight address taken at expert e % L2_EXPERTS."""
+    mod = f"{name}_{'l2' if l2 else 'hbm'}"
+    src = (folder / "fused_moe.py").read_text().replace("from moebius.kernels.linear import",
+                                                        f"from {mod}_linear import")
+    if l2:
+        src, n = re.subn(r"(W13|W2) \+ e\.to\(tl\.int64\)", rf"\1 + (e % {L2_EXPERTS}).to(tl.int64)", src)
+        assert n >= 2, f"{folder}: no weight address to redirect"
+    for part, text in (("linear", (folder / "linear.py").read_text()), ("fused_moe", src)):
+        path = into / f"{mod}_{part}.py"  # (Triton reads a kernel's source from its file)
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(f"{mod}_{part}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"{mod}_{part}"] = module  # (the fused MoE imports its linear by this name; dataclasses look
+        spec.loader.exec_module(module)        # their module up)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python benchmarks/kernels/moe_fp8_variants.py")
+    ap.add_argument("output")
+    ap.add_argument("--variants", nargs="+", required=True, help="name=folder (its fused_moe.py and linear.py)")
+    ap.add_argument("--w8a8", nargs="*", default=[], help="the variants also timed in W8A8 (--fp8-activations)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="moe_variants_"))
+    mods = {}
+    for spec in a.variants:
+        name, folder = spec.split("=", 1)
+        for l2 in (False, True):
+            mods[f"{name}_l2" if l2 else name] = (name, load_variant(name, Path(folder), l2, tmp))
+    fmt = FORMATS["fp8"]
+    torch.manual_seed(0)
+    w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
+    w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
+    w13_ref, w2_ref = fmt.unpack(w13, D, torch.float32), fmt.unpack(w2, I, torch.float32)
+    expert_bytes = w13[0].numel() + w2[0].numel()
+    rows, t0 = [], time.time()
+    for B in a.batches:
+        x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
+        w_TK, ids = torch.randn(B, E, device="cuda").softmax(-1).topk(K, -1)
+        w_TK = w_TK.to(torch.bfloat16)
+        hit = int(torch.unique(ids).numel())
+        ref = experts_ref(x.float(), w_TK.float(), ids, w13_ref, w2_ref, 0)
+        row = dict(batch=B, experts_hit=hit, weight_bytes=hit * expert_bytes,
+                   floor_us=hit * expert_bytes / 4.28e12 * 1e6,
+                   tree_us=graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E)))  # noqa: B023
+        for key, (name, m) in mods.items():
+            for a8 in (False, True) if name in a.w8a8 else (False,):
+                col = key + ("_w8a8" if a8 else "")
+                kw = dict(kc=KernelConfig(fp8_activations=True)) if a8 else {}
+                run = lambda m=m, kw=kw: m.fused_experts(x, w_TK, ids, w13, w2, 0, E, **kw)  # noqa: B023, E731
+                if key == name:  # (the L2 form's outputs are another expert's)
+                    row[f"{col}_rel_err"] = ((run().float() - ref).norm() / ref.norm()).item()
+                row[f"{col}_us"] = graph_time_us(run)
+                row[f"{col}_TBps"] = row["weight_bytes"] / row[f"{col}_us"] / 1e6
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    write_result(a.output, tables={"per_batch": rows}, summary={"wall_s": time.time() - t0},
+                 params=dict(variants=a.variants, w8a8=a.w8a8, batches=a.batches),
+                 note="the fused MoE on FP8 rows in each variant's source, Qwen3-30B-A3B's experts, us a call in a "
+                      "CUDA graph: <name>_us as written, <name>_l2_us with every expert's weights read as expert "
+                      f"e % {L2_EXPERTS} (from L2: the kernel's ceiling), _w8a8 with --fp8-activations; TBps: the "
+                      "hit experts' FP8 row bytes over the time; floor_us: those bytes at 4.28 TB/s; rel_err: "
+                      "against the float math on the dequantized rows; tree_us: the engine's import")
+
+
+if __name__ == "__main__":
+    main()
