@@ -1,13 +1,14 @@
 """The fused MoE on FP8 rows in several versions of its source (a folder holding a `fused_moe.py` and the `linear.py`
 it imports from, such as an earlier commit's two files), at Qwen3-30B-A3B's expert shapes (128 experts, top 8,
-hidden 2048, 768 expert columns): µs a call inside a CUDA graph, W8A16, and W8A8 too for the variants --w8a8 names.
+hidden 2048, 768 expert columns): µs a call inside a CUDA graph, W8A16, and W8A8 too for the variants --w8a8 names,
+the same experts in bf16 (their dequantized values) for those --bf16 names (a control: what the plain rows reach).
 Each variant also runs with every expert's weights addressed as expert e % 4 (columns `<name>_l2_*`): the weights
 then stay in L2, so the time is the kernel's own ceiling, what a card with more bandwidth could get out of it (the
 H200's question, asked on an H100). `tree_us`: the engine's own import, for reference.
 
     mkdir -p v/old && for f in fused_moe linear; do git show c19787f:moebius/kernels/$f.py > v/old/$f.py; done
     python benchmarks/kernels/moe_fp8_variants.py out.json --variants tree=moebius/kernels old=v/old \\
-        --w8a8 tree old --batches 8 64 256
+        --w8a8 tree old --bf16 tree --batches 8 64 256
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("output")
     ap.add_argument("--variants", nargs="+", required=True, help="name=folder (its fused_moe.py and linear.py)")
     ap.add_argument("--w8a8", nargs="*", default=[], help="the variants also timed in W8A8 (--fp8-activations)")
+    ap.add_argument("--bf16", nargs="*", default=[], help="the variants also timed on the experts in bf16")
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="moe_variants_"))
@@ -72,6 +74,7 @@ def main() -> None:
     w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
     w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
     w13_ref, w2_ref = fmt.unpack(w13, D, torch.float32), fmt.unpack(w2, I, torch.float32)
+    w13_bf16, w2_bf16 = w13_ref.bfloat16(), w2_ref.bfloat16()
     expert_bytes = w13[0].numel() + w2[0].numel()
     rows, t0 = [], time.time()
     for B in a.batches:
@@ -84,23 +87,27 @@ def main() -> None:
                    floor_us=hit * expert_bytes / 4.28e12 * 1e6,
                    tree_us=graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E)))  # noqa: B023
         for key, (name, m) in mods.items():
-            for a8 in (False, True) if name in a.w8a8 else (False,):
-                col = key + ("_w8a8" if a8 else "")
-                kw = dict(kc=KernelConfig(fp8_activations=True)) if a8 else {}
-                run = lambda m=m, kw=kw: m.fused_experts(x, w_TK, ids, w13, w2, 0, E, **kw)  # noqa: B023, E731
+            forms = ["w8a16"] + ["w8a8"] * (name in a.w8a8) + ["bf16"] * (name in a.bf16)
+            for form in forms:
+                col = key + ("" if form == "w8a16" else f"_{form}")
+                kw = dict(kc=KernelConfig(fp8_activations=True)) if form == "w8a8" else {}
+                ws = (w13_bf16, w2_bf16) if form == "bf16" else (w13, w2)
+                run = lambda m=m, kw=kw, ws=ws: m.fused_experts(x, w_TK, ids, *ws, 0, E, **kw)  # noqa: B023, E731
                 if key == name:  # (the L2 form's outputs are another expert's)
                     row[f"{col}_rel_err"] = ((run().float() - ref).norm() / ref.norm()).item()
                 row[f"{col}_us"] = graph_time_us(run)
-                row[f"{col}_TBps"] = row["weight_bytes"] / row[f"{col}_us"] / 1e6
+                nbytes = hit * 3 * I * D * 2 if form == "bf16" else row["weight_bytes"]
+                row[f"{col}_TBps"] = nbytes / row[f"{col}_us"] / 1e6
         print(json.dumps(row), flush=True)
         rows.append(row)
     write_result(a.output, tables={"per_batch": rows}, summary={"wall_s": time.time() - t0},
-                 params=dict(variants=a.variants, w8a8=a.w8a8, batches=a.batches),
+                 params=dict(variants=a.variants, w8a8=a.w8a8, bf16=a.bf16, batches=a.batches),
                  note="the fused MoE on FP8 rows in each variant's source, Qwen3-30B-A3B's experts, us a call in a "
                       "CUDA graph: <name>_us as written, <name>_l2_us with every expert's weights read as expert "
-                      f"e % {L2_EXPERTS} (from L2: the kernel's ceiling), _w8a8 with --fp8-activations; TBps: the "
-                      "hit experts' FP8 row bytes over the time; floor_us: those bytes at 4.28 TB/s; rel_err: "
-                      "against the float math on the dequantized rows; tree_us: the engine's import")
+                      f"e % {L2_EXPERTS} (from L2: the kernel's ceiling), _w8a8 with --fp8-activations, _bf16 on the "
+                      "experts in bf16; TBps: the hit experts' weight bytes (FP8 rows', or bf16's) over the time; "
+                      "floor_us: the FP8 rows' bytes at 4.28 TB/s; rel_err: against the float math on the "
+                      "dequantized rows; tree_us: the engine's import")
 
 
 if __name__ == "__main__":
