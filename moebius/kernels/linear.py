@@ -331,7 +331,7 @@ def linear_mma(x_TD: torch.Tensor, w_ND: torch.Tensor, bias_N: torch.Tensor | No
 # 1024 columns and one launch a bucket for both shapes, near each shape's own best); prompt rows (where W8A16 unpacks
 # its weight instead, `UNPACK_ROWS`: this launch is the search's comparison) and W8A8's from the search before splits
 # (h100-p1-linear-fp8-tune.json), its 17 to 256 rows since with the weight rows as the dot's rows (faster at 64 and
-# 256 rows: h100-p1-linear-fp8-w8a8-weight-rows.json).
+# 256 rows: h100-p1-linear-fp8-w8a8-orientation.json).
 FP8_LAUNCHES: dict[bool, list[tuple[int, tuple[int, int, int, int, int, bool]]]] = {
     False: [(16, (64, 16, 4, 4, 1024, True)), (64, (32, 64, 4, 4, 1024, True)), (256, (128, 128, 8, 4, 1024, False)),
             (1 << 62, (128, 128, 8, 3, 0, False))],
