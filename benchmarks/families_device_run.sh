@@ -65,13 +65,13 @@
 #   Sixteenth session (f6f3178, an H100): benchmarks/kernels/align_phases.py, DeepSeek-V2-Lite's sweep with acq_rel
 #   and relaxed align atomics, mla_proto.py with a register stage (dropped). Seventeenth (f926faf, an H100): `align`,
 #   the FP8 GPU tests, W8A16 in f16 dots against the dequantizing tiles (moe_tune.py --old; reverted), DeepSeek-V2-Lite's
-#   and gpt-oss-20b's sweeps at 64-512; the align A/B and --fp8-max-stages (853b974, an H100). Next, on an H200:
-#   `bars`, then `mlaproto mlatune16` beside d701103's records (which latent launch the H200 favours: 3 stages may
-#   hide its latency better), and W8A16's reverted variants (451d447's bf16-bits tiles, f926faf's f16 dots: slower on
-#   an H100) with moe_tune.py --old, where the FP8 kernels scale less with bandwidth. Results land under the card's
-#   names, so rename an
-#   earlier record (`<name>-<commit>.json`)
-#   before copying a new one in.
+#   and gpt-oss-20b's sweeps at 64-512; the align A/B and --fp8-max-stages (853b974, an H100). Eighteenth (H100s,
+#   a0941bc and 4c55779): the FP8 GPU tests, benchmarks/kernels/moe_fp8_variants.py (the FP8 MoE's variants and a bf16
+#   control from HBM and from L2: the reverted W8A16 variants are no faster even from L2, so the H200 need not time
+#   them), linear_fp8_tune.py --w8a8 --table-only, FP8 sweeps in W8A8. Next, on an H200: `bars`, then `mlaproto
+#   mlatune16` beside d701103's records (which latent launch the H200 favours: 3 stages may hide its latency
+#   better). Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`) before
+#   copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOEBIUS_COMMIT=${MOEBIUS_COMMIT:?export MOEBIUS_COMMIT=<the full 40-character hash measured> (the device tree is a copy)}
