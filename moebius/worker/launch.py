@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -103,10 +104,28 @@ def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
             conn.send(("ok", report.waited(waited)))
 
 
+def exit_with_parent(parent: int, period: float = 1.0) -> threading.Thread:
+    """Ends this process (exit status 1) once `parent` is no longer its parent. A spawned rank's front end that is
+    killed cannot close its ranks: rank 0 would see its pipe's EOF only between steps, while a rank still building,
+    or waiting in a collective, would wait on, holding its memory (a GPU's too) against a restart. A thread polling
+    the parent id, not prctl's PR_SET_PDEATHSIG: that fires when the spawning thread ends, not its process."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="moebius-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def _rank_main(rank: int, world_size: int, spec: RankSpec, rendezvous: LoopbackRendezvous | None,
-               conn: Connection | None) -> None:
-    """Entry of a rank process (spawned, with its rendezvous; or a torchrun rank other than 0, with None)."""
+               conn: Connection | None, parent: int | None = None) -> None:
+    """Entry of a rank process (spawned, with its rendezvous and the front end's process id; or a torchrun rank
+    other than 0, with None: torchrun's agent stops its ranks itself)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank}: %(message)s")
+    if parent is not None:
+        exit_with_parent(parent)
     if rendezvous is not None:  # spawned: Ctrl-C, or a SIGTERM to the whole process group (systemd's default
         # stop), is the front end's to handle: a server drains its requests, then closes the ranks (a plan of None,
         # or its end of the pipe closing when it dies)
@@ -221,7 +240,7 @@ class SpawnedRanks:
         self._watchdog = spec.engine.watchdog_timeout
         self._conn, child = ctx.Pipe()
         self._procs = [ctx.Process(target=_rank_main, args=(r, world_size, spec, rendezvous.for_rank(r),
-                                                             child if r == 0 else None), daemon=True)
+                                                             child if r == 0 else None, os.getpid()), daemon=True)
                        for r in range(world_size)]
         try:
             for p in self._procs:
