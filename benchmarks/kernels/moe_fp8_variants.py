@@ -42,8 +42,9 @@ def load_variant(name: str, folder: Path, l2: bool, into: Path) -> ModuleType:
     mod = f"{name}_{'l2' if l2 else 'hbm'}"
     src = (folder / "fused_moe.py").read_text().replace("from moebius.kernels.linear import",
                                                         f"from {mod}_linear import")
-    if l2:
+    if l2:  # (pointers, and TMA descriptors' row coordinates)
         src, n = re.subn(r"(W13|W2) \+ e\.to\(tl\.int64\)", rf"\1 + (e % {L2_EXPERTS}).to(tl.int64)", src)
+        src = re.sub(r"\.load\(\[e \* ", f".load([(e % {L2_EXPERTS}) * ", src)
         assert n >= 2, f"{folder}: no weight address to redirect"
     for part, text in (("linear", (folder / "linear.py").read_text()), ("fused_moe", src)):
         path = into / f"{mod}_{part}.py"  # (Triton reads a kernel's source from its file)
