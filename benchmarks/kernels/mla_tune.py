@@ -5,7 +5,7 @@ and DeepSeek-V3's 128 (a rank of EP's data-parallel attention), context 1024, C 
 token. A profile put the kernel at 88 us a layer at batch 64 where its cache bytes take ~18 us on an H200
 (benchmarks/results/h200-p1-decode-profiles.json).
 
-    python benchmarks/kernels/mla_tune.py mla_tune.json [--heads 16] [--batches 256 1024]
+    python benchmarks/kernels/mla_tune.py mla_tune.json [--heads 16] [--batches 256 1024] [--head-blocks 16 64]
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ PAGE, C, R, CTX = 16, 512, 64, 1024
 SHAPES = (("16 heads", 16, (1, 8, 64, 128, 256, 1024)), ("128 heads", 128, (1, 8, 32, 128)))
 
 
-def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> list[dict]:
-    """Every launch shape's row at one shape and batch (shapes that fail to compile are left out)."""
+def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float, head_blocks: list[int]) -> list[dict]:
+    """Every launch shape's row at one shape and batch (shapes that fail to compile are left out); head blocks
+    (heads a program) as given, up to the shape's heads, each with its own KV splits; past 16 heads a block, 8 warps
+    only (a [BH, C] float32 accumulator); the kernel's own launch always."""
     pages_per = -(-(CTX + 1) // PAGE)
     npages = B * pages_per + 1
     cache = torch.randn(npages, PAGE, C + R, device=dev, dtype=torch.bfloat16)
@@ -40,23 +42,31 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> li
     q_rope = torch.randn(B, H, R, device=dev, dtype=torch.bfloat16)
     scale = (128 + R) ** -0.5
     # the runner's (`geometry.split_units`: head blocks; `min_programs`)
-    base = num_splits_for(B, triton.cdiv(H, M.HEAD_BLOCK), min_programs=M.DECODE_MIN_PROGRAMS)
+    def splits(BH: int) -> int:
+        return num_splits_for(B, triton.cdiv(H, BH), min_programs=M.DECODE_MIN_PROGRAMS)
+
+    base = splits(M.HEAD_BLOCK)
     ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
     nbytes = B * (CTX + 1) * (C + R) * 2
     default_tiles = M.decode_tiles(C, 2, B, triton.cdiv(H, M.HEAD_BLOCK))
     rows = []
-    for ns, BN, nw, st in itertools.product(sorted({1, 2, 4, 8, base}), (16, 32, 64), (4, 8), (2, 3)):
+    shapes = [(BH, ns, BN, nw, st) for BH in head_blocks if BH <= max(H, 16)
+              for ns, BN, nw, st in itertools.product(sorted({1, 2, 4, 8, splits(BH)}), (16, 32, 64), (4, 8), (2, 3))
+              if BH <= 16 or nw == 8]
+    if (M.HEAD_BLOCK, base, *default_tiles) not in shapes:  # (the kernel's own launch, timed beside them)
+        shapes.insert(0, (M.HEAD_BLOCK, base, *default_tiles))
+    for BH, ns, BN, nw, st in shapes:
         o = torch.empty_like(q_lat)
         pa = torch.empty(B * H * ns, C, dtype=torch.float32, device=dev)
         pm = torch.empty(B * H * ns, 2, dtype=torch.float32, device=dev)
 
-        def fn(ns: int = ns, BN: int = BN, nw: int = nw, st: int = st, o: torch.Tensor = o,
+        def fn(BH: int = BH, ns: int = ns, BN: int = BN, nw: int = nw, st: int = st, o: torch.Tensor = o,
                pa: torch.Tensor = pa, pm: torch.Tensor = pm) -> None:
-            M._mla_fwd[(triton.cdiv(H, M.HEAD_BLOCK) * ns, B, 1)](
+            M._mla_fwd[(triton.cdiv(H, BH) * ns, B, 1)](
                 q_lat, q_rope, cache, o, pa if ns > 1 else o, pm if ns > 1 else o, bt, seq, qsl, scale, H,
                 q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
                 cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, CP=C, RP=R, NUM_SPLITS=ns,
-                BH=M.HEAD_BLOCK, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, num_warps=nw, num_stages=st,
+                BH=BH, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, num_warps=nw, num_stages=st,
                 **pdl(q_lat, DEFAULT_KERNELS))
             if ns > 1:
                 M._mla_merge[(B, H, triton.cdiv(C, M.MERGE_BLOCK))](
@@ -66,12 +76,12 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float) -> li
         try:
             us = graph_time_us(fn)
         except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
-            print(name, B, ns, BN, nw, st, "failed:", str(e)[:100])
+            print(name, B, BH, ns, BN, nw, st, "failed:", str(e)[:100])
             continue
-        rows.append(dict(shape=name, heads=H, batch=B, splits=ns, BN=BN, warps=nw, stages=st, us=us,
+        rows.append(dict(shape=name, heads=H, batch=B, head_block=BH, splits=ns, BN=BN, warps=nw, stages=st, us=us,
                          gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6,
                          err=(o.float() - ref.float()).abs().max().item(),
-                         default=(ns == base and (BN, nw, st) == default_tiles)))
+                         default=(BH == M.HEAD_BLOCK and ns == base and (BN, nw, st) == default_tiles)))
     best = min(rows, key=lambda r: r["us"])
     print(f"{name} B={B}: floor {nbytes / hbm_bytes_s * 1e6:.1f} us; default "
           f"{[round(r['us'], 1) for r in rows if r['default']]}; best {best}", flush=True)
@@ -83,6 +93,8 @@ def main() -> None:
     ap.add_argument("output", nargs="?", default="mla_tune.json")
     ap.add_argument("--heads", type=int, nargs="+", help="only the shapes of these head counts (16, 128)")
     ap.add_argument("--batches", type=int, nargs="+", help="only these batches (of each shape's)")
+    ap.add_argument("--head-blocks", type=int, nargs="+", default=[M.HEAD_BLOCK],
+                    help="heads a program searched (the kernel's own HEAD_BLOCK by default; 32, 64: 8 warps)")
     args = ap.parse_args()
     shapes = [(n, h, tuple(b for b in bs if not args.batches or b in args.batches)) for n, h, bs in SHAPES
               if not args.heads or h in args.heads]
@@ -91,9 +103,10 @@ def main() -> None:
     out = []
     for name, H, batches in shapes:
         for B in batches:
-            out += tune(name, H, B, dev, hbm)
+            out += tune(name, H, B, dev, hbm, args.head_blocks)
     path = args.output
     write_result(path, out, params=dict(output=path, page=PAGE, latent=C, rope=R, context=CTX,
+                                        head_blocks=args.head_blocks,
                                         shapes=[dict(shape=n, heads=h, batches=list(b)) for n, h, b in shapes]),
                  note="latent decode attention per call inside a CUDA graph (us), the cache bandwidth reached (gbps) "
                       "and the cache bytes' HBM time (floor_us); err: max abs difference to the kernel's own launch; "
