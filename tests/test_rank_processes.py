@@ -43,6 +43,7 @@ def test_a_rank_exits_when_its_front_end_is_killed() -> None:
     pids = ctx.Queue()
     front = ctx.Process(target=_front_end, args=(pids,))
     front.start()
+    rank = None
     try:
         rank = pids.get(timeout=120)
         time.sleep(0.5)
@@ -55,3 +56,5 @@ def test_a_rank_exits_when_its_front_end_is_killed() -> None:
             time.sleep(0.1)
     finally:
         front.kill()
+        if rank is not None and _running(rank):  # (a failed run leaves no sleeper behind)
+            os.kill(rank, signal.SIGKILL)
