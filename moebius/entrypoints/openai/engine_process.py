@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -127,16 +128,20 @@ class MetricsRelay:
         return lambda *args: self._channel.record(name, args)
 
 
-def run_engine(conn: Connection, config: EngineConfig, metrics: bool) -> None:
+def run_engine(conn: Connection, config: EngineConfig, metrics: bool, parent: int | None = None) -> None:
     """The engine process: build the engine, answer "ready" (or why it could not start), then serve commands until
-    "stop" (or the HTTP side is gone)."""
+    "stop" (or the HTTP side is gone: its pipe's end closed, or `parent`, the HTTP process, no longer this one's, as
+    when it is killed while the engine builds)."""
     # Ctrl+C, or a SIGTERM to the whole process group (systemd's stop), is the HTTP process's to handle: it drains
     # its requests, then stops this one (as the rank processes do; if it dies, its end of the pipe closes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from moebius.frontend.core import EngineCore
+    from moebius.worker.launch import exit_with_parent
 
+    if parent is not None:
+        exit_with_parent(parent)
     channel = Channel(conn)
     try:
         engine = EngineCore(config)
@@ -200,7 +205,8 @@ class EngineClient(Admission):
         self.metrics, self.max_waiting = metrics, max_waiting
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=run_engine, args=(child, config, metrics is not None), name="moebius-engine")
+        self._proc = ctx.Process(target=run_engine, args=(child, config, metrics is not None, os.getpid()),
+                                 name="moebius-engine")
         self._proc.start()
         child.close()
         if not self._conn.poll(START_TIMEOUT_S):
