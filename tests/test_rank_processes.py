@@ -1,5 +1,6 @@
 """A spawned rank, or a server's engine process, outlives no front end: once the process that spawned it is gone it
-exits, whatever it was doing (`launch.exit_with_parent`; a killed front end cannot close what it started)."""
+exits, whatever it was doing (`launch.exit_with_parent`; a killed front end cannot close what it started). Each test
+kills a real front end (`LLM` with spawned ranks, `EngineClient`) at a point where nothing else would end its child."""
 
 from __future__ import annotations
 
@@ -7,46 +8,48 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import Checkpoints
 
-from moebius.config import EngineConfig
-from moebius.entrypoints.openai.engine_process import run_engine
-from moebius.worker.launch import exit_with_parent
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes through /proc")
 
 
-def _watched_sleeper(parent: int) -> None:
-    """A rank stand-in busy for ten minutes (building, or waiting in a collective), watching its parent."""
-    exit_with_parent(parent, period=0.1)
+def _llm_with_two_ranks(ready: Any) -> None:
+    """A front end with two spawned ranks, idle: rank 0 waits on its pipe, rank 1 on rank 0's next plan."""
+    from moebius import LLM
+
+    llm = LLM(num_ranks=2)  # noqa: F841 - held until this process is killed
+    ready.put(True)
     time.sleep(600)
 
 
-def _front_end(pids: Any) -> None:
-    """A front-end stand-in: spawns the sleeper as SpawnedRanks spawns a rank, then waits to be killed."""
-    child = mp.get_context("spawn").Process(target=_watched_sleeper, args=(os.getpid(),), daemon=True)
-    child.start()
-    pids.put(child.pid)
+def _http_side(model: str, ready: Any) -> None:
+    """A server's HTTP side starting its engine process on `model`; EngineClient waits for it to be ready."""
+    from moebius.config import EngineConfig
+    from moebius.entrypoints.openai.engine_process import EngineClient
+
+    ready.put(True)
+    EngineClient(EngineConfig(model=model, device="cpu"))
     time.sleep(600)
 
 
-def _engine_building_for_ten_minutes(*args: Any) -> None:
-    """`run_engine` whose engine takes ten minutes to build (a large checkpoint's load, its graphs' capture)."""
-    from moebius.frontend import core
-
-    core.EngineCore.__init__ = lambda self, config: time.sleep(600)  # type: ignore[method-assign]
-    run_engine(*args)
-
-
-def _http_side(pids: Any) -> None:
-    """A server's HTTP process stand-in: starts the engine process as `EngineClient` does, then waits to be killed."""
-    ctx = mp.get_context("spawn")
-    _, child = ctx.Pipe()
-    engine = ctx.Process(target=_engine_building_for_ten_minutes, args=(child, EngineConfig(device="cpu"), False,
-                                                                          os.getpid()), daemon=True)
-    engine.start()
-    pids.put(engine.pid)
-    time.sleep(600)
+def _spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned (multiprocessing's spawn_main)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and spawned:
+            kids.append(int(d))
+    return kids
 
 
 def _running(pid: int) -> bool:
@@ -58,37 +61,53 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _outlives_no_parent(target: Any, args: tuple, settle: float) -> None:
-    """Start `target` (a front end that spawns one process and puts its pid), let it settle, kill the front end: the
-    spawned process must be gone within 20 s."""
+def _kill_front_end(target: Callable[..., None], args: tuple, children: int,
+                    freeze: Callable[[list[int]], list[int]]) -> None:
+    """Start the front end `target`, wait for its `children` spawned processes, `freeze` some of them (SIGSTOP;
+    it returns the ones left running), SIGKILL the front end: those left running must be gone within 20 s."""
     ctx = mp.get_context("spawn")
-    pids = ctx.Queue()
-    front = ctx.Process(target=target, args=(*args, pids))
+    ready = ctx.Queue()
+    front = ctx.Process(target=target, args=(*args, ready))
     front.start()
-    child = None
+    kids: list[int] = []
     try:
-        child = pids.get(timeout=120)
-        time.sleep(settle)
-        assert _running(child)  # (the watch leaves a live parent's child alone)
+        ready.get(timeout=180)
+        deadline = time.monotonic() + 60
+        while len(kids := _spawned_children(front.pid)) < children:
+            assert time.monotonic() < deadline and front.is_alive(), f"{len(kids)} of {children} children started"
+            time.sleep(0.2)
+        time.sleep(3.0)  # (the children past their imports, in their build or their wait)
+        watched = freeze(kids)
+        assert all(_running(k) for k in watched)  # (the watch leaves a live parent's children alone)
         os.kill(front.pid, signal.SIGKILL)
         front.join(30)
         deadline = time.monotonic() + 20
-        while _running(child):
-            assert time.monotonic() < deadline, f"process {child} outlived its killed front end"
-            time.sleep(0.1)
+        while any(_running(k) for k in watched):
+            assert time.monotonic() < deadline, f"{watched} outlived their killed front end"
+            time.sleep(0.2)
     finally:
         front.kill()
-        if child is not None and _running(child):  # (a failed run leaves nothing behind)
-            os.kill(child, signal.SIGKILL)
+        for k in kids:  # (a failed run leaves nothing behind; a stopped process dies by SIGKILL too)
+            if _running(k):
+                os.kill(k, signal.SIGKILL)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the processes' states through /proc")
-def test_a_rank_exits_when_its_front_end_is_killed() -> None:
-    _outlives_no_parent(_front_end, (), 0.5)
+def test_a_rank_waiting_on_a_stopped_peer_exits_when_its_front_end_is_killed() -> None:
+    """One rank stopped (SIGSTOP, as a hung peer): the other waits on it in a collective (rank 1 for its next plan,
+    or rank 0 leaving after its pipe's EOF), so only the watch can end it once the front end is killed."""
+    def stop_first(kids: list[int]) -> list[int]:
+        os.kill(kids[0], signal.SIGSTOP)
+        return kids[1:]
+
+    _kill_front_end(_llm_with_two_ranks, (), 2, stop_first)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the processes' states through /proc")
-def test_an_engine_process_still_building_exits_when_the_http_side_is_killed() -> None:
-    """Killing the HTTP side while its engine process builds ends that process too (it reads its pipe's EOF only
-    once it serves)."""
-    _outlives_no_parent(_http_side, (), 5.0)
+def test_an_engine_process_still_building_exits_when_the_http_side_is_killed(ckpt: Checkpoints) -> None:
+    """The engine process blocked in its build (the checkpoint's weights a FIFO nobody writes: a long load): it reads
+    its pipe's EOF only once it serves, so only the watch can end it once the HTTP side is killed."""
+    model = ckpt.copy("base", "weights_never_arrive")
+    for f in os.listdir(model):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(model, f))
+            os.mkfifo(os.path.join(model, f))
+    _kill_front_end(_http_side, (model,), 1, lambda kids: kids)

@@ -104,19 +104,17 @@ def _serve(rank: Rank, groups: Groups, conn: Connection | None) -> None:
             conn.send(("ok", report.waited(waited)))
 
 
-def exit_with_parent(parent: int, period: float = 1.0) -> threading.Thread:
+def exit_with_parent(parent: int) -> None:
     """Ends this process (exit status 1) once `parent` is no longer its parent. A spawned rank's front end that is
     killed cannot close its ranks: rank 0 would see its pipe's EOF only between steps, while a rank still building,
     or waiting in a collective, would wait on, holding its memory (a GPU's too) against a restart. A thread polling
     the parent id, not prctl's PR_SET_PDEATHSIG: that fires when the spawning thread ends, not its process."""
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(period)
+            time.sleep(1.0)
         os._exit(1)
 
-    thread = threading.Thread(target=watch, name="moebius-parent-watch", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="moebius-parent-watch", daemon=True).start()
 
 
 def _rank_main(rank: int, world_size: int, spec: RankSpec, rendezvous: LoopbackRendezvous | None,
