@@ -335,17 +335,24 @@ def test_gpu_sizing_by_mem_fraction_names_the_numbers(monkeypatch: pytest.Monkey
                                           r"experts in 49 layer slots\) and the step buffers 0\.50 GiB "
                                           r"\(--max-num-batched-tokens 8192, --max-running-requests 256, "
                                           r"--max-model-len 40960\), leaving -1\.03 GiB.*raise --mem-fraction"):
-        build._num_pages(ecfg, torch.device("cuda"), sizes, 2**17, 40960)
+        build._num_pages(ecfg, torch.device("cuda"), sizes, lambda pages: 49 * pages * 2**17, 40960)
     # enough memory: the pages it leaves, unchanged
-    assert build._num_pages(EngineConfig(mem_fraction=0.5), torch.device("cuda"), sizes, 2**17, 40960) == (
-        (40 * 2**30 - 3 * 2**30 - 2**29 - 49 * 2**25) // (49 * 2**17))
+    left = 40 * 2**30 - 3 * 2**30 - 2**29 - 49 * 2**25
+    assert build._num_pages(EngineConfig(mem_fraction=0.5), torch.device("cuda"), sizes,
+                            lambda pages: 49 * pages * 2**17, 40960) == left // (49 * 2**17)
+    # sliding layers' slots (every other one) capped at 1000 pages: the full layers' slots take the rest
+    slot_kv = build.SlotKV((frozenset({0}), frozenset({1})) * 24 + (frozenset({0}),), (None, 1000 * 2**17), 2**17)
+    pages = build._num_pages(EngineConfig(mem_fraction=0.5), torch.device("cuda"), sizes, slot_kv.total, 40960)
+    assert pages == (left - 24 * 1000 * 2**17) // (25 * 2**17) > 1.7 * left // (49 * 2**17)
+    assert slot_kv.slot_bytes(pages)[:2] == [pages * 2**17, 1000 * 2**17]
+    assert slot_kv.total(pages) <= left < slot_kv.total(pages + 1)
 
 
 def test_a_buffer_that_cannot_be_allocated_is_a_memory_error_naming_its_size() -> None:
     plan = MemoryPlan()
-    plan.add_slots(4, 2**48)
+    plan.add_slots([[(None, 2**48)]] * 4)
     with pytest.raises(MemoryError, match=r"could not allocate the unified buffer of 1048576\.00 GiB \(4 layer slots "
-                                          r"of 262144\.000 GiB\) on cpu"):
+                                          r"of 1048576\.000 GiB in all\) on cpu"):
         UnifiedMemory(plan, torch.device("cpu"))
 
 

@@ -63,7 +63,7 @@ def test_the_plan_tags_whole_granules() -> None:
     plan = MemoryPlan()
     plan.add("w", (1100,), torch.float32, tag="weights")  # 4400 bytes (4608 aligned), then an untagged region
     plan.add("rope", (10,), torch.float32)
-    plan.add_slots(2, 8192 + 5000, [("weights", 8192), ("kv_cache", 5000)])
+    plan.add_slots([[("weights", 8192), ("kv_cache", 5000)]] * 2)
     segs = plan.segments(1024)
     assert sum(nb for _, nb, _ in segs) == -(-plan.total_bytes // 1024) * 1024  # the whole buffer, once
     assert all(a % 1024 == 0 and nb % 1024 == 0 for a, nb, _ in segs)
@@ -87,7 +87,7 @@ def test_every_releasable_backing_has_the_whole_interface() -> None:
 def test_a_host_buffer_releases_its_pages_and_keeps_its_addresses() -> None:
     plan = MemoryPlan()
     plan.add("w", (1 << 20,), torch.float32, tag="weights")
-    plan.add_slots(2, (1 << 22) + (1 << 22), [("weights", 1 << 22), ("kv_cache", 1 << 22)])
+    plan.add_slots([[("weights", 1 << 22), ("kv_cache", 1 << 22)]] * 2)
     umm = UnifiedMemory(plan, torch.device("cpu"))
     w = umm.view("w", (1 << 20,), torch.float32)
     kv = umm.slot_view(1, 1 << 22, (1 << 20,), torch.float32)

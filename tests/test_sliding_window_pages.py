@@ -8,13 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from family_cases import BLOCK, ENGINE_KW, hf_greedy
 from test_gpt_oss_family import PROMPTS, WINDOW, write_gpt_oss_checkpoint
 
 from moebius import LLM, SamplingParams
 from moebius.config import first_live_page
+from moebius.link.messages import DecodeProbe, PrefillProbe
 from moebius.link.request import Request, RequestSpec
-from moebius.memory.kv_pool import KVPages
+from moebius.memory.kv_pool import KVPages, KVPool, window_pages
+from moebius.parallel.layout import slot_groups, slot_shift
 from moebius.worker.scheduler import Scheduler
 
 BS = 4
@@ -154,3 +157,44 @@ def test_gpt_oss_frees_the_sliding_layers_pages_and_a_switch_moves_only_the_wind
         stats = llm.kv_stats()
         assert stats["free_tokens"] == stats["total_tokens"]
 
+
+
+def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_the_rest(gpt_oss: str) -> None:
+    """GPT-OSS's sliding layers sit in slots of their own in both layouts (EP two slots past TP), and those slots
+    hold only the pages the running requests' windows can take (`window_pages`: 13 for 2 requests, 6-token windows,
+    4-token pages and a 16-token step), while the full layers' slots hold the whole budget; so the buffer's KV bytes
+    are the full layers' budget and a few windows. A request longer than the window group's pages, and probes with
+    contexts longer than them, run on the freed pages; its tokens are transformers' across a switch and back."""
+    prompt, n = PROMPTS[4], 40  # 63 tokens: 16 pages, against the window group's 12 usable
+    want = hf_greedy(gpt_oss, tuple(prompt), n)
+    kw = {**ENGINE_KW, "max_running_requests": 2}
+    with LLM(model=gpt_oss, num_ranks=1, mode="tp", **kw) as llm:
+        rank = llm.engine.ranks.rank
+        cfg = rank.cfg
+        assert [g.window for g in cfg.kv_groups] == [None, WINDOW] and slot_shift(cfg) == 2
+        assert slot_groups(cfg, ("tp", "ep")) == [frozenset({1}), frozenset({0})] * 2 + [frozenset({1})]
+        win = window_pages(WINDOW, BLOCK, 2, kw["max_num_batched_tokens"])
+        full = kw["max_total_tokens"] // BLOCK
+        assert win == 13 < full
+        for m, rt in rank.modes.items():
+            assert rt.kv.group_pages == (full, win), m
+            assert [c.shape[0] for c in rt.kv.layers] == [win, full, win]
+        page = KVPool.page_bytes(BLOCK, cfg.kv_spec, cfg.num_kv_heads, torch.float32)
+        kv_bytes = sum(nb for _, nb, tag in rank.umm.plan.tagged if tag == "kv_cache")
+        assert kv_bytes == (2 * full + 3 * win) * page < 4 * full * page  # (N + 1 slots of the budget before)
+        for probe in (DecodeProbe(batch=2, context=100, steps=1, warmup=0),
+                      PrefillProbe(tokens=8, context=90, steps=1, warmup=0, decodes=1, decode_context=80)):
+            (answer,) = llm.engine.probe(probe)
+            assert "error" not in answer, answer
+        assert llm.kv_stats()["free_tokens"] == llm.kv_stats()["total_tokens"]
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        out: Any = None
+        steps = 0
+        while llm.has_unfinished():
+            for o in llm.step():
+                out = o
+            steps += 1
+            if steps in (20, 30):  # past the window group's pages: its tables hold freed ones
+                assert llm.switch_mode("ep" if steps == 20 else "tp").done
+        assert out.outputs[0].token_ids == want
+        assert all(a.num_free == a.usable_pages for a in rank.kv_pages.groups)

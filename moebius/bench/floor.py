@@ -21,7 +21,7 @@ from moebius.kernels.rows import row_format
 from moebius.link.messages import StepWork, attended_pairs, split_evenly, window_reads
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
-from moebius.parallel.layout import MODES, Layout, tp_cuts_whole_blocks
+from moebius.parallel.layout import MODES, Layout, num_slots, slot_groups, tp_cuts_whole_blocks
 
 
 @dataclass(frozen=True)
@@ -196,25 +196,27 @@ def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: i
 def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2) -> int:
     """Bytes of weights a rank of the switchable engine holds (worker/build.py's plan): the dense regions of both
     layouts (EP's alone where TP cannot cut quantized experts, `tp_cuts_whole_blocks`), each distinct shard once
-    (the rope table in float32), and num_layers + 1 layer slots of experts."""
+    (the rope table in float32), and `num_slots` layer slots of experts."""
     family, regions = family_of(cfg), {}
     for mode in MODES if tp_cuts_whole_blocks(cfg, P) else ("ep",):
         lay = Layout(cfg, mode, 0, P)
         for s in family.weight_specs(cfg, lay, dtype_bytes):
             if s.slot is None:
                 regions[s.name] = math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else dtype_bytes)
-    return sum(regions.values()) + (cfg.num_layers + 1) * Layout(cfg, "ep", 0, P).expert_bytes(dtype_bytes)
+    return sum(regions.values()) + num_slots(cfg) * Layout(cfg, "ep", 0, P).expert_bytes(dtype_bytes)
 
 
 def kv_capacity_tokens(cfg: ModelConfig, P: int, kv_bytes: float, dtype_bytes: int = 2) -> dict[str, int]:
-    """Tokens of KV each layout holds engine-wide when a rank's KV cache is `kv_bytes` (over its num_layers + 1
-    layer slots, as worker/build.py lays it out): a rank holds its KV heads of the family's KV spec (`Layout`) for
-    each token of the requests it runs; TP runs every request on every rank, EP each on one. So for MLA (one latent
-    replicated in TP) TP holds 1/P of EP's tokens; for GQA with fewer KV heads than ranks, KV heads / P of them."""
+    """Tokens of KV each layout holds engine-wide when a rank's KV cache is `kv_bytes` (over the layer slots that
+    hold full-attention layers, as worker/build.py lays it out; a window group's slots, a few windows a request,
+    left out): a rank holds its KV heads of the family's KV spec (`Layout`) for each token of the requests it runs;
+    TP runs every request on every rank, EP each on one. So for MLA (one latent replicated in TP) TP holds 1/P of
+    EP's tokens; for GQA with fewer KV heads than ranks, KV heads / P of them."""
     spec, out = cfg.kv_spec, {}
+    first = sum(1 for held in slot_groups(cfg, MODES) if 0 in held)  # slots of the first KV group's pages
     for mode in MODES:
         lay = Layout(cfg, mode, 0, P)
-        per_token = (cfg.num_layers + 1) * lay.num_kv_heads * spec.parts * spec.dim * dtype_bytes
+        per_token = first * lay.num_kv_heads * spec.parts * spec.dim * dtype_bytes
         out[mode] = int(kv_bytes // per_token) * (P if lay.data_parallel else 1)
     return out
 

@@ -23,6 +23,14 @@ CPU_DEFAULT_KV_TOKENS = 65536
 MIN_PAGES = 2
 
 
+def window_pages(window: int, block_size: int, max_running: int, max_batched_tokens: int) -> int:
+    """The most pages a window group's allocator gives out on a rank, page 0 included: a request's chunk of n tokens
+    from position p holds the pages from its first query's window (keys from p - window + 1) to its last token,
+    ceil((window - 1 + n) / block_size) + 1 at most, with at most `max_running` requests and `max_batched_tokens`
+    tokens a step (`KVPages.grow` frees a window's earlier pages before it gives any)."""
+    return max_running * (-(-(window - 1) // block_size) + 2) + -(-max_batched_tokens // block_size) + 1
+
+
 def kv_budget(max_total_tokens: int | None, block_size: int, device: str) -> int | None:
     """KV pages a rank holds by the flags (None: sized from GPU memory on the rank); ConfigError naming the setting
     and the numbers unless they leave a page beside the reserved page 0."""
@@ -194,13 +202,17 @@ class KVPages:
     so that the group holds a window's pages a request however long it grows. The first group's allocator holds the
     prefix cache's chain of keys; another group indexes its pages under the first group's keys (vLLM's hybrid
     prefix caching: a prefix is cached where the first group holds its pages and each window group the pages of
-    the window its next query reads, those freed as the window moved on included, until evicted). Every group has
-    the same number of pages (a layer's KV region is the same in every slot):
-    a window group never runs out before the first group (its tables cover fewer pages), but its freed pages serve
-    only its own layers."""
+    the window its next query reads, those freed as the window moved on included, until evicted). A window group
+    after a full one has only the pages its running requests' windows can take (`window_pages`; its layers' slots
+    hold no more, worker/build.py), so the first group bounds how many tokens a rank holds."""
 
-    def __init__(self, num_pages: int, block_size: int, windows: Sequence[int | None] = (None,)) -> None:
-        self.groups = [BlockAllocator(num_pages, block_size) for _ in windows]
+    def __init__(self, num_pages: int | Sequence[int], block_size: int, windows: Sequence[int | None] = (None,)
+                 ) -> None:
+        """num_pages: each group's, or one count for every group."""
+        counts = [num_pages] * len(windows) if isinstance(num_pages, int) else list(num_pages)
+        if len(counts) != len(windows):
+            raise ValueError(f"{len(counts)} page counts for {len(windows)} KV groups")
+        self.groups = [BlockAllocator(n, block_size) for n in counts]
         self.windows = tuple(windows)
         self.block_size = block_size
         self.windowed = any(w is not None for w in windows)
@@ -209,11 +221,6 @@ class KVPages:
     def first(self) -> BlockAllocator:
         """The first group's allocator: the prefix cache's, and the one the rank's KV statistics report."""
         return self.groups[0]
-
-    @property
-    def num_free(self) -> int:
-        """Pages free in every group (what whole tables, `take`, may use)."""
-        return min(a.num_free for a in self.groups)
 
     def need(self, tables: Sequence[Sequence[int]], start: int, stop: int) -> list[int]:
         """The pages each group gives a request whose tables are `tables` so that its tokens up to `stop` have pages,
@@ -309,9 +316,12 @@ class KVPages:
             a.free(t[k:end])
             t[k:end] = [0] * (end - k)
 
-    def take(self, num_pages: int) -> list[list[int]]:
-        """Whole tables of `num_pages` pages, a group each (the probes' requests, whose steps read every page)."""
-        return [a.allocate(num_pages) for a in self.groups]
+    def take(self, start: int, stop: int) -> list[list[int]]:
+        """The tables of a request (the probes') whose tokens up to `stop` have pages, its next chunk starting at
+        `start` (a window group's pages before that chunk's window: page 0)."""
+        tables: list[list[int]] = [[] for _ in self.groups]
+        self.extend(tables, start, self.need(tables, start, stop))
+        return tables
 
     def free(self, tables: Sequence[Sequence[int]]) -> None:
         """Drop a request's tables (page 0: freed already, or never its own; a request never admitted has none)."""
@@ -320,19 +330,24 @@ class KVPages:
 
 
 class KVPool:
-    """Per-layer cache views [num_pages, parts, block_size, heads, dim] inside the layer slots, as the family's KV
+    """Per-layer cache views [pages, parts, block_size, heads, dim] inside the layer slots, as the family's KV
     spec says (K and V heads: [pages, 2, bs, kv_heads, head_dim]; an MLA latent: [pages, 1, bs, 1, latent]), with
-    `heads` the heads this rank holds.
+    `heads` the heads this rank holds and `group_pages[g]` pages in a layer of KV group g (`layer_groups`).
 
     A page is contiguous (every part of its block_size tokens), so moving a page is one contiguous copy.
     """
 
-    def __init__(self, umm: UnifiedMemory, slots: list[int], offset: int, num_pages: int, block_size: int,
-                 spec: KVSpec, heads: int, dtype: torch.dtype) -> None:
-        shape = (num_pages, spec.parts, block_size, heads, spec.dim)
-        self.layers = [umm.slot_view(s, offset, shape, dtype) for s in slots]
-        self.num_pages = num_pages
+    def __init__(self, umm: UnifiedMemory, slots: list[int], offset: int, group_pages: Sequence[int],
+                 layer_groups: Sequence[int], block_size: int, spec: KVSpec, heads: int, dtype: torch.dtype) -> None:
+        self.layers = [umm.slot_view(s, offset, (group_pages[g], spec.parts, block_size, heads, spec.dim), dtype)
+                       for s, g in zip(slots, layer_groups, strict=True)]
+        self.group_pages = tuple(group_pages)
         self.block_size = block_size
+
+    @property
+    def num_pages(self) -> int:
+        """The first KV group's pages (every layer's but a window group's: those hold fewer)."""
+        return self.group_pages[0]
 
     @staticmethod
     def page_bytes(block_size: int, spec: KVSpec, heads: int, dtype: torch.dtype) -> int:

@@ -1,16 +1,17 @@
 """The unified memory manager: one device buffer per rank, every long-lived tensor a view at a fixed offset.
 
-Planning and allocation are separate: the engine first declares every region (`MemoryPlan.add`, `add_slots`),
-then `UnifiedMemory` allocates the buffer once and hands out views. N layers get N + 1 equal layer slots; a slot
-holds one layer's expert weights and that layer's KV pages. Nothing long-lived is allocated afterwards, so the
-buffer address and every view's data_ptr() stay fixed for the life of the process (CUDA graphs rely on it).
+Planning and allocation are separate: the engine first declares every region (`MemoryPlan.add`, `add_slots`), then
+`UnifiedMemory` allocates the buffer once and hands out views. N layers get N + 1 layer slots (or more:
+`parallel.layout.slot_shift`); a slot holds one layer's expert weights and that layer's KV pages. Nothing long-lived is
+allocated afterwards, so the buffer address and every view's data_ptr() stay fixed for the life of the process (CUDA
+graphs rely on it).
 
 Memory release (colocated RL training): the plan tags its bytes `weights` or `kv_cache`; `release(tags)` gives the
 physical memory under them back while keeping the virtual range, and `resume(tags)` maps fresh memory at the same
 addresses (restoring the weights from a host copy when asked to keep them), so every view and captured graph stays
 valid. On the GPU the buffer is a CUDA virtual-memory reservation with physical memory mapped in segments
-(`cuda.bindings`, CUDA's driver API; torch's own allocator without it, and then no release); on the CPU an
-anonymous mapping whose pages `madvise(MADV_DONTNEED)` drops.
+(`cuda.bindings`, CUDA's driver API; torch's own allocator without it, and then no release); on the CPU an anonymous
+mapping whose pages `madvise(MADV_DONTNEED)` drops.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import mmap
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,20 +42,19 @@ class Region:
 
 @dataclass
 class MemoryPlan:
-    """Byte layout of the buffer: named regions followed by `num_slots` layer slots of `slot_bytes` each. A region or
-    a part of every slot may carry a tag (`TAGS`): the bytes a release of that tag gives back."""
+    """Byte layout of the buffer: named regions followed by the layer slots (`slots`: each one's offset and bytes;
+    a slot's parts, its experts and its KV pages, may differ in size from another's). A region or a part of a slot
+    may carry a tag (`TAGS`): the bytes a release of that tag gives back."""
 
     regions: dict[str, Region] = field(default_factory=dict)
     end: int = 0
-    num_slots: int = 0
-    slot_bytes: int = 0
-    slots_offset: int = 0
+    slots: list[Region] = field(default_factory=list)
     tagged: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, nbytes, tag)
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, tag: str | None = None) -> Region:
         if name in self.regions:
             raise ValueError(f"region {name!r} planned twice")
-        if self.num_slots:
+        if self.slots:
             raise ValueError("regions must be planned before the layer slots")
         nbytes = _nbytes(shape, dtype)
         region = Region(name, self.end, nbytes)
@@ -64,18 +64,22 @@ class MemoryPlan:
         self.end = _round_up(self.end + nbytes)
         return region
 
-    def add_slots(self, num_slots: int, slot_bytes: int, parts: Iterable[tuple[str | None, int]] = ()) -> None:
-        """`parts`: (tag or None, bytes) from the start of every slot, in order."""
-        self.slots_offset = self.end
-        self.num_slots = num_slots
-        self.slot_bytes = _round_up(slot_bytes)
-        self.end = self.slots_offset + self.num_slots * self.slot_bytes
-        for s in range(num_slots):
-            at = self.slots_offset + s * self.slot_bytes
+    def add_slots(self, slots: Sequence[Sequence[tuple[str | None, int]]]) -> None:
+        """One layer slot for each entry: its parts, (tag or None, bytes) from its start, in order."""
+        if self.slots:
+            raise ValueError("the layer slots are planned once")
+        for s, parts in enumerate(slots):
+            at = self.end
             for tag, nbytes in parts:
                 if tag is not None:
                     self.tagged.append((at, nbytes, _check_tag(tag)))
                 at += nbytes
+            self.slots.append(Region(f"slot {s}", self.end, at - self.end))
+            self.end = _round_up(at)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
 
     @property
     def total_bytes(self) -> int:
@@ -164,8 +168,8 @@ class UnifiedMemory:
         """A view `offset` bytes into layer slot `slot`."""
         if not 0 <= slot < self.plan.num_slots:
             raise IndexError(f"slot {slot} out of range (have {self.plan.num_slots})")
-        base = self.plan.slots_offset + slot * self.plan.slot_bytes
-        return self._view(base + offset, shape, dtype, self.plan.slot_bytes - offset)
+        region = self.plan.slots[slot]
+        return self._view(region.offset + offset, shape, dtype, region.nbytes - offset)
 
     def releasable_bytes(self, tags: Iterable[str] = TAGS) -> int:
         """The bytes a release of `tags` gives back (whole granules of one tag: the rest stays mapped)."""
@@ -247,7 +251,8 @@ def _backing(plan: MemoryPlan, device: torch.device) -> _HostBacking | _TorchBac
         return _TorchBacking(plan, device)
     except (RuntimeError, MemoryError, OSError, OverflowError) as e:  # torch.OutOfMemoryError, mmap's ENOMEM, ...
         raise MemoryError(f"could not allocate the unified buffer of {plan.total_bytes / 2**30:.2f} GiB "
-                          f"({plan.num_slots} layer slots of {plan.slot_bytes / 2**30:.3f} GiB) on {device}: "
+                          f"({plan.num_slots} layer slots of {sum(r.nbytes for r in plan.slots) / 2**30:.3f} GiB "
+                          f"in all) on {device}: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 

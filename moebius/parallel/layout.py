@@ -10,6 +10,8 @@ with it, and both switch directions move bytes between the same views.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +42,35 @@ def check_shapes(cfg: ModelConfig, world_size: int) -> None:
         raise ConfigError(f"moe_intermediate_size {cfg.moe_intermediate_size} is not divisible by {P} ranks")
     if cfg.intermediate_size % P and any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
         raise ConfigError(f"intermediate_size {cfg.intermediate_size} (dense layers) is not divisible by {P} ranks")
+
+
+@functools.cache
+def slot_shift(cfg: ModelConfig) -> int:
+    """How many slots EP layer i sits past TP layer i (N layers take N + shift slots): 1, or where the KV groups
+    alternate (GPT-OSS's sliding and full layers) the least shift up to 4 under which every slot holds layers of one
+    KV group in both layouts, so that a window group's slots hold a window's pages only (`worker/build.py`) at the
+    cost of one more slot of experts. Any shift keeps the switch's in-place order (`switch/executor.py`)."""
+    group = cfg.kv_group_of
+    if len(cfg.kv_groups) > 1:
+        for s in range(1, 5):
+            if all(group(i) == group(i + s) for i in range(cfg.num_layers - s)):
+                return s
+    return 1
+
+
+def num_slots(cfg: ModelConfig) -> int:
+    """The layer slots of a rank's unified buffer: a layer's in each layout, and the spares between."""
+    return cfg.num_layers + slot_shift(cfg)
+
+
+def slot_groups(cfg: ModelConfig, modes: Iterable[str]) -> list[frozenset[int]]:
+    """The KV groups (`ModelConfig.kv_groups`) whose layers each slot holds in the layouts `modes` (none: a spare)."""
+    held: list[set[int]] = [set() for _ in range(num_slots(cfg))]
+    for mode in modes:
+        lay = Layout(cfg, mode, 0, 1)  # (a layer's slot is the same on every rank)
+        for i in range(cfg.num_layers):
+            held[lay.slot_of(i)].add(cfg.kv_group_of(i))
+    return [frozenset(g) for g in held]
 
 
 @dataclass(frozen=True)
@@ -119,8 +150,9 @@ class Layout:
         return 3 * El * Il * D * elt
 
     def slot_of(self, layer: int) -> int:
-        """Physical layer slot of `layer`: TP layer i in slot i, EP layer i in slot i + 1 (slot N is the spare)."""
-        return layer if self.mode == "tp" else layer + 1
+        """Physical layer slot of `layer`: TP layer i in slot i, EP layer i in slot i + `slot_shift` (the last slots
+        are TP's spares, the first EP's)."""
+        return layer if self.mode == "tp" else layer + slot_shift(self.cfg)
 
     # ---- requests and the step ----
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -134,7 +134,7 @@ def shared_prefixes(running: list[Request], after: list[int], before: list[int],
     return out
 
 
-def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages: int, mine: RankRequests,
+def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_pages: Sequence[int], mine: RankRequests,
                     owners: dict[str, int], groups: Groups, device: torch.device, block_size: int, max_running: int,
                     share_prefixes: bool = True) -> SwitchResult:
     """Switch this rank from layout `src` to `dst` (a collective: every rank, the same plan). owners: the rank each
@@ -163,15 +163,17 @@ def switch_requests(switcher: Switcher, src: Layout, dst: Layout, dst_num_pages:
               else [0] * len(running))
     # Capacity: the target must hold the live KV of every running request (plus its next token) in every KV group
     # (a window group: its window's pages) ...
-    kv_pages = KVPages(dst_num_pages, block_size, [g.window for g in src.cfg.kv_groups])
+    kv_pages = KVPages(dst_pages, block_size, [g.window for g in src.cfg.kv_groups])
     first = [[first_live_page(r.num_computed, w, block_size) for r in running] for w in kv_pages.windows]
     need = [[sum(-(-r.num_tokens // block_size) - max(s if g == 0 else 0, f)
                  for r, o, s, f in zip(running, after, shared, first[g], strict=False) if lay.holds(o))
              for g in range(len(first))] for lay in targets]
-    most = max((n for per_group in need for n in per_group), default=0)
-    if most > kv_pages.first.usable_pages:
-        return _refused(src, dst, f"{dst.mode} layout cannot hold the live KV: needs {most} pages on a rank, "
-                        f"has {kv_pages.first.usable_pages}")
+    for g, alloc in enumerate(kv_pages.groups):
+        most = max((per_group[g] for per_group in need), default=0)
+        if most > alloc.usable_pages:
+            where = f" in KV group {g} (window {kv_pages.windows[g]})" if len(need[0]) > 1 else ""
+            return _refused(src, dst, f"{dst.mode} layout cannot hold the live KV: needs {most} pages on a rank"
+                            f"{where}, has {alloc.usable_pages}")
     # ... and its batch slots (TP runs every request on every rank)
     per_rank = [sum(1 for o in after[: len(running)] if lay.holds(o)) for lay in targets]
     if max(per_rank, default=0) > max_running:

@@ -1,6 +1,7 @@
-"""Building one rank: its unified buffer (dense weights of both layouts, static buffers per mode, N + 1 slots of
-experts and KV), the start layout's weights, a runtime per layout, and, once every rank is built, the start-up
-steps that run collectives (switch paths, symmetric-memory exchanges, CUDA graph capture).
+"""Building one rank: its unified buffer (dense weights of both layouts, static buffers per mode, N + 1 slots of experts
+and KV, or more: `parallel.layout.slot_shift`), the start layout's weights, a runtime per layout, and, once every
+rank is built, the start-up steps that run collectives (switch paths, symmetric-memory exchanges, CUDA graph
+capture).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import gc
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +19,13 @@ from moebius.config import ConfigError, EngineConfig
 from moebius.kernels import KernelConfig
 from moebius.kernels.flash import use_flash
 from moebius.link.lifecycle import StopRules
-from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget
+from moebius.memory.kv_pool import CPU_DEFAULT_KV_TOKENS, MIN_PAGES, KVPool, kv_budget, window_pages
 from moebius.memory.umm import MemoryPlan, UnifiedMemory
 from moebius.models.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.models.registry import family_of
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
-from moebius.parallel.layout import Layout, check_quantized_layouts, check_shapes
+from moebius.parallel.layout import Layout, check_quantized_layouts, check_shapes, num_slots, slot_groups
 from moebius.switch.executor import Switcher, SwitchOptions
 from moebius.worker.rank import ModeRuntime, Rank, RankSpec
 from moebius.worker.runner import ModelRunner, StaticBuffers
@@ -44,10 +46,11 @@ class BufferSizes:
     num_slots: int
 
 
-def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, page_bytes: int,
+def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, kv_bytes: Callable[[int], int],
                max_model_len: int) -> int:
-    """KV pages of the start layout: by --max-total-tokens, the CPU default, or what --mem-fraction of the GPU leaves
-    after the weights and step buffers; ConfigError naming the setting and the numbers when no page is usable."""
+    """The first KV group's pages in the start layout: by --max-total-tokens, the CPU default, or the most that
+    --mem-fraction of the GPU leaves room for after the weights and step buffers, the slots' KV bytes being
+    `kv_bytes(pages)` (`SlotKV.total`); ConfigError naming the setting and the numbers when no page is usable."""
     pages = kv_budget(ecfg.max_total_tokens, ecfg.block_size, device.type)
     if pages is not None:
         return pages
@@ -55,7 +58,12 @@ def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, pag
     allowed = min(free, int(total * ecfg.mem_fraction))
     experts = sizes.num_slots * sizes.expert
     left = allowed - sizes.dense - sizes.static - experts
-    pages = left // (sizes.num_slots * page_bytes)
+    pages, more = 0, 1  # the most pages whose KV fits in `left` (kv_bytes grows with pages)
+    while kv_bytes(more) <= left:
+        pages, more = more, 2 * more
+    while more - pages > 1:
+        mid = (pages + more) // 2
+        pages, more = (mid, more) if kv_bytes(mid) <= left else (pages, mid)
     if pages < MIN_PAGES:
         raise ConfigError(
             f"--mem-fraction {ecfg.mem_fraction} of {device} ({total / GiB:.1f} GiB, {free / GiB:.1f} GiB free) gives "
@@ -64,10 +72,45 @@ def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, pag
             f"{sizes.static / GiB:.2f} GiB (--max-num-batched-tokens {ecfg.max_num_batched_tokens}, "
             f"--max-running-requests {ecfg.max_running_requests}, --max-model-len {max_model_len}), leaving "
             f"{left / GiB:.2f} GiB, where {MIN_PAGES} KV pages of --block-size {ecfg.block_size} tokens in every "
-            f"layer slot take {MIN_PAGES * sizes.num_slots * page_bytes / GiB:.2f} GiB (page 0 is reserved): raise "
+            f"layer slot take {kv_bytes(MIN_PAGES) / GiB:.2f} GiB (page 0 is reserved): raise "
             "--mem-fraction, spread the model over more ranks (--num-ranks), or lower --max-num-batched-tokens or "
             "--max-model-len")
     return int(pages)
+
+
+@dataclass(frozen=True)
+class SlotKV:
+    """How a rank's KV cache spreads over its layer slots: each slot's KV region holds a page table's pages of the
+    KV groups whose layers it holds in some held layout (`slot_groups`); a window group after the first holds at
+    most `caps[g]` bytes a layer, what its allocator can give out in any layout (`window_pages`), so that the memory
+    a sliding layer's slot leaves goes to the first group's pages (GPT-OSS: `parallel.layout.slot_shift` keeps its
+    sliding layers' slots apart from its full layers')."""
+
+    slot_groups: tuple[frozenset[int], ...]
+    caps: tuple[int | None, ...]  # a group's most bytes a layer (None: the first's, sized by the budget)
+    page_bytes: int  # the start layout's
+
+    def group_bytes(self, pages: int) -> list[int]:
+        """One layer's KV bytes in each group, the first group having `pages` pages of the start layout."""
+        first = pages * self.page_bytes
+        return [first if cap is None else min(first, cap) for cap in self.caps]
+
+    def slot_bytes(self, pages: int) -> list[int]:
+        """Each slot's KV bytes (0 in a slot no held layout puts a layer in)."""
+        group = self.group_bytes(pages)
+        return [max((group[g] for g in held), default=0) for held in self.slot_groups]
+
+    def total(self, pages: int) -> int:
+        return sum(self.slot_bytes(pages))
+
+
+def _slot_kv(ecfg: EngineConfig, layouts: dict[str, Layout], start: str, page_bytes: dict[str, int]) -> SlotKV:
+    cfg = layouts[start].cfg
+    caps = [None if g == 0 or grp.window is None else
+            max(b * window_pages(grp.window, ecfg.block_size, ecfg.max_running_requests, ecfg.max_num_batched_tokens)
+                for b in page_bytes.values())
+            for g, grp in enumerate(cfg.kv_groups)]
+    return SlotKV(tuple(slot_groups(cfg, layouts)), tuple(caps), page_bytes[start])
 
 
 def _kv_setting(ecfg: EngineConfig, device: torch.device) -> str:
@@ -80,12 +123,12 @@ def _kv_setting(ecfg: EngineConfig, device: torch.device) -> str:
 
 
 def _layout_pages(ecfg: EngineConfig, device: torch.device, layouts: dict[str, Layout], start: str,
-                  start_pages: int, page_bytes: dict[str, int]) -> dict[str, int]:
-    """Pages each held layout makes of the start layout's KV bytes (a layout holding more KV heads a rank makes
-    fewer); ConfigError naming the layout, the setting and the numbers when one has no usable page."""
-    kv_bytes = start_pages * page_bytes[start]
-    pages = {m: kv_bytes // b for m, b in page_bytes.items()}
-    for m, n in pages.items():
+                  start_pages: int, page_bytes: dict[str, int], group_bytes: list[int]) -> dict[str, list[int]]:
+    """The pages each held layout makes of each KV group's bytes a layer (`group_bytes`; the first group's: the
+    start layout's `start_pages`; a layout holding more KV heads a rank makes fewer); ConfigError naming the
+    layout, the setting and the numbers when one has no usable page."""
+    pages = {m: [n // b for n in group_bytes] for m, b in page_bytes.items()}
+    for m, (n, *_) in pages.items():
         if n < MIN_PAGES:
             bs = ecfg.block_size
             least = -(-MIN_PAGES * page_bytes[m] // page_bytes[start]) * bs
@@ -114,15 +157,15 @@ def _available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def _check_fits(ecfg: EngineConfig, device: torch.device, total: int, kv_bytes: int, num_slots: int) -> None:
+def _check_fits(ecfg: EngineConfig, device: torch.device, total: int, kv_bytes: int, slots: int) -> None:
     """A buffer larger than the memory there is, refused before allocating it (on the CPU, zero-filling it would
     bring the out-of-memory killer, not an error), naming the setting that sized its KV cache."""
     available = _available_bytes(device)
     if available is not None and total > available:
         raise ConfigError(
-            f"the unified buffer of this rank would take {total / GiB:.2f} GiB ({num_slots * kv_bytes / GiB:.2f} GiB "
-            f"of it the KV cache of {_kv_setting(ecfg, device)} over {num_slots} layer slots, "
-            f"{(total - num_slots * kv_bytes) / GiB:.2f} GiB weights and step buffers), more than the "
+            f"the unified buffer of this rank would take {total / GiB:.2f} GiB ({kv_bytes / GiB:.2f} GiB "
+            f"of it the KV cache of {_kv_setting(ecfg, device)} over {slots} layer slots, "
+            f"{(total - kv_bytes) / GiB:.2f} GiB weights and step buffers), more than the "
             f"{available / GiB:.2f} GiB {device} has available: lower --max-total-tokens (or cut --num-layers)")
 
 
@@ -161,13 +204,15 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
     page_bytes = {m: KVPool.page_bytes(bs, cfg.kv_spec, lay.num_kv_heads, dtype) for m, lay in layouts.items()}
-    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, cfg.num_layers + 1)
-    start_pages = _num_pages(ecfg, device, sizes, page_bytes[spec.mode], spec.max_model_len)
-    pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes)
-    kv_bytes = start_pages * page_bytes[spec.mode]
-    plan.add_slots(cfg.num_layers + 1, expert_bytes + kv_bytes, [("weights", expert_bytes), ("kv_cache", kv_bytes)])
+    slots = num_slots(cfg)
+    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, slots)
+    slot_kv = _slot_kv(ecfg, layouts, spec.mode, page_bytes)
+    start_pages = _num_pages(ecfg, device, sizes, slot_kv.total, spec.max_model_len)
+    pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes,
+                          slot_kv.group_bytes(start_pages))
+    plan.add_slots([[("weights", expert_bytes), ("kv_cache", kv)] for kv in slot_kv.slot_bytes(start_pages)])
     if ecfg.max_total_tokens is not None or device.type != "cuda":  # --mem-fraction sized it to fit already
-        _check_fits(ecfg, device, plan.total_bytes, kv_bytes, cfg.num_layers + 1)
+        _check_fits(ecfg, device, plan.total_bytes, slot_kv.total(start_pages), slots)
     umm = UnifiedMemory(plan, device)
 
     # Weights: dense parts of both layouts, experts in the start layout's slots.
@@ -183,8 +228,8 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
         weights = family.build_weights(umm, cfg, lay, dtype)
-        kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes, pages[m], bs,
-                    cfg.kv_spec, lay.num_kv_heads, dtype)
+        kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes, pages[m],
+                    [cfg.kv_group_of(i) for i in range(cfg.num_layers)], bs, cfg.kv_spec, lay.num_kv_heads, dtype)
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
                              StaticBuffers.build(umm, m, *buf_shape), bs, device, kernels=kernels)
         modes[m] = ModeRuntime(lay, weights, kv, runner)
@@ -192,7 +237,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
                         {m: rt.kv.layers for m, rt in modes.items()},
                         SwitchOptions(ecfg.switch_overlap, ecfg.switch_transport, kernels.reshard_kernel))
     log.info("rank %d: unified buffer %.1f MiB; KV pages of %d tokens: %s", spec.rank, plan.total_bytes / 2**20,
-             bs, {m: rt.kv.num_pages for m, rt in modes.items()})
+             bs, {m: rt.kv.group_pages for m, rt in modes.items()})
     return Rank(spec, groups, umm, modes, switcher, StopRules(spec.eos_token_ids))
 
 

@@ -38,10 +38,15 @@ def _decoding(rank: Rank, n: int, context: int) -> list[ScheduledChunk]:
     for i in range(n):
         ids = [(r * 7919 + i * 104729 + j * 31) % V for j in range(context + 1)]
         req = Request(RequestSpec(f"bench{i}", ids, params, i, context + 2))
-        req.set_tables(rank.kv_pages.take(-(-(context + 1) // rank.spec.engine.block_size)))
+        req.set_tables(rank.kv_pages.take(context, context + 1))
         req.num_computed = context
         chunks.append(ScheduledChunk(req, context, 1))
     return chunks
+
+
+def _pages(counts: list[int]) -> str:
+    """Page counts of the KV groups: one number where there is one group."""
+    return str(counts[0]) if len(counts) == 1 else "/".join(map(str, counts)) + " (a KV group each)"
 
 
 NOT_HERE = "fits this rank, not another"  # (each rank answers for itself: the one that lacks room says why)
@@ -60,11 +65,10 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
     lay, alloc, groups = rank.layout, rank.kv_pages, rank.groups
     local = lay.local_batch(batch)
     ecfg = rank.spec.engine
-    pages_each = -(-(context + 1) // ecfg.block_size)
-    need = local * pages_each
+    need = [local * n for n in alloc.need([[] for _ in alloc.groups], context, context + 1)]
     why = []
-    if need > alloc.num_free:
-        why.append(f"needs {need} KV pages, {alloc.num_free} free")
+    if not alloc.fits(need):
+        why.append(f"needs {_pages(need)} KV pages, {_pages([a.num_free for a in alloc.groups])} free")
     if local > ecfg.max_num_batched_tokens:
         why.append(f"{local} requests a step, past the token budget of {ecfg.max_num_batched_tokens}")
     if not fits_every_rank(not why, groups) or why:
@@ -113,22 +117,25 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
                          f"{steps}, {warmup}, {sequences}, {decodes}, {decode_context} and {idle_s}"}
     alloc, groups, ecfg = rank.kv_pages, rank.groups, rank.spec.engine
     sizes = split_evenly(tokens, sequences)
-    pages = [-(-(context + n) // ecfg.block_size) for n in sizes]
-    need = sum(pages) + decodes * -(-(decode_context + 1) // ecfg.block_size)
-    ok = (need <= alloc.num_free and tokens + decodes <= ecfg.max_num_batched_tokens
+    fresh: list[list[int]] = [[] for _ in alloc.groups]
+    each = [alloc.need(fresh, context, context + n) for n in sizes]
+    each += [alloc.need(fresh, decode_context, decode_context + 1)] * decodes
+    need = [sum(n) for n in zip(*each, strict=True)]
+    ok = (alloc.fits(need) and tokens + decodes <= ecfg.max_num_batched_tokens
           and sequences + decodes <= ecfg.max_running_requests)
     if not fits_every_rank(ok, groups) or not ok:
         return {"error": NOT_HERE if ok else (
-            f"needs {need} KV pages ({alloc.num_free} free), a token budget of {tokens + decodes} "
+            f"needs {_pages(need)} KV pages ({_pages([a.num_free for a in alloc.groups])} free), a token budget of "
+            f"{tokens + decodes} "
             f"({ecfg.max_num_batched_tokens}) and room for {sequences + decodes} requests "
             f"({ecfg.max_running_requests})")}
     V = rank.cfg.vocab_size
     chunks = _decoding(rank, decodes, decode_context)  # running requests come first in a step (the scheduler's order)
-    for s, (n, p) in enumerate(zip(sizes, pages, strict=True)):
+    for s, n in enumerate(sizes):
         ids = [(groups.rank * 7919 + s * 7 + j * 104729) % V for j in range(context + n)]
         req = Request(RequestSpec(f"bench-prefill-{s}", ids, SamplingParams(temperature=0.0, max_tokens=1), 0,
                                   context + n + 1))
-        req.set_tables(alloc.take(p))
+        req.set_tables(alloc.take(context, context + n))
         req.num_computed = context
         chunks.append(ScheduledChunk(req, context, n))
     sync, times = StepSync(tokens + decodes, False), []

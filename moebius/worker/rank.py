@@ -111,7 +111,7 @@ class Rank:
         self.switcher, self.rules = switcher, rules
         self.mode = spec.mode
         ecfg = spec.engine
-        self.kv_pages = KVPages(modes[self.mode].kv.num_pages, ecfg.block_size,
+        self.kv_pages = KVPages(modes[self.mode].kv.group_pages, ecfg.block_size,
                                 [g.window for g in self.cfg.kv_groups])
         self.scheduler = Scheduler(self.kv_pages, ecfg.max_running_requests, ecfg.max_num_batched_tokens,
                                    prefix_caching=not ecfg.disable_prefix_caching)
@@ -147,8 +147,9 @@ class Rank:
         return min(rt.kv.num_pages - 1 for rt in self.modes.values()) * self.spec.engine.block_size
 
     def kv_stats(self) -> KVStats:
-        """Free KV tokens: in the KV group with the fewest (every group has as many pages)."""
-        return KVStats(self.kv_pages.num_free * self.kv_pages.block_size, self.kv_pages.first.total_tokens)
+        """Free KV tokens: the first KV group's (a window group's pages are sized never to run out before them)."""
+        first = self.kv_pages.first
+        return KVStats(first.free_tokens, first.total_tokens)
 
     def destroy_graphs(self) -> None:
         for rt in self.modes.values():
@@ -260,7 +261,7 @@ class Rank:
                                  "model TP cannot cut)")
         sched = self.scheduler
         result = switch_requests(self.switcher, self.layout, self.modes[order.target].layout,
-                                 self.modes[order.target].kv.num_pages,
+                                 self.modes[order.target].kv.group_pages,
                                  RankRequests(sched.running, list(sched.waiting), self.others), order.owners,
                                  self.groups, self.device, self.spec.engine.block_size,
                                  self.spec.engine.max_running_requests, not self.spec.engine.disable_prefix_caching)
