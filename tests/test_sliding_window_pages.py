@@ -161,11 +161,12 @@ def test_gpt_oss_frees_the_sliding_layers_pages_and_a_switch_moves_only_the_wind
 
 def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_the_rest(gpt_oss: str) -> None:
     """GPT-OSS's sliding layers sit in slots of their own in both layouts (EP two slots past TP), and those slots
-    hold only the pages the running requests' windows can take (`window_pages`: 13 for 2 requests, 6-token windows,
-    4-token pages and a 16-token step), while the full layers' slots hold the whole budget; so the buffer's KV bytes
-    are the full layers' budget and a few windows. A request longer than the window group's pages, and probes with
-    contexts longer than them, run on the freed pages; its tokens are transformers' across a switch and back."""
-    prompt, n = PROMPTS[4], 40  # 63 tokens: 16 pages, against the window group's 12 usable
+    hold only the pages the running requests' windows can take and as many cached windows (`window_pages`: 19 for
+    2 requests, 6-token windows, 4-token pages and a 16-token step), while the full layers' slots hold the whole
+    budget; so the buffer's KV bytes are the full layers' budget and a few windows. A request longer than the
+    window group's pages, and probes with contexts longer than them, run on the freed pages; its tokens are
+    transformers' across a switch and back."""
+    prompt, n = PROMPTS[4], 60  # 83 tokens: 21 pages, against the window group's 18 usable
     want = hf_greedy(gpt_oss, tuple(prompt), n)
     kw = {**ENGINE_KW, "max_running_requests": 2}
     with LLM(model=gpt_oss, num_ranks=1, mode="tp", **kw) as llm:
@@ -175,7 +176,7 @@ def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_t
         assert slot_groups(cfg, ("tp", "ep")) == [frozenset({1}), frozenset({0})] * 2 + [frozenset({1})]
         win = window_pages(WINDOW, BLOCK, 2, kw["max_num_batched_tokens"])
         full = kw["max_total_tokens"] // BLOCK
-        assert win == 13 < full
+        assert win == 19 < full
         for m, rt in rank.modes.items():
             assert rt.kv.group_pages == (full, win), m
             assert [c.shape[0] for c in rt.kv.layers] == [win, full, win]
@@ -194,7 +195,7 @@ def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_t
             for o in llm.step():
                 out = o
             steps += 1
-            if steps in (20, 30):  # past the window group's pages: its tables hold freed ones
-                assert llm.switch_mode("ep" if steps == 20 else "tp").done
+            if steps in (30, 45):  # past the window group's pages: its tables hold freed ones
+                assert llm.switch_mode("ep" if steps == 30 else "tp").done
         assert out.outputs[0].token_ids == want
         assert all(a.num_free == a.usable_pages for a in rank.kv_pages.groups)

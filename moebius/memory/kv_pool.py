@@ -24,11 +24,14 @@ MIN_PAGES = 2
 
 
 def window_pages(window: int, block_size: int, max_running: int, max_batched_tokens: int) -> int:
-    """The most pages a window group's allocator gives out on a rank, page 0 included: a request's chunk of n tokens
-    from position p holds the pages from its first query's window (keys from p - window + 1) to its last token,
-    ceil((window - 1 + n) / block_size) + 1 at most, with at most `max_running` requests and `max_batched_tokens`
-    tokens a step (`KVPages.grow` frees a window's earlier pages before it gives any)."""
-    return max_running * (-(-(window - 1) // block_size) + 2) + -(-max_batched_tokens // block_size) + 1
+    """The pages a window group's allocator holds on a rank, page 0 included: the most its running requests can
+    take (a request's chunk of n tokens from position p holds the pages from its first query's window, keys from
+    p - window + 1, to its last token: ceil((window - 1 + n) / block_size) + 1 at most, `KVPages.grow` freeing a
+    window's earlier pages before it gives any; at most `max_running` requests and `max_batched_tokens` tokens a
+    step), and as many cached prefixes' windows (the pages a prefix's next query reads) as running requests, so
+    that the prefix cache keeps prefixes under load as the first group does."""
+    span = -(-(window - 1) // block_size)
+    return max_running * (span + 2) + -(-max_batched_tokens // block_size) + max_running * (span + 1) + 1
 
 
 def kv_budget(max_total_tokens: int | None, block_size: int, device: str) -> int | None:
@@ -203,8 +206,9 @@ class KVPages:
     prefix cache's chain of keys; another group indexes its pages under the first group's keys (vLLM's hybrid
     prefix caching: a prefix is cached where the first group holds its pages and each window group the pages of
     the window its next query reads, those freed as the window moved on included, until evicted). A window group
-    after a full one has only the pages its running requests' windows can take (`window_pages`; its layers' slots
-    hold no more, worker/build.py), so the first group bounds how many tokens a rank holds."""
+    after a full one has only the pages its running requests' windows can take and as many cached windows
+    (`window_pages`; its layers' slots hold no more, worker/build.py), so the first group bounds how many tokens a
+    rank holds."""
 
     def __init__(self, num_pages: int | Sequence[int], block_size: int, windows: Sequence[int | None] = (None,)
                  ) -> None:
