@@ -3,14 +3,13 @@ into BM-row blocks (a counting sort; three passes over chunks for many pairs); `
 gate and up projections with SwiGLU applied on the way out; `_down` the down projection scaled by the routing weight,
 one row per pair (`PairRows`); `sum_k` (kernels/fused.py, `PairRows.sum`) adds each token's local pairs in float32,
 unless the sublayer-end exchange sums them as it reads them (kernels/symmetric.py). A handful of pairs skips the sort
-(`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch that hits 8 experts
-reads 8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair count), so it runs
-inside CUDA graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles come in through TMA. A
-GEMM's programs are one 1-D grid over (column block, block), its blocks taken in groups (`TileConfig.group`,
-`_program_tile`) so that an expert's blocks can read a weight tile back to back. Quantized experts (uint8 rows,
-kernels/rows.py) are read as they are held: FP8 rows a 128-column chunk a K step (W8A8, or W8A16), MXFP4 rows decoded
-to the activations' dtype a tile at a time (W4A16, `linear.mx4_tile`). The torch reference is
-`moebius.layers.moe.experts_ref`.
+(`direct`: one pair per block). Each block reads only its expert's weights, so a decode batch that hits 8 experts reads
+8 experts. Everything stays on the device (grid sizes are upper bounds fixed by the pair count), so it runs inside CUDA
+graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles come in through TMA. A GEMM's
+programs are one 1-D grid over (column block, block), its blocks taken in groups (`TileConfig.group`, `_program_tile`)
+so that an expert's blocks can read a weight tile back to back. Quantized experts (uint8 rows, kernels/rows.py) are read
+as they are held: FP8 rows a 128-column chunk a K step (W8A8, or W8A16), MXFP4 rows a chunk's codes at a time into two
+dots, its low and high nibbles (W4A16, `linear.mx4_dot`). The torch reference is `moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from moebius.kernels.linear import (
     chunk_scales,
     chunk_values,
     fp8_dot,
+    mx4_dot,
     quantize_rows,
     store_chunk,
     unpack_fp8,
@@ -321,6 +321,10 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
                 acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, WS), acc_g, False)
                 acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, WS), acc_u,
                                 False)
+            elif FMT == MXFP4_ROWS:
+                wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                acc_g = mx4_dot(X, tok, ok, D, wbase, n, nm, k0, D, WS, acc_g, BK)
+                acc_u = mx4_dot(X, tok, ok, D, wbase, I + n, nm, k0, D, WS, acc_u, BK)
             else:
                 km = k0 + kk < D
                 a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
@@ -372,6 +376,8 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, 
             if TMA:  # padding rows of H hold garbage: their results are never stored
                 a = H.load([blk * BM, k0])
                 b = W2.load([e * D + nb * BN, k0])
+            elif FMT == MXFP4_ROWS:
+                acc = mx4_dot(H, rows, ok, I, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc, BK)
             elif not ACT8:
                 km = k0 + kk < I
                 a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
@@ -381,7 +387,7 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, 
                 aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
                 w2base = W2 + e.to(tl.int64) * D * WS
                 acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, WS), acc, False)
-            else:
+            elif FMT != MXFP4_ROWS:
                 acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
             acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -455,9 +461,9 @@ def align(ids_TK: torch.Tensor, first_expert: int, E: int, BM: int, *,
 
 
 # MXFP4 rows' K step: two 32-column chunks. A multiple of 32 (whole chunks: a chunk's mask is its columns'), it
-# divides GPT-OSS's hidden size 2880 (45 steps, no masked tail, where 128 would leave half a tile), and the decode's
-# int32 and float32 temporaries of a [BN, BK] tile are half those of BK = 128: compiled for sm_90 (Triton 3.9), the
-# decode-size configs spill no registers at 64 and spill at 128. Not yet tuned on a GPU (moe_tune.py).
+# divides GPT-OSS's hidden size 2880 (45 steps, no masked tail, where 128 would leave half a tile), and a step's
+# decoded tiles are half those of BK = 128: compiled for sm_90 (Triton 3.6), the decode-size configs spill no registers
+# at 64 and spill at 128. Not yet tuned on a GPU (moe_tune.py).
 MXFP4_BK = 64
 FP8_MAX_STAGES = 3
 

@@ -15,7 +15,7 @@ as the first kernel does, weight rows in registers before the wait (`linear_fp8_
 dequantized in registers as it is loaded (W8A16: `weight_tile`); with kc.fp8_activations each 128-column group of a
 row's activations is quantized to float8 with a scale of its own and the tensor cores take float8 on both sides
 (W8A8: `quantize_act`, `fp8_dot`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
-(--quantization mxfp4, kernels/mxfp4_rows.py) through `weight_tile` alone (W4A16: `mx4_tile`).
+(--quantization mxfp4, kernels/mxfp4_rows.py) through `mx4_dot` (W4A16: a chunk's codes in two dots).
 """
 
 from __future__ import annotations
@@ -62,42 +62,49 @@ def chunk_scales(W, rows, rm, k0, WS):
 
 
 @triton.jit
-def e2m1(q):
-    """float32 values of e2m1 codes q (int32, 0 .. 15: sign bit 3, exponent bits 2..1, mantissa bit 0): e == 0 gives
-    m / 2, else (1 + m / 2) * 2^(e - 1), i.e. twice the magnitude is m or (2 + m) << (e - 1); exact, -0.0 kept."""
-    e = (q >> 1) & 3
-    m = q & 1
-    mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5
-    return tl.where(q >= 8, -mag, mag)
+def e2m1_bf16(q):
+    """bfloat16 values of e2m1 codes q (int32, low 4 bits: sign bit 3, exponent bits 2..1, mantissa bit 0) times
+    2^-14, exact: the code's bits in float16's places (exponent e, mantissa bit on top) make 2^(e - 15) * (1 + m / 2)
+    and for e == 0 float16's subnormal m * 2^-15, e2m1's value times 2^-14 either way; -0.0 kept."""
+    bits = ((q & 7) << 9) | ((q & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
-def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
-    """Columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks) of MXFP4 rows `rows` (mask rm) of WS bytes
-    (kernels/mxfp4_rows.py) in DT, columns from K on 0 (K is whole chunks, so a chunk's mask is its columns'): each
-    e2m1 value times its chunk's 2^(scale - 127) in float32 (exact: the scale is built from its bits, no exp2
-    rounding, 2^-127 a subnormal), rounded once to DT as `unpack_rows` rounds."""
-    j = k0 + tl.arange(0, BK)  # the tile's columns: column j is nibble j % 2 of its chunk's byte (j % 32) // 2
-    at = W + rows.to(tl.int64)[:, None] * WS + (j // 32 * 17)[None, :]  # [rows, columns]: its chunk's first byte
-    m = rm[:, None] & (j < K)[None, :]
-    q = tl.load(at + (j % 32 // 2)[None, :], mask=m, other=0).to(tl.int32)  # (each byte read for both its columns)
-    s = tl.load(at + 16, mask=m, other=0).to(tl.int32)  # the chunk's scale byte
-    scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
-    # (2D [rows, columns] throughout: Triton 3.6 cannot lay out a joined [rows, bytes, 2] tile in shared memory for
-    # Hopper's dot (Illegal shared layout), which 3.9 can)
-    return (e2m1((q >> (j % 2 * 4)[None, :]) & 15) * scale).to(DT)
+def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
+    """acc [xrows, rows] plus rows `xrows` (mask xm, row stride XS) of X times MXFP4 rows `rows` (mask rm) of WS
+    bytes (kernels/mxfp4_rows.py) over columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks; K whole
+    chunks, those from K on left out). Each chunk's 16 code bytes are read once, their low nibbles (the chunk's even
+    columns) and high nibbles (odd ones) two tiles of exact e2m1 values (`e2m1_bf16`), each in a dot with X's
+    columns of that parity; the chunk's 2^(scale - 127) scales its float32 partial (a power of two: exact, as
+    `unpack_rows` scales each value)."""
+    i = tl.arange(0, 16)
+    for c in tl.static_range(BK // 32):
+        col = k0 + c * 32
+        cm = (col + 2 * i) < K  # (the chunk's, every column alike)
+        xp = X + xrows.to(tl.int64)[:, None] * XS + (col + 2 * i)[None, :]
+        x_lo = tl.load(xp, mask=xm[:, None] & cm[None, :], other=0.0)
+        x_hi = tl.load(xp + 1, mask=xm[:, None] & cm[None, :], other=0.0)
+        at = W + rows.to(tl.int64) * WS + col // 32 * 17
+        b = tl.load(at[:, None] + i[None, :], mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
+        s = tl.load(at + 16, mask=rm & (col + 0 * rows < K), other=0).to(tl.int32)
+        scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+        lo = e2m1_bf16(b).to(x_lo.dtype)
+        hi = e2m1_bf16(b >> 4).to(x_lo.dtype)
+        part = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo)))
+        acc += part * 16384.0 * scale[None, :]  # (2^14: e2m1_bf16's values are e2m1's times 2^-14)
+    return acc
 
 
 @triton.jit
 def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr):
     """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT, by format FMT: PLAIN values of row
     stride WS; FP8_ROWS of WS bytes (BK == 128, one chunk: its float8 values times the row's block scale, rounded
-    once to DT as `unpack_rows` rounds); MXFP4_ROWS of WS bytes (BK a multiple of 32: `mx4_tile`)."""
+    once to DT as `unpack_rows` rounds). (MXFP4 rows go into their dots as codes: `mx4_dot`.)"""
+    tl.static_assert(FMT != MXFP4_ROWS, "MXFP4 rows are read by mx4_dot, not as weight tiles")
     if FMT == FP8_ROWS:
         q = chunk_values(W, rows, rm, k0, K, WS).to(tl.float32)
         return (q * chunk_scales(W, rows, rm, k0, WS)[:, None]).to(DT)
-    elif FMT == MXFP4_ROWS:
-        return mx4_tile(W, rows, rm, k0, K, WS, BK, DT)
     else:
         kk = tl.arange(0, BK)
         m = rm[:, None] & (k0 + kk < K)[None, :]
