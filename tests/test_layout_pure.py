@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.parallel.layout import MODES, Layout, check_shapes, slot_groups, slot_shift
+from moebius.parallel.layout import MODES, Layout, check_shapes, slot_groups, slot_shifts
 
 H, KV_CHOICES, E, I_MOE, I_DENSE, D, HEAD_DIM = 16, (1, 2, 4, 8, 16), 16, 64, 128, 32, 8
 RANKS = (1, 2, 4, 8)
@@ -127,19 +127,19 @@ FULL4_WINDOW2 = (None,) * 4 + (8,) * 2
 @pytest.mark.parametrize("windows,shift", [((), 1), ((8, None) * 3, 2), ((8, 8, None) * 2, 3), (FULL4_WINDOW2, 1),
                                            ((8,) * 6, 1)],
                          ids=["no-window", "alternating", "period-3", "contiguous", "all-window"])
-def test_ep_sits_as_many_slots_past_tp_as_keeps_each_slot_to_one_kv_group(windows: tuple[int | None, ...],
-                                                                          shift: int) -> None:
-    """Where the KV groups repeat (GPT-OSS alternates sliding and full layers), EP layer i sits in the slot of TP
+def test_ep_may_sit_as_many_slots_past_tp_as_keeps_each_slot_to_one_kv_group(windows: tuple[int | None, ...],
+                                                                              shift: int) -> None:
+    """Where the KV groups repeat (GPT-OSS alternates sliding and full layers), EP layer i may sit in the slot of TP
     layer i + period, so that every slot's KV region is one group's; otherwise one slot past (a contiguous run of
     window layers mixes one slot), as every model but those."""
     cfg = mcfg(num_layers=6, layer_windows=windows)
-    assert slot_shift(cfg) == shift
-    tp, ep = Layout(cfg, "tp", 0, 2), Layout(cfg, "ep", 1, 2)
+    assert slot_shifts(cfg) == ((1, shift) if shift > 1 else (1,))
+    tp, ep = Layout(cfg, "tp", 0, 2, shift), Layout(cfg, "ep", 1, 2, shift)
     assert [ep.slot_of(i) - tp.slot_of(i) for i in range(6)] == [shift] * 6
-    held = slot_groups(cfg, MODES)
+    held = slot_groups(cfg, MODES, shift)
     assert len(held) == 6 + shift and all(held)  # every slot holds a layer in some layout
     assert sum(len(g) > 1 for g in held) == (windows == FULL4_WINDOW2)
-    assert slot_groups(cfg, ("tp",))[6:] == [frozenset()] * shift  # the spares of one layout
+    assert slot_groups(cfg, ("tp",), shift)[6:] == [frozenset()] * shift  # the spares of one layout
 
 
 # ---------------------------------------------------------------------------------------------------------------

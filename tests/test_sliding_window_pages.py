@@ -17,7 +17,7 @@ from moebius.config import first_live_page
 from moebius.link.messages import DecodeProbe, PrefillProbe
 from moebius.link.request import Request, RequestSpec
 from moebius.memory.kv_pool import KVPages, KVPool, window_pages
-from moebius.parallel.layout import slot_groups, slot_shift
+from moebius.parallel.layout import slot_groups, slot_shifts
 from moebius.worker.scheduler import Scheduler
 
 BS = 4
@@ -159,30 +159,39 @@ def test_gpt_oss_frees_the_sliding_layers_pages_and_a_switch_moves_only_the_wind
 
 
 
-def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_the_rest(gpt_oss: str) -> None:
-    """GPT-OSS's sliding layers sit in slots of their own in both layouts (EP two slots past TP), and those slots
-    hold only the pages the running requests' windows can take and as many cached windows (`window_pages`: 19 for
-    2 requests, 6-token windows, 4-token pages and a 16-token step), while the full layers' slots hold the whole
-    budget; so the buffer's KV bytes are the full layers' budget and a few windows. A request longer than the
+@pytest.fixture(scope="module")
+def gpt_oss6(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Six layers, sliding and full alternating (transformers' default layer_types)."""
+    return write_gpt_oss_checkpoint(str(tmp_path_factory.mktemp("window6") / "gpt_oss6"), {"num_hidden_layers": 6})
+
+
+def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_the_rest(gpt_oss6: str) -> None:
+    """Six GPT-OSS layers: EP sits two slots past TP, so that each slot holds sliding layers or full ones in both
+    layouts, and a sliding layer's slot holds only the pages the running requests' windows can take and as many
+    cached windows (`window_pages`: 19 for 2 requests, 6-token windows, 4-token pages and a 16-token step) while a
+    full layer's holds the whole budget: the buffer is the full layers' budget, a few windows and one more slot of
+    experts, fewer bytes than one slot apart (the build takes the shift of fewer bytes). A request longer than the
     window group's pages, and probes with contexts longer than them, run on the freed pages; its tokens are
     transformers' across a switch and back."""
     prompt, n = PROMPTS[4], 60  # 83 tokens: 21 pages, against the window group's 18 usable
-    want = hf_greedy(gpt_oss, tuple(prompt), n)
-    kw = {**ENGINE_KW, "max_running_requests": 2}
-    with LLM(model=gpt_oss, num_ranks=1, mode="tp", **kw) as llm:
+    want = hf_greedy(gpt_oss6, tuple(prompt), n)
+    kw = {**ENGINE_KW, "max_running_requests": 2, "max_total_tokens": 2048}
+    with LLM(model=gpt_oss6, num_ranks=1, mode="tp", **kw) as llm:
         rank = llm.engine.ranks.rank
         cfg = rank.cfg
-        assert [g.window for g in cfg.kv_groups] == [None, WINDOW] and slot_shift(cfg) == 2
-        assert slot_groups(cfg, ("tp", "ep")) == [frozenset({1}), frozenset({0})] * 2 + [frozenset({1})]
+        assert [g.window for g in cfg.kv_groups] == [None, WINDOW] and slot_shifts(cfg) == (1, 2)
+        assert {rt.layout.slot_shift for rt in rank.modes.values()} == {2}
         win = window_pages(WINDOW, BLOCK, 2, kw["max_num_batched_tokens"])
         full = kw["max_total_tokens"] // BLOCK
         assert win == 19 < full
         for m, rt in rank.modes.items():
             assert rt.kv.group_pages == (full, win), m
-            assert [c.shape[0] for c in rt.kv.layers] == [win, full, win]
+            assert [c.shape[0] for c in rt.kv.layers] == [win, full] * 3
         page = KVPool.page_bytes(BLOCK, cfg.kv_spec, cfg.num_kv_heads, torch.float32)
+        expert = rank.umm.plan.slots[0].nbytes - win * page
         kv_bytes = sum(nb for _, nb, tag in rank.umm.plan.tagged if tag == "kv_cache")
-        assert kv_bytes == (2 * full + 3 * win) * page < 4 * full * page  # (N + 1 slots of the budget before)
+        assert kv_bytes == (4 * full + 4 * win) * page  # 8 slots: (1 + 5 mixed) full ones and 1 window one at shift 1
+        assert 8 * expert + kv_bytes < 7 * expert + (6 * full + win) * page
         for probe in (DecodeProbe(batch=2, context=100, steps=1, warmup=0),
                       PrefillProbe(tokens=8, context=90, steps=1, warmup=0, decodes=1, decode_context=80)):
             (answer,) = llm.engine.probe(probe)
@@ -199,3 +208,19 @@ def test_gpt_oss_sliding_layers_slots_hold_a_windows_pages_and_the_full_layers_t
                 assert llm.switch_mode("ep" if steps == 30 else "tp").done
         assert out.outputs[0].token_ids == want
         assert all(a.num_free == a.usable_pages for a in rank.kv_pages.groups)
+
+
+def test_three_gpt_oss_layers_keep_one_slot_apart_where_two_would_cost_more(gpt_oss: str) -> None:
+    """Three layers (sliding, full, sliding): two slots apart would leave as many full slots (two) for one more slot
+    of experts, so the build keeps one slot apart; the slots holding only a sliding layer (the first, TP's layer 0,
+    and the last, EP's layer 2) still hold only a window group's pages."""
+    kw = {**ENGINE_KW, "max_running_requests": 2}
+    with LLM(model=gpt_oss, num_ranks=1, mode="tp", **kw) as llm:
+        rank = llm.engine.ranks.rank
+        assert {rt.layout.slot_shift for rt in rank.modes.values()} == {1}
+        assert slot_groups(rank.cfg, ("tp", "ep")) == [frozenset({1}), frozenset({0, 1}), frozenset({0, 1}),
+                                                        frozenset({1})]
+        page = KVPool.page_bytes(BLOCK, rank.cfg.kv_spec, rank.cfg.num_kv_heads, torch.float32)
+        kv_bytes = sum(nb for _, nb, tag in rank.umm.plan.tagged if tag == "kv_cache")
+        full, win = kw["max_total_tokens"] // BLOCK, window_pages(WINDOW, BLOCK, 2, kw["max_num_batched_tokens"])
+        assert kv_bytes == (2 * full + 2 * win) * page

@@ -21,7 +21,7 @@ from moebius.kernels.rows import row_format
 from moebius.link.messages import StepWork, attended_pairs, split_evenly, window_reads
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
-from moebius.parallel.layout import MODES, Layout, num_slots, slot_groups, tp_cuts_whole_blocks
+from moebius.parallel.layout import MODES, Layout, num_slots, slot_groups, slot_shifts, tp_cuts_whole_blocks
 
 
 @dataclass(frozen=True)
@@ -193,27 +193,28 @@ def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: i
 
 
 
-def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2) -> int:
+def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2, shift: int = 1) -> int:
     """Bytes of weights a rank of the switchable engine holds (worker/build.py's plan): the dense regions of both
     layouts (EP's alone where TP cannot cut quantized experts, `tp_cuts_whole_blocks`), each distinct shard once
-    (the rope table in float32), and `num_slots` layer slots of experts."""
+    (the rope table in float32), and `num_slots` layer slots of experts (at slot shift `shift`)."""
     family, regions = family_of(cfg), {}
     for mode in MODES if tp_cuts_whole_blocks(cfg, P) else ("ep",):
         lay = Layout(cfg, mode, 0, P)
         for s in family.weight_specs(cfg, lay, dtype_bytes):
             if s.slot is None:
                 regions[s.name] = math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else dtype_bytes)
-    return sum(regions.values()) + num_slots(cfg) * Layout(cfg, "ep", 0, P).expert_bytes(dtype_bytes)
+    return sum(regions.values()) + num_slots(cfg, shift) * Layout(cfg, "ep", 0, P).expert_bytes(dtype_bytes)
 
 
-def kv_capacity_tokens(cfg: ModelConfig, P: int, kv_bytes: float, dtype_bytes: int = 2) -> dict[str, int]:
+def kv_capacity_tokens(cfg: ModelConfig, P: int, kv_bytes: float, dtype_bytes: int = 2, shift: int = 1
+                       ) -> dict[str, int]:
     """Tokens of KV each layout holds engine-wide when a rank's KV cache is `kv_bytes` (over the layer slots that
     hold full-attention layers, as worker/build.py lays it out; a window group's slots, a few windows a request,
     left out): a rank holds its KV heads of the family's KV spec (`Layout`) for each token of the requests it runs;
     TP runs every request on every rank, EP each on one. So for MLA (one latent replicated in TP) TP holds 1/P of
     EP's tokens; for GQA with fewer KV heads than ranks, KV heads / P of them."""
     spec, out = cfg.kv_spec, {}
-    first = sum(1 for held in slot_groups(cfg, MODES) if 0 in held)  # slots of the first KV group's pages
+    first = sum(1 for held in slot_groups(cfg, MODES, shift) if 0 in held)  # slots of the first KV group's pages
     for mode in MODES:
         lay = Layout(cfg, mode, 0, P)
         per_token = first * lay.num_kv_heads * spec.parts * spec.dim * dtype_bytes
@@ -223,12 +224,21 @@ def kv_capacity_tokens(cfg: ModelConfig, P: int, kv_bytes: float, dtype_bytes: i
 
 def floor_kv_capacity(cfg: ModelConfig, P: int, mem_fraction: float = 0.85, dtype_bytes: int = 2,
                       hw: Hardware = Hardware()) -> dict[str, int]:
-    """`kv_capacity_tokens` of what `mem_fraction` of a GPU leaves after a rank's weights (step buffers left out);
-    ConfigError naming the bytes when the weights alone do not fit."""
-    weights = rank_weight_bytes(cfg, P, dtype_bytes)
-    left = hw.memory_bytes * mem_fraction - weights
-    if left <= 0:
-        raise ConfigError(f"a rank's weights take {weights / 2**30:.1f} GiB ({cfg.num_layers} layers on {P} ranks, "
-                          f"{dtype_bytes} bytes an element), more than {mem_fraction} of the GPU's "
-                          f"{hw.memory_bytes / 2**30:.1f} GiB: cut the layers (--floor-layers) or add ranks")
-    return kv_capacity_tokens(cfg, P, left, dtype_bytes)
+    """`kv_capacity_tokens` of what `mem_fraction` of a GPU leaves after a rank's weights (step buffers left out), at
+    the slot shift that holds the most (`layout.slot_shifts`, as worker/build.py picks it); ConfigError naming the
+    bytes when the weights alone do not fit."""
+    best: dict[str, int] | None = None
+    for shift in slot_shifts(cfg):
+        weights = rank_weight_bytes(cfg, P, dtype_bytes, shift)
+        left = hw.memory_bytes * mem_fraction - weights
+        if left <= 0:
+            if shift == 1:
+                raise ConfigError(f"a rank's weights take {weights / 2**30:.1f} GiB ({cfg.num_layers} layers on {P} "
+                                  f"ranks, {dtype_bytes} bytes an element), more than {mem_fraction} of the GPU's "
+                                  f"{hw.memory_bytes / 2**30:.1f} GiB: cut the layers (--floor-layers) or add ranks")
+            continue
+        tokens = kv_capacity_tokens(cfg, P, left, dtype_bytes, shift)
+        if best is None or tokens["ep"] > best["ep"]:
+            best = tokens
+    assert best is not None  # (shift 1 comes first: it raised or set it)
+    return best

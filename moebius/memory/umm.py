@@ -2,7 +2,7 @@
 
 Planning and allocation are separate: the engine first declares every region (`MemoryPlan.add`, `add_slots`), then
 `UnifiedMemory` allocates the buffer once and hands out views. N layers get N + 1 layer slots (or more:
-`parallel.layout.slot_shift`); a slot holds one layer's expert weights and that layer's KV pages. Nothing long-lived is
+`parallel.layout.slot_shifts`); a slot holds one layer's expert weights and that layer's KV pages. Nothing long-lived is
 allocated afterwards, so the buffer address and every view's data_ptr() stay fixed for the life of the process (CUDA
 graphs rely on it).
 

@@ -45,29 +45,32 @@ def check_shapes(cfg: ModelConfig, world_size: int) -> None:
 
 
 @functools.cache
-def slot_shift(cfg: ModelConfig) -> int:
-    """How many slots EP layer i sits past TP layer i (N layers take N + shift slots): 1, or where the KV groups
-    alternate (GPT-OSS's sliding and full layers) the least shift up to 4 under which every slot holds layers of one
-    KV group in both layouts, so that a window group's slots hold a window's pages only (`worker/build.py`) at the
-    cost of one more slot of experts. Any shift keeps the switch's in-place order (`switch/executor.py`)."""
+def slot_shifts(cfg: ModelConfig) -> tuple[int, ...]:
+    """The shifts a rank's slots may take (`Layout.slot_shift`, EP layer i in slot i + shift; N layers take N + shift
+    slots): 1, and where the KV groups repeat (GPT-OSS alternates sliding and full layers) the least shift up to 4
+    under which every slot holds layers of one KV group in both layouts, so that a window group's slots hold only
+    its windows' pages (`worker/build.py`, which takes the one that leaves the first group more pages: the extra
+    slot of experts can cost more than the windows save). Any shift keeps the switch's in-place order
+    (`switch/executor.py`)."""
     group = cfg.kv_group_of
     if len(cfg.kv_groups) > 1:
         for s in range(1, 5):
             if all(group(i) == group(i + s) for i in range(cfg.num_layers - s)):
-                return s
-    return 1
+                return (1, s) if s > 1 else (1,)
+    return (1,)
 
 
-def num_slots(cfg: ModelConfig) -> int:
+def num_slots(cfg: ModelConfig, shift: int = 1) -> int:
     """The layer slots of a rank's unified buffer: a layer's in each layout, and the spares between."""
-    return cfg.num_layers + slot_shift(cfg)
+    return cfg.num_layers + shift
 
 
-def slot_groups(cfg: ModelConfig, modes: Iterable[str]) -> list[frozenset[int]]:
-    """The KV groups (`ModelConfig.kv_groups`) whose layers each slot holds in the layouts `modes` (none: a spare)."""
-    held: list[set[int]] = [set() for _ in range(num_slots(cfg))]
+def slot_groups(cfg: ModelConfig, modes: Iterable[str], shift: int = 1) -> list[frozenset[int]]:
+    """The KV groups (`ModelConfig.kv_groups`) whose layers each slot holds in the layouts `modes` (none: a spare)
+    under slot shift `shift`."""
+    held: list[set[int]] = [set() for _ in range(num_slots(cfg, shift))]
     for mode in modes:
-        lay = Layout(cfg, mode, 0, 1)  # (a layer's slot is the same on every rank)
+        lay = Layout(cfg, mode, 0, 1, shift)  # (a layer's slot is the same on every rank)
         for i in range(cfg.num_layers):
             held[lay.slot_of(i)].add(cfg.kv_group_of(i))
     return [frozenset(g) for g in held]
@@ -87,6 +90,7 @@ class Layout:
     mode: str
     rank: int
     world_size: int
+    slot_shift: int = 1  # EP layer i sits in slot i + slot_shift (`slot_shifts`; worker/build.py picks it)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -152,7 +156,7 @@ class Layout:
     def slot_of(self, layer: int) -> int:
         """Physical layer slot of `layer`: TP layer i in slot i, EP layer i in slot i + `slot_shift` (the last slots
         are TP's spares, the first EP's)."""
-        return layer if self.mode == "tp" else layer + slot_shift(self.cfg)
+        return layer if self.mode == "tp" else layer + self.slot_shift
 
     # ---- requests and the step ----
     @property

@@ -2,7 +2,7 @@
 layer's expert weights and KV pages together.
 
 EP -> TP runs layers in ascending order (TP layer i lands in slot i, whose EP content, layer i - s, already left; s
-is `layout.slot_shift`, usually 1); TP -> EP in descending order (EP layer i lands in slot i + s, whose TP content,
+is `Layout.slot_shift`, usually 1); TP -> EP in descending order (EP layer i lands in slot i + s, whose TP content,
 layer i + s, already left). Nothing is recomputed; nothing of the model is held twice: the extra memory is the spare
 slots and one layer of staging, taken before anything changes (a device that cannot give it refuses the switch).
 Which requests move, where, and into which pages is the engine's side of the switch (`switch/handover.py`); it hands

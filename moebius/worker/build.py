@@ -1,5 +1,5 @@
 """Building one rank: its unified buffer (dense weights of both layouts, static buffers per mode, N + 1 slots of experts
-and KV, or more: `parallel.layout.slot_shift`), the start layout's weights, a runtime per layout, and, once every
+and KV, or more: `parallel.layout.slot_shifts`), the start layout's weights, a runtime per layout, and, once every
 rank is built, the start-up steps that run collectives (switch paths, symmetric-memory exchanges, CUDA graph
 capture).
 """
@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from moebius.models.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.models.registry import family_of
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
-from moebius.parallel.layout import Layout, check_quantized_layouts, check_shapes, num_slots, slot_groups
+from moebius.parallel.layout import Layout, check_quantized_layouts, check_shapes, num_slots, slot_groups, slot_shifts
 from moebius.switch.executor import Switcher, SwitchOptions
 from moebius.worker.rank import ModeRuntime, Rank, RankSpec
 from moebius.worker.runner import ModelRunner, StaticBuffers
@@ -83,7 +83,7 @@ class SlotKV:
     """How a rank's KV cache spreads over its layer slots: each slot's KV region holds a page table's pages of the
     KV groups whose layers it holds in some held layout (`slot_groups`); a window group after the first holds at
     most `caps[g]` bytes a layer, what its allocator can give out in any layout (`window_pages`), so that the memory
-    a sliding layer's slot leaves goes to the first group's pages (GPT-OSS: `parallel.layout.slot_shift` keeps its
+    a sliding layer's slot leaves goes to the first group's pages (GPT-OSS: `parallel.layout.slot_shifts` keeps its
     sliding layers' slots apart from its full layers')."""
 
     slot_groups: tuple[frozenset[int], ...]
@@ -104,13 +104,41 @@ class SlotKV:
         return sum(self.slot_bytes(pages))
 
 
+def _slot_layout(ecfg: EngineConfig, device: torch.device, layouts: dict[str, Layout], start: str,
+                 page_bytes: dict[str, int], sizes: BufferSizes, max_model_len: int
+                 ) -> tuple[dict[str, Layout], SlotKV, int]:
+    """The layouts at the slot shift (`layout.slot_shifts`) that leaves the first KV group the most pages
+    (--mem-fraction), or the buffer the fewest bytes (a KV budget in tokens), with their `SlotKV` and the start
+    layout's first-group pages; the first shift's ConfigError where none leaves a page."""
+    cfg, fixed = layouts[start].cfg, kv_budget(ecfg.max_total_tokens, ecfg.block_size, device.type) is not None
+    best: tuple[float, dict[str, Layout], SlotKV, int] | None = None
+    error: ConfigError | None = None
+    for shift in slot_shifts(cfg):
+        lays = {m: replace(lay, slot_shift=shift) for m, lay in layouts.items()}
+        slot_kv = _slot_kv(ecfg, lays, start, page_bytes)
+        shifted = replace(sizes, num_slots=num_slots(cfg, shift))
+        try:
+            pages = _num_pages(ecfg, device, shifted, slot_kv.total, max_model_len)
+        except ConfigError as e:
+            error = error or e
+            continue
+        score = -(shifted.num_slots * shifted.expert + slot_kv.total(pages)) if fixed else pages
+        if best is None or score > best[0]:
+            best = (score, lays, slot_kv, pages)
+    if best is None:
+        assert error is not None
+        raise error
+    return best[1:]
+
+
 def _slot_kv(ecfg: EngineConfig, layouts: dict[str, Layout], start: str, page_bytes: dict[str, int]) -> SlotKV:
     cfg = layouts[start].cfg
+    shift = layouts[start].slot_shift
     caps = [None if g == 0 or grp.window is None else
             max(b * window_pages(grp.window, ecfg.block_size, ecfg.max_running_requests, ecfg.max_num_batched_tokens)
                 for b in page_bytes.values())
             for g, grp in enumerate(cfg.kv_groups)]
-    return SlotKV(tuple(slot_groups(cfg, layouts)), tuple(caps), page_bytes[start])
+    return SlotKV(tuple(slot_groups(cfg, layouts, shift)), tuple(caps), page_bytes[start])
 
 
 def _kv_setting(ecfg: EngineConfig, device: torch.device) -> str:
@@ -191,7 +219,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     if spec.mode not in held:
         raise ValueError(f"rank spec starts in {spec.mode} but holds {held}")
     check_quantized_layouts(cfg, spec.world_size, held)
-    layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}
+    layouts = {m: Layout(cfg, m, spec.rank, spec.world_size) for m in held}  # (their slot shift: below)
     start, bs, elt = layouts[spec.mode], ecfg.block_size, dtype.itemsize
 
     # One plan for both modes: dense regions (shared where the shard is equal), static buffers, slots.
@@ -204,15 +232,14 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
     page_bytes = {m: KVPool.page_bytes(bs, cfg.kv_spec, lay.num_kv_heads, dtype) for m, lay in layouts.items()}
-    slots = num_slots(cfg)
-    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, slots)
-    slot_kv = _slot_kv(ecfg, layouts, spec.mode, page_bytes)
-    start_pages = _num_pages(ecfg, device, sizes, slot_kv.total, spec.max_model_len)
+    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, num_slots(cfg))
+    layouts, slot_kv, start_pages = _slot_layout(ecfg, device, layouts, spec.mode, page_bytes, sizes,
+                                                 spec.max_model_len)
     pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes,
                           slot_kv.group_bytes(start_pages))
     plan.add_slots([[("weights", expert_bytes), ("kv_cache", kv)] for kv in slot_kv.slot_bytes(start_pages)])
     if ecfg.max_total_tokens is not None or device.type != "cuda":  # --mem-fraction sized it to fit already
-        _check_fits(ecfg, device, plan.total_bytes, slot_kv.total(start_pages), slots)
+        _check_fits(ecfg, device, plan.total_bytes, slot_kv.total(start_pages), plan.num_slots)
     umm = UnifiedMemory(plan, device)
 
     # Weights: dense parts of both layouts, experts in the start layout's slots.
