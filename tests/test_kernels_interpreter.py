@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -282,24 +283,24 @@ if importlib.util.find_spec("triton") is not None:  # (the interpreter runs a ke
     from moebius.kernels.linear import mx4_dot
 
     @triton.jit
-    def _mxfp4_weights(X, W, Out, R, K, WS, stride_o, BR: tl.constexpr, BK: tl.constexpr):
-        """Out[r, k] = what `mx4_dot` makes of MXFP4 rows r against X, an identity of Out's row stride: row r's
-        weights, each the one product in its sum (rows of X past a BK-column block's give 0 there), every K step
-        taken."""
+    def _mxfp4_weights(X, W, Out, R, K, WS, stride_o, BR: tl.constexpr, BK: tl.constexpr, XB: tl.constexpr):
+        """Out[r, k] = what `mx4_dot` makes of MXFP4 rows r against X, an identity of Out's row stride, XB of its
+        rows a program: row r's weights, each the one product in its sum, every K step taken."""
         r = tl.program_id(0) * BR + tl.arange(0, BR)
-        k = tl.program_id(1) * BK + tl.arange(0, BK)
-        acc = tl.zeros([BK, BR], tl.float32)
+        k = tl.program_id(1) * XB + tl.arange(0, XB)
+        acc = tl.zeros([XB, BR], tl.float32)
         for k0 in range(0, K, BK):
             acc = mx4_dot(X, k, k < K, stride_o, W, r, r < R, k0, K, WS, acc, BK)
         tl.store(Out + r[None, :] * stride_o + k[:, None], acc.to(Out.dtype.element_ty))
 
 
 def mxfp4_tile_cases() -> None:
-    """The fused MoE's MXFP4 dots (`linear.mx4_dot`: each chunk's codes as two tiles of e2m1 values, its scale on
-    the float32 partial) against `unpack_rows`, bit for bit (zeros of either sign alike: a dot's sum of zeros is
-    +0), in bf16: through an identity X, every byte of codes, scale bytes from 0 (2^-127: subnormal values) to 254
-    (6 * 2^127 past float32's range: inf on both sides), K steps of 32, 64 and 128 columns over rows of 160 (the
-    last step ragged), masked rows and columns 0."""
+    """The fused MoE's MXFP4 dots (`linear.mx4_dot`: a step's codes as two tiles of e2m1 values, each chunk's scale
+    on the float32 partial for 16 rows of X, on the weights for more) against `unpack_rows`, bit for bit (zeros of
+    either sign alike: a dot's sum of zeros is +0), in bf16: through an identity X 16 rows and a step's columns at a
+    time, every byte of codes, scale bytes from 0 (2^-127: subnormal values) to 252 (6 * 2^125, near float32's
+    largest; 254's inf weights would make the identity's zeros NaN, as in any product), K steps of 32, 64 and 128
+    columns over rows of 160 (the last step ragged), masked rows and columns 0."""
     from moebius.kernels.mxfp4_rows import CHUNK, pack_rows, unpack_rows
 
     _bf16_as_the_gpu()
@@ -308,16 +309,17 @@ def mxfp4_tile_cases() -> None:
     w = pack_rows(torch.randn(R, C, generator=g) * torch.logspace(-100, 20, R, base=2)[:, None])
     chunks = w.view(R, -1, CHUNK)
     chunks[:4, :, :16] = (torch.arange(4 * 5 * 16) % 256).to(torch.uint8).view(4, 5, 16)  # every byte of codes
-    chunks[:4, :, 16] = torch.tensor([0, 1, 2, 127, 254], dtype=torch.uint8)
+    chunks[:4, :, 16] = torch.tensor([0, 1, 2, 127, 252], dtype=torch.uint8)
     want = unpack_rows(w, C, dt) + 0.0  # (-0.0 as +0.0)
-    assert want.isinf().any()
-    for BK in (32, 64, 128):
+    assert want.isfinite().all() and want.abs().max() == 6 * 2.0**125
+    for BK, XB in itertools.product((32, 64, 128), (16, 0)):
+        XB = XB or BK
         cols = triton.cdiv(C, BK) * BK
         eye = torch.eye(cols, dtype=dt)
         out = torch.full((32, cols), float("nan"), dtype=dt)  # two programs of 16 rows: the last 19 masked
-        _mxfp4_weights[(2, cols // BK)](eye, w, out, R, C, w.shape[1], cols, BR=16, BK=BK)
-        assert torch.equal((out[:R, :C] + 0.0).view(torch.int16), want.view(torch.int16)), BK
-        assert (out[R:] == 0).all() and (out[:, C:] == 0).all(), BK
+        _mxfp4_weights[(2, cols // XB)](eye, w, out, R, C, w.shape[1], cols, BR=16, BK=BK, XB=XB)
+        assert torch.equal((out[:R, :C] + 0.0).view(torch.int16), want.view(torch.int16)), (BK, XB)
+        assert (out[R:] == 0).all() and (out[:, C:] == 0).all(), (BK, XB)
 
 
 # (tokens, experts of the model, local experts, first local expert), (hidden, intermediate), GPT-OSS's experts (biases,

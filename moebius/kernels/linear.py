@@ -62,37 +62,57 @@ def chunk_scales(W, rows, rm, k0, WS):
 
 
 @triton.jit
-def e2m1_bf16(q):
-    """bfloat16 values of e2m1 codes q (int32, low 4 bits: sign bit 3, exponent bits 2..1, mantissa bit 0) times
+def e2m1_f16(q):
+    """float16 values of e2m1 codes q (int32, low 4 bits: sign bit 3, exponent bits 2..1, mantissa bit 0) times
     2^-14, exact: the code's bits in float16's places (exponent e, mantissa bit on top) make 2^(e - 15) * (1 + m / 2)
     and for e == 0 float16's subnormal m * 2^-15, e2m1's value times 2^-14 either way; -0.0 kept."""
     bits = ((q & 7) << 9) | ((q & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.bfloat16)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
     """acc [xrows, rows] plus rows `xrows` (mask xm, row stride XS) of X times MXFP4 rows `rows` (mask rm) of WS
     bytes (kernels/mxfp4_rows.py) over columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks; K whole
-    chunks, those from K on left out). Each chunk's 16 code bytes are read once, their low nibbles (the chunk's even
-    columns) and high nibbles (odd ones) two tiles of exact e2m1 values (`e2m1_bf16`), each in a dot with X's
-    columns of that parity; the chunk's 2^(scale - 127) scales its float32 partial (a power of two: exact, as
-    `unpack_rows` scales each value)."""
-    i = tl.arange(0, 16)
-    for c in tl.static_range(BK // 32):
-        col = k0 + c * 32
-        cm = (col + 2 * i) < K  # (the chunk's, every column alike)
-        xp = X + xrows.to(tl.int64)[:, None] * XS + (col + 2 * i)[None, :]
+    chunks, those from K on left out). Each code byte is read once: its low nibble holds an even column, its high
+    one the odd column after, two tiles of e2m1 values (`e2m1_f16`: times 2^-14) each in a dot with X's columns of
+    that parity. Each chunk's 2^(scale - 127) (with the 2^14 back: exact, as `unpack_rows`) multiplies, for 16 rows
+    of X or fewer (decode), the float32 partial of the chunk's two dots, which costs fewer instructions a weight
+    than scaling each weight; for more rows, the weights of the step before one pair of dots (the partials'
+    registers spilled there: compiled for sm_90, docs/performance.md, "MXFP4 codes straight into the dots")."""
+    if xrows.shape[0] <= 16:
+        i = tl.arange(0, 16)
+        for c in tl.static_range(BK // 32):
+            col = k0 + c * 32
+            cm = col + 2 * i < K  # (the chunk's, every column alike)
+            xp = X + xrows.to(tl.int64)[:, None] * XS + (col + 2 * i)[None, :]
+            x_lo = tl.load(xp, mask=xm[:, None] & cm[None, :], other=0.0)
+            x_hi = tl.load(xp + 1, mask=xm[:, None] & cm[None, :], other=0.0)
+            at = W + rows.to(tl.int64) * WS + col // 32 * 17
+            b = tl.load(at[:, None] + i[None, :], mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
+            s = tl.load(at + 16, mask=rm & (col + 0 * rows < K), other=0).to(tl.int32)
+            scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+            lo = e2m1_f16(b).to(x_lo.dtype)
+            hi = e2m1_f16(b >> 4).to(x_lo.dtype)
+            part = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo)))
+            acc += part * 16384.0 * scale[None, :]
+    else:
+        kb = tl.arange(0, BK // 2)  # the step's code bytes: byte kb holds columns 2 kb and 2 kb + 1
+        cm = k0 + 2 * kb < K
+        xp = X + xrows.to(tl.int64)[:, None] * XS + (k0 + 2 * kb)[None, :]
         x_lo = tl.load(xp, mask=xm[:, None] & cm[None, :], other=0.0)
         x_hi = tl.load(xp + 1, mask=xm[:, None] & cm[None, :], other=0.0)
-        at = W + rows.to(tl.int64) * WS + col // 32 * 17
-        b = tl.load(at[:, None] + i[None, :], mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
-        s = tl.load(at + 16, mask=rm & (col + 0 * rows < K), other=0).to(tl.int32)
-        scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
-        lo = e2m1_bf16(b).to(x_lo.dtype)
-        hi = e2m1_bf16(b >> 4).to(x_lo.dtype)
-        part = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo)))
-        acc += part * 16384.0 * scale[None, :]  # (2^14: e2m1_bf16's values are e2m1's times 2^-14)
+        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 32 * 17 + kb // 16 * 17 + kb % 16)[None, :]
+        b = tl.load(at, mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
+        scale = tl.zeros([rows.shape[0], BK // 2], tl.float32)
+        for c in tl.static_range(BK // 32):  # each chunk's scale byte, once a row
+            at_s = W + rows.to(tl.int64) * WS + (k0 // 32 + c) * 17 + 16
+            s = tl.load(at_s, mask=rm & (k0 + c * 32 + 0 * rows < K), other=0).to(tl.int32)
+            f = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+            scale = tl.where((kb // 16 == c)[None, :], f[:, None], scale)
+        lo = ((e2m1_f16(b).to(tl.float32) * 16384.0) * scale).to(x_lo.dtype)
+        hi = ((e2m1_f16(b >> 4).to(tl.float32) * 16384.0) * scale).to(x_lo.dtype)
+        acc = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo), acc))
     return acc
 
 
