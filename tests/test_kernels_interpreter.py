@@ -7,8 +7,8 @@ the few-row linears (moebius/kernels/linear.py), the switch's reshard copies (mo
 norm + RoPE + cache write, the router (K-split logits, then top-k), the vocabulary argmax keys and the add + norm
 with and without the expert pairs summed inside it (moebius/kernels/fused.py). MLA's paged latent attention
 (moebius/kernels/mla.py: decodes, and causal prompt chunks beside them) against DeepSeek's torch absorbed and
-expanded forms. The fused MoE on MXFP4 rows (and its tile decode, bit for bit) in bf16, over the interpreter's bf16
-dots and casts made the GPU's (`_bf16_as_the_gpu`). The interpreter is chosen when Triton
+expanded forms. The fused MoE on MXFP4 rows (and its weights as its dots take them, bit for bit) in bf16, over the
+interpreter's bf16 dots and casts made the GPU's (`_bf16_as_the_gpu`). The interpreter is chosen when Triton
 defines the kernels, so the cases run in a fresh interpreter (this file as a script). Needs Triton (the `gpu` extra);
 skipped without it. tests/test_gpu.py runs the same kernels compiled, in bf16. (The symmetric-memory kernels:
 tests/test_symmetric_protocol.py.)"""
@@ -704,7 +704,8 @@ def test_fused_experts_w8a8_on_fp8_rows_under_the_interpreter() -> None:
 
 
 def test_mxfp4_tile_decode_equals_unpack_rows_under_the_interpreter() -> None:
-    """--quantization mxfp4's weight tiles as the fused MoE decodes them: `unpack_rows`' values, bit for bit."""
+    """--quantization mxfp4's weights as the fused MoE's dots take them (`mx4_dot`, through an identity): `unpack_rows`'
+    values, bit for bit."""
     _run("mxfp4_tile")
 
 
