@@ -28,6 +28,8 @@
 #   mxfp4     gpt-oss-20b
 #             shapes' decode sweep in MXFP4 (after `gptoss`: bf16's is h200-p1-gpt-oss-20b-sweep.json)
 #   mxfp4work 256 whole requests at gpt-oss-20b shapes in MXFP4 and in bf16 (one call: the timings compare)
+#   mxfp4ab   `mxfp4`'s sweep at 1, 64 and 256 with this tree and with an older tree's package, one call (OLD: a
+#             folder holding its `moebius/`, e.g. `git archive 41c9a22 moebius | tar -x -C $OLD`; OLDC: its full hash)
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
@@ -86,7 +88,8 @@ O=${OUT:-/tmp/out}; mkdir -p $O
 # $OUT brings back at most 8 files: after each step this call's results (JSON and plots) and the logs so far are
 # packed into two archives there, results.tgz and logs.tgz, so a call cut at its limit keeps what finished.
 touch $W/.start; mkdir -p $W/logs
-keep() { (cd $R && find . -maxdepth 1 -name "$C-p1-*" -newer $W/.start | tar czf $O/results.tgz -T -)
+TOP=$PWD
+keep() { (cd $TOP/$R && find . -maxdepth 1 -name "$C-p1-*" -newer $W/.start | tar czf $O/results.tgz -T -)
          (cd $W/logs && tar czf $O/logs.tgz *.log); true; }
 t() { local n=$1; shift; timeout $1 "${@:2}" > $W/logs/$n.log 2>&1; echo "$n rc=$? $(date +%T)"; grep -v "^INFO\|Warning\|leaked\|nanobind" $W/logs/$n.log | tail -12; keep; }
 P="python3 -m pytest -v --tb=short --timeout 200 -m gpu -p no:cacheprovider"
@@ -155,6 +158,12 @@ mxfp4)
   t mxfp4_sweep 150 $B sweep $G --modes tp --batches 1,4,16,64,256,1024 --context-len 1024 --output $R/$C-p1-gpt-oss-20b-mxfp4-sweep.json ;;
 mxfp4tests)
   t mxfp4_tests 150 $P tests/test_mxfp4_experts.py tests/test_gpu.py -k "mxfp4" ;;
+mxfp4ab)
+  G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --quantization mxfp4 --modes tp --batches 1,64,256 --context-len 1024"
+  t mxfp4ab_new 150 $B sweep $G --output $R/$C-p1-gpt-oss-20b-mxfp4-sweep-ab.json
+  (cd "${OLD:?set OLD to an older tree holding moebius/}" && export PYTHONPATH=$PWD MOEBIUS_COMMIT=${OLDC:?set OLDC} &&
+    t mxfp4ab_old 150 $B sweep $G --output $TOP/$R/$C-p1-gpt-oss-20b-mxfp4-sweep-ab-$(echo $OLDC | cut -c1-7).json)
+  keep ;;
 mxfp4work)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
   t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput.json
