@@ -71,6 +71,15 @@ def e2m1_f16(q):
 
 
 @triton.jit
+def mx4_scale(W, rows, rm, col, K, WS):
+    """The 2^(scale - 127) in float32 [rows] of the chunk at column `col` (a multiple of 32) of MXFP4 rows `rows`
+    (mask rm) of WS bytes, built from the scale byte's bits (exact; 2^-127 a subnormal); a chunk from K on reads 0."""
+    s = tl.load(W + rows.to(tl.int64) * WS + col // 32 * 17 + 16, mask=rm & (col + 0 * rows < K), other=0)
+    s = s.to(tl.int32)
+    return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
     """acc [xrows, rows] plus rows `xrows` (mask xm, row stride XS) of X times MXFP4 rows `rows` (mask rm) of WS
     bytes (kernels/mxfp4_rows.py) over columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks; K whole
@@ -90,8 +99,7 @@ def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
             x_hi = tl.load(xp + 1, mask=xm[:, None] & cm[None, :], other=0.0)
             at = W + rows.to(tl.int64) * WS + col // 32 * 17
             b = tl.load(at[:, None] + i[None, :], mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
-            s = tl.load(at + 16, mask=rm & (col + 0 * rows < K), other=0).to(tl.int32)
-            scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+            scale = mx4_scale(W, rows, rm, col, K, WS)
             lo = e2m1_f16(b).to(x_lo.dtype)
             hi = e2m1_f16(b >> 4).to(x_lo.dtype)
             part = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo)))
@@ -106,9 +114,7 @@ def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
         b = tl.load(at, mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
         scale = tl.zeros([rows.shape[0], BK // 2], tl.float32)
         for c in tl.static_range(BK // 32):  # each chunk's scale byte, once a row
-            at_s = W + rows.to(tl.int64) * WS + (k0 // 32 + c) * 17 + 16
-            s = tl.load(at_s, mask=rm & (k0 + c * 32 + 0 * rows < K), other=0).to(tl.int32)
-            f = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+            f = mx4_scale(W, rows, rm, k0 + c * 32, K, WS)
             scale = tl.where((kb // 16 == c)[None, :], f[:, None], scale)
         lo = ((e2m1_f16(b).to(tl.float32) * 16384.0) * scale).to(x_lo.dtype)
         hi = ((e2m1_f16(b >> 4).to(tl.float32) * 16384.0) * scale).to(x_lo.dtype)
