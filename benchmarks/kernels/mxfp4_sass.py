@@ -1,7 +1,8 @@
 """The fused MoE's MXFP4 GEMMs compiled for Hopper (sm_90) on any machine with Triton (no GPU): the instructions of
 each kernel's K loop (one MXFP4_BK-column step), by opcode, and its registers and stack, from nvdisasm's listing of
 the cubin (the tools ship in Triton's wheel). gpt-oss-20b's experts (biases, the clamped activation); a launch's
-specialization (`tests/test_kernels_sm90.compile_sm90`). The package is whichever `moebius` is imported first:
+specialization (pointers and the row counts 16-byte aligned, as `tests/test_kernels_sm90.compile_sm90`). The
+package is whichever `moebius` is imported first:
 
     python benchmarks/kernels/mxfp4_sass.py --rows 16 64 128
     PYTHONPATH=<an older tree> python benchmarks/kernels/mxfp4_sass.py --rows 16   # the same for its kernels
@@ -14,18 +15,29 @@ import collections
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from test_kernels_sm90 import MOE_TYPES, compile_sm90  # noqa: E402
+from moebius.kernels import fused_moe
+from moebius.kernels.linear import MXFP4_ROWS
 
-from moebius.kernels import fused_moe  # noqa: E402
-from moebius.kernels.linear import MXFP4_ROWS  # noqa: E402
+TYPES = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
+             Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", XS="i32", OS="i32", HS="i32",
+             B13="*bf16", B2="*bf16", alpha="fp32", limit="fp32")
+ALIGNED = ("N", "D", "I", "first", "XS", "OS", "HS")
+
+
+def compile_sm90(fn: Any, consts: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:
+    sig = {n: "constexpr" if n in consts else TYPES[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (TYPES[n].startswith("*") or n in ALIGNED)}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages}).asm
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
@@ -74,8 +86,7 @@ def main() -> None:
                                           FMT=MXFP4_ROWS.value, ACT8=False, BIAS=True, GB=1, PDL=1)
             if fn is fused_moe._gate_up_silu:
                 consts.update(K_TOP=4, CLAMPED=True, DT=triton.language.bfloat16)
-            asm = compile_sm90(fn, MOE_TYPES, consts, args.warps, args.stages,
-                               aligned=("N", "D", "I", "first", "XS", "OS", "HS"))
+            asm = compile_sm90(fn, consts, args.warps, args.stages)
             listing, resources = disassemble(asm["cubin"])
             body = loops(listing)[0]
             top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
