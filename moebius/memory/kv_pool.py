@@ -221,6 +221,10 @@ class KVPages:
         self.block_size = block_size
         self.windowed = any(w is not None for w in windows)
 
+    def empty(self) -> list[list[int]]:
+        """A request's tables before it holds a page: one empty table a group."""
+        return [[] for _ in self.groups]
+
     @property
     def first(self) -> BlockAllocator:
         """The first group's allocator: the prefix cache's, and the one the rank's KV statistics report."""
@@ -280,7 +284,7 @@ class KVPages:
                 tables.append([0] * lead + got)
             else:
                 return tables, keys[:n]
-        return [[] for _ in self.groups], []
+        return self.empty(), []
 
     def share(self, tables: Sequence[Sequence[int]]) -> None:
         """One more reference to each page of these cached tables (page 0: none)."""
@@ -323,7 +327,7 @@ class KVPages:
     def take(self, start: int, stop: int) -> list[list[int]]:
         """The tables of a request (the probes') whose tokens up to `stop` have pages, its next chunk starting at
         `start` (a window group's pages before that chunk's window: page 0)."""
-        tables: list[list[int]] = [[] for _ in self.groups]
+        tables = self.empty()
         self.extend(tables, start, self.need(tables, start, stop))
         return tables
 

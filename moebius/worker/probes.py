@@ -65,7 +65,7 @@ def bench_decode(rank: Rank, batch: int, context: int, steps: int, warmup: int, 
     lay, alloc, groups = rank.layout, rank.kv_pages, rank.groups
     local = lay.local_batch(batch)
     ecfg = rank.spec.engine
-    need = [local * n for n in alloc.need([[] for _ in alloc.groups], context, context + 1)]
+    need = [local * n for n in alloc.need(alloc.empty(), context, context + 1)]
     why = []
     if not alloc.fits(need):
         why.append(f"needs {_pages(need)} KV pages, {_pages([a.num_free for a in alloc.groups])} free")
@@ -117,7 +117,7 @@ def bench_prefill(rank: Rank, tokens: int, context: int, steps: int, warmup: int
                          f"{steps}, {warmup}, {sequences}, {decodes}, {decode_context} and {idle_s}"}
     alloc, groups, ecfg = rank.kv_pages, rank.groups, rank.spec.engine
     sizes = split_evenly(tokens, sequences)
-    fresh: list[list[int]] = [[] for _ in alloc.groups]
+    fresh = alloc.empty()
     each = [alloc.need(fresh, context, context + n) for n in sizes]
     each += [alloc.need(fresh, decode_context, decode_context + 1)] * decodes
     need = [sum(n) for n in zip(*each, strict=True)]

@@ -57,7 +57,7 @@ class Scheduler:
             r.status, r.prefix_keys = Status.RUNNING, []
         for r in waiting:
             r.status, r.prefix_keys = Status.WAITING, []
-            r.set_tables([[] for _ in kv.groups])
+            r.set_tables(kv.empty())
         self.running, self.waiting, self.kv = list(running), deque(waiting), kv
 
     def add(self, req: Request) -> None:
@@ -104,7 +104,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req.tables)
-        req.set_tables([[] for _ in self.kv.groups])
+        req.set_tables(self.kv.empty())
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Pages for its tokens up to `num_tokens`, the next chunk from its computed ones (`KVPages.grow`)."""
@@ -115,7 +115,7 @@ class Scheduler:
         of its last token. Nothing for a request that wants every prompt position's logits or routing, nor with the
         cache off."""
         if not self.prefix_caching or req.params.prompt_logits or req.params.return_prompt_routed_experts:
-            return [[] for _ in self.kv.groups], []
+            return self.kv.empty(), []
         bs = self.alloc.block_size
         return self.kv.match(lambda b: req.page_tokens(b, bs), (req.num_tokens - 1) // bs)
 
