@@ -83,12 +83,11 @@ def mx4_scale(W, rows, rm, col, K, WS):
 def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
     """acc [xrows, rows] plus rows `xrows` (mask xm, row stride XS) of X times MXFP4 rows `rows` (mask rm) of WS
     bytes (kernels/mxfp4_rows.py) over columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks; K whole
-    chunks, those from K on left out). Each code byte is read once: its low nibble holds an even column, its high
-    one the odd column after, two tiles of e2m1 values (`e2m1_f16`: times 2^-14) each in a dot with X's columns of
-    that parity. Each chunk's 2^(scale - 127) (with the 2^14 back: exact, as `unpack_rows`) multiplies, for 16 rows
-    of X or fewer (decode), the float32 partial of the chunk's two dots, which costs fewer instructions a weight
-    than scaling each weight; for more rows, the weights of the step before one pair of dots (the partials'
-    registers spilled there: compiled for sm_90, docs/performance.md, "MXFP4 codes straight into the dots")."""
+    chunks, those from K on left out). For 16 rows of X or fewer (decode) each code byte is read once: its low
+    nibble holds an even column, its high one the odd column after, two tiles of e2m1 values (`e2m1_f16`: times
+    2^-14) each in a dot with X's columns of that parity, and each chunk's 2^(scale - 127) (with the 2^14 back:
+    exact, as `unpack_rows`) multiplies the float32 partial of its two dots. Larger blocks dequantize a tile
+    (`mx4_tile`) into one dot: codes into dots took 1.4x its time there (benchmarks/results/h100-p1-mxfp4-ab.json)."""
     if xrows.shape[0] <= 16:
         i = tl.arange(0, 16)
         for c in tl.static_range(BK // 32):
@@ -105,21 +104,27 @@ def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
             part = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo)))
             acc += part * 16384.0 * scale[None, :]
     else:
-        kb = tl.arange(0, BK // 2)  # the step's code bytes: byte kb holds columns 2 kb and 2 kb + 1
-        cm = k0 + 2 * kb < K
-        xp = X + xrows.to(tl.int64)[:, None] * XS + (k0 + 2 * kb)[None, :]
-        x_lo = tl.load(xp, mask=xm[:, None] & cm[None, :], other=0.0)
-        x_hi = tl.load(xp + 1, mask=xm[:, None] & cm[None, :], other=0.0)
-        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 32 * 17 + kb // 16 * 17 + kb % 16)[None, :]
-        b = tl.load(at, mask=rm[:, None] & cm[None, :], other=0).to(tl.int32)
-        scale = tl.zeros([rows.shape[0], BK // 2], tl.float32)
-        for c in tl.static_range(BK // 32):  # each chunk's scale byte, once a row
-            f = mx4_scale(W, rows, rm, k0 + c * 32, K, WS)
-            scale = tl.where((kb // 16 == c)[None, :], f[:, None], scale)
-        lo = ((e2m1_f16(b).to(tl.float32) * 16384.0) * scale).to(x_lo.dtype)
-        hi = ((e2m1_f16(b >> 4).to(tl.float32) * 16384.0) * scale).to(x_lo.dtype)
-        acc = tl.dot(x_hi, tl.trans(hi), tl.dot(x_lo, tl.trans(lo), acc))
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(X + xrows.to(tl.int64)[:, None] * XS + kk[None, :], mask=xm[:, None] & (kk < K)[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(mx4_tile(W, rows, rm, k0, K, WS, BK, x.dtype)), acc)
     return acc
+
+
+@triton.jit
+def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
+    """Columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks) of MXFP4 rows `rows` (mask rm) of WS bytes
+    in DT, columns from K on 0 (K is whole chunks, so a chunk's mask is its columns'): each e2m1 value
+    (`e2m1_f16`) times its chunk's scale in float32 (exact), rounded once to DT as `unpack_rows` rounds."""
+    j = k0 + tl.arange(0, BK)  # the tile's columns: column j is nibble j % 2 of its chunk's byte (j % 32) // 2
+    at = W + rows.to(tl.int64)[:, None] * WS + (j // 32 * 17)[None, :]  # [rows, columns]: its chunk's first byte
+    m = rm[:, None] & (j < K)[None, :]
+    q = tl.load(at + (j % 32 // 2)[None, :], mask=m, other=0).to(tl.int32)  # (each byte read for both its columns)
+    s = tl.load(at + 16, mask=m, other=0).to(tl.int32)  # the chunk's scale byte
+    scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+    # (2D [rows, columns] throughout: Triton 3.6 cannot lay out a joined [rows, bytes, 2] tile in shared memory for
+    # Hopper's dot (Illegal shared layout), which 3.9 can)
+    return ((e2m1_f16(q >> (j % 2 * 4)[None, :]).to(tl.float32) * 16384.0) * scale).to(DT)
 
 
 @triton.jit
