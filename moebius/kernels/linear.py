@@ -87,7 +87,8 @@ def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
     nibble holds an even column, its high one the odd column after, two tiles of e2m1 values (`e2m1_f16`: times
     2^-14) each in a dot with X's columns of that parity, and each chunk's 2^(scale - 127) (with the 2^14 back:
     exact, as `unpack_rows`) multiplies the float32 partial of its two dots. Larger blocks dequantize a tile
-    (`mx4_tile`) into one dot: codes into dots took 1.4x its time there (benchmarks/results/h100-p1-mxfp4-ab.json)."""
+    (`mx4_tile`) into one dot: codes into dots took 1.4x its time at batch 256 (benchmarks/results/
+    h100-p1-gpt-oss-20b-mxfp4-sweep-ab.json against -ab-41c9a22.json)."""
     if xrows.shape[0] <= 16:
         i = tl.arange(0, 16)
         for c in tl.static_range(BK // 32):
