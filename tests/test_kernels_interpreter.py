@@ -925,6 +925,26 @@ def mla_cases() -> None:
             got = latent_decode_attention(torch.einsum("thn,hnc->thc", q_nope, wk), q_rope, cache,
                                           meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, splits)
             assert torch.allclose(got, want, **tol), (H, C, R, splits, "latent sums")
+    # a rank's heads past WIDE_HEAD_BLOCK (DeepSeek-V3's 128 in EP): wide head blocks, the second partial (bf16's
+    # launch: the interpreter's bf16 dots are not exact, so float32 through the same head block)
+    import moebius.kernels.mla as M
+
+    H, C, R = M.WIDE_HEAD_BLOCK + 8, 16, 16
+    assert [M.decode_head_block(h, 2) for h in (H, M.WIDE_HEAD_BLOCK - 1)] == [M.WIDE_HEAD_BLOCK, M.HEAD_BLOCK]
+    meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cpu", seed=H)
+    cache = torch.randn(pages, bs, C + R, generator=g)
+    q_lat, q_rope = (torch.randn(len(ctx), H, n, generator=g) for n in (C, R))
+    kv_id = torch.eye(C).repeat(2, 1).expand(H, 2 * C, C).flatten(0, 1)  # W_UK, W_UV identities: the latent sums
+    want = absorbed(q_lat, q_rope, cache, kv_id, meta, 0.2)
+    own = M.decode_head_block
+    M.decode_head_block = lambda heads, element_size: M.WIDE_HEAD_BLOCK
+    try:
+        for splits in (1, 3):
+            got = latent_decode_attention(q_lat, q_rope, cache, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, 0.2, splits)
+            assert torch.allclose(got, want, **tol), (splits, (got - want).abs().max())
+    finally:
+        M.decode_head_block = own
     # a mixed step's decodes, as latent_attention hands them to the kernel on CUDA (their own metadata)
     H, C, R = 4, 16, 16
     q_lens, ctx = [1, 6, 1, 1], [9, 6, 30, 2]

@@ -25,6 +25,9 @@ from moebius.kernels.pdl import enter, pdl
 # heads a program takes: tl.dot needs at least 16 rows compiled; more would hold a [BH, C] float32 accumulator of
 # C = 512 (every published DeepSeek config) past the registers of 4 warps
 HEAD_BLOCK = 16
+# heads a decode program takes where a rank holds this many or more (DeepSeek-V3's 128 in EP), on 8 warps: each
+# latent tile then serves 4x the rows (benchmarks/results/h100-p1-mla-tune-128-heads.json: 1.9x faster at batch 128)
+WIDE_HEAD_BLOCK = 64
 # programs a decode launch's keys are split up to (`layers.attention.num_splits_for`): GQA's split table gives 33
 # sequences and more one program each, which left a latent launch far from HBM's rate with most SMs idle. About one
 # program an SM: two an SM measured slower from batch 64 (benchmarks/results/h100-p1-mla-tune.json)
@@ -265,14 +268,26 @@ def rope_latent(q_TX: torch.Tensor, kv_TA: torch.Tensor, norm_C: torch.Tensor, r
     return out
 
 
-def decode_tiles(C: int, element_size: int, batch: int, head_blocks: int) -> tuple[int, int, int]:
-    """(KV tile, warps, pipeline stages) of a decode launch of `batch` sequences of `head_blocks` head blocks. bf16,
-    searched by benchmarks/kernels/mla_tune.py (benchmarks/results/h100-p1-mla-tune.json): up to about one program
-    an SM before splits, 64-key tiles on 8 warps; past it 4 warps, and 32-key tiles where a sequence has one head
-    block (its programs stream the cache from HBM) while several head blocks (reading a sequence's latents through
-    L2) keep 64. float32 (the tests' oracle runs): a [16, C] tile, the bytes of bf16's 32."""
+def decode_head_block(heads: int, element_size: int) -> int:
+    """Heads a decode program takes of a rank's `heads` (the runner's split units are its blocks): WIDE_HEAD_BLOCK
+    for bf16 / fp16 from that many heads, else HEAD_BLOCK (float32, the tests' oracle runs: its tiles twice the
+    bytes)."""
+    return WIDE_HEAD_BLOCK if heads >= WIDE_HEAD_BLOCK and element_size <= 2 else HEAD_BLOCK
+
+
+def decode_tiles(C: int, element_size: int, batch: int, head_blocks: int, head_block: int = HEAD_BLOCK
+                 ) -> tuple[int, int, int]:
+    """(KV tile, warps, pipeline stages) of a decode launch of `batch` sequences of `head_blocks` blocks of
+    `head_block` heads. bf16, searched by benchmarks/kernels/mla_tune.py (benchmarks/results/h100-p1-mla-tune.json):
+    up to about one program an SM before splits, 64-key tiles on 8 warps; past it 4 warps, and 32-key tiles where a
+    sequence has one head block (its programs stream the cache from HBM) while several head blocks (reading a
+    sequence's latents through L2) keep 64. Wide head blocks: 64-key tiles, 8 warps, 3 stages, the best at batch 128
+    and within 4% of it at 32 (h100-p1-mla-tune-128-heads.json). float32 (the tests' oracle runs): a [16, C] tile,
+    the bytes of bf16's 32."""
     if element_size > 2:
         return 16, 8 if C >= 256 else 4, 2
+    if head_block > HEAD_BLOCK:
+        return 64, 8, 3
     if batch * head_blocks <= DECODE_MIN_PROGRAMS:
         return 64, 8, 2
     return 32 if head_blocks == 1 else 64, 4, 2
@@ -336,8 +351,9 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
     if B > 65535:
         raise ValueError(f"latent attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
     decode = max_query_len == 1
+    BH = decode_head_block(H, cache_PSA.element_size()) if decode else HEAD_BLOCK
     if decode:
-        BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size(), B, triton.cdiv(H, HEAD_BLOCK))
+        BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size(), B, triton.cdiv(H, BH), BH)
     else:
         BM, BN, warps, stages = chunk_tiles(C, cache_PSA.element_size())
     CP, RP = triton.next_power_of_2(C), max(16, triton.next_power_of_2(R))  # (tl.dot's K of at least 16)
@@ -346,12 +362,12 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
         part_ml = torch.empty(T * H * num_splits, 2, dtype=torch.float32, device=q_latent_THC.device)
     else:
         part_acc = part_ml = out
-    grid = (triton.cdiv(H, HEAD_BLOCK) * num_splits, B, triton.cdiv(max_query_len, BM))
+    grid = (triton.cdiv(H, BH) * num_splits, B, triton.cdiv(max_query_len, BM))
     _mla_fwd[grid](q_latent_THC, q_rope_THR, cache_PSA, out, part_acc, part_ml, block_tables, seq_lens,
                    query_start_loc, scale, H,
                    q_latent_THC.stride(0), q_latent_THC.stride(1), q_rope_THR.stride(0), q_rope_THR.stride(1),
                    out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), block_tables.stride(0),
-                   C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=HEAD_BLOCK, BM=BM, BN=BN,
+                   C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=BH, BM=BM, BN=BN,
                    PAGE=cache_PSA.shape[1], PREC="ieee" if q_latent_THC.dtype == torch.float32 else "tf32",
                    DECODE=decode, num_warps=warps, num_stages=stages, **pdl(q_latent_THC, kc))
     if num_splits > 1:  # (a program a block of latent values: a token's heads alone left most SMs idle at batch 1)

@@ -42,7 +42,7 @@ def forward(input_ids_T: torch.Tensor, meta: AttentionMetadata, weights: ModelWe
 
 def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.Tensor]) -> AttentionGeometry:
     """A rank's latent attention: between step pieces the absorbed query (C + R a head) and the weighted latent
-    sums (C a head); a decoding sequence's programs are its head blocks (kernels/mla.py's HEAD_BLOCK heads each);
+    sums (C a head); a decoding sequence's programs are its head blocks (kernels/mla.py's `decode_head_block`);
     no query-block table."""
     ext = cfg.extra_as(DeepseekConfig)
     mla = ext.mla
@@ -50,7 +50,9 @@ def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.T
     block, programs = heads, 0  # (off the GPU's kernels no step splits its keys: any value)
     if triton_available():
         from moebius.kernels.mla import DECODE_MIN_PROGRAMS as programs
-        from moebius.kernels.mla import HEAD_BLOCK as block
+        from moebius.kernels.mla import decode_head_block
+
+        block = decode_head_block(heads, kv[0].element_size())  # (the cache's dtype: the launch's)
     return AttentionGeometry(heads=heads, q_dim=mla.cache_dim, o_dim=mla.kv_lora_rank,
                              split_units=-(-heads // block), group=None, min_programs=programs)
 
