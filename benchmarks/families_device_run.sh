@@ -51,8 +51,8 @@
 #             fp8, linear_fp8_tune.py)
 #   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py);
-#             mlatune16 at 16 heads and batches 256 and 1024 only; mlatune128 at 128 heads with 64-head blocks
-#             (batches 32, 128); mlaproto the prototype kernels of
+#             mlatune16 at 16 heads and batches 256 and 1024 only; mlatune128 at 128 heads with 16- and 64-head
+#             blocks (batches 32, 128); mlaproto the prototype kernels of
 #             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
@@ -72,9 +72,10 @@
 #   a0941bc and 4c55779): the FP8 GPU tests, benchmarks/kernels/moe_fp8_variants.py (the FP8 MoE's variants and a bf16
 #   control from HBM and from L2: the reverted W8A16 variants are no faster even from L2, so the H200 need not time
 #   them), linear_fp8_tune.py --w8a8 --table-only, FP8 sweeps in W8A8. Nineteenth (a0773e1, an H100): Nsight Compute
-#   on the fused MoE, FP8 against bf16, and two-chunk K steps (moe_fp8_variants.py). Next, on an H200: `bars`, then
+#   on the fused MoE, FP8 against bf16, and two-chunk K steps (moe_fp8_variants.py). Twenty-first (fd12bfb, an H100):
+#   `mxfp4tests retest mxfp4ab mlatune128` and the bars' sweeps (docs/performance.md). Next, on an H200: `bars`, then
 #   `mlaproto mlatune16` beside d701103's records (which latent launch the H200 favours: 3 stages may hide its latency
-#   better); on any card `mlatune128`. Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`) before
+#   better); on any card `mxfp4ab` again (de3f79a's tile past 16 rows). Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`) before
 #   copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -234,9 +235,9 @@ mlaproto)  # prototype latent decode kernels against kernels/mla's, from HBM and
   t mlaproto 150 python3 benchmarks/kernels/mla_proto.py $R/$C-p1-mla-variants.json ;;
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
-mlatune128)  # DeepSeek-V3's 128 heads (a rank of EP): 64-head blocks on 8 warps (Hopper's warpgroup MMA) against
-  # the kernel's own 16-head launch
-  t mlatune128 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-128-heads.json --heads 128 --batches 32 128 --head-blocks 64 ;;
+mlatune128)  # DeepSeek-V3's 128 heads (a rank of EP): the kernel's own launch (64-head blocks on 8 warps since
+  # ef68441) against 16- and 64-head blocks' other shapes
+  t mlatune128 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-128-heads.json --heads 128 --batches 32 128 --head-blocks 16 64 ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
