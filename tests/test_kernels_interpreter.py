@@ -930,14 +930,16 @@ def mla_cases() -> None:
     import moebius.kernels.mla as M
 
     H, C, R = M.WIDE_HEAD_BLOCK + 8, 16, 16
-    assert [M.decode_head_block(h, 2) for h in (H, M.WIDE_HEAD_BLOCK - 1)] == [M.WIDE_HEAD_BLOCK, M.HEAD_BLOCK]
+    bf16, f32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
+    assert [M.decode_head_block(h, c) for h, c in ((H, bf16), (M.WIDE_HEAD_BLOCK - 1, bf16), (H, f32))] == [
+        M.WIDE_HEAD_BLOCK, M.HEAD_BLOCK, M.HEAD_BLOCK]
     meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cpu", seed=H)
     cache = torch.randn(pages, bs, C + R, generator=g)
     q_lat, q_rope = (torch.randn(len(ctx), H, n, generator=g) for n in (C, R))
     kv_id = torch.eye(C).repeat(2, 1).expand(H, 2 * C, C).flatten(0, 1)  # W_UK, W_UV identities: the latent sums
     want = absorbed(q_lat, q_rope, cache, kv_id, meta, 0.2)
     own = M.decode_head_block
-    M.decode_head_block = lambda heads, element_size: M.WIDE_HEAD_BLOCK
+    M.decode_head_block = lambda heads, cache: M.WIDE_HEAD_BLOCK
     try:
         for splits in (1, 3):
             got = latent_decode_attention(q_lat, q_rope, cache, meta.block_tables, meta.seq_lens,

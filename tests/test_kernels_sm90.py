@@ -204,6 +204,26 @@ def test_the_mla_rope_and_latent_write_compiles_for_hopper(interleave: bool) -> 
                  aligned=("H", "stride_qt", "stride_kvt", "stride_ot", "stride_oh", "stride_pg", "stride_tok"))
 
 
+@pytest.mark.parametrize("heads,batch", [(16, 8), (16, 1024), (128, 128)], ids=["16-heads-few", "16-heads-many",
+                                                                          "wide"])
+def test_the_latent_decode_launches_compile_for_hopper(heads: int, batch: int) -> None:
+    """`kernels/mla._mla_fwd`'s decode launches at DeepSeek's shapes (latent 512, rope 64, pages of 16) in bf16, as
+    `_launch` picks them on Hopper (`decode_head_block`, `decode_tiles`): each fits its shared memory (its numbers:
+    test_kernels_interpreter.py, the GPU tests)."""
+    from moebius.kernels import mla
+
+    BH = mla.decode_head_block(heads, torch.empty(0, dtype=torch.bfloat16))
+    assert BH == (mla.WIDE_HEAD_BLOCK if heads >= mla.WIDE_HEAD_BLOCK else mla.HEAD_BLOCK)
+    BN, warps, stages = mla.decode_tiles(512, 2, batch, -(-heads // BH), BH)
+    types = dict(QLat="*bf16", QRope="*bf16", Cache="*bf16", Out="*bf16", PartAcc="*fp32", PartML="*fp32",
+                 BlockTables="*i32", SeqLens="*i64", QStart="*i64", scale="fp32", H="i32",
+                 **{n: "i32" for n in ("stride_lt", "stride_lh", "stride_rt", "stride_rh", "stride_ot", "stride_oh",
+                                       "stride_pg", "stride_tok", "stride_bt")})
+    consts = dict(C=512, R=64, CP=512, RP=64, NUM_SPLITS=1, BH=BH, BM=1, BN=BN, PAGE=16, PREC="tf32", DECODE=True,
+                  PDL=1)
+    compile_sm90(mla._mla_fwd, types, consts, warps, stages, aligned=tuple(n for n in types if "stride" in n))
+
+
 @pytest.mark.parametrize("E,K,G,TG,sigmoid", [(64, 6, 1, 1, False), (160, 6, 8, 3, False), (256, 8, 8, 4, True),
                                               (384, 8, 1, 1, True)], ids=["v2-lite", "v2", "v3", "kimi-k2"])
 def test_grouped_routing_compiles_for_hopper(E: int, K: int, G: int, TG: int, sigmoid: bool) -> None:

@@ -45,7 +45,7 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float, head_
     def splits(BH: int) -> int:
         return num_splits_for(B, triton.cdiv(H, BH), min_programs=M.DECODE_MIN_PROGRAMS)
 
-    own = M.decode_head_block(H, 2)  # the kernel's own launch's heads a program
+    own = M.decode_head_block(H, cache)  # the kernel's own launch's heads a program
     base = splits(own)
     ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
     nbytes = B * (CTX + 1) * (C + R) * 2

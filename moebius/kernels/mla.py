@@ -15,6 +15,8 @@ safe). The torch reference is `moebius.models.deepseek.mla.absorbed` (and `expan
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -268,11 +270,18 @@ def rope_latent(q_TX: torch.Tensor, kv_TA: torch.Tensor, norm_C: torch.Tensor, r
     return out
 
 
-def decode_head_block(heads: int, element_size: int) -> int:
-    """Heads a decode program takes of a rank's `heads` (the runner's split units are its blocks): WIDE_HEAD_BLOCK
-    for bf16 / fp16 from that many heads, else HEAD_BLOCK (float32, the tests' oracle runs: its tiles twice the
-    bytes)."""
-    return WIDE_HEAD_BLOCK if heads >= WIDE_HEAD_BLOCK and element_size <= 2 else HEAD_BLOCK
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def decode_head_block(heads: int, cache: torch.Tensor) -> int:
+    """Heads a decode program takes of a rank's `heads` over this latent cache (the runner's split units are its
+    blocks): WIDE_HEAD_BLOCK from that many heads in bf16 / fp16 where a program's shared memory holds the wide
+    launch's tiles (216 KB at 2 stages: Hopper's 227 KB a block, not an A100's 163; test_kernels_sm90.py), else
+    HEAD_BLOCK (float32, the tests' oracle runs: its tiles twice the bytes)."""
+    wide = heads >= WIDE_HEAD_BLOCK and cache.element_size() <= 2
+    return WIDE_HEAD_BLOCK if wide and (not cache.is_cuda or _hopper(cache.device.index or 0)) else HEAD_BLOCK
 
 
 def decode_tiles(C: int, element_size: int, batch: int, head_blocks: int, head_block: int = HEAD_BLOCK
@@ -351,7 +360,7 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
     if B > 65535:
         raise ValueError(f"latent attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
     decode = max_query_len == 1
-    BH = decode_head_block(H, cache_PSA.element_size()) if decode else HEAD_BLOCK
+    BH = decode_head_block(H, cache_PSA) if decode else HEAD_BLOCK
     if decode:
         BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size(), B, triton.cdiv(H, BH), BH)
     else:

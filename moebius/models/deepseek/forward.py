@@ -52,7 +52,7 @@ def attention_geometry(cfg: ModelConfig, weights: ModelWeights, kv: list[torch.T
         from moebius.kernels.mla import DECODE_MIN_PROGRAMS as programs
         from moebius.kernels.mla import decode_head_block
 
-        block = decode_head_block(heads, kv[0].element_size())  # (the cache's dtype: the launch's)
+        block = decode_head_block(heads, kv[0])  # (the cache's dtype and device: the launch's)
     return AttentionGeometry(heads=heads, q_dim=mla.cache_dim, o_dim=mla.kv_lora_rank,
                              split_units=-(-heads // block), group=None, min_programs=programs)
 
