@@ -57,6 +57,7 @@
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
 #             at 64 and 256 searched with up to 6 pipeline stages (moe_tune.py --fp8-max-stages)
+#   v3wide    DeepSeek-V3 cut to 4 layers (128 heads a rank: the latent decode's wide head blocks) decode steps at 1, 32, 128
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
@@ -75,7 +76,7 @@
 #   on the fused MoE, FP8 against bf16, and two-chunk K steps (moe_fp8_variants.py). Twenty-first (fd12bfb, an H100):
 #   `mxfp4tests retest mxfp4ab mlatune128` and the bars' sweeps (docs/performance.md). Next, on an H200: `bars`, then
 #   `mlaproto mlatune16` beside d701103's records (which latent launch the H200 favours: 3 stages may hide its latency
-#   better); on any card `mxfp4ab` again (de3f79a's tile past 16 rows). Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`) before
+#   better); on any card `mxfp4tests mxfp4ab` again (de3f79a's tile past 16 rows) and `v3wide`. Results land under the card's names, so rename an earlier record (`<name>-<commit>.json`) before
 #   copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -238,6 +239,9 @@ mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, st
 mlatune128)  # DeepSeek-V3's 128 heads (a rank of EP): the kernel's own launch (64-head blocks on 8 warps since
   # ef68441) against 16- and 64-head blocks' other shapes
   t mlatune128 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-128-heads.json --heads 128 --batches 32 128 --head-blocks 16 64 ;;
+v3wide)  # DeepSeek-V3's 128 heads a rank (4 layers: 3 dense, 1 MoE) through the engine's decode graphs: the wide head
+  # blocks (a88a365) in a whole step, beside mlatune128's launches
+  t v3wide 200 $B sweep --model deepseek-v3 --num-layers 4 --load-format dummy --num-ranks 1 --modes tp --batches 1,32,128 --context-len 1024 --output $R/$C-p1-deepseek-v3-4-layers-sweep.json ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
