@@ -295,12 +295,12 @@ if importlib.util.find_spec("triton") is not None:  # (the interpreter runs a ke
 
 
 def mxfp4_tile_cases() -> None:
-    """The fused MoE's MXFP4 dots (`linear.mx4_dot`: a step's codes as two tiles of e2m1 values, each chunk's scale
-    on the float32 partial for 16 rows of X, on the weights for more) against `unpack_rows`, bit for bit (zeros of
-    either sign alike: a dot's sum of zeros is +0), in bf16: through an identity X 16 rows and a step's columns at a
-    time, every byte of codes, scale bytes from 0 (2^-127: subnormal values) to 252 (6 * 2^125, near float32's
-    largest; 254's inf weights would make the identity's zeros NaN, as in any product), K steps of 32, 64 and 128
-    columns over rows of 160 (the last step ragged), masked rows and columns 0."""
+    """The fused MoE's MXFP4 dots (`linear.mx4_dot`: for 16 rows of X each chunk's codes as two tiles of e2m1 values,
+    its scale on the float32 partial; for more a dequantized tile, `mx4_tile`) against `unpack_rows`, bit for bit
+    (zeros of either sign alike: a dot's sum of zeros is +0), in bf16: through an identity X 16 rows and a step's
+    columns at a time (both forms), every byte of codes, scale bytes from 0 (2^-127: subnormal values) to 252
+    (6 * 2^125, near float32's largest; 254's inf weights would make the identity's zeros NaN, as in any product), K
+    steps of 32, 64 and 128 columns over rows of 160 (the last step ragged), masked rows and columns 0."""
     from moebius.kernels.mxfp4_rows import CHUNK, pack_rows, unpack_rows
 
     _bf16_as_the_gpu()

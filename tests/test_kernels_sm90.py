@@ -208,13 +208,12 @@ def test_the_mla_rope_and_latent_write_compiles_for_hopper(interleave: bool) -> 
                                                                           "wide"])
 def test_the_latent_decode_launches_compile_for_hopper(heads: int, batch: int) -> None:
     """`kernels/mla._mla_fwd`'s decode launches at DeepSeek's shapes (latent 512, rope 64, pages of 16) in bf16, as
-    `_launch` picks them on Hopper (`decode_head_block`, `decode_tiles`): each fits its shared memory (its numbers:
+    `_launch` picks them on Hopper (`decode_launch`): each fits its shared memory (its numbers:
     test_kernels_interpreter.py, the GPU tests)."""
     from moebius.kernels import mla
 
-    BH = mla.decode_head_block(heads, torch.empty(0, dtype=torch.bfloat16))
+    BH, BN, warps, stages = mla.decode_launch(512, heads, batch, torch.empty(0, 16, 576, dtype=torch.bfloat16))
     assert BH == (mla.WIDE_HEAD_BLOCK if heads >= mla.WIDE_HEAD_BLOCK else mla.HEAD_BLOCK)
-    BN, warps, stages = mla.decode_tiles(512, 2, batch, -(-heads // BH), BH)
     types = dict(QLat="*bf16", QRope="*bf16", Cache="*bf16", Out="*bf16", PartAcc="*fp32", PartML="*fp32",
                  BlockTables="*i32", SeqLens="*i64", QStart="*i64", scale="fp32", H="i32",
                  **{n: "i32" for n in ("stride_lt", "stride_lh", "stride_rt", "stride_rh", "stride_ot", "stride_oh",

@@ -45,11 +45,11 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float, head_
     def splits(BH: int) -> int:
         return num_splits_for(B, triton.cdiv(H, BH), min_programs=M.DECODE_MIN_PROGRAMS)
 
-    own = M.decode_head_block(H, cache)  # the kernel's own launch's heads a program
+    own, *tiles = M.decode_launch(C, H, B, cache)  # the kernel's own launch
+    default_tiles = tuple(tiles)
     base = splits(own)
     ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
     nbytes = B * (CTX + 1) * (C + R) * 2
-    default_tiles = M.decode_tiles(C, 2, B, triton.cdiv(H, own), own)
     rows = []
     shapes = [(BH, ns, BN, nw, st) for BH in head_blocks if BH <= max(H, 16)
               for ns, BN, nw, st in itertools.product(sorted({1, 2, 4, 8, splits(BH)}), (16, 32, 64), (4, 8), (2, 3))

@@ -8,8 +8,9 @@ unless the sublayer-end exchange sums them as it reads them (kernels/symmetric.p
 graphs. Block shapes per size come from `CONFIGS`; at large sizes the weight tiles come in through TMA. A GEMM's
 programs are one 1-D grid over (column block, block), its blocks taken in groups (`TileConfig.group`, `_program_tile`)
 so that an expert's blocks can read a weight tile back to back. Quantized experts (uint8 rows, kernels/rows.py) are read
-as they are held: FP8 rows a 128-column chunk a K step (W8A8, or W8A16), MXFP4 rows a chunk's codes at a time into two
-dots, its low and high nibbles (W4A16, `linear.mx4_dot`). The torch reference is `moebius.layers.moe.experts_ref`.
+as they are held: FP8 rows a 128-column chunk a K step (W8A8, or W8A16), MXFP4 rows in decode's blocks a chunk's codes
+at a time into two dots, its low and high nibbles, in larger ones a dequantized tile (W4A16, `linear.mx4_dot`). The
+torch reference is `moebius.layers.moe.experts_ref`.
 """
 
 from __future__ import annotations

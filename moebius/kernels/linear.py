@@ -15,7 +15,8 @@ as the first kernel does, weight rows in registers before the wait (`linear_fp8_
 dequantized in registers as it is loaded (W8A16: `weight_tile`); with kc.fp8_activations each 128-column group of a
 row's activations is quantized to float8 with a scale of its own and the tensor cores take float8 on both sides
 (W8A8: `quantize_act`, `fp8_dot`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
-(--quantization mxfp4, kernels/mxfp4_rows.py) through `mx4_dot` (W4A16: a chunk's codes in two dots).
+(--quantization mxfp4, kernels/mxfp4_rows.py) through `mx4_dot` (W4A16: decode's codes in two dots a chunk, a
+dequantized tile past 16 rows).
 """
 
 from __future__ import annotations
@@ -71,12 +72,17 @@ def e2m1_f16(q):
 
 
 @triton.jit
-def mx4_scale(W, rows, rm, col, K, WS):
-    """The 2^(scale - 127) in float32 [rows] of the chunk at column `col` (a multiple of 32) of MXFP4 rows `rows`
-    (mask rm) of WS bytes, built from the scale byte's bits (exact; 2^-127 a subnormal); a chunk from K on reads 0."""
-    s = tl.load(W + rows.to(tl.int64) * WS + col // 32 * 17 + 16, mask=rm & (col + 0 * rows < K), other=0)
-    s = s.to(tl.int32)
+def mx4_pow2(s):
+    """2^(s - 127) in float32 of MXFP4 scale bytes s (int32), built from their bits: exact, 2^-127 a subnormal."""
     return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx4_scale(W, rows, rm, col, K, WS):
+    """The scale (`mx4_pow2`) in float32 [rows] of the chunk at column `col` (a multiple of 32) of MXFP4 rows `rows`
+    (mask rm) of WS bytes; a chunk from K on reads 0."""
+    s = tl.load(W + rows.to(tl.int64) * WS + col // 32 * 17 + 16, mask=rm & (col + 0 * rows < K), other=0)
+    return mx4_pow2(s.to(tl.int32))
 
 
 @triton.jit
@@ -116,13 +122,12 @@ def mx4_dot(X, xrows, xm, XS, W, rows, rm, k0, K, WS, acc, BK: tl.constexpr):
 def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
     """Columns k0 .. k0 + BK (k0 and BK multiples of 32: whole chunks) of MXFP4 rows `rows` (mask rm) of WS bytes
     in DT, columns from K on 0 (K is whole chunks, so a chunk's mask is its columns'): each e2m1 value
-    (`e2m1_f16`) times its chunk's scale in float32 (exact), rounded once to DT as `unpack_rows` rounds."""
+    (`e2m1_f16`) times its chunk's scale (`mx4_pow2`) in float32, exact, rounded once to DT as `unpack_rows` rounds."""
     j = k0 + tl.arange(0, BK)  # the tile's columns: column j is nibble j % 2 of its chunk's byte (j % 32) // 2
     at = W + rows.to(tl.int64)[:, None] * WS + (j // 32 * 17)[None, :]  # [rows, columns]: its chunk's first byte
     m = rm[:, None] & (j < K)[None, :]
     q = tl.load(at + (j % 32 // 2)[None, :], mask=m, other=0).to(tl.int32)  # (each byte read for both its columns)
-    s = tl.load(at + 16, mask=m, other=0).to(tl.int32)  # the chunk's scale byte
-    scale = tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+    scale = mx4_pow2(tl.load(at + 16, mask=m, other=0).to(tl.int32))  # the chunk's scale byte
     # (2D [rows, columns] throughout: Triton 3.6 cannot lay out a joined [rows, bytes, 2] tile in shared memory for
     # Hopper's dot (Illegal shared layout), which 3.9 can)
     return ((e2m1_f16(q >> (j % 2 * 4)[None, :]).to(tl.float32) * 16384.0) * scale).to(DT)
@@ -132,7 +137,7 @@ def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
 def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr):
     """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT, by format FMT: PLAIN values of row
     stride WS; FP8_ROWS of WS bytes (BK == 128, one chunk: its float8 values times the row's block scale, rounded
-    once to DT as `unpack_rows` rounds). (MXFP4 rows go into their dots as codes: `mx4_dot`.)"""
+    once to DT as `unpack_rows` rounds). (MXFP4 rows: `mx4_dot`.)"""
     tl.static_assert(FMT != MXFP4_ROWS, "MXFP4 rows are read by mx4_dot, not as weight tiles")
     if FMT == FP8_ROWS:
         q = chunk_values(W, rows, rm, k0, K, WS).to(tl.float32)

@@ -302,6 +302,13 @@ def decode_tiles(C: int, element_size: int, batch: int, head_blocks: int, head_b
     return 32 if head_blocks == 1 else 64, 4, 2
 
 
+def decode_launch(C: int, H: int, B: int, cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(heads a program, KV tile, warps, pipeline stages) of a decode launch of B sequences of H heads over this
+    latent cache of latent width C (`decode_head_block`, `decode_tiles`)."""
+    BH = decode_head_block(H, cache)
+    return (BH, *decode_tiles(C, cache.element_size(), B, triton.cdiv(H, BH), BH))
+
+
 def chunk_tiles(C: int, element_size: int) -> tuple[int, int, int, int]:
     """(query tokens a program, KV tile, warps, pipeline stages) of a launch with prompt chunks: not tuned yet (no
     GPU run of it so far). 4 tokens x HEAD_BLOCK heads = 64 rows, whose [64, C] float32 accumulator at C = 512 is
@@ -360,11 +367,10 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
     if B > 65535:
         raise ValueError(f"latent attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
     decode = max_query_len == 1
-    BH = decode_head_block(H, cache_PSA) if decode else HEAD_BLOCK
     if decode:
-        BM, (BN, warps, stages) = 1, decode_tiles(C, cache_PSA.element_size(), B, triton.cdiv(H, BH), BH)
+        BM, (BH, BN, warps, stages) = 1, decode_launch(C, H, B, cache_PSA)
     else:
-        BM, BN, warps, stages = chunk_tiles(C, cache_PSA.element_size())
+        BH, (BM, BN, warps, stages) = HEAD_BLOCK, chunk_tiles(C, cache_PSA.element_size())
     CP, RP = triton.next_power_of_2(C), max(16, triton.next_power_of_2(R))  # (tl.dot's K of at least 16)
     if num_splits > 1:
         part_acc = torch.empty(T * H * num_splits, C, dtype=torch.float32, device=q_latent_THC.device)
