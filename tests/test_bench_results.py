@@ -182,7 +182,8 @@ def _imports(path: Path) -> list[str]:
 
 
 def test_the_package_holds_the_commands_and_benchmarks_the_tools() -> None:
-    """moebius/bench: the `moebius bench` commands, what they import, and graph_timing (the timer the tools share);
+    """moebius/bench: the `moebius bench` commands, what they import, graph_timing (the timer the tools share) and sm90
+    (kernels compiled for Hopper without a GPU: a tool's and tests/test_kernels_sm90.py's);
     benchmarks/<sub>/: every one-off tool (kernel tuners, A/Bs, profiles, switch and communication benchmarks), none
     at the folder's top and none imported by the package."""
     modules = set(_bench_modules())
@@ -193,7 +194,7 @@ def test_the_package_holds_the_commands_and_benchmarks_the_tools() -> None:
         needed.add(name)
         todo += [m.split(".")[2] for m in _imports(BENCH / f"{name}.py")
                  if m.startswith("moebius.bench.") and m.split(".")[2] in modules and m.split(".")[2] not in needed]
-    assert modules - needed == {"graph_timing"}, modules - needed
+    assert modules - needed == {"graph_timing", "sm90"}, modules - needed
     tools = _tools()
     assert all(any(m.startswith("moebius.bench.graph_timing") for m in _imports(TOOLS / t)) for t in
                ("kernels/moe_tune.py", "switch/reshard_copy.py", "comm/comm_bench.py"))

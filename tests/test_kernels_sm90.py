@@ -17,31 +17,24 @@ import torch
 triton = pytest.importorskip("triton")
 nvidia = pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
+from moebius.bench import sm90  # noqa: E402
+from moebius.bench.sm90 import FUSED_MOE_TYPES as MOE_TYPES  # noqa: E402
 from moebius.kernels import DEFAULT_KERNELS, fused_moe, linear  # noqa: E402
 from moebius.kernels.rows import FORMATS  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED = 232448  # bytes of shared memory a block may use on H100 / H200 (what a launch checks, 227 KiB)
 D, I, E = 2880, 2880, 4  # gpt-oss's hidden and expert sizes: whole MXFP4 chunks, FP8 blocks with a ragged last one
 
 
 def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int,
                  aligned: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`fn` compiled for sm_90 with its arguments' types (Triton's signature strings) and constexprs, specialized as
-    a launch specializes them: every pointer 16-byte aligned and the `aligned` integers multiples of 16 (what lets
-    Triton pipeline the loads through shared memory); its assembly by kind (ptx, cubin)."""
+    """`sm90.compile_sm90`, skipped where Triton has no ptxas, checked to make a cubin within Hopper's shared memory;
+    its assembly by kind (ptx, cubin)."""
     try:  # (a Triton wheel ships ptxas; a source build may not)
-        nvidia.get_ptxas(HOPPER.arch)
+        nvidia.get_ptxas(90)
     except Exception as e:
         pytest.skip(f"no ptxas for sm_90: {e}")
-    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (types[n].startswith("*") or n in aligned)}
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=HOPPER,
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+    k = sm90.compile_sm90(fn, types, consts, num_warps, num_stages, aligned)
     assert k.asm["cubin"], f"{fn.__name__}: no cubin"
     # (a launch refuses a kernel that needs more: OutOfResources on the GPU, never seen at compile time)
     assert k.metadata.shared <= HOPPER_SHARED, (fn.__name__, consts, num_stages, k.metadata.shared)
@@ -53,12 +46,9 @@ def rows(fmt: str, n: int, cols: int) -> torch.Tensor:
     return torch.empty(E, n, FORMATS[fmt].width(cols), dtype=torch.uint8, device="meta")
 
 
-# the kernels' argument types (Triton's signature strings): the fused MoE's two GEMMs, the projections on FP8 rows
-MOE_TYPES = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
-                 Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", XS="i32", OS="i32",
-                 HS="i32", B13="*bf16", B2="*bf16", alpha="fp32", limit="fp32")
 # W8A8: the fused MoE's activations (x, and h between its GEMMs) as FP8 rows, gate_up's output among them
 W8A8_TYPES = {"gate_up": dict(MOE_TYPES, X="*u8", Out="*u8"), "down": dict(MOE_TYPES, H="*u8")}
+# the projections on FP8 rows' argument types (Triton's signature strings)
 LINEAR_TYPES = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
                     stride_o="i32")
 
