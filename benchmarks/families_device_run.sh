@@ -51,8 +51,9 @@
 #             fp8, linear_fp8_tune.py)
 #   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py);
-#             mlatune16 at 16 heads and batches 256 and 1024 only; mlatune128 at 128 heads with 16- and 64-head
-#             blocks (batches 32, 128); mlaproto the prototype kernels of
+#             mlatune16 at 16 heads and batches 256 and 1024 only; mlatune128 at 128 heads with 64-head blocks
+#             beside the kernel's own (batches 32, 128); each with whole KV tiles unmasked or every tile masked
+#             (`kernels/mla.DecodeLaunch.whole`); mlaproto the prototype kernels of
 #             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
@@ -224,7 +225,7 @@ moetune)  # the fused MoE's bf16 tiles at gpt-oss-20b's and DeepSeek-V2-Lite's e
   t moetune_gptoss 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --batches 64 128 256 512 1024 --output $R/$C-p1-moe-tune-gpt-oss-20b.json
   t moetune_deepseek 200 python3 benchmarks/kernels/moe_tune.py --preset deepseek-v2-lite --ranks 1 --modes tp --batches 64 128 256 1024 --output $R/$C-p1-moe-tune-deepseek-v2-lite.json ;;
 mlatune16)  # the same at DeepSeek-V2-Lite's 16 heads and the batches over the bar on the H200 (256, 1024)
-  t mlatune16 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 256 1024 ;;
+  t mlatune16 240 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 256 1024 --kv-tiles 32 64 ;;
 groupsearch)  # gpt-oss-20b's MoE at 512 and 1024 tokens: every BM's best tiles, each also with its blocks in groups
   t groupsearch 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --groups 2 4 --batches 512 1024 --output $R/$C-p1-moe-groupsearch-gpt-oss-20b.json ;;
 fp8moetune)  # the fused MoE on FP8 rows (W8A16) at decode sizes and at 4096 tokens (the unpacked experts' path)
@@ -237,8 +238,8 @@ mlaproto)  # prototype latent decode kernels against kernels/mla's, from HBM and
 mlatune)  # the latent decode attention's launch shapes (splits, tile, warps, stages) at 16 and 128 heads
   t mlatune 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune.json ;;
 mlatune128)  # DeepSeek-V3's 128 heads (a rank of EP): the kernel's own launch (64-head blocks on 8 warps since
-  # ef68441) against 16- and 64-head blocks' other shapes
-  t mlatune128 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-128-heads.json --heads 128 --batches 32 128 --head-blocks 16 64 ;;
+  # ef68441) against 64-head blocks' other shapes, whole tiles unmasked or not
+  t mlatune128 150 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-128-heads.json --heads 128 --batches 32 128 --head-blocks 64 --kv-tiles 32 64 ;;
 v3wide)  # DeepSeek-V3's 128 heads a rank (4 layers: 3 dense, 1 MoE) through the engine's decode graphs: the wide head
   # blocks (a88a365) in a whole step, beside mlatune128's launches
   t v3wide 200 $B sweep --model deepseek-v3 --num-layers 4 --load-format dummy --num-ranks 1 --modes tp --batches 1,32,128 --context-len 1024 --output $R/$C-p1-deepseek-v3-4-layers-sweep.json ;;

@@ -891,6 +891,7 @@ def mla_rope_cases() -> None:
 def mla_cases() -> None:
     from attention_cases import paged_metadata
 
+    import moebius.kernels.mla as M
     from moebius.kernels.mla import latent_decode_attention
     from moebius.layers.attention import select_sequences
     from moebius.models.deepseek.mla import absorbed, absorbed_kernel
@@ -899,8 +900,11 @@ def mla_cases() -> None:
     bs, pages, N, V = 4, 64, 8, 12
     ctx = [1, 4, 5, 17, 38]  # one key, a whole page, one past it, several pages (38: an empty fourth split of 4)
     tol = dict(rtol=1e-4, atol=1e-4)
-    # (heads, latent C, rope R): one head block; two, the second partial, with C and R under powers of two
-    for H, C, R in [(4, 16, 16), (20, 24, 8)]:
+    # (heads, latent C, rope R): one head block; two, the second partial, with C and R under powers of two; each
+    # with every tile masked and with whole tiles unmasked (`DECODE_WHOLE_TILES`)
+    own_whole = M.DECODE_WHOLE_TILES
+    for (H, C, R), whole in itertools.product([(4, 16, 16), (20, 24, 8)], (False, True)):
+        M.DECODE_WHOLE_TILES = whole
         meta = paged_metadata([1] * len(ctx), ctx, bs, pages, "cpu", seed=H)
         cache = torch.randn(pages, bs, C + R, generator=g)
         for b, n in enumerate(ctx):  # a last page's unwritten rest holds NaN: never read
@@ -912,7 +916,7 @@ def mla_cases() -> None:
         for splits in (1, 3, 4):
             meta.num_splits = splits
             got = absorbed_kernel(q_nope, q_rope, cache, kv_b, meta, scale)
-            assert torch.allclose(got, want, **tol), (H, C, R, splits, (got - want).abs().max())
+            assert torch.allclose(got, want, **tol), (H, C, R, splits, whole, (got - want).abs().max())
             for h0, h1 in [(0, H // 2), (H // 2, H)]:  # TP shards: a leading slice of heads, kv_b's rows of them
                 got = absorbed_kernel(q_nope[:, h0:h1], q_rope[:, h0:h1], cache, kv_b[h0 * (N + V): h1 * (N + V)],
                                       meta, scale)
@@ -924,11 +928,10 @@ def mla_cases() -> None:
         for splits in (1, 4):
             got = latent_decode_attention(torch.einsum("thn,hnc->thc", q_nope, wk), q_rope, cache,
                                           meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, splits)
-            assert torch.allclose(got, want, **tol), (H, C, R, splits, "latent sums")
+            assert torch.allclose(got, want, **tol), (H, C, R, splits, whole, "latent sums")
+    M.DECODE_WHOLE_TILES = own_whole
     # a rank's heads past WIDE_HEAD_BLOCK (DeepSeek-V3's 128 in EP): wide head blocks, the second partial (bf16's
     # launch: the interpreter's bf16 dots are not exact, so float32 through the same head block)
-    import moebius.kernels.mla as M
-
     H, C, R = M.WIDE_HEAD_BLOCK + 8, 16, 16
     bf16, f32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
     assert [M.decode_head_block(h, c) for h, c in ((H, bf16), (M.WIDE_HEAD_BLOCK - 1, bf16), (H, f32))] == [

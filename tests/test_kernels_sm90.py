@@ -202,15 +202,17 @@ def test_the_latent_decode_launches_compile_for_hopper(heads: int, batch: int) -
     test_kernels_interpreter.py, the GPU tests)."""
     from moebius.kernels import mla
 
-    BH, BN, warps, stages = mla.decode_launch(512, heads, batch, torch.empty(0, 16, 576, dtype=torch.bfloat16))
+    BH, BN, warps, stages, whole = mla.decode_launch(512, heads, batch,
+                                                     torch.empty(0, 16, 576, dtype=torch.bfloat16))
     assert BH == (mla.WIDE_HEAD_BLOCK if heads >= mla.WIDE_HEAD_BLOCK else mla.HEAD_BLOCK)
     types = dict(QLat="*bf16", QRope="*bf16", Cache="*bf16", Out="*bf16", PartAcc="*fp32", PartML="*fp32",
                  BlockTables="*i32", SeqLens="*i64", QStart="*i64", scale="fp32", H="i32",
                  **{n: "i32" for n in ("stride_lt", "stride_lh", "stride_rt", "stride_rh", "stride_ot", "stride_oh",
                                        "stride_pg", "stride_tok", "stride_bt")})
-    consts = dict(C=512, R=64, CP=512, RP=64, NUM_SPLITS=1, BH=BH, BM=1, BN=BN, PAGE=16, PREC="tf32", DECODE=True,
-                  PDL=1)
-    compile_sm90(mla._mla_fwd, types, consts, warps, stages, aligned=tuple(n for n in types if "stride" in n))
+    for w in {whole, True}:  # (the whole-tile loop as mla_tune.py times it)
+        consts = dict(C=512, R=64, CP=512, RP=64, NUM_SPLITS=1, BH=BH, BM=1, BN=BN, PAGE=16, PREC="tf32",
+                      DECODE=True, WHOLE=w, PDL=1)
+        compile_sm90(mla._mla_fwd, types, consts, warps, stages, aligned=tuple(n for n in types if "stride" in n))
 
 
 @pytest.mark.parametrize("E,K,G,TG,sigmoid", [(64, 6, 1, 1, False), (160, 6, 8, 3, False), (256, 8, 8, 4, True),

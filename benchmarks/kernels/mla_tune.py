@@ -1,11 +1,13 @@
-"""Latent (MLA) decode attention launch shapes (KV splits, KV tile, warps, pipeline stages) on one GPU: µs per call
-inside a CUDA graph and the latent cache bandwidth reached, checked against the kernel's own launch
-(`kernels/mla.decode_tiles`, the runner's `num_splits_for`). DeepSeek-V2-Lite's 16 heads (and DeepSeek-V3's at TP 8)
+"""Latent (MLA) decode attention launch shapes (KV splits, KV tile, warps, pipeline stages, whole tiles unmasked or
+every tile masked: `kernels/mla.DecodeLaunch`) on one GPU: µs per call inside a CUDA graph and the latent cache
+bandwidth reached, checked against the kernel's own launch (`kernels/mla.decode_launch`, the runner's
+`num_splits_for`). DeepSeek-V2-Lite's 16 heads (and DeepSeek-V3's at TP 8)
 and DeepSeek-V3's 128 (a rank of EP's data-parallel attention), context 1024, C = 512 latent + R = 64 rope values a
 token. A profile put the kernel at 88 us a layer at batch 64 where its cache bytes take ~18 us on an H200
 (benchmarks/results/h200-p1-decode-profiles.json).
 
     python benchmarks/kernels/mla_tune.py mla_tune.json [--heads 16] [--batches 256 1024] [--head-blocks 16 64]
+        [--kv-tiles 32 64]
 """
 
 from __future__ import annotations
@@ -19,16 +21,15 @@ import triton
 from moebius.bench.floor import hardware_of
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import write_result
-from moebius.kernels import DEFAULT_KERNELS
 from moebius.kernels import mla as M
-from moebius.kernels.pdl import pdl
 from moebius.layers.attention import num_splits_for
 
 PAGE, C, R, CTX = 16, 512, 64, 1024
 SHAPES = (("16 heads", 16, (1, 8, 64, 128, 256, 1024)), ("128 heads", 128, (1, 8, 32, 128)))
 
 
-def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float, head_blocks: list[int]) -> list[dict]:
+def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float, head_blocks: list[int],
+         kv_tiles: list[int]) -> list[dict]:
     """Every launch shape's row at one shape and batch (shapes that fail to compile are left out); head blocks
     (heads a program) as given, up to the shape's heads, each with its own KV splits; past 16 heads a block, 8 warps
     only (a [BH, C] float32 accumulator); the kernel's own launch always."""
@@ -45,44 +46,32 @@ def tune(name: str, H: int, B: int, dev: torch.device, hbm_bytes_s: float, head_
     def splits(BH: int) -> int:
         return num_splits_for(B, triton.cdiv(H, BH), min_programs=M.DECODE_MIN_PROGRAMS)
 
-    own, *tiles = M.decode_launch(C, H, B, cache)  # the kernel's own launch
-    default_tiles = tuple(tiles)
-    base = splits(own)
+    own = M.decode_launch(C, H, B, cache)  # the kernel's own launch
+    base = splits(own.head_block)
     ref = M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, base)
     nbytes = B * (CTX + 1) * (C + R) * 2
     rows = []
-    shapes = [(BH, ns, BN, nw, st) for BH in head_blocks if BH <= max(H, 16)
-              for ns, BN, nw, st in itertools.product(sorted({1, 2, 4, 8, splits(BH)}), (16, 32, 64), (4, 8), (2, 3))
+    shapes = [(ns, M.DecodeLaunch(BH, BN, nw, st, whole)) for BH in head_blocks if BH <= max(H, 16)
+              for ns, BN, nw, st, whole in itertools.product(sorted({1, 2, 4, 8, splits(BH)}), kv_tiles, (4, 8),
+                                                             (2, 3), (False, True))
               if BH <= 16 or nw == 8]
-    if (own, base, *default_tiles) not in shapes:  # (the kernel's own launch, timed beside them)
-        shapes.insert(0, (own, base, *default_tiles))
-    for BH, ns, BN, nw, st in shapes:
+    if (base, own) not in shapes:  # (the kernel's own launch, timed beside them)
+        shapes.insert(0, (base, own))
+    for ns, launch in shapes:
         o = torch.empty_like(q_lat)
-        pa = torch.empty(B * H * ns, C, dtype=torch.float32, device=dev)
-        pm = torch.empty(B * H * ns, 2, dtype=torch.float32, device=dev)
 
-        def fn(BH: int = BH, ns: int = ns, BN: int = BN, nw: int = nw, st: int = st, o: torch.Tensor = o,
-               pa: torch.Tensor = pa, pm: torch.Tensor = pm) -> None:
-            M._mla_fwd[(triton.cdiv(H, BH) * ns, B, 1)](
-                q_lat, q_rope, cache, o, pa if ns > 1 else o, pm if ns > 1 else o, bt, seq, qsl, scale, H,
-                q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), o.stride(0), o.stride(1),
-                cache.stride(0), cache.stride(1), bt.stride(0), C=C, R=R, CP=C, RP=R, NUM_SPLITS=ns,
-                BH=BH, BM=1, BN=BN, PAGE=PAGE, PREC="tf32", DECODE=True, num_warps=nw, num_stages=st,
-                **pdl(q_lat, DEFAULT_KERNELS))
-            if ns > 1:
-                M._mla_merge[(B, H, triton.cdiv(C, M.MERGE_BLOCK))](
-                    pa, pm, o, o.stride(0), o.stride(1), H, C=C, CB=min(M.MERGE_BLOCK, C), NUM_SPLITS=ns,
-                    SP=triton.next_power_of_2(ns), **pdl(q_lat, DEFAULT_KERNELS))
+        def fn(ns: int = ns, launch: M.DecodeLaunch = launch, o: torch.Tensor = o) -> None:
+            M.latent_decode_attention(q_lat, q_rope, cache, bt, seq, qsl, scale, ns, out=o, launch=launch)
 
         try:
             us = graph_time_us(fn)
         except Exception as e:  # noqa: BLE001 - shapes beyond shared memory fail to compile: skip them
-            print(name, B, BH, ns, BN, nw, st, "failed:", str(e)[:100])
+            print(name, B, ns, launch, "failed:", str(e)[:100])
             continue
-        rows.append(dict(shape=name, heads=H, batch=B, head_block=BH, splits=ns, BN=BN, warps=nw, stages=st, us=us,
+        rows.append(dict(shape=name, heads=H, batch=B, head_block=launch.head_block, splits=ns, BN=launch.BN,
+                         warps=launch.warps, stages=launch.stages, whole=launch.whole, us=us,
                          gbps=nbytes / us / 1e3, floor_us=nbytes / hbm_bytes_s * 1e6,
-                         err=(o.float() - ref.float()).abs().max().item(),
-                         default=(BH == own and ns == base and (BN, nw, st) == default_tiles)))
+                         err=(o.float() - ref.float()).abs().max().item(), default=(ns, launch) == (base, own)))
     best = min(rows, key=lambda r: r["us"])
     print(f"{name} B={B}: floor {nbytes / hbm_bytes_s * 1e6:.1f} us; default "
           f"{[round(r['us'], 1) for r in rows if r['default']]}; best {best}", flush=True)
@@ -97,6 +86,7 @@ def main() -> None:
     ap.add_argument("--head-blocks", type=int, nargs="+", default=[M.HEAD_BLOCK],
                     help="heads a program searched (HEAD_BLOCK by default; 32, 64: 8 warps; the kernel's own launch, "
                          "`decode_head_block`, is timed beside them)")
+    ap.add_argument("--kv-tiles", type=int, nargs="+", default=[16, 32, 64], help="KV tiles (keys) searched")
     args = ap.parse_args()
     shapes = [(n, h, tuple(b for b in bs if not args.batches or b in args.batches)) for n, h, bs in SHAPES
               if not args.heads or h in args.heads]
@@ -105,10 +95,10 @@ def main() -> None:
     out = []
     for name, H, batches in shapes:
         for B in batches:
-            out += tune(name, H, B, dev, hbm, args.head_blocks)
+            out += tune(name, H, B, dev, hbm, args.head_blocks, args.kv_tiles)
     path = args.output
     write_result(path, out, params=dict(output=path, page=PAGE, latent=C, rope=R, context=CTX,
-                                        head_blocks=args.head_blocks,
+                                        head_blocks=args.head_blocks, kv_tiles=args.kv_tiles,
                                         shapes=[dict(shape=n, heads=h, batches=list(b)) for n, h, b in shapes]),
                  note="latent decode attention per call inside a CUDA graph (us), the cache bandwidth reached (gbps) "
                       "and the cache bytes' HBM time (floor_us); err: max abs difference to the kernel's own launch; "

@@ -16,6 +16,7 @@ safe). The torch reference is `moebius.models.deepseek.mla.absorbed` (and `expan
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,21 +42,28 @@ MERGE_BLOCK = 128
 
 @triton.jit
 def _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok, start, hi, qpos, c, cv, r,
-                 rv, m_i, l_i, acc, scale2, C: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr,
-                 PREC: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+                 rv, m_i, l_i, acc, scale2, C: tl.constexpr, CP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                 BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr, MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr):
     """One KV tile of the online softmax (base 2) for every row (query token x head). MASK: the tile may hold keys
     at or past `hi`; CAUSAL (with MASK): or past a row's own position `qpos`."""
     j = start + tl.arange(0, BN)
     jv = j < hi
-    page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
-    base = page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok
+    if MASK:
+        page = tl.load(BlockTables + b * stride_bt + j // PAGE, mask=jv, other=0)
+    else:
+        page = tl.load(BlockTables + b * stride_bt + j // PAGE)
+    key = Cache + page.to(tl.int64) * stride_pg + (j % PAGE) * stride_tok  # each key's entry
     if MASK:
         # masked to 0 past the sequence's end: a page's unwritten rest may hold NaN (0 * NaN is NaN in the dots)
-        lat = tl.load(Cache + base[:, None] + c[None, :], mask=jv[:, None] & cv[None, :], other=0.0)
-        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=jv[:, None] & rv[None, :], other=0.0)
+        lat = tl.load(key[:, None] + c[None, :], mask=jv[:, None] & cv[None, :], other=0.0)
+        rope = tl.load(key[:, None] + C + r[None, :], mask=jv[:, None] & rv[None, :], other=0.0)
+    elif CP == C and RP == R:  # (every published config: no mask at all)
+        lat = tl.load(key[:, None] + c[None, :])
+        rope = tl.load(key[:, None] + C + r[None, :])
     else:
-        lat = tl.load(Cache + base[:, None] + c[None, :], mask=cv[None, :], other=0.0)
-        rope = tl.load(Cache + C + base[:, None] + r[None, :], mask=rv[None, :], other=0.0)
+        lat = tl.load(key[:, None] + c[None, :], mask=cv[None, :], other=0.0)
+        rope = tl.load(key[:, None] + C + r[None, :], mask=rv[None, :], other=0.0)
     s = (tl.dot(q_lat, tl.trans(lat), input_precision=PREC)
          + tl.dot(q_rope, tl.trans(rope), input_precision=PREC))
     if MASK:
@@ -86,11 +94,12 @@ def _mla_fwd(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QSt
              stride_lt, stride_lh, stride_rt, stride_rh, stride_ot, stride_oh, stride_pg, stride_tok, stride_bt,
              C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, NUM_SPLITS: tl.constexpr,
              BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, PREC: tl.constexpr,
-             DECODE: tl.constexpr, PDL: tl.constexpr):
+             DECODE: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
     """Program (head block x split, sequence, query block): the online softmax (base 2) over this split's keys of
     the sequence for BM of its new tokens x BH heads (rows: token-major), each row causal to its own position.
-    DECODE: one new token a sequence (BM == 1, one query block). CP, RP: C and R rounded up to powers of two
-    (Triton's ranges), the rest masked."""
+    DECODE: one new token a sequence (BM == 1, one query block); WHOLE (with DECODE): its whole tiles unmasked as a
+    chunk's are, else every tile masked. CP, RP: C and R rounded up to powers of two (Triton's ranges), the rest
+    masked."""
     enter(PDL)
     # head blocks (and splits) vary fastest: the programs of one sequence run side by side and read its pages together
     hblk = tl.program_id(0) // NUM_SPLITS
@@ -128,24 +137,26 @@ def _mla_fwd(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QSt
         l_i = tl.zeros([BM * BH], tl.float32)
         acc = tl.zeros([BM * BH, CP], tl.float32)
         scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
-        if DECODE:
+        if DECODE and not WHOLE:
             # one loop, every tile masked, as kernels/attention.py's decode (its last-tile loop costs a
             # memory-bound decode more than the masks it saves)
             for start in range(lo, hi, BN):
                 m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
-                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, BN, PAGE, PREC,
-                                             True, False)
+                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, CP, R, RP, BN,
+                                             PAGE, PREC, True, False)
         else:
             # keys up to the block's first query position are visible to every row: whole tiles there skip the mask
+            # (a decode's WHOLE: every tile but its split's last, fewer instructions a tile where the kernel rather
+            # than HBM bounds it)
             full = lo + tl.maximum(tl.minimum(hi, seq_len - qlen + m0 + 1) - lo, 0) // BN * BN
             for start in range(lo, full, BN):
                 m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
-                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, BN, PAGE, PREC,
-                                             False, True)
+                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, CP, R, RP, BN,
+                                             PAGE, PREC, False, True)
             for start in range(full, hi, BN):
                 m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
-                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, BN, PAGE, PREC,
-                                             True, True)
+                                             start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, CP, R, RP, BN,
+                                             PAGE, PREC, True, True)
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + c[None, :],
@@ -302,11 +313,28 @@ def decode_tiles(C: int, element_size: int, batch: int, head_blocks: int, head_b
     return 32 if head_blocks == 1 else 64, 4, 2
 
 
-def decode_launch(C: int, H: int, B: int, cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """(heads a program, KV tile, warps, pipeline stages) of a decode launch of B sequences of H heads over this
-    latent cache of latent width C (`decode_head_block`, `decode_tiles`)."""
+class DecodeLaunch(NamedTuple):
+    """A decode launch's shape: heads a program, KV tile, warps, pipeline stages, and whether the whole KV tiles go
+    unmasked (`_mla_fwd`'s WHOLE)."""
+
+    head_block: int
+    BN: int
+    warps: int
+    stages: int
+    whole: bool = False
+
+
+# decode's whole KV tiles unmasked: a third fewer instructions in the sm_90 loop (490 against 732 at 32-key tiles,
+# Triton 3.9), for a kernel that an H200's bandwidth leaves instruction-bound (benchmarks/results/
+# h100-p1-mla-variants-b05ee39.json); not yet timed against the masked loop, so off until mla_tune.py has
+DECODE_WHOLE_TILES = False
+
+
+def decode_launch(C: int, H: int, B: int, cache: torch.Tensor) -> DecodeLaunch:
+    """The decode launch of B sequences of H heads over this latent cache of latent width C (`decode_head_block`,
+    `decode_tiles`)."""
     BH = decode_head_block(H, cache)
-    return (BH, *decode_tiles(C, cache.element_size(), B, triton.cdiv(H, BH), BH))
+    return DecodeLaunch(BH, *decode_tiles(C, cache.element_size(), B, triton.cdiv(H, BH), BH), DECODE_WHOLE_TILES)
 
 
 def chunk_tiles(C: int, element_size: int) -> tuple[int, int, int, int]:
@@ -321,18 +349,19 @@ def chunk_tiles(C: int, element_size: int) -> tuple[int, int, int, int]:
 def latent_decode_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, num_splits: int = 1, *, kc: KernelConfig = DEFAULT_KERNELS,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """Decode (one new token a sequence: T == B) over the paged latent cache, absorbed form: q_latent [T, H, C]
     (q_nope through W_UK), q_rope [T, H, R] (roped), cache [pages, page_size, C + R] (the last dim contiguous),
     block_tables [B, max_pages] int32, seq_lens [B] (keys of each sequence, its new token's included; the new
     entry already written), query_start_loc [B + 1]. Returns the weighted latent sums [T, H, C] in q_latent's dtype
     (in `out` when given); the caller applies W_UV. num_splits > 1: each sequence's keys split over that many
-    programs, then merged."""
+    programs, then merged. launch: another shape than the kernel's own (`decode_launch`; benchmarks/kernels/
+    mla_tune.py searches them)."""
     T, B = q_latent_THC.shape[0], seq_lens.shape[0]
     if T != B:
         raise ValueError(f"latent_decode_attention takes one token a sequence: {T} tokens for {B} sequences")
     return _launch(q_latent_THC, q_rope_THR, cache_PSA, block_tables, seq_lens, query_start_loc, 1, scale,
-                   num_splits, kc, out)
+                   num_splits, kc, out, launch)
 
 
 def latent_chunk_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
@@ -345,13 +374,15 @@ def latent_chunk_attention(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor,
     own position. Arguments and result as `latent_decode_attention`'s; max_query_len: the longest chunk (a host
     value: the grid's query blocks)."""
     return _launch(q_latent_THC, q_rope_THR, cache_PSA, block_tables, seq_lens, query_start_loc, max_query_len,
-                   scale, 1, kc, out)
+                   scale, 1, kc, out, None)
 
 
 def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-            scale: float, num_splits: int, kc: KernelConfig, out: torch.Tensor | None) -> torch.Tensor:
-    """One launch of _mla_fwd: decode tiles (and KV splits) when max_query_len == 1, else chunk tiles, one split."""
+            scale: float, num_splits: int, kc: KernelConfig, out: torch.Tensor | None, launch: DecodeLaunch | None
+            ) -> torch.Tensor:
+    """One launch of _mla_fwd: decode tiles (and KV splits) when max_query_len == 1 (`launch`, or the kernel's
+    own), else chunk tiles, one split."""
     T, H, C = q_latent_THC.shape
     R = q_rope_THR.shape[2]
     B = seq_lens.shape[0]
@@ -368,9 +399,9 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
         raise ValueError(f"latent attention takes at most 65535 sequences a launch (the grid's y axis), not {B}")
     decode = max_query_len == 1
     if decode:
-        BM, (BH, BN, warps, stages) = 1, decode_launch(C, H, B, cache_PSA)
+        BM, (BH, BN, warps, stages, whole) = 1, launch or decode_launch(C, H, B, cache_PSA)
     else:
-        BH, (BM, BN, warps, stages) = HEAD_BLOCK, chunk_tiles(C, cache_PSA.element_size())
+        (BM, BN, warps, stages), BH, whole = chunk_tiles(C, cache_PSA.element_size()), HEAD_BLOCK, True
     CP, RP = triton.next_power_of_2(C), max(16, triton.next_power_of_2(R))  # (tl.dot's K of at least 16)
     if num_splits > 1:
         part_acc = torch.empty(T * H * num_splits, C, dtype=torch.float32, device=q_latent_THC.device)
@@ -384,7 +415,7 @@ def _launch(q_latent_THC: torch.Tensor, q_rope_THR: torch.Tensor, cache_PSA: tor
                    out.stride(0), out.stride(1), cache_PSA.stride(0), cache_PSA.stride(1), block_tables.stride(0),
                    C=C, R=R, CP=CP, RP=RP, NUM_SPLITS=num_splits, BH=BH, BM=BM, BN=BN,
                    PAGE=cache_PSA.shape[1], PREC="ieee" if q_latent_THC.dtype == torch.float32 else "tf32",
-                   DECODE=decode, num_warps=warps, num_stages=stages, **pdl(q_latent_THC, kc))
+                   DECODE=decode, WHOLE=whole, num_warps=warps, num_stages=stages, **pdl(q_latent_THC, kc))
     if num_splits > 1:  # (a program a block of latent values: a token's heads alone left most SMs idle at batch 1)
         _mla_merge[(T, H, triton.cdiv(C, MERGE_BLOCK))](part_acc, part_ml, out, out.stride(0), out.stride(1), H, C=C,
                                                         CB=min(MERGE_BLOCK, CP), NUM_SPLITS=num_splits,
