@@ -51,7 +51,7 @@
 #             fp8, linear_fp8_tune.py)
 #   moetune   the fused MoE's bf16 tiles searched at gpt-oss-20b's and DeepSeek-V2-Lite's expert shapes
 #   mlatune   the latent decode attention's launch shapes against its default (benchmarks/kernels/mla_tune.py);
-#             mlatune16 at 16 heads and batches 256 and 1024 only; mlatune128 at 128 heads with 64-head blocks
+#             mlatune16 at 16 heads and batches 64 to 1024 only; mlatune128 at 128 heads with 64-head blocks
 #             beside the kernel's own (batches 32, 128); each with whole KV tiles unmasked or every tile masked
 #             (`kernels/mla.DecodeLaunch.whole`); mlaproto the prototype kernels of
 #             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
@@ -224,8 +224,9 @@ moetune)  # the fused MoE's bf16 tiles at gpt-oss-20b's and DeepSeek-V2-Lite's e
   # Qwen3-30B-A3B's)
   t moetune_gptoss 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --batches 64 128 256 512 1024 --output $R/$C-p1-moe-tune-gpt-oss-20b.json
   t moetune_deepseek 200 python3 benchmarks/kernels/moe_tune.py --preset deepseek-v2-lite --ranks 1 --modes tp --batches 64 128 256 1024 --output $R/$C-p1-moe-tune-deepseek-v2-lite.json ;;
-mlatune16)  # the same at DeepSeek-V2-Lite's 16 heads and the batches over the bar on the H200 (256, 1024)
-  t mlatune16 240 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 256 1024 --kv-tiles 32 64 ;;
+mlatune16)  # the same at DeepSeek-V2-Lite's 16 heads and the bar's batches (the H200's kernel ran 2.3x its cache's
+  # bytes at 64, 1.4x at 1024: benchmarks/results/h200-p1-decode-profile-deepseek-big.json)
+  t mlatune16 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 64 128 256 1024 --kv-tiles 32 64 ;;
 groupsearch)  # gpt-oss-20b's MoE at 512 and 1024 tokens: every BM's best tiles, each also with its blocks in groups
   t groupsearch 200 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --groups 2 4 --batches 512 1024 --output $R/$C-p1-moe-groupsearch-gpt-oss-20b.json ;;
 fp8moetune)  # the fused MoE on FP8 rows (W8A16) at decode sizes and at 4096 tokens (the unpacked experts' path)
