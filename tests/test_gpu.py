@@ -153,6 +153,27 @@ def test_experts_match_reference(first_expert: int, local: int, T: int, backend:
     assert _rel(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("bm", [32, 64, 128])
+def test_half_blocks_match_reference(bm: int) -> None:
+    """The fused MoE with half blocks (`TileConfig.halves`) at each sorted table row's tiles of its BM (TMA ones
+    included: down's activation tiles then through pointers) against float32 math, 150 pairs an expert: an expert's
+    last block whole or half, as its count falls."""
+    from moebius.kernels import fused_moe as fm
+
+    torch.manual_seed(0)
+    K, D, I, E, T = 4, 512, 384, 16, 600
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.05
+    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.05
+    ref = experts_ref(x.float(), w.float(), ids, w13.float(), w2.float(), 0)
+    for c in [c for _, c in fm.CONFIGS if c.BM == bm]:
+        cfg = fm.MoEConfig(bm, *(replace(t, halves=True) for t in (c.gate_up, c.down)))
+        out = fm.fused_experts(x, w, ids, w13, w2, 0, E, config=cfg)
+        assert torch.isfinite(out).all() and _rel(out, ref) < 2e-2, (cfg, _rel(out, ref))
+
+
 @pytest.mark.parametrize("act8", [True, False])
 @pytest.mark.parametrize("T", [1, 77, 600, 2100])
 def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) -> None:

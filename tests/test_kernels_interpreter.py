@@ -37,6 +37,7 @@ def moe_cases() -> None:
 
     g = torch.Generator().manual_seed(0)
     K, D, I = 4, 64, 32
+    kinds: set[str] = set()  # the blocks the half-block launches took
     for T, E_all, E, first in CASES:
         x = torch.randn(T, D, generator=g)
         ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
@@ -52,6 +53,15 @@ def moe_cases() -> None:
         grouped = fm.MoEConfig(8, *(dataclasses.replace(c, group=3) for c in (cfg.gate_up, cfg.down)))
         out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, config=grouped)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5, (T, E, first, "grouped")
+        # half blocks (`TileConfig.halves`): 32-row blocks, an expert's last taking its first 16 rows where its
+        # pairs end there, beside whole ones
+        halves = fm.MoEConfig(32, *(dataclasses.replace(c, halves=True) for c in (cfg.gate_up, cfg.down)))
+        out = fm.fused_experts(x, w, ids, w13, w2, first, E_all, config=halves)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, (T, E, first, "halves")
+        if T * K > fm.DIRECT_MAX_PAIRS:
+            used = fm.align(ids, first, E, 32).rows.view(-1, 32) < T * K
+            kinds |= {"half" if u[0] and not u[16] else "whole" for u in used.tolist() if u[0]}
+    assert kinds == {"half", "whole"}, kinds
 
 
 def moe_biased_cases() -> None:

@@ -74,11 +74,32 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
         c, f, a8 = fused_moe._row_tiles(tile, w, K, kc)
         assert not c.tma and a8 == act8, (name, c, a8)
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=direct, FMT=f, ACT8=a8,
-                                      BIAS=gpt_oss, GB=c.group, PDL=1)
+                                      BIAS=gpt_oss, GB=c.group, HALVES=False, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
+        else:
+            consts.update(TMA_H=False)
         compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
                      aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
+
+
+HALF_CONFIGS = [c for _, c in fused_moe.CONFIGS if c.BM >= 32]
+
+
+@pytest.mark.parametrize("cfg", HALF_CONFIGS, ids=[f"BM{c.BM}" for c in HALF_CONFIGS])
+def test_the_fused_moe_half_blocks_compile_for_hopper(cfg: fused_moe.MoEConfig) -> None:
+    """The bf16 fused MoE's two GEMMs with half blocks (`TileConfig.halves`: both K loops, the whole block's and its
+    first half's, in one kernel) at the sorted configs' tiles (weights through pointers: a TMA descriptor's type is
+    not a signature string): within Hopper's shared memory (their numbers: test_kernels_interpreter.py)."""
+    plain = dict(MOE_TYPES, W13="*bf16", W2="*bf16")
+    for fn, tile in ((fused_moe._gate_up_silu, cfg.gate_up), (fused_moe._down, cfg.down)):
+        consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=tile.BK, TMA=False, DIRECT=False,
+                                      FMT=linear.PLAIN.value, ACT8=False, BIAS=False, GB=1, HALVES=True, PDL=1)
+        if fn is fused_moe._gate_up_silu:
+            consts.update(K_TOP=4, CLAMPED=False, DT=triton.language.bfloat16)
+        else:
+            consts.update(TMA_H=False)
+        compile_sm90(fn, plain, consts, tile.num_warps, tile.num_stages, aligned=("N", "D", "I", "first", "WS"))
 
 
 LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]
@@ -170,9 +191,11 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
                           else (fused_moe._down, cfg.down, hidden, inter))
         c, fmt, a8 = fused_moe._row_tiles(tile, torch.empty(E, n, f.width(K), dtype=torch.uint8, device="meta"), K, kc)
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8,
-                                      BIAS=False, GB=c.group, PDL=1)
+                                      BIAS=False, GB=c.group, HALVES=False, PDL=1)
         if fn is fused_moe._gate_up_silu:
             consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16, BN=128)
+        else:
+            consts.update(TMA_H=False)
         asm = compile_sm90(fn, W8A8_TYPES[name], consts, c.num_warps, c.num_stages,
                            aligned=("N", "D", "I", "first", "XS", "OS", "HS")
                            + (("WS",) if f.width(K) % 16 == 0 else ()))

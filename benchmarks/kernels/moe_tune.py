@@ -5,7 +5,8 @@ each global batch, checks the fused path against the torch reference, then times
 gaps count as they do in the engine) the align kernel and each GEMM kernel over candidate block shapes. Writes
 JSON: a row per (mode, batch) with the default and the best shapes (nested settings flattened: `best.gate_up.BN`),
 their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs on the same pairs as a reference
-(table "per_batch"); every BM tried (table "tried"); wall_s (the "summary" row).
+(table "per_batch"); every BM tried, from 32 rows also its best with half blocks (`TileConfig.halves`; table
+"tried"); wall_s (the "summary" row).
 
     python benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
     python benchmarks/kernels/moe_tune.py --no-search --batches 256 512 1024 2048 --output moe_tma.json
@@ -157,7 +158,9 @@ def main() -> None:
                 timed_default.update(rows_used=int(used.sum()), blocks_used=int((used > 0).sum()))
             ppe = local / max(hit, 1)
             rows = []
-            bms = ([16] if ppe <= 16 else [16, 32, 64] if ppe <= 64 else [32, 64, 128] if ppe <= 256
+            # (128 from 17 pairs an expert: one block an expert reads each weight tile once, `halves` sparing most of
+            # its padding's FLOPs)
+            bms = ([16] if ppe <= 16 else [16, 32, 64, 128] if ppe <= 64 else [32, 64, 128] if ppe <= 256
                    else [64, 128, 256])
             for bm_try in [] if a.no_search else bms:
                 b2 = fm.align(ids, 0, E, bm_try)
@@ -174,6 +177,12 @@ def main() -> None:
                     row[f"down_group_{g}_us"] = graph_time_us(
                         lambda c=dn_g: fm.down(h2, w2, b2, wflat, c))  # noqa: B023
                 rows.append(row)
+                if bm_try >= 32 and gu[0] and dn[0]:  # each BM's best with half blocks (`TileConfig.halves`)
+                    gu_h, dn_h = dataclasses.replace(gu[0], halves=True), dataclasses.replace(dn[0], halves=True)
+                    rows.append(dict(
+                        BM=bm_try, gate_up=gu_h.__dict__, down=dn_h.__dict__,
+                        gate_up_us=graph_time_us(lambda c=gu_h: fm.gate_up(x, w13, b2, K, c)),  # noqa: B023
+                        down_us=graph_time_us(lambda c=dn_h: fm.down(h2, w2, b2, wflat, c))))  # noqa: B023
             wbytes = hit * expert_bytes
             best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default_timed"]
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,

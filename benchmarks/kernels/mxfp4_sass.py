@@ -35,9 +35,12 @@ def main() -> None:
         for name, fn, bn in (("gate_up", fused_moe._gate_up_silu, args.gate_up_cols),
                              ("down", fused_moe._down, args.down_cols)):
             consts: dict[str, Any] = dict(BM=bm, BN=bn, BK=fused_moe.MXFP4_BK, TMA=False, DIRECT=False,
-                                          FMT=MXFP4_ROWS.value, ACT8=False, BIAS=True, GB=1, PDL=1)
+                                          FMT=MXFP4_ROWS.value, ACT8=False, BIAS=True, GB=1, HALVES=False,
+                                          PDL=1)
             if fn is fused_moe._gate_up_silu:
                 consts.update(K_TOP=4, CLAMPED=True, DT=triton.language.bfloat16)
+            else:
+                consts.update(TMA_H=False)
             asm = compile_sm90(fn, FUSED_MOE_TYPES, consts, args.warps, args.stages, ALIGNED).asm
             listing, resources = disassemble(asm["cubin"])
             body = loops(listing)[0]

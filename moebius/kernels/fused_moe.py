@@ -57,6 +57,10 @@ class TileConfig:
     # blocks whose programs interleave (`_program_tile`): an expert's blocks in one group read each weight tile at
     # about the same time, the second read from L2; 1: each block's column blocks in turn
     group: int = 1
+    # a sorted block (of 32 rows or more) whose second half holds no pair, an expert's last, multiplies its first
+    # BM / 2 rows only (`_gate_up_silu`'s HALVES): the padding's FLOPs halved where an expert's pairs just pass a
+    # block (down's activation tiles then through pointers, not TMA)
+    halves: bool = False
 
 
 
@@ -266,11 +270,11 @@ def _align_scatter(Ids, N, first, E, Cursor, SortedIds, Ends, BlockExpert, max_b
 
 
 @triton.jit
-def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr):
-    """Block blk's expert (local index; outside [0, E): nothing to do), the pair of each of its rows (N: none) and
-    the rows it owns of the buffer between the GEMMs. Sorted: Rows holds the sorted pair ids. DIRECT: one pair per
-    block, no sort; Rows holds the routing's expert ids."""
-    i = tl.arange(0, BM)
+def _block(Rows, BlockExpert, blk, N, first, BM: tl.constexpr, DIRECT: tl.constexpr, ROWS: tl.constexpr):
+    """Block blk's expert (local index; outside [0, E): nothing to do), the pair of each of its first ROWS rows (N:
+    none) and the rows they own of the buffer between the GEMMs. Sorted: Rows holds the sorted pair ids. DIRECT: one
+    pair per block, no sort; Rows holds the routing's expert ids."""
+    i = tl.arange(0, ROWS)
     if DIRECT:
         e = tl.load(Rows + blk).to(tl.int32) - first
         return e, tl.where(i == 0, blk, N), tl.where(i == 0, blk, 0)
@@ -296,25 +300,44 @@ def _program_tile(NB, GB: tl.constexpr):
 def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit,
                   K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
                   DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr, DT: tl.constexpr, BIAS: tl.constexpr,
-                  CLAMPED: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
+                  CLAMPED: tl.constexpr, GB: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FMT: their
     format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes). X [T, D] and Out [rows, I] in DT; ACT8 (FP8 rows
     only, W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
     `quantize_rows`), float8 dots, and each row of this program's output tile (BN = 128: one group) quantized as
     it is stored. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
     clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of
-    silu(gate) * up."""
+    silu(gate) * up. HALVES (sorted blocks): a block whose second half holds no pair multiplies its first half only
+    (an expert's pairs fill its rows from the first, `_align`, so its row BM / 2 tells)."""
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(I, BN), GB)
-    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
+    if HALVES:
+        if tl.load(Rows + blk * BM + BM // 2) >= N:
+            _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+                          K_TOP, BM, BM // 2, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
+        else:
+            _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+                          K_TOP, BM, BM, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
+    else:
+        _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+                      K_TOP, BM, BM, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
+
+
+@triton.jit
+def _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+                  K_TOP: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr, DT: tl.constexpr,
+                  BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+    """`_gate_up_silu`'s column block nb of block blk's first ROWS rows."""
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT, ROWS)
     if (e >= 0) & (e < E):  # sorted: blocks past the last expert's are padding; direct: another rank's expert
         ok = pair < N
         tok = tl.where(ok, pair // K_TOP, 0).to(tl.int64)
         n = nb * BN + tl.arange(0, BN)
         nm = n < I
         kk = tl.arange(0, BK)
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
+        acc_g = tl.zeros([ROWS, BN], tl.float32)
+        acc_u = tl.zeros([ROWS, BN], tl.float32)
         for k0 in range(0, D, BK):
             if ACT8:  # the tokens' quantized groups, one tile for both halves
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
@@ -358,32 +381,52 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
 
 @triton.jit
 def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, BM: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr,
-          ACT8: tl.constexpr, BIAS: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
-    """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or (TMA, sorted blocks) descriptors of [BM, BK] and
-    [BN, BK] tiles; FMT: W2's format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes); ACT8 (FP8 rows only,
-    W8A8): H is FP8 rows of HS bytes (`_gate_up_silu` quantized them), float8 dots. BIAS: B2 [E, D] added before
-    the routing weight."""
+          BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, TMA_H: tl.constexpr, DIRECT: tl.constexpr,
+          FMT: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr, GB: tl.constexpr, HALVES: tl.constexpr,
+          PDL: tl.constexpr):
+    """H [rows, I] and W2 [E * D, I] (row stride WS): pointers, or descriptors (W2: TMA, of [BN, BK] tiles; H: TMA_H,
+    sorted blocks, of [BM, BK] tiles); FMT: W2's format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes);
+    ACT8 (FP8 rows only, W8A8): H is FP8 rows of HS bytes (`_gate_up_silu` quantized them), float8 dots. BIAS: B2
+    [E, D] added before the routing weight. HALVES: as `_gate_up_silu`'s."""
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(D, BN), GB)
-    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT)
+    if HALVES:
+        if tl.load(Rows + blk * BM + BM // 2) >= N:
+            _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM // 2,
+                       BN, BK, TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)
+        else:
+            _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM, BN,
+                       BK, TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)
+    else:
+        _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM, BN, BK,
+                   TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)
+
+
+@triton.jit
+def _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM: tl.constexpr,
+               ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, TMA_H: tl.constexpr,
+               DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr, BIAS: tl.constexpr):
+    """`_down`'s column block nb of block blk's first ROWS rows."""
+    e, pair, rows = _block(Rows, BlockExpert, blk, N, first, BM, DIRECT, ROWS)
     if (e >= 0) & (e < E):
         ok = pair < N
         n = nb * BN + tl.arange(0, BN)
         nm = n < D
         kk = tl.arange(0, BK)
-        acc = tl.zeros([BM, BN], tl.float32)
+        acc = tl.zeros([ROWS, BN], tl.float32)
         for k0 in range(0, I, BK):
-            if TMA:  # padding rows of H hold garbage: their results are never stored
+            if TMA_H:  # padding rows of H hold garbage: their results are never stored
                 a = H.load([blk * BM, k0])
+            elif FMT != MXFP4_ROWS and not ACT8:
+                km = k0 + kk < I
+                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
+                            other=0.0)
+            if TMA:
                 b = W2.load([e * D + nb * BN, k0])
             elif FMT == MXFP4_ROWS:
                 acc = mx4_dot(H, rows, ok, I, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc, BK)
             elif not ACT8:
-                km = k0 + kk < I
-                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
-                            other=0.0)
-                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, H.dtype.element_ty)
+                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, a.dtype)
             if ACT8:
                 aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
                 w2base = W2 + e.to(tl.int64) * D * WS
@@ -506,8 +549,15 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
         x, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E, blocks.first_expert, WS, x.stride(0),
         h.stride(0), x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K, BM=blocks.BM, BN=c.BN,
         BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, DT=_TL[x_TD.dtype], BIAS=b13_EF is not None,
-        CLAMPED=clamp is not None, GB=c.group, num_warps=c.num_warps, num_stages=c.num_stages, **pdl(x_TD, kc))
+        CLAMPED=clamp is not None, GB=c.group, HALVES=_halves(c, blocks), num_warps=c.num_warps,
+        num_stages=c.num_stages, **pdl(x_TD, kc))
     return h
+
+
+def _halves(c: TileConfig, blocks: Blocks) -> bool:
+    """Whether a launch at config c takes half blocks (`TileConfig.halves`): sorted blocks whose halves are rows
+    enough for a dot (16)."""
+    return c.halves and not blocks.direct and blocks.BM >= 32
 
 
 def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tensor, c: TileConfig, *,
@@ -529,14 +579,18 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
                          f"{'W8A8 (FP8 rows)' if act8 else 'values'}")
     y = torch.empty(N, D, dtype=dtype if quantized else h.dtype, device=h.device) if out is None else out
     tma = not blocks.direct and _use_tma(c, h, w2_EDF)  # direct blocks' rows are not contiguous BM-row tiles
+    halves = _halves(c, blocks)
+    tma_h = tma and not halves  # (a half block's rows are not the descriptor's BM-row tile)
     hs = h.stride(0)
     if tma:
-        h, w2_EDF = _descriptor(h, [blocks.BM, c.BK]), _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
+        w2_EDF = _descriptor(w2_EDF.view(E * D, I), [c.BN, c.BK])
+    if tma_h:
+        h = _descriptor(h, [blocks.BM, c.BK])
     _down[(triton.cdiv(D, c.BN) * blocks.max_blocks,)](
         h, w2_EDF, blocks.rows, blocks.table, w_TK, y, N, D, I, E,
         blocks.first_expert, WS, hs, y if b2_ED is None else b2_ED, BM=blocks.BM, BN=c.BN, BK=c.BK, TMA=tma,
-        DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b2_ED is not None, GB=c.group, num_warps=c.num_warps,
-        num_stages=c.num_stages, **pdl(y, kc))
+        TMA_H=tma_h, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, BIAS=b2_ED is not None, GB=c.group, HALVES=halves,
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl(y, kc))
     return y
 
 
