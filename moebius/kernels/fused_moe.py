@@ -311,13 +311,9 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
     (an expert's pairs fill its rows from the first, `_align`, so its row BM / 2 tells)."""
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(I, BN), GB)
-    if HALVES:
-        if tl.load(Rows + blk * BM + BM // 2) >= N:
-            _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
-                          K_TOP, BM, BM // 2, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
-        else:
-            _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
-                          K_TOP, BM, BM, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
+    if HALVES and (tl.load(Rows + blk * BM + BM // 2) >= N):
+        _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+                      K_TOP, BM, BM // 2, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
     else:
         _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
                       K_TOP, BM, BM, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
@@ -390,13 +386,9 @@ def _down(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, 
     [E, D] added before the routing weight. HALVES: as `_gate_up_silu`'s."""
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(D, BN), GB)
-    if HALVES:
-        if tl.load(Rows + blk * BM + BM // 2) >= N:
-            _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM // 2,
-                       BN, BK, TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)
-        else:
-            _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM, BN,
-                       BK, TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)
+    if HALVES and (tl.load(Rows + blk * BM + BM // 2) >= N):
+        _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM // 2, BN,
+                   BK, TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)
     else:
         _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS, B2, nb, blk, BM, BM, BN, BK,
                    TMA, TMA_H, DIRECT, FMT, ACT8, BIAS)

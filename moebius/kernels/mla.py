@@ -326,7 +326,7 @@ class DecodeLaunch(NamedTuple):
 
 # decode's whole KV tiles unmasked: a third fewer instructions in the sm_90 loop (490 against 732 at 32-key tiles,
 # Triton 3.9), for a kernel that an H200's bandwidth leaves instruction-bound (benchmarks/results/
-# h100-p1-mla-variants-b05ee39.json); not yet timed against the masked loop, so off until mla_tune.py has
+# h100-p1-mla-variants-b05ee39.json); off until mla_tune.py has timed it against the masked loop on a GPU
 DECODE_WHOLE_TILES = False
 
 
