@@ -174,6 +174,27 @@ def test_half_blocks_match_reference(bm: int) -> None:
         assert torch.isfinite(out).all() and _rel(out, ref) < 2e-2, (cfg, _rel(out, ref))
 
 
+@pytest.mark.parametrize("pairs", [32, 64, 128])
+def test_gpt_oss_shape_table_matches_reference(pairs: int) -> None:
+    """bf16 experts of GPT-OSS's shape (2880 x 2880) through their own table's launches (`SHAPE_CONFIGS`: 64-row
+    blocks at 32 pairs an expert, one 128-row block an expert with half blocks at 64, 128-row half blocks at 128)
+    against float32 math."""
+    from moebius.kernels import fused_moe as fm
+
+    torch.manual_seed(0)
+    K, D, I, E = 4, 2880, 2880, 8
+    T = pairs * E // K
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    assert fm.config_for(T * K, E, 1, fm.table_for(w13, D)) == fm.pick_config(pairs, fm.SHAPE_CONFIGS[(I, D)])
+    out = fm.fused_experts(x, w, ids, w13, w2, 0, E)
+    ref = experts_ref(x.float(), w.float(), ids, w13.float(), w2.float(), 0)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 2e-2, _rel(out, ref)
+
+
 @pytest.mark.parametrize("act8", [True, False])
 @pytest.mark.parametrize("T", [1, 77, 600, 2100])
 def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) -> None:

@@ -83,14 +83,16 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
                      aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
 
 
-HALF_CONFIGS = [c for _, c in fused_moe.CONFIGS if c.BM >= 32]
+HALF_CONFIGS = [c for _, c in fused_moe.CONFIGS + [r for t in fused_moe.SHAPE_CONFIGS.values() for r in t]
+                if c.BM >= 32]
 
 
-@pytest.mark.parametrize("cfg", HALF_CONFIGS, ids=[f"BM{c.BM}" for c in HALF_CONFIGS])
+@pytest.mark.parametrize("cfg", HALF_CONFIGS, ids=[f"{i}-BM{c.BM}" for i, c in enumerate(HALF_CONFIGS)])
 def test_the_fused_moe_half_blocks_compile_for_hopper(cfg: fused_moe.MoEConfig) -> None:
     """The bf16 fused MoE's two GEMMs with half blocks (`TileConfig.halves`: both K loops, the whole block's and its
-    first half's, in one kernel) at the sorted configs' tiles (weights through pointers: a TMA descriptor's type is
-    not a signature string): within Hopper's shared memory (their numbers: test_kernels_interpreter.py)."""
+    first half's, in one kernel) at the sorted configs' tiles (CONFIGS', the shape tables'; weights through pointers:
+    a TMA descriptor's type is not a signature string): within Hopper's shared memory (their numbers:
+    test_kernels_interpreter.py, test_gpu.py)."""
     plain = dict(MOE_TYPES, W13="*bf16", W2="*bf16")
     for fn, tile in ((fused_moe._gate_up_silu, cfg.gate_up), (fused_moe._down, cfg.down)):
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=tile.BK, TMA=False, DIRECT=False,

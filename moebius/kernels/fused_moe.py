@@ -131,6 +131,22 @@ FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
 ]
 W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [*FP8_CONFIGS[:3], (float("inf"), _FP8_BM64)]
 
+# bf16 experts of a shape searched on its own, by (intermediate columns a rank holds, hidden columns): CONFIGS up to 24
+# pairs an expert and past the search's sizes (prompts), the search's best between. GPT-OSS's (2880, 2880) on one
+# rank, on an H100 (moe_tune.py --preset gpt-oss-20b, benchmarks/results/h100-p1-moe-halves-gpt-oss-20b.json, a
+# layer's two GEMMs against CONFIGS'): 32 pairs an expert 536 us against 549; 64, one 128-row block an expert (each
+# weight tile read once; half blocks for those of 64 pairs or fewer) 562 against 603; 128, 664 against 688. Half
+# blocks measured within 1% either way there.
+SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[float, MoEConfig]]] = {
+    (2880, 2880): [*CONFIGS[:3],
+                   (48.0, MoEConfig(64, TileConfig(64, 128, 4, 4), TileConfig(64, 64, 4, 4))),
+                   (96.0, MoEConfig(128, TileConfig(128, 64, 8, 4, tma=True, halves=True),
+                                    TileConfig(128, 64, 8, 3, halves=True))),
+                   (192.0, MoEConfig(128, TileConfig(64, 64, 4, 3, halves=True),
+                                     TileConfig(128, 64, 4, 3, tma=True, halves=True))),
+                   CONFIGS[-1]],
+}
+
 
 def pick_config(pairs_per_expert: float, table: list[tuple[float, MoEConfig]] = CONFIGS) -> MoEConfig:
     return next(c for limit, c in table if pairs_per_expert <= limit)
@@ -147,8 +163,10 @@ def config_for(num_pairs: int, num_experts: int, num_ranks_sharing: int = 1,
 
 def table_for(w13_EFD: torch.Tensor, D: int, act8: bool = False) -> list[tuple[float, MoEConfig]]:
     """The block-shape table of experts held as `w13_EFD` with D input columns: FP8 rows' own (act8, W8A8:
-    `W8A8_CONFIGS`), else `CONFIGS`."""
-    if w13_EFD.dtype == torch.uint8 and format_of(w13_EFD, D) is FP8:
+    `W8A8_CONFIGS`); bf16 ones of a shape searched on its own, its own (`SHAPE_CONFIGS`); else `CONFIGS`."""
+    if w13_EFD.dtype != torch.uint8:
+        return SHAPE_CONFIGS.get((w13_EFD.shape[1] // 2, D), CONFIGS)
+    if format_of(w13_EFD, D) is FP8:
         return W8A8_CONFIGS if act8 else FP8_CONFIGS
     return CONFIGS
 

@@ -138,8 +138,8 @@ def _mla_fwd(QLat, QRope, Cache, Out, PartAcc, PartML, BlockTables, SeqLens, QSt
         acc = tl.zeros([BM * BH, CP], tl.float32)
         scale2 = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the partial maxima are in log2 units
         if DECODE and not WHOLE:
-            # one loop, every tile masked, as kernels/attention.py's decode (its last-tile loop costs a
-            # memory-bound decode more than the masks it saves)
+            # one loop, every tile masked (kernels/attention.py's decode: there its last-tile loop cost a memory-bound
+            # decode more than the masks saved; here whole tiles measured faster, `DECODE_WHOLE_TILES`)
             for start in range(lo, hi, BN):
                 m_i, l_i, acc = _latent_tile(q_lat, q_rope, Cache, BlockTables, b, stride_bt, stride_pg, stride_tok,
                                              start, hi, qpos, c, cv, r, rv, m_i, l_i, acc, scale2, C, CP, R, RP, BN,
@@ -324,10 +324,10 @@ class DecodeLaunch(NamedTuple):
     whole: bool = False
 
 
-# decode's whole KV tiles unmasked: a third fewer instructions in the sm_90 loop (490 against 732 at 32-key tiles,
-# Triton 3.9), for a kernel that an H200's bandwidth leaves instruction-bound (benchmarks/results/
-# h100-p1-mla-variants-b05ee39.json); off until mla_tune.py has timed it against the masked loop on a GPU
-DECODE_WHOLE_TILES = False
+# decode's whole KV tiles unmasked (the split's last one masked): a third fewer instructions in the sm_90 loop, and on
+# an H100 faster at every batch with the launch's own shape, 7.7% at 64 and 2.3% at 1024 (benchmarks/results/
+# h100-p1-mla-tune-whole.json, -whole-mid.json; DeepSeek-V2-Lite's step 1.0% at 64: -sweep-whole.json, -masked.json)
+DECODE_WHOLE_TILES = True
 
 
 def decode_launch(C: int, H: int, B: int, cache: torch.Tensor) -> DecodeLaunch:
