@@ -60,7 +60,7 @@
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
 #             at 64 and 256 searched with up to 6 pipeline stages (moe_tune.py --fp8-max-stages)
 #   v3wide    DeepSeek-V3 cut to 4 layers (128 heads a rank: the latent decode's wide head blocks) decode steps at 1, 32, 128
-#             (an H200: its 5 layer slots of experts take 105 GiB)
+#             (its 3 dense layers' slots hold no experts since the twenty-second session: 2 slots of 21 GiB)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
@@ -78,8 +78,8 @@
 #   them), linear_fp8_tune.py --w8a8 --table-only, FP8 sweeps in W8A8. Nineteenth (a0773e1, an H100): Nsight Compute
 #   on the fused MoE, FP8 against bf16, and two-chunk K steps (moe_fp8_variants.py). Twenty-first (fd12bfb, an H100):
 #   `mxfp4tests retest mxfp4ab mlatune128` and the bars' sweeps (docs/performance.md). Twenty-second (594c909, an
-#   H100): `halves mxfp4tests`, mla_tune.py with whole tiles, the MXFP4 sweep (`v3wide` does not fit an H100: 112 GiB
-#   of weights). Next, on an H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
+#   H100): `halves mxfp4tests`, mla_tune.py with whole tiles, the MXFP4 sweep (`v3wide` did not fit an H100 then: every
+#   slot held experts). Next, on an H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
 #   `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -145,6 +145,21 @@ def test_the_latent_decode_launch_asks_for_programs_enough(ckpt: Checkpoints) ->
             assert g.min_programs == 0
 
 
+def test_a_slot_of_dense_layers_only_holds_no_experts(ckpt: Checkpoints) -> None:
+    """The dense first layer (first_k_dense_replace = 1) sits in slot 0 in TP and slot 1 in EP: slot 0 holds only
+    it, so the buffer gives it KV pages and no expert bytes (`layout.expert_slots`); every other slot holds a MoE
+    layer in some layout and its experts. The tokens stay transformers' (the KV after a slot's experts, or at its
+    start)."""
+    with LLM(model=ckpt("deepseek_v3"), **ENGINE_KW) as llm:
+        rank = llm.engine.ranks.rank
+        lay = rank.modes["tp"].layout
+        cfg, expert = lay.cfg, lay.expert_bytes(4)
+        assert cfg.mlp_only_layers == (0,) and rank.umm.plan.num_slots == cfg.num_layers + 1
+        slots = [r.nbytes for r in rank.umm.plan.slots]
+        assert all(n - slots[0] >= expert for n in slots[1:]), (slots, expert)
+        assert greedy_outputs(llm, PROMPTS[:2], 4) == [hf_greedy(ckpt("deepseek_v3"), tuple(p), 4) for p in PROMPTS[:2]]
+
+
 def test_weight_update_and_routed_experts(ckpt: Checkpoints) -> None:
     """An update from disk rewrites every view the specs cut (the next tokens are the new checkpoint's), and the
     routed experts of each output token are those of the MoE layers (top-k ids, each below n_routed_experts)."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moebius.config import ConfigError, ModelConfig
-from moebius.parallel.layout import MODES, Layout, check_shapes, slot_groups, slot_shifts
+from moebius.parallel.layout import MODES, Layout, check_shapes, expert_slots, slot_groups, slot_shifts
 
 H, KV_CHOICES, E, I_MOE, I_DENSE, D, HEAD_DIM = 16, (1, 2, 4, 8, 16), 16, 64, 128, 32, 8
 RANKS = (1, 2, 4, 8)
@@ -140,6 +140,16 @@ def test_ep_may_sit_as_many_slots_past_tp_as_keeps_each_slot_to_one_kv_group(win
     assert len(held) == 6 + shift and all(held)  # every slot holds a layer in some layout
     assert sum(len(g) > 1 for g in held) == (windows == FULL4_WINDOW2)
     assert slot_groups(cfg, ("tp",), shift)[6:] == [frozenset()] * shift  # the spares of one layout
+
+
+def test_slots_of_dense_layers_only_hold_no_experts() -> None:
+    """A model's first dense layers (DeepSeek's first_k_dense_replace: mlp_only_layers) sit in slots that no layout
+    puts a MoE layer in, at shift 1 the first k: those hold no experts; a spare of one layout none either."""
+    cfg = mcfg(num_layers=6, mlp_only_layers=(0, 1))
+    assert expert_slots(cfg, MODES) == [False, False, True, True, True, True, True]
+    assert expert_slots(cfg, ("tp",)) == [False, False, True, True, True, True, False]
+    assert expert_slots(cfg, ("ep",)) == [False, False, False, True, True, True, True]
+    assert all(expert_slots(mcfg(num_layers=6), MODES))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_a_latent_cache_is_replicated_in_tp_and_held_once_in_ep(P: int) -> None:
     page = KVPool.page_bytes(4, spec, 1, torch.float32)
     assert page == 4 * 24 * 4
     plan.add_slots([[(None, 3 * page)]])
-    pool = KVPool(UnifiedMemory(plan, torch.device("cpu")), [0], 0, [3], [0], 4, spec, 1, torch.float32)
+    pool = KVPool(UnifiedMemory(plan, torch.device("cpu")), [0], [0], [3], [0], 4, spec, 1, torch.float32)
     assert pool.layers[0].shape == (3, 1, 4, 1, 24)
     # TP -> EP: only the lowest rank of the replicas sends each request's latent, to its new owner
     reqs = [LiveKV(owner=1, num_tokens=6, src_pages=[1, 2], dst_pages=[1, 2])]

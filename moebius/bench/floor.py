@@ -21,7 +21,14 @@ from moebius.kernels.rows import row_format
 from moebius.link.messages import StepWork, attended_pairs, split_evenly, window_reads
 from moebius.models.registry import family_of
 from moebius.models.specs import FloorTerms
-from moebius.parallel.layout import MODES, Layout, num_slots, slot_groups, slot_shifts, tp_cuts_whole_blocks
+from moebius.parallel.layout import (
+    MODES,
+    Layout,
+    expert_slots,
+    slot_groups,
+    slot_shifts,
+    tp_cuts_whole_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -196,14 +203,16 @@ def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: i
 def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2, shift: int = 1) -> int:
     """Bytes of weights a rank of the switchable engine holds (worker/build.py's plan): the dense regions of both
     layouts (EP's alone where TP cannot cut quantized experts, `tp_cuts_whole_blocks`), each distinct shard once
-    (the rope table in float32), and `num_slots` layer slots of experts (at slot shift `shift`)."""
+    (the rope table in float32), and the layer slots' experts (at slot shift `shift`: a slot of dense layers only
+    holds none, `expert_slots`)."""
     family, regions = family_of(cfg), {}
     for mode in MODES if tp_cuts_whole_blocks(cfg, P) else ("ep",):
         lay = Layout(cfg, mode, 0, P)
         for s in family.weight_specs(cfg, lay, dtype_bytes):
             if s.slot is None:
                 regions[s.name] = math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else dtype_bytes)
-    return sum(regions.values()) + num_slots(cfg, shift) * Layout(cfg, "ep", 0, P).expert_bytes(dtype_bytes)
+    return sum(regions.values()) + sum(expert_slots(cfg, MODES, shift)) * Layout(cfg, "ep", 0, P).expert_bytes(
+        dtype_bytes)
 
 
 def kv_capacity_tokens(cfg: ModelConfig, P: int, kv_bytes: float, dtype_bytes: int = 2, shift: int = 1

@@ -345,10 +345,12 @@ class KVPool:
     A page is contiguous (every part of its block_size tokens), so moving a page is one contiguous copy.
     """
 
-    def __init__(self, umm: UnifiedMemory, slots: list[int], offset: int, group_pages: Sequence[int],
+    def __init__(self, umm: UnifiedMemory, slots: list[int], offsets: Sequence[int], group_pages: Sequence[int],
                  layer_groups: Sequence[int], block_size: int, spec: KVSpec, heads: int, dtype: torch.dtype) -> None:
-        self.layers = [umm.slot_view(s, offset, (group_pages[g], spec.parts, block_size, heads, spec.dim), dtype)
-                       for s, g in zip(slots, layer_groups, strict=True)]
+        """slots, offsets, layer_groups: each layer's slot, the bytes into it where its pages start (after the slot's
+        experts, if it holds any) and its KV group."""
+        self.layers = [umm.slot_view(s, o, (group_pages[g], spec.parts, block_size, heads, spec.dim), dtype)
+                       for s, o, g in zip(slots, offsets, layer_groups, strict=True)]
         self.group_pages = tuple(group_pages)
         self.block_size = block_size
 

@@ -65,15 +65,27 @@ def num_slots(cfg: ModelConfig, shift: int = 1) -> int:
     return cfg.num_layers + shift
 
 
-def slot_groups(cfg: ModelConfig, modes: Iterable[str], shift: int = 1) -> list[frozenset[int]]:
-    """The KV groups (`ModelConfig.kv_groups`) whose layers each slot holds in the layouts `modes` (none: a spare)
-    under slot shift `shift`."""
+def slot_layers(cfg: ModelConfig, modes: Iterable[str], shift: int = 1) -> list[frozenset[int]]:
+    """The layers each slot holds in the layouts `modes` (none: a spare) under slot shift `shift`."""
     held: list[set[int]] = [set() for _ in range(num_slots(cfg, shift))]
     for mode in modes:
         lay = Layout(cfg, mode, 0, 1, shift)  # (a layer's slot is the same on every rank)
         for i in range(cfg.num_layers):
-            held[lay.slot_of(i)].add(cfg.kv_group_of(i))
-    return [frozenset(g) for g in held]
+            held[lay.slot_of(i)].add(i)
+    return [frozenset(h) for h in held]
+
+
+def slot_groups(cfg: ModelConfig, modes: Iterable[str], shift: int = 1) -> list[frozenset[int]]:
+    """The KV groups (`ModelConfig.kv_groups`) whose layers each slot holds in the layouts `modes` (none: a spare)
+    under slot shift `shift`."""
+    return [frozenset(map(cfg.kv_group_of, layers)) for layers in slot_layers(cfg, modes, shift)]
+
+
+def expert_slots(cfg: ModelConfig, modes: Iterable[str], shift: int = 1) -> list[bool]:
+    """Whether each slot holds a MoE layer's experts in some layout of `modes`: not one that holds only dense layers
+    (DeepSeek's and GLM-4.5's first `first_k_dense_replace`), or none (a spare of one layout), whose expert bytes the
+    buffer leaves out (worker/build.py)."""
+    return [any(map(cfg.is_moe_layer, layers)) for layers in slot_layers(cfg, modes, shift)]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Building one rank: its unified buffer (dense weights of both layouts, static buffers per mode, N + 1 slots of experts
-and KV, or more: `parallel.layout.slot_shifts`), the start layout's weights, a runtime per layout, and, once every
+and KV, or more: `parallel.layout.slot_shifts`; a slot of dense layers only holds no experts, `layout.expert_slots`),
+the start layout's weights, a runtime per layout, and, once every
 rank is built, the start-up steps that run collectives (switch paths, symmetric-memory exchanges, CUDA graph
 capture).
 """
@@ -25,7 +26,14 @@ from moebius.models.loader import Checkpoint, DummyCheckpoint, load_weights
 from moebius.models.registry import family_of
 from moebius.parallel.dispatch import symmetric_memory_available
 from moebius.parallel.groups import Groups, all_gather_json
-from moebius.parallel.layout import Layout, check_quantized_layouts, check_shapes, num_slots, slot_groups, slot_shifts
+from moebius.parallel.layout import (
+    Layout,
+    check_quantized_layouts,
+    check_shapes,
+    expert_slots,
+    slot_groups,
+    slot_shifts,
+)
 from moebius.switch.executor import Switcher, SwitchOptions
 from moebius.worker.rank import ModeRuntime, Rank, RankSpec
 from moebius.worker.runner import ModelRunner, StaticBuffers
@@ -43,7 +51,14 @@ class BufferSizes:
     dense: int  # dense weights of every held layout, the RoPE table
     static: int  # step buffers sized by --max-num-batched-tokens, --max-running-requests, --max-model-len
     expert: int  # one layer slot's expert weights
-    num_slots: int
+    slot_experts: tuple[bool, ...]  # whether each layer slot holds experts (`layout.expert_slots`)
+
+    @property
+    def experts(self) -> int:
+        return self.expert * sum(self.slot_experts)
+
+    def slot_expert_bytes(self) -> list[int]:
+        return [self.expert if e else 0 for e in self.slot_experts]
 
 
 def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, kv_bytes: Callable[[int], int],
@@ -56,7 +71,7 @@ def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, kv_
         return pages
     free, total = torch.cuda.mem_get_info(device)
     allowed = min(free, int(total * ecfg.mem_fraction))
-    experts = sizes.num_slots * sizes.expert
+    experts = sizes.experts
     left = allowed - sizes.dense - sizes.static - experts
     pages, more = 0, 1  # the most pages whose KV fits in `left` (kv_bytes grows with pages)
     while kv_bytes(more) <= left:
@@ -68,7 +83,8 @@ def _num_pages(ecfg: EngineConfig, device: torch.device, sizes: BufferSizes, kv_
         raise ConfigError(
             f"--mem-fraction {ecfg.mem_fraction} of {device} ({total / GiB:.1f} GiB, {free / GiB:.1f} GiB free) gives "
             f"the unified buffer {allowed / GiB:.2f} GiB; the weights take {(sizes.dense + experts) / GiB:.2f} GiB of "
-            f"it ({experts / GiB:.2f} GiB of experts in {sizes.num_slots} layer slots) and the step buffers "
+            f"it ({experts / GiB:.2f} GiB of experts in {sum(sizes.slot_experts)} of {len(sizes.slot_experts)} "
+            f"layer slots) and the step buffers "
             f"{sizes.static / GiB:.2f} GiB (--max-num-batched-tokens {ecfg.max_num_batched_tokens}, "
             f"--max-running-requests {ecfg.max_running_requests}, --max-model-len {max_model_len}), leaving "
             f"{left / GiB:.2f} GiB, where {MIN_PAGES} KV pages of --block-size {ecfg.block_size} tokens in every "
@@ -106,25 +122,26 @@ class SlotKV:
 
 def _slot_layout(ecfg: EngineConfig, device: torch.device, layouts: dict[str, Layout], start: str,
                  page_bytes: dict[str, int], sizes: BufferSizes, max_model_len: int
-                 ) -> tuple[dict[str, Layout], SlotKV, int]:
+                 ) -> tuple[dict[str, Layout], SlotKV, int, BufferSizes]:
     """The layouts at the slot shift (`layout.slot_shifts`) that leaves the first KV group the most pages
-    (--mem-fraction), or the buffer the fewest bytes (a KV budget in tokens), with their `SlotKV` and the start
-    layout's first-group pages; the first shift's ConfigError where none leaves a page."""
+    (--mem-fraction), or the buffer the fewest bytes (a KV budget in tokens), with their `SlotKV`, the start
+    layout's first-group pages and the sizes at that shift (its slots of experts); the first shift's ConfigError
+    where none leaves a page."""
     cfg, fixed = layouts[start].cfg, kv_budget(ecfg.max_total_tokens, ecfg.block_size, device.type) is not None
-    best: tuple[float, dict[str, Layout], SlotKV, int] | None = None
+    best: tuple[float, dict[str, Layout], SlotKV, int, BufferSizes] | None = None
     error: ConfigError | None = None
     for shift in slot_shifts(cfg):
         lays = {m: replace(lay, slot_shift=shift) for m, lay in layouts.items()}
         slot_kv = _slot_kv(ecfg, lays, start, page_bytes)
-        shifted = replace(sizes, num_slots=num_slots(cfg, shift))
+        shifted = replace(sizes, slot_experts=tuple(expert_slots(cfg, lays, shift)))
         try:
             pages = _num_pages(ecfg, device, shifted, slot_kv.total, max_model_len)
         except ConfigError as e:
             error = error or e
             continue
-        score = -(shifted.num_slots * shifted.expert + slot_kv.total(pages)) if fixed else pages
+        score = -(shifted.experts + slot_kv.total(pages)) if fixed else pages
         if best is None or score > best[0]:
-            best = (score, lays, slot_kv, pages)
+            best = (score, lays, slot_kv, pages, shifted)
     if best is None:
         assert error is not None
         raise error
@@ -232,12 +249,16 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
     page_bytes = {m: KVPool.page_bytes(bs, cfg.kv_spec, lay.num_kv_heads, dtype) for m, lay in layouts.items()}
-    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, num_slots(cfg))
-    layouts, slot_kv, start_pages = _slot_layout(ecfg, device, layouts, spec.mode, page_bytes, sizes,
-                                                 spec.max_model_len)
+    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes,
+                        tuple(expert_slots(cfg, layouts)))
+    layouts, slot_kv, start_pages, sizes = _slot_layout(ecfg, device, layouts, spec.mode, page_bytes, sizes,
+                                                        spec.max_model_len)
     pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes,
                           slot_kv.group_bytes(start_pages))
-    plan.add_slots([[("weights", expert_bytes), ("kv_cache", kv)] for kv in slot_kv.slot_bytes(start_pages)])
+    # a slot's KV after its experts (none in a slot of dense layers only)
+    kv_offsets = sizes.slot_expert_bytes()
+    plan.add_slots([[("weights", e), ("kv_cache", kv)] if e else [("kv_cache", kv)]
+                    for e, kv in zip(kv_offsets, slot_kv.slot_bytes(start_pages), strict=True)])
     if ecfg.max_total_tokens is not None or device.type != "cuda":  # --mem-fraction sized it to fit already
         _check_fits(ecfg, device, plan.total_bytes, slot_kv.total(start_pages), plan.num_slots)
     umm = UnifiedMemory(plan, device)
@@ -255,7 +276,8 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
     modes: dict[str, ModeRuntime] = {}
     for m, lay in layouts.items():
         weights = family.build_weights(umm, cfg, lay, dtype)
-        kv = KVPool(umm, [lay.slot_of(i) for i in range(cfg.num_layers)], expert_bytes, pages[m],
+        slots = [lay.slot_of(i) for i in range(cfg.num_layers)]
+        kv = KVPool(umm, slots, [kv_offsets[j] for j in slots], pages[m],
                     [cfg.kv_group_of(i) for i in range(cfg.num_layers)], bs, cfg.kv_spec, lay.num_kv_heads, dtype)
         runner = ModelRunner(cfg, weights, kv.layers, lay.communicator(groups),
                              StaticBuffers.build(umm, m, *buf_shape), bs, device, kernels=kernels)
