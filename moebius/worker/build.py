@@ -1,8 +1,7 @@
 """Building one rank: its unified buffer (dense weights of both layouts, static buffers per mode, N + 1 slots of experts
 and KV, or more: `parallel.layout.slot_shifts`; a slot of dense layers only holds no experts, `layout.expert_slots`),
-the start layout's weights, a runtime per layout, and, once every
-rank is built, the start-up steps that run collectives (switch paths, symmetric-memory exchanges, CUDA graph
-capture).
+the start layout's weights, a runtime per layout, and, once every rank is built, the start-up steps that run
+collectives (switch paths, symmetric-memory exchanges, CUDA graph capture).
 """
 
 from __future__ import annotations
