@@ -326,18 +326,19 @@ def test_kv_sizing_without_a_usable_page_names_the_setting(ckpt: Checkpoints, mo
 
 def test_gpu_sizing_by_mem_fraction_names_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     """--mem-fraction leaving no KV page (a GPU's memory faked): the fraction, the GPU's memory, what the weights and
-    step buffers take and the flags that size them, and what the least KV cache needs."""
+    step buffers take and the flags that size them (the experts of the slots that hold them: not the first, a dense
+    layer's), and what the least KV cache needs."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, 80 * 2**30))
     ecfg = EngineConfig(mem_fraction=0.05, max_num_batched_tokens=8192)
-    sizes = build.BufferSizes(dense=3 * 2**30, static=2**29, expert=2**25, num_slots=49)
+    sizes = build.BufferSizes(dense=3 * 2**30, static=2**29, expert=2**25, slot_experts=(False,) + (True,) * 48)
     with pytest.raises(ConfigError, match=r"--mem-fraction 0\.05 of cuda \(80\.0 GiB, 70\.0 GiB free\) gives the "
-                                          r"unified buffer 4\.00 GiB; the weights take 4\.53 GiB of it \(1\.53 GiB of "
-                                          r"experts in 49 layer slots\) and the step buffers 0\.50 GiB "
+                                          r"unified buffer 4\.00 GiB; the weights take 4\.50 GiB of it \(1\.50 GiB of "
+                                          r"experts in 48 of 49 layer slots\) and the step buffers 0\.50 GiB "
                                           r"\(--max-num-batched-tokens 8192, --max-running-requests 256, "
-                                          r"--max-model-len 40960\), leaving -1\.03 GiB.*raise --mem-fraction"):
+                                          r"--max-model-len 40960\), leaving -1\.00 GiB.*raise --mem-fraction"):
         build._num_pages(ecfg, torch.device("cuda"), sizes, lambda pages: 49 * pages * 2**17, 40960)
     # enough memory: the pages it leaves, unchanged
-    left = 40 * 2**30 - 3 * 2**30 - 2**29 - 49 * 2**25
+    left = 40 * 2**30 - 3 * 2**30 - 2**29 - 48 * 2**25
     assert build._num_pages(EngineConfig(mem_fraction=0.5), torch.device("cuda"), sizes,
                             lambda pages: 49 * pages * 2**17, 40960) == left // (49 * 2**17)
     # sliding layers' slots (every other one) capped at 1000 pages: the full layers' slots take the rest
