@@ -91,8 +91,8 @@ HALF_CONFIGS = [c for _, c in fused_moe.CONFIGS + [r for t in fused_moe.SHAPE_CO
 def test_the_fused_moe_half_blocks_compile_for_hopper(cfg: fused_moe.MoEConfig) -> None:
     """The bf16 fused MoE's two GEMMs with half blocks (`TileConfig.halves`: both K loops, the whole block's and its
     first half's, in one kernel) at the sorted configs' tiles (CONFIGS', the shape tables'; weights through pointers:
-    a TMA descriptor's type is not a signature string): within Hopper's shared memory (their numbers:
-    test_kernels_interpreter.py, test_gpu.py)."""
+    a TMA descriptor's type is not a signature string): within Hopper's shared memory, each kernel with its two K
+    loops (their numbers: test_kernels_interpreter.py, test_gpu.py)."""
     plain = dict(MOE_TYPES, W13="*bf16", W2="*bf16")
     for fn, tile in ((fused_moe._gate_up_silu, cfg.gate_up), (fused_moe._down, cfg.down)):
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=tile.BK, TMA=False, DIRECT=False,
@@ -101,7 +101,9 @@ def test_the_fused_moe_half_blocks_compile_for_hopper(cfg: fused_moe.MoEConfig) 
             consts.update(K_TOP=4, CLAMPED=False, DT=triton.language.bfloat16)
         else:
             consts.update(TMA_H=False)
-        compile_sm90(fn, plain, consts, tile.num_warps, tile.num_stages, aligned=("N", "D", "I", "first", "WS"))
+        asm = compile_sm90(fn, plain, consts, tile.num_warps, tile.num_stages, aligned=("N", "D", "I", "first", "WS"))
+        k_loops = [n for n in map(sum, (c.values() for c in sm90.loops(sm90.disassemble(asm["cubin"])[0]))) if n > 20]
+        assert len(k_loops) == 2, (fn.__name__, k_loops)
 
 
 LAUNCHES = [(act8, most, launch) for act8, table in linear.FP8_LAUNCHES.items() for most, launch in table]

@@ -203,15 +203,16 @@ def prefill_floor_ms(cfg: ModelConfig, P: int, mode: str, tokens: int, prefix: i
 def rank_weight_bytes(cfg: ModelConfig, P: int, dtype_bytes: int = 2, shift: int = 1) -> int:
     """Bytes of weights a rank of the switchable engine holds (worker/build.py's plan): the dense regions of both
     layouts (EP's alone where TP cannot cut quantized experts, `tp_cuts_whole_blocks`), each distinct shard once
-    (the rope table in float32), and the layer slots' experts (at slot shift `shift`: a slot of dense layers only
-    holds none, `expert_slots`)."""
+    (the rope table in float32), and the layer slots' experts (at slot shift `shift`: a slot of dense layers only, or
+    a spare of the one layout held, holds none, `expert_slots`)."""
     family, regions = family_of(cfg), {}
-    for mode in MODES if tp_cuts_whole_blocks(cfg, P) else ("ep",):
+    held = MODES if tp_cuts_whole_blocks(cfg, P) else ("ep",)
+    for mode in held:
         lay = Layout(cfg, mode, 0, P)
         for s in family.weight_specs(cfg, lay, dtype_bytes):
             if s.slot is None:
                 regions[s.name] = math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else dtype_bytes)
-    return sum(regions.values()) + sum(expert_slots(cfg, MODES, shift)) * Layout(cfg, "ep", 0, P).expert_bytes(
+    return sum(regions.values()) + sum(expert_slots(cfg, held, shift)) * Layout(cfg, "ep", 0, P).expert_bytes(
         dtype_bytes)
 
 

@@ -133,10 +133,9 @@ W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [*FP8_CONFIGS[:3], (float("inf"), 
 
 # bf16 experts of a shape searched on its own, by (intermediate columns a rank holds, hidden columns): CONFIGS up to 24
 # pairs an expert and past the search's sizes (prompts), the search's best between. GPT-OSS's (2880, 2880) on one
-# rank, on an H100 (moe_tune.py --preset gpt-oss-20b, benchmarks/results/h100-p1-moe-halves-gpt-oss-20b.json, a
-# layer's two GEMMs against CONFIGS'): 32 pairs an expert 536 us against 549; 64, one 128-row block an expert (each
-# weight tile read once; half blocks for those of 64 pairs or fewer) 562 against 603; 128, 664 against 688. Half
-# blocks measured within 1% either way there.
+# rank, searched on an H100 (`moe_tune.py --preset gpt-oss-20b`): from 48 pairs an expert one 128-row block an expert
+# (each weight tile read once) beat CONFIGS' 64-row blocks; half blocks were no slower there
+# (benchmarks/results/h100-p1-moe-halves-gpt-oss-20b.json, docs/performance.md).
 SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[float, MoEConfig]]] = {
     (2880, 2880): [*CONFIGS[:3],
                    (48.0, MoEConfig(64, TileConfig(64, 128, 4, 4), TileConfig(64, 64, 4, 4))),

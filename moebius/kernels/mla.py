@@ -321,12 +321,13 @@ class DecodeLaunch(NamedTuple):
     BN: int
     warps: int
     stages: int
-    whole: bool = False
+    whole: bool
 
 
-# decode's whole KV tiles unmasked (the split's last one masked): a third fewer instructions in the sm_90 loop, and on
-# an H100 faster at every batch with the launch's own shape, 7.7% at 64 and 2.3% at 1024 (benchmarks/results/
-# h100-p1-mla-tune-whole.json, -whole-mid.json; DeepSeek-V2-Lite's step 1.0% at 64: -sweep-whole.json, -masked.json)
+# decode's whole KV tiles unmasked (the split's last one masked): fewer instructions in the sm_90 loop, and faster on
+# an H100 at every batch searched with the launch's own shape, in the kernel and in DeepSeek-V2-Lite's step
+# (benchmarks/results/h100-p1-mla-tune-whole.json, -whole-mid.json; h100-p1-deepseek-v2-lite-sweep-whole.json against
+# -masked.json). False: every tile masked (mla_tune.py's baseline)
 DECODE_WHOLE_TILES = True
 
 
