@@ -56,6 +56,7 @@
 #             (`kernels/mla.DecodeLaunch.whole`); mlaproto the prototype kernels of
 #             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
 #   halves    the fused MoE's half blocks: their GPU test, and gpt-oss-20b's MoE searched with them (256-1024)
+#   tabletests GPT-OSS's own MoE table and the half blocks against the reference, the DeepSeek family's GPU tests
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
 #             at 64 and 256 searched with up to 6 pipeline stages (moe_tune.py --fp8-max-stages)
@@ -231,6 +232,8 @@ halves)  # half blocks (TileConfig.halves) on the GPU: their test at every sorte
   # gpt-oss-20b's MoE searched with them beside every BM's best (128-row blocks from 17 pairs an expert too)
   t half_tests 150 $P tests/test_gpu.py -k "half_blocks"
   t halfsearch 240 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --batches 256 512 1024 --output $R/$C-p1-moe-halves-gpt-oss-20b.json ;;
+tabletests)  # GPT-OSS's own MoE table and the half blocks against the reference, the DeepSeek family's GPU parity
+  t table_tests 200 $P tests/test_gpu.py -k "gpt_oss_shape_table or half_blocks" tests/test_deepseek_family.py ;;
 mlatune16)  # the same at DeepSeek-V2-Lite's 16 heads and the bar's batches (the H200's kernel ran 2.3x its cache's
   # bytes at 64, 1.4x at 1024: benchmarks/results/h200-p1-decode-profile-deepseek-big.json)
   t mlatune16 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 64 128 256 1024 --kv-tiles 32 64 ;;
