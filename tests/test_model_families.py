@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import weakref
 
 import pytest
 import torch
@@ -115,3 +116,32 @@ def test_routers_stay_in_float32_where_transformers_keeps_them(ckpt: Checkpoints
             assert torch.equal(mlp.bias_E, f.get_tensor(p + "e_score_correction_bias").float())
             assert mlp.w13_EFD.dtype == torch.bfloat16
     assert layers[0].attn.kv_a_AD.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_a_layers_experts_are_fetched_as_the_ones_before_are_written(mode: str) -> None:
+    """The load streams a layer's per-expert tensors into its slot: at most two sources alive at once (the one being
+    written and the next fetched), never the layer's whole (DeepSeek-V3's experts, whole on one rank, are 2x a GPU's
+    room beside the model in float32)."""
+    from moebius.models.specs import ExpertCut
+
+    cfg = model_config(PRESETS["qwen3-30b-a3b"], num_layers=1)
+    lay = Layout(cfg, mode, 0, 2)
+    I, D, E = 8, 4, cfg.num_experts
+    alive, most = set(), [0]
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.randn(shape)
+        alive.add(id(t))
+        weakref.finalize(t, alive.discard, id(t))
+        most[0] = max(most[0], len(alive))
+        return t
+
+    for which, dst in (("w13", torch.zeros(lay.num_local_experts, 2 * I // lay.tp, D)),
+                       ("w2", torch.zeros(lay.num_local_experts, D, I // lay.tp))):
+        most[0] = 0
+        cut = ExpertCut("model.layers.0.", which, lay, (E, 2 * I, D) if which == "w13" else (E, D, I),
+                        ((I, D), (I, D)) if which == "w13" else ((D, I),))
+        cut.fill(fetch, dst)
+        assert dst.abs().sum(dim=tuple(range(1, dst.dim()))).ne(0).all()  # every local expert written
+        assert most[0] <= 2, f"{which}: {most[0]} source tensors alive at once"

@@ -10,8 +10,9 @@ Load, switch and weight update all read these specs.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,8 +124,10 @@ class ExpertCut:
     def _names(self, e: int) -> tuple[str, ...]:
         return tuple(self.names.expert(self.p, e, proj) for proj in self.names.projections(self.which))
 
-    def pieces(self, fetch: Fetch) -> list[tuple[tuple[int | slice, ...], torch.Tensor]]:
-        """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there)."""
+    def pieces(self, fetch: Fetch) -> Iterator[tuple[tuple[int | slice, ...], torch.Tensor]]:
+        """(index into the destination, seen as [El, 2, Il, D] or [El, D, Il]; the source view that goes there), each
+        fetched as the one before is written: a layer's experts are never all held at once (DeepSeek-V3's, whole on
+        one rank, outweigh a GPU's room beside the model)."""
         w13, local, raw = self.which == "w13", slice(self.local.start, self.local.stop), fetch
 
         def fused(name: str, shape: tuple[int, ...]) -> torch.Tensor:  # the local experts of a fused tensor
@@ -140,14 +143,14 @@ class ExpertCut:
             except KeyError:
                 raise missing from None  # name the per-expert tensor (the usual format) as the missing one
             # fused [El, 2I, D]: gate and up rows split, then each cut; [El, D, I]: columns cut
-            return [((slice(None),), tp_cut(t.unflatten(1, (2, t.shape[1] // 2)), 2, self.lay) if w13
-                     else tp_cut(t, 2, self.lay))]
-        out: list[tuple[tuple[int | slice, ...], torch.Tensor]] = []
+            yield ((slice(None),), tp_cut(t.unflatten(1, (2, t.shape[1] // 2)), 2, self.lay) if w13
+                   else tp_cut(t, 2, self.lay))
+            return
         for j, e in enumerate(self.local):
             for k, (name, shape) in enumerate(zip(self._names(e), self.shapes, strict=True)):
                 t = first if j == 0 and k == 0 else fetch(name, shape)
-                out.append(((j, k) if w13 else (j,), tp_cut(t, 0 if w13 else 1, self.lay)))
-        return out
+                first = None  # each source dropped once written
+                yield ((j, k) if w13 else (j,)), tp_cut(t, 0 if w13 else 1, self.lay)
 
     def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
         """Each piece copied once into its place in `dst` (the slot's view, [El, 2Il, D] or [El, D, Il])."""
@@ -157,15 +160,15 @@ class ExpertCut:
         """The cut as a tensor of its own: the pieces written into a fresh one (its last dims the source's: a
         shape-only check passes tensors of width 0)."""
         pieces = self.pieces(fetch)
-        src = pieces[0][1]
+        at, src = next(pieces)
         El = len(self.local)
         shape = (El, 2, *src.shape[-2:]) if self.which == "w13" else (El, *src.shape[-2:])
         out = torch.empty(shape, dtype=src.dtype, device=src.device)
-        _write(pieces, out)
+        _write(itertools.chain([(at, src)], pieces), out)
         return out.flatten(1, 2) if self.which == "w13" else out
 
 
-def _write(pieces: list[tuple[tuple[int | slice, ...], torch.Tensor]], into: torch.Tensor) -> None:
+def _write(pieces: Iterable[tuple[tuple[int | slice, ...], torch.Tensor]], into: torch.Tensor) -> None:
     for at, src in pieces:
         if not src.is_meta:  # a tensor the update does not give: its rows keep their values
             into[at].copy_(src)
