@@ -81,7 +81,7 @@ CONFIGS: list[tuple[float, MoEConfig]] = [
     (24.0, MoEConfig(32, TileConfig(64, 128, 4, 3), TileConfig(128, 64, 4, 3))),
     (64.0, MoEConfig(64, TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3))),
     # one 128-row block an expert up to 96 pairs (each weight tile read once): faster than 64-row blocks in the search
-    # at DeepSeek-V2-Lite's batch 1024 (benchmarks/results/h100-p1-moe-tune-deepseek-v2-lite.json)
+    # at DeepSeek-V2-Lite's batch 1024 (benchmarks/results/h100-p1-moe-tune-deepseek-v2-lite-db85cbd.json)
     (96.0, MoEConfig(128, TileConfig(64, 64, 8, 3), TileConfig(128, 128, 8, 3, tma=True))),
     # TMA only for the largest blocks: it measured faster at many thousands of pairs and no better below
     # (`python benchmarks/kernels/moe_tune.py --no-search`; benchmarks/results/h200-moe-tma.json)
