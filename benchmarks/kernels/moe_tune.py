@@ -1,7 +1,8 @@
 """Measure the fused MoE kernels on one GPU at the decode shapes of a preset and pick block shapes per size.
 
 For each layout's expert shard (TP: all experts, I/P columns; EP: E/P whole experts fed every rank's tokens) and
-each global batch, checks the fused path against the torch reference, then times (inside CUDA graphs, so launch
+each global batch, checks the fused path against the torch reference (the default shapes' `rel_err`, the best
+found's `best.rel_err`; up to 512 tokens), then times (inside CUDA graphs, so launch
 gaps count as they do in the engine) the align kernel and each GEMM kernel over candidate block shapes. Writes
 JSON: a row per (mode, batch) with the default and the best shapes (nested settings flattened: `best.gate_up.BN`),
 their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs on the same pairs as a reference
@@ -67,6 +68,11 @@ def best_of(configs: list[fm.TileConfig], run) -> tuple[fm.TileConfig | None, fl
     return out
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor | None) -> float | None:
+    """The outputs' error relative to the reference's norm (None without a reference: past 512 tokens)."""
+    return None if ref is None else ((out.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python benchmarks/kernels/moe_tune.py")
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -119,11 +125,8 @@ def main() -> None:
             hit = int(torch.unique(ids[ids < E]).numel())
             cfg = fm.config_for(T * K, E, E_all // E, fm.table_for(w13, D))
             out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all)
-            if T <= 512:
-                ref = experts_ref(x.float(), w_TK.float(), ids, w13_bf16.float(), w2_bf16.float(), 0)
-                rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
-            else:
-                rel = None
+            ref = experts_ref(x.float(), w_TK.float(), ids, w13_bf16.float(), w2_bf16.float(), 0) if T <= 512 else None
+            rel = rel_err(out, ref)
             total_us = graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all))  # noqa: B023
             old_us = graph_time_us(lambda: old.fused_experts(x, w_TK, ids, w13, w2, 0)) if old else None  # noqa: B023
             bm = cfg.BM
@@ -185,6 +188,10 @@ def main() -> None:
                         down_us=graph_time_us(lambda c=dn_h: fm.down(h2, w2, b2, wflat, c))))  # noqa: B023
             wbytes = hit * expert_bytes
             best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default_timed"]
+            if rows and ref is not None:  # the best shapes' numbers checked as the default's are
+                bc = fm.MoEConfig(best["BM"], fm.TileConfig(**best["gate_up"]), fm.TileConfig(**best["down"]))
+                out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all, config=bc)
+                best = dict(best, rel_err=rel_err(out, ref))
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
                      old_total_us=old_us, align_us=align_us, sum_us=sum_us, **timed_default, weight_bytes=wbytes,
