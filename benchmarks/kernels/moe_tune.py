@@ -7,7 +7,7 @@ gaps count as they do in the engine) the align kernel and each GEMM kernel over 
 JSON: a row per (mode, batch) with the default and the best shapes (nested settings flattened: `best.gate_up.BN`),
 their times and the weight bandwidth they reach, and torch._grouped_mm's GEMMs on the same pairs as a reference
 (table "per_batch"); every BM tried, from 32 rows also its best with half blocks (`TileConfig.halves`; table
-"tried"); wall_s (the "summary" row).
+"tried"); every shape each BM's search timed, gate_up's and down's (table "candidates"); wall_s (the "summary" row).
 
     python benchmarks/kernels/moe_tune.py --preset qwen3-30b-a3b --ranks 2 --output moe_tune.json
     python benchmarks/kernels/moe_tune.py --no-search --batches 256 512 1024 2048 --output moe_tma.json
@@ -54,7 +54,10 @@ LARGE = [fm.TileConfig(bn, bk, w, s, tma) for bn, bk, (w, s), tma in itertools.p
     fm.TileConfig(bn, 64, 16, s, True) for bn in (128, 256) for s in (2, 3)]
 
 
-def best_of(configs: list[fm.TileConfig], run) -> tuple[fm.TileConfig | None, float]:
+def best_of(configs: list[fm.TileConfig], run, timed: list[tuple[fm.TileConfig, float]]
+            ) -> tuple[fm.TileConfig | None, float]:
+    """The fastest of `configs` and its µs; every one timed is appended to `timed` (a shape that does not compile is
+    skipped)."""
     out: tuple[fm.TileConfig | None, float] = (None, float("inf"))
     for c in configs:
         try:
@@ -63,6 +66,7 @@ def best_of(configs: list[fm.TileConfig], run) -> tuple[fm.TileConfig | None, fl
             print(f"  skip {c}: {type(e).__name__}", flush=True)
             torch.cuda.synchronize()
             continue
+        timed.append((c, t))
         if t < out[1]:
             out = (c, t)
     return out
@@ -103,7 +107,7 @@ def main() -> None:
         sys.modules["old_moe"] = old  # its dataclasses look their module up
         spec.loader.exec_module(old)
     dev = "cuda"
-    results, tried = [], []
+    results, tried, candidates = [], [], []
     t0 = time.time()
     for mode in a.modes.split(","):
         E, I = (E_all, I_full // P) if mode == "tp" else (E_all // P, I_full)
@@ -169,8 +173,12 @@ def main() -> None:
                 b2 = fm.align(ids, 0, E, bm_try)
                 cands = SMALL if bm_try == 16 else LARGE
                 h2 = fm.gate_up(x, w13, b2, K, cfg.gate_up if bm_try == bm else cands[0])
-                gu = best_of(cands, lambda c: fm.gate_up(x, w13, b2, K, c))  # noqa: B023
-                dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c))  # noqa: B023
+                gu_all: list[tuple[fm.TileConfig, float]] = []
+                dn_all: list[tuple[fm.TileConfig, float]] = []
+                gu = best_of(cands, lambda c: fm.gate_up(x, w13, b2, K, c), gu_all)  # noqa: B023
+                dn = best_of(cands, lambda c: fm.down(h2, w2, b2, wflat, c), dn_all)  # noqa: B023
+                candidates += [flatten(dict(mode=mode, batch=B, BM=bm_try, launch=name, **c.__dict__, us=t))
+                               for name, timed in (("gate_up", gu_all), ("down", dn_all)) for c, t in timed]
                 row = dict(BM=bm_try, gate_up=gu[0].__dict__ if gu[0] else None, gate_up_us=gu[1],
                            down=dn[0].__dict__ if dn[0] else None, down_us=dn[1])
                 for g in a.groups if gu[0] and dn[0] else ():  # each BM's best with its blocks in groups
@@ -190,8 +198,8 @@ def main() -> None:
             best = min(rows, key=lambda r: r["gate_up_us"] + r["down_us"]) if rows else timed_default["default_timed"]
             if rows and ref is not None:  # the best shapes' numbers checked as the default's are
                 bc = fm.MoEConfig(best["BM"], fm.TileConfig(**best["gate_up"]), fm.TileConfig(**best["down"]))
-                out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all, config=bc)
-                best = dict(best, rel_err=rel_err(out, ref))
+                best_out = fm.fused_experts(x, w_TK, ids, w13, w2, 0, E_all, config=bc)
+                best = dict(best, rel_err=rel_err(best_out, ref))
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
                      old_total_us=old_us, align_us=align_us, sum_us=sum_us, **timed_default, weight_bytes=wbytes,
@@ -200,11 +208,13 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             results.append(flatten(r))
             tried += [flatten(dict(mode=mode, batch=B, **t)) for t in rows]
-    write_result(a.output, tables={"per_batch": results, "tried": tried}, summary={"wall_s": time.time() - t0},
+    write_result(a.output, tables={"per_batch": results, "tried": tried, "candidates": candidates},
+                 summary={"wall_s": time.time() - t0},
                  params=params_of(a),
                  note="fused MoE kernels per (mode, batch) (table per_batch): µs per call inside a CUDA graph; "
                       "default: the shapes fused_moe.config_for picks; best: the fastest searched (table tried: "
-                      "every BM's best gate_up / down); grouped_mm: torch._grouped_mm's two GEMMs on the same pairs "
+                      "every BM's best gate_up / down; table candidates: every shape timed); grouped_mm: "
+                      "torch._grouped_mm's two GEMMs on the same pairs "
                       "(sorted and gathered beforehand); floor_us: the hit experts' weights at 4.28 TB/s")
 
 
