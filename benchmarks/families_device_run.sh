@@ -80,7 +80,8 @@
 #   on the fused MoE, FP8 against bf16, and two-chunk K steps (moe_fp8_variants.py). Twenty-first (fd12bfb, an H100):
 #   `mxfp4tests retest mxfp4ab mlatune128` and the bars' sweeps (docs/performance.md). Twenty-second (594c909, an
 #   H100): `halves mxfp4tests`, mla_tune.py with whole tiles, the MXFP4 sweep (`v3wide` did not fit an H100 then: every
-#   slot held experts). Next, on an H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
+#   slot held experts). Twenty-third (09f24ac and 29de6ca, H100s): `tabletests bars v3wide`, moe_tune.py at DeepSeek-V2-Lite's
+#   shapes, moe_fp8_variants.py and Nsight Compute's warp stalls of the FP8 MoE. Next, on an H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
 #   `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
