@@ -141,8 +141,11 @@ def test_ctrl_c_keeps_the_finished_lines(tmp_path: pathlib.Path) -> None:
     src = _jsonl(tmp_path / "in.jsonl", {"prompt": "quick", "max_tokens": 2, "ignore_eos": True},
                  {"prompt": "slow", "max_tokens": 4000, "ignore_eos": True})
     out = tmp_path / "out.jsonl"
+    # (Ctrl-C's SIGINT at its default in the child, as a terminal starts it: a run started in the background by a
+    # non-interactive shell, `nohup cmd &`, inherits it ignored, and Python then never raises KeyboardInterrupt)
     proc = subprocess.Popen(_cli(*DEMO, "--input", src, "--output", str(out)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (out.exists() and out.read_text().endswith("\n")):
