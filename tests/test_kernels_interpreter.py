@@ -206,6 +206,32 @@ def moe_fp8_cases() -> None:
         fm.unpack_fp8, (fm.UNPACK_PAIRS, fm.UNPACK_BYTES) = unpack, saved
 
 
+def fp8_trailer_cases() -> None:
+    """benchmarks/kernels/fp8_trailer_variant.py's fused MoE (FP8 rows with a row's scales after its values) on its
+    repacked rows: the tree's outputs on the tree's rows, bit for bit (what moe_fp8_variants.py times is the same
+    math in another layout)."""
+    import tempfile
+    from pathlib import Path
+
+    from moebius.kernels import fused_moe as fm
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
+    tmp = Path(tempfile.mkdtemp())
+    subprocess.run([sys.executable, str(root / "fp8_trailer_variant.py"), str(tmp / "trail")], check=True,
+                   capture_output=True)
+    spec = importlib.util.spec_from_file_location("moe_fp8_variants", root / "moe_fp8_variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    trail = variants.load_variant("trail", tmp / "trail", False, tmp)
+    g = torch.Generator().manual_seed(3)
+    for (T, E_all, E, first), (D, I) in FP8_CASES:
+        x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I)
+        t13, t2 = trail.repack_rows(w13, D), trail.repack_rows(w2, I)
+        assert t13.shape[-1] % 32 == 0 and t2.shape[-1] % 32 == 0, (t13.shape, t2.shape)  # (32-byte aligned rows)
+        out = trail.fused_experts(x, w, ids, t13, t2, first, E_all)
+        assert torch.equal(out, fm.fused_experts(x, w, ids, w13, w2, first, E_all)), (T, E, first, D, I)
+
+
 def moe_w8a8_cases() -> None:
     """The fused MoE on FP8 rows in W8A8 (kc.fp8_activations: float8 dots of activations quantized per token and
     128-column group, x once by `quantize_rows`, h by the gate_up launch as it stores it) against torch's statement
@@ -707,6 +733,10 @@ def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
     _run("moe_fp8")
 
 
+def test_the_fp8_trailer_variant_matches_the_tree_under_the_interpreter() -> None:
+    _run("fp8_trailer")
+
+
 def test_fused_experts_w8a8_on_fp8_rows_under_the_interpreter() -> None:
     """--quantization fp8 --fp8-activations's GPU path (W8A8): the activations quantized per token and 128-column
     group, float8 dots scaled by both sides' scales."""
@@ -1058,7 +1088,8 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_w8a8": moe_w8a8_cases, "moe_biased": moe_biased_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "fp8_trailer": fp8_trailer_cases, "moe_w8a8": moe_w8a8_cases,
+             "moe_biased": moe_biased_cases,
              "mxfp4_tile": mxfp4_tile_cases, "moe_mxfp4": moe_mxfp4_cases,
              "attention": attention_cases,
              "attention_window": attention_window_cases, "argmax": argmax_cases, "align": align_cases,

@@ -4,7 +4,9 @@ hidden 2048, 768 expert columns): µs a call inside a CUDA graph, W8A16, and W8A
 the same experts in bf16 (their dequantized values) for those --bf16 names (a control: what the plain rows reach).
 Each variant also runs with every expert's weights addressed as expert e % 4 (columns `<name>_l2_*`): the weights
 then stay in L2, so the time is the kernel's own ceiling, what a card with more bandwidth could get out of it (the
-H200's question, asked on an H100). `tree_us`: the engine's own import, for reference.
+H200's question, asked on an H100). `tree_us`: the engine's own import, for reference. A variant whose fused_moe.py
+defines `repack_rows(rows, cols)` (a layout of its own, e.g. fp8_trailer_variant.py's) runs on the FP8 rows so
+converted.
 
     mkdir -p v/old && for f in fused_moe linear; do git show c19787f:moebius/kernels/$f.py > v/old/$f.py; done
     python benchmarks/kernels/moe_fp8_variants.py out.json --variants tree=moebius/kernels old=v/old \\
@@ -78,6 +80,7 @@ def main() -> None:
     w13_bf16, w2_bf16 = w13_ref.bfloat16(), w2_ref.bfloat16()
     expert_bytes = w13[0].numel() + w2[0].numel()
     rows, t0 = [], time.time()
+    repacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for B in a.batches:
         x = torch.randn(B, D, device="cuda", dtype=torch.bfloat16)
         w_TK, ids = torch.randn(B, E, device="cuda").softmax(-1).topk(K, -1)
@@ -93,6 +96,10 @@ def main() -> None:
                 col = key + ("" if form == "w8a16" else f"_{form}")
                 kw = dict(kc=KernelConfig(fp8_activations=True)) if form == "w8a8" else {}
                 ws = (w13_bf16, w2_bf16) if form == "bf16" else (w13, w2)
+                if form != "bf16" and hasattr(m, "repack_rows"):  # a variant's own layout of the FP8 rows
+                    if name not in repacked:
+                        repacked[name] = (m.repack_rows(w13, D), m.repack_rows(w2, I))
+                    ws = repacked[name]
                 run = lambda m=m, kw=kw, ws=ws: m.fused_experts(x, w_TK, ids, *ws, 0, E, **kw)  # noqa: B023, E731
                 if key == name:  # (the L2 form's outputs are another expert's)
                     row[f"{col}_rel_err"] = ((run().float() - ref).norm() / ref.norm()).item()
