@@ -27,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from moebius.bench.floor import hardware_of
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import write_result
 from moebius.kernels import KernelConfig
@@ -73,6 +74,7 @@ def main() -> None:
         for l2 in (False, True):
             mods[f"{name}_l2" if l2 else name] = (name, load_variant(name, Path(folder), l2, tmp))
     fmt = FORMATS["fp8"]
+    rate = hardware_of(torch.cuda.get_device_name(0)).hbm_bytes_per_s  # the floor's copy rate of this card
     torch.manual_seed(0)
     w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
     w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -88,7 +90,7 @@ def main() -> None:
         hit = int(torch.unique(ids).numel())
         ref = experts_ref(x.float(), w_TK.float(), ids, w13_ref, w2_ref, 0)
         row = dict(batch=B, experts_hit=hit, weight_bytes=hit * expert_bytes,
-                   floor_us=hit * expert_bytes / 4.28e12 * 1e6,
+                   floor_us=hit * expert_bytes / rate * 1e6,
                    tree_us=graph_time_us(lambda: fm.fused_experts(x, w_TK, ids, w13, w2, 0, E)))  # noqa: B023
         for key, (name, m) in mods.items():
             forms = ["w8a16"] + ["w8a8"] * (name in a.w8a8) + ["bf16"] * (name in a.bf16)
@@ -114,8 +116,8 @@ def main() -> None:
                       "CUDA graph: <name>_us as written, <name>_l2_us with every expert's weights read as expert "
                       f"e % {L2_EXPERTS} (from L2: the kernel's ceiling), _w8a8 with --fp8-activations, _bf16 on the "
                       "experts in bf16; TBps: the hit experts' weight bytes (FP8 rows', or bf16's) over the time; "
-                      "floor_us: the FP8 rows' bytes at 4.28 TB/s; rel_err: against the float math on the "
-                      "dequantized rows; tree_us: the engine's import")
+                      "floor_us: the FP8 rows' bytes at the card's floor rate (bench/floor.py); rel_err: against the "
+                      "float math on the dequantized rows; tree_us: the engine's import")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from moebius.bench.floor import hardware_of
 from moebius.bench.graph_timing import graph_time_us
 from moebius.bench.results import flatten, params_of, write_result
 from moebius.config import PRESETS
@@ -107,6 +108,7 @@ def main() -> None:
         sys.modules["old_moe"] = old  # its dataclasses look their module up
         spec.loader.exec_module(old)
     dev = "cuda"
+    rate = hardware_of(torch.cuda.get_device_name(0)).hbm_bytes_per_s  # the floor's copy rate of this card
     results, tried, candidates = [], [], []
     t0 = time.time()
     for mode in a.modes.split(","):
@@ -203,7 +205,7 @@ def main() -> None:
             r = dict(mode=mode, batch=B, tokens=T, local_pairs=local, experts_hit=hit, rel_err=rel,
                      default=dict(BM=bm, gate_up=cfg.gate_up.__dict__, down=cfg.down.__dict__), total_us=total_us,
                      old_total_us=old_us, align_us=align_us, sum_us=sum_us, **timed_default, weight_bytes=wbytes,
-                     floor_us=wbytes / 4.28e12 * 1e6, best=best,
+                     floor_us=wbytes / rate * 1e6, best=best,
                      best_gemm_TBps=wbytes / (best["gate_up_us"] + best["down_us"]) / 1e6)
             print(json.dumps(r), flush=True)
             results.append(flatten(r))
@@ -215,7 +217,8 @@ def main() -> None:
                       "default: the shapes fused_moe.config_for picks; best: the fastest searched (table tried: "
                       "every BM's best gate_up / down; table candidates: every shape timed); grouped_mm: "
                       "torch._grouped_mm's two GEMMs on the same pairs "
-                      "(sorted and gathered beforehand); floor_us: the hit experts' weights at 4.28 TB/s")
+                      "(sorted and gathered beforehand); floor_us: the hit experts' weights at the card's "
+                      "floor rate (bench/floor.py)")
 
 
 if __name__ == "__main__":
