@@ -248,8 +248,7 @@ def build_rank(spec: RankSpec, groups: Groups | None = None) -> Rank:
         StaticBuffers.plan(plan, m, *buf_shape)
     expert_bytes = -(-start.expert_bytes(elt) // 256) * 256  # the same in both modes
     page_bytes = {m: KVPool.page_bytes(bs, cfg.kv_spec, lay.num_kv_heads, dtype) for m, lay in layouts.items()}
-    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes,
-                        tuple(expert_slots(cfg, layouts)))
+    sizes = BufferSizes(dense_bytes, plan.total_bytes - dense_bytes, expert_bytes, ())  # slots: at each shift below
     layouts, slot_kv, start_pages, sizes = _slot_layout(ecfg, device, layouts, spec.mode, page_bytes, sizes,
                                                         spec.max_model_len)
     pages = _layout_pages(ecfg, device, layouts, spec.mode, start_pages, page_bytes,
