@@ -349,8 +349,10 @@ def test_another_expert_format_is_refused(tmp_path: Any) -> None:
 
 def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     """Qwen3-30B-A3B's shapes with --quantization fp8: a decode step's routed-expert and attention weight bytes and a
-    switch's weight bytes are 144 / 256 of bf16's (a byte a value, 16 bytes of scale and padding a 128-value chunk),
-    the rest (the cache, activations, lm_head) unchanged."""
+    switch's weight bytes are the released format's, (1 + 4 / 128²) / 2 of bf16's (a byte a value and a float32 scale
+    a 128 x 128 block; not the engine's rows', whose repeated scales and padding are its own cost), the rest (the
+    cache, activations, lm_head) unchanged."""
+    ratio = (1 + 4 / 128**2) / 2
     from moebius.bench.floor import decode_step_terms, switch_floor_ms
     from moebius.config import PRESETS
 
@@ -359,10 +361,10 @@ def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     for mode in ("tp", "ep"):
         a, b = decode_step_terms(bf16, 4, mode, 64, 1024), decode_step_terms(fp8, 4, mode, 64, 1024)
         scaled = ("experts_bytes", "weights_bytes", "shared_bytes")
-        assert all(b[k] == pytest.approx(a[k] * 144 / 256) for k in scaled)
+        assert all(b[k] == pytest.approx(a[k] * ratio) for k in scaled)
         assert {k: v for k, v in a.items() if k.endswith("_bytes") and k not in (*scaled, "hbm_bytes")} == {
             k: v for k, v in b.items() if k.endswith("_bytes") and k not in (*scaled, "hbm_bytes")}
-    assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * 144 / 256)
+    assert switch_floor_ms(fp8, 4, 0) == pytest.approx(switch_floor_ms(bf16, 4, 0) * ratio)
 
 
 def test_fp8_rows_launch_by_their_own_tables() -> None:

@@ -67,16 +67,18 @@ def floor_terms(cfg: ModelConfig, P: int, mode: str) -> FloorTerms:
 
 
 def quantized_bytes_per_element(cfg: ModelConfig, dtype_bytes: int, experts: bool = True) -> float:
-    """HBM bytes of a weight element the engine may hold as quantized rows (--quantization, kernels/rows.py): the
-    routed experts' (`experts`) or the dense Linear weights' (FP8 only; MXFP4 holds the experts alone): the dtype's,
-    or the rows' (FP8: a byte a value and a float32 scale a 128-value chunk; MXFP4: half a byte a value and a scale
-    byte a 32-value block; their FLOPs are counted at bf16's rate). For the dense weights a lower bound: some stay in
-    the dtype (`specs.linear_spec`: a TP cut inside a chunk, MLA's kv_b_proj, what a checkpoint leaves
-    unquantized, all of them with --quantization-scope experts: the FP8 model's floor, stricter than that engine's)."""
+    """HBM bytes of a weight element the engine may hold quantized (--quantization, kernels/rows.py): the routed
+    experts' (`experts`) or the dense Linear weights' (FP8 only; MXFP4 holds the experts alone): the dtype's, or the
+    released format's (`RowFormat.release_bytes_per_value`; FP8: a byte a value and a float32 scale a 128 x 128
+    block; MXFP4: half a byte a value and a scale byte a 32-value block; their FLOPs are counted at bf16's rate). Not
+    the engine's rows' bytes: the scale each FP8 row repeats and its padding are the engine's cost, not the floor's.
+    For the dense weights a lower bound: some stay in the dtype (`specs.linear_spec`: a TP cut inside a chunk, MLA's
+    kv_b_proj, what a checkpoint leaves unquantized, all of them with --quantization-scope experts: the FP8 model's
+    floor, stricter than that engine's)."""
     fmt = row_format(cfg.quantization)
     if fmt is None or (fmt.experts_only and not experts):
         return dtype_bytes
-    return fmt.bytes_per_value
+    return fmt.release_bytes_per_value
 
 
 def decode_step_terms(cfg: ModelConfig, P: int, mode: str, batch: int, context: int, dtype_bytes: int = 2,

@@ -27,6 +27,9 @@ class RowFormat:
     pack: Callable[[torch.Tensor], torch.Tensor]  # float [..., R, C] -> rows, quantized with its own scales
     unpack: Callable[[torch.Tensor, int, torch.dtype], torch.Tensor]  # rows, C, dtype -> [..., R, C]
     width: Callable[[int], int]  # bytes of a row of C columns
+    # HBM bytes a value of the released format (its values and block scales): what any engine reads, the floor's
+    # (bench/floor.py); the rows' own bytes (`bytes_per_value`) add the scale repeated on each row and padding
+    release_bytes_per_value: float
 
     def rows_of(self, w: torch.Tensor) -> torch.Tensor:
         """Float w [..., C] as this format's rows, quantized with its own scales; a meta tensor (an update that leaves
@@ -51,9 +54,11 @@ class RowFormat:
 
 
 FP8 = RowFormat("fp8", "block FP8", fp8_rows.BLOCK[0], fp8_rows.BLOCK[1], fp8_rows.CHUNK, False, True,
-                fp8_rows.pack_rows, fp8_rows.unpack_rows, fp8_rows.packed_width)
+                fp8_rows.pack_rows, fp8_rows.unpack_rows, fp8_rows.packed_width,
+                1 + 4 / (fp8_rows.BLOCK[0] * fp8_rows.BLOCK[1]))  # a float8 byte a value, a float32 a block
 MXFP4 = RowFormat("mxfp4", "MXFP4", 1, mxfp4_rows.BLOCK, mxfp4_rows.CHUNK, True, False, mxfp4_rows.pack_rows,
-                  mxfp4_rows.unpack_rows, mxfp4_rows.packed_width)
+                  mxfp4_rows.unpack_rows, mxfp4_rows.packed_width,
+                  mxfp4_rows.CHUNK / mxfp4_rows.BLOCK)  # the release's own: 16 bytes of codes and a scale byte a block
 FORMATS = {f.name: f for f in (FP8, MXFP4)}
 
 
