@@ -56,8 +56,8 @@
 #             (`kernels/mla.DecodeLaunch.whole`); mlaproto the prototype kernels of
 #             benchmarks/kernels/mla_proto.py against it, from HBM and from L2
 #   halves    the fused MoE's half blocks: their GPU test, and gpt-oss-20b's MoE searched with them (256-1024)
-#   fp8trail  the FP8 rows' fused MoE (W8A16) on rows with their scales after their values
-#             (benchmarks/kernels/fp8_trailer_variant.py) against the tree's interleaved rows (moe_fp8_variants.py)
+#   fp8rows   the FP8 GPU tests, and W8A16's fused MoE on rows in one segment a row against a segment a chunk
+#             (kernels/fp8_rows.py; timed as a variant, fp8_trailer_variant.py, on an H100 at fc81c3a)
 #   tabletests GPT-OSS's own MoE table and the half blocks against the reference, the DeepSeek family's GPU tests
 #   groupsearch gpt-oss-20b's MoE tiles searched at 512 and 1024 tokens, each BM's best also in groups of 2 and 4
 #   fp8moetune the fused MoE on FP8 rows in W8A16 at 64 and 256 (decode) and 4096 tokens (experts unpacked); fp8stages the same
@@ -238,10 +238,11 @@ halves)  # half blocks (TileConfig.halves) on the GPU: their test at every sorte
   t halfsearch 240 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --batches 256 512 1024 --output $R/$C-p1-moe-halves-gpt-oss-20b.json ;;
 tabletests)  # GPT-OSS's own MoE table and the half blocks against the reference, the DeepSeek family's GPU parity
   t table_tests 200 $P tests/test_gpu.py -k "gpt_oss_shape_table or half_blocks" tests/test_deepseek_family.py ;;
-fp8trail)  # W8A16's fused MoE on FP8 rows with a row's scales after its values (every chunk's values 32-byte aligned,
-  # 8 scales a sector) against the tree's interleaved rows, from HBM and from L2
-  python3 benchmarks/kernels/fp8_trailer_variant.py $W/trail > /dev/null
-  t fp8trail 150 python3 benchmarks/kernels/moe_fp8_variants.py $R/$C-p1-moe-fp8-trailer.json --variants tree=moebius/kernels trail=$W/trail --bf16 tree --batches 8 64 256 ;;
+fp8rows)  # the FP8 rows in one segment a row (gate|up, q|k|v; down's too on one rank): the FP8 GPU tests, then
+  # W8A16's fused MoE on them against the same weights a segment a chunk (the layout before), one call
+  t fp8_tests 150 $P tests/test_fp8_experts.py tests/test_gpu.py -k "fp8"
+  t fp8rows_whole 100 python3 benchmarks/kernels/moe_fp8_variants.py $R/$C-p1-moe-fp8-whole-rows.json --variants tree=moebius/kernels --bf16 tree --batches 8 64 256
+  t fp8rows_chunks 100 python3 benchmarks/kernels/moe_fp8_variants.py $R/$C-p1-moe-fp8-chunk-rows.json --variants tree=moebius/kernels --batches 8 64 256 --chunk-rows ;;
 mlatune16)  # the same at DeepSeek-V2-Lite's 16 heads and the bar's batches (the H200's kernel ran 2.3x its cache's
   # bytes at 64, 1.4x at 1024: benchmarks/results/h200-p1-decode-profile-deepseek-big.json)
   t mlatune16 300 python3 benchmarks/kernels/mla_tune.py $R/$C-p1-mla-tune-16-heads.json --heads 16 --batches 64 128 256 1024 --kv-tiles 32 64 ;;

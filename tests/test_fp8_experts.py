@@ -46,7 +46,7 @@ from test_fp8_checkpoints import DEEPSEEK_QUANT, QWEN_QUANT, WEIGHTS, hf_dequant
 
 from moebius import LLM, SamplingParams
 from moebius.config import ConfigError
-from moebius.kernels.fp8_rows import column_block, pack_rows, packed_width, unpack_rows
+from moebius.kernels.fp8_rows import column_block, pack_rows, packed_width, segment_chunks, unpack_rows
 from moebius.models.registry import model_config
 
 N_OUT = 8
@@ -112,6 +112,13 @@ def test_fp8_rows_keep_a_checkpoints_blocks_and_carry_their_scales_through_a_cut
         assert torch.equal(unpack_rows(rows, 300, dtype), deq)
         assert torch.equal(rows.unflatten(-1, (3, 144))[..., :128].reshape(200, 384)[:, :300].view(
             torch.float8_e4m3fn).float(), q.float())
+        # one segment (a row no layout cuts by columns): the values, then the 3 scales, then zeros to 16 bytes
+        whole = pack_rows(deq, scale, whole=True)
+        assert whole.shape == (200, packed_width(300, True)) == (200, 400) and segment_chunks(400, 300) == 3
+        assert torch.equal(unpack_rows(whole, 300, dtype), deq)
+        assert torch.equal(whole[:, :300].view(torch.float8_e4m3fn).float(), q.float())
+        assert torch.equal(whole[:, 384:396].contiguous().view(torch.float32), rows.unflatten(-1, (3, 144))[
+            ..., 128:132].contiguous().view(torch.float32).squeeze(-1))
     rows = pack_rows(torch.randn(64, 512, generator=g))
     half = rows.unflatten(1, (2, -1))[:, 1]  # TP 2's second shard: 2 of the 4 chunks
     assert torch.equal(unpack_rows(half, 256, torch.float32), unpack_rows(rows, 512, torch.float32)[:, 256:])
@@ -149,8 +156,9 @@ def test_live_switches_change_no_token(engine: tuple[tuple[int, str], LLM], ckpt
 
 
 def test_the_slots_hold_fp8_rows_at_about_half_the_bytes(ckpt: Callable[[str], str]) -> None:
-    """On one rank: each MoE layer's experts are uint8 FP8 rows in the slot (their scales inside): 144 bytes a chunk
-    of 128 values (0.56 of bf16's bytes; this model's 64 columns pad to one chunk); so are the attention's
+    """On one rank: each MoE layer's experts are uint8 FP8 rows in the slot (their scales inside), every row one
+    segment (no TP over ranks cuts down's columns): 132 bytes a chunk of 128 values and the row's padding to 16
+    (about 0.52 of bf16's bytes; this model's 64 columns pad to one chunk, 144 bytes); so are the attention's
     projections, but what the checkpoint leaves unquantized."""
     with LLM(model=ckpt("fp8"), **FP8) as llm:
         rank = llm.engine.ranks.rank
@@ -158,12 +166,13 @@ def test_the_slots_hold_fp8_rows_at_about_half_the_bytes(ckpt: Callable[[str], s
             lay = rt.layout
             for i, lw in enumerate(rt.weights.layers):
                 assert lw.mlp.w13_EFD.dtype == lw.mlp.w2_EDF.dtype == torch.uint8, m
-                assert lw.mlp.w13_EFD.shape[1:] == (2 * lay.moe_inter, packed_width(64))
+                assert lw.mlp.w13_EFD.shape[1:] == (2 * lay.moe_inter, packed_width(64, True))
                 # the attention's projections too, but layer 2's q|k|v: its q_proj is left in bf16 by the
                 # checkpoint (modules_to_not_convert)
                 assert lw.attn.qkv_QD.dtype == (torch.float32 if i == 2 else torch.uint8)
                 assert lw.attn.o_DQ.dtype == torch.uint8
-            assert lay.expert_bytes(1) == lay.num_local_experts * (2 * INTER * 144 + 64 * 4 * 144)
+            assert lay.expert_bytes(1) == lay.num_local_experts * (2 * INTER * 144 + 64 * 4 * 132)  # (down: 528)
+            assert lw.mlp.w2_EDF.shape[1:] == (64, packed_width(INTER, True)) == (64, 4 * 132)
 
 
 def test_a_memory_release_keeps_the_fp8_rows_and_a_dropped_one_takes_an_update(ckpt: Callable[[str], str]) -> None:

@@ -213,9 +213,10 @@ def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) ->
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
     w = torch.rand(T, K, device="cuda").softmax(-1).to(torch.bfloat16)
-    w13 = pack_rows(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
+    # (as the engine holds them where TP over ranks may cut down's columns: gate|up and q|k|v in one segment a row)
+    w13 = pack_rows(torch.randn(E, 2 * I, D, device="cuda") * 0.05, whole=True)
     w2 = pack_rows(torch.randn(E, D, I, device="cuda") * 0.05)
-    wp = pack_rows(torch.randn(N, D, device="cuda") * 0.05)
+    wp = pack_rows(torch.randn(N, D, device="cuda") * 0.05, whole=True)
     kc = KernelConfig(fp8_activations=act8)
     out = experts(x, w, ids, w13, w2, 0, kc=kc)
     proj = linear(x, wp, kc=kc)
@@ -240,15 +241,16 @@ def test_fp8_rows_experts_and_projections_match_reference(T: int, act8: bool) ->
 
 def test_fp8_rows_unpacked_in_one_launch_equal_unpack_rows() -> None:
     """`linear.unpack_fp8` (W8A16's weight past UNPACK_ROWS rows, multiplied by cuBLAS) is `unpack_rows` bit for bit
-    in bf16 and float16 (Qwen3-30B-A3B's o projection; a ragged chunk and a partial row block)."""
+    in bf16 and float16, either row layout (Qwen3-30B-A3B's o projection; a ragged chunk and a partial row block)."""
     from moebius.kernels.fp8_rows import pack_rows, unpack_rows
     from moebius.kernels.linear import unpack_fp8
 
     torch.manual_seed(0)
     for N, K in ((2048, 4096), (77, 300)):
-        w = pack_rows(torch.randn(N, K, device="cuda") * 0.05)
-        for dt in (torch.bfloat16, torch.float16):
-            assert torch.equal(unpack_fp8(w, K, dt), unpack_rows(w, K, dt)), (N, K, dt)
+        for whole in (False, True):  # (a segment a chunk, and one a row: kernels/fp8_rows.py)
+            w = pack_rows(torch.randn(N, K, device="cuda") * 0.05, whole=whole)
+            for dt in (torch.bfloat16, torch.float16):
+                assert torch.equal(unpack_fp8(w, K, dt), unpack_rows(w, K, dt)), (N, K, dt, whole)
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])

@@ -134,15 +134,18 @@ def attention_window_cases() -> None:
 FP8_CASES = [((6, 16, 8, 8), (192, 160)), ((40, 16, 8, 8), (128, 256)), ((300, 16, 16, 0), (200, 128))]
 
 
-def _fp8_moe_inputs(g: torch.Generator, T: int, E_all: int, E: int, D: int, I: int, K: int = 4) -> tuple:
-    """x, routing ids and weights, and FP8 rows w13 [E, 2I, .] and w2 [E, D, .] of one FP8 case."""
+def _fp8_moe_inputs(g: torch.Generator, T: int, E_all: int, E: int, D: int, I: int, K: int = 4,
+                    whole: tuple[bool, bool] = (True, False)) -> tuple:
+    """x, routing ids and weights, and FP8 rows w13 [E, 2I, .] and w2 [E, D, .] of one FP8 case, each in one segment
+    or a segment a chunk (`whole`; by default as the engine holds them where TP over ranks may cut down's columns,
+    `specs.whole_rows`)."""
     from moebius.kernels.fp8_rows import pack_rows
 
     x = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E_all, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g).softmax(-1)
-    w13 = pack_rows(torch.randn(E, 2, I, D, generator=g) * 0.1).flatten(1, 2)
-    w2 = pack_rows(torch.randn(E, D, I, generator=g) * 0.1)
+    w13 = pack_rows(torch.randn(E, 2, I, D, generator=g) * 0.1, whole=whole[0]).flatten(1, 2)
+    w2 = pack_rows(torch.randn(E, D, I, generator=g) * 0.1, whole=whole[1])
     assert w13.dtype == w2.dtype == torch.uint8
     return x, ids, w, w13, w2
 
@@ -206,30 +209,25 @@ def moe_fp8_cases() -> None:
         fm.unpack_fp8, (fm.UNPACK_PAIRS, fm.UNPACK_BYTES) = unpack, saved
 
 
-def fp8_trailer_cases() -> None:
-    """benchmarks/kernels/fp8_trailer_variant.py's fused MoE (FP8 rows with a row's scales after its values) on its
-    repacked rows: the tree's outputs on the tree's rows, bit for bit (what moe_fp8_variants.py times is the same
-    math in another layout)."""
-    import tempfile
-    from pathlib import Path
-
+def fp8_layouts_cases() -> None:
+    """The fused MoE on FP8 rows in either layout (kernels/fp8_rows.py: one segment a row, or a segment a chunk) gives
+    the same outputs bit for bit, W8A16 and W8A8: the same values read from other bytes (a wrong scale offset fails
+    it)."""
+    from moebius.kernels import KernelConfig
     from moebius.kernels import fused_moe as fm
+    from moebius.kernels.fp8_rows import unpack_rows
 
-    root = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
-    tmp = Path(tempfile.mkdtemp())
-    subprocess.run([sys.executable, str(root / "fp8_trailer_variant.py"), str(tmp / "trail")], check=True,
-                   capture_output=True)
-    spec = importlib.util.spec_from_file_location("moe_fp8_variants", root / "moe_fp8_variants.py")
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
-    trail = variants.load_variant("trail", tmp / "trail", False, tmp)
-    g = torch.Generator().manual_seed(3)
-    for (T, E_all, E, first), (D, I) in FP8_CASES:
-        x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I)
-        t13, t2 = trail.repack_rows(w13, D), trail.repack_rows(w2, I)
-        assert t13.shape[-1] % 32 == 0 and t2.shape[-1] % 32 == 0, (t13.shape, t2.shape)  # (32-byte aligned rows)
-        out = trail.fused_experts(x, w, ids, t13, t2, first, E_all)
-        assert torch.equal(out, fm.fused_experts(x, w, ids, w13, w2, first, E_all)), (T, E, first, D, I)
+    _nearest_even_fp8_casts()
+    for act8 in (False, True):
+        kc = KernelConfig(fp8_activations=act8)
+        for (T, E_all, E, first), (D, I) in FP8_CASES:
+            outs, w13s = [], []
+            for whole in ((False, False), (True, True)):
+                g = torch.Generator().manual_seed(3)  # (the same values in both layouts)
+                x, ids, w, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I, whole=whole)
+                w13s.append(unpack_rows(w13, D, torch.float32))
+                outs.append(fm.fused_experts(x, w, ids, w13, w2, first, E_all, kc=kc))
+            assert torch.equal(*w13s) and torch.equal(*outs), (act8, T, E, first, D, I)
 
 
 def moe_w8a8_cases() -> None:
@@ -661,9 +659,9 @@ def linear_fp8_cases() -> None:
     # two rows held in registers (`linear_fp8_rows`, the LATE order's)
     for run, cases in ((linear_fp8, [(1, 40, 256), (5, 130, 300), (70, 64, 128), (150, 90, 200), (300, 40, 260)]),
                        (linear_fp8_rows, [(1, 40, 256), (2, 19, 300), (2, 70, 1000)])):
-        for T, N, K in cases:
+        for i, (T, N, K) in enumerate(cases):
             x = torch.randn(T, K, generator=g)
-            w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
+            w = pack_rows(torch.randn(N, K, generator=g) * 0.1, whole=i % 2 == 1)  # (both layouts, in turn)
             b = torch.randn(N, generator=g)
             for bias in (None, b):
                 want = F.linear(x, unpack_rows(w, K, x.dtype), bias)
@@ -677,9 +675,9 @@ def linear_fp8_cases() -> None:
     # interpreter's bf16 casts truncate: bf16 in tests/test_gpu.py)
     from moebius.kernels.linear import unpack_fp8
 
-    for N, K in ((40, 260), (33, 128)):
-        w = pack_rows(torch.randn(N, K, generator=g) * 0.1)
-        assert torch.equal(unpack_fp8(w, K, torch.float32), unpack_rows(w, K, torch.float32)), (N, K)
+    for N, K, whole in ((40, 260, False), (40, 260, True), (33, 128, True)):
+        w = pack_rows(torch.randn(N, K, generator=g) * 0.1, whole=whole)
+        assert torch.equal(unpack_fp8(w, K, torch.float32), unpack_rows(w, K, torch.float32)), (N, K, whole)
     # W8A8's activations quantized once (`quantize_rows`, the fused MoE's x): `quantize_groups`' values, a zero row
     # and a ragged last group included
     from moebius.kernels.linear import quantize_rows
@@ -733,8 +731,8 @@ def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
     _run("moe_fp8")
 
 
-def test_the_fp8_trailer_variant_matches_the_tree_under_the_interpreter() -> None:
-    _run("fp8_trailer")
+def test_the_fused_moe_reads_both_fp8_row_layouts_alike_under_the_interpreter() -> None:
+    _run("fp8_layouts")
 
 
 def test_fused_experts_w8a8_on_fp8_rows_under_the_interpreter() -> None:
@@ -1088,7 +1086,7 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "fp8_trailer": fp8_trailer_cases, "moe_w8a8": moe_w8a8_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "fp8_layouts": fp8_layouts_cases, "moe_w8a8": moe_w8a8_cases,
              "moe_biased": moe_biased_cases,
              "mxfp4_tile": mxfp4_tile_cases, "moe_mxfp4": moe_mxfp4_cases,
              "attention": attention_cases,

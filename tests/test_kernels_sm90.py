@@ -41,9 +41,13 @@ def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_war
     return k.asm
 
 
-def rows(fmt: str, n: int, cols: int) -> torch.Tensor:
-    """Shape-only quantized rows ([E, n, width]) for `_row_tiles` to tell the format by."""
-    return torch.empty(E, n, FORMATS[fmt].width(cols), dtype=torch.uint8, device="meta")
+def rows(fmt: str, n: int, cols: int, whole: bool = False) -> torch.Tensor:
+    """Shape-only quantized rows ([E, n, width]; `whole`: FP8's one segment a row) for `_row_tiles` to tell the format
+    by."""
+    return torch.empty(E, n, FORMATS[fmt].width(cols, whole), dtype=torch.uint8, device="meta")
+
+
+WHOLE, CHUNKS = linear.FP8_WHOLE.value, linear.FP8_ROWS.value  # FP8 rows' layouts (kernels/fp8_rows.py)
 
 
 # W8A8: the fused MoE's activations (x, and h between its GEMMs) as FP8 rows, gate_up's output among them
@@ -68,7 +72,7 @@ CASES += [("fp8", True, False, fused_moe.FP8_CONFIGS[0][1], True)]
 def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: bool, gpt_oss: bool,
                                                              cfg: fused_moe.MoEConfig, direct: bool) -> None:
     kc = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=act8)
-    w13, w2 = rows(fmt, 2 * I, D), rows(fmt, D, I)
+    w13, w2 = rows(fmt, 2 * I, D, whole=True), rows(fmt, D, I)  # (as ranks that TP may cut hold them)
     for name, fn, tile, w, K in (("gate_up", fused_moe._gate_up_silu, cfg.gate_up, w13, D),
                                  ("down", fused_moe._down, cfg.down, w2, I)):
         c, f, a8 = fused_moe._row_tiles(tile, w, K, kc)
@@ -116,9 +120,10 @@ def test_the_dense_projection_on_fp8_rows_compiles_for_hopper(act8: bool, most: 
     splits of Qwen3-30B-A3B's o projection, 4096 columns)."""
     BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(min(most, 2048), 4096, act8)
     assert (BM, warps, stages, splits) == (launch[0], launch[2], launch[3], 4096 // launch[4] if launch[4] else 1)
-    compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8,
-                                                        TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1), warps, stages,
-                 aligned=("N", "K", "WS", "stride_x", "stride_o"))
+    for fmt in (WHOLE, CHUNKS):
+        compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=True, BT=BT, BM=BM, ACT8=act8,
+                                                            TOKEN_ROWS=token_rows, SPLITS=splits, FMT=fmt, PDL=1),
+                     warps, stages, aligned=("N", "K", "WS", "stride_x", "stride_o"))
 
 
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
@@ -128,18 +133,20 @@ def test_the_split_k_projection_on_fp8_rows_compiles_for_hopper(act8: bool) -> N
     compiles."""
     kinds = [global_loads(compile_sm90(linear._linear_fp8, {**LINEAR_TYPES, "Out": out},
                                        dict(HAS_BIAS=False, BT=64, BM=64, ACT8=act8, TOKEN_ROWS=act8, SPLITS=splits,
-                                            PDL=2), 4, 4, aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
+                                            FMT=CHUNKS, PDL=2), 4, 4,
+                                       aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
              for splits, out in ((1, "*bf16"), (4, "*fp32"))]
     assert "cp16" in kinds[1] and kinds[0] == kinds[1], kinds
     compile_sm90(linear._sum_splits, dict(Part="*fp32", B="*bf16", Out="*bf16", T="i32", N="i32", stride_o="i32"),
                  dict(HAS_BIAS=True, SPLITS=4, BN=1024, PDL=2), 4, 1, aligned=("N", "stride_o"))
 
 
-def test_the_fp8_unpack_compiles_for_hopper_without_byte_loads() -> None:
+@pytest.mark.parametrize("fmt", [WHOLE, CHUNKS], ids=["whole", "chunks"])
+def test_the_fp8_unpack_compiles_for_hopper_without_byte_loads(fmt: int) -> None:
     """`linear._unpack_fp8` (W8A16's weight at prompt sizes) reads a chunk's FP8 bytes in 16-byte loads, never one
-    byte at a time (its scale in 4), stores in 16-byte vectors, and compiles with PDL."""
+    byte at a time (its scale in 4), stores in 16-byte vectors, and compiles with PDL, in either row layout."""
     ptx = compile_sm90(linear._unpack_fp8, dict(W="*u8", Out="*bf16", N="i32", K="i32", WS="i32"),
-                       dict(BR=32, PDL=1), 4, 1, aligned=("N", "K", "WS"))["ptx"]
+                       dict(BR=32, FMT=fmt, PDL=1), 4, 1, aligned=("N", "K", "WS"))["ptx"]
     assert global_loads(ptx) == {"ld32"} and "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, global_loads(ptx)
 
 
@@ -149,7 +156,7 @@ def test_w8a8_dots_with_the_weight_rows_as_their_rows_take_float8_warpgroup_mmas
     rows (128 of them) it multiplies in Hopper's warpgroup MMA on float8 tiles; with the tokens as the dot's rows
     Triton takes Ampere's MMA, which on sm_90 converts each float8 pair to f16 first."""
     ptx = compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(HAS_BIAS=False, BT=16, BM=128, ACT8=True,
-                                                              TOKEN_ROWS=token_rows, SPLITS=1, PDL=1), 8, 3,
+                                                              TOKEN_ROWS=token_rows, SPLITS=1, FMT=WHOLE, PDL=1), 8, 3,
                        aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"]
     wgmma = bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx))
     assert wgmma != token_rows and ("cvt.rn.f16x2.e4m3x2" in ptx) == token_rows, (token_rows, wgmma)
@@ -159,10 +166,11 @@ def test_w8a16_token_rows_read_the_weights_in_16_byte_copies() -> None:
     """W8A16 on FP8 rows at 64 x 64 tiles: with the tokens as the dot's rows the weight tile streams in 16-byte
     copies (and its scales in 4). (With the weight rows as the dot's rows, their tile then an operand from registers,
     Triton 3.6 copies it 8 bytes at a time.)"""
-    kinds = global_loads(compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(
-        HAS_BIAS=False, BT=64, BM=64, ACT8=False, TOKEN_ROWS=True, SPLITS=1, PDL=1), 4, 4,
-        aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
-    assert kinds == {"cp16", "cp4"}, kinds
+    for fmt in (WHOLE, CHUNKS):
+        kinds = global_loads(compile_sm90(linear._linear_fp8, LINEAR_TYPES, dict(
+            HAS_BIAS=False, BT=64, BM=64, ACT8=False, TOKEN_ROWS=True, SPLITS=1, FMT=fmt, PDL=1), 4, 4,
+            aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
+        assert kinds == {"cp16", "cp4"}, (fmt, kinds)
 
 
 def global_loads(ptx: str) -> set[str]:
@@ -173,27 +181,32 @@ def global_loads(ptx: str) -> set[str]:
     return {f"ld{w}" for w in loads} | {f"cp{int(n, 0)}" for n in copies}
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "chunks"])
 @pytest.mark.parametrize("name", ["gate_up", "down", "qkv", "o"])
-def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
+def test_fp8_rows_are_read_in_16_byte_copies(name: str, whole: bool) -> None:
     """Qwen3-30B-A3B's shapes on FP8 rows (hidden 2048, experts' 768, 32 query heads of 128), specialized as a launch
     is (a row's bytes a multiple of 16 or not): the weights stream into shared memory in 16-byte asynchronous copies,
     no single-byte or 4-byte reads. With 132-byte chunks (no padding to 16) down read bytes one at a time and gate/up
     in 4-byte copies: 17 and 2 times their HBM time at batch 64 on an H200 (docs/performance.md "FP8 and MXFP4 on a
-    GPU")."""
+    GPU"). Either row layout (kernels/fp8_rows.py: one segment a row, or a segment a chunk)."""
     f = FORMATS["fp8"]
     kc = dataclasses.replace(DEFAULT_KERNELS, fp8_activations=True)
     hidden, inter, heads = 2048, 768, 32
     if name in ("qkv", "o"):
         K = hidden if name == "qkv" else heads * 128
         BM, BT, warps, stages, splits, token_rows = linear.fp8_launch(64, K, True)
-        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, TOKEN_ROWS=token_rows, SPLITS=splits, PDL=1)
+        consts = dict(HAS_BIAS=False, BT=BT, BM=BM, ACT8=True, TOKEN_ROWS=token_rows, SPLITS=splits,
+                      FMT=WHOLE if whole else CHUNKS, PDL=1)
         asm = compile_sm90(linear._linear_fp8, LINEAR_TYPES, consts, warps, stages,
-                           aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K) % 16 == 0 else ()))
+                           aligned=("N", "K", "stride_x", "stride_o") + (("WS",) if f.width(K, whole) % 16 == 0
+                                                                         else ()))
     else:
         cfg = fused_moe.CONFIGS[-1][1]
         fn, tile, n, K = ((fused_moe._gate_up_silu, cfg.gate_up, 2 * inter, hidden) if name == "gate_up"
                           else (fused_moe._down, cfg.down, hidden, inter))
-        c, fmt, a8 = fused_moe._row_tiles(tile, torch.empty(E, n, f.width(K), dtype=torch.uint8, device="meta"), K, kc)
+        c, fmt, a8 = fused_moe._row_tiles(tile, torch.empty(E, n, f.width(K, whole), dtype=torch.uint8, device="meta"),
+                                          K, kc)
+        assert fmt == (WHOLE if whole else CHUNKS), fmt
         consts: dict[str, Any] = dict(BM=cfg.BM, BN=c.BN, BK=c.BK, TMA=False, DIRECT=False, FMT=fmt, ACT8=a8,
                                       BIAS=False, GB=c.group, HALVES=False, PDL=1)
         if fn is fused_moe._gate_up_silu:
@@ -202,7 +215,7 @@ def test_fp8_rows_are_read_in_16_byte_copies(name: str) -> None:
             consts.update(TMA_H=False)
         asm = compile_sm90(fn, W8A8_TYPES[name], consts, c.num_warps, c.num_stages,
                            aligned=("N", "D", "I", "first", "XS", "OS", "HS")
-                           + (("WS",) if f.width(K) % 16 == 0 else ()))
+                           + (("WS",) if f.width(K, whole) % 16 == 0 else ()))
     kinds = global_loads(asm["ptx"])
     assert "cp16" in kinds and not kinds & {"ld8", "ld16", "cp4", "cp8"}, (name, kinds)
 
@@ -266,13 +279,14 @@ def test_the_float32_router_compiles_for_hopper(BT: int, prec: str) -> None:
                  aligned=("E", "D", "KPER", "stride_x"))
 
 
+@pytest.mark.parametrize("fmt", [WHOLE, CHUNKS], ids=["whole", "chunks"])
 @pytest.mark.parametrize("act8", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("K", [2048, 4096])
-def test_the_fp8_row_projection_compiles_for_hopper_in_registers(act8: bool, K: int) -> None:
+def test_the_fp8_row_projection_compiles_for_hopper_in_registers(act8: bool, K: int, fmt: int) -> None:
     """`kernels/linear._linear_fp8_rows` at Qwen3-30B-A3B's q|k|v and o widths: its weight rows in 16-byte loads
     and held in registers without spilling to local memory (its point: loaded before the wait for the kernel before)."""
     CB = triton.next_power_of_2(K // 128)
-    consts = dict(HAS_BIAS=True, BN=max(1, linear.TILE_ELEMS // (CB * 128)), CB=CB, ACT8=act8, PDL=1)
+    consts = dict(HAS_BIAS=True, BN=max(1, linear.TILE_ELEMS // (CB * 128)), CB=CB, ACT8=act8, FMT=fmt, PDL=1)
     asm = compile_sm90(linear._linear_fp8_rows, LINEAR_TYPES, consts, 8, 1,
                        aligned=("N", "K", "WS", "stride_x", "stride_o"))
     assert "ld.global.v4" in asm["ptx"] and not re.search(r"\b(ld|st)\.local", asm["ptx"])

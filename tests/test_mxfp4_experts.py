@@ -174,8 +174,9 @@ def test_the_format_of_rows_is_told_by_their_width() -> None:
     assert MXFP4.bytes_per_value == 17 / 32 and FP8.bytes_per_value == 144 / 128
     # the floor's: the releases' own (MXFP4's are its rows'; FP8's rows repeat a block's scale on each row, and pad)
     assert MXFP4.release_bytes_per_value == 17 / 32 and FP8.release_bytes_per_value == 1 + 4 / 128**2
+    assert format_of(fp8_rows.pack_rows(w, whole=True), 256) is FP8  # (FP8's one segment a row: 272 bytes)
     with pytest.raises(ValueError, match=r"uint8 rows of 100 bytes hold 256 columns in no quantized format \(fp8: "
-                                         r"288 bytes, mxfp4: 136 bytes\)"):
+                                         r"272 or 288 bytes, mxfp4: 136 bytes\)"):
         format_of(torch.zeros(4, 100, dtype=torch.uint8), 256)
 
 

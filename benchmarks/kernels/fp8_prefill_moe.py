@@ -58,8 +58,9 @@ def main() -> None:
     D, I, E, K = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.top_k
     fmt = FORMATS["fp8"]
     torch.manual_seed(0)
-    w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
-    w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
+    # (as one rank holds them, `specs.whole_rows`: every row one segment)
+    w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02, True)
+    w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02, True)
     w13_bf16, w2_bf16 = fmt.unpack(w13, D, torch.bfloat16), fmt.unpack(w2, I, torch.bfloat16)
     bm, gbn, gw, dbn, dw, st = a.direct_tiles
     direct = fm.MoEConfig(bm, fm.TileConfig(gbn, 128, gw, st), fm.TileConfig(dbn, 128, dw, st))

@@ -4,8 +4,10 @@ hidden 2048, 768 expert columns): µs a call inside a CUDA graph, W8A16, and W8A
 the same experts in bf16 (their dequantized values) for those --bf16 names (a control: what the plain rows reach).
 Each variant also runs with every expert's weights addressed as expert e % 4 (columns `<name>_l2_*`): the weights
 then stay in L2, so the time is the kernel's own ceiling, what a card with more bandwidth could get out of it (the
-H200's question, asked on an H100). `tree_us`: the engine's own import, for reference. A variant whose fused_moe.py
-defines `repack_rows(rows, cols)` (a layout of its own, e.g. fp8_trailer_variant.py's) runs on the FP8 rows so
+H200's question, asked on an H100). `tree_us`: the engine's own import, for reference. The rows are laid out as one
+rank holds them (kernels/fp8_rows.py: one segment a row), or with --chunk-rows a segment a chunk (the layout of
+down's rows where TP over ranks cuts them, and the only one a tree before 2026-12-07's twenty-fourth session reads).
+A variant whose fused_moe.py defines `repack_rows(rows, cols)` (a layout of its own) runs on the FP8 rows so
 converted.
 
     mkdir -p v/old && for f in fused_moe linear; do git show c19787f:moebius/kernels/$f.py > v/old/$f.py; done
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--w8a8", nargs="*", default=[], help="the variants also timed in W8A8 (--fp8-activations)")
     ap.add_argument("--bf16", nargs="*", default=[], help="the variants also timed on the experts in bf16")
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--chunk-rows", action="store_true", help="the rows a segment a chunk (kernels/fp8_rows.py: "
+                    "down's where TP over ranks cuts it), not one segment a row (one rank's)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="moe_variants_"))
     mods = {}
@@ -76,8 +80,9 @@ def main() -> None:
     fmt = FORMATS["fp8"]
     rate = hardware_of(torch.cuda.get_device_name(0)).hbm_bytes_per_s  # the floor's copy rate of this card
     torch.manual_seed(0)
-    w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
-    w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
+    whole = not a.chunk_rows
+    w13 = fmt.rows_of(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02, whole)
+    w2 = fmt.rows_of(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02, whole)
     w13_ref, w2_ref = fmt.unpack(w13, D, torch.float32), fmt.unpack(w2, I, torch.float32)
     w13_bf16, w2_bf16 = w13_ref.bfloat16(), w2_ref.bfloat16()
     expert_bytes = w13[0].numel() + w2[0].numel()
@@ -111,7 +116,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     write_result(a.output, tables={"per_batch": rows}, summary={"wall_s": time.time() - t0},
-                 params=dict(variants=a.variants, w8a8=a.w8a8, bf16=a.bf16, batches=a.batches),
+                 params=dict(variants=a.variants, w8a8=a.w8a8, bf16=a.bf16, batches=a.batches,
+                             row_layout="a segment a chunk" if a.chunk_rows else "one segment a row"),
                  note="the fused MoE on FP8 rows in each variant's source, Qwen3-30B-A3B's experts, us a call in a "
                       "CUDA graph: <name>_us as written, <name>_l2_us with every expert's weights read as expert "
                       f"e % {L2_EXPERTS} (from L2: the kernel's ceiling), _w8a8 with --fp8-activations, _bf16 on the "

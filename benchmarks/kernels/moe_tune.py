@@ -119,9 +119,10 @@ def main() -> None:
         fmt = FORMATS[a.quantization] if a.quantization else None
         expert_bytes = 3 * I * D * 2
         if fmt is not None:  # the rows the slots hold, and their values for the reference
-            w13, w2 = fmt.rows_of(w13_bf16), fmt.rows_of(w2_bf16)
+            whole2 = P == 1  # (down's rows in one segment where no TP over ranks cuts them: `specs.whole_rows`)
+            w13, w2 = fmt.rows_of(w13_bf16, True), fmt.rows_of(w2_bf16, whole2)
             w13_bf16, w2_bf16 = fmt.unpack(w13, D, torch.bfloat16), fmt.unpack(w2, I, torch.bfloat16)
-            expert_bytes = 2 * I * fmt.width(D) + D * fmt.width(I)
+            expert_bytes = 2 * I * fmt.width(D, True) + D * fmt.width(I, whole2)
         for B in a.batches:
             T = B if mode == "tp" else -(-B // P) * P  # EP: every rank's tokens, padded to the agreed capacity
             x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)

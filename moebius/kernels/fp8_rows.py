@@ -1,13 +1,17 @@
 """FP8 rows: block-FP8 weights (128 x 128 blocks, float8_e4m3fn, a float32 scale a block: the FP8 releases' format,
-models/fp8_blocks.py) laid out so that a row carries its own scales. Each weight row is cut in 128-column chunks,
-each chunk its 128 float8 bytes followed by 16 bytes: the float32 scale of its block (the block's scale repeated on
-each of its 128 rows), then zeros, so that every chunk starts 16-byte aligned and the kernels read its values in
-16-byte vectors (chunks of 128 values and the 4-byte scale alone left the kernels single-byte or 4-byte loads:
-docs/performance.md "FP8 and MXFP4 on a GPU"). Every cut the
-layouts make (rows of gate and up, whole 128-column chunks of down) then carries the scales with the weights, so the
-load, a switch and an update move FP8 rows as bytes (uint8 tensors), nothing else. `unpack_rows` is transformers'
-dequantization of the same blocks; `quantize_groups` the activations' rounding of the W8A8 GEMMs
-(`KernelConfig.fp8_activations`).
+models/fp8_blocks.py) laid out so that a row carries its own scales. Each weight row is cut in 128-column chunks (the
+last zero-padded), and the chunks are laid out in segments: a segment of s chunks is their s * 128 float8 bytes,
+then their s float32 scales (each chunk's block's scale, repeated on each of its 128 rows), then zeros to a multiple
+of 16 bytes, so that every segment starts 16-byte aligned and the kernels read its values in 16-byte vectors (chunks
+of 128 values and the 4-byte scale alone left the kernels single-byte or 4-byte loads: docs/performance.md "FP8 and
+MXFP4 on a GPU"). A row some layout cuts by columns (down's, a row-parallel projection's: `whole=False`) takes a
+segment a chunk, 144 bytes, so that every cut (whole chunks) carries its scales with its values as one byte range;
+a row no layout cuts by columns (gate's and up's, q|k|v's: `whole=True`) is one segment, its values then its
+scales, 132 bytes a chunk and 32-byte aligned values (the single-chunk segments' odd chunks start 16 bytes into a
+sector and read 1.5x their bytes in L2 sectors: benchmarks/results/h100-p1-moe-fp8-trailer-ncu.json). The row's
+width tells the two apart (`segment_chunks`). The load, a switch and an update then move FP8 rows as bytes (uint8
+tensors), nothing else. `unpack_rows` is transformers' dequantization of the same blocks; `quantize_groups` the
+activations' rounding of the W8A8 GEMMs (`KernelConfig.fp8_activations`).
 """
 
 from __future__ import annotations
@@ -18,14 +22,39 @@ import torch
 
 BLOCK = (128, 128)  # [rows, columns] a scale covers: every release's weight_block_size
 
-SCALE_BYTES = 16  # after a chunk's values: its block's float32 scale, then zeros (16-byte aligned chunks)
-CHUNK = BLOCK[1] + SCALE_BYTES  # bytes of an FP8 row's chunk
+SCALE_BYTES = 16  # after a single chunk's values: its block's float32 scale, then zeros (16-byte aligned chunks)
+CHUNK = BLOCK[1] + SCALE_BYTES  # bytes of a segment of one chunk (the rows a layout cuts by columns)
+ALIGN = 16  # a segment's bytes are a multiple of this
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def packed_width(cols: int) -> int:
-    """Bytes of an FP8 row of `cols` columns (the last chunk zero-padded to 128)."""
-    return -(-cols // BLOCK[1]) * CHUNK
+def segment_bytes(chunks: int) -> int:
+    """Bytes of a segment of `chunks` chunks: their values, their float32 scales, zeros to a multiple of 16."""
+    return -(-(BLOCK[1] + 4) * chunks // ALIGN) * ALIGN
+
+
+def packed_width(cols: int, whole: bool = False) -> int:
+    """Bytes of an FP8 row of `cols` columns (the last chunk zero-padded to 128): one segment (`whole`), or a
+    segment a chunk."""
+    chunks = -(-cols // BLOCK[1])
+    return segment_bytes(chunks) if whole else chunks * CHUNK
+
+
+def segment_chunks(width: int, cols: int) -> int:
+    """Chunks a segment of FP8 rows of `width` bytes holding `cols` columns: 1, or the row's chunks (one segment;
+    a row of one chunk is the same bytes either way). ValueError for a width that is neither."""
+    chunks = -(-cols // BLOCK[1])
+    if width == chunks * CHUNK:
+        return 1
+    if width == segment_bytes(chunks):
+        return chunks
+    raise ValueError(f"FP8 rows of {width} bytes do not hold {cols} columns (a segment a chunk: {chunks * CHUNK} "
+                     f"bytes; one segment: {segment_bytes(chunks)})")
+
+
+def _segments(chunks: int, seg: int) -> list[tuple[int, int]]:
+    """(first chunk, chunks) of each segment of a row of `chunks` chunks in segments of `seg`."""
+    return [(c, min(seg, chunks - c)) for c in range(0, chunks, max(seg, 1))]
 
 
 def block_scales(w: torch.Tensor) -> torch.Tensor:
@@ -39,38 +68,49 @@ def block_scales(w: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
-def pack_rows(w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 rows (uint8 [..., R, packed_width(C)]) of w [..., R, C] (float, or the dequantized values of an FP8
-    checkpoint) quantized by 128 x 128 blocks with `scale_inv` [..., ceil(R / 128), ceil(C / 128)] (the
-    checkpoint's: its float8 values come back exactly) or, where None, `block_scales(w)`. A matrix at a time (the
-    rounding's float32 temporaries a matrix's, whatever the tensor: a layer's fused experts are GBs)."""
+def pack_rows(w: torch.Tensor, scale_inv: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
+    """FP8 rows (uint8 [..., R, packed_width(C, whole)]) of w [..., R, C] (float, or the dequantized values of an
+    FP8 checkpoint) quantized by 128 x 128 blocks with `scale_inv` [..., ceil(R / 128), ceil(C / 128)] (the
+    checkpoint's: its float8 values come back exactly) or, where None, `block_scales(w)`; in one segment (`whole`:
+    a row no layout cuts by columns) or a segment a chunk. A matrix at a time (the rounding's float32 temporaries a
+    matrix's, whatever the tensor: a layer's fused experts are GBs)."""
     *lead, R, C = w.shape
     if lead:
-        out = torch.empty(*lead, R, packed_width(C), dtype=torch.uint8, device=w.device)
+        out = torch.empty(*lead, R, packed_width(C, whole), dtype=torch.uint8, device=w.device)
         if w.numel() == 0:  # (the checks' shape-only fetches)
             return out
         for at in itertools.product(*map(range, lead)):
-            out[at] = pack_rows(w[at], None if scale_inv is None else scale_inv[at])
+            out[at] = pack_rows(w[at], None if scale_inv is None else scale_inv[at], whole)
         return out
     scale = block_scales(w) if scale_inv is None else scale_inv.float()
     cb = scale.shape[-1]
-    row_scale = scale.repeat_interleave(BLOCK[0], -2)[..., :R, :]  # [..., R, cb]: each row its blocks' scales
-    padded = w.new_zeros(*lead, R, cb * BLOCK[1], dtype=torch.float32)
+    row_scale = scale.repeat_interleave(BLOCK[0], -2)[..., :R, :].contiguous()  # [R, cb]: each row its blocks' scales
+    padded = w.new_zeros(R, cb * BLOCK[1], dtype=torch.float32)
     padded[..., :C] = w
     q = (padded.unflatten(-1, (cb, BLOCK[1])) / row_scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    tail = torch.zeros(*lead, R, cb, SCALE_BYTES, dtype=torch.uint8, device=w.device)
-    tail[..., :4] = row_scale.contiguous().view(torch.uint8).unflatten(-1, (cb, 4))
-    chunks = torch.cat([q.to(torch.float8_e4m3fn).view(torch.uint8), tail], dim=-1)
-    return chunks.flatten(-2)
+    values = q.to(torch.float8_e4m3fn).view(torch.uint8)  # [R, cb, 128]
+    scales = row_scale.view(torch.uint8).unflatten(-1, (cb, 4))  # [R, cb, 4]
+    out = torch.zeros(R, packed_width(C, whole), dtype=torch.uint8, device=w.device)
+    at = 0
+    for c0, n in _segments(cb, cb if whole else 1):
+        out[:, at: at + n * BLOCK[1]] = values[:, c0: c0 + n].flatten(-2)
+        out[:, at + n * BLOCK[1]: at + n * (BLOCK[1] + 4)] = scales[:, c0: c0 + n].flatten(-2)
+        at += segment_bytes(n)
+    return out
 
 
 def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """[..., R, cols] in `dtype` of FP8 rows (`pack_rows`): each value times its block's scale in float32, rounded
-    once to `dtype` (transformers' dequantization of the same blocks)."""
-    chunks = rows.unflatten(-1, (rows.shape[-1] // CHUNK, CHUNK))
-    q = chunks[..., : BLOCK[1]].view(torch.float8_e4m3fn).float()
-    scale = chunks[..., BLOCK[1]: BLOCK[1] + 4].contiguous().view(torch.float32)  # [..., R, cb, 1]
-    return (q * scale).flatten(-2)[..., :cols].to(dtype)
+    """[..., R, cols] in `dtype` of FP8 rows (`pack_rows`, either layout: `segment_chunks`): each value times its
+    block's scale in float32, rounded once to `dtype` (transformers' dequantization of the same blocks)."""
+    chunks = -(-cols // BLOCK[1])
+    seg = segment_chunks(rows.shape[-1], cols)
+    parts, at = [], 0
+    for _, n in _segments(chunks, seg):
+        q = rows[..., at: at + n * BLOCK[1]].contiguous().view(torch.float8_e4m3fn).float()
+        scale = rows[..., at + n * BLOCK[1]: at + n * (BLOCK[1] + 4)].contiguous().view(torch.float32)
+        parts.append((q.unflatten(-1, (n, BLOCK[1])) * scale[..., None]).flatten(-2))
+        at += segment_bytes(n)
+    return torch.cat(parts, -1)[..., :cols].to(dtype)
 
 
 def quantize_groups(x: torch.Tensor) -> torch.Tensor:
@@ -91,8 +131,9 @@ def quantize_groups(x: torch.Tensor) -> torch.Tensor:
 
 
 def column_block(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Columns start .. stop of a weight [..., R, C]: of FP8 rows (uint8), whole 128-value chunks (`start` a multiple
-    of 128, and `stop` too or the last column), their scales with them; of a float tensor, those columns."""
+    """Columns start .. stop of a weight [..., R, C]: of FP8 rows (uint8) in a segment a chunk, whole 128-value
+    chunks (`start` a multiple of 128, and `stop` too or the last column), their scales with them (rows in one
+    segment, no layout cuts: only all of them, 0 .. C); of a float tensor, those columns."""
     if t.dtype != torch.uint8:
         return t[..., start:stop]
     if start % BLOCK[1]:

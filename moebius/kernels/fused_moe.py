@@ -32,6 +32,7 @@ from moebius.kernels.linear import (
     chunk_scales,
     chunk_values,
     fp8_dot,
+    fp8_form,
     mx4_dot,
     quantize_rows,
     store_chunk,
@@ -354,10 +355,11 @@ def _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
         for k0 in range(0, D, BK):
             if ACT8:  # the tokens' quantized groups, one tile for both halves
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                aq, sa = chunk_values(X, tok, ok, k0, D, XS), chunk_scales(X, tok, ok, k0, XS)
-                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, WS), acc_g, False)
-                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, WS), acc_u,
-                                False)
+                aq, sa = chunk_values(X, tok, ok, k0, D, XS, FP8_ROWS), chunk_scales(X, tok, ok, k0, D, XS, FP8_ROWS)
+                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, D, WS, FMT), acc_g,
+                                False, FMT)
+                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, D, WS, FMT),
+                                acc_u, False, FMT)
             elif FMT == MXFP4_ROWS:
                 wbase = W13 + e.to(tl.int64) * 2 * I * WS
                 acc_g = mx4_dot(X, tok, ok, D, wbase, n, nm, k0, D, WS, acc_g, BK)
@@ -437,9 +439,10 @@ def _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS,
             elif not ACT8:
                 b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, a.dtype)
             if ACT8:
-                aq, sa = chunk_values(H, rows, ok, k0, I, HS), chunk_scales(H, rows, ok, k0, HS)
+                aq, sa = chunk_values(H, rows, ok, k0, I, HS, FP8_ROWS), chunk_scales(H, rows, ok, k0, I, HS, FP8_ROWS)
                 w2base = W2 + e.to(tl.int64) * D * WS
-                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, WS), acc, False)
+                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, I, WS, FMT), acc,
+                              False, FMT)
             elif FMT != MXFP4_ROWS:
                 acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
@@ -530,7 +533,7 @@ def _row_tiles(c: TileConfig, w: torch.Tensor, K: int, kc: kernels.KernelConfig)
     f = format_of(w, K)
     if f is FP8:  # (a 128-column chunk a step doubles the tuned 64-column tiles: four stages of them outgrow
         # Hopper's shared memory where the rows' stride lets Triton copy them ahead, tests/test_kernels_sm90.py)
-        return (replace(c, BK=BLOCK[1], num_stages=min(c.num_stages, FP8_MAX_STAGES), tma=False), FP8_ROWS.value,
+        return (replace(c, BK=BLOCK[1], num_stages=min(c.num_stages, FP8_MAX_STAGES), tma=False), fp8_form(w, K),
                 kc.fp8_activations)
     assert f is MXFP4, f
     return replace(c, BK=MXFP4_BK, tma=False), MXFP4_ROWS.value, False

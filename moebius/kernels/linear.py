@@ -27,12 +27,13 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
-from moebius.kernels.fp8_rows import CHUNK, packed_width
+from moebius.kernels.fp8_rows import CHUNK, packed_width, segment_chunks
 from moebius.kernels.pdl import enter, pdl, release, wait
 
 # The weight formats `weight_tile` reads (a kernel's FMT constexpr; host code passes `.value`): plain values of the
 # activations' dtype, FP8 rows (kernels/fp8_rows.py), MXFP4 rows (kernels/mxfp4_rows.py)
-PLAIN, FP8_ROWS, MXFP4_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# FP8_ROWS: a segment a chunk; FP8_WHOLE: a row one segment, its values then its scales (kernels/fp8_rows.py)
+PLAIN, FP8_ROWS, MXFP4_ROWS, FP8_WHOLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 FP8_CHUNK = tl.constexpr(CHUNK)  # bytes of an FP8 row's 128-column chunk (a multiple of 16: aligned vector loads)
 
 # Each row costs every program a cross-thread sum of BN x K products: from 4 rows cuBLAS was faster; 2 rows pay
@@ -45,20 +46,32 @@ TILE_ELEMS = 8 * 2048
 MAX_K = 8192
 
 
+def fp8_form(w: torch.Tensor, K: int) -> int:
+    """FP8_ROWS or FP8_WHOLE: the layout of FP8 rows `w` holding K columns (`fp8_rows.segment_chunks`)."""
+    return (FP8_WHOLE if segment_chunks(w.shape[-1], K) > 1 else FP8_ROWS).value
+
+
 @triton.jit
-def chunk_values(W, rows, rm, k0, K, WS):
+def chunk_values(W, rows, rm, k0, K, WS, FMT: tl.constexpr):
     """The float8 values [rows, 128] of the chunk of columns k0 .. k0 + 128 (< K) of FP8 rows `rows` (mask rm) of WS
-    bytes (kernels/fp8_rows.py), as stored."""
+    bytes in layout FMT (FP8_ROWS or FP8_WHOLE, kernels/fp8_rows.py), as stored."""
     kk = tl.arange(0, 128)
     m = rm[:, None] & (k0 + kk < K)[None, :]
-    at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * FP8_CHUNK
+    if FMT == FP8_WHOLE:
+        at = W + rows.to(tl.int64)[:, None] * WS + k0
+    else:
+        at = W + rows.to(tl.int64)[:, None] * WS + (k0 // 128) * FP8_CHUNK
     return tl.load(at + kk[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
-def chunk_scales(W, rows, rm, k0, WS):
-    """The float32 block scale [rows] after that chunk of each row."""
-    at = W + rows.to(tl.int64) * WS + (k0 // 128) * FP8_CHUNK + 128
+def chunk_scales(W, rows, rm, k0, K, WS, FMT: tl.constexpr):
+    """The float32 block scale [rows] of that chunk of each row: after its values (FP8_ROWS), or after the row's
+    values with the other chunks' (FP8_WHOLE)."""
+    if FMT == FP8_WHOLE:
+        at = W + rows.to(tl.int64) * WS + tl.cdiv(K, 128) * 128 + (k0 // 128) * 4
+    else:
+        at = W + rows.to(tl.int64) * WS + (k0 // 128) * FP8_CHUNK + 128
     return tl.load(at.to(tl.pointer_type(tl.float32)), mask=rm, other=0.0)
 
 
@@ -136,16 +149,16 @@ def mx4_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, DT: tl.constexpr):
 @triton.jit
 def weight_tile(W, rows, rm, k0, K, WS, BK: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr):
     """Rows `rows` (mask rm) of a weight, columns k0 .. k0 + BK (< K), in DT, by format FMT: PLAIN values of row
-    stride WS; FP8_ROWS of WS bytes (BK == 128, one chunk: its float8 values times the row's block scale, rounded
-    once to DT as `unpack_rows` rounds). (MXFP4 rows: `mx4_dot`.)"""
+    stride WS; FP8_ROWS or FP8_WHOLE of WS bytes (BK == 128, one chunk: its float8 values times the row's block
+    scale, rounded once to DT as `unpack_rows` rounds). (MXFP4 rows: `mx4_dot`.)"""
     tl.static_assert(FMT != MXFP4_ROWS, "MXFP4 rows are read by mx4_dot, not as weight tiles")
-    if FMT == FP8_ROWS:
-        q = chunk_values(W, rows, rm, k0, K, WS).to(tl.float32)
-        return (q * chunk_scales(W, rows, rm, k0, WS)[:, None]).to(DT)
-    else:
+    if FMT == PLAIN:
         kk = tl.arange(0, BK)
         m = rm[:, None] & (k0 + kk < K)[None, :]
         return tl.load(W + rows.to(tl.int64)[:, None] * WS + (k0 + kk)[None, :], mask=m, other=0.0)
+    else:
+        q = chunk_values(W, rows, rm, k0, K, WS, FMT).to(tl.float32)
+        return (q * chunk_scales(W, rows, rm, k0, K, WS, FMT)[:, None]).to(DT)
 
 
 @triton.jit
@@ -159,15 +172,16 @@ def quantize_act(a):
 
 
 @triton.jit
-def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr):
+def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr, FMT: tl.constexpr):
     """acc plus the W8A8 product of an activation tile quantized by `quantize_act` (aq [BM, 128], sa) and the chunk at
-    column k0 of FP8 rows `rows` as stored (`chunk_values`; sw: its `chunk_scales`, which a caller may load a chunk
-    ahead: Triton's pipelining copies a dot's operands ahead, not what scales its result): float8 operands into the
-    tensor cores, float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs). acc is [BM, rows], or with
+    column k0 of FP8 rows `rows` in layout FMT as stored (`chunk_values`; sw: its `chunk_scales`, which a caller may
+    load a chunk ahead: Triton's pipelining copies a dot's operands ahead, not what scales its result): float8
+    operands into the tensor cores, float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs). acc is
+    [BM, rows], or with
     W_ROWS [rows, BM]: the weight rows the dot's rows (on Hopper a dot of fewer than 64 rows takes Ampere's MMA, which
     converts both float8 tiles to f16 first; 64 weight rows make a warpgroup MMA on float8:
     tests/test_kernels_sm90.py)."""
-    wq = chunk_values(W, rows, rm, k0, K, WS)
+    wq = chunk_values(W, rows, rm, k0, K, WS, FMT)
     if W_ROWS:
         out = acc + tl.dot(wq, tl.trans(aq)) * sw[:, None] * sa[None, :]
     else:
@@ -177,8 +191,8 @@ def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr):
 
 @triton.jit
 def store_chunk(Out, rows, rm, c, WS, x):
-    """x [rows, 128] quantized (`quantize_act`) into chunk c of FP8 rows `rows` (mask rm) of WS bytes: its float8
-    values, then its scale (kernels/fp8_rows.py's layout, a scale a row and chunk)."""
+    """x [rows, 128] quantized (`quantize_act`) into chunk c of FP8 rows `rows` (mask rm) of WS bytes, a segment a
+    chunk (FP8_ROWS, as every quantized activation): its float8 values, then its scale."""
     q, s = quantize_act(x)
     at = Out + rows.to(tl.int64) * WS + c * FP8_CHUNK
     tl.store(at[:, None] + tl.arange(0, 128)[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None])
@@ -261,12 +275,13 @@ def fits_fp8_rows(x_TD: torch.Tensor, w_NC: torch.Tensor, kc: KernelConfig) -> b
     on the SMs, registers full, while the kernels before still run)."""
     return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
             and x_TD.dtype in (torch.bfloat16, torch.float16) and w_NC.is_contiguous()
-            and w_NC.shape[1] == packed_width(x_TD.shape[1]) and kc.release == kernels.LATE)
+            and w_NC.shape[1] in (packed_width(x_TD.shape[1]), packed_width(x_TD.shape[1], True))
+            and kc.release == kernels.LATE)
 
 
 @triton.jit
 def _linear_fp8_rows(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                     CB: tl.constexpr, ACT8: tl.constexpr, PDL: tl.constexpr):
+                     CB: tl.constexpr, ACT8: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr):
     """`_linear_rows` on FP8 rows: this program's BN weight rows, every 128-column chunk (CB, a power of two, at
     least the row's), held as float8 with their block scales, loaded before the wait; then each row t of X. ACT8:
     each 128-column group of X quantized (`quantize_act`) and the float8 products summed in float32 a chunk, times
@@ -279,9 +294,13 @@ def _linear_fp8_rows(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl
     col = c[:, None] * 128 + kk[None, :]  # [CB, 128]: each chunk's columns
     mcol = col < K
     row = W + rn.to(tl.int64)[:, None, None] * WS
-    wq = tl.load(row + (c[:, None] * FP8_CHUNK + kk[None, :])[None, :, :], mask=mn[:, None, None] & mcol[None, :, :],
-                 other=0).to(tl.float8e4nv, bitcast=True)
-    sw = tl.load((W + rn.to(tl.int64)[:, None] * WS + c[None, :] * FP8_CHUNK + 128).to(tl.pointer_type(tl.float32)),
+    if FMT == FP8_WHOLE:  # (kernels/fp8_rows.py: the row's values, then its chunks' scales)
+        at, sat = col, tl.cdiv(K, 128) * 128 + c * 4
+    else:
+        at, sat = c[:, None] * FP8_CHUNK + kk[None, :], c * FP8_CHUNK + 128
+    wq = tl.load(row + at[None, :, :], mask=mn[:, None, None] & mcol[None, :, :], other=0).to(tl.float8e4nv,
+                                                                                             bitcast=True)
+    sw = tl.load((W + rn.to(tl.int64)[:, None] * WS + sat[None, :]).to(tl.pointer_type(tl.float32)),
                  mask=mn[:, None] & (c * 128 < K)[None, :], other=0.0)  # [BN, CB]
     if HAS_BIAS:
         b = tl.load(B + rn, mask=mn, other=0.0).to(tl.float32)
@@ -312,7 +331,8 @@ def linear_fp8_rows(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor
     BN = max(1, TILE_ELEMS // (CB * 128))
     _linear_fp8_rows[(triton.cdiv(N, BN),)](x_TD, w_NC, w_NC if bias_N is None else bias_N, out, T, N, K,
                                             w_NC.shape[1], x_TD.stride(0), out.stride(0), HAS_BIAS=bias_N is not None,
-                                            BN=BN, CB=CB, ACT8=kc.fp8_activations, num_warps=8, **pdl(x_TD, kc))
+                                            BN=BN, CB=CB, ACT8=kc.fp8_activations, FMT=fp8_form(w_NC, K),
+                                            num_warps=8, **pdl(x_TD, kc))
     return out
 
 
@@ -393,7 +413,7 @@ def fp8_launch(T: int, K: int, act8: bool) -> tuple[int, int, int, int, int, boo
 @triton.jit
 def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, ACT8: tl.constexpr, TOKEN_ROWS: tl.constexpr, SPLITS: tl.constexpr,
-                PDL: tl.constexpr):
+                FMT: tl.constexpr, PDL: tl.constexpr):
     """Out[t, n] for this program's BM weight rows n and BT rows t: W[n, :] . X[t, :] with W as FP8 rows, float32
     sums rounded once. ACT8: each [BT, 128] tile of X quantized per row (`quantize_act`), FP8 dots (`fp8_dot`); else
     each weight tile's float8 values times its rows' block scales rounded to X's dtype (as `unpack_rows`). The dot's
@@ -414,14 +434,14 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
             acc8 = tl.zeros([BT, BM], tl.float32)
         else:
             acc8 = tl.zeros([BM, BT], tl.float32)
-        sw = chunk_scales(W, rm, mm, tl.minimum(c_lo * 128, K - 1), WS)
+        sw = chunk_scales(W, rm, mm, tl.minimum(c_lo * 128, K - 1), K, WS, FMT)
         for c in range(c_lo, c_hi):
             k0 = c * 128
-            sw_next = chunk_scales(W, rm, mm, tl.minimum(k0 + 128, K - 1), WS)  # (past the last: the last again)
+            sw_next = chunk_scales(W, rm, mm, tl.minimum(k0 + 128, K - 1), K, WS, FMT)  # (past the last: the last)
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
             xq, sx = quantize_act(x)
-            acc8 = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw, acc8, not TOKEN_ROWS)
+            acc8 = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw, acc8, not TOKEN_ROWS, FMT)
             sw = sw_next
         if TOKEN_ROWS:
             acc = tl.trans(acc8)
@@ -433,14 +453,14 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
             k0 = c * 128
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
+            w = weight_tile(W, rm, mm, k0, K, WS, 128, FMT, X.dtype.element_ty)
             acc_TM = tl.dot(x, tl.trans(w), acc_TM)
         acc = tl.trans(acc_TM)
     else:
         acc = tl.zeros([BM, BT], tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * 128
-            w = weight_tile(W, rm, mm, k0, K, WS, 128, FP8_ROWS, X.dtype.element_ty)
+            w = weight_tile(W, rm, mm, k0, K, WS, 128, FMT, X.dtype.element_ty)
             x = tl.load(X + rt[None, :].to(tl.int64) * stride_x + (k0 + rk)[:, None],
                         mask=mt[None, :] & (k0 + rk < K)[:, None], other=0.0)
             acc = tl.dot(w, x, acc)
@@ -470,7 +490,7 @@ def _sum_splits(Part, B, Out, T, N, stride_o, HAS_BIAS: tl.constexpr, SPLITS: tl
 
 
 @triton.jit
-def _unpack_fp8(W, Out, N, K, WS, BR: tl.constexpr, PDL: tl.constexpr):
+def _unpack_fp8(W, Out, N, K, WS, BR: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr):
     """Out [N, K] = the FP8 rows W (WS bytes each) in Out's dtype, rounded as `unpack_rows` rounds (`weight_tile`):
     this program's BR rows, one 128-column chunk."""
     enter(PDL)
@@ -478,7 +498,7 @@ def _unpack_fp8(W, Out, N, K, WS, BR: tl.constexpr, PDL: tl.constexpr):
     rm = rows < N
     k0 = tl.program_id(1) * 128
     kk = k0 + tl.arange(0, 128)
-    tile = weight_tile(W, rows, rm, k0, K, WS, 128, FP8_ROWS, Out.dtype.element_ty)
+    tile = weight_tile(W, rows, rm, k0, K, WS, 128, FMT, Out.dtype.element_ty)
     tl.store(Out + rows.to(tl.int64)[:, None] * K + kk[None, :], tile, mask=rm[:, None] & (kk < K)[None, :])
 
 
@@ -495,8 +515,8 @@ def unpack_fp8(w_NC: torch.Tensor, K: int, dtype: torch.dtype, *, kc: KernelConf
     N = w_NC.shape[0]
     out = torch.empty(N, K, dtype=dtype, device=w_NC.device)
     BR = 32
-    _unpack_fp8[(triton.cdiv(N, BR), triton.cdiv(K, 128))](w_NC, out, N, K, w_NC.shape[1], BR=BR, num_warps=4,
-                                                            **pdl(w_NC, kc))
+    _unpack_fp8[(triton.cdiv(N, BR), triton.cdiv(K, 128))](w_NC, out, N, K, w_NC.shape[1], BR=BR,
+                                                            FMT=fp8_form(w_NC, K), num_warps=4, **pdl(w_NC, kc))
     return out
 
 
@@ -507,9 +527,9 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
     unpacked by `unpack_fp8`, the product cuBLAS's)."""
     T, K = x_TD.shape
     N = w_NC.shape[0]
-    if w_NC.shape[1] != packed_width(K) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
+    if w_NC.shape[1] not in (packed_width(K), packed_width(K, True)) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
         raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
-                         f"({packed_width(K)} bytes), or a tensor is not row-major")
+                         f"({packed_width(K)} or {packed_width(K, True)} bytes), or a tensor is not row-major")
     if T > UNPACK_ROWS and not kc.fp8_activations:
         return torch.nn.functional.linear(x_TD, unpack_fp8(w_NC, K, x_TD.dtype, kc=kc), bias_N)
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)
@@ -529,7 +549,7 @@ def launch_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
     _linear_fp8[(triton.cdiv(N, BM), triton.cdiv(T, BT), splits)](
         x_TD, w_NC, w_NC if bias_N is None else bias_N, part, T, N, K, w_NC.shape[1], x_TD.stride(0), part.stride(-2),
         HAS_BIAS=bias_N is not None, BT=BT, BM=BM, ACT8=kc.fp8_activations, TOKEN_ROWS=token_rows, SPLITS=splits,
-        num_warps=warps, num_stages=stages, **pdl(x_TD, kc))
+        FMT=fp8_form(w_NC, K), num_warps=warps, num_stages=stages, **pdl(x_TD, kc))
     if splits > 1:
         BN = min(1024, triton.next_power_of_2(N))
         _sum_splits[(T, triton.cdiv(N, BN))](part, part if bias_N is None else bias_N, out, T, N, out.stride(0),

@@ -24,19 +24,22 @@ class RowFormat:
     chunk_bytes: int
     experts_only: bool  # holds the routed experts alone (MXFP4, as the releases), or the dense Linear weights too
     pads: bool  # a row's last chunk zero-padded (FP8), or a row must be whole chunks (MXFP4)
-    pack: Callable[[torch.Tensor], torch.Tensor]  # float [..., R, C] -> rows, quantized with its own scales
+    # float [..., R, C], whole -> rows quantized with their own scales; whole: rows no layout cuts by columns, which
+    # a format may lay out apart (FP8: one segment, kernels/fp8_rows.py)
+    pack: Callable[[torch.Tensor, bool], torch.Tensor]
     unpack: Callable[[torch.Tensor, int, torch.dtype], torch.Tensor]  # rows, C, dtype -> [..., R, C]
-    width: Callable[[int], int]  # bytes of a row of C columns
+    width: Callable[[int, bool], int]  # bytes of a row of C columns (whole, as `pack`)
     # HBM bytes a value of the released format (its values and block scales): what any engine reads, the floor's
     # (bench/floor.py); the rows' own bytes (`bytes_per_value`) add the scale repeated on each row and padding
     release_bytes_per_value: float
 
-    def rows_of(self, w: torch.Tensor) -> torch.Tensor:
-        """Float w [..., C] as this format's rows, quantized with its own scales; a meta tensor (an update that leaves
-        the tensor, a shape-only check) as a meta tensor of the rows' shape."""
+    def rows_of(self, w: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """Float w [..., C] as this format's rows, quantized with its own scales (`whole`: rows no layout cuts by
+        columns); a meta tensor (an update that leaves the tensor, a shape-only check) as a meta tensor of the rows'
+        shape."""
         if w.is_meta:
-            return torch.empty(*w.shape[:-1], self.width(w.shape[-1]), dtype=torch.uint8, device="meta")
-        return self.pack(w)
+            return torch.empty(*w.shape[:-1], self.width(w.shape[-1], whole), dtype=torch.uint8, device="meta")
+        return self.pack(w, whole)
 
     @property
     def bytes_per_value(self) -> float:
@@ -54,10 +57,11 @@ class RowFormat:
 
 
 FP8 = RowFormat("fp8", "block FP8", fp8_rows.BLOCK[0], fp8_rows.BLOCK[1], fp8_rows.CHUNK, False, True,
-                fp8_rows.pack_rows, fp8_rows.unpack_rows, fp8_rows.packed_width,
+                lambda w, whole: fp8_rows.pack_rows(w, whole=whole), fp8_rows.unpack_rows, fp8_rows.packed_width,
                 1 + 4 / (fp8_rows.BLOCK[0] * fp8_rows.BLOCK[1]))  # a float8 byte a value, a float32 a block
-MXFP4 = RowFormat("mxfp4", "MXFP4", 1, mxfp4_rows.BLOCK, mxfp4_rows.CHUNK, True, False, mxfp4_rows.pack_rows,
-                  mxfp4_rows.unpack_rows, mxfp4_rows.packed_width,
+MXFP4 = RowFormat("mxfp4", "MXFP4", 1, mxfp4_rows.BLOCK, mxfp4_rows.CHUNK, True, False,
+                  lambda w, whole: mxfp4_rows.pack_rows(w), mxfp4_rows.unpack_rows,  # (one layout: 17-byte chunks)
+                  lambda cols, whole: mxfp4_rows.packed_width(cols),
                   mxfp4_rows.CHUNK / mxfp4_rows.BLOCK)  # the release's own: 16 bytes of codes and a scale byte a block
 FORMATS = {f.name: f for f in (FP8, MXFP4)}
 
@@ -73,9 +77,11 @@ def holds(f: RowFormat, cols: int) -> bool:
 
 
 def format_of(w: torch.Tensor, cols: int) -> RowFormat:
-    """The format of quantized rows `w` (uint8 [..., width]) holding `cols` columns."""
+    """The format of quantized rows `w` (uint8 [..., width]) holding `cols` columns (either of its layouts)."""
     for f in FORMATS.values():
-        if holds(f, cols) and f.width(cols) == w.shape[-1]:
+        if holds(f, cols) and w.shape[-1] in (f.width(cols, False), f.width(cols, True)):
             return f
+    widths = {f.name: " or ".join(map(str, sorted({f.width(cols, False), f.width(cols, True)})))
+              for f in FORMATS.values() if holds(f, cols)}
     raise ValueError(f"uint8 rows of {w.shape[-1]} bytes hold {cols} columns in no quantized format ("
-                     + ", ".join(f"{f.name}: {f.width(cols)} bytes" for f in FORMATS.values() if holds(f, cols)) + ")")
+                     + ", ".join(f"{name}: {n} bytes" for name, n in widths.items()) + ")")

@@ -80,18 +80,19 @@ class BlockFp8Packing:
 FP8 = BlockFp8Packing()
 
 
-def fp8_rows_fetch(fetch: Callable[[str, tuple[int, ...]], torch.Tensor], gate_up: bool
+def fp8_rows_fetch(fetch: Callable[[str, tuple[int, ...]], torch.Tensor], gate_up: bool, whole: bool
                    ) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
-    """A weight-spec fetch whose tensors come as FP8 rows (kernels/fp8_rows.py, uint8 [..., packed_width(C)]) of what
-    `fetch` gives (a float tensor: an FP8 checkpoint's dequantized values): quantized with the scales stored beside
-    it (`<name>_scale_inv`, read through `fetch`: its float8 values come back exactly), else with its own blocks'.
-    A fused experts' tensor [E, R, C] is quantized expert by expert, gate_up: its gate rows and up rows apart (as
-    the checkpoints quantize gate_proj and up_proj). A meta tensor (an update that leaves the tensor) stays one."""
+    """A weight-spec fetch whose tensors come as FP8 rows (kernels/fp8_rows.py, uint8 [..., packed_width(C, whole)];
+    whole: rows no layout cuts by columns) of what `fetch` gives (a float tensor: an FP8 checkpoint's dequantized
+    values): quantized with the scales stored beside it (`<name>_scale_inv`, read through `fetch`: its float8 values
+    come back exactly), else with its own blocks'. A fused experts' tensor [E, R, C] is quantized expert by expert,
+    gate_up: its gate rows and up rows apart (as the checkpoints quantize gate_proj and up_proj). A meta tensor (an
+    update that leaves the tensor) stays one."""
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         w = fetch(name, shape)
         if w.is_meta:
-            return FP8_ROWS.rows_of(w)
+            return FP8_ROWS.rows_of(w, whole)
         scale = None
         if w.dim() == 2:  # a checkpoint's own weight: its scales, where it stores them
             try:
@@ -100,7 +101,7 @@ def fp8_rows_fetch(fetch: Callable[[str, tuple[int, ...]], torch.Tensor], gate_u
                 pass
             scale = None if scale is None or scale.is_meta else scale.to(w.device)
         if w.dim() == 3 and gate_up:
-            return pack_rows(w.unflatten(1, (2, w.shape[1] // 2))).flatten(1, 2)
-        return pack_rows(w, scale)
+            return pack_rows(w.unflatten(1, (2, w.shape[1] // 2)), whole=whole).flatten(1, 2)
+        return pack_rows(w, scale, whole)
 
     return get

@@ -106,6 +106,12 @@ def tp_cut(t: torch.Tensor, dim: int, lay: Layout) -> torch.Tensor:
     return tp_block(t, dim, lay.tp, lay.tp_rank)
 
 
+def whole_rows(which: str, lay: Layout) -> bool:
+    """Whether a layer's experts' `which` ("w13" or "w2") quantized rows are whole rows (`RowFormat.pack`'s `whole`):
+    no layout cuts [gate | up]'s columns, and down's only TP over more than one rank."""
+    return which == "w13" or lay.world_size == 1
+
+
 class ExpertCut:
     """A layer's local experts, [gate | up] (`w13`: the slot's [El, 2, Il, D]) or down (`w2`: [El, D, Il]), cut from
     per-expert (named by `names`) or fused (transformers 5) tensors as views of the source, each with where it lands
@@ -119,7 +125,7 @@ class ExpertCut:
         self.shapes, self.names = per_expert_shapes, names
         self.local = range(lay.first_expert, lay.first_expert + lay.num_local_experts)
         # quantized rows (kernels/rows.py): each source tensor is packed as fetched, then cut as bytes
-        self.rows = None if fmt is None else rows_fetch(fmt, gate_up=which == "w13")
+        self.rows = None if fmt is None else rows_fetch(fmt, gate_up=which == "w13", whole=whole_rows(which, lay))
 
     def _names(self, e: int) -> tuple[str, ...]:
         return tuple(self.names.expert(self.p, e, proj) for proj in self.names.projections(self.which))
@@ -245,19 +251,21 @@ def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Calla
         return spec
     if cfg.quant_skip and any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
         return spec
-    rows = rows_fetch(fmt, gate_up=False)
-    return ParamSpec(name, (shape[0], fmt.width(shape[1])), lambda f: load(rows(f)), dtype=torch.uint8)
+    whole = parts == 1  # (no layout cuts its columns: its rows in the format's whole-row layout)
+    rows = rows_fetch(fmt, gate_up=False, whole=whole)
+    return ParamSpec(name, (shape[0], fmt.width(shape[1], whole)), lambda f: load(rows(f)), dtype=torch.uint8)
 
 
-def rows_fetch(fmt: RowFormat, gate_up: bool) -> Callable[[Fetch], Fetch]:
-    """What turns a spec's fetch into one whose tensors come as `fmt`'s rows: FP8 rows with a checkpoint's own scales
-    where it stores them (`fp8_rows_fetch`: its float8 values come back exactly); MXFP4 rows quantized from the
-    values (an MXFP4 checkpoint's come back exactly, kernels/mxfp4_rows.py). A meta tensor stays one."""
+def rows_fetch(fmt: RowFormat, gate_up: bool, whole: bool) -> Callable[[Fetch], Fetch]:
+    """What turns a spec's fetch into one whose tensors come as `fmt`'s rows (`whole`: rows no layout cuts by
+    columns, `RowFormat.pack`): FP8 rows with a checkpoint's own scales where it stores them (`fp8_rows_fetch`: its
+    float8 values come back exactly); MXFP4 rows quantized from the values (an MXFP4 checkpoint's come back exactly,
+    kernels/mxfp4_rows.py). A meta tensor stays one."""
     if fmt is FP8:
-        return functools.partial(fp8_rows_fetch, gate_up=gate_up)
+        return functools.partial(fp8_rows_fetch, gate_up=gate_up, whole=whole)
 
     def wrap(fetch: Fetch) -> Fetch:
-        return lambda name, shape: fmt.rows_of(fetch(name, shape))
+        return lambda name, shape: fmt.rows_of(fetch(name, shape), whole)
 
     return wrap
 
@@ -279,7 +287,8 @@ def expert_slot_specs(cfg: ModelConfig, lay: Layout, i: int, elt: int, w13: Slot
     row's scales in it, kernels/rows.py)."""
     p, D, El, Il, slot = f"model.layers.{i}.", cfg.hidden_size, lay.num_local_experts, lay.moe_inter, lay.slot_of(i)
     fmt = row_format(cfg.quantization)
-    dtype, cols13, cols2 = (None, D, Il) if fmt is None else (torch.uint8, fmt.width(D), fmt.width(Il))
+    dtype, cols13, cols2 = ((None, D, Il) if fmt is None else
+                            (torch.uint8, fmt.width(D, whole_rows("w13", lay)), fmt.width(Il, whole_rows("w2", lay))))
     return [ParamSpec(p + "mlp.experts.w13", (El, 2 * Il, cols13), w13.load, slot=slot, fill=w13.fill, dtype=dtype),
             ParamSpec(p + "mlp.experts.w2", (El, D, cols2), w2.load, slot=slot,
                       offset=El * 2 * Il * cols13 * (1 if fmt else elt), fill=w2.fill, dtype=dtype)]

@@ -162,7 +162,8 @@ class Layout:
         El, Il, D = self.num_local_experts, self.moe_inter, self.cfg.hidden_size
         fmt = row_format(self.cfg.quantization)
         if fmt is not None:
-            return El * (2 * Il * fmt.width(D) + D * fmt.width(Il))
+            # (down's rows whole where no TP over ranks cuts them: `specs.whole_rows`)
+            return El * (2 * Il * fmt.width(D, True) + D * fmt.width(Il, self.world_size == 1))
         return 3 * El * Il * D * elt
 
     def slot_of(self, layer: int) -> int:

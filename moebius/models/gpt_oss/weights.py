@@ -27,7 +27,7 @@ from moebius.kernels.rows import row_format
 from moebius.memory.umm import UnifiedMemory
 from moebius.models.gpt_oss.config import GptOssConfig
 from moebius.models.gqa import AttnWeights, attention_specs, attention_weights, attn_tag
-from moebius.models.specs import Fetch, ParamSpec, decoder_specs, expert_slot_specs, spec_views, tp_cut
+from moebius.models.specs import Fetch, ParamSpec, decoder_specs, expert_slot_specs, spec_views, tp_cut, whole_rows
 from moebius.models.weights import ModelWeights, MoEWeights, decoder_weights
 from moebius.parallel.layout import Layout
 
@@ -78,7 +78,7 @@ class FusedExperts:
             cut = tp_cut(deinterleave(t).permute(0, 2, 3, 1), 2, self.lay)
         else:
             cut = tp_cut(t.transpose(1, 2), 2, self.lay)  # [El, I, D] -> [El, D, I]
-        return cut if self.fmt is None else self.fmt.rows_of(cut)
+        return cut if self.fmt is None else self.fmt.rows_of(cut, whole_rows(self.which, self.lay))
 
     def fill(self, fetch: Fetch, dst: torch.Tensor) -> None:
         """The cut copied into `dst` (the slot's view, [El, 2Il, D] or [El, D, Il]); a tensor an update does not
