@@ -138,11 +138,11 @@ bars)  # the three issues' bars in one call (from batch 64, context 1024; an H10
   # 512): DeepSeek-V2-Lite, gpt-oss-20b, FP8 in both scopes
   X="--load-format dummy --num-ranks 1 --modes tp --cuda-graph-max-bs 1024 --context-len 1024"
   [ $C = h100 ] && L=64,128,256,512 || L=64,128,256,512,1024
-  t bars_deepseek 150 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json
-  t bars_gptoss 150 $B sweep --model gpt-oss-20b $X --batches $L --output $R/$C-p1-gpt-oss-20b-sweep.json
   F="--model qwen3-30b-a3b $X --quantization fp8 --batches ${L/,128/}"
+  t bars_fp8 150 $B sweep $F --output $R/$C-p1-qwen3-30b-fp8-sweep.json
   t bars_fp8_experts 150 $B sweep $F --quantization-scope experts --output $R/$C-p1-qwen3-30b-fp8-experts-sweep.json
-  t bars_fp8 150 $B sweep $F --output $R/$C-p1-qwen3-30b-fp8-sweep.json ;;
+  t bars_deepseek 150 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json
+  t bars_gptoss 150 $B sweep --model gpt-oss-20b $X --batches $L --output $R/$C-p1-gpt-oss-20b-sweep.json ;;
 sweep)
   t sweep 200 $B sweep $M --modes tp --cuda-graph-max-bs 1024 --batches 1,2,4,8,16,32,64,128,256,512,1024 --context-len 1024 --output $R/$C-p1-deepseek-v2-lite-sweep.json ;;
 work)
