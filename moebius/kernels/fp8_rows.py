@@ -52,9 +52,13 @@ def segment_chunks(width: int, cols: int) -> int:
                      f"bytes; one segment: {segment_bytes(chunks)})")
 
 
-def _segments(chunks: int, seg: int) -> list[tuple[int, int]]:
-    """(first chunk, chunks) of each segment of a row of `chunks` chunks in segments of `seg`."""
-    return [(c, min(seg, chunks - c)) for c in range(0, chunks, max(seg, 1))]
+def _parts(rows: torch.Tensor, chunks: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of FP8 rows [..., width] as their values [..., chunks, 128] and scales' bytes [..., chunks, 4]."""
+    if whole:
+        return (rows[..., : chunks * BLOCK[1]].unflatten(-1, (chunks, BLOCK[1])),
+                rows[..., chunks * BLOCK[1]: chunks * (BLOCK[1] + 4)].unflatten(-1, (chunks, 4)))
+    segments = rows.unflatten(-1, (chunks, CHUNK))
+    return segments[..., : BLOCK[1]], segments[..., BLOCK[1]: BLOCK[1] + 4]
 
 
 def block_scales(w: torch.Tensor) -> torch.Tensor:
@@ -88,14 +92,10 @@ def pack_rows(w: torch.Tensor, scale_inv: torch.Tensor | None = None, whole: boo
     padded = w.new_zeros(R, cb * BLOCK[1], dtype=torch.float32)
     padded[..., :C] = w
     q = (padded.unflatten(-1, (cb, BLOCK[1])) / row_scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    values = q.to(torch.float8_e4m3fn).view(torch.uint8)  # [R, cb, 128]
-    scales = row_scale.view(torch.uint8).unflatten(-1, (cb, 4))  # [R, cb, 4]
     out = torch.zeros(R, packed_width(C, whole), dtype=torch.uint8, device=w.device)
-    at = 0
-    for c0, n in _segments(cb, cb if whole else 1):
-        out[:, at: at + n * BLOCK[1]] = values[:, c0: c0 + n].flatten(-2)
-        out[:, at + n * BLOCK[1]: at + n * (BLOCK[1] + 4)] = scales[:, c0: c0 + n].flatten(-2)
-        at += segment_bytes(n)
+    values, scales = _parts(out, cb, whole)
+    values.copy_(q.to(torch.float8_e4m3fn).view(torch.uint8))  # [R, cb, 128]
+    scales.copy_(row_scale.view(torch.uint8).unflatten(-1, (cb, 4)))  # [R, cb, 4]
     return out
 
 
@@ -103,14 +103,10 @@ def unpack_rows(rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tens
     """[..., R, cols] in `dtype` of FP8 rows (`pack_rows`, either layout: `segment_chunks`): each value times its
     block's scale in float32, rounded once to `dtype` (transformers' dequantization of the same blocks)."""
     chunks = -(-cols // BLOCK[1])
-    seg = segment_chunks(rows.shape[-1], cols)
-    parts, at = [], 0
-    for _, n in _segments(chunks, seg):
-        q = rows[..., at: at + n * BLOCK[1]].contiguous().view(torch.float8_e4m3fn).float()
-        scale = rows[..., at + n * BLOCK[1]: at + n * (BLOCK[1] + 4)].contiguous().view(torch.float32)
-        parts.append((q.unflatten(-1, (n, BLOCK[1])) * scale[..., None]).flatten(-2))
-        at += segment_bytes(n)
-    return torch.cat(parts, -1)[..., :cols].to(dtype)
+    values, scales = _parts(rows, chunks, segment_chunks(rows.shape[-1], cols) > 1)
+    q = values.contiguous().view(torch.float8_e4m3fn).float()
+    scale = scales.contiguous().view(torch.float32)  # [..., R, chunks, 1]
+    return (q * scale).flatten(-2)[..., :cols].to(dtype)
 
 
 def quantize_groups(x: torch.Tensor) -> torch.Tensor:
