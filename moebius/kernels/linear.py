@@ -177,9 +177,8 @@ def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr, FMT: 
     column k0 of FP8 rows `rows` in layout FMT as stored (`chunk_values`; sw: its `chunk_scales`, which a caller may
     load a chunk ahead: Triton's pipelining copies a dot's operands ahead, not what scales its result): float8
     operands into the tensor cores, float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs). acc is
-    [BM, rows], or with
-    W_ROWS [rows, BM]: the weight rows the dot's rows (on Hopper a dot of fewer than 64 rows takes Ampere's MMA, which
-    converts both float8 tiles to f16 first; 64 weight rows make a warpgroup MMA on float8:
+    [BM, rows], or with W_ROWS [rows, BM]: the weight rows the dot's rows (on Hopper a dot of fewer than 64 rows takes
+    Ampere's MMA, which converts both float8 tiles to f16 first; 64 weight rows make a warpgroup MMA on float8:
     tests/test_kernels_sm90.py)."""
     wq = chunk_values(W, rows, rm, k0, K, WS, FMT)
     if W_ROWS:
@@ -298,8 +297,8 @@ def _linear_fp8_rows(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl
         at, sat = col, tl.cdiv(K, 128) * 128 + c * 4
     else:
         at, sat = c[:, None] * FP8_CHUNK + kk[None, :], c * FP8_CHUNK + 128
-    wq = tl.load(row + at[None, :, :], mask=mn[:, None, None] & mcol[None, :, :], other=0).to(tl.float8e4nv,
-                                                                                             bitcast=True)
+    wq = tl.load(row + at[None, :, :], mask=mn[:, None, None] & mcol[None, :, :], other=0)
+    wq = wq.to(tl.float8e4nv, bitcast=True)
     sw = tl.load((W + rn.to(tl.int64)[:, None] * WS + sat[None, :]).to(tl.pointer_type(tl.float32)),
                  mask=mn[:, None] & (c * 128 < K)[None, :], other=0.0)  # [BN, CB]
     if HAS_BIAS:
