@@ -83,7 +83,8 @@
 #   `mxfp4tests retest mxfp4ab mlatune128` and the bars' sweeps (docs/performance.md). Twenty-second (594c909, an
 #   H100): `halves mxfp4tests`, mla_tune.py with whole tiles, the MXFP4 sweep (`v3wide` did not fit an H100 then: every
 #   slot held experts). Twenty-third (09f24ac and 29de6ca, H100s): `tabletests bars v3wide`, moe_tune.py at DeepSeek-V2-Lite's
-#   shapes, moe_fp8_variants.py and Nsight Compute's warp stalls of the FP8 MoE. Next, on any GPU: `fp8trail`; on an
+#   shapes, moe_fp8_variants.py and Nsight Compute's warp stalls of the FP8 MoE. Twenty-fourth (fc81c3a and 2dd9c08,
+#   H100s): `fp8trail` (since replaced by the tree's layout), `fp8rows bars`. Next, on an
 #   H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
 #   `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
