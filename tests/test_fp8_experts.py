@@ -356,6 +356,27 @@ def test_another_expert_format_is_refused(tmp_path: Any) -> None:
         LLM(model=gpt, **FP8)
 
 
+@pytest.mark.parametrize("preset,o_width", [("qwen3-30b-a3b", 32 * 128), ("deepseek-v2-lite", 16 * 128)])
+def test_fp8_rows_are_whole_where_the_layout_keeps_whole_rows(preset: str, o_width: int) -> None:
+    """At P = 2 the FP8 rows a layout keeps whole are one segment (kernels/fp8_rows.py), those it cuts by columns a
+    segment a chunk: gate|up always; o_proj whole in EP, cut by heads in TP; the routed experts' down a segment a chunk
+    in both (the switch moves TP's cuts of EP's rows as bytes). The regions' shapes are what the load writes."""
+    from moebius.config import PRESETS
+    from moebius.models.registry import family_of
+    from moebius.parallel.layout import Layout
+
+    cfg = dataclasses.replace(model_config(PRESETS[preset]), quantization="fp8")
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    for mode in ("ep", "tp"):
+        lay = Layout(cfg, mode, 0, 2)
+        specs = {s.name: s for s in family_of(cfg).weight_specs(cfg, lay, 2)}
+        o = next(s for n, s in specs.items() if n.startswith("model.layers.1.") and "o_proj" in n)
+        # (o_width: the heads' value columns, 32 of 128 and 16 of 128)
+        assert o.dtype == torch.uint8 and o.shape[1] == packed_width(o_width // lay.tp, mode == "ep"), (mode, o.shape)
+        w13, w2 = specs["model.layers.1.mlp.experts.w13"], specs["model.layers.1.mlp.experts.w2"]
+        assert w13.shape[2] == packed_width(D, True) and w2.shape[2] == packed_width(I // lay.tp), (mode, w2.shape)
+
+
 def test_the_floor_model_counts_fp8_rows_bytes() -> None:
     """Qwen3-30B-A3B's shapes with --quantization fp8: a decode step's routed-expert and attention weight bytes and a
     switch's weight bytes are the released format's, (1 + 4 / 128²) / 2 of bf16's (a byte a value and a float32 scale

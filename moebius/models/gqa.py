@@ -81,7 +81,7 @@ def attention_specs(cfg: ModelConfig, lay: Layout, p: str, *, qk_norm: bool, bia
         linear_spec(cfg, p + f"qkv.{tag}", (rows, D), qkv("weight")),
         linear_spec(cfg, p + f"o_proj.{tag}", (D, len(qh) * d), lambda f: column_block(
             f(p + "self_attn.o_proj.weight", (D, cfg.q_size)), qh.start * d, qh.stop * d),
-            columns=(cfg.q_size, lay.world_size)),
+            columns=(cfg.q_size, lay.world_size), cut=lay.tp),
     ]
     if qk_norm:
         specs += [ParamSpec(p + "q_norm", (d,), lambda f: f(p + "self_attn.q_norm.weight", (d,))),

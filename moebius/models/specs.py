@@ -236,14 +236,15 @@ def spec_view(umm: UnifiedMemory, s: ParamSpec, dtype: torch.dtype) -> torch.Ten
 
 
 def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Callable[[Fetch], torch.Tensor], *,
-                columns: tuple[int, int] = (0, 1)) -> ParamSpec:
+                columns: tuple[int, int] = (0, 1), cut: int | None = None) -> ParamSpec:
     """A dense region of Linear weights [rows, columns] (`load`: its cut of the checkpoint's `.weight` tensors, rows
     by any cut, columns by `kernels.fp8_rows.column_block`). With --quantization fp8 it holds FP8 rows (a checkpoint's
     float8 values and scales as stored) where every rank's columns are whole 128-value chunks (`columns`: the full
     column count and the equal parts some layout's ranks cut it in: o_proj's by heads in TP, down's by TP, a shared
     expert's on every rank) and no tensor it reads is one the checkpoint leaves unquantized (`quant_skip`); else in
     the dtype, in every layout alike (--quantization mxfp4 holds the routed experts alone, and so does any format with
-    --quantization-scope experts: `cfg.quantize_dense`)."""
+    --quantization-scope experts: `cfg.quantize_dense`). `cut`: the parts this region's own layout cuts the columns in
+    (by default `columns`' parts): where 1, its rows are the format's whole rows (`RowFormat.pack`)."""
     spec = ParamSpec(name, shape, load)
     full, parts = columns
     fmt = row_format(cfg.quantization)
@@ -251,7 +252,7 @@ def linear_spec(cfg: ModelConfig, name: str, shape: tuple[int, int], load: Calla
         return spec
     if cfg.quant_skip and any(n.removesuffix(".weight") in cfg.quant_skip for n in spec_reads(spec)):
         return spec
-    whole = parts == 1  # (no layout cuts its columns: its rows in the format's whole-row layout)
+    whole = (parts if cut is None else cut) == 1  # (this region's rows are not cut by columns)
     rows = rows_fetch(fmt, gate_up=False, whole=whole)
     return ParamSpec(name, (shape[0], fmt.width(shape[1], whole)), lambda f: load(rows(f)), dtype=torch.uint8)
 
@@ -330,7 +331,8 @@ def dense_mlp_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
         linear_spec(cfg, p + f"mlp.w13.tp{lay.tp_rank}of{lay.tp}", (2 * It, D), lambda f: lay.shard_w13(torch.cat(
             [f(p + "mlp.gate_proj.weight", (I, D)), f(p + "mlp.up_proj.weight", (I, D))]))),
         linear_spec(cfg, p + f"mlp.w2.tp{lay.tp_rank}of{lay.tp}", (D, It),
-                    lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I))), columns=(I, lay.world_size)),
+                    lambda f: lay.shard_w2(f(p + "mlp.down_proj.weight", (D, I))), columns=(I, lay.world_size),
+                    cut=lay.tp),
     ]
 
 

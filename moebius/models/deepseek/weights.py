@@ -56,7 +56,8 @@ def _attn_specs(cfg: ModelConfig, lay: Layout, p: str) -> list[ParamSpec]:
         # in the dtype under FP8 too: the absorbed decode folds it into the query and the output (vLLM keeps it so)
         ParamSpec(p + f"kv_b.{tag}", (len(qh) * (N + V), C), rows("kv_b_proj.weight", (H * (N + V), C))),
         linear_spec(cfg, p + f"o_proj.{tag}", (D, len(qh) * V), lambda f: column_block(
-            f(a + "o_proj.weight", (D, H * V)), qh.start * V, qh.stop * V), columns=(H * V, lay.world_size)),
+            f(a + "o_proj.weight", (D, H * V)), qh.start * V, qh.stop * V), columns=(H * V, lay.world_size),
+            cut=lay.tp),
     ]
     if L is None:
         specs.append(linear_spec(cfg, p + f"q.{tag}", (len(qh) * (N + R), D),
