@@ -171,8 +171,8 @@ def test_packing_goes_a_few_rows_at_a_time_over_any_view(monkeypatch: pytest.Mon
 def test_the_format_of_rows_is_told_by_their_width() -> None:
     w = torch.randn(4, 256)
     assert format_of(pack_rows(w), 256) is MXFP4 and format_of(fp8_rows.pack_rows(w), 256) is FP8
-    assert MXFP4.bytes_per_value == 17 / 32 and FP8.bytes_per_value == 144 / 128
-    # the floor's: the releases' own (MXFP4's are its rows'; FP8's rows repeat a block's scale on each row, and pad)
+    # the floor's bytes: the releases' own (MXFP4's are its rows'; FP8's rows repeat a block's scale on each row, and
+    # pad: 144 bytes a chunk, or 132 and the row's padding)
     assert MXFP4.release_bytes_per_value == 17 / 32 and FP8.release_bytes_per_value == 1 + 4 / 128**2
     assert format_of(fp8_rows.pack_rows(w, whole=True), 256) is FP8  # (FP8's one segment a row: 272 bytes)
     with pytest.raises(ValueError, match=r"uint8 rows of 100 bytes hold 256 columns in no quantized format \(fp8: "

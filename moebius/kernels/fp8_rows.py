@@ -40,6 +40,11 @@ def packed_width(cols: int, whole: bool = False) -> int:
     return segment_bytes(chunks) if whole else chunks * CHUNK
 
 
+def widths(cols: int) -> tuple[int, int]:
+    """The two widths FP8 rows of `cols` columns may have: a segment a chunk, one segment."""
+    return packed_width(cols), packed_width(cols, True)
+
+
 def segment_chunks(width: int, cols: int) -> int:
     """Chunks a segment of FP8 rows of `width` bytes holding `cols` columns: 1, or the row's chunks (one segment;
     a row of one chunk is the same bytes either way). ValueError for a width that is neither."""

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from moebius import kernels
 from moebius.kernels import DEFAULT_KERNELS, KernelConfig
-from moebius.kernels.fp8_rows import CHUNK, packed_width, segment_chunks
+from moebius.kernels.fp8_rows import CHUNK, packed_width, segment_chunks, widths
 from moebius.kernels.pdl import enter, pdl, release, wait
 
 # The weight formats `weight_tile` reads (a kernel's FMT constexpr; host code passes `.value`): plain values of the
@@ -274,7 +274,7 @@ def fits_fp8_rows(x_TD: torch.Tensor, w_NC: torch.Tensor, kc: KernelConfig) -> b
     on the SMs, registers full, while the kernels before still run)."""
     return (x_TD.is_cuda and 0 < x_TD.shape[0] <= MAX_ROWS and x_TD.shape[1] <= MAX_K and x_TD.stride(1) == 1
             and x_TD.dtype in (torch.bfloat16, torch.float16) and w_NC.is_contiguous()
-            and w_NC.shape[1] in (packed_width(x_TD.shape[1]), packed_width(x_TD.shape[1], True))
+            and w_NC.shape[1] in widths(x_TD.shape[1])
             and kc.release == kernels.LATE)
 
 
@@ -526,9 +526,9 @@ def linear_fp8(x_TD: torch.Tensor, w_NC: torch.Tensor, bias_N: torch.Tensor | No
     unpacked by `unpack_fp8`, the product cuBLAS's)."""
     T, K = x_TD.shape
     N = w_NC.shape[0]
-    if w_NC.shape[1] not in (packed_width(K), packed_width(K, True)) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
+    if w_NC.shape[1] not in widths(K) or not w_NC.is_contiguous() or x_TD.stride(1) != 1:
         raise ValueError(f"linear_fp8: FP8 rows {tuple(w_NC.shape)} do not hold rows of {K} columns "
-                         f"({packed_width(K)} or {packed_width(K, True)} bytes), or a tensor is not row-major")
+                         f"({' or '.join(map(str, widths(K)))} bytes), or a tensor is not row-major")
     if T > UNPACK_ROWS and not kc.fp8_activations:
         return torch.nn.functional.linear(x_TD, unpack_fp8(w_NC, K, x_TD.dtype, kc=kc), bias_N)
     out = torch.empty(T, N, dtype=x_TD.dtype, device=x_TD.device)

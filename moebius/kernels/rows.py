@@ -21,7 +21,6 @@ class RowFormat:
     title: str  # in words, for messages
     scale_rows: int  # rows one scale covers: a TP cut of [gate | up] rows keeps whole multiples
     chunk_cols: int  # columns of a chunk: a column cut (down's by TP) takes whole chunks
-    chunk_bytes: int
     experts_only: bool  # holds the routed experts alone (MXFP4, as the releases), or the dense Linear weights too
     pads: bool  # a row's last chunk zero-padded (FP8), or a row must be whole chunks (MXFP4)
     # float [..., R, C], whole -> rows quantized with their own scales; whole: rows no layout cuts by columns, which
@@ -30,7 +29,7 @@ class RowFormat:
     unpack: Callable[[torch.Tensor, int, torch.dtype], torch.Tensor]  # rows, C, dtype -> [..., R, C]
     width: Callable[[int, bool], int]  # bytes of a row of C columns (whole, as `pack`)
     # HBM bytes a value of the released format (its values and block scales): what any engine reads, the floor's
-    # (bench/floor.py); the rows' own bytes (`bytes_per_value`) add the scale repeated on each row and padding
+    # (bench/floor.py); the rows themselves add the scale repeated on each row and padding (`width`)
     release_bytes_per_value: float
 
     def rows_of(self, w: torch.Tensor, whole: bool = False) -> torch.Tensor:
@@ -40,10 +39,6 @@ class RowFormat:
         if w.is_meta:
             return torch.empty(*w.shape[:-1], self.width(w.shape[-1], whole), dtype=torch.uint8, device="meta")
         return self.pack(w, whole)
-
-    @property
-    def bytes_per_value(self) -> float:
-        return self.chunk_bytes / self.chunk_cols
 
     @property
     def tp_what(self) -> str:
@@ -56,10 +51,10 @@ class RowFormat:
         return max(self.scale_rows, self.chunk_cols)
 
 
-FP8 = RowFormat("fp8", "block FP8", fp8_rows.BLOCK[0], fp8_rows.BLOCK[1], fp8_rows.CHUNK, False, True,
+FP8 = RowFormat("fp8", "block FP8", fp8_rows.BLOCK[0], fp8_rows.BLOCK[1], False, True,
                 lambda w, whole: fp8_rows.pack_rows(w, whole=whole), fp8_rows.unpack_rows, fp8_rows.packed_width,
                 1 + 4 / (fp8_rows.BLOCK[0] * fp8_rows.BLOCK[1]))  # a float8 byte a value, a float32 a block
-MXFP4 = RowFormat("mxfp4", "MXFP4", 1, mxfp4_rows.BLOCK, mxfp4_rows.CHUNK, True, False,
+MXFP4 = RowFormat("mxfp4", "MXFP4", 1, mxfp4_rows.BLOCK, True, False,
                   lambda w, whole: mxfp4_rows.pack_rows(w), mxfp4_rows.unpack_rows,  # (one layout: 17-byte chunks)
                   lambda cols, whole: mxfp4_rows.packed_width(cols),
                   mxfp4_rows.CHUNK / mxfp4_rows.BLOCK)  # the release's own: 16 bytes of codes and a scale byte a block
