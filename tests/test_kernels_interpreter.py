@@ -209,6 +209,59 @@ def moe_fp8_cases() -> None:
         fm.unpack_fp8, (fm.UNPACK_PAIRS, fm.UNPACK_BYTES) = unpack, saved
 
 
+def moe_fp8_f16_cases() -> None:
+    """W8A16's gate/up as a GPU runs it in 16 bits: x as float16 rows times a power of two a row
+    (`linear.scaled_f16`: exact, in range for bf16 rows past float16's 65504 and for tiny ones), float16 dots on the
+    chunks' exact float8 values, the block scales on the products. Its h against float32 math on the dequantized
+    weights rounded where the kernel rounds (gate and up, silu's output, the product: test_gpu.py's `fused_act`, here
+    toward zero in bf16 as the interpreter rounds) within a last bit on either side of some elements (1e-3 in float16,
+    1e-2 in bf16), in bf16 with rows 2^20 times larger and smaller than the rest too (unscaled, float16 overflows
+    the first and rounds the second to a few bits). (The interpreter's bf16 dots, which the down GEMM's W8A16 tiles
+    take, are not run here: test_gpu.py runs the whole MoE on a GPU.)"""
+    import torch.nn.functional as F
+
+    from moebius.kernels import fused_moe as fm
+    from moebius.kernels.fp8_rows import unpack_rows
+    from moebius.kernels.linear import scaled_f16
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(5, 300, generator=g) * torch.tensor([1.0, 3e5, 1e-30, 0.0, 7e4])[:, None]).bfloat16()
+    x16, scale = scaled_f16(x)
+    amax = x16.float().abs().amax(1)
+    assert torch.equal(scale.log2().round().exp2(), scale), scale  # powers of two
+    assert list(amax >= 2 ** 14) == [True, True, True, False, True] and (amax < 2 ** 15).all(), amax
+    assert list(scale > 1) == [False, True, False, False, True] and scale[3] == 2.0 ** -126, scale
+    assert torch.equal(x16.float() * scale[:, None], x.float())
+    K = 4
+    def trunc_bf16(t: torch.Tensor) -> torch.Tensor:  # (the interpreter's float32 -> bf16: toward zero, not nearest)
+        return (t.view(torch.int32) & -65536).view(torch.float32)
+
+    for dt, tol in ((torch.float16, 1e-3), (torch.bfloat16, 1e-2)):
+        def act(gu: torch.Tensor, dt: torch.dtype = dt) -> torch.Tensor:
+            r = (lambda t: t.half().float()) if dt == torch.float16 else trunc_bf16
+            gate, up = r(gu).chunk(2, dim=-1)
+            return r(r(F.silu(gate)) * up)
+
+        for (T, E_all, E, first), (D, I) in FP8_CASES:
+            x, ids, _, w13, _ = _fp8_moe_inputs(g, T, E_all, E, D, I, K)
+            x = x.to(dt)
+            if dt == torch.bfloat16:
+                x[0] *= 2.0 ** 20
+                x[-1] *= 2.0 ** -20
+            c = fm.config_for(T * K, E, E_all // E)
+            blocks = fm.direct(ids, first, c.BM) if T * K <= fm.DIRECT_MAX_PAIRS else fm.align(ids, first, E, c.BM)
+            h = fm.gate_up(x, w13, blocks, K, c.gate_up).float()
+            w = unpack_rows(w13, D, torch.float32)
+            for pair in range(T * K):
+                e = ids.flatten()[pair].item() - first
+                if not 0 <= e < E:  # (another rank's expert: no row)
+                    continue
+                row = pair if blocks.direct else torch.nonzero(blocks.rows == pair).item()
+                want = act(x[pair // K].float() @ w[e].T)
+                err = ((h[row] - want).norm() / want.norm()).item()
+                assert torch.isfinite(h[row]).all() and err < tol, (dt, T, E, first, D, I, pair, err)
+
+
 def fp8_layouts_cases() -> None:
     """The fused MoE on FP8 rows in either layout (kernels/fp8_rows.py: one segment a row, or a segment a chunk) gives
     the same outputs bit for bit, W8A16 and W8A8: the same values read from other bytes (a wrong scale offset fails
@@ -731,6 +784,10 @@ def test_fused_experts_on_fp8_rows_under_the_interpreter() -> None:
     _run("moe_fp8")
 
 
+def test_w8a16_gate_up_in_float16_dots_under_the_interpreter() -> None:
+    _run("moe_fp8_f16")
+
+
 def test_the_fused_moe_reads_both_fp8_row_layouts_alike_under_the_interpreter() -> None:
     _run("fp8_layouts")
 
@@ -1086,7 +1143,8 @@ def _run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "fp8_layouts": fp8_layouts_cases, "moe_w8a8": moe_w8a8_cases,
+    cases = {"moe": moe_cases, "moe_fp8": moe_fp8_cases, "moe_fp8_f16": moe_fp8_f16_cases,
+             "fp8_layouts": fp8_layouts_cases, "moe_w8a8": moe_w8a8_cases,
              "moe_biased": moe_biased_cases,
              "mxfp4_tile": mxfp4_tile_cases, "moe_mxfp4": moe_mxfp4_cases,
              "attention": attention_cases,

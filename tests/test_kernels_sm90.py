@@ -52,6 +52,7 @@ WHOLE, CHUNKS = linear.FP8_WHOLE.value, linear.FP8_ROWS.value  # FP8 rows' layou
 
 # W8A8: the fused MoE's activations (x, and h between its GEMMs) as FP8 rows, gate_up's output among them
 W8A8_TYPES = {"gate_up": dict(MOE_TYPES, X="*u8", Out="*u8"), "down": dict(MOE_TYPES, H="*u8")}
+W8A16_TYPES = dict(MOE_TYPES, X="*fp16")  # (FP8 rows' gate_up in W8A16 takes x as `linear.scaled_f16` rows)
 # the projections on FP8 rows' argument types (Triton's signature strings)
 LINEAR_TYPES = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
                     stride_o="i32")
@@ -83,8 +84,9 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
             consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
         else:
             consts.update(TMA_H=False)
-        compile_sm90(fn, W8A8_TYPES[name] if a8 else MOE_TYPES, consts, c.num_warps, c.num_stages,
-                     aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
+        types = W8A8_TYPES[name] if a8 else W8A16_TYPES if fmt == "fp8" else MOE_TYPES
+        compile_sm90(fn, types, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS", "XS", "OS",
+                                                                             "HS"))
 
 
 HALF_CONFIGS = [c for _, c in fused_moe.CONFIGS + [r for t in fused_moe.SHAPE_CONFIGS.values() for r in t]
@@ -171,6 +173,25 @@ def test_w8a16_token_rows_read_the_weights_in_16_byte_copies() -> None:
             HAS_BIAS=False, BT=64, BM=64, ACT8=False, TOKEN_ROWS=True, SPLITS=1, FMT=fmt, PDL=1), 4, 4,
             aligned=("N", "K", "WS", "stride_x", "stride_o"))["ptx"])
         assert kinds == {"cp16", "cp4"}, (fmt, kinds)
+
+
+def test_w8a16_gate_up_takes_float16_dots_on_the_chunks_values() -> None:
+    """The fused MoE's gate/up on FP8 rows in W8A16 at decode's tiles (FP8_CONFIGS' 16-row blocks, 64-column tiles):
+    float16 MMAs on each chunk's float8 values, converted a pair an instruction, and the block scales on the
+    products, so nothing else a value in the K loop (the tile dequantized to bf16 as loaded took a float32 multiply
+    and three conversions a value: 667 instructions a K step against 322; docs/performance.md)."""
+    cfg = fused_moe.FP8_CONFIGS[1][1]
+    tile = cfg.gate_up
+    consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=128, TMA=False, DIRECT=False, FMT=WHOLE, ACT8=False,
+                                  BIAS=False, GB=1, HALVES=False, PDL=1, K_TOP=8, CLAMPED=False,
+                                  DT=triton.language.bfloat16)
+    asm = compile_sm90(fused_moe._gate_up_silu, W8A16_TYPES, consts, tile.num_warps, tile.num_stages,
+                       aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
+    listing = sm90.disassemble(asm["cubin"])[0]
+    loop = max(sm90.loops(listing), key=lambda c: sum(c.values()))
+    values = 2 * tile.BN * 128 // (32 * tile.num_warps)  # a thread's float8 values a K step (gate and up)
+    assert loop["F2FP"] == values // 2 and "FMUL" not in loop and "HADD2" not in loop, dict(loop.most_common(12))
+    assert set(re.findall(r"HMMA\.\S+", listing)) == {"HMMA.16816.F32"}, set(re.findall(r"HMMA\.\S+", listing))
 
 
 def global_loads(ptx: str) -> set[str]:

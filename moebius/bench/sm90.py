@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 # the fused MoE's two GEMMs' argument types (Triton's signature strings; kernels/fused_moe.py)
-FUSED_MOE_TYPES = dict(X="*bf16", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32", RouteW="*fp32",
-                       Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32", XS="i32", OS="i32",
-                       HS="i32", B13="*bf16", B2="*bf16", alpha="fp32", limit="fp32")
+FUSED_MOE_TYPES = dict(X="*bf16", XR="*fp32", H="*bf16", W13="*u8", W2="*u8", Rows="*i32", BlockExpert="*i32",
+                       RouteW="*fp32", Out="*bf16", N="i32", D="i32", I="i32", E="i32", first="i32", WS="i32",
+                       XS="i32", OS="i32", HS="i32", B13="*bf16", B2="*bf16", alpha="fp32", limit="fp32")
 
 
 def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int,

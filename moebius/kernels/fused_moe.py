@@ -27,14 +27,17 @@ from moebius.kernels.fp8_rows import BLOCK, packed_width
 from moebius.kernels.fused import silu_mul
 from moebius.kernels.linear import (
     FP8_ROWS,
+    FP8_WHOLE,
     MXFP4_ROWS,
     PLAIN,
     chunk_scales,
     chunk_values,
+    fp8_chunk_dot,
     fp8_dot,
     fp8_form,
     mx4_dot,
     quantize_rows,
+    scaled_f16,
     store_chunk,
     unpack_fp8,
     weight_tile,
@@ -315,12 +318,15 @@ def _program_tile(NB, GB: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit,
+def _gate_up_silu(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit,
                   K_TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
                   DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr, DT: tl.constexpr, BIAS: tl.constexpr,
                   CLAMPED: tl.constexpr, GB: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FMT: their
-    format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes). X [T, D] and Out [rows, I] in DT; ACT8 (FP8 rows
+    format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes). X [T, D] and Out [rows, I] in DT, but for FP8
+    rows in W8A16, where X is float16 rows times XR's powers of two a row (`linear.scaled_f16`; or float32) and
+    each K step is the chunk's exact float8 values in X's dtype, its product times the block scales
+    (`fp8_chunk_dot`); ACT8 (FP8 rows
     only, W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
     `quantize_rows`), float8 dots, and each row of this program's output tile (BN = 128: one group) quantized as
     it is stored. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
@@ -330,15 +336,15 @@ def _gate_up_silu(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
     enter(PDL)
     nb, blk = _program_tile(tl.cdiv(I, BN), GB)
     if HALVES and (tl.load(Rows + blk * BM + BM // 2) >= N):
-        _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+        _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
                       K_TOP, BM, BM // 2, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
     else:
-        _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+        _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
                       K_TOP, BM, BM, BN, BK, TMA, DIRECT, FMT, ACT8, DT, BIAS, CLAMPED)
 
 
 @triton.jit
-def _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
+def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS, B13, alpha, limit, nb, blk,
                   K_TOP: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   TMA: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr, ACT8: tl.constexpr, DT: tl.constexpr,
                   BIAS: tl.constexpr, CLAMPED: tl.constexpr):
@@ -352,30 +358,47 @@ def _gate_up_rows(X, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS, OS,
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([ROWS, BN], tl.float32)
         acc_u = tl.zeros([ROWS, BN], tl.float32)
-        for k0 in range(0, D, BK):
-            if ACT8:  # the tokens' quantized groups, one tile for both halves
-                wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                aq, sa = chunk_values(X, tok, ok, k0, D, XS, FP8_ROWS), chunk_scales(X, tok, ok, k0, D, XS, FP8_ROWS)
-                acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, D, WS, FMT), acc_g,
-                                False, FMT)
-                acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, D, WS, FMT),
-                                acc_u, False, FMT)
-            elif FMT == MXFP4_ROWS:
-                wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                acc_g = mx4_dot(X, tok, ok, D, wbase, n, nm, k0, D, WS, acc_g, BK)
-                acc_u = mx4_dot(X, tok, ok, D, wbase, I + n, nm, k0, D, WS, acc_u, BK)
-            else:
-                km = k0 + kk < D
-                a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
-                if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
-                    g = W13.load([e * 2 * I + nb * BN, k0])
-                    u = W13.load([e * 2 * I + I + nb * BN, k0])
-                else:
+        W8A16: tl.constexpr = (FMT == FP8_ROWS or FMT == FP8_WHOLE) and not ACT8
+        if W8A16:  # float16 (or float32) dots on the chunks' exact values, the scales a chunk ahead
+            wbase = W13 + e.to(tl.int64) * 2 * I * WS
+            sg, su = chunk_scales(wbase, n, nm, 0, D, WS, FMT), chunk_scales(wbase, I + n, nm, 0, D, WS, FMT)
+            for k0 in range(0, D, BK):
+                kn = tl.minimum(k0 + BK, D - 1)  # (past the last chunk: the last)
+                sg_n, su_n = chunk_scales(wbase, n, nm, kn, D, WS, FMT), chunk_scales(wbase, I + n, nm, kn, D, WS, FMT)
+                a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & (k0 + kk < D)[None, :],
+                            other=0.0)
+                acc_g = fp8_chunk_dot(a, wbase, n, nm, k0, D, WS, sg, acc_g, FMT)
+                acc_u = fp8_chunk_dot(a, wbase, I + n, nm, k0, D, WS, su, acc_u, FMT)
+                sg, su = sg_n, su_n
+            if X.dtype.element_ty == tl.float16:  # the rows' powers of two (`scaled_f16`)
+                r = tl.load(XR + tok, mask=ok, other=1.0)[:, None]
+                acc_g, acc_u = acc_g * r, acc_u * r
+        else:
+            for k0 in range(0, D, BK):
+                if ACT8:  # the tokens' quantized groups, one tile for both halves
                     wbase = W13 + e.to(tl.int64) * 2 * I * WS
-                    g = weight_tile(wbase, n, nm, k0, D, WS, BK, FMT, DT)
-                    u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FMT, DT)
-                acc_g = tl.dot(a, tl.trans(g), acc_g)
-                acc_u = tl.dot(a, tl.trans(u), acc_u)
+                    aq = chunk_values(X, tok, ok, k0, D, XS, FP8_ROWS)
+                    sa = chunk_scales(X, tok, ok, k0, D, XS, FP8_ROWS)
+                    acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, D, WS, FMT), acc_g,
+                                    False, FMT)
+                    acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, D, WS, FMT),
+                                    acc_u, False, FMT)
+                elif FMT == MXFP4_ROWS:
+                    wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                    acc_g = mx4_dot(X, tok, ok, D, wbase, n, nm, k0, D, WS, acc_g, BK)
+                    acc_u = mx4_dot(X, tok, ok, D, wbase, I + n, nm, k0, D, WS, acc_u, BK)
+                else:
+                    km = k0 + kk < D
+                    a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :], other=0.0)
+                    if TMA:  # rows past this expert's gate (or up) half only reach masked-off columns
+                        g = W13.load([e * 2 * I + nb * BN, k0])
+                        u = W13.load([e * 2 * I + I + nb * BN, k0])
+                    else:
+                        wbase = W13 + e.to(tl.int64) * 2 * I * WS
+                        g = weight_tile(wbase, n, nm, k0, D, WS, BK, FMT, DT)
+                        u = weight_tile(wbase, I + n, nm, k0, D, WS, BK, FMT, DT)
+                    acc_g = tl.dot(a, tl.trans(g), acc_g)
+                    acc_u = tl.dot(a, tl.trans(u), acc_u)
         if BIAS:
             bb = B13 + e.to(tl.int64) * 2 * I
             acc_g += tl.load(bb + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -544,7 +567,8 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
             clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """h [rows, I] of the blocks' pairs. clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED);
     None: silu(gate) * up. FP8 rows in W8A8 (kc.fp8_activations): x quantized once (`linear.quantize_rows`), and h
-    returned as FP8 rows of I columns, quantized as stored (`down` takes them with cols=I)."""
+    returned as FP8 rows of I columns, quantized as stored (`down` takes them with cols=I); in W8A16 a 16-bit x as
+    float16 rows and a power of two a row (`linear.scaled_f16`), for the dots on the chunks' exact values."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
     c, fmt, act8 = _row_tiles(c, w13_EFD, D, kc)
@@ -552,13 +576,17 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
         c = replace(c, BN=BLOCK[1])  # an output tile's row is one quantization group of h
         x = quantize_rows(x_TD, kc=kc)
         h = torch.empty(blocks.num_rows, packed_width(I), dtype=torch.uint8, device=x_TD.device)
+        xr = x_TD
+    elif fmt in (FP8_ROWS.value, FP8_WHOLE.value) and x_TD.dtype != torch.float32:  # W8A16: float16 dots
+        x, xr = scaled_f16(x_TD, kc=kc)
+        h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     else:
-        x = x_TD
+        x = xr = x_TD
         h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     tma = _use_tma(c, w13_EFD)
     w = _descriptor(w13_EFD.view(E * F, D), [c.BN, c.BK]) if tma else w13_EFD
     _gate_up_silu[(triton.cdiv(I, c.BN) * blocks.max_blocks,)](
-        x, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E, blocks.first_expert, WS, x.stride(0),
+        x, xr, w, blocks.rows, blocks.table, h, x_TD.shape[0] * K, D, I, E, blocks.first_expert, WS, x.stride(0),
         h.stride(0), x_TD if b13_EF is None else b13_EF, *(clamp or (1.0, 0.0)), K_TOP=K, BM=blocks.BM, BN=c.BN,
         BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, DT=_TL[x_TD.dtype], BIAS=b13_EF is not None,
         CLAMPED=clamp is not None, GB=c.group, HALVES=_halves(c, blocks), num_warps=c.num_warps,

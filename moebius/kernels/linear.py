@@ -76,6 +76,17 @@ def chunk_scales(W, rows, rm, k0, K, WS, FMT: tl.constexpr):
 
 
 @triton.jit
+def fp8_chunk_dot(a, W, rows, rm, k0, K, WS, sw, acc, FMT: tl.constexpr):
+    """acc plus W8A16's product of an activation tile a [BM, 128] (float16 rows of `scaled_f16`, or float32) and the
+    chunk at column k0 of FP8 rows `rows` (mask rm) in layout FMT, [BM, rows]: the chunk's float8 values exactly in
+    a's dtype (each float8 value is a float16 one: a conversion a pair of values, no per-value scaling), the block
+    scales sw (its `chunk_scales`, which a caller loads a chunk ahead) on the float32 product. Half the instructions
+    a value of a tile dequantized to bf16 as loaded (docs/performance.md, "W8A16 in float16 dots")."""
+    w = chunk_values(W, rows, rm, k0, K, WS, FMT).to(a.dtype)
+    return acc + tl.dot(a, tl.trans(w)) * sw[None, :]
+
+
+@triton.jit
 def e2m1_f16(q):
     """float16 values of e2m1 codes q (int32, low 4 bits: sign bit 3, exponent bits 2..1, mantissa bit 0) times
     2^-14, exact: the code's bits in float16's places (exponent e, mantissa bit on top) make 2^(e - 15) * (1 + m / 2)
@@ -210,6 +221,34 @@ def _quantize_rows(X, Out, T, K, stride_x, WS, BR: tl.constexpr, PDL: tl.constex
     x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + (k0 + kk)[None, :],
                 mask=rm[:, None] & (k0 + kk < K)[None, :], other=0.0)
     store_chunk(Out, rows, rm, tl.program_id(1), WS, x)
+
+
+@triton.jit
+def _scaled_f16(X, Out, Scale, K, stride_x, BK: tl.constexpr, PDL: tl.constexpr):
+    """Out[t] = X[t] / Scale[t] in float16 for this program's row t: Scale[t] the power of two that brings the row's
+    largest magnitude into [2^14, 2^15), from its float32 exponent bits (exact: a bf16 value's 8 mantissa bits fit
+    float16's 11, and a power of two only moves the exponent)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BK)
+    x = tl.load(X + t * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+    e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2^(e - 126)
+    s = tl.minimum(tl.maximum(e - 141, -126), 126)  # amax / 2^s in [2^14, 2^15) (a row of zeros: 2^-126)
+    tl.store(Scale + t, ((s + 127) << 23).to(tl.float32, bitcast=True))
+    tl.store(Out + t * K + kk, (x * ((127 - s) << 23).to(tl.float32, bitcast=True)).to(tl.float16), mask=kk < K)
+
+
+def scaled_f16(x_TD: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (bf16 or float16) as float16 rows [T, K] and a float32 power of two a row [T] (`_scaled_f16`): x_t =
+    out_t * scale_t, exactly (values under 2^-31 of their row's largest aside, which float16's subnormals round), so
+    W8A16's dots can take float16 operands (`fp8_chunk_dot`) whatever the activations' range. One launch."""
+    T, K = x_TD.shape
+    out = torch.empty(T, K, dtype=torch.float16, device=x_TD.device)
+    scale = torch.empty(T, dtype=torch.float32, device=x_TD.device)
+    if T:
+        _scaled_f16[(T,)](x_TD, out, scale, K, x_TD.stride(0), BK=triton.next_power_of_2(K), num_warps=4,
+                          **pdl(x_TD, kc))
+    return out, scale
 
 
 def quantize_rows(x_TD: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
