@@ -216,13 +216,15 @@ def moe_fp8_f16_cases() -> None:
     weights rounded where the kernel rounds (gate and up, silu's output, the product: test_gpu.py's `fused_act`, here
     toward zero in bf16 as the interpreter rounds) within a last bit on either side of some elements (1e-3 in float16,
     1e-2 in bf16), in bf16 with rows 2^20 times larger and smaller than the rest too (unscaled, float16 overflows
-    the first and rounds the second to a few bits). (The interpreter's bf16 dots, which the down GEMM's W8A16 tiles
-    take, are not run here: test_gpu.py runs the whole MoE on a GPU.)"""
+    the first and rounds the second to a few bits); and the whole MoE, down's float16 dots on h tiles scaled a row a
+    K step, against float32 math within 20 times that (its roundings of h and of the output on top). On a GPU:
+    test_gpu.py."""
     import torch.nn.functional as F
 
     from moebius.kernels import fused_moe as fm
     from moebius.kernels.fp8_rows import unpack_rows
     from moebius.kernels.linear import scaled_f16
+    from moebius.layers.moe import experts_ref
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(5, 300, generator=g) * torch.tensor([1.0, 3e5, 1e-30, 0.0, 7e4])[:, None]).bfloat16()
@@ -243,7 +245,7 @@ def moe_fp8_f16_cases() -> None:
             return r(r(F.silu(gate)) * up)
 
         for (T, E_all, E, first), (D, I) in FP8_CASES:
-            x, ids, _, w13, _ = _fp8_moe_inputs(g, T, E_all, E, D, I, K)
+            x, ids, wk, w13, w2 = _fp8_moe_inputs(g, T, E_all, E, D, I, K)
             x = x.to(dt)
             if dt == torch.bfloat16:
                 x[0] *= 2.0 ** 20
@@ -260,6 +262,12 @@ def moe_fp8_f16_cases() -> None:
                 want = act(x[pair // K].float() @ w[e].T)
                 err = ((h[row] - want).norm() / want.norm()).item()
                 assert torch.isfinite(h[row]).all() and err < tol, (dt, T, E, first, D, I, pair, err)
+            # the whole MoE: down's float16 dots on each K step's h tile scaled by a power of two a row (`f16_rows`)
+            out = fm.fused_experts(x, wk.to(dt), ids, w13, w2, first, E_all).float()
+            ref = experts_ref(x.float(), wk, ids, w13, w2, first)
+            hit = ref.norm(dim=1) > 0  # (tokens with a local expert)
+            err = ((out - ref).norm(dim=1)[hit] / ref.norm(dim=1)[hit]).max().item()
+            assert torch.isfinite(out).all() and err < 20 * tol, (dt, T, E, first, D, I, err)
 
 
 def fp8_layouts_cases() -> None:

@@ -32,7 +32,8 @@ from moebius.kernels.linear import (
     PLAIN,
     chunk_scales,
     chunk_values,
-    fp8_chunk_dot,
+    f16_rows,
+    fp8_chunk_product,
     fp8_dot,
     fp8_form,
     mx4_dot,
@@ -326,7 +327,7 @@ def _gate_up_silu(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
     format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes). X [T, D] and Out [rows, I] in DT, but for FP8
     rows in W8A16, where X is float16 rows times XR's powers of two a row (`linear.scaled_f16`; or float32) and
     each K step is the chunk's exact float8 values in X's dtype, its product times the block scales
-    (`fp8_chunk_dot`); ACT8 (FP8 rows
+    (`fp8_chunk_product`); ACT8 (FP8 rows
     only, W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
     `quantize_rows`), float8 dots, and each row of this program's output tile (BN = 128: one group) quantized as
     it is stored. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
@@ -367,8 +368,8 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
                 sg_n, su_n = chunk_scales(wbase, n, nm, kn, D, WS, FMT), chunk_scales(wbase, I + n, nm, kn, D, WS, FMT)
                 a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & (k0 + kk < D)[None, :],
                             other=0.0)
-                acc_g = fp8_chunk_dot(a, wbase, n, nm, k0, D, WS, sg, acc_g, FMT)
-                acc_u = fp8_chunk_dot(a, wbase, I + n, nm, k0, D, WS, su, acc_u, FMT)
+                acc_g += fp8_chunk_product(a, wbase, n, nm, k0, D, WS, sg, FMT)
+                acc_u += fp8_chunk_product(a, wbase, I + n, nm, k0, D, WS, su, FMT)
                 sg, su = sg_n, su_n
             if X.dtype.element_ty == tl.float16:  # the rows' powers of two (`scaled_f16`)
                 r = tl.load(XR + tok, mask=ok, other=1.0)[:, None]
@@ -448,26 +449,41 @@ def _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS,
         nm = n < D
         kk = tl.arange(0, BK)
         acc = tl.zeros([ROWS, BN], tl.float32)
-        for k0 in range(0, I, BK):
-            if TMA_H:  # padding rows of H hold garbage: their results are never stored
-                a = H.load([blk * BM, k0])
-            elif FMT != MXFP4_ROWS and not ACT8:
-                km = k0 + kk < I
-                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
-                            other=0.0)
-            if TMA:
-                b = W2.load([e * D + nb * BN, k0])
-            elif FMT == MXFP4_ROWS:
-                acc = mx4_dot(H, rows, ok, I, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc, BK)
-            elif not ACT8:
-                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, a.dtype)
-            if ACT8:
-                aq, sa = chunk_values(H, rows, ok, k0, I, HS, FP8_ROWS), chunk_scales(H, rows, ok, k0, I, HS, FP8_ROWS)
-                w2base = W2 + e.to(tl.int64) * D * WS
-                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, I, WS, FMT), acc,
-                              False, FMT)
-            elif FMT != MXFP4_ROWS:
-                acc = tl.dot(a, tl.trans(b), acc)
+        if (FMT == FP8_ROWS or FMT == FP8_WHOLE) and not ACT8:  # W8A16: float16 dots, as `_gate_up_silu`'s, on each
+            w2base = W2 + e.to(tl.int64) * D * WS  # K step's h tile scaled by a power of two a row (`f16_rows`)
+            sw = chunk_scales(w2base, n, nm, 0, I, WS, FMT)
+            for k0 in range(0, I, BK):
+                sw_n = chunk_scales(w2base, n, nm, tl.minimum(k0 + BK, I - 1), I, WS, FMT)  # (a chunk ahead)
+                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :],
+                            mask=ok[:, None] & (k0 + kk < I)[None, :], other=0.0)
+                if H.dtype.element_ty == tl.float32:
+                    acc += fp8_chunk_product(a, w2base, n, nm, k0, I, WS, sw, FMT)
+                else:
+                    a16, sa = f16_rows(a.to(tl.float32))
+                    acc += fp8_chunk_product(a16, w2base, n, nm, k0, I, WS, sw, FMT) * sa[:, None]
+                sw = sw_n
+        else:
+            for k0 in range(0, I, BK):
+                if TMA_H:  # padding rows of H hold garbage: their results are never stored
+                    a = H.load([blk * BM, k0])
+                elif FMT != MXFP4_ROWS and not ACT8:
+                    km = k0 + kk < I
+                    a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
+                                other=0.0)
+                if TMA:
+                    b = W2.load([e * D + nb * BN, k0])
+                elif FMT == MXFP4_ROWS:
+                    acc = mx4_dot(H, rows, ok, I, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc, BK)
+                elif not ACT8:
+                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, a.dtype)
+                if ACT8:
+                    aq = chunk_values(H, rows, ok, k0, I, HS, FP8_ROWS)
+                    sa = chunk_scales(H, rows, ok, k0, I, HS, FP8_ROWS)
+                    w2base = W2 + e.to(tl.int64) * D * WS
+                    acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, I, WS, FMT), acc,
+                                  False, FMT)
+                elif FMT != MXFP4_ROWS:
+                    acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
             acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)
