@@ -12,9 +12,9 @@
 And FP8 rows (--quantization fp8, kernels/fp8_rows.py) at any row count (`linear_fp8`): the same tensor-core tiles,
 so a projection reads its FP8 bytes once instead of a bf16 copy made for each call; one or two rows in the LATE order
 as the first kernel does, weight rows in registers before the wait (`linear_fp8_rows`). By default each weight tile is
-dequantized in registers as it is loaded (W8A16: `weight_tile`; the fused MoE's gate/up instead takes each chunk's
-float8 values as float16 against x in float16 rows times a power of two, the block scales on the products:
-`scaled_f16`, `fp8_chunk_product`); with kc.fp8_activations each 128-column group of a
+dequantized in registers as it is loaded (W8A16: `weight_tile`; the fused MoE instead takes each chunk's float8
+values as float16 against activations in float16 rows times a power of two a row, the block scales on the
+products: `scaled_f16` / `f16_rows`, `fp8_chunk_product`); with kc.fp8_activations each 128-column group of a
 row's activations is quantized to float8 with a scale of its own and the tensor cores take float8 on both sides
 (W8A8: `quantize_act`, `fp8_dot`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
 (--quantization mxfp4, kernels/mxfp4_rows.py) through `mx4_dot` (W4A16: decode's codes in two dots a chunk, a
