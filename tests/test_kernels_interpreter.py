@@ -216,9 +216,9 @@ def moe_fp8_f16_cases() -> None:
     weights rounded where the kernel rounds (gate and up, silu's output, the product: test_gpu.py's `fused_act`, here
     toward zero in bf16 as the interpreter rounds) within a last bit on either side of some elements (1e-3 in float16,
     1e-2 in bf16), in bf16 with rows 2^20 times larger and smaller than the rest too (unscaled, float16 overflows
-    the first and rounds the second to a few bits); and the whole MoE, down's float16 dots on h tiles scaled a row a
-    K step, against float32 math within 20 times that (its roundings of h and of the output on top). On a GPU:
-    test_gpu.py."""
+    the first and rounds the second to a few bits); and in float16 the whole MoE against float32 math within 20 times
+    that (its roundings of h and of the output on top). The interpreter's bf16 dots, which down's W8A16 tiles take in
+    bf16, are not exact (test_gpu.py runs the whole MoE in bf16 on a GPU)."""
     import torch.nn.functional as F
 
     from moebius.kernels import fused_moe as fm
@@ -262,8 +262,9 @@ def moe_fp8_f16_cases() -> None:
                 want = act(x[pair // K].float() @ w[e].T)
                 err = ((h[row] - want).norm() / want.norm()).item()
                 assert torch.isfinite(h[row]).all() and err < tol, (dt, T, E, first, D, I, pair, err)
-            # the whole MoE: down's float16 dots on each K step's h tile scaled by a power of two a row (`f16_rows`)
-            out = fm.fused_experts(x, wk.to(dt), ids, w13, w2, first, E_all).float()
+            if dt == torch.bfloat16:  # (down's W8A16 tiles, dequantized to bf16, take bf16 dots: not the interpreter's)
+                continue
+            out = fm.fused_experts(x, wk.to(dt), ids, w13, w2, first, E_all).float()  # the whole MoE
             ref = experts_ref(x.float(), wk, ids, w13, w2, first)
             hit = ref.norm(dim=1) > 0  # (tokens with a local expert)
             err = ((out - ref).norm(dim=1)[hit] / ref.norm(dim=1)[hit]).max().item()

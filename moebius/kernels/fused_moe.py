@@ -32,7 +32,6 @@ from moebius.kernels.linear import (
     PLAIN,
     chunk_scales,
     chunk_values,
-    f16_rows,
     fp8_chunk_product,
     fp8_dot,
     fp8_form,
@@ -449,41 +448,27 @@ def _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS,
         nm = n < D
         kk = tl.arange(0, BK)
         acc = tl.zeros([ROWS, BN], tl.float32)
-        if (FMT == FP8_ROWS or FMT == FP8_WHOLE) and not ACT8:  # W8A16: float16 dots, as `_gate_up_silu`'s, on each
-            w2base = W2 + e.to(tl.int64) * D * WS  # K step's h tile scaled by a power of two a row (`f16_rows`)
-            sw = chunk_scales(w2base, n, nm, 0, I, WS, FMT)
-            for k0 in range(0, I, BK):
-                sw_n = chunk_scales(w2base, n, nm, tl.minimum(k0 + BK, I - 1), I, WS, FMT)  # (a chunk ahead)
-                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :],
-                            mask=ok[:, None] & (k0 + kk < I)[None, :], other=0.0)
-                if H.dtype.element_ty == tl.float32:
-                    acc += fp8_chunk_product(a, w2base, n, nm, k0, I, WS, sw, FMT)
-                else:
-                    a16, sa = f16_rows(a.to(tl.float32))
-                    acc += fp8_chunk_product(a16, w2base, n, nm, k0, I, WS, sw, FMT) * sa[:, None]
-                sw = sw_n
-        else:
-            for k0 in range(0, I, BK):
-                if TMA_H:  # padding rows of H hold garbage: their results are never stored
-                    a = H.load([blk * BM, k0])
-                elif FMT != MXFP4_ROWS and not ACT8:
-                    km = k0 + kk < I
-                    a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
-                                other=0.0)
-                if TMA:
-                    b = W2.load([e * D + nb * BN, k0])
-                elif FMT == MXFP4_ROWS:
-                    acc = mx4_dot(H, rows, ok, I, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc, BK)
-                elif not ACT8:
-                    b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, a.dtype)
-                if ACT8:
-                    aq = chunk_values(H, rows, ok, k0, I, HS, FP8_ROWS)
-                    sa = chunk_scales(H, rows, ok, k0, I, HS, FP8_ROWS)
-                    w2base = W2 + e.to(tl.int64) * D * WS
-                    acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, I, WS, FMT), acc,
-                                  False, FMT)
-                elif FMT != MXFP4_ROWS:
-                    acc = tl.dot(a, tl.trans(b), acc)
+        for k0 in range(0, I, BK):
+            if TMA_H:  # padding rows of H hold garbage: their results are never stored
+                a = H.load([blk * BM, k0])
+            elif FMT != MXFP4_ROWS and not ACT8:
+                km = k0 + kk < I
+                a = tl.load(H + rows.to(tl.int64)[:, None] * I + (k0 + kk)[None, :], mask=ok[:, None] & km[None, :],
+                            other=0.0)
+            if TMA:
+                b = W2.load([e * D + nb * BN, k0])
+            elif FMT == MXFP4_ROWS:
+                acc = mx4_dot(H, rows, ok, I, W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, acc, BK)
+            elif not ACT8:
+                b = weight_tile(W2 + e.to(tl.int64) * D * WS, n, nm, k0, I, WS, BK, FMT, a.dtype)
+            if ACT8:
+                aq = chunk_values(H, rows, ok, k0, I, HS, FP8_ROWS)
+                sa = chunk_scales(H, rows, ok, k0, I, HS, FP8_ROWS)
+                w2base = W2 + e.to(tl.int64) * D * WS
+                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, I, WS, FMT), acc,
+                              False, FMT)
+            elif FMT != MXFP4_ROWS:
+                acc = tl.dot(a, tl.trans(b), acc)
         if BIAS:
             acc += tl.load(B2 + e.to(tl.int64) * D + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         w = tl.load(RouteW + tl.where(ok, pair, 0), mask=ok, other=0.0).to(tl.float32)

@@ -12,9 +12,9 @@
 And FP8 rows (--quantization fp8, kernels/fp8_rows.py) at any row count (`linear_fp8`): the same tensor-core tiles,
 so a projection reads its FP8 bytes once instead of a bf16 copy made for each call; one or two rows in the LATE order
 as the first kernel does, weight rows in registers before the wait (`linear_fp8_rows`). By default each weight tile is
-dequantized in registers as it is loaded (W8A16: `weight_tile`; the fused MoE instead takes each chunk's float8
-values as float16 against activations in float16 rows times a power of two a row, the block scales on the
-products: `scaled_f16` / `f16_rows`, `fp8_chunk_product`); with kc.fp8_activations each 128-column group of a
+dequantized in registers as it is loaded (W8A16: `weight_tile`; the fused MoE's gate/up instead takes each chunk's
+float8 values as float16 against x in float16 rows times a power of two a row, the block scales on the products:
+`scaled_f16`, `fp8_chunk_product`); with kc.fp8_activations each 128-column group of a
 row's activations is quantized to float8 with a scale of its own and the tensor cores take float8 on both sides
 (W8A8: `quantize_act`, `fp8_dot`). The fused MoE reads its experts through the same helpers, and MXFP4 rows
 (--quantization mxfp4, kernels/mxfp4_rows.py) through `mx4_dot` (W4A16: decode's codes in two dots a chunk, a
@@ -79,24 +79,12 @@ def chunk_scales(W, rows, rm, k0, K, WS, FMT: tl.constexpr):
 
 @triton.jit
 def fp8_chunk_product(a, W, rows, rm, k0, K, WS, sw, FMT: tl.constexpr):
-    """W8A16's product [BM, rows] of an activation tile a [BM, 128] (float16, as `f16_rows` scales rows, or float32)
+    """W8A16's product [BM, rows] of an activation tile a [BM, 128] (float16 rows of `scaled_f16`, or float32)
     and the chunk at column k0 of FP8 rows `rows` (mask rm) of WS bytes in layout FMT: the chunk's float8 values
     exactly in a's dtype (every float8 value is a float16 one: a conversion a pair of values, nothing else a value),
     the block scales sw (its `chunk_scales`, which a caller loads a chunk ahead) on the float32 product. Half the
     instructions a value of a tile dequantized to bf16 as loaded (docs/performance.md)."""
     return tl.dot(a, tl.trans(chunk_values(W, rows, rm, k0, K, WS, FMT).to(a.dtype))) * sw[None, :]
-
-
-@triton.jit
-def f16_rows(x):
-    """x [R, C] (float32 of bf16 or float16 values) as float16 rows [R, C] and a power of two a row [R], x = rows *
-    scale: the scale brings each row's largest magnitude into [2^14, 2^15) (from its float32 exponent bits; a row of
-    zeros 2^-126), so the conversion is exact (a bf16 value's 8 mantissa bits fit float16's 11; values under 2^-31 of
-    their row's largest aside, which float16's subnormals round) whatever the row's range."""
-    e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2^(e - 126)
-    s = tl.minimum(tl.maximum(e - 141, -126), 126)
-    rows = (x * ((127 - s) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
-    return rows, ((s + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -238,20 +226,23 @@ def _quantize_rows(X, Out, T, K, stride_x, WS, BR: tl.constexpr, PDL: tl.constex
 
 @triton.jit
 def _scaled_f16(X, Out, Scale, K, stride_x, BK: tl.constexpr, PDL: tl.constexpr):
-    """Out[t], Scale[t] = `f16_rows` of X's row t, this program's."""
+    """Out[t] = X[t] / Scale[t] in float16 for this program's row t: Scale[t] the power of two that brings the row's
+    largest magnitude into [2^14, 2^15), from its float32 exponent bits (exact: a bf16 value's 8 mantissa bits fit
+    float16's 11, and a power of two only moves the exponent)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BK)
-    x = tl.load(X + t * stride_x + kk[None, :], mask=(kk < K)[None, :], other=0.0).to(tl.float32)
-    rows, scale = f16_rows(x)
-    tl.store(Scale + t + tl.arange(0, 1), scale)
-    tl.store(Out + t * K + kk[None, :], rows, mask=(kk < K)[None, :])
+    x = tl.load(X + t * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+    e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2^(e - 126)
+    s = tl.minimum(tl.maximum(e - 141, -126), 126)  # amax / 2^s in [2^14, 2^15) (a row of zeros: 2^-126)
+    tl.store(Scale + t, ((s + 127) << 23).to(tl.float32, bitcast=True))
+    tl.store(Out + t * K + kk, (x * ((127 - s) << 23).to(tl.float32, bitcast=True)).to(tl.float16), mask=kk < K)
 
 
 def scaled_f16(x_TD: torch.Tensor, *, kc: KernelConfig = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (bf16 or float16) as float16 rows [T, K] and a float32 power of two a row [T] (`f16_rows`): x_t =
-    out_t * scale_t, so that W8A16's dots take float16 operands (`fp8_chunk_product`) whatever the activations'
-    range. One launch."""
+    """x [T, K] (bf16 or float16) as float16 rows [T, K] and a float32 power of two a row [T] (`_scaled_f16`): x_t =
+    out_t * scale_t, exactly (values under 2^-31 of their row's largest aside, which float16's subnormals round), so
+    W8A16's dots can take float16 operands (`fp8_chunk_product`) whatever the activations' range. One launch."""
     T, K = x_TD.shape
     out = torch.empty(T, K, dtype=torch.float16, device=x_TD.device)
     scale = torch.empty(T, dtype=torch.float32, device=x_TD.device)
