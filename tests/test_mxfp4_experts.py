@@ -446,7 +446,7 @@ def test_gpt_oss_120b_fits_one_gpu_in_mxfp4() -> None:
 @pytest.mark.gpu
 def test_mxfp4_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[str], str]) -> None:
     """On a GPU in bf16 (benchmarks/families_device_run.sh's `mxfp4tests` step): the fused
-    MoE on MXFP4 rows, through decode graphs and eager steps in both layouts, against the engine on transformers'
-    dequantization of the same release (the same bf16 weight values, W4A16; the kernels' K steps differ, so nearly
-    every token, not all)."""
+    MoE on MXFP4 rows, through prompt and decode steps in both layouts, against the engine on transformers'
+    dequantization of the same release position by position (`gpu_quantized_agreement`; the same bf16 weight values,
+    W4A16; the kernels' K steps differ, so nearly every position, not all)."""
     gpu_quantized_agreement(ckpt("mx"), ckpt("deq"), "mxfp4", PROMPTS[:4], N_OUT)
