@@ -218,7 +218,9 @@ def moe_fp8_f16_cases() -> None:
     1e-2 in bf16), in bf16 with rows 2^20 times larger and smaller than the rest too (unscaled, float16 overflows
     the first and rounds the second to a few bits); and in float16 the whole MoE against float32 math within 20 times
     that (its roundings of h and of the output on top). The interpreter's bf16 dots, which down's W8A16 tiles take in
-    bf16, are not exact (test_gpu.py runs the whole MoE in bf16 on a GPU)."""
+    bf16, are not exact (test_gpu.py runs the whole MoE in bf16 on a GPU). Blocks past decode's
+    (`CHUNK_DOTS_MAX_BM`: the 300-token case's 128 rows) take the tile dequantized to x's own dtype, no float16 rows
+    (checked in float16, each weight rounded there as the reference rounds it)."""
     import torch.nn.functional as F
 
     from moebius.kernels import fused_moe as fm
@@ -251,9 +253,19 @@ def moe_fp8_f16_cases() -> None:
                 x[0] *= 2.0 ** 20
                 x[-1] *= 2.0 ** -20
             c = fm.config_for(T * K, E, E_all // E)
+            if dt == torch.bfloat16 and c.BM > fm.CHUNK_DOTS_MAX_BM:  # (bf16 tiles take the interpreter's bf16 dots)
+                continue
             blocks = fm.direct(ids, first, c.BM) if T * K <= fm.DIRECT_MAX_PAIRS else fm.align(ids, first, E, c.BM)
-            h = fm.gate_up(x, w13, blocks, K, c.gate_up).float()
+            calls: list[torch.Tensor] = []
+            fm.scaled_f16 = lambda x, calls=calls, **kw: calls.append(x) or scaled_f16(x, **kw)
+            try:
+                h = fm.gate_up(x, w13, blocks, K, c.gate_up).float()
+            finally:
+                fm.scaled_f16 = scaled_f16
+            assert len(calls) == (c.BM <= fm.CHUNK_DOTS_MAX_BM), (T, c.BM, len(calls))
             w = unpack_rows(w13, D, torch.float32)
+            if c.BM > fm.CHUNK_DOTS_MAX_BM:  # (the dequantized tile: each weight rounded to x's float16)
+                w = w.half().float()
             for pair in range(T * K):
                 e = ids.flatten()[pair].item() - first
                 if not 0 <= e < E:  # (another rank's expert: no row)

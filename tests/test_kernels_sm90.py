@@ -194,6 +194,26 @@ def test_w8a16_gate_up_takes_float16_dots_on_the_chunks_values() -> None:
     assert set(re.findall(r"HMMA\.\S+", listing)) == {"HMMA.16816.F32"}, set(re.findall(r"HMMA\.\S+", listing))
 
 
+@pytest.mark.parametrize("entry", [i for i, (_, c) in enumerate(fused_moe.FP8_CONFIGS)
+                                   if c.BM > fused_moe.CHUNK_DOTS_MAX_BM])
+def test_w8a16_gate_up_dequantizes_the_tile_in_prompt_blocks(entry: int) -> None:
+    """FP8_CONFIGS' 64- and 128-row blocks (prompt sizes): gate/up dequantizes each weight tile to bf16 once for all
+    the block's rows and takes bf16 warpgroup MMAs into its two accumulators. A float32 product a chunk beside them
+    (decode's float16 dots) needs registers they do not leave: 168 and 1488 bytes of stack spilled (24 on this
+    form's 128-row blocks, none on 64)."""
+    cfg = fused_moe.FP8_CONFIGS[entry][1]
+    tile = cfg.gate_up
+    consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=128, TMA=False, DIRECT=False, FMT=WHOLE, ACT8=False,
+                                  BIAS=False, GB=1, HALVES=False, PDL=1, K_TOP=8, CLAMPED=False,
+                                  DT=triton.language.bfloat16)
+    asm = compile_sm90(fused_moe._gate_up_silu, MOE_TYPES, consts, tile.num_warps, tile.num_stages,
+                       aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
+    listing, resources = sm90.disassemble(asm["cubin"])
+    assert {m.split(".")[-1] for m in re.findall(r"HGMMA\.\S+", listing)} == {"BF16"}, listing[:200]
+    assert "HMMA" not in listing
+    assert int(re.search(r"STACK:(\d+)", resources).group(1)) <= 32, resources
+
+
 def global_loads(ptx: str) -> set[str]:
     """The kinds of global memory reads in a kernel's PTX: `ld.global.b8`-style loads by width, and the asynchronous
     copies into shared memory (`cp.async.ca` of 4 or 8 bytes, `cp.async.cg` of 16) by their byte count."""

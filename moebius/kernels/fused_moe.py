@@ -118,6 +118,13 @@ def _use_tma(c: TileConfig, *tensors: torch.Tensor) -> bool:
 # Up to this many pairs the GEMMs take one pair per block, unsorted (`direct`): no align launch
 DIRECT_MAX_PAIRS = 32
 
+# W8A16's gate/up takes float16 dots on each chunk's float8 values, the block scales on the products
+# (`fp8_chunk_product`), in blocks of up to this many rows (decode's); larger blocks dequantize the weight tile
+# once for all their rows, where a product a chunk beside the two accumulators spills (compiled for sm_90: 1488 bytes
+# of stack at 128-row blocks; tests/test_kernels_sm90.py)
+CHUNK_DOTS_MAX_BM = 32
+_CHUNK_DOTS_MAX_BM = tl.constexpr(CHUNK_DOTS_MAX_BM)
+
 
 # FP8 rows' own table (their BK and stages are the format's, `_row_tiles`: BN, warps and BM are what differ), searched
 # on an H100 at Qwen3-30B-A3B's shapes (moe_tune.py --quantization fp8, benchmarks/results/h100-p1-moe-tune-fp8.json):
@@ -324,10 +331,10 @@ def _gate_up_silu(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
                   CLAMPED: tl.constexpr, GB: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr):
     """W13: the [E * 2I, D] weights (row stride WS), as a pointer or (TMA) a descriptor of [BN, BK] tiles; FMT: their
     format (`weight_tile`: plain, or FP8 or MXFP4 rows of WS bytes). X [T, D] and Out [rows, I] in DT, but for FP8
-    rows in W8A16, where X is float16 rows times XR's powers of two a row (`linear.scaled_f16`; or float32) and
-    each K step is the chunk's exact float8 values in X's dtype, its product times the block scales
-    (`fp8_chunk_product`); ACT8 (FP8 rows
-    only, W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
+    rows in W8A16 in blocks of up to CHUNK_DOTS_MAX_BM rows, where X is float16 rows times XR's powers of two a row
+    (`linear.scaled_f16`; or float32) and each K step is the chunk's exact float8 values in X's dtype, its product
+    times the block scales (`fp8_chunk_product`; larger blocks take the dequantized tile); ACT8 (FP8 rows only,
+    W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
     `quantize_rows`), float8 dots, and each row of this program's output tile (BN = 128: one group) quantized as
     it is stored. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
     clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of
@@ -358,8 +365,8 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([ROWS, BN], tl.float32)
         acc_u = tl.zeros([ROWS, BN], tl.float32)
-        W8A16: tl.constexpr = (FMT == FP8_ROWS or FMT == FP8_WHOLE) and not ACT8
-        if W8A16:  # float16 (or float32) dots on the chunks' exact values, the scales a chunk ahead
+        CHUNK_DOTS: tl.constexpr = (FMT == FP8_ROWS or FMT == FP8_WHOLE) and not ACT8 and BM <= _CHUNK_DOTS_MAX_BM
+        if CHUNK_DOTS:  # W8A16: float16 (or float32) dots on the chunks' exact values, the scales a chunk ahead
             wbase = W13 + e.to(tl.int64) * 2 * I * WS
             sg, su = chunk_scales(wbase, n, nm, 0, D, WS, FMT), chunk_scales(wbase, I + n, nm, 0, D, WS, FMT)
             for k0 in range(0, D, BK):
@@ -568,8 +575,9 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
             clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """h [rows, I] of the blocks' pairs. clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED);
     None: silu(gate) * up. FP8 rows in W8A8 (kc.fp8_activations): x quantized once (`linear.quantize_rows`), and h
-    returned as FP8 rows of I columns, quantized as stored (`down` takes them with cols=I); in W8A16 a 16-bit x as
-    float16 rows and a power of two a row (`linear.scaled_f16`), for the dots on the chunks' exact values."""
+    returned as FP8 rows of I columns, quantized as stored (`down` takes them with cols=I); in W8A16 in blocks of up
+    to CHUNK_DOTS_MAX_BM rows a 16-bit x as float16 rows and a power of two a row (`linear.scaled_f16`), for the dots
+    on the chunks' exact values."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
     c, fmt, act8 = _row_tiles(c, w13_EFD, D, kc)
@@ -578,7 +586,8 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
         x = quantize_rows(x_TD, kc=kc)
         h = torch.empty(blocks.num_rows, packed_width(I), dtype=torch.uint8, device=x_TD.device)
         xr = x_TD
-    elif fmt in (FP8_ROWS.value, FP8_WHOLE.value) and x_TD.dtype != torch.float32:  # W8A16: float16 dots
+    elif (fmt in (FP8_ROWS.value, FP8_WHOLE.value) and x_TD.dtype != torch.float32
+          and blocks.BM <= CHUNK_DOTS_MAX_BM):  # W8A16 in decode's blocks: float16 dots
         x, xr = scaled_f16(x_TD, kc=kc)
         h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     else:
