@@ -52,7 +52,8 @@ WHOLE, CHUNKS = linear.FP8_WHOLE.value, linear.FP8_ROWS.value  # FP8 rows' layou
 
 # W8A8: the fused MoE's activations (x, and h between its GEMMs) as FP8 rows, gate_up's output among them
 W8A8_TYPES = {"gate_up": dict(MOE_TYPES, X="*u8", Out="*u8"), "down": dict(MOE_TYPES, H="*u8")}
-W8A16_TYPES = dict(MOE_TYPES, X="*fp16")  # (FP8 rows' gate_up in W8A16 takes x as `linear.scaled_f16` rows)
+# (FP8 rows' gate_up in W8A16 in decode's blocks takes x as `linear.scaled_f16` rows)
+W8A16_TYPES = dict(MOE_TYPES, X="*fp16")
 # the projections on FP8 rows' argument types (Triton's signature strings)
 LINEAR_TYPES = dict(X="*bf16", W="*u8", B="*bf16", Out="*bf16", T="i32", N="i32", K="i32", WS="i32", stride_x="i32",
                     stride_o="i32")
@@ -84,7 +85,8 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
             consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
         else:
             consts.update(TMA_H=False)
-        types = W8A8_TYPES[name] if a8 else W8A16_TYPES if fmt == "fp8" else MOE_TYPES
+        dots = fmt == "fp8" and cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM  # (the host's float16 x: `gate_up`)
+        types = W8A8_TYPES[name] if a8 else W8A16_TYPES if dots else MOE_TYPES
         compile_sm90(fn, types, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS", "XS", "OS",
                                                                              "HS"))
 
@@ -194,24 +196,33 @@ def test_w8a16_gate_up_takes_float16_dots_on_the_chunks_values() -> None:
     assert set(re.findall(r"HMMA\.\S+", listing)) == {"HMMA.16816.F32"}, set(re.findall(r"HMMA\.\S+", listing))
 
 
-@pytest.mark.parametrize("entry", [i for i, (_, c) in enumerate(fused_moe.FP8_CONFIGS)
-                                   if c.BM > fused_moe.CHUNK_DOTS_MAX_BM])
-def test_w8a16_gate_up_dequantizes_the_tile_in_prompt_blocks(entry: int) -> None:
-    """FP8_CONFIGS' 64- and 128-row blocks (prompt sizes): gate/up dequantizes each weight tile to bf16 once for all
-    the block's rows and takes bf16 warpgroup MMAs into its two accumulators. A float32 product a chunk beside them
-    (decode's float16 dots) needs registers they do not leave: 168 and 1488 bytes of stack spilled (24 on this
-    form's 128-row blocks, none on 64)."""
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+@pytest.mark.parametrize("entry", range(len(fused_moe.FP8_CONFIGS)))
+def test_w8a16_launches_do_not_spill(entry: int, which: str) -> None:
+    """Every FP8_CONFIGS launch in W8A16 as the host makes it (x as float16 rows in decode's blocks,
+    `CHUNK_DOTS_MAX_BM`) spills at most a few registers, and gate/up in the 64- and 128-row blocks (prompt sizes)
+    dequantizes each weight tile to bf16 once for all the block's rows, into bf16 warpgroup MMAs: a float32 product a
+    chunk beside its two accumulators (decode's float16 dots) spilled 168 and 1488 bytes of stack there (24 on this
+    form's 128-row blocks)."""
     cfg = fused_moe.FP8_CONFIGS[entry][1]
-    tile = cfg.gate_up
+    tile = getattr(cfg, which)
+    dots = cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM
     consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=128, TMA=False, DIRECT=False, FMT=WHOLE, ACT8=False,
-                                  BIAS=False, GB=1, HALVES=False, PDL=1, K_TOP=8, CLAMPED=False,
-                                  DT=triton.language.bfloat16)
-    asm = compile_sm90(fused_moe._gate_up_silu, MOE_TYPES, consts, tile.num_warps, tile.num_stages,
+                                  BIAS=False, GB=1, HALVES=False, PDL=1)
+    if which == "gate_up":
+        fn, types = fused_moe._gate_up_silu, W8A16_TYPES if dots else MOE_TYPES
+        consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16)
+    else:
+        fn, types = fused_moe._down, MOE_TYPES
+        consts.update(TMA_H=False)
+    asm = compile_sm90(fn, types, {k: v for k, v in consts.items() if k in fn.arg_names}, tile.num_warps,
+                       min(tile.num_stages, fused_moe.FP8_MAX_STAGES),
                        aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
     listing, resources = sm90.disassemble(asm["cubin"])
-    assert {m.split(".")[-1] for m in re.findall(r"HGMMA\.\S+", listing)} == {"BF16"}, listing[:200]
-    assert "HMMA" not in listing
     assert int(re.search(r"STACK:(\d+)", resources).group(1)) <= 32, resources
+    if which == "gate_up" and not dots:
+        assert {m.split(".")[-1] for m in re.findall(r"HGMMA\.\S+", listing)} == {"BF16"}, listing[:200]
+        assert "HMMA" not in listing
 
 
 def global_loads(ptx: str) -> set[str]:
