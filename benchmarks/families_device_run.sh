@@ -30,6 +30,10 @@
 #   mxfp4work 256 whole requests at gpt-oss-20b shapes in MXFP4 and in bf16 (one call: the timings compare)
 #   mxfp4ab   `mxfp4`'s sweep at 1, 64 and 256 with this tree and with an older tree's package, one call (OLD: a
 #             folder holding its `moebius/`, e.g. `git archive 41c9a22 moebius | tar -x -C $OLD`; OLDC: its full hash)
+#   fp8prompt the fused MoE on FP8 rows at 64, 1024 and 4096 tokens (16-, 64- and 128-row blocks): this tree against an
+#             older tree's kernels (OLD: a folder holding its `moebius/`; 6a54b89's took float16 chunk products at every
+#             block size), W8A8 and a bf16 control (moe_fp8_variants.py)
+#   mxfp4tune128 gpt-oss-20b's MXFP4 MoE at 128 tokens (CONFIGS' 32-row blocks, which spill at 4 warps: moe_spills.py)
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers
@@ -85,8 +89,9 @@
 #   slot held experts). Twenty-third (09f24ac and 29de6ca, H100s): `tabletests bars v3wide`, moe_tune.py at DeepSeek-V2-Lite's
 #   shapes, moe_fp8_variants.py and Nsight Compute's warp stalls of the FP8 MoE. Twenty-fourth (fc81c3a and 2dd9c08,
 #   H100s): `fp8trail` (since replaced by the tree's layout), `fp8rows bars`. Twenty-fifth (dde5bbd and d7f68ec,
-#   H100s): moe_fp8_variants.py on W8A8 and float16 variants, the FP8 GPU tests. Next: `fp8tests` (the agreement
-#   tests teacher-forced since, and W8A16's gate/up in float16 dots, not yet run on a GPU), then on an
+#   H100s): moe_fp8_variants.py on W8A8 and float16 variants, the FP8 GPU tests. Twenty-sixth: no GPU (eleven starts
+#   refused). Next: `fp8tests` (the agreement tests teacher-forced since, and W8A16's gate/up in float16 dots in
+#   decode's blocks, not yet run on a GPU), `fp8prompt` (OLD=6a54b89's tree) and `mxfp4tune128`, then on an
 #   H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
 #   `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
@@ -178,6 +183,12 @@ mxfp4ab)
   (cd "${OLD:?set OLD to an older tree holding moebius/}" && export PYTHONPATH=$PWD MOEBIUS_COMMIT=${OLDC:?set OLDC} &&
     t mxfp4ab_old 150 $B sweep $G --output $TOP/$R/$C-p1-gpt-oss-20b-mxfp4-sweep-ab-$(echo $OLDC | cut -c1-7).json)
   keep ;;
+fp8prompt)
+  mkdir -p $W/old && cp "${OLD:?set OLD to an older tree holding moebius/}"/moebius/kernels/{fused_moe,linear}.py $W/old/
+  t fp8prompt 200 python3 benchmarks/kernels/moe_fp8_variants.py $R/$C-p1-moe-fp8-prompt-blocks.json --variants \
+    tree=moebius/kernels old=$W/old --w8a8 tree --bf16 tree --batches 64 1024 4096 ;;
+mxfp4tune128)
+  t mxfp4tune128 150 python3 benchmarks/kernels/moe_tune.py --preset gpt-oss-20b --ranks 1 --modes tp --quantization mxfp4 --batches 128 --output $R/$C-p1-moe-tune-mxfp4-128.json ;;
 mxfp4work)
   G="--model gpt-oss-20b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128"
   t mxfp4_work 200 $B throughput $G --quantization mxfp4 --output $R/$C-p1-gpt-oss-20b-mxfp4-throughput.json
