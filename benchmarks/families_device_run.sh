@@ -89,7 +89,7 @@
 #   slot held experts). Twenty-third (09f24ac and 29de6ca, H100s): `tabletests bars v3wide`, moe_tune.py at DeepSeek-V2-Lite's
 #   shapes, moe_fp8_variants.py and Nsight Compute's warp stalls of the FP8 MoE. Twenty-fourth (fc81c3a and 2dd9c08,
 #   H100s): `fp8trail` (since replaced by the tree's layout), `fp8rows bars`. Twenty-fifth (dde5bbd and d7f68ec,
-#   H100s): moe_fp8_variants.py on W8A8 and float16 variants, the FP8 GPU tests. Twenty-sixth: no GPU (eleven starts
+#   H100s): moe_fp8_variants.py on W8A8 and float16 variants, the FP8 GPU tests. Twenty-sixth: no GPU (sixteen starts
 #   refused). Next: `fp8tests` (the agreement tests teacher-forced since, and W8A16's gate/up in float16 dots in
 #   decode's blocks, not yet run on a GPU), `fp8prompt` (OLD=6a54b89's tree) and `mxfp4tune128`, then on an
 #   H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
