@@ -205,19 +205,10 @@ def test_w8a16_launches_do_not_spill(entry: int, which: str) -> None:
     chunk beside its two accumulators (decode's float16 dots) spilled 168 and 1488 bytes of stack there (24 on this
     form's 128-row blocks)."""
     cfg = fused_moe.FP8_CONFIGS[entry][1]
-    tile = getattr(cfg, which)
     dots = cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM
-    consts: dict[str, Any] = dict(BM=cfg.BM, BN=tile.BN, BK=128, TMA=False, DIRECT=False, FMT=WHOLE, ACT8=False,
-                                  BIAS=False, GB=1, HALVES=False, PDL=1)
-    if which == "gate_up":
-        fn, types = fused_moe._gate_up_silu, W8A16_TYPES if dots else MOE_TYPES
-        consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16)
-    else:
-        fn, types = fused_moe._down, MOE_TYPES
-        consts.update(TMA_H=False)
-    asm = compile_sm90(fn, types, {k: v for k, v in consts.items() if k in fn.arg_names}, tile.num_warps,
-                       min(tile.num_stages, fused_moe.FP8_MAX_STAGES),
-                       aligned=("N", "D", "I", "first", "WS", "XS", "OS", "HS"))
+    fn, types, consts, warps, stages = sm90.fused_moe_launch("fp8", False, cfg, which)
+    assert (types["X"] == "*fp16") == (which == "gate_up" and dots) and stages <= fused_moe.FP8_MAX_STAGES
+    asm = compile_sm90(fn, types, consts, warps, stages, sm90.FUSED_MOE_ALIGNED)
     listing, resources = sm90.disassemble(asm["cubin"])
     assert int(re.search(r"STACK:(\d+)", resources).group(1)) <= 32, resources
     if which == "gate_up" and not dots:
