@@ -436,11 +436,12 @@ def test_fp8_rows_on_the_gpu_agree_with_the_dequantized_model(ckpt: Callable[[st
     """On a GPU in bf16 (benchmarks/families_device_run.sh's `fp8tests` step): the fused MoE and the projections on
     FP8 rows in W8A16 (the default; with --quantization-scope experts the projections in bf16), through prompt and
     decode steps in both layouts, against the engine on the dequantized checkpoint position by position
-    (`gpu_quantized_agreement`: the fused MoE's gate/up multiplies the exact float8 values, where the dequantized
-    checkpoint holds them rounded to bf16, and the K steps differ, so nearly every position, not all; counted on the
-    free-running tokens at d7f68ec, 28 of 32 agreed, one flip carrying over the tokens after it). W8A8 rounds the
-    activations to float8 too, which on this tiny random model's close logits moved most tokens (7 of 32 kept on an
-    H100, free-running): its kernels are checked against their reference in test_gpu.py instead."""
+    (`gpu_quantized_agreement`: the fused MoE's gate/up in decode's blocks multiplies the exact float8 values, where
+    the dequantized checkpoint holds them rounded to bf16, and the K steps differ, so nearly every position, not
+    all; counted on the free-running tokens at d7f68ec, 28 of 32 agreed, one flip carrying over the tokens after
+    it). W8A8 rounds the activations to float8 too, which on this tiny random model's close logits moved most tokens
+    (7 of 32 kept on an H100, free-running): its kernels are checked against their reference in test_gpu.py
+    instead."""
     gpu_quantized_agreement(ckpt("fp8"), ckpt("fp8_deq"), "fp8", PROMPTS[:4], N_OUT, quantization_scope=scope)
 
 

@@ -85,7 +85,7 @@ def test_the_fused_moe_on_quantized_rows_compiles_for_hopper(fmt: str, act8: boo
             consts.update(K_TOP=4, CLAMPED=gpt_oss, DT=triton.language.bfloat16, BN=128 if a8 else c.BN)
         else:
             consts.update(TMA_H=False)
-        dots = fmt == "fp8" and cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM  # (the host's float16 x: `gate_up`)
+        dots = name == "gate_up" and fused_moe.chunk_dots(f, a8, cfg.BM)  # (the host's float16 x: `gate_up`)
         types = W8A8_TYPES[name] if a8 else W8A16_TYPES if dots else MOE_TYPES
         compile_sm90(fn, types, consts, c.num_warps, c.num_stages, aligned=("N", "D", "I", "first", "WS", "XS", "OS",
                                                                              "HS"))
@@ -205,7 +205,7 @@ def test_w8a16_launches_do_not_spill(entry: int, which: str) -> None:
     chunk beside its two accumulators (decode's float16 dots) spilled 168 and 1488 bytes of stack there (24 on this
     form's 128-row blocks)."""
     cfg = fused_moe.FP8_CONFIGS[entry][1]
-    dots = cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM
+    dots = cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM  # (decode's 16-row blocks; the table's 64 and 128 rows not)
     fn, types, consts, warps, stages = sm90.fused_moe_launch("fp8", False, cfg, which)
     assert (types["X"] == "*fp16") == (which == "gate_up" and dots) and stages <= fused_moe.FP8_MAX_STAGES
     asm = compile_sm90(fn, types, consts, warps, stages, sm90.FUSED_MOE_ALIGNED)

@@ -27,8 +27,8 @@ def fused_moe_launch(fmt: str, act8: bool, cfg: Any, which: str, D: int = 2048, 
                      ) -> tuple[Any, dict[str, str], dict[str, Any], int, int]:
     """(kernel, argument types, constexprs, warps, stages) of one fused MoE GEMM ("gate_up" or "down") of block
     config `cfg` (a `fused_moe.MoEConfig`) as the host launches it: on bf16 experts (`fmt` "bf16", without TMA) or
-    quantized rows of format `fmt` (`fused_moe._row_tiles`; act8: FP8's W8A8; W8A16's float16 x in decode's blocks,
-    `CHUNK_DOTS_MAX_BM`). D, I: the experts' hidden and intermediate columns (the rows' widths the format reads)."""
+    quantized rows of format `fmt` (`fused_moe._row_tiles`; act8: FP8's W8A8; W8A16's float16 x where
+    `fused_moe.chunk_dots`). D, I: the experts' hidden and intermediate columns (the rows' widths the format reads)."""
     import dataclasses
 
     import torch
@@ -54,7 +54,7 @@ def fused_moe_launch(fmt: str, act8: bool, cfg: Any, which: str, D: int = 2048, 
         consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16, BN=128 if act8 else c.BN)
         if act8:
             types.update(X="*u8", Out="*u8")
-        elif fmt == "fp8" and cfg.BM <= fused_moe.CHUNK_DOTS_MAX_BM:
+        elif fused_moe.chunk_dots(form, act8, cfg.BM):
             types.update(X="*fp16")
     else:
         fn = fused_moe._down

@@ -126,6 +126,13 @@ CHUNK_DOTS_MAX_BM = 32
 _CHUNK_DOTS_MAX_BM = tl.constexpr(CHUNK_DOTS_MAX_BM)
 
 
+def chunk_dots(fmt: int, act8: bool, BM: int) -> bool:
+    """Whether gate/up on weights of format `fmt` (`_row_tiles`) in BM-row blocks takes the chunk dots (W8A16 on FP8
+    rows in decode's blocks: `_gate_up_rows`' CHUNK_DOTS, the kernel's side of this rule), x then as `scaled_f16`
+    rows where it is 16-bit."""
+    return fmt in (FP8_ROWS.value, FP8_WHOLE.value) and not act8 and BM <= CHUNK_DOTS_MAX_BM
+
+
 # FP8 rows' own table (their BK and stages are the format's, `_row_tiles`: BN, warps and BM are what differ), searched
 # on an H100 at Qwen3-30B-A3B's shapes (moe_tune.py --quantization fp8, benchmarks/results/h100-p1-moe-tune-fp8.json):
 # bf16's 128-row TMA blocks were slower than 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
@@ -586,8 +593,7 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
         x = quantize_rows(x_TD, kc=kc)
         h = torch.empty(blocks.num_rows, packed_width(I), dtype=torch.uint8, device=x_TD.device)
         xr = x_TD
-    elif (fmt in (FP8_ROWS.value, FP8_WHOLE.value) and x_TD.dtype != torch.float32
-          and blocks.BM <= CHUNK_DOTS_MAX_BM):  # W8A16 in decode's blocks: float16 dots
+    elif chunk_dots(fmt, act8, blocks.BM) and x_TD.dtype != torch.float32:  # float16 dots
         x, xr = scaled_f16(x_TD, kc=kc)
         h = torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device)
     else:
