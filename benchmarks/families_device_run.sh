@@ -33,7 +33,8 @@
 #   fp8prompt the fused MoE on FP8 rows at 64, 1024 and 4096 tokens (16-, 64- and 128-row blocks): this tree against an
 #             older tree's kernels (OLD: a folder holding its `moebius/`; 6a54b89's took float16 chunk products at every
 #             block size), W8A8 and a bf16 control (moe_fp8_variants.py)
-#   mxfp4tune128 gpt-oss-20b's MXFP4 MoE at 128 tokens (CONFIGS' 32-row blocks, which spill at 4 warps: moe_spills.py)
+#   mxfp4tune128 gpt-oss-20b's MXFP4 MoE at 128 tokens searched (MXFP4_CONFIGS' 16-row blocks since the H100's search
+#             there beat CONFIGS' 32-row ones, which spill at 4 warps: moe_spills.py)
 #   gptoss    gpt-oss-20b shapes (issue 45, after `families` passes GPT-OSS's GPU test): decode sweep against its floor
 #             (the sliding layers read a window), the same at a 16k context (the floor's and the step's growth past
 #             the window come from the full layers only), 256 whole requests against transformers

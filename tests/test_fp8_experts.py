@@ -400,7 +400,8 @@ def test_the_floor_model_counts_fp8_rows_bytes() -> None:
 def test_fp8_rows_launch_by_their_own_tables() -> None:
     """The fused MoE on FP8 rows picks its block shapes from FP8_CONFIGS (searched on FP8 rows: at prompt sizes
     bf16's 128-row TMA blocks took twice as long as 64-row ones; 128-row blocks without TMA from 64 pairs an expert)
-    or in W8A8 W8A8_CONFIGS (64-row blocks), other experts from bf16's CONFIGS or their shape's own (SHAPE_CONFIGS);
+    or in W8A8 W8A8_CONFIGS (64-row blocks), MXFP4 rows from MXFP4_CONFIGS (decode's 16-row blocks up to 24 pairs an
+    expert, where CONFIGS takes 32-row ones), other experts from bf16's CONFIGS or their shape's own (SHAPE_CONFIGS);
     the projection's launch grows with the rows and keeps BT within a step's rows."""
     from moebius.kernels import fused_moe as fm
     from moebius.kernels import linear
@@ -410,7 +411,9 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
     w = torch.randn(E, 2 * I, D)
     assert fm.table_for(FORMATS["fp8"].rows_of(w), D) is fm.FP8_CONFIGS
     assert fm.table_for(FORMATS["fp8"].rows_of(w), D, act8=True) is fm.W8A8_CONFIGS
-    assert fm.table_for(FORMATS["mxfp4"].rows_of(w), D) is fm.CONFIGS
+    assert fm.table_for(FORMATS["mxfp4"].rows_of(w), D) is fm.MXFP4_CONFIGS
+    assert [fm.pick_config(p, fm.MXFP4_CONFIGS).BM for p in (2, 12, 16, 24, 25, 4096)] == [16, 16, 16, 16, 64, 128]
+    assert fm.pick_config(16, fm.CONFIGS).BM == 32 and fm.MXFP4_CONFIGS[2:] == fm.CONFIGS[3:]
     assert fm.table_for(w.bfloat16(), D) is fm.CONFIGS
     # bf16 experts of GPT-OSS's shape on one rank: their own searched table (one 128-row block an expert from 48 pairs
     # an expert, half blocks), CONFIGS' at few pairs and prompt sizes; a TP shard of them CONFIGS
@@ -419,7 +422,8 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
     assert [(c.BM, c.gate_up.halves) for c in (fm.pick_config(p, gpt_oss) for p in (32, 64, 128, 4096))] == [
         (64, False), (128, True), (128, True), (128, False)] and fm.pick_config(4096, gpt_oss) == fm.CONFIGS[-1][1]
     assert fm.table_for(torch.empty(32, 2880, 2880, dtype=torch.bfloat16, device="meta"), 2880) is fm.CONFIGS
-    assert fm.table_for(FORMATS["mxfp4"].rows_of(torch.empty(4, 2 * 2880, 2880, device="meta")), 2880) is fm.CONFIGS
+    assert fm.table_for(FORMATS["mxfp4"].rows_of(torch.empty(4, 2 * 2880, 2880, device="meta")), 2880) is (
+        fm.MXFP4_CONFIGS)
     prompt, short = (fm.config_for(tokens * 8, 128, 1, fm.FP8_CONFIGS) for tokens in (2048, 1024))
     assert (prompt.BM, short.BM) == (128, 64) and not prompt.gate_up.tma and fm.config_for(2048 * 8, 128).BM == 128
     assert fm.config_for(2048 * 8, 128, 1, fm.W8A8_CONFIGS).BM == 64

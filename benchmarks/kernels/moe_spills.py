@@ -1,6 +1,6 @@
 """The fused MoE's launches compiled for Hopper (sm_90) on any machine with Triton (no GPU): for every entry of each
-format's block-shape table (bf16's `CONFIGS`, FP8 rows' `FP8_CONFIGS` in W8A16 and `W8A8_CONFIGS`, MXFP4 rows on
-`CONFIGS`), gate/up's and down's registers, stack (spilled registers), shared memory and K-loop instructions, as
+format's block-shape table (bf16's `CONFIGS`, FP8 rows' `FP8_CONFIGS` in W8A16 and `W8A8_CONFIGS`, MXFP4 rows'
+`MXFP4_CONFIGS`), gate/up's and down's registers, stack (spilled registers), shared memory and K-loop instructions, as
 the host launches them (`moebius.bench.sm90.fused_moe_launch`: W8A16's float16 x in decode's blocks, bf16 without
 TMA; the shapes are run-time integers, specialized as a launch specializes them). A launch that spills is one to
 time before it stays in a table (GPT-OSS's biases and activation on MXFP4 rows: mxfp4_sass.py):
@@ -17,7 +17,7 @@ from moebius.bench.sm90 import FUSED_MOE_ALIGNED, compile_sm90, disassemble, fus
 from moebius.kernels import fused_moe
 
 TABLES = {"bf16": ("bf16", fused_moe.CONFIGS, False), "fp8": ("fp8", fused_moe.FP8_CONFIGS, False),
-          "fp8-w8a8": ("fp8", fused_moe.W8A8_CONFIGS, True), "mxfp4": ("mxfp4", fused_moe.CONFIGS, False)}
+          "fp8-w8a8": ("fp8", fused_moe.W8A8_CONFIGS, True), "mxfp4": ("mxfp4", fused_moe.MXFP4_CONFIGS, False)}
 
 
 def main() -> None:

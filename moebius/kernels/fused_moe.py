@@ -149,6 +149,12 @@ FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
 ]
 W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [*FP8_CONFIGS[:3], (float("inf"), _FP8_BM64)]
 
+# MXFP4 rows' own table: CONFIGS with decode's 16-row blocks up to 24 pairs an expert (their codes go straight into
+# the dots up to 16 rows, where CONFIGS' 32-row blocks dequantize a tile and spilled 224 and 416 bytes of stack).
+# gpt-oss-20b at batch 128 (16 pairs an expert) on an H100: 973 + 358 us against CONFIGS' 1044 + 567
+# (benchmarks/results/h100-p1-moe-tune-mxfp4-128.json, the search's best).
+MXFP4_CONFIGS: list[tuple[float, MoEConfig]] = [CONFIGS[0], (24.0, CONFIGS[1][1]), *CONFIGS[3:]]
+
 # bf16 experts of a shape searched on its own, by (intermediate columns a rank holds, hidden columns): CONFIGS up to 24
 # pairs an expert and past the search's sizes (prompts), the search's best between. GPT-OSS's (2880, 2880) on one
 # rank, searched on an H100 (`moe_tune.py --preset gpt-oss-20b`): from 48 pairs an expert one 128-row block an expert
@@ -180,12 +186,13 @@ def config_for(num_pairs: int, num_experts: int, num_ranks_sharing: int = 1,
 
 def table_for(w13_EFD: torch.Tensor, D: int, act8: bool = False) -> list[tuple[float, MoEConfig]]:
     """The block-shape table of experts held as `w13_EFD` with D input columns: FP8 rows' own (act8, W8A8:
-    `W8A8_CONFIGS`); bf16 ones of a shape searched on its own, its own (`SHAPE_CONFIGS`); else `CONFIGS`."""
+    `W8A8_CONFIGS`), MXFP4 rows' own; bf16 ones of a shape searched on its own, its own (`SHAPE_CONFIGS`); else
+    `CONFIGS`."""
     if w13_EFD.dtype != torch.uint8:
         return SHAPE_CONFIGS.get((w13_EFD.shape[1] // 2, D), CONFIGS)
     if format_of(w13_EFD, D) is FP8:
         return W8A8_CONFIGS if act8 else FP8_CONFIGS
-    return CONFIGS
+    return MXFP4_CONFIGS
 
 
 @triton.jit
