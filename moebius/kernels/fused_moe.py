@@ -662,7 +662,17 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
 # compute-bound, and the copies cost a pass over the bf16 bytes. The FP8 kernels' 128-row blocks were faster at 256
 # pairs an expert, the unpacked experts at 512 (benchmarks/results/h100-p1-fp8-prefill-moe.json).
 UNPACK_PAIRS = 512
-UNPACK_BYTES = 256 << 20  # unpacked experts held at once: the share of the local experts in one pass
+# The unpacked experts held at once (outside the unified buffer, in what --mem-fraction leaves): each pass is some
+# seven launches, whose host time made the whole-request prompt steps host-bound on an H100 in 256 MiB passes (five
+# at Qwen3-30B-A3B: 122-197 ms a step, the host never waiting on the device) and not in one (142-154 ms, waiting 8)
+# (benchmarks/results/h100-p1-qwen3-30b-fp8-throughput-rerun.json, -rerun-onepass.json).
+UNPACK_BYTES = 2 << 30
+
+
+def unpack_share(E: int, I: int, D: int, itemsize: int) -> int:
+    """The experts a pass of `_unpacked_pairs` unpacks, of E held with I intermediate and D hidden columns, unpacked
+    to `itemsize`-byte values (all of Qwen3-30B-A3B's on one rank: one pass)."""
+    return max(1, min(E, UNPACK_BYTES // (3 * I * D * itemsize)))
 
 
 def _unpacked_pairs(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor, w13_EFD: torch.Tensor,
@@ -675,7 +685,7 @@ def _unpacked_pairs(x_TD: torch.Tensor, w_TK: torch.Tensor, ids_TK: torch.Tensor
     T, K = ids_TK.shape
     E, F, _ = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
-    share = max(1, min(E, UNPACK_BYTES // (3 * I * D * x_TD.element_size())))
+    share = unpack_share(E, I, D, x_TD.element_size())
     y = torch.empty(T * K, D, dtype=x_TD.dtype, device=x_TD.device)
     for e0 in range(0, E, share):
         n = min(share, E - e0)
