@@ -71,6 +71,10 @@
 #             (its 3 dense layers' slots hold no experts since the twenty-second session: 2 slots of 21 GiB)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
+#   stepprof  the whole-request workload's first twelve steps each under torch.profiler, bf16 twice on one engine and
+#             FP8 once (benchmarks/steps/profile_workload.py): no first-run step should hold a GEMM waiting for the
+#             device since the lm_head is warmed at every row count, and FP8's prompt steps should wait on the device
+#             (one unpack pass, `fused_moe.UNPACK_BYTES`)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
 #   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
 #   bigprofile`, `sharedstream agree`, `fp8`; the bars fail at DeepSeek-V2-Lite's 256-1024, gpt-oss-20b's 512-1024
@@ -91,10 +95,10 @@
 #   shapes, moe_fp8_variants.py and Nsight Compute's warp stalls of the FP8 MoE. Twenty-fourth (fc81c3a and 2dd9c08,
 #   H100s): `fp8trail` (since replaced by the tree's layout), `fp8rows bars`. Twenty-fifth (dde5bbd and d7f68ec,
 #   H100s): moe_fp8_variants.py on W8A8 and float16 variants, the FP8 GPU tests. Twenty-sixth: no GPU (sixteen starts
-#   refused). Next: `fp8tests` (the agreement tests teacher-forced since, and W8A16's gate/up in float16 dots in
-#   decode's blocks, not yet run on a GPU), `fp8prompt` (OLD=6a54b89's tree) and `mxfp4tune128`, then on an
-#   H200: `bars mlatune16` (the latent launches with whole tiles at the bar's batches), then
-#   `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
+#   refused). Twenty-seventh (3d96d97 and 9ef3c83, H100s): `fp8tests`, `fp8prompt mxfp4tune128`, the workload's step
+#   profiles (profile_workload.py, bf16 as is and with CUDA_MODULE_LOADING=EAGER, FP8) and FP8's whole requests after
+#   a warm-up with 256 MiB and one-pass unpacking. Next, on an H200: `bars fp8work` (FP8's whole requests against bf16
+#   with one unpack pass), `stepprof`, `mlatune16`, then `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -278,6 +282,10 @@ mlatune128)  # DeepSeek-V3's 128 heads (a rank of EP): the kernel's own launch (
 v3wide)  # DeepSeek-V3's 128 heads a rank (4 layers: 3 dense, 1 MoE) through the engine's decode graphs: the wide head
   # blocks (a88a365) in a whole step, beside mlatune128's launches
   t v3wide 200 $B sweep --model deepseek-v3 --num-layers 4 --load-format dummy --num-ranks 1 --modes tp --batches 1,32,128 --context-len 1024 --output $R/$C-p1-deepseek-v3-4-layers-sweep.json ;;
+stepprof)
+  QW="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --steps 12"
+  t stepprof 150 python3 benchmarks/steps/profile_workload.py $QW --output $R/$C-p1-workload-steps.json
+  t stepprof_fp8 150 python3 benchmarks/steps/profile_workload.py $QW --reps 1 --quantization fp8 --output $R/$C-p1-workload-steps-fp8.json ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
