@@ -3,9 +3,10 @@ of `moebius bench throughput` (same workload options) added at once, then each o
 alone and the device waited for after it. Per step: its wall time (the call), the time until the device is idle,
 the device's kernel time, the launches, the host's CUDA runtime/driver calls (launching, synchronizing), and the
 longest single CPU op with the API time inside it: an op that blocks far past its own calls waits on the device
-(with CUDA's lazy module loading, the first launch of a kernel not yet loaded, e.g. a cuBLAS kernel for a new row
-count, waits for the device's queue to drain). The workload runs --reps times on one engine (the prefix cache reset
-between), so a first use shows against the repeat. --trace PATH: the Chrome trace (gzipped) of the step whose time
+(a GEMM's first launch at a row count whose cuBLAS kernel was not used before waits for the device's queue to
+drain, with either CUDA_MODULE_LOADING: docs/performance.md). The synchronizing calls include this script's own wait
+for the device after the step. The workload runs --reps times on one engine (the prefix cache reset between), so a
+first use shows against the repeat. --trace PATH: the Chrome trace (gzipped) of the step whose time
 to idle most exceeds its device time.
 
     python benchmarks/steps/profile_workload.py --model qwen3-30b-a3b --output benchmarks/results/h200-p1-steps.json
