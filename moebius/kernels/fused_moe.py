@@ -663,8 +663,8 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
 # pairs an expert, the unpacked experts at 512 (benchmarks/results/h100-p1-fp8-prefill-moe.json).
 UNPACK_PAIRS = 512
 # The unpacked experts held at once (outside the unified buffer, in what --mem-fraction leaves): each pass is some
-# seven launches, whose host time made the whole-request prompt steps host-bound on an H100 in 256 MiB passes (five
-# at Qwen3-30B-A3B: 122-197 ms a step, the host never waiting on the device) and not in one (142-154 ms, waiting 8)
+# seven launches, and in 256 MiB passes (five at Qwen3-30B-A3B) the whole-request prompt steps took 122-197 ms on an
+# H100 with the host never waiting on the device, in one pass 142-154 ms with the host waiting 8
 # (benchmarks/results/h100-p1-qwen3-30b-fp8-throughput-rerun.json, -rerun-onepass.json).
 UNPACK_BYTES = 2 << 30
 
