@@ -149,10 +149,9 @@ FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
 ]
 W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [*FP8_CONFIGS[:3], (float("inf"), _FP8_BM64)]
 
-# MXFP4 rows' own table: CONFIGS with decode's 16-row blocks up to 24 pairs an expert (their codes go straight into
-# the dots up to 16 rows, where CONFIGS' 32-row blocks dequantize a tile and spilled 224 and 416 bytes of stack).
-# gpt-oss-20b at batch 128 (16 pairs an expert) on an H100: 973 + 358 us against CONFIGS' 1044 + 567
-# (benchmarks/results/h100-p1-moe-tune-mxfp4-128.json, the search's best).
+# MXFP4 rows' own table: CONFIGS with decode's 16-row blocks up to 24 pairs an expert, where their codes go straight
+# into the dots; CONFIGS' 32-row blocks dequantize a tile, spill (benchmarks/kernels/moe_spills.py) and were slower
+# in the search at gpt-oss-20b's batch 128 (benchmarks/results/h100-p1-moe-tune-mxfp4-128.json; docs/performance.md).
 MXFP4_CONFIGS: list[tuple[float, MoEConfig]] = [CONFIGS[0], (24.0, CONFIGS[1][1]), *CONFIGS[3:]]
 
 # bf16 experts of a shape searched on its own, by (intermediate columns a rank holds, hidden columns): CONFIGS up to 24
@@ -662,10 +661,10 @@ def down(h: torch.Tensor, w2_EDF: torch.Tensor, blocks: Blocks, w_TK: torch.Tens
 # compute-bound, and the copies cost a pass over the bf16 bytes. The FP8 kernels' 128-row blocks were faster at 256
 # pairs an expert, the unpacked experts at 512 (benchmarks/results/h100-p1-fp8-prefill-moe.json).
 UNPACK_PAIRS = 512
-# The unpacked experts held at once (outside the unified buffer, in what --mem-fraction leaves): each pass is some
-# seven launches, and in 256 MiB passes (five at Qwen3-30B-A3B) the whole-request prompt steps took 122-197 ms on an
-# H100 with the host never waiting on the device, in one pass 142-154 ms with the host waiting 8
-# (benchmarks/results/h100-p1-qwen3-30b-fp8-throughput-rerun.json, -rerun-onepass.json).
+# The unpacked experts held at once (outside the unified buffer, in what --mem-fraction leaves): every pass adds its
+# launches to a prompt step, and with several passes a layer the whole-request prompt steps never let the host wait
+# on the device and took longer than in one pass (benchmarks/results/h100-p1-qwen3-30b-fp8-throughput-rerun.json,
+# -rerun-onepass.json; docs/performance.md).
 UNPACK_BYTES = 2 << 30
 
 
