@@ -4,8 +4,6 @@ was not, in both layouts and on two ranks."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from moebius.config import EngineConfig
@@ -112,24 +110,6 @@ def test_warmup_launches_every_count_in_both_layouts(monkeypatch) -> None:
     with EngineCore(EngineConfig.from_kwargs(device="cpu", max_num_batched_tokens=64)):  # auto: none on the CPU
         pass
     assert not seen
-
-
-def test_the_lm_head_is_warmed_at_every_row_count_a_step_can_sample(monkeypatch) -> None:
-    """`ModelRunner.warm_logits` runs the lm_head (as a step's sampled rows take it) at every row count from 1 to
-    --max-running-requests: cuBLAS picks its kernel by the row count, and a kernel's first launch waits for the
-    device to drain. The warm-up calls it on the GPU only (the CPU has no such wait)."""
-    warmed: list[int] = []
-    monkeypatch.setattr(ModelRunner, "warm_logits", lambda self, n: warmed.append(n))
-    with EngineCore(EngineConfig.from_kwargs(device="cpu", warmup="full", max_num_batched_tokens=64,
-                                             max_running_requests=12)) as engine:
-        assert not warmed
-        monkeypatch.undo()
-        runner, rows = engine.ranks.rank.runner, []
-        logits = runner.model.logits
-        monkeypatch.setattr(runner, "model", SimpleNamespace(
-            logits=lambda h, w, fp32=False: (rows.append(h.shape[0]), logits(h, w, fp32))[1]))
-        runner.warm_logits(12)
-        assert rows == list(range(1, 13))
 
 
 def _serve(P: int, mode: str, warmup: str) -> list[list[int]]:

@@ -499,16 +499,6 @@ class ModelRunner:
         """Logits [T, V] of every new token (used by decode graphs, where every row samples)."""
         return self.model.logits(self.forward(ids, meta), self.weights, self.lm_head_fp32)
 
-    def warm_logits(self, max_rows: int) -> None:
-        """The lm_head's GEMM once at every row count from 1 to max_rows, as an eager step's sampled rows take it.
-        cuBLAS picks a kernel by the row count, and a kernel's first launch in the process waits for the device to
-        drain: under a request, a prompt step's host then waits for the steps before it
-        (benchmarks/results/h100-p1-workload-steps.json, docs/performance.md)."""
-        w = self.weights.lm_head_VD
-        hidden = torch.zeros(max_rows, w.shape[1], dtype=w.dtype, device=w.device)
-        for rows in range(1, max_rows + 1):
-            self.model.logits(hidden[:rows], self.weights, self.lm_head_fp32)
-
     def launch(self, batch: list[ScheduledChunk], stop_masks: list[tuple[int, list[int]]], sync: StepSync,
                prev: PendingStep | None = None, prev_rows: np.ndarray | None = None, graphs: bool = True
                ) -> PendingStep:

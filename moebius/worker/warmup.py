@@ -10,8 +10,7 @@ how many decodes it holds (its KV splits). The last steps take their decodes' in
 still on the device, as served steps do under overlap scheduling (the index copy that fills them, a torch kernel,
 held the first request after start-up on its first use in the process: docs/performance-history.md, the first
 request's extra time). The steps read and write only the reserved KV page 0, as graph capture's warm-up does, so
-they need no switch and leave no trace. On the GPU the lm_head then runs at every row count a step can sample
-(`ModelRunner.warm_logits`): the first launch of a cuBLAS kernel waits for the device to drain."""
+they need no switch and leave no trace."""
 
 from __future__ import annotations
 
@@ -157,7 +156,5 @@ def warm_up(rank: Rank, progress: bool) -> tuple[int, float]:
                 prev.result()  # as served
                 bar.update()
     if rank.device.type == "cuda":
-        for runner, _ in plans:  # (cuBLAS's kernels by row count: a CUDA cost, run there only)
-            runner.warm_logits(ecfg.max_running_requests)
         torch.cuda.synchronize(rank.device)
     return total, time.perf_counter() - t0
