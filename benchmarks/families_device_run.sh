@@ -72,8 +72,8 @@
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
 #   stepprof  the whole-request workload's first twelve steps each under torch.profiler, bf16 twice on one engine and
-#             FP8 once (benchmarks/steps/profile_workload.py): no first-run step should hold a GEMM waiting for the
-#             device since the lm_head is warmed at every row count, and FP8's prompt steps should wait on the device
+#             FP8 once (benchmarks/steps/profile_workload.py): which first-run GEMMs wait for the device to drain
+#             (the worst step's trace comes back in $OUT), and whether FP8's prompt steps now wait on the device
 #             (one unpack pass, `fused_moe.UNPACK_BYTES`)
 # Usage (device): MOEBIUS_COMMIT=<full hash> bash benchmarks/families_device_run.sh <steps>. Measured on an H200 at
 #   d701103 (docs/performance.md, thirteenth session): `sweep gptsweep fp8sweep work gptosswork fp8work`, `splittune
@@ -284,7 +284,7 @@ v3wide)  # DeepSeek-V3's 128 heads a rank (4 layers: 3 dense, 1 MoE) through the
   t v3wide 200 $B sweep --model deepseek-v3 --num-layers 4 --load-format dummy --num-ranks 1 --modes tp --batches 1,32,128 --context-len 1024 --output $R/$C-p1-deepseek-v3-4-layers-sweep.json ;;
 stepprof)
   QW="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --steps 12"
-  t stepprof 150 python3 benchmarks/steps/profile_workload.py $QW --output $R/$C-p1-workload-steps.json
+  t stepprof 150 python3 benchmarks/steps/profile_workload.py $QW --output $R/$C-p1-workload-steps.json --trace $O/steps-trace.json.gz
   t stepprof_fp8 150 python3 benchmarks/steps/profile_workload.py $QW --reps 1 --quantization fp8 --output $R/$C-p1-workload-steps-fp8.json ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;

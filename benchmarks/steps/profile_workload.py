@@ -6,8 +6,8 @@ longest single CPU op with the API time inside it: an op that blocks far past it
 (a GEMM's first launch at a row count whose cuBLAS kernel was not used before waits for the device's queue to
 drain, with either CUDA_MODULE_LOADING: docs/performance.md). The synchronizing calls include this script's own wait
 for the device after the step. The workload runs --reps times on one engine (the prefix cache reset between), so a
-first use shows against the repeat. --trace PATH: the Chrome trace (gzipped) of the step whose time
-to idle most exceeds its device time.
+first use shows against the repeat. --trace PATH: the Chrome trace (gzipped) of the step whose longest op blocks
+longest past its own CUDA calls.
 
     python benchmarks/steps/profile_workload.py --model qwen3-30b-a3b --output benchmarks/results/h200-p1-steps.json
 """
@@ -43,7 +43,7 @@ def parse() -> argparse.Namespace:
     ap.prog = "python benchmarks/steps/profile_workload.py"
     ap.add_argument("--steps", type=int, default=12, help="steps profiled from each repetition's start")
     ap.add_argument("--reps", type=int, default=2, help="the workload's runs on one engine")
-    ap.add_argument("--trace", default=None, help="a .json.gz path for the worst step's Chrome trace")
+    ap.add_argument("--trace", default=None, help="a .json.gz path for the most blocked step's Chrome trace")
     return ap.parse_args()
 
 
@@ -100,9 +100,9 @@ def main() -> None:
                        "sequences": w.sequences, "host_ms": rt.host_ms, **step_row(prof, wall, to_idle)}
                 rows.append(row)
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-                past = row["to_idle_ms"] - row["device_ms"]
-                if a.trace and past > worst[0]:
-                    worst = (past, os.path.join(tmp, f"rep{rep}-step{i}.json"))
+                blocked = row["longest_op_ms"] - row["longest_op_api_ms"]
+                if a.trace and blocked > worst[0]:
+                    worst = (blocked, os.path.join(tmp, f"rep{rep}-step{i}.json"))
                     prof.export_chrome_trace(worst[1])
             engine.abort_all()
             while engine.has_unfinished():
