@@ -424,8 +424,8 @@ def test_fp8_rows_launch_by_their_own_tables() -> None:
     assert fm.table_for(torch.empty(32, 2880, 2880, dtype=torch.bfloat16, device="meta"), 2880) is fm.CONFIGS
     assert fm.table_for(FORMATS["mxfp4"].rows_of(torch.empty(4, 2 * 2880, 2880, device="meta")), 2880) is (
         fm.MXFP4_CONFIGS)
-    # prompt sizes' unpacked experts: Qwen3-30B-A3B's 128 on one rank in one pass (256 MiB passes, five there, left
-    # its prompt steps host-bound on their launches), DeepSeek-V3's 32 a rank of EP 8 in two
+    # prompt sizes' unpacked experts: Qwen3-30B-A3B's 128 on one rank in one pass (in five 256 MiB passes its prompt
+    # steps took longer, the host never waiting on the device), DeepSeek-V3's 32 a rank of EP 8 in two
     assert fm.unpack_share(128, 768, 2048, 2) == 128 and fm.unpack_share(32, 2048, 7168, 2) == 24
     prompt, short = (fm.config_for(tokens * 8, 128, 1, fm.FP8_CONFIGS) for tokens in (2048, 1024))
     assert (prompt.BM, short.BM) == (128, 64) and not prompt.gate_up.tma and fm.config_for(2048 * 8, 128).BM == 128
