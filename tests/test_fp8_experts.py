@@ -127,6 +127,32 @@ def test_fp8_rows_keep_a_checkpoints_blocks_and_carry_their_scales_through_a_cut
         column_block(rows, 64, 128)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "chunks"])
+def test_expert_rows_hold_one_scale_over_each_128_row_block_of_gate_up_and_down(whole: bool) -> None:
+    """The fused MoE reads one block scale a weight tile (`linear.tile_scale`: tiles of at most 128 rows at a multiple
+    of their height in an expert's gate rows, its up rows or its down rows). That holds because the experts' rows are
+    quantized gate and up apart, each in 128-row blocks from its own first row (`fp8_rows_fetch`): with 192
+    intermediate rows (a ragged second block in each half) the up rows' blocks start at row 192, not at 256."""
+    from moebius.kernels.fp8_rows import BLOCK, _parts
+    from moebius.models.fp8_blocks import fp8_rows_fetch
+
+    E, I, D = 2, 192, 256
+    g = torch.Generator().manual_seed(0)
+    w = {"w13": torch.randn(E, 2 * I, D, generator=g) * torch.rand(E, 2 * I, 1, generator=g),
+         "w2": torch.randn(E, D, I, generator=g) * torch.rand(E, D, 1, generator=g)}
+    for name, starts in (("w13", (0, I)), ("w2", (0,))):
+        rows = fp8_rows_fetch(lambda n, shape: w[n], gate_up=name == "w13", whole=whole)(name, w[name].shape)
+        cols = w[name].shape[-1]
+        scales = _parts(rows, -(-cols // BLOCK[1]), whole)[1].contiguous().view(torch.float32)[..., 0]
+        height = w[name].shape[1] // len(starts)
+        for start in starts:
+            for b0 in range(0, height, BLOCK[0]):
+                block = scales[:, start + b0: start + min(b0 + BLOCK[0], height)]
+                assert torch.equal(block, block[:, :1].expand_as(block)), (name, start, b0)
+        if name == "w13":  # gate's last block and up's first are blocks of their own
+            assert not torch.equal(scales[:, I - 1], scales[:, I])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Served in FP8: transformers' tokens on the dequantized model in every layout, across switches
 # ---------------------------------------------------------------------------------------------------------------

@@ -217,6 +217,24 @@ def test_w8a16_launches_do_not_spill(entry: int, which: str) -> None:
 
 
 @pytest.mark.parametrize("which", ["gate_up", "down"])
+@pytest.mark.parametrize("entry", range(len(fused_moe.W8A8_CONFIGS)))
+def test_w8a8_launches_read_a_scale_a_tile_and_do_not_spill(entry: int, which: str) -> None:
+    """Every W8A8_CONFIGS launch loads its weight tile's block scale as one value a K step (`linear.tile_scale`),
+    not a scale a row in the dot's layout: the K loop's register loads are the activations' scales and those few
+    (a row's scales took 34 loads a step in the 64-row gate/up, 255 registers and 64 bytes of stack), and no launch
+    spills; the 64-row gate/up takes float8 warpgroup MMAs."""
+    cfg = fused_moe.W8A8_CONFIGS[entry][1]
+    fn, types, consts, warps, stages = sm90.fused_moe_launch("fp8", True, cfg, which)
+    asm = compile_sm90(fn, types, consts, warps, stages, sm90.FUSED_MOE_ALIGNED)
+    listing, resources = sm90.disassemble(asm["cubin"])
+    assert int(re.search(r"STACK:(\d+)", resources).group(1)) == 0, resources
+    loop = max(sm90.loops(listing), key=lambda c: sum(c.values()))
+    assert loop["LDG"] <= 4, loop
+    if cfg.BM >= 64 and which == "gate_up":
+        assert loop["QGMMA"] > 0, loop
+
+
+@pytest.mark.parametrize("which", ["gate_up", "down"])
 @pytest.mark.parametrize("entry", range(len(fused_moe.MXFP4_CONFIGS) - 1))
 def test_mxfp4_launches_below_prompt_sizes_do_not_spill(entry: int, which: str) -> None:
     """MXFP4_CONFIGS' launches up to its 128-row blocks of 96 pairs an expert, as the host makes them, spill no

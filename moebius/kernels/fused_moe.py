@@ -39,6 +39,7 @@ from moebius.kernels.linear import (
     quantize_rows,
     scaled_f16,
     store_chunk,
+    tile_scale,
     unpack_fp8,
     weight_tile,
 )
@@ -378,13 +379,17 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
         kk = tl.arange(0, BK)
         acc_g = tl.zeros([ROWS, BN], tl.float32)
         acc_u = tl.zeros([ROWS, BN], tl.float32)
-        CHUNK_DOTS: tl.constexpr = (FMT == FP8_ROWS or FMT == FP8_WHOLE) and not ACT8 and BM <= _CHUNK_DOTS_MAX_BM
+        FP8: tl.constexpr = FMT == FP8_ROWS or FMT == FP8_WHOLE
+        # (a tile's gate rows lie in one 128-row block, and so do its up rows: one scale each, `tile_scale`)
+        tl.static_assert(not FP8 or 128 % BN == 0, "FP8 rows' tiles are whole 128-row blocks or parts of one")
+        r0 = nb * BN
+        CHUNK_DOTS: tl.constexpr = FP8 and not ACT8 and BM <= _CHUNK_DOTS_MAX_BM
         if CHUNK_DOTS:  # W8A16: float16 (or float32) dots on the chunks' exact values, the scales a chunk ahead
             wbase = W13 + e.to(tl.int64) * 2 * I * WS
-            sg, su = chunk_scales(wbase, n, nm, 0, D, WS, FMT), chunk_scales(wbase, I + n, nm, 0, D, WS, FMT)
+            sg, su = tile_scale(wbase, r0, 0, D, WS, FMT), tile_scale(wbase, I + r0, 0, D, WS, FMT)
             for k0 in range(0, D, BK):
                 kn = tl.minimum(k0 + BK, D - 1)  # (past the last chunk: the last)
-                sg_n, su_n = chunk_scales(wbase, n, nm, kn, D, WS, FMT), chunk_scales(wbase, I + n, nm, kn, D, WS, FMT)
+                sg_n, su_n = tile_scale(wbase, r0, kn, D, WS, FMT), tile_scale(wbase, I + r0, kn, D, WS, FMT)
                 a = tl.load(X + tok[:, None] * D + (k0 + kk)[None, :], mask=ok[:, None] & (k0 + kk < D)[None, :],
                             other=0.0)
                 acc_g += fp8_chunk_product(a, wbase, n, nm, k0, D, WS, sg, FMT)
@@ -399,9 +404,9 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
                     wbase = W13 + e.to(tl.int64) * 2 * I * WS
                     aq = chunk_values(X, tok, ok, k0, D, XS, FP8_ROWS)
                     sa = chunk_scales(X, tok, ok, k0, D, XS, FP8_ROWS)
-                    acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, chunk_scales(wbase, n, nm, k0, D, WS, FMT), acc_g,
+                    acc_g = fp8_dot(aq, sa, wbase, n, nm, k0, D, WS, tile_scale(wbase, r0, k0, D, WS, FMT), acc_g,
                                     False, FMT)
-                    acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, chunk_scales(wbase, I + n, nm, k0, D, WS, FMT),
+                    acc_u = fp8_dot(aq, sa, wbase, I + n, nm, k0, D, WS, tile_scale(wbase, I + r0, k0, D, WS, FMT),
                                     acc_u, False, FMT)
                 elif FMT == MXFP4_ROWS:
                     wbase = W13 + e.to(tl.int64) * 2 * I * WS
@@ -431,7 +436,7 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
             h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
         else:
             h = silu_mul(gb, ub, DT)
-        if ACT8:  # (masked columns hold 0: they leave the group's scale as it is)
+        if ACT8 and BN == 128:  # (masked columns hold 0: they leave the group's scale as it is)
             store_chunk(Out, rows, ok, nb, OS, h.to(DT))
         else:
             tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(DT), mask=ok[:, None] & nm[None, :])
@@ -468,6 +473,7 @@ def _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS,
         nm = n < D
         kk = tl.arange(0, BK)
         acc = tl.zeros([ROWS, BN], tl.float32)
+        tl.static_assert(not ACT8 or 128 % BN == 0, "FP8 rows' tiles are whole 128-row blocks or parts of one")
         for k0 in range(0, I, BK):
             if TMA_H:  # padding rows of H hold garbage: their results are never stored
                 a = H.load([blk * BM, k0])
@@ -485,7 +491,7 @@ def _down_rows(H, W2, Rows, BlockExpert, RouteW, Out, N, D, I, E, first, WS, HS,
                 aq = chunk_values(H, rows, ok, k0, I, HS, FP8_ROWS)
                 sa = chunk_scales(H, rows, ok, k0, I, HS, FP8_ROWS)
                 w2base = W2 + e.to(tl.int64) * D * WS
-                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, chunk_scales(w2base, n, nm, k0, I, WS, FMT), acc,
+                acc = fp8_dot(aq, sa, w2base, n, nm, k0, I, WS, tile_scale(w2base, nb * BN, k0, I, WS, FMT), acc,
                               False, FMT)
             elif FMT != MXFP4_ROWS:
                 acc = tl.dot(a, tl.trans(b), acc)

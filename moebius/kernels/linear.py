@@ -78,13 +78,27 @@ def chunk_scales(W, rows, rm, k0, K, WS, FMT: tl.constexpr):
 
 
 @triton.jit
+def tile_scale(W, row, k0, K, WS, FMT: tl.constexpr):
+    """The float32 block scale (a scalar) of the chunk at column k0 of FP8 row `row`, laid out as `chunk_scales`
+    reads it: a whole tile's where all its rows lie in one 128-row block (the fused MoE's: each expert's gate, up and
+    down rows are blocks from their first row, `fp8_rows.pack_rows`), one load a K step where a scale a row in the
+    dot's layout took one a row (a 64-column tile: 16 loads and their addresses a thread, and W8A8's 64-row gate/up
+    spilled: tests/test_kernels_sm90.py)."""
+    if FMT == FP8_WHOLE:
+        at = W + row.to(tl.int64) * WS + tl.cdiv(K, 128) * 128 + (k0 // 128) * 4
+    else:
+        at = W + row.to(tl.int64) * WS + (k0 // 128) * FP8_CHUNK + 128
+    return tl.load(at.to(tl.pointer_type(tl.float32)))
+
+
+@triton.jit
 def fp8_chunk_product(a, W, rows, rm, k0, K, WS, sw, FMT: tl.constexpr):
     """W8A16's product [BM, rows] of an activation tile a [BM, 128] (float16 rows of `scaled_f16`, or float32)
     and the chunk at column k0 of FP8 rows `rows` (mask rm) of WS bytes in layout FMT: the chunk's float8 values
     exactly in a's dtype (every float8 value is a float16 one: a conversion a pair of values, nothing else a value),
-    the block scales sw (its `chunk_scales`, which a caller loads a chunk ahead) on the float32 product. Half the
+    the block scale sw (the tile's, `tile_scale`, which a caller loads a chunk ahead) on the float32 product. Half the
     instructions a value of a tile dequantized to bf16 as loaded (docs/performance.md)."""
-    return tl.dot(a, tl.trans(chunk_values(W, rows, rm, k0, K, WS, FMT).to(a.dtype))) * sw[None, :]
+    return tl.dot(a, tl.trans(chunk_values(W, rows, rm, k0, K, WS, FMT).to(a.dtype))) * sw
 
 
 @triton.jit
@@ -186,7 +200,8 @@ def quantize_act(a):
 @triton.jit
 def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr, FMT: tl.constexpr):
     """acc plus the W8A8 product of an activation tile quantized by `quantize_act` (aq [BM, 128], sa) and the chunk at
-    column k0 of FP8 rows `rows` in layout FMT as stored (`chunk_values`; sw: its `chunk_scales`, which a caller may
+    column k0 of FP8 rows `rows` in layout FMT as stored (`chunk_values`; sw: its block scales as the product's shape
+    takes them, a row's `chunk_scales` as [1, rows] ([rows, 1] with W_ROWS) or one `tile_scale`, which a caller may
     load a chunk ahead: Triton's pipelining copies a dot's operands ahead, not what scales its result): float8
     operands into the tensor cores, float32 sums, times both scales (vLLM's and SGLang's block-FP8 GEMMs). acc is
     [BM, rows], or with W_ROWS [rows, BM]: the weight rows the dot's rows (on Hopper a dot of fewer than 64 rows takes
@@ -194,9 +209,9 @@ def fp8_dot(aq, sa, W, rows, rm, k0, K, WS, sw, acc, W_ROWS: tl.constexpr, FMT: 
     tests/test_kernels_sm90.py)."""
     wq = chunk_values(W, rows, rm, k0, K, WS, FMT)
     if W_ROWS:
-        out = acc + tl.dot(wq, tl.trans(aq)) * sw[:, None] * sa[None, :]
+        out = acc + tl.dot(wq, tl.trans(aq)) * (sw * sa[None, :])
     else:
-        out = acc + tl.dot(aq, tl.trans(wq)) * sa[:, None] * sw[None, :]
+        out = acc + tl.dot(aq, tl.trans(wq)) * (sa[:, None] * sw)
     return out
 
 
@@ -480,7 +495,8 @@ def _linear_fp8(X, W, B, Out, T, N, K, WS, stride_x, stride_o, HAS_BIAS: tl.cons
             x = tl.load(X + rt[:, None].to(tl.int64) * stride_x + (k0 + rk)[None, :],
                         mask=mt[:, None] & (k0 + rk < K)[None, :], other=0.0)
             xq, sx = quantize_act(x)
-            acc8 = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw, acc8, not TOKEN_ROWS, FMT)
+            sw_b = sw[None, :] if TOKEN_ROWS else sw[:, None]  # (q|k|v's tiles may span two blocks: a scale a row)
+            acc8 = fp8_dot(xq, sx, W, rm, mm, k0, K, WS, sw_b, acc8, not TOKEN_ROWS, FMT)
             sw = sw_next
         if TOKEN_ROWS:
             acc = tl.trans(acc8)
