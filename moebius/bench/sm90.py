@@ -51,9 +51,9 @@ def fused_moe_launch(fmt: str, act8: bool, cfg: Any, which: str, D: int = 2048, 
                                   BIAS=False, GB=1, HALVES=False, PDL=1)
     if which == "gate_up":
         fn = fused_moe._gate_up_silu
-        consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16, BN=128 if act8 else c.BN)
+        consts.update(K_TOP=8, CLAMPED=False, DT=triton.language.bfloat16)
         if act8:
-            types.update(X="*u8", Out="*u8")
+            types.update(X="*u8", Out="*u8" if c.BN == 128 else "*bf16")
         elif fused_moe.chunk_dots(form, act8, cfg.BM):
             types.update(X="*fp16")
     else:

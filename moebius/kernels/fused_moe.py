@@ -139,7 +139,9 @@ def chunk_dots(fmt: int, act8: bool, BM: int) -> bool:
 # bf16's 128-row TMA blocks were slower than 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
 # at 16 pairs an expert. From 64 pairs an expert, 128-row blocks without TMA: faster than 64-row ones at 128 and 256
 # pairs, slower at 32 (benchmarks/results/h100-p1-fp8-prefill-moe.json, `fp8_direct`). W8A8's (`table_for`) keeps
-# 64-row blocks: its 128-row ones were several times slower (the same JSON, `w8a8_direct`).
+# 64-row blocks: its 128-row ones were several times slower (the same JSON, `w8a8_direct`, when a scale a row took
+# the registers: `linear.tile_scale`). Its gate/up tiles are 128 columns, each row of h one quantization group
+# quantized as stored (narrower ones leave h to `quantize_rows`: `gate_up`).
 _FP8_BM64 = MoEConfig(64, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))
 FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(64, 128, 4, 3))),
@@ -148,7 +150,11 @@ FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
     (64.0, _FP8_BM64),
     (float("inf"), MoEConfig(128, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))),
 ]
-W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [*FP8_CONFIGS[:3], (float("inf"), _FP8_BM64)]
+W8A8_CONFIGS: list[tuple[float, MoEConfig]] = [
+    (12.0, MoEConfig(16, TileConfig(128, 128, 4, 3), TileConfig(64, 128, 4, 3))),
+    (24.0, MoEConfig(16, TileConfig(128, 128, 4, 3), TileConfig(128, 128, 4, 3))),
+    (float("inf"), _FP8_BM64),
+]
 
 # MXFP4 rows' own table: CONFIGS with decode's 16-row blocks up to 24 pairs an expert, where their codes go straight
 # into the dots; CONFIGS' 32-row blocks dequantize a tile, spill (benchmarks/kernels/moe_spills.py) and were slower
@@ -436,7 +442,7 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
             h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
         else:
             h = silu_mul(gb, ub, DT)
-        if ACT8 and BN == 128:  # (masked columns hold 0: they leave the group's scale as it is)
+        if ACT8 and BN == 128:  # a row of the tile one group (masked columns hold 0: they leave its scale as it is)
             store_chunk(Out, rows, ok, nb, OS, h.to(DT))
         else:
             tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(DT), mask=ok[:, None] & nm[None, :])
@@ -594,16 +600,17 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
             clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """h [rows, I] of the blocks' pairs. clamp: (alpha, limit) of GPT-OSS's activation (`_gate_up_silu`'s CLAMPED);
     None: silu(gate) * up. FP8 rows in W8A8 (kc.fp8_activations): x quantized once (`linear.quantize_rows`), and h
-    returned as FP8 rows of I columns, quantized as stored (`down` takes them with cols=I); in W8A16 in blocks of up
-    to CHUNK_DOTS_MAX_BM rows a 16-bit x as float16 rows and a power of two a row (`linear.scaled_f16`), for the dots
-    on the chunks' exact values."""
+    returned as FP8 rows of I columns (`down` takes them with cols=I), quantized as stored by 128-column tiles (a row
+    of a tile one group), after the launch by `quantize_rows` for narrower ones (the same values); in W8A16 in blocks
+    of up to CHUNK_DOTS_MAX_BM rows a 16-bit x as float16 rows and a power of two a row (`linear.scaled_f16`), for the
+    dots on the chunks' exact values."""
     E, F, WS = w13_EFD.shape
     D, I = x_TD.shape[1], F // 2
     c, fmt, act8 = _row_tiles(c, w13_EFD, D, kc)
     if act8:
-        c = replace(c, BN=BLOCK[1])  # an output tile's row is one quantization group of h
         x = quantize_rows(x_TD, kc=kc)
-        h = torch.empty(blocks.num_rows, packed_width(I), dtype=torch.uint8, device=x_TD.device)
+        h = (torch.empty(blocks.num_rows, packed_width(I), dtype=torch.uint8, device=x_TD.device)
+             if c.BN == BLOCK[1] else torch.empty(blocks.num_rows, I, dtype=x_TD.dtype, device=x_TD.device))
         xr = x_TD
     elif chunk_dots(fmt, act8, blocks.BM) and x_TD.dtype != torch.float32:  # float16 dots
         x, xr = scaled_f16(x_TD, kc=kc)
@@ -619,7 +626,7 @@ def gate_up(x_TD: torch.Tensor, w13_EFD: torch.Tensor, blocks: Blocks, K: int, c
         BK=c.BK, TMA=tma, DIRECT=blocks.direct, FMT=fmt, ACT8=act8, DT=_TL[x_TD.dtype], BIAS=b13_EF is not None,
         CLAMPED=clamp is not None, GB=c.group, HALVES=_halves(c, blocks), num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl(x_TD, kc))
-    return h
+    return quantize_rows(h, kc=kc) if act8 and h.dtype != torch.uint8 else h
 
 
 def _halves(c: TileConfig, blocks: Blocks) -> bool:
