@@ -97,8 +97,11 @@
 #   H100s): moe_fp8_variants.py on W8A8 and float16 variants, the FP8 GPU tests. Twenty-sixth: no GPU (sixteen starts
 #   refused). Twenty-seventh (3d96d97 and 9ef3c83, H100s): `fp8tests`, `fp8prompt mxfp4tune128`, the workload's step
 #   profiles (profile_workload.py, bf16 as is and with CUDA_MODULE_LOADING=EAGER, FP8) and FP8's whole requests after
-#   a warm-up with 256 MiB and one-pass unpacking. Next, on an H200: `bars fp8work` (FP8's whole requests against bf16
-#   with one unpack pass), `stepprof`, `mlatune16`, then `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
+#   a warm-up with 256 MiB and one-pass unpacking. Twenty-eighth (60db1ec, an H100): `fp8tests`, moe_fp8_variants.py
+#   (one block scale a tile against 081679b's kernels, W8A8 in 128-row blocks, W8A16's chunk dots at prompt blocks),
+#   `stepprof` (the first-use wait: the lm_head's cuBLAS kernel), FP8 whole requests in W8A8 and W8A16 after a warm-up.
+#   Next, on an H200: `bars fp8work` (FP8's whole requests against bf16 with one unpack pass and one scale a tile),
+#   `mlatune16`, then `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
