@@ -139,9 +139,9 @@ def chunk_dots(fmt: int, act8: bool, BM: int) -> bool:
 # bf16's 128-row TMA blocks were slower than 64-row blocks at prompt sizes, and bf16's 32-row blocks lost to 16
 # at 16 pairs an expert. From 64 pairs an expert, 128-row blocks without TMA: faster than 64-row ones at 128 and 256
 # pairs, slower at 32 (benchmarks/results/h100-p1-fp8-prefill-moe.json, `fp8_direct`). W8A8's (`table_for`) keeps
-# 64-row blocks: its 128-row ones were several times slower (the same JSON, `w8a8_direct`, when a scale a row took
-# the registers: `linear.tile_scale`). Its gate/up tiles are 128 columns, each row of h one quantization group
-# quantized as stored (narrower ones leave h to `quantize_rows`: `gate_up`).
+# 64-row blocks: 128-row ones (gate/up 64 columns wide) were no faster with one scale a tile
+# (benchmarks/results/h100-p1-moe-fp8-tile-scale.json, `v128a`). Its gate/up tiles are 128 columns, each row of h one
+# quantization group quantized as stored (narrower ones leave h to `quantize_rows`: `gate_up`).
 _FP8_BM64 = MoEConfig(64, TileConfig(128, 128, 8, 3), TileConfig(128, 128, 4, 3))
 FP8_CONFIGS: list[tuple[float, MoEConfig]] = [
     (2.5, MoEConfig(16, TileConfig(32, 128, 4, 3), TileConfig(64, 128, 4, 3))),
