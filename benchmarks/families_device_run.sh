@@ -71,6 +71,8 @@
 #             (its 3 dense layers' slots hold no experts since the twenty-second session: 2 slots of 21 GiB)
 #   agree     bf16 agreement with transformers' fp32 argmax on the engine's own sequences, beside transformers' bf16
 #             (8 of 27 layers, random weights at a trained model's scale)
+#   downdots  W8A16's down in float16 dots in decode's blocks (benchmarks/kernels/fp8_down_dots_variant.py) against
+#             the tree at 8-512 tokens (moe_fp8_variants.py)
 #   stepprof  the whole-request workload's first twelve steps each under torch.profiler, bf16 twice on one engine and
 #             FP8 once (benchmarks/steps/profile_workload.py): which first-run GEMMs wait for the device to drain
 #             (the worst step's trace comes back in $OUT), and whether FP8's prompt steps now wait on the device
@@ -101,7 +103,7 @@
 #   (one block scale a tile against 081679b's kernels, W8A8 in 128-row blocks, W8A16's chunk dots at prompt blocks),
 #   `stepprof` (the first-use wait: the lm_head's cuBLAS kernel), FP8 whole requests in W8A8 and W8A16 after a warm-up.
 #   Next, on an H200: `bars fp8work` (FP8's whole requests against bf16 with one unpack pass and one scale a tile),
-#   `mlatune16`, then `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
+#   `downdots`, `mlatune16`, then `halves moetune v3wide`, `mlaproto`. Results land under the card's names, so rename an earlier record
 #   (`<name>-<commit>.json`) before copying a new one in.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -289,6 +291,9 @@ stepprof)
   QW="--model qwen3-30b-a3b --load-format dummy --num-ranks 1 --num-prompts 256 --prompt-len-dist uniform --prompt-len-range 64,512 --output-len 128 --steps 12"
   t stepprof 150 python3 benchmarks/steps/profile_workload.py $QW --output $R/$C-p1-workload-steps.json --trace $O/steps-trace.json.gz
   t stepprof_fp8 150 python3 benchmarks/steps/profile_workload.py $QW --reps 1 --quantization fp8 --output $R/$C-p1-workload-steps-fp8.json ;;
+downdots)
+  python3 benchmarks/kernels/fp8_down_dots_variant.py $W/vdown
+  t downdots 200 python3 benchmarks/kernels/moe_fp8_variants.py $R/$C-p1-moe-fp8-down-dots.json --variants tree=moebius/kernels vdown=$W/vdown --bf16 tree --batches 8 64 128 256 512 ;;
 agree)
   t agree 140 python3 benchmarks/models/greedy_agreement.py --preset deepseek-v2-lite --num-layers 8 --output $R/$C-p1-deepseek-v2-lite-agreement.json ;;
 *) echo "unknown step $step"; exit 2 ;;
