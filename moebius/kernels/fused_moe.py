@@ -354,9 +354,10 @@ def _gate_up_silu(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
     rows in W8A16 in blocks of up to CHUNK_DOTS_MAX_BM rows, where X is float16 rows times XR's powers of two a row
     (`linear.scaled_f16`; or float32) and each K step is the chunk's exact float8 values in X's dtype, its product
     times the block scales (`fp8_chunk_product`; larger blocks take the dequantized tile); ACT8 (FP8 rows only,
-    W8A8): X and Out are FP8 rows of XS and OS bytes (each token's 128-column groups quantized once,
-    `quantize_rows`), float8 dots, and each row of this program's output tile (BN = 128: one group) quantized as
-    it is stored. BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
+    W8A8): X is FP8 rows of XS bytes (each token's 128-column groups quantized once, `quantize_rows`), float8 dots,
+    and Out FP8 rows of OS bytes (uint8: each row of this program's 128-column output tile one group, quantized as
+    it is stored) or, where `gate_up` gave narrower tiles, values in DT that it quantizes after the launch.
+    BIAS: B13 [E, 2I] added to gate and up. CLAMPED: GPT-OSS's activation (`ClampedSwiGLU`: gate
     clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)) instead of
     silu(gate) * up. HALVES (sorted blocks): a block whose second half holds no pair multiplies its first half only
     (an expert's pairs fill its rows from the first, `_align`, so its row BM / 2 tells)."""
@@ -442,7 +443,8 @@ def _gate_up_rows(X, XR, W13, Rows, BlockExpert, Out, N, D, I, E, first, WS, XS,
             h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
         else:
             h = silu_mul(gb, ub, DT)
-        if ACT8 and BN == 128:  # a row of the tile one group (masked columns hold 0: they leave its scale as it is)
+        if Out.dtype.element_ty == tl.uint8:  # a row of the tile one group (masked columns hold 0: its scale stays)
+            tl.static_assert(ACT8 and BN == 128, "h is quantized as stored by W8A8's 128-column tiles only")
             store_chunk(Out, rows, ok, nb, OS, h.to(DT))
         else:
             tl.store(Out + rows.to(tl.int64)[:, None] * I + n[None, :], h.to(DT), mask=ok[:, None] & nm[None, :])
